@@ -1,0 +1,129 @@
+"""parallel_dcp: write and read PyTorch Distributed Checkpoints with a pool of worker processes.
+
+The output is a stock DCP checkpoint: ``torch.distributed.checkpoint.load`` and every other DCP
+reader open it unchanged.
+
+    >>> import parallel_dcp, torch
+    >>> result = parallel_dcp.save({"w": torch.ones(4)}, "/tmp/ckpt", overwrite=True)
+    >>> parallel_dcp.load("/tmp/ckpt")["w"].sum().item()
+    4.0
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from parallel_dcp import loader as _loader
+from parallel_dcp.coordinator import SaveResult, WorkerStats
+from parallel_dcp.coordinator import save as _save
+from parallel_dcp.errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    IncompatibleTorchError,
+    InvalidDestinationError,
+    InvalidStateDictError,
+    ParallelDCPError,
+    RemoteTraceback,
+    UnsafeCheckpointError,
+    WorkerCrashed,
+    WorkerError,
+)
+from parallel_dcp.options import Options
+from parallel_dcp.partial import commit, extract_metadata, load_metadata, merge_metadata, partial_load, partial_save
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointExistsError",
+    "CorruptCheckpointError",
+    "IncompatibleTorchError",
+    "InvalidDestinationError",
+    "InvalidStateDictError",
+    "Options",
+    "ParallelDCPError",
+    "RemoteTraceback",
+    "SaveResult",
+    "UnsafeCheckpointError",
+    "WorkerCrashed",
+    "WorkerError",
+    "WorkerStats",
+    "commit",
+    "extract_metadata",
+    "load",
+    "load_metadata",
+    "merge_metadata",
+    "partial_load",
+    "partial_save",
+    "save",
+]
+
+
+def save(
+    state_dict: Any,
+    path: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    sync_files: bool = True,
+    crc32: bool = False,
+) -> SaveResult:
+    """Save ``state_dict`` as a stock DCP checkpoint at ``path``, with a pool of processes.
+
+    The state dict may be nested (``{"model": ..., "optimizer": ...}``) and hold ints, floats,
+    strings and lists beside CPU tensors; ``torch.distributed.checkpoint.load`` and
+    ``dcp_to_torch_save`` give back the same structure.
+
+    Args:
+        state_dict: what to save. Workers are forked after it exists and read it copy-on-write.
+        path: the checkpoint directory. It must not exist, be empty, or (with ``overwrite``)
+            hold a checkpoint.
+        workers: worker processes; None uses every usable core.
+        overwrite: replace an existing checkpoint. The new one is built beside it and swapped
+            in atomically; if the save fails, the old one stays as it was.
+        progress: show a progress bar on stderr.
+        sync_files: fsync every file before the commit (as stock DCP does).
+        crc32: compute ``torch.save``'s per-record CRC32 (off by default: no DCP reader checks it).
+
+    Returns:
+        A :class:`SaveResult` with bytes, files, tasks, seconds, GiB/s and per-worker figures.
+
+    Raises:
+        InvalidStateDictError: the state dict cannot be saved (checked before any write).
+        CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite`` is False.
+        InvalidDestinationError: ``path`` is a file, a foreign directory or has no parent.
+        WorkerError: a task raised in a worker (its traceback is the ``__cause__``).
+        WorkerCrashed: a worker died (exit code or signal, and the keys it held, are named).
+        On any failure nothing is committed: ``path`` is as it was before the call.
+    """
+    options = Options(workers=workers, overwrite=overwrite, progress=progress, sync_files=sync_files, crc32=crc32)
+    return _save(state_dict, path, options)
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    keys: Iterable[str] | None = None,
+    workers: int | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Load a DCP checkpoint (all keys, or the flattened ``keys`` given) with a pool of processes.
+
+    Tensors are read by workers straight into shared memory and returned with the checkpoint's
+    original nesting. ``.metadata`` is read with an allow-list unpickler, never plain pickle.
+
+    Args:
+        path: a committed DCP checkpoint directory (written by any DCP writer).
+        keys: flattened names (``"model.layer.weight"``) to load; None loads everything.
+        workers: worker processes; None uses every usable core.
+        progress: show a progress bar on stderr.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no committed checkpoint.
+        KeyError: a requested key is not in the checkpoint.
+        UnsafeCheckpointError / CorruptCheckpointError: ``.metadata`` is malicious or damaged.
+        WorkerError / WorkerCrashed: a worker failed; no partial result is returned.
+    """
+    return _loader.load(path, keys, Options(workers=workers, progress=progress))

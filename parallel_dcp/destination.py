@@ -1,0 +1,133 @@
+"""Where a checkpoint is written: a staging directory beside the destination, then a swap.
+
+Shards are never written next to a live ``.metadata`` (a crash there pairs the old metadata with
+new shards, and DCP loads that silently). Instead:
+
+    <parent>/.<name>.staging-<id>/   workers write shards; the coordinator commits .metadata
+    publish():  staging ──rename──▶ <parent>/<name>           (no checkpoint there before)
+                staging ◀─exchange─▶ <parent>/<name>          (overwrite: one atomic renameat2)
+                then the old checkpoint, now under the staging name, is removed
+    discard():  the staging directory is removed; the destination was never touched
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from parallel_dcp.errors import CheckpointExistsError, InvalidDestinationError
+
+__all__ = ["Staging", "is_checkpoint"]
+
+METADATA_FILE = ".metadata"
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def is_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a directory holding a committed DCP checkpoint (``.metadata``)."""
+    return Path(path, METADATA_FILE).is_file()
+
+
+def _only_checkpoint_files(path: Path) -> bool:
+    return all(
+        entry.name.endswith(".distcp") or entry.name.startswith(METADATA_FILE) or entry.name.startswith(".parallel_dcp")
+        for entry in path.iterdir()
+    )
+
+
+class Staging:
+    """A private directory to build a checkpoint in, published to ``destination`` atomically.
+
+    Creating one checks the destination first, so bad destinations fail before any write.
+
+    Raises:
+        CheckpointExistsError: ``destination`` holds a checkpoint and ``overwrite`` is False.
+        InvalidDestinationError: ``destination`` is a file, a directory holding other things
+            than a DCP checkpoint, or inside a missing or unwritable parent.
+    """
+
+    def __init__(self, destination: str | os.PathLike[str], *, overwrite: bool) -> None:
+        self.destination = Path(os.path.abspath(destination))
+        parent = self.destination.parent
+        if not parent.is_dir():
+            raise InvalidDestinationError(
+                f"cannot write {self.destination}: its parent directory {parent} does not exist"
+            )
+        if self.destination.exists() and not self.destination.is_dir():
+            raise InvalidDestinationError(
+                f"cannot write a checkpoint to {self.destination}: it is a file, not a directory"
+            )
+        if is_checkpoint(self.destination):
+            if not overwrite:
+                raise CheckpointExistsError(
+                    f"{self.destination} already holds a checkpoint; pass overwrite=True (--overwrite) to replace it"
+                )
+        elif (
+            self.destination.is_dir()
+            and any(self.destination.iterdir())
+            and not (overwrite and _only_checkpoint_files(self.destination))
+        ):
+            raise InvalidDestinationError(
+                f"{self.destination} is a non-empty directory that is not a DCP checkpoint; "
+                "refusing to write into it (choose an empty or new directory)"
+            )
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise InvalidDestinationError(f"cannot write {self.destination}: directory {parent} is not writable")
+        self.path = parent / f".{self.destination.name}.staging-{uuid.uuid4().hex[:12]}"
+        try:
+            self.path.mkdir()
+        except OSError as exc:
+            raise InvalidDestinationError(f"cannot create a staging directory in {parent}: {exc}") from exc
+
+    def publish(self) -> None:
+        """Make the staged checkpoint the destination, atomically; remove what it replaces."""
+        if self.destination.is_dir() and any(self.destination.iterdir()):
+            if _exchange(self.path, self.destination):
+                shutil.rmtree(self.path, ignore_errors=True)
+            else:  # no renameat2 here: the old one moves aside first, for as short a time as possible
+                aside = self.path.with_name(self.path.name + "-old")
+                os.rename(self.destination, aside)
+                os.rename(self.path, self.destination)
+                shutil.rmtree(aside, ignore_errors=True)
+        else:
+            # rename() replaces an empty directory atomically, and creates a missing one.
+            os.rename(self.path, self.destination)
+        _fsync_dir(self.destination.parent)
+
+    def discard(self) -> None:
+        """Remove the staging directory and everything in it."""
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with renameat2(RENAME_EXCHANGE); False where unsupported."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    result = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot fsync a directory; the rename is still atomic
+    finally:
+        os.close(fd)

@@ -1,0 +1,105 @@
+"""One exception tree for everything parallel_dcp raises.
+
+Every error a user can see derives from :class:`ParallelDCPError`, so one ``except`` catches
+them all. Errors that come from a worker carry the diagnosis with them: the task's keys, the
+worker's exit code or signal, and the worker's own traceback as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+
+__all__ = [
+    "CheckpointExistsError",
+    "CorruptCheckpointError",
+    "IncompatibleTorchError",
+    "InvalidDestinationError",
+    "InvalidStateDictError",
+    "ParallelDCPError",
+    "RemoteTraceback",
+    "UnsafeCheckpointError",
+    "WorkerCrashed",
+    "WorkerError",
+]
+
+_KEYS_SHOWN = 8
+
+
+def describe_keys(keys: Sequence[str]) -> str:
+    """Return a short, readable list of keys: the first few and a count of the rest."""
+    shown = ", ".join(repr(k) for k in keys[:_KEYS_SHOWN])
+    rest = len(keys) - _KEYS_SHOWN
+    return f"[{shown}, ... and {rest} more]" if rest > 0 else f"[{shown}]"
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """Name a process exit status the way a user reads it: ``SIGKILL(-9)`` or ``exit code 3``."""
+    if exitcode is None:
+        return "no exit status"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = "signal"
+        return f"{name}({exitcode})"
+    return f"exit code {exitcode}"
+
+
+class ParallelDCPError(Exception):
+    """Base class of every error parallel_dcp raises."""
+
+
+class IncompatibleTorchError(ParallelDCPError, ImportError):
+    """The installed torch lacks a DCP internal that parallel_dcp relies on."""
+
+
+class InvalidStateDictError(ParallelDCPError, ValueError):
+    """The input cannot be saved as given; raised before anything is written."""
+
+
+class CheckpointExistsError(ParallelDCPError, FileExistsError):
+    """The destination already holds a checkpoint and ``overwrite`` was not set."""
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's formatted traceback; attached as ``__cause__`` of a worker error."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return f"\n\n--- traceback in the worker ---\n{self.text}"
+
+
+class WorkerError(ParallelDCPError):
+    """A task raised inside a worker. ``__cause__`` holds the worker's traceback."""
+
+    def __init__(self, message: str, *, worker: int, keys: Sequence[str], error_type: str) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.keys = list(keys)
+        self.error_type = error_type
+
+
+class WorkerCrashed(ParallelDCPError):
+    """A worker process died (a signal such as SIGKILL from the OOM killer, or an exit)."""
+
+    def __init__(self, message: str, *, worker: int, keys: Sequence[str], exitcode: int | None) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.keys = list(keys)
+        self.exitcode = exitcode
+
+
+class InvalidDestinationError(ParallelDCPError, ValueError):
+    """The destination cannot take a checkpoint (a file, a foreign directory, a missing parent)."""
+
+
+class CorruptCheckpointError(ParallelDCPError, ValueError):
+    """A checkpoint file is truncated, corrupt or not what it claims to be."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A checkpoint's metadata asks to unpickle something outside the allow-list; it was not run."""

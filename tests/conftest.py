@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+@pytest.fixture(autouse=True)
+def no_child_survives() -> Iterator[None]:
+    """Every worker a test starts must be gone (joined) when the test ends."""
+    yield
+    me = psutil.Process(os.getpid())
+    deadline = time.monotonic() + 2.0
+    children = me.children(recursive=True)
+    while children and time.monotonic() < deadline:
+        time.sleep(0.05)
+        children = [c for c in me.children(recursive=True) if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not children, f"child processes survived the test: {[c.pid for c in children]}"
+
+
+def assert_same(actual: Any, expected: Any, path: str = "") -> None:
+    """Bit-for-bit equality of nested state dicts (tensors compared byte by byte, dtype and shape too)."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{path}: {type(actual).__name__} is not a tensor"
+        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, f"{path}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+        a = actual.contiguous().reshape(-1).view(torch.uint8) if actual.numel() else actual
+        e = expected.contiguous().reshape(-1).view(torch.uint8) if expected.numel() else expected
+        assert torch.equal(a, e), f"{path}: bytes differ"
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), f"{path}: keys differ"
+        for k in expected:
+            assert_same(actual[k], expected[k], f"{path}.{k}")
+    elif isinstance(expected, list):
+        assert isinstance(actual, list) and len(actual) == len(expected), f"{path}: lists differ"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same(a, e, f"{path}.{i}")
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+def empty_like_state(sd: Any) -> Any:
+    """A preallocated target for stock dcp.load: same structure, fresh tensors, placeholder values."""
+    if isinstance(sd, torch.Tensor):
+        return torch.empty_like(sd, memory_format=torch.contiguous_format)
+    if isinstance(sd, dict):
+        return {k: empty_like_state(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [empty_like_state(v) for v in sd]
+    return None
