@@ -134,9 +134,7 @@ BAD_INPUT = [
     pytest.param({"a": {"b": torch.ones(1)}, "a.b": torch.ones(1)}, "flatten to the same name", id="flatten-clash"),
     pytest.param({"s": torch.ones(3).to_sparse()}, "layout", id="sparse"),
     pytest.param({"m": torch.empty(3, device="meta")}, "meta", id="meta"),
-    pytest.param(
-        {"q": torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)}, "quantized", id="quantized"
-    ),
+    pytest.param({"q": torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)}, "quantized", id="quantized"),
     pytest.param([torch.ones(1)], "must be a mapping", id="not-a-mapping"),
 ]
 

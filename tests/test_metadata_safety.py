@@ -49,5 +49,5 @@ def test_metadata_of_the_wrong_type(tmp_path: Path) -> None:
 def test_loading_a_directory_without_a_commit(tmp_path: Path) -> None:
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "__0_0.distcp").write_bytes(b"x")
-    with pytest.raises(FileNotFoundError, match="no .metadata"):
+    with pytest.raises(FileNotFoundError, match=r"no \.metadata"):
         parallel_dcp.load(tmp_path / "ckpt")
