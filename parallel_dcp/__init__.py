@@ -22,10 +22,13 @@ from parallel_dcp.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
     IncompatibleTorchError,
+    InsufficientSpaceError,
     InvalidDestinationError,
     InvalidStateDictError,
+    MemoryLimitExceeded,
     ParallelDCPError,
     RemoteTraceback,
+    TaskTimeoutError,
     UnsafeCheckpointError,
     WorkerCrashed,
     WorkerError,
@@ -39,12 +42,15 @@ __all__ = [
     "CheckpointExistsError",
     "CorruptCheckpointError",
     "IncompatibleTorchError",
+    "InsufficientSpaceError",
     "InvalidDestinationError",
     "InvalidStateDictError",
+    "MemoryLimitExceeded",
     "Options",
     "ParallelDCPError",
     "RemoteTraceback",
     "SaveResult",
+    "TaskTimeoutError",
     "UnsafeCheckpointError",
     "WorkerCrashed",
     "WorkerError",
@@ -69,6 +75,9 @@ def save(
     progress: bool = False,
     sync_files: bool = True,
     crc32: bool = False,
+    memory_limit: int | str | None = None,
+    retries: int = 0,
+    task_timeout: float | None = None,
 ) -> SaveResult:
     """Save ``state_dict`` as a stock DCP checkpoint at ``path``, with a pool of processes.
 
@@ -86,6 +95,11 @@ def save(
         progress: show a progress bar on stderr.
         sync_files: fsync every file before the commit (as stock DCP does).
         crc32: compute ``torch.save``'s per-record CRC32 (off by default: no DCP reader checks it).
+        memory_limit: ceiling on the memory the job adds to its process tree (bytes, or "512MiB",
+            "32GiB", "16GB"); None means half the memory available when the job starts. What is
+            counted: see ``parallel_dcp.memory``.
+        retries: how often a task whose worker died is run again (same part index).
+        task_timeout: seconds one task may run before its worker is killed (None: no limit).
 
     Returns:
         A :class:`SaveResult` with bytes, files, tasks, seconds, GiB/s and per-worker figures.
@@ -94,11 +108,23 @@ def save(
         InvalidStateDictError: the state dict cannot be saved (checked before any write).
         CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite`` is False.
         InvalidDestinationError: ``path`` is a file, a foreign directory or has no parent.
+        InsufficientSpaceError: the file system has less free space than the checkpoint needs.
         WorkerError: a task raised in a worker (its traceback is the ``__cause__``).
         WorkerCrashed: a worker died (exit code or signal, and the keys it held, are named).
+        MemoryLimitExceeded: an item cannot fit (before any write) or a worker crossed the limit.
+        TaskTimeoutError: a task ran past ``task_timeout``.
         On any failure nothing is committed: ``path`` is as it was before the call.
     """
-    options = Options(workers=workers, overwrite=overwrite, progress=progress, sync_files=sync_files, crc32=crc32)
+    options = Options(
+        workers=workers,
+        overwrite=overwrite,
+        progress=progress,
+        sync_files=sync_files,
+        crc32=crc32,
+        memory_limit=memory_limit,
+        retries=retries,
+        task_timeout=task_timeout,
+    )
     return _save(state_dict, path, options)
 
 
@@ -108,6 +134,9 @@ def load(
     keys: Iterable[str] | None = None,
     workers: int | None = None,
     progress: bool = False,
+    memory_limit: int | str | None = None,
+    retries: int = 0,
+    task_timeout: float | None = None,
 ) -> dict[str, Any]:
     """Load a DCP checkpoint (all keys, or the flattened ``keys`` given) with a pool of processes.
 
@@ -119,11 +148,17 @@ def load(
         keys: flattened names (``"model.layer.weight"``) to load; None loads everything.
         workers: worker processes; None uses every usable core.
         progress: show a progress bar on stderr.
+        memory_limit, retries, task_timeout: as for :func:`save`; the loaded tensors count
+            against ``memory_limit``, so it must be larger than the bytes loaded.
 
     Raises:
         FileNotFoundError: ``path`` holds no committed checkpoint.
         KeyError: a requested key is not in the checkpoint.
         UnsafeCheckpointError / CorruptCheckpointError: ``.metadata`` is malicious or damaged.
-        WorkerError / WorkerCrashed: a worker failed; no partial result is returned.
+        MemoryLimitExceeded: the selected keys do not fit under ``memory_limit``.
+        WorkerError / WorkerCrashed / TaskTimeoutError: a worker failed; no partial result is returned.
     """
-    return _loader.load(path, keys, Options(workers=workers, progress=progress))
+    options = Options(
+        workers=workers, progress=progress, memory_limit=memory_limit, retries=retries, task_timeout=task_timeout
+    )
+    return _loader.load(path, keys, options)

@@ -26,19 +26,23 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 
 from parallel_dcp import _compat
 from parallel_dcp.destination import Staging
+from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, merge_metadata, partial_save
-from parallel_dcp.partition import Task, items_of, partition
+from parallel_dcp.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Task, items_of, partition
 from parallel_dcp.pool import TaskResult, WorkerPool
 from parallel_dcp.progress import Progress
 from parallel_dcp.validate import flatten_checked
+from parallel_dcp.writer import CommitWriter, ShardWriter
 
 __all__ = ["SaveResult", "WorkerStats", "save"]
+
+# Each torch.save record adds about 1 KiB of zip headers and pickle to its tensor's bytes.
+_RECORD_OVERHEAD = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +57,11 @@ class WorkerStats:
 
 @dataclass(frozen=True, slots=True)
 class SaveResult:
-    """What a save did. ``gib_per_s`` is the bytes of tensor data over the whole wall time."""
+    """What a save did. ``gib_per_s`` is the bytes of tensor data over the whole wall time.
+
+    ``peak_memory`` is the highest memory the job added to its process tree in the governor's
+    samples, next to the ``memory_limit`` it ran under.
+    """
 
     path: str
     bytes: int
@@ -62,31 +70,27 @@ class SaveResult:
     workers: int
     seconds: float
     per_worker: list[WorkerStats] = field(default_factory=list)
+    memory_limit: int = 0
+    peak_memory: int = 0
 
     @property
     def gib_per_s(self) -> float:
         return self.bytes / 2**30 / self.seconds if self.seconds > 0 else 0.0
 
 
-class _CommitWriter(FileSystemWriter):
-    """Commits into the staging directory but records the final path as the checkpoint id."""
-
-    def __init__(self, staging: str, final: str, *, sync_files: bool) -> None:
-        super().__init__(staging, sync_files=sync_files)
-        self._final = final
-
-    def storage_meta(self) -> StorageMeta | None:
-        meta = super().storage_meta()
-        if meta is not None:
-            meta.checkpoint_id = self._final
-        return meta
-
-
 def _save_handler(flat: dict[str, Any], staging: str, options: Options) -> Any:
     def run(task: Task) -> tuple[Metadata, list[Any], int]:
         part = {key: flat[key] for key in task.keys}
-        writer = FileSystemWriter(staging, sync_files=options.sync_files, thread_count=1)
-        metadata, writes = partial_save(part, writer, DefaultSavePlanner(flatten_state_dict=False), part_idx=task.index)
+        writer = ShardWriter(staging, sync_files=options.sync_files)
+        try:
+            metadata, writes = partial_save(
+                part, writer, DefaultSavePlanner(flatten_state_dict=False), part_idx=task.index
+            )
+        except Exception as exc:
+            original = writer.original_error()
+            if original is not None:  # say what the file system said, not "unexpected pos ..."
+                raise OSError(original.errno, f"{original.strerror} writing {staging}") from exc
+            raise
         return metadata, writes, task.nbytes
 
     return run
@@ -106,13 +110,19 @@ def save(state_dict: Any, path: str | os.PathLike[str], options: Options) -> Sav
     _compat.check_torch()
     start = time.perf_counter()
     flat, mapping = flatten_checked(state_dict)
-    tasks = partition(items_of(flat), options.worker_count(len(flat)))
+    governor = MemoryGovernor(options.memory_ceiling())
+    items = items_of(flat)
+    for item in items:
+        governor.check_item(item.key, TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + item.memory)
+    workers = options.worker_count(len(flat))
+    tasks = partition(items, workers, max_task_memory=governor.limit // workers)
     staging = Staging(path, overwrite=options.overwrite)
     try:
-        results = _run_tasks(flat, tasks, staging, options)
+        staging.check_space(sum(item.nbytes for item in items) + _RECORD_OVERHEAD * len(items))
+        results = _run_tasks(flat, tasks, staging, options, governor)
         merged = merge_metadata([r.value[0] for r in results]) if results else Metadata(state_dict_metadata={})
         merged.planner_data = mapping
-        writer = _CommitWriter(str(staging.path), str(staging.destination), sync_files=options.sync_files)
+        writer = CommitWriter(str(staging.path), str(staging.destination), sync_files=options.sync_files)
         commit(merged, [r.value[1] for r in results], writer)
         staging.publish()
     except BaseException:
@@ -127,10 +137,14 @@ def save(state_dict: Any, path: str | os.PathLike[str], options: Options) -> Sav
         workers=options.worker_count(len(tasks)) if tasks else 0,
         seconds=time.perf_counter() - start,
         per_worker=_per_worker(results),
+        memory_limit=governor.limit,
+        peak_memory=governor.peak,
     )
 
 
-def _run_tasks(flat: dict[str, Any], tasks: list[Task], staging: Staging, options: Options) -> list[TaskResult[Any]]:
+def _run_tasks(
+    flat: dict[str, Any], tasks: list[Task], staging: Staging, options: Options, governor: MemoryGovernor
+) -> list[TaskResult[Any]]:
     if not tasks:
         return []
     results: list[TaskResult[Any]] = []
@@ -142,7 +156,7 @@ def _run_tasks(flat: dict[str, Any], tasks: list[Task], staging: Staging, option
             initializer=_worker_setup(options),
         ) as pool,
     ):
-        for result in pool.run(tasks):
+        for result in pool.run(tasks, governor=governor, task_timeout=options.task_timeout, retries=options.retries):
             results.append(result)
             bar.update(result.task.nbytes)
     return results

@@ -20,7 +20,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from parallel_dcp.errors import CheckpointExistsError, InvalidDestinationError
+from parallel_dcp.errors import CheckpointExistsError, InsufficientSpaceError, InvalidDestinationError
 
 __all__ = ["Staging", "is_checkpoint"]
 
@@ -85,6 +85,20 @@ class Staging:
         except OSError as exc:
             raise InvalidDestinationError(f"cannot create a staging directory in {parent}: {exc}") from exc
 
+    def check_space(self, nbytes: int) -> None:
+        """Fail before writing if the file system cannot hold ``nbytes`` more.
+
+        Raises:
+            InsufficientSpaceError: with the figures, so the user knows how much to free.
+        """
+        free = free_bytes(self.path)
+        if free is not None and free < nbytes:
+            raise InsufficientSpaceError(
+                errno.ENOSPC,
+                f"No space left on device for this checkpoint: it needs about {nbytes} bytes "
+                f"({nbytes / 2**30:.2f} GiB) and {self.destination.parent} has {free} bytes free",
+            )
+
     def publish(self) -> None:
         """Make the staged checkpoint the destination, atomically; remove what it replaces."""
         if self.destination.is_dir() and any(self.destination.iterdir()):
@@ -103,6 +117,15 @@ class Staging:
     def discard(self) -> None:
         """Remove the staging directory and everything in it."""
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Bytes an unprivileged writer may still use on ``path``'s file system; None if unknown."""
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
 
 
 def _exchange(a: Path, b: Path) -> bool:

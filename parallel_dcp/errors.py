@@ -14,10 +14,13 @@ __all__ = [
     "CheckpointExistsError",
     "CorruptCheckpointError",
     "IncompatibleTorchError",
+    "InsufficientSpaceError",
     "InvalidDestinationError",
     "InvalidStateDictError",
+    "MemoryLimitExceeded",
     "ParallelDCPError",
     "RemoteTraceback",
+    "TaskTimeoutError",
     "UnsafeCheckpointError",
     "WorkerCrashed",
     "WorkerError",
@@ -103,3 +106,30 @@ class CorruptCheckpointError(ParallelDCPError, ValueError):
 
 class UnsafeCheckpointError(CorruptCheckpointError):
     """A checkpoint's metadata asks to unpickle something outside the allow-list; it was not run."""
+
+
+class MemoryLimitExceeded(ParallelDCPError, MemoryError):
+    """The job would exceed, or exceeded, its memory limit; nothing was committed."""
+
+    def __init__(
+        self, message: str, *, limit: int, measured: int, keys: Sequence[str], worker: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.measured = measured
+        self.keys = list(keys)
+        self.worker = worker
+
+
+class TaskTimeoutError(ParallelDCPError, TimeoutError):
+    """A task ran longer than ``task_timeout``; its worker was killed and nothing was committed."""
+
+    def __init__(self, message: str, *, worker: int, keys: Sequence[str], seconds: float) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.keys = list(keys)
+        self.seconds = seconds
+
+
+class InsufficientSpaceError(ParallelDCPError, OSError):
+    """The destination's file system cannot hold the checkpoint; raised before any write."""

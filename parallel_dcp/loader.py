@@ -16,6 +16,7 @@ import math
 import mmap
 import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,10 +25,12 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from parallel_dcp import _compat
+from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.metadata_io import read_metadata
 from parallel_dcp.options import Options
 from parallel_dcp.partial import extract_metadata, partial_load
-from parallel_dcp.partition import Item, Task, partition
+from parallel_dcp.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
 from parallel_dcp.pool import WorkerPool
 from parallel_dcp.progress import Progress
 
@@ -61,6 +64,26 @@ def _shared_tensors(metas: dict[str, TensorStorageMetadata]) -> dict[str, torch.
     return tensors
 
 
+def _check_shards(path: str | os.PathLike[str], metadata: Metadata, keys: list[str]) -> None:
+    """Refuse, before reading, a checkpoint whose shard files are missing or shorter than recorded."""
+    wanted = set(keys)
+    needed: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if index.fqn in wanted:
+            name = str(info.relative_path)
+            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in needed.items():
+        file = Path(path, name)
+        if not file.is_file():
+            raise CorruptCheckpointError(f"{path} is damaged: shard {name} is missing")
+        size = file.stat().st_size
+        if size < end:
+            raise CorruptCheckpointError(
+                f"{path} is damaged: shard {name} has {size} bytes but the metadata records data up to byte {end} "
+                "(truncated file)"
+            )
+
+
 def _load_handler(path: str, metadata: Metadata, targets: dict[str, torch.Tensor | None]) -> Any:
     def run(task: Task) -> dict[str, Any]:
         part = {key: targets[key] for key in task.keys}
@@ -82,10 +105,19 @@ def load(path: str | os.PathLike[str], keys: Iterable[str] | None, options: Opti
     if missing:
         raise KeyError(f"not in the checkpoint at {path}: {missing[:8]}" + (" ..." if len(missing) > 8 else ""))
     tensor_metas = {k: m for k in selected if isinstance(m := metadata.state_dict_metadata[k], TensorStorageMetadata)}
+    items = [Item(k, n, n) for k in selected for n in [_nbytes(tensor_metas[k]) if k in tensor_metas else 0]]
+    # The output lives in memory for good; each item also needs a read buffer of its size.
+    governor = MemoryGovernor(options.memory_ceiling())
+    governor.reserve(sum(item.nbytes for item in items), f"loading {len(items)} keys from {path}")
+    for item in items:
+        governor.check_item(item.key, TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + item.memory)
+    workers = options.worker_count(len(items))
+    tasks = partition(
+        items, workers, max_task_memory=max(1, (governor.limit - governor.reserved) // workers), memory_adds_up=False
+    )
+    _check_shards(path, metadata, selected)
     targets: dict[str, torch.Tensor | None] = {k: None for k in selected}
     targets.update(_shared_tensors(tensor_metas))
-    items = [Item(k, _nbytes(tensor_metas[k]) if k in tensor_metas else 0) for k in selected]
-    tasks = partition(items, options.worker_count(len(items)))
 
     flat: dict[str, Any] = dict(targets)
     if tasks:
@@ -97,7 +129,9 @@ def load(path: str | os.PathLike[str], keys: Iterable[str] | None, options: Opti
                 initializer=lambda: torch.set_num_threads(1),
             ) as pool,
         ):
-            for result in pool.run(tasks):
+            for result in pool.run(
+                tasks, governor=governor, task_timeout=options.task_timeout, retries=options.retries
+            ):
                 flat.update(result.value)
                 bar.update(result.task.nbytes)
     planner_data = metadata.planner_data or {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from parallel_dcp.memory import default_limit, parse_size
+
 __all__ = ["Options", "usable_cores"]
 
 
@@ -27,6 +29,10 @@ class Options:
         sync_files: fsync every shard and ``.metadata`` before the commit (as stock DCP does).
         crc32: compute the per-record CRC32 of ``torch.save`` zip records. No DCP reader checks
             it and it costs most of a save's time, so it is off; stock readers load either way.
+        memory_limit: ceiling on the memory the job adds to its process tree, in bytes or as a
+            string ("512MiB", "32GiB", "16GB"); None means half the memory available at start.
+        retries: how often a task whose worker died (SIGKILL, segfault, exit) is run again.
+        task_timeout: seconds one task may run before its worker is killed; None for no limit.
     """
 
     workers: int | None = None
@@ -34,12 +40,25 @@ class Options:
     progress: bool = False
     sync_files: bool = True
     crc32: bool = False
+    memory_limit: int | str | None = None
+    retries: int = 0
+    task_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)):
             raise TypeError(f"workers must be an int or None, got {self.workers!r}")
         if self.workers is not None and self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.memory_limit is not None:
+            parse_size(self.memory_limit)
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
+        if self.task_timeout is not None and not self.task_timeout > 0:
+            raise ValueError(f"task_timeout must be > 0 seconds, got {self.task_timeout!r}")
+
+    def memory_ceiling(self) -> int:
+        """The memory limit in bytes, resolved now (the default depends on what is available)."""
+        return default_limit() if self.memory_limit is None else parse_size(self.memory_limit)
 
     def worker_count(self, tasks: int) -> int:
         """Workers to start for ``tasks`` tasks: never more than there are tasks."""

@@ -16,6 +16,9 @@ is read copy-on-write and never travels through a pipe. Only task descriptions a
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import os
 import signal
 import time
@@ -28,7 +31,16 @@ from typing import Any, Generic, TypeVar
 import multiprocess as mp
 import multiprocess.connection as mp_connection
 
-from parallel_dcp.errors import RemoteTraceback, WorkerCrashed, WorkerError, describe_exit, describe_keys
+from parallel_dcp.errors import (
+    MemoryLimitExceeded,
+    RemoteTraceback,
+    TaskTimeoutError,
+    WorkerCrashed,
+    WorkerError,
+    describe_exit,
+    describe_keys,
+)
+from parallel_dcp.memory import MemoryGovernor, format_bytes
 from parallel_dcp.partition import Task
 
 __all__ = ["TaskResult", "WorkerPool"]
@@ -36,6 +48,7 @@ __all__ = ["TaskResult", "WorkerPool"]
 R = TypeVar("R")
 
 _JOIN_TIMEOUT_S = 5.0
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +61,12 @@ class TaskResult(Generic[R]):
     value: R
 
 
-def _worker_main(conn: Any, handler: Callable[[Task], Any], initializer: Callable[[], None] | None) -> None:
+def _worker_main(
+    conn: Any, handler: Callable[[Task], Any], initializer: Callable[[], None] | None, coordinator: int
+) -> None:
     # Ctrl-C goes to the whole process group; the coordinator decides how workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(coordinator)
     if initializer is not None:
         initializer()
     while True:
@@ -68,6 +84,29 @@ def _worker_main(conn: Any, handler: Callable[[Task], Any], initializer: Callabl
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             reply = ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc())
         conn.send(reply)
+        _return_freed_memory()
+
+
+@functools.cache
+def _libc() -> Any:
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name, use_errno=True) if name else None
+
+
+def _die_with_parent(coordinator: int) -> None:
+    """Ask Linux to SIGKILL this worker if the coordinator dies, so no worker is ever orphaned."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "prctl"):
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != coordinator:  # the coordinator died before prctl took effect
+        os._exit(1)
+
+
+def _return_freed_memory() -> None:
+    """Give freed heap pages back to the OS between tasks, so the governor sees real usage."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def _message_of(exc: BaseException) -> str:
@@ -96,29 +135,34 @@ class WorkerPool:
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        ctx = mp.get_context("fork")
-        self._conns: list[Any] = []
-        self._procs: list[Any] = []
+        self._ctx = mp.get_context("fork")
+        self._handler = handler
+        self._initializer = initializer
+        self._conns: list[Any] = [None] * workers
+        self._procs: list[Any] = [None] * workers
         try:
             for i in range(workers):
-                parent_end, child_end = ctx.Pipe(duplex=True)
-                proc = ctx.Process(
-                    target=_worker_main,
-                    args=(child_end, handler, initializer),
-                    name=f"parallel_dcp-worker-{i}",
-                    daemon=True,
-                )
-                proc.start()
-                child_end.close()
-                self._conns.append(parent_end)
-                self._procs.append(proc)
+                self._start(i)
         except BaseException:
             self.kill()
             raise
 
+    def _start(self, i: int) -> None:
+        parent_end, child_end = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=_worker_main,
+            args=(child_end, self._handler, self._initializer, os.getpid()),
+            name=f"parallel_dcp-worker-{i}",
+            daemon=True,
+        )
+        proc.start()
+        child_end.close()
+        self._conns[i] = parent_end
+        self._procs[i] = proc
+
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return [p.pid for p in self._procs if p is not None]
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -129,42 +173,111 @@ class WorkerPool:
         else:
             self.kill()
 
-    def run(self, tasks: Sequence[Task]) -> Iterator[TaskResult[Any]]:
+    def run(
+        self,
+        tasks: Sequence[Task],
+        *,
+        governor: MemoryGovernor | None = None,
+        task_timeout: float | None = None,
+        retries: int = 0,
+    ) -> Iterator[TaskResult[Any]]:
         """Run every task, yielding results as they complete (in completion order).
 
-        Tasks are handed out in the given order to whichever worker is free.
+        Tasks are handed out in the given order to whichever worker is free, each only when the
+        governor admits its memory beside those in flight.
+
+        Args:
+            governor: enforces the memory ceiling (admission and watchdog); None for no ceiling.
+            task_timeout: seconds a task may run before its worker is killed.
+            retries: how often a task whose worker died is run again (same task, same part
+                index, on a fresh worker). Tasks that raise are not retried.
 
         Raises:
             WorkerError: a task raised; ``__cause__`` is the worker's traceback.
-            WorkerCrashed: a worker died while running a task.
+            WorkerCrashed: a worker died while running a task (after ``retries`` attempts).
+            TaskTimeoutError: a task ran past ``task_timeout``.
+            MemoryLimitExceeded: a task cannot fit, or the tree went over the ceiling.
         """
         pending = deque(tasks)
-        running: dict[int, Task] = {}
+        running: dict[int, tuple[Task, float]] = {}
+        attempts: dict[int, int] = {}
         idle = deque(range(len(self._procs)))
+        tick = governor.interval if governor is not None else None
+        if task_timeout is not None:
+            tick = min(tick or task_timeout, max(task_timeout / 10, 0.01))
         try:
+            if governor is not None:
+                governor.settle(self.pids)
             while pending or running:
-                while pending and idle:
-                    worker = idle.popleft()
-                    task = pending.popleft()
-                    self._conns[worker].send(task)
-                    running[worker] = task
+                self._dispatch(pending, idle, running, governor)
+                # Map what we wait on to workers now: a worker restarted below gets new ones.
+                owners: dict[Any, int] = {self._procs[w].sentinel: w for w in running}
+                owners.update({id(self._conns[w]): w for w in running})
                 waitables = [self._conns[w] for w in running] + [self._procs[w].sentinel for w in running]
-                for ready in mp_connection.wait(waitables):
-                    worker = self._worker_of(ready)
+                for ready in mp_connection.wait(waitables, timeout=tick):
+                    worker = owners[ready if isinstance(ready, int) else id(ready)]
                     if worker not in running:
                         continue  # its reply and its sentinel were both ready; handled once
-                    task = running.pop(worker)
-                    yield self._receive(worker, task)
+                    task, _ = running.pop(worker)
+                    if governor is not None:
+                        governor.release(task.memory)
+                    try:
+                        result = self._receive(worker, task)
+                    except WorkerCrashed:
+                        attempts[task.index] = attempts.get(task.index, 0) + 1
+                        if attempts[task.index] > retries:
+                            raise
+                        self._start(worker)
+                        pending.appendleft(task)
+                    else:
+                        yield result
                     idle.append(worker)
+                if governor is not None:
+                    governor.watch({self._procs[w].pid: (w, t.keys) for w, (t, _) in running.items()})
+                if task_timeout is not None:
+                    self._check_timeouts(running, task_timeout)
         except BaseException:
             self.kill()
             raise
 
-    def _worker_of(self, ready: Any) -> int:
-        for i, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True)):
-            if ready is conn or ready == proc.sentinel:
-                return i
-        raise AssertionError("wait() returned an object that is not ours")
+    def _dispatch(
+        self,
+        pending: deque[Task],
+        idle: deque[int],
+        running: dict[int, tuple[Task, float]],
+        governor: MemoryGovernor | None,
+    ) -> None:
+        while pending and idle:
+            task = pending[0]
+            if governor is not None and not governor.admit(task.memory):
+                if not running:
+                    raise MemoryLimitExceeded(
+                        f"task {task.index} with keys {describe_keys(task.keys)} needs "
+                        f"{format_bytes(task.memory)} beside the {format_bytes(governor.overhead + governor.reserved)} "
+                        f"the job already holds, over the memory limit {format_bytes(governor.limit)}: "
+                        "raise --memory-limit or lower --workers",
+                        limit=governor.limit,
+                        measured=task.memory + governor.overhead + governor.reserved,
+                        keys=task.keys,
+                    )
+                return  # wait until a running task frees its memory
+            pending.popleft()
+            worker = idle.popleft()
+            self._conns[worker].send(task)
+            running[worker] = (task, time.monotonic())
+
+    def _check_timeouts(self, running: dict[int, tuple[Task, float]], task_timeout: float) -> None:
+        now = time.monotonic()
+        for worker, (task, started) in running.items():
+            if now - started > task_timeout:
+                proc = self._procs[worker]
+                raise TaskTimeoutError(
+                    f"task {task.index} with keys {describe_keys(task.keys)} ran {now - started:.1f} s on worker "
+                    f"{worker} (pid {proc.pid}), past the task timeout of {task_timeout:g} s; the worker was killed",
+                    worker=worker,
+                    keys=task.keys,
+                    seconds=now - started,
+                )
 
     def _receive(self, worker: int, task: Task) -> TaskResult[Any]:
         conn = self._conns[worker]
@@ -175,6 +288,7 @@ class WorkerPool:
         if reply is None:
             proc = self._procs[worker]
             proc.join(_JOIN_TIMEOUT_S)
+            conn.close()
             raise WorkerCrashed(
                 f"worker {worker} (pid {proc.pid}) died with {describe_exit(proc.exitcode)} while running "
                 f"task {task.index} with keys {describe_keys(task.keys)}" + _hint(proc.exitcode),
@@ -196,25 +310,29 @@ class WorkerPool:
     def close(self) -> None:
         """Ask every worker to exit, then reap it (killing any that does not exit in time)."""
         for conn in self._conns:
-            with contextlib.suppress(OSError):
-                conn.send(None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.send(None)
         deadline = time.monotonic() + _JOIN_TIMEOUT_S
         for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc is not None:
+                proc.join(max(0.0, deadline - time.monotonic()))
         self.kill()
 
     def kill(self) -> None:
         """Kill and reap every worker that is still alive. Safe to call more than once."""
         for proc in self._procs:
-            if proc.is_alive():
+            if proc is not None and proc.pid is not None and proc.exitcode is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
         for proc in self._procs:
-            proc.join()
+            if proc is not None and proc.pid is not None:
+                proc.join()
         for conn in self._conns:
-            conn.close()
-        self._procs.clear()
-        self._conns.clear()
+            if conn is not None:
+                conn.close()
+        self._procs = [None] * len(self._procs)
+        self._conns = [None] * len(self._conns)
 
 
 def _hint(exitcode: int | None) -> str:

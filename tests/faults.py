@@ -36,5 +36,69 @@ class ExitWorker:
 
 class SegfaultWorker:
     def __reduce__(self) -> Any:
+        import faulthandler
+
+        faulthandler.disable()  # pytest's handler would dump this expected crash into the test log
         ctypes.string_at(0)
         raise AssertionError("unreachable")
+
+
+class AllocateInWorker:
+    """Grows the worker's private memory by ``nbytes`` (pages touched), then holds it."""
+
+    def __init__(self, nbytes: int, hold_s: float = 30.0) -> None:
+        self.nbytes = nbytes
+        self.hold_s = hold_s
+
+    def __reduce__(self) -> Any:
+        import time
+
+        chunks = []
+        step = 16 * 1024 * 1024
+        for _ in range(0, self.nbytes, step):
+            chunks.append(bytearray(b"x" * step))
+            time.sleep(0.01)
+        time.sleep(self.hold_s)
+        raise AssertionError(f"the memory governor let {len(chunks)} chunks live")
+
+
+class SleepInWorker:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self) -> Any:
+        import time
+
+        time.sleep(self.seconds)
+        return (str, ("slept",))
+
+
+class KillOnce:
+    """SIGKILLs the first worker that pickles it; later attempts succeed and save the string 'ok'."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        if not os.path.exists(self.marker):
+            with open(self.marker, "w"):
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+        return (str, ("ok",))
+
+
+class FillDisk:
+    """Fills the file system holding ``path`` (by writing ``path``) from inside a worker."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        with open(self.path, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        return (str, ("filled",))

@@ -1,0 +1,233 @@
+"""The memory governor: a hard ceiling on what a job adds to its process tree's physical memory.
+
+What is counted: the proportional set size (PSS) of the coordinator plus every worker, minus the
+coordinator's PSS when the job started. PSS splits each shared page among the processes that map
+it, so the pages workers inherit from the coordinator by ``fork`` (an in-memory state dict) are
+counted once, as they occupy RAM once, and what a worker copies, buffers or maps in on its own is
+counted in full. Page cache and files written to tmpfs are not process memory and are not counted:
+they are the output, and the kernel accounts for them separately.
+
+Two mechanisms enforce the ceiling:
+
+- admission (before any write): every task has an estimated peak (``Task.memory``); a task runs
+  only when its estimate fits beside those in flight under the ceiling, less what the idle workers
+  were measured to cost; an item that can never fit fails at once, naming the key.
+- a watchdog (while workers run): the tree is sampled at a bounded rate (every 50 ms, or less
+  often where reading a large tree costs more than 5% of a core); a reading over the
+  ceiling is measured again before acting, and then the worker with the most private memory is
+  killed and the job fails with :class:`MemoryLimitExceeded` naming it, its keys and the figures.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import psutil
+
+from parallel_dcp.errors import MemoryLimitExceeded, describe_keys
+
+__all__ = ["DEFAULT_FRACTION", "MemoryGovernor", "default_limit", "format_bytes", "parse_size"]
+
+# The watchdog spends at most about 1/_SAMPLING_SHARE of one core reading the tree.
+_SAMPLING_SHARE = 20
+# The default ceiling: this fraction of the memory available when the job starts.
+DEFAULT_FRACTION = 0.5
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"512MiB"``, ``"32GiB"``, ``"16GB"``, ``"1.5G"``.
+
+    Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) of 1024.
+
+    Raises:
+        ValueError: not a positive size, or an unknown unit.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE.match(str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"not a size: {value!r} (use bytes or a unit: 512MiB, 32GiB, 16GB)")
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"a memory limit must be positive, got {value!r}")
+    return size
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def default_limit() -> int:
+    """The default ceiling: ``DEFAULT_FRACTION`` of the memory available now."""
+    return int(psutil.virtual_memory().available * DEFAULT_FRACTION)
+
+
+def _pss_uss(proc: psutil.Process) -> tuple[int, int]:
+    """(PSS, USS) of one process from one read of smaps_rollup; (0, 0) once it is gone."""
+    try:
+        info = proc.memory_full_info()
+        return int(info.pss), int(info.uss)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return 0, 0
+    except (psutil.AccessDenied, AttributeError):  # no smaps: RSS over-counts, never under-counts
+        try:
+            rss = int(proc.memory_info().rss)
+            return rss, rss
+        except psutil.NoSuchProcess:
+            return 0, 0
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One sample of the tree: bytes added over the baseline, and each worker's private bytes."""
+
+    added: int
+    private: dict[int, int]
+
+
+class MemoryGovernor:
+    """Admission and watchdog for one job; created before the workers are forked.
+
+    Args:
+        limit: the ceiling in bytes on memory the job adds to its process tree.
+        interval: seconds between watchdog samples.
+    """
+
+    def __init__(self, limit: int, *, interval: float = 0.05) -> None:
+        self.limit = limit
+        self.interval = interval
+        self._me = psutil.Process()
+        self.baseline = _pss_uss(self._me)[0]
+        self.peak = 0
+        self.overhead = 0
+        self.reserved = 0
+        self._in_flight = 0
+        self._next_sample = 0.0
+        self._read_cost = 0.0
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Set aside memory the whole job holds (a load's output); fail now if it cannot fit."""
+        if self.reserved + nbytes > self.limit:
+            raise MemoryLimitExceeded(
+                f"{what} needs {format_bytes(self.reserved + nbytes)} in memory, more than the memory limit "
+                f"{format_bytes(self.limit)}: raise --memory-limit or select fewer keys",
+                limit=self.limit,
+                measured=self.reserved + nbytes,
+                keys=[],
+            )
+        self.reserved += nbytes
+
+    def check_item(self, key: str, need: int) -> None:
+        """Fail before anything is written if one item can never fit under the ceiling."""
+        if self.reserved + need > self.limit:
+            beside = f" beside the {format_bytes(self.reserved)} set aside" if self.reserved else ""
+            raise MemoryLimitExceeded(
+                f"{key!r} needs {format_bytes(need)} in memory at once{beside}, more than the memory limit "
+                f"{format_bytes(self.limit)}: raise --memory-limit to at least {format_bytes(self.reserved + need)}",
+                limit=self.limit,
+                measured=self.reserved + need,
+                keys=[key],
+            )
+
+    def settle(self, worker_pids: Iterable[int]) -> None:
+        """Measure what the started, idle workers cost; tasks are admitted into what is left."""
+        reading = self.read(worker_pids)
+        self.overhead = max(0, reading.added)
+        if self.overhead + self.reserved >= self.limit:
+            raise MemoryLimitExceeded(
+                f"the idle workers alone add {format_bytes(self.overhead)}, at or over the memory limit "
+                f"{format_bytes(self.limit)}: raise --memory-limit or lower --workers",
+                limit=self.limit,
+                measured=self.overhead,
+                keys=[],
+            )
+
+    def admit(self, need: int) -> bool:
+        """True (and the bytes are reserved) when a task needing ``need`` fits beside those in flight."""
+        if self._in_flight and self.overhead + self.reserved + self._in_flight + need > self.limit:
+            return False
+        self._in_flight += need
+        return True
+
+    def release(self, need: int) -> None:
+        self._in_flight -= need
+
+    def read(self, worker_pids: Iterable[int]) -> Reading:
+        started = time.monotonic()
+        private: dict[int, int] = {}
+        total = _pss_uss(self._me)[0]
+        for pid in worker_pids:
+            try:
+                pss, private[pid] = _pss_uss(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                continue
+            total += pss
+        added = total - self.baseline
+        # Reading smaps walks page tables: ~7 ms for a process that maps a few GiB. Keep the
+        # watchdog's share of one core near 1/_SAMPLING_SHARE however large the tree.
+        self._read_cost = time.monotonic() - started
+        self.peak = max(self.peak, added)
+        return Reading(added=added, private=private)
+
+    def watch(self, workers: dict[int, tuple[int, tuple[str, ...]]]) -> None:
+        """Sample the tree if it is time; raise if it is over the ceiling twice in a row.
+
+        Args:
+            workers: pid -> (worker number, keys of its running task) for every live worker.
+
+        Raises:
+            MemoryLimitExceeded: naming the worker with the most private memory (which the caller
+                then kills with all the others).
+        """
+        now = time.monotonic()
+        if now < self._next_sample:
+            return
+        first = self.read(workers)
+        self._next_sample = time.monotonic() + max(self.interval, self._read_cost * _SAMPLING_SHARE)
+        if first.added <= self.limit:
+            return
+        time.sleep(0.01)  # measure again: a transient spike is not a breach
+        second = self.read(workers)
+        if second.added <= self.limit or not second.private:
+            return
+        pid = max(second.private, key=lambda p: second.private[p])
+        worker, keys = workers[pid]
+        raise MemoryLimitExceeded(
+            f"worker {worker} (pid {pid}) pushed the job to {format_bytes(second.added)}, over the memory limit "
+            f"{format_bytes(self.limit)}, while writing {describe_keys(keys)} (its private memory: "
+            f"{format_bytes(second.private[pid])}); it was stopped and nothing was committed. "
+            "Raise --memory-limit or lower --workers",
+            limit=self.limit,
+            measured=second.added,
+            keys=keys,
+            worker=worker,
+        )

@@ -1,0 +1,76 @@
+"""The two ``FileSystemWriter`` flavours a save uses: one per task in a worker, one to commit.
+
+Both write stock DCP files; they differ from ``FileSystemWriter`` only in what they report.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+__all__ = ["CommitWriter", "ShardWriter"]
+
+
+class _RecordingStream:
+    """A file that remembers the OSError of a failed write before torch's zip writer hides it."""
+
+    def __init__(self, stream: Any, owner: _RecordingFileSystem) -> None:
+        self._stream = stream
+        self._owner = owner
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self._stream.write(data))
+        except OSError as exc:
+            self._owner.error = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class _RecordingFileSystem(FileSystem):
+    def __init__(self) -> None:
+        super().__init__()
+        self.error: OSError | None = None
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        with super().create_stream(path, mode) as stream:
+            yield _RecordingStream(stream, self)  # type: ignore[misc]
+
+
+class ShardWriter(FileSystemWriter):
+    """Writes one task's shard file; a failed write is re-raised as the OSError that caused it.
+
+    torch's zip writer turns a failed ``write`` (ENOSPC, EFBIG, EIO) into ``RuntimeError:
+    unexpected pos ...``; :meth:`original_error` gives back what the file system said.
+    """
+
+    def __init__(self, path: str, *, sync_files: bool) -> None:
+        super().__init__(path, sync_files=sync_files, thread_count=1)
+        self._recording = _RecordingFileSystem()
+        self.fs = self._recording
+
+    def original_error(self) -> OSError | None:
+        return self._recording.error
+
+
+class CommitWriter(FileSystemWriter):
+    """Commits into the staging directory but records the final path as the checkpoint id."""
+
+    def __init__(self, staging: str, final: str, *, sync_files: bool) -> None:
+        super().__init__(staging, sync_files=sync_files)
+        self._final = final
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta = super().storage_meta()
+        if meta is not None:
+            meta.checkpoint_id = self._final
+        return meta

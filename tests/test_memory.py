@@ -1,0 +1,105 @@
+"""The memory ceiling holds: admission keeps a save under it, the watchdog stops a runaway worker."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import parallel_dcp
+from parallel_dcp import MemoryLimitExceeded
+from parallel_dcp.memory import DEFAULT_FRACTION, default_limit, parse_size
+from parallel_dcp.options import Options
+from tests.conftest import assert_same
+from tests.faults import AllocateInWorker
+from tests.memory_probe import PeakSampler
+
+MiB = 2**20
+
+
+def views_state(count: int, view_mib: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``count`` non-contiguous views of ``view_mib`` MiB each: every one must be copied before it is written."""
+    rows = view_mib * MiB // 4 // 512
+    base = torch.randn(count, rows, 1024)
+    return {f"view{i}": base[i, :, ::2] for i in range(count)}, base
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_copies_far_over_the_limit_still_save_under_it(workers: int, tmp_path: Path) -> None:
+    sd, _base = views_state(count=48, view_mib=4)  # 192 MiB of copies if done at once
+    limit = 64 * MiB
+    with PeakSampler() as sampler:
+        result = parallel_dcp.save(sd, tmp_path / "ckpt", workers=workers, memory_limit=limit)
+    assert sampler.peak < limit, f"tree added {sampler.peak / MiB:.1f} MiB, limit {limit / MiB:.0f} MiB"
+    assert result.memory_limit == limit
+    assert 0 < result.peak_memory < limit
+    assert_same(parallel_dcp.load(tmp_path / "ckpt"), sd)
+
+
+def test_an_item_that_can_never_fit_fails_before_any_write(tmp_path: Path) -> None:
+    sd, _base = views_state(count=2, view_mib=32)
+    with pytest.raises(MemoryLimitExceeded, match=r"'view\d' needs .* more than the memory limit 24\.0 MiB") as info:
+        parallel_dcp.save(sd, tmp_path / "ckpt", workers=2, memory_limit="24MiB")
+    assert info.value.limit == 24 * MiB and info.value.keys[0].startswith("view")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_worker_that_allocates_past_the_limit_is_stopped(tmp_path: Path) -> None:
+    sd = {"w": torch.ones(8), "hog": AllocateInWorker(400 * MiB)}
+    start = time.monotonic()
+    with pytest.raises(
+        MemoryLimitExceeded, match=r"worker \d \(pid \d+\) pushed the job to .* over the memory limit"
+    ) as info:
+        parallel_dcp.save(sd, tmp_path / "ckpt", workers=2, memory_limit="128MiB")
+    assert time.monotonic() - start < 20, "the hog holds its memory for 30 s: it must have been killed"
+    assert "hog" in info.value.keys and info.value.worker is not None
+    assert info.value.measured > info.value.limit == 128 * MiB
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_refuses_more_than_the_limit_before_reading(tmp_path: Path) -> None:
+    sd = {f"w{i}": torch.randn(1024, 1024) for i in range(8)}  # 32 MiB
+    parallel_dcp.save(sd, tmp_path / "ckpt", workers=2)
+    with pytest.raises(MemoryLimitExceeded, match=r"loading 8 keys .* needs 32\.0 MiB"):
+        parallel_dcp.load(tmp_path / "ckpt", memory_limit="16MiB")
+    part = parallel_dcp.load(tmp_path / "ckpt", keys=["w1"], memory_limit="40MiB")
+    assert_same(part, {"w1": sd["w1"]})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512MiB", 512 * MiB),
+        ("32GiB", 32 * 2**30),
+        ("16GB", 16 * 10**9),
+        ("1.5G", 1_500_000_000),
+        ("100", 100),
+        (4096, 4096),
+        (" 2 kib ", 2048),
+    ],
+)
+def test_parse_size(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "lots", "12 parsecs", "-5MiB", 0, -1, "0GB", True])
+def test_parse_size_refuses_nonsense(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"size|positive"):
+        parse_size(bad)  # type: ignore[arg-type]
+
+
+def test_bad_memory_limit_is_refused_before_any_write(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a size"):
+        parallel_dcp.save({"w": torch.ones(1)}, tmp_path / "ckpt", memory_limit="a lot")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_default_limit_is_a_fraction_of_available_memory() -> None:
+    import psutil
+
+    available = psutil.virtual_memory().available
+    assert DEFAULT_FRACTION == 0.5
+    assert abs(default_limit() - available * DEFAULT_FRACTION) < 0.05 * available
+    assert Options().memory_ceiling() > 0
