@@ -12,8 +12,10 @@ Two mechanisms enforce the ceiling:
 - admission (before any write): every task has an estimated peak (``Task.memory``); a task runs
   only when its estimate fits beside those in flight under the ceiling, less what the idle workers
   were measured to cost; an item that can never fit fails at once, naming the key.
-- a watchdog (while workers run): the tree is sampled at a bounded rate (every 50 ms, or less
-  often where reading a large tree costs more than 5% of a core); a reading over the
+- a watchdog (while workers run): every 50 ms the resident sizes (cheap) are summed; while that
+  upper bound is under the ceiling, PSS is read only about once a second, for the reported peak.
+  Otherwise PSS is read every 50 ms, or less often where reading a large tree costs more than 5%
+  of a core; a reading over the
   ceiling is measured again before acting, and then the worker with the most private memory is
   killed and the job fails with :class:`MemoryLimitExceeded` naming it, its keys and the figures.
 """
@@ -33,6 +35,9 @@ __all__ = ["DEFAULT_FRACTION", "MemoryGovernor", "default_limit", "format_bytes"
 
 # The watchdog spends at most about 1/_SAMPLING_SHARE of one core reading the tree.
 _SAMPLING_SHARE = 20
+# While the tree's resident size alone proves it under the ceiling, PSS is read only this often
+# (for the reported peak), since reading it walks every page table.
+_RELAXED_INTERVAL = 1.0
 # The default ceiling: this fraction of the memory available when the job starts.
 DEFAULT_FRACTION = 0.5
 _UNITS = {
@@ -106,6 +111,13 @@ def _pss_uss(proc: psutil.Process) -> tuple[int, int]:
             return 0, 0
 
 
+def _rss(proc: psutil.Process) -> int:
+    try:
+        return int(proc.memory_info().rss)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return 0
+
+
 @dataclass(frozen=True, slots=True)
 class Reading:
     """One sample of the tree: bytes added over the baseline, and each worker's private bytes."""
@@ -127,11 +139,13 @@ class MemoryGovernor:
         self.interval = interval
         self._me = psutil.Process()
         self.baseline = _pss_uss(self._me)[0]
+        self._rss_baseline = _rss(self._me)
         self.peak = 0
         self.overhead = 0
         self.reserved = 0
         self._in_flight = 0
         self._next_sample = 0.0
+        self._next_relaxed = 0.0
         self._read_cost = 0.0
 
     def reserve(self, nbytes: int, what: str) -> None:
@@ -181,6 +195,20 @@ class MemoryGovernor:
     def release(self, need: int) -> None:
         self._in_flight -= need
 
+    def _bounded_under_limit(self, worker_pids: Iterable[int]) -> bool:
+        """True when resident sizes (cheap: /proc/<pid>/statm) prove the tree under the ceiling.
+
+        A process's PSS never exceeds its RSS, so the coordinator's growth in RSS plus every
+        worker's whole RSS bounds what the job added from above.
+        """
+        bound = max(0, _rss(self._me) - self._rss_baseline)
+        for pid in worker_pids:
+            try:
+                bound += _rss(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                continue
+        return bound <= self.limit
+
     def read(self, worker_pids: Iterable[int]) -> Reading:
         started = time.monotonic()
         private: dict[int, int] = {}
@@ -211,8 +239,12 @@ class MemoryGovernor:
         now = time.monotonic()
         if now < self._next_sample:
             return
+        if self._bounded_under_limit(workers) and now < self._next_relaxed:
+            self._next_sample = now + self.interval
+            return
         first = self.read(workers)
         self._next_sample = time.monotonic() + max(self.interval, self._read_cost * _SAMPLING_SHARE)
+        self._next_relaxed = time.monotonic() + max(_RELAXED_INTERVAL, self._read_cost * _SAMPLING_SHARE * 5)
         if first.added <= self.limit:
             return
         time.sleep(0.01)  # measure again: a transient spike is not a breach
