@@ -1,17 +1,20 @@
-"""The save pipeline: one coordinator, a pool of forked workers, one commit.
+"""The write pipeline of every job (save, convert): one coordinator, forked workers, one commit.
 
-state_dict (in memory)
+source: state_dict in memory | safetensors | torch.save | DCP   (formats/: headers only here)
   │ flatten (DCP's own rules) and check: keys, devices, layouts   ── bad input fails here
+  │ memory governor: an item that can never fit fails here
   ▼
 partition ── disjoint tasks balanced by bytes, largest first; task i writes part i
   │
   ▼                                   staging dir  <parent>/.<name>.staging-<id>/
 WorkerPool (fork: workers read the state dict copy-on-write, no tensor bytes in pipes)
-  │ worker: partial_save(its keys, FileSystemWriter(staging), part_idx=i) → __i_0.distcp
-  │ ◀── (Metadata, [WriteResult]) per task, pickled through the pipe
+  │ worker: read its keys (lazily, mmap), cast, then write them (targets.py):
+  │   DCP: partial_save(keys, FileSystemWriter(staging), part_idx=i) → __i_0.distcp
+  │   safetensors / torch: one shard file per task
+  │ ◀── (Metadata, [WriteResult], checksums) per task, pickled through the pipe
   ▼
-merge_metadata + planner_data of the whole source (so nesting survives)
-  │ commit: FileSystemWriter.finish → staging/.metadata
+DCP: merge_metadata + planner_data of the whole source (so nesting survives)
+  │ commit: FileSystemWriter.finish → staging/.metadata, then the manifest (checksums)
   ▼
 publish: rename (or atomic exchange) staging → destination     ── the checkpoint exists
 any failure before this: workers killed and reaped, staging removed, destination untouched
@@ -22,24 +25,27 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
 
-from parallel_dcp import _compat
-from parallel_dcp.destination import Staging
+from parallel_dcp import _compat, progress
+from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.options import Options
-from parallel_dcp.partial import commit, merge_metadata, partial_save
-from parallel_dcp.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Task, items_of, partition
+from parallel_dcp.partition import (
+    ITEM_MEMORY_BYTES,
+    TASK_MEMORY_BYTES,
+    WORKER_MEMORY_BYTES,
+    Task,
+    affordable_workers,
+    task_budget,
+)
 from parallel_dcp.pool import TaskResult, WorkerPool
-from parallel_dcp.progress import Progress
-from parallel_dcp.validate import flatten_checked
-from parallel_dcp.writer import CommitWriter, ShardWriter
+from parallel_dcp.targets import DcpTarget, Job, Target
 
-__all__ = ["SaveResult", "WorkerStats", "save"]
+__all__ = ["SaveResult", "WorkerStats", "run_job", "save"]
 
 # Each torch.save record adds about 1 KiB of zip headers and pickle to its tensor's bytes.
 _RECORD_OVERHEAD = 1024
@@ -57,10 +63,11 @@ class WorkerStats:
 
 @dataclass(frozen=True, slots=True)
 class SaveResult:
-    """What a save did. ``gib_per_s`` is the bytes of tensor data over the whole wall time.
+    """What a job did. ``gib_per_s`` is the bytes of tensor data over the whole wall time.
 
     ``peak_memory`` is the highest memory the job added to its process tree in the governor's
-    samples, next to the ``memory_limit`` it ran under.
+    samples (taken about once a second while resident sizes prove the job far under the limit,
+    every 50 ms otherwise), next to the ``memory_limit`` it ran under.
     """
 
     path: str
@@ -72,26 +79,21 @@ class SaveResult:
     per_worker: list[WorkerStats] = field(default_factory=list)
     memory_limit: int = 0
     peak_memory: int = 0
+    keys: int = 0
+    format: str = "dcp"
 
     @property
     def gib_per_s(self) -> float:
         return self.bytes / 2**30 / self.seconds if self.seconds > 0 else 0.0
 
 
-def _save_handler(flat: dict[str, Any], staging: str, options: Options) -> Any:
-    def run(task: Task) -> tuple[Metadata, list[Any], int]:
-        part = {key: flat[key] for key in task.keys}
-        writer = ShardWriter(staging, sync_files=options.sync_files)
+def _handler(job: Job, target: Target, staging: str, options: Options) -> Any:
+    def run(task: Task) -> Any:
         try:
-            metadata, writes = partial_save(
-                part, writer, DefaultSavePlanner(flatten_state_dict=False), part_idx=task.index
-            )
-        except Exception as exc:
-            original = writer.original_error()
-            if original is not None:  # say what the file system said, not "unexpected pos ..."
-                raise OSError(original.errno, f"{original.strerror} writing {staging}") from exc
-            raise
-        return metadata, writes, task.nbytes
+            return target.write(job, task, job.read(task.keys), Path(staging), options.sync_files)
+        finally:
+            job.source.release()
+            progress.flush()
 
     return run
 
@@ -106,60 +108,90 @@ def _worker_setup(options: Options) -> Any:
 
 
 def save(state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult:
-    """Run the save pipeline above; see :func:`parallel_dcp.save` for the contract."""
-    _compat.check_torch()
+    """Save an in-memory state dict as DCP; see :func:`parallel_dcp.save` for the contract."""
     start = time.perf_counter()
-    flat, mapping = flatten_checked(state_dict)
     governor = MemoryGovernor(options.memory_ceiling())
-    items = items_of(flat)
-    for item in items:
-        governor.check_item(item.key, TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + item.memory)
-    workers = options.worker_count(len(flat))
-    tasks = partition(items, workers, max_task_memory=governor.limit // workers)
-    staging = Staging(path, overwrite=options.overwrite)
+    source = MemorySource(str(path), state_dict=state_dict)
+    job = Job(source, tuple(list(source.entries) + list(source.values)))
+    return run_job(job, DcpTarget(path), options, governor, start=start)
+
+
+def run_job(
+    job: Job, target: Target, options: Options, governor: MemoryGovernor, *, start: float | None = None
+) -> SaveResult:
+    """Plan, check, run and commit one job; on any failure the destination is as it was.
+
+    ``governor`` must have been created before the source was opened, so that whatever opening
+    it loaded counts against the limit.
+    """
+    _compat.check_torch()
+    start = time.perf_counter() if start is None else start
+    largest = 0
+    for key in job.keys:
+        need = TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + job.memory(key)
+        governor.check_item(key, need + WORKER_MEMORY_BYTES)
+        largest = max(largest, need)
+    workers = affordable_workers(options.worker_count(len(job.keys)), governor.limit - governor.reserved, largest)
+    tasks = target.plan(job, workers, task_budget(governor.limit - governor.reserved, workers))
+    for task in tasks:  # a whole-file output is one task: it must fit as a whole
+        if len(task.keys) > 1:
+            governor.check_item(
+                f"{len(task.keys)} keys written as one file to {target.path}", task.memory + WORKER_MEMORY_BYTES
+            )
+    staging = target.stage(options.overwrite)
     try:
-        staging.check_space(sum(item.nbytes for item in items) + _RECORD_OVERHEAD * len(items))
-        results = _run_tasks(flat, tasks, staging, options, governor)
-        merged = merge_metadata([r.value[0] for r in results]) if results else Metadata(state_dict_metadata={})
-        merged.planner_data = mapping
-        writer = CommitWriter(str(staging.path), str(staging.destination), sync_files=options.sync_files)
-        commit(merged, [r.value[1] for r in results], writer)
+        staging.check_space(sum(job.out_bytes(k) for k in job.keys) + _RECORD_OVERHEAD * len(job.keys))
+        results = _run_tasks(job, target, tasks, str(staging.path), options, governor, min(workers, len(tasks)))
+        files = target.commit(job, tasks, [r.value for r in results], staging.path, options.sync_files)
         staging.publish()
     except BaseException:
         staging.discard()
         raise
-    files = sum(1 for name in os.listdir(staging.destination) if name.endswith(".distcp"))
     return SaveResult(
-        path=str(staging.destination),
+        path=str(target.path),
         bytes=sum(t.nbytes for t in tasks),
         files=files,
         tasks=len(tasks),
-        workers=options.worker_count(len(tasks)) if tasks else 0,
+        workers=min(workers, len(tasks)),
         seconds=time.perf_counter() - start,
         per_worker=_per_worker(results),
         memory_limit=governor.limit,
         peak_memory=governor.peak,
+        keys=len(job.keys),
+        format=target.kind,
     )
 
 
 def _run_tasks(
-    flat: dict[str, Any], tasks: list[Task], staging: Staging, options: Options, governor: MemoryGovernor
+    job: Job,
+    target: Target,
+    tasks: list[Task],
+    staging: str,
+    options: Options,
+    governor: MemoryGovernor,
+    workers: int,
 ) -> list[TaskResult[Any]]:
     if not tasks:
         return []
     results: list[TaskResult[Any]] = []
     with (
-        Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc="save") as bar,
+        progress.Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc="write") as bar,
         WorkerPool(
-            options.worker_count(len(tasks)),
-            _save_handler(flat, str(staging.path), options),
+            workers,
+            _handler(job, target, staging, options),
             initializer=_worker_setup(options),
         ) as pool,
     ):
-        for result in pool.run(tasks, governor=governor, task_timeout=options.task_timeout, retries=options.retries):
+        for result in pool.run(
+            tasks,
+            governor=governor,
+            task_timeout=options.task_timeout,
+            retries=options.retries,
+            on_tick=bar.refresh,
+        ):
             results.append(result)
-            bar.update(result.task.nbytes)
-    return results
+            bar.refresh()
+    return sorted(results, key=lambda r: r.task.index)
 
 
 def _per_worker(results: list[TaskResult[Any]]) -> list[WorkerStats]:

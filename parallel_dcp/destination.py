@@ -12,33 +12,59 @@ new shards, and DCP loads that silently). Instead:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import os
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from parallel_dcp.errors import CheckpointExistsError, InsufficientSpaceError, InvalidDestinationError
 
-__all__ = ["Staging", "is_checkpoint"]
+__all__ = ["DCP_LAYOUT", "FileStaging", "Layout", "Staging", "is_checkpoint"]
 
 METADATA_FILE = ".metadata"
+MANIFEST_FILE = ".parallel_dcp.json"
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How a checkpoint directory of one format looks: what marks it committed, what it holds."""
+
+    name: str
+    markers: tuple[str, ...]
+    suffixes: tuple[str, ...]
+
+    def holds_checkpoint(self, path: Path) -> bool:
+        return any(Path(path, marker).is_file() for marker in self.markers)
+
+    def owns_only(self, path: Path) -> bool:
+        """True when every entry of ``path`` is a file this layout writes (safe to replace)."""
+        return all(
+            entry.name in self.markers or entry.name.endswith(self.suffixes) or entry.name.startswith(MANIFEST_FILE)
+            for entry in path.iterdir()
+        )
+
+
+DCP_LAYOUT = Layout("DCP checkpoint", (METADATA_FILE,), (".distcp", ".metadata.tmp"))
+
+
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:
     """True when ``path`` is a directory holding a committed DCP checkpoint (``.metadata``)."""
-    return Path(path, METADATA_FILE).is_file()
+    return DCP_LAYOUT.holds_checkpoint(Path(path))
 
 
-def _only_checkpoint_files(path: Path) -> bool:
-    return all(
-        entry.name.endswith(".distcp") or entry.name.startswith(METADATA_FILE) or entry.name.startswith(".parallel_dcp")
-        for entry in path.iterdir()
-    )
+def _check_parent(destination: Path) -> None:
+    parent = destination.parent
+    if not parent.is_dir():
+        raise InvalidDestinationError(f"cannot write {destination}: its parent directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidDestinationError(f"cannot write {destination}: directory {parent} is not writable")
 
 
 class Staging:
@@ -52,18 +78,15 @@ class Staging:
             than a DCP checkpoint, or inside a missing or unwritable parent.
     """
 
-    def __init__(self, destination: str | os.PathLike[str], *, overwrite: bool) -> None:
+    def __init__(self, destination: str | os.PathLike[str], *, overwrite: bool, layout: Layout = DCP_LAYOUT) -> None:
         self.destination = Path(os.path.abspath(destination))
         parent = self.destination.parent
-        if not parent.is_dir():
-            raise InvalidDestinationError(
-                f"cannot write {self.destination}: its parent directory {parent} does not exist"
-            )
+        _check_parent_exists(self.destination)
         if self.destination.exists() and not self.destination.is_dir():
             raise InvalidDestinationError(
                 f"cannot write a checkpoint to {self.destination}: it is a file, not a directory"
             )
-        if is_checkpoint(self.destination):
+        if layout.holds_checkpoint(self.destination):
             if not overwrite:
                 raise CheckpointExistsError(
                     f"{self.destination} already holds a checkpoint; pass overwrite=True (--overwrite) to replace it"
@@ -71,14 +94,13 @@ class Staging:
         elif (
             self.destination.is_dir()
             and any(self.destination.iterdir())
-            and not (overwrite and _only_checkpoint_files(self.destination))
+            and not (overwrite and layout.owns_only(self.destination))
         ):
             raise InvalidDestinationError(
-                f"{self.destination} is a non-empty directory that is not a DCP checkpoint; "
+                f"{self.destination} is a non-empty directory that is not a {layout.name}; "
                 "refusing to write into it (choose an empty or new directory)"
             )
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise InvalidDestinationError(f"cannot write {self.destination}: directory {parent} is not writable")
+        _check_parent(self.destination)
         self.path = parent / f".{self.destination.name}.staging-{uuid.uuid4().hex[:12]}"
         try:
             self.path.mkdir()
@@ -91,13 +113,7 @@ class Staging:
         Raises:
             InsufficientSpaceError: with the figures, so the user knows how much to free.
         """
-        free = free_bytes(self.path)
-        if free is not None and free < nbytes:
-            raise InsufficientSpaceError(
-                errno.ENOSPC,
-                f"No space left on device for this checkpoint: it needs about {nbytes} bytes "
-                f"({nbytes / 2**30:.2f} GiB) and {self.destination.parent} has {free} bytes free",
-            )
+        _check_space(self.path, self.destination, nbytes)
 
     def publish(self) -> None:
         """Make the staged checkpoint the destination, atomically; remove what it replaces."""
@@ -117,6 +133,56 @@ class Staging:
     def discard(self) -> None:
         """Remove the staging directory and everything in it."""
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+class FileStaging:
+    """A single-file output (``model.safetensors``, ``model.pt``): written beside, then renamed over.
+
+    Raises:
+        CheckpointExistsError: the file exists and ``overwrite`` is False.
+        InvalidDestinationError: the destination is a directory, or its parent is missing or
+            not writable.
+    """
+
+    def __init__(self, destination: str | os.PathLike[str], *, overwrite: bool) -> None:
+        self.destination = Path(os.path.abspath(destination))
+        _check_parent_exists(self.destination)
+        if self.destination.is_dir():
+            raise InvalidDestinationError(f"cannot write the file {self.destination}: it is a directory")
+        if self.destination.exists() and not overwrite:
+            raise CheckpointExistsError(
+                f"{self.destination} already exists; pass overwrite=True (--overwrite) to replace it"
+            )
+        _check_parent(self.destination)
+        self.path = self.destination.parent / f".{self.destination.name}.staging-{uuid.uuid4().hex[:12]}"
+
+    def check_space(self, nbytes: int) -> None:
+        _check_space(self.destination.parent, self.destination, nbytes)
+
+    def publish(self) -> None:
+        os.replace(self.path, self.destination)  # atomic: readers see the old file or the new one
+        _fsync_dir(self.destination.parent)
+
+    def discard(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _check_parent_exists(destination: Path) -> None:
+    if not destination.parent.is_dir():
+        raise InvalidDestinationError(
+            f"cannot write {destination}: its parent directory {destination.parent} does not exist"
+        )
+
+
+def _check_space(where: Path, destination: Path, nbytes: int) -> None:
+    free = free_bytes(where)
+    if free is not None and free < nbytes:
+        raise InsufficientSpaceError(
+            errno.ENOSPC,
+            f"No space left on device for {destination}: it needs about {nbytes} bytes "
+            f"({nbytes / 2**30:.2f} GiB) and {destination.parent} has {free} bytes free",
+        )
 
 
 def free_bytes(path: str | os.PathLike[str]) -> int | None:

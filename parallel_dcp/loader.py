@@ -24,15 +24,23 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from parallel_dcp import _compat
+from parallel_dcp import _compat, progress
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.metadata_io import read_metadata
 from parallel_dcp.options import Options
 from parallel_dcp.partial import extract_metadata, partial_load
-from parallel_dcp.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
+from parallel_dcp.partition import (
+    ITEM_MEMORY_BYTES,
+    TASK_MEMORY_BYTES,
+    WORKER_MEMORY_BYTES,
+    Item,
+    Task,
+    affordable_workers,
+    partition,
+    task_budget,
+)
 from parallel_dcp.pool import WorkerPool
-from parallel_dcp.progress import Progress
 
 __all__ = ["load"]
 
@@ -90,6 +98,8 @@ def _load_handler(path: str, metadata: Metadata, targets: dict[str, torch.Tensor
         # No flattening of any kind: the planner must write bytes values into `part` itself.
         planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
         loaded = partial_load(extract_metadata(task.keys, metadata), FileSystemReader(path), planner, state_dict=part)
+        progress.report(task.nbytes)
+        progress.flush()
         # Tensors were filled in place in shared memory; only other values travel back.
         return {key: loaded[key] for key in task.keys if targets[key] is None}
 
@@ -109,12 +119,14 @@ def load(path: str | os.PathLike[str], keys: Iterable[str] | None, options: Opti
     # The output lives in memory for good; each item also needs a read buffer of its size.
     governor = MemoryGovernor(options.memory_ceiling())
     governor.reserve(sum(item.nbytes for item in items), f"loading {len(items)} keys from {path}")
+    largest = 0
     for item in items:
-        governor.check_item(item.key, TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + item.memory)
-    workers = options.worker_count(len(items))
-    tasks = partition(
-        items, workers, max_task_memory=max(1, (governor.limit - governor.reserved) // workers), memory_adds_up=False
-    )
+        need = TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + item.memory
+        governor.check_item(item.key, need + WORKER_MEMORY_BYTES)
+        largest = max(largest, need)
+    free = governor.limit - governor.reserved
+    workers = affordable_workers(options.worker_count(len(items)), free, largest)
+    tasks = partition(items, workers, max_task_memory=task_budget(free, workers), memory_adds_up=False)
     _check_shards(path, metadata, selected)
     targets: dict[str, torch.Tensor | None] = {k: None for k in selected}
     targets.update(_shared_tensors(tensor_metas))
@@ -122,18 +134,22 @@ def load(path: str | os.PathLike[str], keys: Iterable[str] | None, options: Opti
     flat: dict[str, Any] = dict(targets)
     if tasks:
         with (
-            Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc="load") as bar,
+            progress.Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc="load") as bar,
             WorkerPool(
-                options.worker_count(len(tasks)),
+                min(workers, len(tasks)),
                 _load_handler(os.fspath(path), metadata, targets),
                 initializer=lambda: torch.set_num_threads(1),
             ) as pool,
         ):
             for result in pool.run(
-                tasks, governor=governor, task_timeout=options.task_timeout, retries=options.retries
+                tasks,
+                governor=governor,
+                task_timeout=options.task_timeout,
+                retries=options.retries,
+                on_tick=bar.refresh,
             ):
                 flat.update(result.value)
-                bar.update(result.task.nbytes)
+                bar.refresh()
     planner_data = metadata.planner_data or {}
     mapping = {k: planner_data.get(k, (k,)) for k in selected}
     return _compat.unflatten_state_dict(flat, mapping)

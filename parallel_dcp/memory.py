@@ -187,7 +187,7 @@ class MemoryGovernor:
 
     def admit(self, need: int) -> bool:
         """True (and the bytes are reserved) when a task needing ``need`` fits beside those in flight."""
-        if self._in_flight and self.overhead + self.reserved + self._in_flight + need > self.limit:
+        if self.overhead + self.reserved + self._in_flight + need > self.limit:
             return False
         self._in_flight += need
         return True

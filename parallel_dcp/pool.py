@@ -50,6 +50,7 @@ __all__ = ["TaskResult", "WorkerPool"]
 R = TypeVar("R")
 
 _JOIN_TIMEOUT_S = 5.0
+_PROGRESS_TICK_S = 0.1
 _PR_SET_PDEATHSIG = 1
 
 
@@ -197,6 +198,7 @@ class WorkerPool:
         governor: MemoryGovernor | None = None,
         task_timeout: float | None = None,
         retries: int = 0,
+        on_tick: Callable[[], None] | None = None,
     ) -> Iterator[TaskResult[Any]]:
         """Run every task, yielding results as they complete (in completion order).
 
@@ -208,6 +210,7 @@ class WorkerPool:
             task_timeout: seconds a task may run before its worker is killed.
             retries: how often a task whose worker died is run again (same task, same part
                 index, on a fresh worker). Tasks that raise are not retried.
+            on_tick: called every few tens of milliseconds while tasks run (a progress bar).
 
         Raises:
             WorkerError: a task raised; ``__cause__`` is the worker's traceback.
@@ -220,6 +223,8 @@ class WorkerPool:
         attempts: dict[int, int] = {}
         idle = deque(range(len(self._procs)))
         tick = governor.interval if governor is not None else None
+        if on_tick is not None:
+            tick = min(tick or _PROGRESS_TICK_S, _PROGRESS_TICK_S)
         if task_timeout is not None:
             tick = min(tick or task_timeout, max(task_timeout / 10, 0.01))
         try:
@@ -253,6 +258,8 @@ class WorkerPool:
                     governor.watch({self._procs[w].pid: (w, t.keys) for w, (t, _) in running.items()})
                 if task_timeout is not None:
                     self._check_timeouts(running, task_timeout)
+                if on_tick is not None:
+                    on_tick()
         except BaseException:
             self.kill()
             raise

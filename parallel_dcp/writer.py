@@ -14,22 +14,30 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from parallel_dcp import progress
+from parallel_dcp.manifest import FileDigest, Hasher
+
 __all__ = ["CommitWriter", "ShardWriter"]
 
 
 class _RecordingStream:
-    """A file that remembers the OSError of a failed write before torch's zip writer hides it."""
+    """A file that checksums what is written and remembers the OSError of a failed write
+    before torch's zip writer hides it."""
 
-    def __init__(self, stream: Any, owner: _RecordingFileSystem) -> None:
+    def __init__(self, stream: Any, owner: _RecordingFileSystem, hasher: Hasher) -> None:
         self._stream = stream
         self._owner = owner
+        self._hasher = hasher
 
     def write(self, data: Any) -> int:
         try:
-            return int(self._stream.write(data))
+            written = int(self._stream.write(data))
         except OSError as exc:
             self._owner.error = exc
             raise
+        self._hasher.update(data)
+        progress.report(written)
+        return written
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -39,11 +47,15 @@ class _RecordingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.error: OSError | None = None
+        self.hashers: dict[str, Hasher] = {}
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        if "w" not in mode:
+            raise ValueError(f"a shard writer only writes new files, not mode {mode!r}")
+        hasher = self.hashers[os.path.basename(path)] = Hasher()
         with super().create_stream(path, mode) as stream:
-            yield _RecordingStream(stream, self)  # type: ignore[misc]
+            yield _RecordingStream(stream, self, hasher)  # type: ignore[misc]
 
 
 class ShardWriter(FileSystemWriter):
@@ -60,6 +72,10 @@ class ShardWriter(FileSystemWriter):
 
     def original_error(self) -> OSError | None:
         return self._recording.error
+
+    def digests(self) -> dict[str, FileDigest]:
+        """Size and checksum of every file written, by file name."""
+        return {name: hasher.result() for name, hasher in self._recording.hashers.items()}
 
 
 class CommitWriter(FileSystemWriter):

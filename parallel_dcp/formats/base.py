@@ -1,0 +1,87 @@
+"""What every format offers the pipeline: list tensors without reading data, read a key subset.
+
+A :class:`Source` is opened once in the coordinator (which lists it, reading headers only) and
+read from in forked workers. Anything a worker opens (an mmap, a file handle) is opened lazily in
+that worker and never shared, so a source is safe to fork before its first :meth:`Source.read`.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Entry", "Source", "entry_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One tensor of a source, known from headers alone.
+
+    ``key`` is the flattened DCP name (``"model.layers.0.weight"``); ``file`` the file holding it.
+    """
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for dim in self.shape:
+            n *= dim
+        return n
+
+
+def entry_of(key: str, tensor: torch.Tensor, file: str = "") -> Entry:
+    return Entry(key, tensor.dtype, tuple(tensor.shape), file)
+
+
+@dataclass
+class Source(ABC):
+    """A checkpoint to read: its tensors, its other values, and how its keys nest.
+
+    Attributes:
+        path: what the user named.
+        kind: ``"dcp"``, ``"safetensors"`` or ``"torch"``.
+        entries: every tensor, by flattened key, in the source's order.
+        values: non-tensor values (ints, strings, ...) by flattened key; they are small and read
+            in the coordinator.
+        mapping: DCP ``planner_data`` (flattened key -> path in the nested structure), so a DCP
+            output keeps the source's nesting; empty for flat formats.
+        files: the files the source consists of (for inspect and fingerprints).
+    """
+
+    path: str
+    kind: str = ""
+    entries: dict[str, Entry] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    mapping: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+
+    @abstractmethod
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Read the tensors of ``keys`` (called in a worker; each result owns or maps its bytes)."""
+
+    def copied_bytes(self, key: str) -> int:
+        """Memory a worker allocates to read ``key`` (a source on disk: all its bytes)."""
+        return self.entries[key].nbytes
+
+    def release(self) -> None:  # noqa: B027 (a no-op is right for sources that open nothing)
+        """Drop what reads opened or mapped (called in the worker after each task)."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies this source cheaply: each file's name, size and modification time."""
+        stats = {}
+        for name in self.files:
+            st = os.stat(name)
+            stats[os.path.basename(name)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        return {"kind": self.kind, "path": os.path.abspath(self.path), "files": stats}
+
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())

@@ -1,0 +1,268 @@
+"""Where a job writes: a DCP directory, a sharded safetensors/torch directory, or a single file.
+
+A target plans the tasks (which keys each worker writes), writes one task in a worker, and
+commits in the coordinator (DCP: ``.metadata``; sharded: the index JSON; both: the manifest),
+all inside a staging path that is published only when everything succeeded.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+
+from parallel_dcp.destination import DCP_LAYOUT, METADATA_FILE, FileStaging, Layout, Staging
+from parallel_dcp.formats import safetensors_format, torch_format
+from parallel_dcp.formats.base import Source
+from parallel_dcp.manifest import FileDigest, file_digest, write_manifest
+from parallel_dcp.partial import commit, merge_metadata, partial_save
+from parallel_dcp.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
+from parallel_dcp.writer import CommitWriter, ShardWriter
+
+__all__ = ["DcpTarget", "FileTarget", "ShardedTarget", "Target", "target_for"]
+
+DEFAULT_SHARD_SIZE = 5 * 10**9  # what Hugging Face's save_pretrained uses
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What to write: the keys selected from the source, and the dtype floating tensors become."""
+
+    source: Source
+    keys: tuple[str, ...]
+    dtype: torch.dtype | None = None
+
+    def out_bytes(self, key: str) -> int:
+        entry = self.source.entries.get(key)
+        if entry is None:
+            return 0
+        dtype = self.out_dtype(entry.dtype)
+        return entry.nbytes // entry.dtype.itemsize * dtype.itemsize
+
+    def out_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
+
+    def memory(self, key: str) -> int:
+        """What a worker allocates for ``key``: its read (or copy), plus the cast result."""
+        if key not in self.source.entries:
+            return 0
+        entry = self.source.entries[key]
+        cast = self.out_bytes(key) if self.out_dtype(entry.dtype) != entry.dtype else 0
+        return self.source.copied_bytes(key) + cast
+
+    def read(self, keys: tuple[str, ...]) -> dict[str, Any]:
+        """In a worker: the task's tensors (read and cast) and other values."""
+        tensor_keys = [k for k in keys if k in self.source.entries]
+        data: dict[str, Any] = dict(self.source.read(tensor_keys))
+        for key in tensor_keys:
+            dtype = self.out_dtype(data[key].dtype)
+            if dtype != data[key].dtype:
+                data[key] = data[key].to(dtype)
+        for key in keys:
+            if key not in data:
+                data[key] = self.source.values[key]
+        return data
+
+
+class Target(ABC):
+    kind: str
+    path: Path
+
+    @abstractmethod
+    def stage(self, overwrite: bool) -> Staging | FileStaging:
+        """Check the destination and create the staging path (before any write)."""
+
+    @abstractmethod
+    def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
+        """Disjoint tasks covering ``job.keys``, each needing at most ``budget`` bytes of memory
+        where its items allow."""
+
+    @abstractmethod
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, sync_files: bool) -> Any:
+        """In a worker: write one task into ``staging``; the result goes back to the coordinator."""
+
+    @abstractmethod
+    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, sync_files: bool) -> int:
+        """In the coordinator, after every task: finish the output; returns the number of data files."""
+
+
+def _items(job: Job) -> list[Item]:
+    return [Item(key, job.out_bytes(key), job.memory(key)) for key in job.keys]
+
+
+class DcpTarget(Target):
+    """A stock DCP checkpoint directory: one ``__<task>_0.distcp`` per task, then ``.metadata``."""
+
+    kind = "dcp"
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(os.path.abspath(path))
+
+    def stage(self, overwrite: bool) -> Staging:
+        return Staging(self.path, overwrite=overwrite, layout=DCP_LAYOUT)
+
+    def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
+        return partition(_items(job), workers, max_task_memory=budget)
+
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, sync_files: bool) -> Any:
+        writer = ShardWriter(str(staging), sync_files=sync_files)
+        try:
+            metadata, writes = partial_save(
+                data, writer, DefaultSavePlanner(flatten_state_dict=False), part_idx=task.index
+            )
+        except BaseException as exc:
+            original = writer.original_error()
+            if original is not None:  # say what the file system said, not "unexpected pos ..."
+                raise OSError(original.errno, f"{original.strerror} writing {staging}") from exc
+            raise
+        return metadata, writes, writer.digests()
+
+    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, sync_files: bool) -> int:
+        merged = merge_metadata([r[0] for r in results]) if results else Metadata(state_dict_metadata={})
+        # Nesting comes from the whole source, not from the parts (which were saved flat).
+        merged.planner_data = {key: job.source.mapping.get(key, (key,)) for key in job.keys}
+        commit(merged, [r[1] for r in results], CommitWriter(str(staging), str(self.path), sync_files=sync_files))
+        digests: dict[str, FileDigest] = {}
+        for result in results:
+            digests.update(result[2])
+        digests[METADATA_FILE] = file_digest(staging / METADATA_FILE)
+        write_manifest(staging, digests, job.source.fingerprint())
+        return len(digests) - 1
+
+
+_WRITERS = {"safetensors": safetensors_format.write_shard, "torch": torch_format.write_file}
+
+
+class ShardedTarget(Target):
+    """A Hugging Face style directory: shards of at most ``shard_size`` bytes plus the index JSON.
+
+    One task writes one shard, holding all of its tensors at once, so a shard is also kept under
+    the memory each worker may use (``memory_limit / workers``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], kind: str, shard_size: int = DEFAULT_SHARD_SIZE) -> None:
+        self.path = Path(os.path.abspath(path))
+        self.kind = kind
+        self.shard_size = shard_size
+        module = safetensors_format if kind == "safetensors" else torch_format
+        self._index_name = module.INDEX_NAME
+        self._shard_names = module.shard_names
+        single = module.shard_names(1)[0]
+        suffix = ".safetensors" if kind == "safetensors" else ".bin"
+        self._count = 1
+        self._layout = Layout(f"{kind} checkpoint directory", (self._index_name, single), (suffix,))
+
+    def stage(self, overwrite: bool) -> Staging:
+        return Staging(self.path, overwrite=overwrite, layout=self._layout)
+
+    def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
+        budget = max(1, min(self.shard_size, budget - TASK_MEMORY_BYTES))
+        shards: list[list[Item]] = [[]]
+        size = 0
+        for item in _items(job):  # the source's order, as save_pretrained keeps it
+            need = max(item.nbytes, item.memory) + ITEM_MEMORY_BYTES
+            if shards[-1] and size + need > budget:
+                shards.append([])
+                size = 0
+            shards[-1].append(item)
+            size += need
+        tasks = [
+            Task(
+                index=i,
+                keys=tuple(it.key for it in shard),
+                nbytes=sum(it.nbytes for it in shard),
+                memory=TASK_MEMORY_BYTES + sum(max(it.nbytes, it.memory) + ITEM_MEMORY_BYTES for it in shard),
+            )
+            for i, shard in enumerate(shards)
+            if shard
+        ]
+        self._count = len(tasks)  # workers are forked after planning: they name shards from it
+        return tasks
+
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, sync_files: bool) -> Any:
+        name = self._shard_names(self._count)[task.index]
+        _WRITERS[self.kind](data, str(staging / name))
+        return {name: _finish_file(staging / name, sync_files)}
+
+    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, sync_files: bool) -> int:
+        digests: dict[str, FileDigest] = {}
+        for result in results:
+            digests.update(result)
+        if len(tasks) > 1:
+            names = self._shard_names(len(tasks))
+            weight_map = {key: names[task.index] for task in tasks for key in task.keys}
+            index = staging / self._index_name
+            index.write_text(safetensors_format.index_json(weight_map, sum(job.out_bytes(k) for k in job.keys)))
+            digests[self._index_name] = _finish_file(index, sync_files)
+        write_manifest(staging, digests, job.source.fingerprint())
+        return len(tasks)
+
+
+class FileTarget(Target):
+    """One file written by one worker (``torch.save`` or ``save_file`` need the whole dict at once)."""
+
+    def __init__(self, path: str | os.PathLike[str], kind: str) -> None:
+        self.path = Path(os.path.abspath(path))
+        self.kind = kind
+
+    def stage(self, overwrite: bool) -> FileStaging:
+        return FileStaging(self.path, overwrite=overwrite)
+
+    def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
+        items = _items(job)
+        memory = TASK_MEMORY_BYTES + sum(max(it.nbytes, it.memory) + ITEM_MEMORY_BYTES for it in items)
+        return [Task(index=0, keys=job.keys, nbytes=sum(it.nbytes for it in items), memory=memory)]
+
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, sync_files: bool) -> Any:
+        if self.kind == "torch":
+            mapping = {key: job.source.mapping.get(key, (key,)) for key in task.keys}
+            torch_format.write_file(data, str(staging), mapping)
+        else:
+            safetensors_format.write_shard(data, str(staging))
+        return _finish_file(staging, sync_files)
+
+    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, sync_files: bool) -> int:
+        return 1
+
+
+def _finish_file(path: Path, sync_files: bool) -> FileDigest:
+    if sync_files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return file_digest(path)
+
+
+def target_for(path: str | os.PathLike[str], to: str | None, *, shard_size: int = DEFAULT_SHARD_SIZE) -> Target:
+    """The target a destination path and ``to`` name.
+
+    ``to=None`` goes by the path: ``*.safetensors`` is one safetensors file, ``*.pt``/``*.pth``/
+    ``*.bin`` one torch.save file, anything else a DCP directory. With ``to="safetensors"`` or
+    ``"torch"``, a path without those suffixes is a sharded directory.
+
+    Raises:
+        ValueError: an unknown ``to``, or a suffix that contradicts it.
+    """
+    name = os.fspath(path)
+    by_suffix = (
+        "safetensors" if name.endswith(".safetensors") else "torch" if name.endswith(torch_format.SUFFIXES) else None
+    )
+    if to is None:
+        to = by_suffix or "dcp"
+    if to not in ("dcp", "safetensors", "torch"):
+        raise ValueError(f"unknown output format {to!r}: use dcp, safetensors or torch")
+    if by_suffix is not None and by_suffix != to:
+        raise ValueError(f"{name} names a {by_suffix} file but the output format is {to}")
+    if to == "dcp":
+        return DcpTarget(path)
+    if by_suffix is not None:
+        return FileTarget(path, to)
+    return ShardedTarget(path, to, shard_size)
