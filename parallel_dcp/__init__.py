@@ -12,10 +12,15 @@ reader open it unchanged.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
+
+from parallel_dcp import convert as _convert
+from parallel_dcp import inspection as _inspection
 from parallel_dcp import loader as _loader
+from parallel_dcp import verify as _verify
 from parallel_dcp.coordinator import SaveResult, WorkerStats
 from parallel_dcp.coordinator import save as _save
 from parallel_dcp.errors import (
@@ -35,6 +40,8 @@ from parallel_dcp.errors import (
 )
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, extract_metadata, load_metadata, merge_metadata, partial_load, partial_save
+from parallel_dcp.targets import DEFAULT_SHARD_SIZE
+from parallel_dcp.verify import VerifyReport
 
 __version__ = "0.1.0"
 
@@ -52,17 +59,21 @@ __all__ = [
     "SaveResult",
     "TaskTimeoutError",
     "UnsafeCheckpointError",
+    "VerifyReport",
     "WorkerCrashed",
     "WorkerError",
     "WorkerStats",
     "commit",
+    "convert",
     "extract_metadata",
+    "inspect",
     "load",
     "load_metadata",
     "merge_metadata",
     "partial_load",
     "partial_save",
     "save",
+    "verify",
 ]
 
 
@@ -162,3 +173,106 @@ def load(
         workers=workers, progress=progress, memory_limit=memory_limit, retries=retries, task_timeout=task_timeout
     )
     return _loader.load(path, keys, options)
+
+
+def convert(
+    src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    dst: str | os.PathLike[str],
+    *,
+    to: str | None = None,
+    workers: int | None = None,
+    memory_limit: int | str | None = None,
+    dtype: str | torch.dtype | None = None,
+    keys: str | Sequence[str] | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    shard_size: int | str = DEFAULT_SHARD_SIZE,
+    trust_pickle: bool = False,
+    sync_files: bool = True,
+    retries: int = 0,
+    task_timeout: float | None = None,
+) -> SaveResult | list[SaveResult]:
+    """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
+
+    The source format is detected: a DCP directory (``.metadata``), a ``.safetensors`` file or a
+    Hugging Face directory of them, a torch.save file (``.pt``/``.pth``/``.bin``) or a directory
+    with ``pytorch_model.bin.index.json``. Sources are read lazily (mmap, partial reads): the
+    memory used is about the tasks in flight, not the model.
+
+    Args:
+        src: one source, or several (each converts into ``dst/<source name>``).
+        dst: the output. ``to=None`` goes by its name: ``*.safetensors`` one safetensors file,
+            ``*.pt``/``*.pth``/``*.bin`` one torch.save file, anything else a DCP directory.
+        to: ``"dcp"``, ``"safetensors"`` or ``"torch"``; with the last two and a ``dst`` without
+            those suffixes, a sharded Hugging Face directory (shards plus index JSON).
+        workers, memory_limit, overwrite, progress, sync_files, retries, task_timeout: as for
+            :func:`save`.
+        dtype: cast floating tensors to this dtype on the way (``"bfloat16"``, ``torch.float16``).
+        keys: select keys: globs on flattened names (``"model.layers.*"``), or ``"re:<regex>"``
+            matched against the whole name; several patterns select the union.
+        shard_size: the largest shard of a sharded output (bytes or "2GB"; default 5 GB); shards
+            are also kept under what each worker may use under ``memory_limit``.
+        trust_pickle: allow torch.save files that need ``weights_only=False`` (runs their pickle
+            code: only for files you trust).
+
+    Returns:
+        A :class:`SaveResult` (a list of them for several sources) with ``format``, ``keys``,
+        bytes, files, seconds, GiB/s and the measured peak memory.
+
+    Raises:
+        ValueError: a bad ``to``, ``dtype`` or ``keys``, or non-tensor values bound for safetensors.
+        UnsafeCheckpointError: a torch.save file that needs ``trust_pickle``.
+        Otherwise as :func:`save`; on failure each destination is as it was before the call.
+    """
+    from parallel_dcp.memory import parse_size
+
+    options = Options(
+        workers=workers,
+        overwrite=overwrite,
+        progress=progress,
+        sync_files=sync_files,
+        memory_limit=memory_limit,
+        retries=retries,
+        task_timeout=task_timeout,
+    )
+    cast = _convert.parse_dtype(dtype)
+    shard_bytes = parse_size(shard_size)
+    sources = [src] if isinstance(src, (str, os.PathLike)) else list(src)
+    if not sources:
+        raise ValueError("convert needs at least one source")
+    outputs = _convert.destinations(sources, dst)
+    if len(sources) > 1:
+        os.makedirs(dst, exist_ok=True)
+    results = [
+        _convert.convert_one(
+            one, out, options, to=to, dtype=cast, keys=keys, shard_size=shard_bytes, trust_pickle=trust_pickle
+        )
+        for one, out in zip(sources, outputs, strict=True)
+    ]
+    return results[0] if isinstance(src, (str, os.PathLike)) else results
+
+
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    against: str | os.PathLike[str] | None = None,
+    workers: int | None = None,
+    memory_limit: int | str | None = None,
+) -> VerifyReport:
+    """Check a checkpoint: manifest sizes and checksums, every key read back, and bit-for-bit
+    equality with ``against`` (any supported format) when given.
+
+    Finds what stock DCP loads silently: a flipped byte, a truncated shard. Problems are
+    collected in the report (``report.ok`` is False), not raised.
+
+    Raises:
+        FileNotFoundError / ValueError: ``path`` or ``against`` is missing or of no known format.
+        CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
+    """
+    return _verify.verify(path, against, Options(workers=workers, memory_limit=memory_limit))
+
+
+def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Describe a checkpoint from its headers only: ``format``, ``committed``, ``keys``,
+    ``tensors``, ``total_bytes``, ``dtypes``, ``largest`` tensors, ``files`` and ``manifest``."""
+    return _inspection.inspect_checkpoint(path)

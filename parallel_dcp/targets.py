@@ -125,6 +125,8 @@ class DcpTarget(Target):
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, sync_files: bool) -> int:
         merged = merge_metadata([r[0] for r in results]) if results else Metadata(state_dict_metadata={})
+        # The source's key order, not the order tasks finished in.
+        merged.state_dict_metadata = {key: merged.state_dict_metadata[key] for key in job.keys}
         # Nesting comes from the whole source, not from the parts (which were saved flat).
         merged.planner_data = {key: job.source.mapping.get(key, (key,)) for key in job.keys}
         commit(merged, [r[1] for r in results], CommitWriter(str(staging), str(self.path), sync_files=sync_files))

@@ -1,0 +1,181 @@
+"""The ``parallel-dcp`` command (also ``python -m parallel_dcp``): convert, inspect, verify, bench.
+
+Exit codes: 0 success, 1 failure (the error is printed on stderr; with ``verify``, any mismatch),
+2 usage error, 130 interrupted. ``--json`` prints one JSON document on stdout for scripts. The
+progress bar (stderr) shows only when stdout is a terminal and ``-q`` is not given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import parallel_dcp
+from parallel_dcp.coordinator import SaveResult
+from parallel_dcp.inspection import describe
+from parallel_dcp.memory import format_bytes
+
+__all__ = ["main"]
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=None, help="worker processes (default: every usable core)")
+    parser.add_argument(
+        "--memory-limit",
+        default=None,
+        help="ceiling on the memory the job adds (e.g. 512MiB, 32GiB, 16GB; default: half of what is available)",
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary text")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="parallel-dcp",
+        description="Write, convert and check PyTorch Distributed Checkpoints with a pool of processes.",
+    )
+    parser.add_argument("--version", action="version", version=f"parallel-dcp {parallel_dcp.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    convert = sub.add_parser(
+        "convert",
+        help="convert between DCP, safetensors and torch.save",
+        description="Convert SRC (or several SRCs, each into DST/<name>) to DST. The source format is detected.",
+    )
+    convert.add_argument("paths", nargs="+", metavar="SRC... DST", help="one or more sources, then the destination")
+    convert.add_argument("--to", choices=["dcp", "safetensors", "torch"], help="output format (default: from DST)")
+    convert.add_argument("--dtype", help="cast floating tensors (bfloat16, float16, float32, ...)")
+    convert.add_argument(
+        "--keys", action="append", metavar="PATTERN", help="select keys: a glob, or re:<regex>; repeat for more"
+    )
+    convert.add_argument("--overwrite", action="store_true", help="replace an existing output atomically")
+    convert.add_argument("--shard-size", default="5GB", help="largest shard of a sharded output (default 5GB)")
+    convert.add_argument(
+        "--trust-pickle", action="store_true", help="allow torch.save files that need weights_only=False (trusted only)"
+    )
+    _common(convert)
+
+    inspect = sub.add_parser("inspect", help="describe a checkpoint from its headers")
+    inspect.add_argument("path", metavar="PATH")
+    inspect.add_argument("--json", action="store_true", help="print JSON on stdout")
+
+    verify = sub.add_parser(
+        "verify", help="check checksums, read everything back, compare with a source", description=None
+    )
+    verify.add_argument("path", metavar="PATH")
+    verify.add_argument("--against", metavar="SRC", help="compare every key bit for bit with this checkpoint")
+    _common(verify)
+
+    from parallel_dcp import benchmark
+
+    bench = sub.add_parser("bench", help="measure write throughput against stock DCP and the storage's limit")
+    benchmark.add_arguments(bench)
+    return parser
+
+
+def _result_dict(result: SaveResult) -> dict[str, Any]:
+    return {
+        "path": result.path,
+        "format": result.format,
+        "keys": result.keys,
+        "bytes": result.bytes,
+        "files": result.files,
+        "tasks": result.tasks,
+        "workers": result.workers,
+        "seconds": round(result.seconds, 4),
+        "gib_per_s": round(result.gib_per_s, 4),
+        "memory_limit": result.memory_limit,
+        "peak_memory": result.peak_memory,
+    }
+
+
+def _convert(args: argparse.Namespace, show_progress: bool) -> int:
+    if len(args.paths) < 2:
+        raise _UsageError("convert needs at least one SRC and a DST")
+    *sources, dst = args.paths
+    results = parallel_dcp.convert(
+        sources,
+        dst,
+        to=args.to,
+        workers=args.workers,
+        memory_limit=args.memory_limit,
+        dtype=args.dtype,
+        keys=args.keys,
+        overwrite=args.overwrite,
+        progress=show_progress,
+        shard_size=args.shard_size,
+        trust_pickle=args.trust_pickle,
+    )
+    assert isinstance(results, list)
+    if args.json:
+        print(json.dumps([_result_dict(r) for r in results], indent=2))
+    elif not args.quiet:
+        for src, r in zip(sources, results, strict=True):
+            print(
+                f"{src} -> {r.path} ({r.format}): {r.keys} keys, {format_bytes(r.bytes)} in {r.files} files, "
+                f"{r.seconds:.2f} s, {r.gib_per_s:.2f} GiB/s, {r.workers} workers, "
+                f"peak memory {format_bytes(r.peak_memory)} of {format_bytes(r.memory_limit)}"
+            )
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    info = parallel_dcp.inspect(args.path)
+    print(json.dumps(info, indent=2) if args.json else describe(info))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    report = parallel_dcp.verify(args.path, against=args.against, workers=args.workers, memory_limit=args.memory_limit)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    elif not args.quiet:
+        checked = (
+            (f"{report.files_checked} files against the manifest, " if report.manifest else "no manifest; ")
+            + f"{report.keys_checked} keys read back"
+            + (f" and compared with {report.against}" if report.against else "")
+        )
+        print(f"{report.path}: {'OK' if report.ok else 'FAILED'} ({checked})")
+        for problem in report.problems:
+            print(f"  {problem}")
+    if not report.ok and args.quiet:
+        for problem in report.problems:
+            print(f"  {problem}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+class _UsageError(Exception):
+    pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    show_progress = sys.stdout.isatty() and not getattr(args, "quiet", False) and not getattr(args, "json", False)
+    try:
+        if args.command == "convert":
+            return _convert(args, show_progress)
+        if args.command == "inspect":
+            return _inspect(args)
+        if args.command == "verify":
+            return _verify(args)
+        from parallel_dcp import benchmark
+
+        return benchmark.run(args)
+    except _UsageError as exc:
+        parser.error(str(exc))  # exits 2
+    except KeyboardInterrupt:
+        print("parallel-dcp: interrupted; nothing was committed", file=sys.stderr)
+        return 130
+    except (parallel_dcp.ParallelDCPError, OSError, ValueError, KeyError, TypeError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"parallel-dcp: error: {message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Conversion between DCP, safetensors and torch.save, in either direction, with the write pipeline.
+
+    source path ── detect format ── open (headers only) ── select keys ── run_job(target) ──▶ dst
+
+The memory governor is created before the source is opened, so whatever opening loads (a legacy
+torch.save file) counts against the limit. Several sources convert one after the other, each
+with the whole pool, each into its own destination.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from parallel_dcp.coordinator import SaveResult, run_job
+from parallel_dcp.formats import open_source
+from parallel_dcp.formats.base import Source
+from parallel_dcp.memory import MemoryGovernor
+from parallel_dcp.options import Options
+from parallel_dcp.targets import DEFAULT_SHARD_SIZE, Job, target_for
+
+__all__ = ["convert_one", "destinations", "parse_dtype", "select_keys"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """A floating dtype from ``torch.bfloat16`` or a name (``"bfloat16"``, ``"bf16"``, ``"fp16"``...).
+
+    Raises:
+        ValueError: not a floating dtype.
+    """
+    if value is None or isinstance(value, torch.dtype):
+        if isinstance(value, torch.dtype) and not value.is_floating_point:
+            raise ValueError(f"dtype casts floating tensors, so it must be a floating dtype, not {value}")
+        return value
+    name = value.lower().removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {value!r}: use one of {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[name]
+
+
+def select_keys(source: Source, patterns: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The source's keys (tensors and other values, in the source's order) that ``patterns`` select.
+
+    A pattern is a glob matched against the whole flattened key (``"model.layers.*.weight"``,
+    ``"*embed*"``; ``*`` also crosses dots), or, prefixed with ``re:``, a Python regular expression
+    that must match the whole key (``"re:model\\.layers\\.[0-3]\\..*"``). A key is selected when
+    any pattern matches. None selects everything.
+
+    Raises:
+        ValueError: a bad regular expression, or patterns that select nothing (the keys are
+            listed so the user can correct them).
+    """
+    keys = list(source.entries) + [k for k in source.values if k not in source.entries]
+    if patterns is None:
+        return tuple(keys)
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    matchers = []
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            try:
+                matchers.append(re.compile(pattern[3:]).fullmatch)
+            except re.error as exc:
+                raise ValueError(f"bad regular expression in {pattern!r}: {exc}") from exc
+        else:
+            matchers.append(re.compile(fnmatch.translate(pattern)).match)
+    selected = tuple(k for k in keys if any(m(k) for m in matchers))
+    if not selected:
+        sample = ", ".join(keys[:5]) + (" ..." if len(keys) > 5 else "")
+        raise ValueError(f"keys {patterns} select nothing in {source.path} (its keys: {sample})")
+    return selected
+
+
+def destinations(sources: Sequence[str | os.PathLike[str]], dst: str | os.PathLike[str]) -> list[Path]:
+    """Where each source goes: ``dst`` itself for one source; ``dst/<source name>`` for several.
+
+    For several sources, each output is a directory named after its source without its format
+    suffix (``dst/model`` from ``a/model.pt``), in the format ``to`` (DCP by default); two sources
+    with the same name are refused.
+    """
+    if len(sources) == 1:
+        return [Path(dst)]
+    names = []
+    for src in sources:
+        name = Path(src).name
+        for ext in (".safetensors", ".pt", ".pth", ".bin"):
+            name = name.removesuffix(ext)
+        names.append(name)
+    duplicates = {n for n in names if names.count(n) > 1}
+    if duplicates:
+        raise ValueError(f"several sources would write the same destination: {sorted(duplicates)}")
+    return [Path(dst, n) for n in names]
+
+
+def convert_one(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    options: Options,
+    *,
+    to: str | None,
+    dtype: torch.dtype | None,
+    keys: str | Sequence[str] | None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    trust_pickle: bool = False,
+) -> SaveResult:
+    """Convert one source; see :func:`parallel_dcp.convert`."""
+    start = time.perf_counter()
+    target = target_for(dst, to, shard_size=shard_size)
+    governor = MemoryGovernor(options.memory_ceiling())
+    source = open_source(src, trust_pickle=trust_pickle)
+    if Path(source.path).resolve() == target.path.resolve():
+        raise ValueError(f"{src} is both the source and the destination")
+    selected = select_keys(source, keys)
+    if target.kind == "safetensors":
+        others = [k for k in selected if k not in source.entries]
+        if others:
+            raise ValueError(
+                f"safetensors holds only tensors, and {src} selects {len(others)} other values "
+                f"({', '.join(others[:5])}); select tensors only with keys= (--keys)"
+            )
+    return run_job(Job(source, selected, dtype), target, options, governor, start=start)
