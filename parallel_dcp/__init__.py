@@ -89,6 +89,7 @@ def save(
     memory_limit: int | str | None = None,
     retries: int = 0,
     task_timeout: float | None = None,
+    checksums: bool = True,
 ) -> SaveResult:
     """Save ``state_dict`` as a stock DCP checkpoint at ``path``, with a pool of processes.
 
@@ -111,6 +112,8 @@ def save(
             counted: see ``parallel_dcp.memory``.
         retries: how often a task whose worker died is run again (same part index).
         task_timeout: seconds one task may run before its worker is killed (None: no limit).
+        checksums: record every file's xxh3 checksum in the manifest (``.parallel_dcp.json``) as
+            it is written, so :func:`verify` finds flipped bytes; False records sizes only.
 
     Returns:
         A :class:`SaveResult` with bytes, files, tasks, seconds, GiB/s and per-worker figures.
@@ -135,6 +138,7 @@ def save(
         memory_limit=memory_limit,
         retries=retries,
         task_timeout=task_timeout,
+        checksums=checksums,
     )
     return _save(state_dict, path, options)
 
@@ -191,6 +195,7 @@ def convert(
     sync_files: bool = True,
     retries: int = 0,
     task_timeout: float | None = None,
+    checksums: bool = True,
 ) -> SaveResult | list[SaveResult]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
 
@@ -205,7 +210,7 @@ def convert(
             ``*.pt``/``*.pth``/``*.bin`` one torch.save file, anything else a DCP directory.
         to: ``"dcp"``, ``"safetensors"`` or ``"torch"``; with the last two and a ``dst`` without
             those suffixes, a sharded Hugging Face directory (shards plus index JSON).
-        workers, memory_limit, overwrite, progress, sync_files, retries, task_timeout: as for
+        workers, memory_limit, overwrite, progress, sync_files, retries, task_timeout, checksums: as for
             :func:`save`.
         dtype: cast floating tensors to this dtype on the way (``"bfloat16"``, ``torch.float16``).
         keys: select keys: globs on flattened names (``"model.layers.*"``), or ``"re:<regex>"``
@@ -234,6 +239,7 @@ def convert(
         memory_limit=memory_limit,
         retries=retries,
         task_timeout=task_timeout,
+        checksums=checksums,
     )
     cast = _convert.parse_dtype(dtype)
     shard_bytes = parse_size(shard_size)

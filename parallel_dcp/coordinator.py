@@ -90,7 +90,7 @@ class SaveResult:
 def _handler(job: Job, target: Target, staging: str, options: Options) -> Any:
     def run(task: Task) -> Any:
         try:
-            return target.write(job, task, job.read(task.keys), Path(staging), options.sync_files)
+            return target.write(job, task, job.read(task.keys), Path(staging), options)
         finally:
             job.source.release()
             progress.flush()
@@ -142,7 +142,7 @@ def run_job(
     try:
         staging.check_space(sum(job.out_bytes(k) for k in job.keys) + _RECORD_OVERHEAD * len(job.keys))
         results = _run_tasks(job, target, tasks, str(staging.path), options, governor, min(workers, len(tasks)))
-        files = target.commit(job, tasks, [r.value for r in results], staging.path, options.sync_files)
+        files = target.commit(job, tasks, [r.value for r in results], staging.path, options)
         staging.publish()
     except BaseException:
         staging.discard()

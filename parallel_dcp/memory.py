@@ -172,9 +172,19 @@ class MemoryGovernor:
                 keys=[key],
             )
 
-    def settle(self, worker_pids: Iterable[int]) -> None:
-        """Measure what the started, idle workers cost; tasks are admitted into what is left."""
-        reading = self.read(worker_pids)
+    def settle(self, worker_pids: Iterable[int], planned: int = 0) -> None:
+        """Measure what the started, idle workers cost; tasks are admitted into what is left.
+
+        ``planned`` is the memory of every task of the job. When the tree's resident size (an
+        upper bound, read cheaply) leaves room for all of it at once, that bound is used as is;
+        otherwise PSS is read (tens of milliseconds for a large tree) for the exact figure.
+        """
+        pids = list(worker_pids)
+        bound = self._rss_bound(pids)
+        if bound + self.reserved + planned <= self.limit:
+            self.overhead = bound
+            return
+        reading = self.read(pids)
         self.overhead = max(0, reading.added)
         if self.overhead + self.reserved >= self.limit:
             raise MemoryLimitExceeded(
@@ -201,13 +211,16 @@ class MemoryGovernor:
         A process's PSS never exceeds its RSS, so the coordinator's growth in RSS plus every
         worker's whole RSS bounds what the job added from above.
         """
+        return self._rss_bound(worker_pids) <= self.limit
+
+    def _rss_bound(self, worker_pids: Iterable[int]) -> int:
         bound = max(0, _rss(self._me) - self._rss_baseline)
         for pid in worker_pids:
             try:
                 bound += _rss(psutil.Process(pid))
             except psutil.NoSuchProcess:
                 continue
-        return bound <= self.limit
+        return bound
 
     def read(self, worker_pids: Iterable[int]) -> Reading:
         started = time.monotonic()

@@ -33,6 +33,8 @@ class Options:
             string ("512MiB", "32GiB", "16GB"); None means half the memory available at start.
         retries: how often a task whose worker died (SIGKILL, segfault, exit) is run again.
         task_timeout: seconds one task may run before its worker is killed; None for no limit.
+        checksums: record each file's xxh3 checksum in the manifest (``verify`` then finds flipped
+            bytes); sizes are recorded either way.
     """
 
     workers: int | None = None
@@ -43,6 +45,7 @@ class Options:
     memory_limit: int | str | None = None
     retries: int = 0
     task_timeout: float | None = None
+    checksums: bool = True
 
     def __post_init__(self) -> None:
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)):

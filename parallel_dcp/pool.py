@@ -229,7 +229,7 @@ class WorkerPool:
             tick = min(tick or task_timeout, max(task_timeout / 10, 0.01))
         try:
             if governor is not None:
-                governor.settle(self.pids)
+                governor.settle(self.pids, planned=sum(task.memory for task in tasks))
             while pending or running:
                 self._dispatch(pending, idle, running, governor)
                 # Map what we wait on to workers now: a worker restarted below gets new ones.

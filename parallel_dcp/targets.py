@@ -21,6 +21,7 @@ from parallel_dcp.destination import DCP_LAYOUT, METADATA_FILE, FileStaging, Lay
 from parallel_dcp.formats import safetensors_format, torch_format
 from parallel_dcp.formats.base import Source
 from parallel_dcp.manifest import FileDigest, file_digest, write_manifest
+from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, merge_metadata, partial_save
 from parallel_dcp.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
 from parallel_dcp.writer import CommitWriter, ShardWriter
@@ -84,11 +85,11 @@ class Target(ABC):
         where its items allow."""
 
     @abstractmethod
-    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, sync_files: bool) -> Any:
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, options: Options) -> Any:
         """In a worker: write one task into ``staging``; the result goes back to the coordinator."""
 
     @abstractmethod
-    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, sync_files: bool) -> int:
+    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, options: Options) -> int:
         """In the coordinator, after every task: finish the output; returns the number of data files."""
 
 
@@ -110,8 +111,8 @@ class DcpTarget(Target):
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         return partition(_items(job), workers, max_task_memory=budget)
 
-    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, sync_files: bool) -> Any:
-        writer = ShardWriter(str(staging), sync_files=sync_files)
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, options: Options) -> Any:
+        writer = ShardWriter(str(staging), sync_files=options.sync_files, checksums=options.checksums)
         try:
             metadata, writes = partial_save(
                 data, writer, DefaultSavePlanner(flatten_state_dict=False), part_idx=task.index
@@ -123,17 +124,19 @@ class DcpTarget(Target):
             raise
         return metadata, writes, writer.digests()
 
-    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, sync_files: bool) -> int:
+    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, options: Options) -> int:
         merged = merge_metadata([r[0] for r in results]) if results else Metadata(state_dict_metadata={})
         # The source's key order, not the order tasks finished in.
         merged.state_dict_metadata = {key: merged.state_dict_metadata[key] for key in job.keys}
         # Nesting comes from the whole source, not from the parts (which were saved flat).
         merged.planner_data = {key: job.source.mapping.get(key, (key,)) for key in job.keys}
-        commit(merged, [r[1] for r in results], CommitWriter(str(staging), str(self.path), sync_files=sync_files))
+        commit(
+            merged, [r[1] for r in results], CommitWriter(str(staging), str(self.path), sync_files=options.sync_files)
+        )
         digests: dict[str, FileDigest] = {}
         for result in results:
             digests.update(result[2])
-        digests[METADATA_FILE] = file_digest(staging / METADATA_FILE)
+        digests[METADATA_FILE] = file_digest(staging / METADATA_FILE, checksum=options.checksums)
         write_manifest(staging, digests, job.source.fingerprint())
         return len(digests) - 1
 
@@ -187,12 +190,12 @@ class ShardedTarget(Target):
         self._count = len(tasks)  # workers are forked after planning: they name shards from it
         return tasks
 
-    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, sync_files: bool) -> Any:
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, options: Options) -> Any:
         name = self._shard_names(self._count)[task.index]
         _WRITERS[self.kind](data, str(staging / name))
-        return {name: _finish_file(staging / name, sync_files)}
+        return {name: _finish_file(staging / name, options)}
 
-    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, sync_files: bool) -> int:
+    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, options: Options) -> int:
         digests: dict[str, FileDigest] = {}
         for result in results:
             digests.update(result)
@@ -201,7 +204,7 @@ class ShardedTarget(Target):
             weight_map = {key: names[task.index] for task in tasks for key in task.keys}
             index = staging / self._index_name
             index.write_text(safetensors_format.index_json(weight_map, sum(job.out_bytes(k) for k in job.keys)))
-            digests[self._index_name] = _finish_file(index, sync_files)
+            digests[self._index_name] = _finish_file(index, options)
         write_manifest(staging, digests, job.source.fingerprint())
         return len(tasks)
 
@@ -221,26 +224,26 @@ class FileTarget(Target):
         memory = TASK_MEMORY_BYTES + sum(max(it.nbytes, it.memory) + ITEM_MEMORY_BYTES for it in items)
         return [Task(index=0, keys=job.keys, nbytes=sum(it.nbytes for it in items), memory=memory)]
 
-    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, sync_files: bool) -> Any:
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, options: Options) -> Any:
         if self.kind == "torch":
             mapping = {key: job.source.mapping.get(key, (key,)) for key in task.keys}
             torch_format.write_file(data, str(staging), mapping)
         else:
             safetensors_format.write_shard(data, str(staging))
-        return _finish_file(staging, sync_files)
+        return _finish_file(staging, options)
 
-    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, sync_files: bool) -> int:
+    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, options: Options) -> int:
         return 1
 
 
-def _finish_file(path: Path, sync_files: bool) -> FileDigest:
-    if sync_files:
+def _finish_file(path: Path, options: Options) -> FileDigest:
+    if options.sync_files:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    return file_digest(path)
+    return file_digest(path, checksum=options.checksums)
 
 
 def target_for(path: str | os.PathLike[str], to: str | None, *, shard_size: int = DEFAULT_SHARD_SIZE) -> Target:

@@ -44,8 +44,9 @@ class _RecordingStream:
 
 
 class _RecordingFileSystem(FileSystem):
-    def __init__(self) -> None:
+    def __init__(self, checksums: bool) -> None:
         super().__init__()
+        self.checksums = checksums
         self.error: OSError | None = None
         self.hashers: dict[str, Hasher] = {}
 
@@ -53,7 +54,7 @@ class _RecordingFileSystem(FileSystem):
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
         if "w" not in mode:
             raise ValueError(f"a shard writer only writes new files, not mode {mode!r}")
-        hasher = self.hashers[os.path.basename(path)] = Hasher()
+        hasher = self.hashers[os.path.basename(path)] = Hasher(checksum=self.checksums)
         with super().create_stream(path, mode) as stream:
             yield _RecordingStream(stream, self, hasher)  # type: ignore[misc]
 
@@ -65,9 +66,9 @@ class ShardWriter(FileSystemWriter):
     unexpected pos ...``; :meth:`original_error` gives back what the file system said.
     """
 
-    def __init__(self, path: str, *, sync_files: bool) -> None:
+    def __init__(self, path: str, *, sync_files: bool, checksums: bool = True) -> None:
         super().__init__(path, sync_files=sync_files, thread_count=1)
-        self._recording = _RecordingFileSystem()
+        self._recording = _RecordingFileSystem(checksums)
         self.fs = self._recording
 
     def original_error(self) -> OSError | None:

@@ -106,3 +106,13 @@ def test_batch_conversion_from_the_command_line(tmp_path: Path, model: dict[str,
     loaded = parallel_dcp.load(tmp_path / "all" / "model")
     assert loaded["embed"].dtype == torch.bfloat16
     assert_same(parallel_dcp.load(tmp_path / "all" / "other"), {"w": torch.ones(3, dtype=torch.bfloat16)})
+
+
+def test_without_checksums_verify_still_finds_truncation(tmp_path: Path, model: dict[str, torch.Tensor]) -> None:
+    cli("convert", tmp_path / "model.safetensors", tmp_path / "dcp", "--no-checksums", "-q")
+    manifest = json.loads((tmp_path / "dcp" / ".parallel_dcp.json").read_text())
+    assert all(set(entry) == {"size"} for entry in manifest["files"].values())
+    assert "OK" in cli("verify", tmp_path / "dcp").stdout
+    shard = next((tmp_path / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1])
+    assert "truncated" in cli("verify", tmp_path / "dcp", check_code=1).stdout

@@ -1,0 +1,222 @@
+"""How one configuration is timed, and the interleaved runner that times them all.
+
+    round 1 .. warmup            A B C ...   run, discarded (page cache, allocator, imports)
+    round warmup+1 .. +reps      A B C ...   each run: collect garbage, trim malloc, then
+                                             [baseline PSS, clocks] run [clocks] peak PSS,
+                                             then remove the output (outside the clocks)
+
+Interleaving puts every configuration under the same drift of a noisy machine, so ratios of
+their medians compare like with like. Each run reports wall seconds, user+sys CPU seconds of this
+process and its reaped children (``getrusage`` SELF + CHILDREN, less the memory sampler's own
+thread), and the peak memory the process tree added (PSS, so pages shared after ``fork`` count
+once) above what it held when the run started.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import os
+import resource
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+import psutil
+from torch.distributed.checkpoint.api import CheckpointException
+
+__all__ = ["Case", "Measured", "PeakMemory", "cpu_seconds", "run_interleaved", "tree_pss"]
+
+# The sampler reads PSS at most this often...
+_MIN_INTERVAL_S = 0.005
+# ...and otherwise waits this many times what its last reading cost, so that it takes at most
+# 1/20 of one core (a PSS reading walks every page table of every process in the tree).
+_SAMPLING_SHARE = 20
+_ERROR_CHARS = 300
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Case:
+    """One configuration of a scenario: something that writes the scenario's bytes to ``out``.
+
+    Attributes:
+        name: the row's name, unique within its scenario (``"parallel_dcp w=2"``).
+        family: what is compared across process counts (``"parallel_dcp"``, ``"stock dcp"``).
+        procs: worker processes or writer threads it uses (1 for a single-threaded writer).
+        run: writes to ``out`` (a path that does not exist yet); may return details to report
+            (such as the workers actually used). Anything it raises fails only this row.
+        baseline: the row this one's speed ratio is taken against (stock at the same count).
+        limit: the plain-write row with the same process count (the storage's limit).
+        note: a caveat printed beside the row.
+        core: whether a failure fails the whole benchmark (False for optional peers).
+        unavailable: set when the case cannot run here at all; says why. ``run`` is not called.
+    """
+
+    name: str
+    family: str
+    procs: int
+    run: Callable[[str], dict[str, Any] | None]
+    baseline: str | None = None
+    limit: str | None = None
+    note: str = ""
+    core: bool = True
+    unavailable: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class Measured:
+    """The samples of one case: one entry per timed repetition, or the error that stopped it."""
+
+    case: Case
+    walls: list[float] = field(default_factory=list)
+    cpus: list[float] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def cpu_seconds() -> float:
+    """User+sys seconds of this process (all threads) and of its children that were reaped."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _pss(proc: psutil.Process) -> int:
+    try:
+        return int(proc.memory_full_info().pss)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return 0  # it ended between listing and reading: it holds nothing any more
+    except (psutil.AccessDenied, AttributeError):  # no smaps: RSS over-counts, never under-counts
+        try:
+            return int(proc.memory_info().rss)
+        except psutil.NoSuchProcess:
+            return 0
+
+
+def tree_pss(me: psutil.Process | None = None) -> int:
+    """PSS of this process plus all its descendants, in bytes."""
+    me = me or psutil.Process()
+    try:
+        children = me.children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    return sum(_pss(proc) for proc in (me, *children))
+
+
+class PeakMemory:
+    """Within ``with PeakMemory() as m:``, samples the tree's PSS on a background thread.
+
+    After the block, ``m.added`` is the highest reading minus the reading at entry (bytes, >= 0)
+    and ``m.cpu_seconds`` what the sampling thread itself spent, to subtract from CPU figures.
+    Page cache and tmpfs files are not process memory and are not counted. A process that lives
+    shorter than the sampling interval can be missed.
+    """
+
+    def __init__(self) -> None:
+        self.baseline = 0
+        self.peak = 0
+        self.cpu_seconds = 0.0
+        self._me = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="bench-memory-sampler", daemon=True)
+
+    @property
+    def added(self) -> int:
+        return max(0, self.peak - self.baseline)
+
+    def __enter__(self) -> PeakMemory:
+        self.baseline = self.peak = tree_pss(self._me)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        start = time.thread_time()
+        while True:
+            before = time.thread_time()
+            self.peak = max(self.peak, tree_pss(self._me))
+            cost = time.thread_time() - before
+            if self._stop.wait(max(_MIN_INTERVAL_S, cost * _SAMPLING_SHARE)):
+                break
+        self.cpu_seconds = time.thread_time() - start
+
+
+@cache
+def _libc() -> Any:
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
+def release_free_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the kernel (glibc ``malloc_trim``).
+
+    Without it, heap that an earlier run grew and freed stays mapped, a later run reuses it
+    without adding PSS, and its peak would read lower than what it really needs.
+    """
+    gc.collect()
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, CheckpointException):  # DCP wraps the real error per rank
+        inner = [f for f in exc.failures.values() if isinstance(f, BaseException)]
+        if inner:
+            exc = inner[0]
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:_ERROR_CHARS]
+
+
+def _run_once(measured: Measured, out: str, keep: bool) -> None:
+    release_free_memory()
+    try:
+        with PeakMemory() as memory:
+            cpu0, wall0 = cpu_seconds(), time.perf_counter()
+            details = measured.case.run(out)
+            wall, cpu = time.perf_counter() - wall0, cpu_seconds() - cpu0
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        measured.error = _describe(exc)
+        return
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    if keep:
+        measured.walls.append(wall)
+        measured.cpus.append(max(0.0, cpu - memory.cpu_seconds))
+        measured.peaks.append(memory.added)
+        measured.details.update(details or {})
+
+
+def run_order(cases: Sequence[Case]) -> list[Case]:
+    """Cases by process count, so that the configurations compared at one count run side by side."""
+    return sorted(cases, key=lambda case: case.procs)
+
+
+def run_interleaved(
+    cases: Sequence[Case], reps: int, warmup: int, root: str, progress: Callable[[str], None] | None = None
+) -> list[Measured]:
+    """Run every case ``warmup + reps`` times, interleaved, each into a fresh ``root/out``.
+
+    Returns:
+        One :class:`Measured` per case, in the order of ``cases``. A case that raised has its
+        ``error`` set and is not run again; an unavailable case carries its reason as the error.
+    """
+    results = {case.name: Measured(case=case, error=case.unavailable) for case in cases}
+    out = os.path.join(root, "out")
+    for round_index in range(warmup + reps):
+        for case in run_order(cases):
+            measured = results[case.name]
+            if measured.error is None:
+                if progress is not None:
+                    progress(f"round {round_index + 1}/{warmup + reps}: {case.name}")
+                _run_once(measured, out, keep=round_index >= warmup)
+    return [results[case.name] for case in cases]

@@ -1,0 +1,128 @@
+"""Run the selected cross product: suite x target x sync setting, one scenario at a time.
+
+    state dicts (built once per run, shared by the scenarios that use them)
+        save, convert: synthetic.llm_like(gib)      small: synthetic.many_small(count)
+    for each suite, target, sync:
+        mkdtemp on the target ── convert: build the sources there (untimed)
+        cases (writers.py, peers.py, conversion.py) ── run_interleaved (measure.py)
+        remove the temp dir ── Scenario (results.py)
+
+Ratios are only ever taken within one scenario, whose cases ran interleaved.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from parallel_dcp.benchmark import peers
+from parallel_dcp.benchmark.config import BenchConfig, Target
+from parallel_dcp.benchmark.conversion import build_sources, convert_cases, convert_memory_limit
+from parallel_dcp.benchmark.measure import Case, run_interleaved
+from parallel_dcp.benchmark.results import Scenario
+from parallel_dcp.benchmark.writers import CRC_NOTE, flat_tensors, limit_cases, save_cases
+from parallel_dcp.memory import format_bytes
+from parallel_dcp.synthetic import llm_like, many_small, tensor_bytes
+
+__all__ = ["run_all"]
+
+# What a scenario keeps on its target at once, in state-dict sizes: one output (save); the two
+# sources and one output (convert). Plus slack for metadata and zip headers.
+_SPACE_FACTOR = {"save": 1.2, "small": 1.5, "convert": 3.3}
+
+
+class StateDicts:
+    """The state dicts of a run, each built on first use and then kept."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self._config = config
+        self._built: dict[str, Any] = {}
+
+    def get(self, suite: str) -> Any:
+        kind = "small" if suite == "small" else "llm"
+        if kind not in self._built:
+            self._built[kind] = many_small(self._config.small) if kind == "small" else llm_like(self._config.gib)
+        return self._built[kind]
+
+    def describe(self, suite: str) -> str:
+        sd = self.get(suite)
+        size = format_bytes(tensor_bytes(sd))
+        if suite == "small":
+            return f"many-small: {len(flat_tensors(sd)):,} optimizer-like tensors, {size}"
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in flat_tensors(sd).values()})
+        return f"LLM-like: {len(sd):,} tensors ({'+'.join(dtypes)}), {size}"
+
+
+def _check_space(target: Target, suite: str, nbytes: int) -> None:
+    free = shutil.disk_usage(target.directory).free
+    needed = int(nbytes * _SPACE_FACTOR[suite])
+    if free < needed:
+        raise OSError(
+            f"target {target.label} ({target.directory}) has {format_bytes(free)} free; the {suite} suite "
+            f"needs about {format_bytes(needed)}: lower --gib/--small or pick another target"
+        )
+
+
+def _cases(suite: str, sd: Any, root: str, sync: bool, config: BenchConfig) -> tuple[list[Case], list[str]]:
+    workers = list(config.workers)
+    tensors = flat_tensors(sd)
+    if suite != "convert":
+        found = peers.peer_cases(sd, workers, sync) if config.peers else []
+        return save_cases(sd, workers, sync, found, with_files=config.peers), [CRC_NOTE]
+    nbytes = tensor_bytes(sd)
+    sources = build_sources(sd, root, nbytes)
+    largest = max(t.nbytes for t in tensors.values())
+    limit = config.convert_memory_limit or convert_memory_limit(nbytes, largest, max(workers))
+    note = f"our conversions ran with memory_limit={format_bytes(limit)} ({limit / nbytes:.0%} of the state dict)"
+    return convert_cases(sources, workers, sync, limit) + limit_cases(list(tensors.values()), workers, sync), [note]
+
+
+def _scenario(suite: str, target: Target, sync: bool, dicts: StateDicts, config: BenchConfig) -> Scenario:
+    sd = dicts.get(suite)
+    nbytes = tensor_bytes(sd)
+    _check_space(target, suite, nbytes)
+    scenario = Scenario(
+        suite=suite,
+        target=target.label,
+        directory=target.directory,
+        sync=sync,
+        state_dict=dicts.describe(suite),
+        nbytes=nbytes,
+        tensors=len(flat_tensors(sd)),
+        reps=config.reps,
+        warmup=config.warmup,
+        workers=list(config.workers),
+    )
+    _say(f"bench: {scenario.key}: {scenario.state_dict}")
+    root = tempfile.mkdtemp(prefix="pdcp-bench-", dir=target.directory)
+    try:
+        cases, scenario.notes = _cases(suite, sd, root, sync, config)
+        progress = _say if config.verbose else None
+        scenario.measured = run_interleaved(cases, config.reps, config.warmup, root, progress)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return scenario
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_all(config: BenchConfig, on_scenario: Callable[[Scenario], None] | None = None) -> list[Scenario]:
+    """Every scenario of ``config``, in suite, target, sync order; ``on_scenario`` sees each as it ends."""
+    dicts = StateDicts(config)
+    scenarios = []
+    try:
+        for suite in config.suites:
+            for target in config.targets:
+                for sync in config.syncs:
+                    scenario = _scenario(suite, target, sync, dicts, config)
+                    scenarios.append(scenario)
+                    if on_scenario is not None:
+                        on_scenario(scenario)
+    finally:
+        peers.close()
+    return scenarios
