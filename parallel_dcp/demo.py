@@ -1,10 +1,11 @@
-"""The built-in example behind ``tools/demo``: save an LLM-shaped state dict, prove it loads.
+"""The built-in example behind ``tools/demo``: save an LLM-shaped state dict, prove it loads, convert.
 
     python -m parallel_dcp.demo [--gib 0.5] [--workers N] [--dir DIR]
 
 Saves the same state dict with ``parallel_dcp.save`` and with stock ``dcp.save`` (its defaults,
 two threads), reads ours back with stock ``torch.distributed.checkpoint.load`` and checks it bit
-for bit, and prints both throughputs.
+for bit, and prints both throughputs. Then converts the model, as sharded safetensors, to DCP
+under a memory limit of a quarter of its size, and verifies the result against the shards.
 """
 
 from __future__ import annotations
@@ -64,9 +65,33 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"parallel_dcp is {stock_s / result.seconds:.2f}x stock on this machine (one run; see bench/ for medians)"
         )
-        return 0 if same else 1
+        return 0 if same and _convert(model, root, args.workers) else 1
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _convert(model: dict[str, torch.Tensor], root: str, workers: int | None) -> bool:
+    """safetensors shards -> DCP under a quarter of the model's size, then verify; True when equal."""
+    from parallel_dcp.memory import format_bytes
+
+    nbytes = tensor_bytes(model)
+    shards = f"{root}/hf-model"
+    parallel_dcp.save(model, f"{root}/model-dcp", workers=workers)
+    parallel_dcp.convert(f"{root}/model-dcp", shards, to="safetensors", shard_size=max(nbytes // 4, 1), workers=workers)
+    limit = max(nbytes // 4, 256 * 2**20)
+    result = parallel_dcp.convert(shards, f"{root}/converted", workers=workers, memory_limit=limit)
+    assert isinstance(result, parallel_dcp.SaveResult)
+    print(
+        f"parallel_dcp.convert: safetensors shards -> DCP, {format_bytes(result.bytes)} in {result.seconds:.2f} s "
+        f"= {result.gib_per_s:.2f} GiB/s, peak memory {format_bytes(result.peak_memory)} "
+        f"under a limit of {format_bytes(limit)}"
+    )
+    report = parallel_dcp.verify(f"{root}/converted", against=shards, workers=workers, memory_limit=limit)
+    print(
+        f"parallel_dcp.verify: {report.files_checked} checksums and {report.keys_checked} tensors against "
+        f"the shards: {'OK' if report.ok else 'FAILED: ' + '; '.join(report.problems[:3])}"
+    )
+    return report.ok
 
 
 if __name__ == "__main__":
