@@ -90,6 +90,7 @@ def save(
     retries: int = 0,
     task_timeout: float | None = None,
     checksums: bool = True,
+    chunk_size: int | str | None = None,
 ) -> SaveResult:
     """Save ``state_dict`` as a stock DCP checkpoint at ``path``, with a pool of processes.
 
@@ -114,6 +115,9 @@ def save(
         task_timeout: seconds one task may run before its worker is killed (None: no limit).
         checksums: record every file's xxh3 checksum in the manifest (``.parallel_dcp.json``) as
             it is written, so :func:`verify` finds flipped bytes; False records sizes only.
+        chunk_size: tensors larger than this (bytes or "1GiB") are split into row ranges that
+            different workers write as DCP chunks; None derives it from the balanced share per
+            worker and the memory limit.
 
     Returns:
         A :class:`SaveResult` with bytes, files, tasks, seconds, GiB/s and per-worker figures.
@@ -139,6 +143,7 @@ def save(
         retries=retries,
         task_timeout=task_timeout,
         checksums=checksums,
+        chunk_size=chunk_size,
     )
     return _save(state_dict, path, options)
 
@@ -196,6 +201,7 @@ def convert(
     retries: int = 0,
     task_timeout: float | None = None,
     checksums: bool = True,
+    chunk_size: int | str | None = None,
 ) -> SaveResult | list[SaveResult]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
 
@@ -210,7 +216,8 @@ def convert(
             ``*.pt``/``*.pth``/``*.bin`` one torch.save file, anything else a DCP directory.
         to: ``"dcp"``, ``"safetensors"`` or ``"torch"``; with the last two and a ``dst`` without
             those suffixes, a sharded Hugging Face directory (shards plus index JSON).
-        workers, memory_limit, overwrite, progress, sync_files, retries, task_timeout, checksums: as for
+        workers, memory_limit, overwrite, progress, sync_files, retries, task_timeout, checksums,
+            chunk_size: as for
             :func:`save`.
         dtype: cast floating tensors to this dtype on the way (``"bfloat16"``, ``torch.float16``).
         keys: select keys: globs on flattened names (``"model.layers.*"``), or ``"re:<regex>"``
@@ -240,6 +247,7 @@ def convert(
         retries=retries,
         task_timeout=task_timeout,
         checksums=checksums,
+        chunk_size=chunk_size,
     )
     cast = _convert.parse_dtype(dtype)
     shard_bytes = parse_size(shard_size)

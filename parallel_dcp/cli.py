@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--overwrite", action="store_true", help="replace an existing output atomically")
     convert.add_argument("--shard-size", default="5GB", help="largest shard of a sharded output (default 5GB)")
     convert.add_argument(
+        "--chunk-size", help="split tensors larger than this into DCP chunks (default: from workers and memory)"
+    )
+    convert.add_argument(
         "--no-checksums", action="store_true", help="record file sizes only in the manifest (faster; see verify)"
     )
     convert.add_argument(
@@ -112,6 +115,7 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
         shard_size=args.shard_size,
         trust_pickle=args.trust_pickle,
         checksums=not args.no_checksums,
+        chunk_size=args.chunk_size,
     )
     assert isinstance(results, list)
     if args.json:

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from parallel_dcp import _compat, progress
+from parallel_dcp.chunks import chunk_threshold
 from parallel_dcp.formats.memory_format import MemorySource
-from parallel_dcp.memory import MemoryGovernor
+from parallel_dcp.memory import MemoryGovernor, parse_size
 from parallel_dcp.options import Options
 from parallel_dcp.partition import (
     ITEM_MEMORY_BYTES,
@@ -126,13 +127,17 @@ def run_job(
     """
     _compat.check_torch()
     start = time.perf_counter() if start is None else start
+    free = governor.limit - governor.reserved
+    wanted = options.worker_count(len(job.keys))
+    if target.kind == "dcp":  # only DCP can hold one tensor as several chunks
+        job = job.split(_chunk_threshold(job, options, wanted, task_budget(free, wanted)))
     largest = 0
     for key in job.keys:
         need = TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + job.memory(key)
         governor.check_item(key, need + WORKER_MEMORY_BYTES)
         largest = max(largest, need)
-    workers = affordable_workers(options.worker_count(len(job.keys)), governor.limit - governor.reserved, largest)
-    tasks = target.plan(job, workers, task_budget(governor.limit - governor.reserved, workers))
+    workers = affordable_workers(wanted, free, largest)
+    tasks = target.plan(job, workers, task_budget(free, workers))
     for task in tasks:  # a whole-file output is one task: it must fit as a whole
         if len(task.keys) > 1:
             governor.check_item(
@@ -160,6 +165,14 @@ def run_job(
         keys=len(job.keys),
         format=target.kind,
     )
+
+
+def _chunk_threshold(job: Job, options: Options, workers: int, budget: int) -> int:
+    if options.chunk_size is not None:
+        return parse_size(options.chunk_size)
+    total = sum(job.out_bytes(key) for key in job.keys)
+    # A chunk may cost twice its bytes in a worker (a mapped source plus DCP's copy of the view).
+    return chunk_threshold(total, workers, max(1, (budget - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES) // 2))
 
 
 def _run_tasks(

@@ -33,6 +33,9 @@ class Options:
             string ("512MiB", "32GiB", "16GB"); None means half the memory available at start.
         retries: how often a task whose worker died (SIGKILL, segfault, exit) is run again.
         task_timeout: seconds one task may run before its worker is killed; None for no limit.
+        chunk_size: DCP outputs split tensors larger than this (bytes or "1GiB") into chunks
+            that different workers write; None derives it from the balanced share per worker
+            and the memory limit (see :mod:`parallel_dcp.chunks`).
         checksums: record each file's xxh3 checksum in the manifest (``verify`` then finds flipped
             bytes); sizes are recorded either way.
     """
@@ -46,6 +49,7 @@ class Options:
     retries: int = 0
     task_timeout: float | None = None
     checksums: bool = True
+    chunk_size: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)):
@@ -54,6 +58,8 @@ class Options:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.memory_limit is not None:
             parse_size(self.memory_limit)
+        if self.chunk_size is not None:
+            parse_size(self.chunk_size)
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
         if self.task_timeout is not None and not self.task_timeout > 0:

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
@@ -140,8 +140,9 @@ def merge_metadata(metadatas: Iterable[Metadata]) -> Metadata:
     """Merge the metadata of disjoint parts into one.
 
     ``state_dict_metadata``, ``planner_data`` and ``storage_data`` are unions. Keys must be
-    disjoint across parts; a key found in two parts raises ``ValueError`` rather than letting one
-    silently shadow the other.
+    disjoint across parts, except that parts may hold different chunks of one tensor (same size
+    and dtype, different offsets): its ``chunks`` are then joined. Any other key found in two
+    parts raises ``ValueError`` rather than letting one silently shadow the other.
 
     Raises:
         ValueError: no metadata was given, or two parts hold the same key.
@@ -153,10 +154,19 @@ def merge_metadata(metadatas: Iterable[Metadata]) -> Metadata:
     planner_data: dict[str, Any] = {}
     storage_data: dict[Any, Any] = {}
     for metadata in metadatas:
-        overlap = state_dict_metadata.keys() & metadata.state_dict_metadata.keys()
-        if overlap:
-            raise ValueError(f"parts are not disjoint: {sorted(overlap)[:8]} appear in two parts")
-        state_dict_metadata.update(metadata.state_dict_metadata)
+        for key, meta in metadata.state_dict_metadata.items():
+            seen = state_dict_metadata.get(key)
+            if seen is None:
+                state_dict_metadata[key] = meta
+            elif (
+                isinstance(seen, TensorStorageMetadata)
+                and isinstance(meta, TensorStorageMetadata)
+                and _chunks_of_one_tensor(seen, meta)
+            ):
+                # a split tensor: its chunks come from several parts
+                state_dict_metadata[key] = dataclasses.replace(seen, chunks=[*seen.chunks, *meta.chunks])
+            else:
+                raise ValueError(f"parts are not disjoint: {key!r} appears in two parts")
         planner_data.update(metadata.planner_data or {})
         storage_data.update(metadata.storage_data or {})
     return Metadata(
@@ -164,6 +174,16 @@ def merge_metadata(metadatas: Iterable[Metadata]) -> Metadata:
         planner_data=planner_data,
         storage_data=storage_data or None,
     )
+
+
+def _chunks_of_one_tensor(a: Any, b: Any) -> bool:
+    """True when ``a`` and ``b`` describe disjoint chunks of the same tensor."""
+    if not (isinstance(a, TensorStorageMetadata) and isinstance(b, TensorStorageMetadata)):
+        return False
+    if a.size != b.size or a.properties.dtype != b.properties.dtype:
+        return False
+    offsets = {tuple(c.offsets) for c in a.chunks}
+    return all(tuple(c.offsets) not in offsets for c in b.chunks)
 
 
 def load_metadata(storage_reader: StorageReader) -> Metadata:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
+from parallel_dcp.chunks import Chunk, ChunkSavePlanner, split
 from parallel_dcp.destination import DCP_LAYOUT, METADATA_FILE, FileStaging, Layout, Staging
 from parallel_dcp.formats import safetensors_format, torch_format
 from parallel_dcp.formats.base import Source
@@ -33,41 +33,72 @@ DEFAULT_SHARD_SIZE = 5 * 10**9  # what Hugging Face's save_pretrained uses
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """What to write: the keys selected from the source, and the dtype floating tensors become."""
+    """What to write: units of work selected from the source, and the dtype floats become.
+
+    A unit is a source key, or (for a tensor split by :mod:`parallel_dcp.chunks`) the name of one
+    of its chunks, mapped to the chunk in ``chunks``.
+    """
 
     source: Source
     keys: tuple[str, ...]
     dtype: torch.dtype | None = None
+    chunks: dict[str, Chunk] = field(default_factory=dict)
 
-    def out_bytes(self, key: str) -> int:
-        entry = self.source.entries.get(key)
+    def source_keys(self) -> list[str]:
+        """The source keys the units cover, in order, each once."""
+        return list(dict.fromkeys(self.chunks[u].key if u in self.chunks else u for u in self.keys))
+
+    def split(self, threshold: int) -> Job:
+        """This job with every tensor larger than ``threshold`` bytes split into chunks."""
+        taken = set(self.keys)
+        units: list[str] = []
+        chunks: dict[str, Chunk] = {}
+        for key in self.keys:
+            pieces = split(self.source.entries[key], threshold) if key in self.source.entries else []
+            if not pieces:
+                units.append(key)
+            for piece in pieces:
+                name = f"{key}[{piece.dim}:{piece.start}:{piece.stop}]"
+                while name in taken:
+                    name += "'"
+                taken.add(name)
+                units.append(name)
+                chunks[name] = piece
+        return Job(self.source, tuple(units), self.dtype, chunks)
+
+    def out_bytes(self, unit: str) -> int:
+        chunk = self.chunks.get(unit)
+        entry = self.source.entries.get(chunk.key if chunk else unit)
         if entry is None:
             return 0
-        dtype = self.out_dtype(entry.dtype)
-        return entry.nbytes // entry.dtype.itemsize * dtype.itemsize
+        itemsize = self.out_dtype(entry.dtype).itemsize
+        return chunk.nbytes(itemsize) if chunk else entry.nbytes // entry.dtype.itemsize * itemsize
 
     def out_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
 
-    def memory(self, key: str) -> int:
-        """What a worker allocates for ``key``: its read (or copy), plus the cast result."""
+    def memory(self, unit: str) -> int:
+        """What a worker allocates for ``unit``: its read (or copy), plus the cast result."""
+        chunk = self.chunks.get(unit)
+        key = chunk.key if chunk else unit
         if key not in self.source.entries:
             return 0
         entry = self.source.entries[key]
-        cast = self.out_bytes(key) if self.out_dtype(entry.dtype) != entry.dtype else 0
-        return self.source.copied_bytes(key) + cast
+        cast = self.out_bytes(unit) if self.out_dtype(entry.dtype) != entry.dtype else 0
+        return (self.source.chunk_memory(chunk) if chunk else self.source.copied_bytes(key)) + cast
 
-    def read(self, keys: tuple[str, ...]) -> dict[str, Any]:
-        """In a worker: the task's tensors (read and cast) and other values."""
-        tensor_keys = [k for k in keys if k in self.source.entries]
-        data: dict[str, Any] = dict(self.source.read(tensor_keys))
-        for key in tensor_keys:
-            dtype = self.out_dtype(data[key].dtype)
-            if dtype != data[key].dtype:
-                data[key] = data[key].to(dtype)
-        for key in keys:
-            if key not in data:
-                data[key] = self.source.values[key]
+    def read(self, units: tuple[str, ...]) -> dict[str, Any]:
+        """In a worker: the task's tensors and chunks (read and cast) and other values, by unit."""
+        whole = [u for u in units if u in self.source.entries]
+        data: dict[str, Any] = dict(self.source.read(whole))
+        for unit in units:
+            if unit in self.chunks:
+                data[unit] = self.source.read_chunk(self.chunks[unit])
+            elif unit not in data:
+                data[unit] = self.source.values[unit]
+        for unit, value in data.items():
+            if isinstance(value, torch.Tensor) and self.out_dtype(value.dtype) != value.dtype:
+                data[unit] = value.to(self.out_dtype(value.dtype))
         return data
 
 
@@ -113,10 +144,10 @@ class DcpTarget(Target):
 
     def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, options: Options) -> Any:
         writer = ShardWriter(str(staging), sync_files=options.sync_files, checksums=options.checksums)
+        whole = {unit: value for unit, value in data.items() if unit not in job.chunks}
+        planner = ChunkSavePlanner((job.chunks[u], v) for u, v in data.items() if u in job.chunks)
         try:
-            metadata, writes = partial_save(
-                data, writer, DefaultSavePlanner(flatten_state_dict=False), part_idx=task.index
-            )
+            metadata, writes = partial_save(whole, writer, planner, part_idx=task.index)
         except BaseException as exc:
             original = writer.original_error()
             if original is not None:  # say what the file system said, not "unexpected pos ..."
@@ -127,9 +158,10 @@ class DcpTarget(Target):
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, options: Options) -> int:
         merged = merge_metadata([r[0] for r in results]) if results else Metadata(state_dict_metadata={})
         # The source's key order, not the order tasks finished in.
-        merged.state_dict_metadata = {key: merged.state_dict_metadata[key] for key in job.keys}
+        keys = job.source_keys()
+        merged.state_dict_metadata = {key: merged.state_dict_metadata[key] for key in keys}
         # Nesting comes from the whole source, not from the parts (which were saved flat).
-        merged.planner_data = {key: job.source.mapping.get(key, (key,)) for key in job.keys}
+        merged.planner_data = {key: job.source.mapping.get(key, (key,)) for key in keys}
         commit(
             merged, [r[1] for r in results], CommitWriter(str(staging), str(self.path), sync_files=options.sync_files)
         )

@@ -9,13 +9,18 @@ import time
 import psutil
 
 
-def tree_pss() -> int:
+def tree_pss() -> int | None:
+    """The PSS of this process and its children, or None when a process started or ended while
+    they were being read: a fork or an exit between two readings moves shared pages from one
+    process's share to another's, and the sum would count them twice or not at all."""
     me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
     total = 0
     for proc in [me, *me.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
             total += proc.memory_full_info().pss
-    return total
+    after = {p.pid for p in me.children(recursive=True)}
+    return total if before == after else None
 
 
 class PeakSampler:
@@ -29,11 +34,16 @@ class PeakSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, tree_pss() - self.baseline)
+            total = tree_pss()
+            if total is not None:
+                self.peak = max(self.peak, total - self.baseline)
             time.sleep(self.interval)
 
     def __enter__(self) -> PeakSampler:
-        self.baseline = tree_pss()
+        baseline = tree_pss()
+        while baseline is None:
+            baseline = tree_pss()
+        self.baseline = baseline
         self._thread.start()
         return self
 

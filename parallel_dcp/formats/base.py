@@ -11,9 +11,12 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from parallel_dcp.chunks import Chunk
 
 __all__ = ["Entry", "Source", "entry_of"]
 
@@ -71,6 +74,19 @@ class Source(ABC):
     def copied_bytes(self, key: str) -> int:
         """Memory a worker allocates to read ``key`` (a source on disk: all its bytes)."""
         return self.entries[key].nbytes
+
+    def read_chunk(self, chunk: Chunk) -> torch.Tensor:
+        """In a worker: rows ``chunk.start:chunk.stop`` of ``chunk.key`` along ``chunk.dim``.
+
+        This fallback reads the whole tensor; formats that can read a slice override it.
+        """
+        return chunk.of(self.read([chunk.key])[chunk.key])
+
+    def chunk_memory(self, chunk: Chunk) -> int:
+        """Memory a worker allocates to read and write ``chunk`` (the fallback: the whole tensor,
+        plus the chunk's copy, which DCP makes of any view)."""
+        entry = self.entries[chunk.key]
+        return entry.nbytes + chunk.nbytes(entry.dtype.itemsize)
 
     def release(self) -> None:  # noqa: B027 (a no-op is right for sources that open nothing)
         """Drop what reads opened or mapped (called in the worker after each task)."""

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from parallel_dcp.chunks import Chunk
 from parallel_dcp.formats.base import Source, entry_of
 from parallel_dcp.validate import flatten_checked
 
@@ -33,6 +34,12 @@ class MemorySource(Source):
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         return {key: self._flat[key] for key in keys}
+
+    def read_chunk(self, chunk: Chunk) -> torch.Tensor:
+        return chunk.of(self._flat[chunk.key])
+
+    def chunk_memory(self, chunk: Chunk) -> int:
+        return chunk.nbytes(self.entries[chunk.key].dtype.itemsize)  # DCP copies the view
 
     def copied_bytes(self, key: str) -> int:
         """Bytes a writer must copy before writing ``key``: DCP clones a tensor whose storage is

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from parallel_dcp.chunks import Chunk
 from parallel_dcp.formats.base import Entry, Source
 
 __all__ = ["INDEX_NAME", "SafetensorsSource", "index_json", "is_safetensors", "shard_names", "write_shard"]
@@ -88,15 +89,29 @@ class SafetensorsSource(Source):
     def release(self) -> None:
         self._handles.clear()
 
+    def _handle(self, key: str) -> Any:
+        file = self.entries[key].file
+        handle = self._handles.get(file)
+        if handle is None:  # opened in the worker, on first use: an mmap is never shared
+            handle = self._handles[file] = safe_open(file, framework="pt")
+        return handle
+
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        out = {}
-        for key in keys:
-            file = self.entries[key].file
-            handle = self._handles.get(file)
-            if handle is None:  # opened in the worker, on first use: an mmap is never shared
-                handle = self._handles[file] = safe_open(file, framework="pt")
-            out[key] = handle.get_tensor(key)
-        return out
+        return {key: self._handle(key).get_tensor(key) for key in keys}
+
+    def read_chunk(self, chunk: Chunk) -> torch.Tensor:
+        """Only the chunk's rows are read (``get_slice``), into a tensor of their own."""
+        rows = slice(chunk.start, chunk.stop)
+        index = tuple(rows if d == chunk.dim else slice(None) for d in range(len(chunk.shape)))
+        tensor: torch.Tensor = self._handle(chunk.key).get_slice(chunk.key)[index]
+        return tensor.contiguous()
+
+    # A read maps the file's pages (which count while the handle is open) and copies them out.
+    def copied_bytes(self, key: str) -> int:
+        return 2 * self.entries[key].nbytes
+
+    def chunk_memory(self, chunk: Chunk) -> int:
+        return 2 * chunk.nbytes(self.entries[chunk.key].dtype.itemsize)
 
 
 def shard_names(count: int) -> list[str]:
