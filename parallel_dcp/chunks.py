@@ -30,6 +30,8 @@ __all__ = ["MIN_CHUNK_BYTES", "Chunk", "ChunkSavePlanner", "chunk_threshold", "s
 
 # Below this, splitting costs more in per-item overhead than it gains in balance.
 MIN_CHUNK_BYTES = 32 * 1024 * 1024
+# Chunks smaller than this, forced by a tight memory limit, would be thousands of tiny records.
+MIN_MEMORY_CHUNK_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +62,11 @@ class Chunk:
 
 def chunk_threshold(total_bytes: int, workers: int, task_budget: int) -> int:
     """Tensors larger than this are split: half a balanced share, at least ``MIN_CHUNK_BYTES``,
-    and never more than one task may hold under the memory limit."""
-    return max(1, min(max(total_bytes // max(workers, 1) // 2, MIN_CHUNK_BYTES), task_budget))
+    and never more than one task may hold under the memory limit (unless that leaves less than
+    ``MIN_MEMORY_CHUNK_BYTES``: then the limit is too low for any chunk, and the item is left
+    whole to fail early with a clear error)."""
+    balanced = max(total_bytes // max(workers, 1) // 2, MIN_CHUNK_BYTES)
+    return balanced if task_budget < MIN_MEMORY_CHUNK_BYTES else min(balanced, task_budget)
 
 
 def split(entry: Entry, threshold: int) -> list[Chunk]:

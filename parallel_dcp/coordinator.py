@@ -172,7 +172,7 @@ def _chunk_threshold(job: Job, options: Options, workers: int, budget: int) -> i
         return parse_size(options.chunk_size)
     total = sum(job.out_bytes(key) for key in job.keys)
     # A chunk may cost twice its bytes in a worker (a mapped source plus DCP's copy of the view).
-    return chunk_threshold(total, workers, max(1, (budget - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES) // 2))
+    return chunk_threshold(total, workers, (budget - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES) // 2)
 
 
 def _run_tasks(
