@@ -128,9 +128,10 @@ def run_job(
     _compat.check_torch()
     start = time.perf_counter() if start is None else start
     free = governor.limit - governor.reserved
-    wanted = options.worker_count(len(job.keys))
     if target.kind == "dcp":  # only DCP can hold one tensor as several chunks
-        job = job.split(_chunk_threshold(job, options, wanted, task_budget(free, wanted)))
+        most = options.worker_count(2**31)  # a split may give every worker work, however few the keys
+        job = job.split(_chunk_threshold(job, options, most, task_budget(free, most)))
+    wanted = options.worker_count(len(job.keys))
     largest = 0
     for key in job.keys:
         need = TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + job.memory(key)

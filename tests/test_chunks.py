@@ -123,3 +123,16 @@ def test_a_tensor_larger_than_the_limit_converts_from_safetensors_under_it(tmp_p
     target = {key: torch.empty_like(value) for key, value in source.items()}
     dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     assert_same(target, source)
+
+
+def test_dcp_to_dcp_reads_only_each_chunks_rows_under_the_limit(tmp_path: Path) -> None:
+    """A 96 MiB key stored as 16 MiB chunks, re-chunked DCP to DCP and cast, under 80 MiB, bit for bit."""
+    parallel_dcp.save({"w": torch.randn(3000, 8192)}, tmp_path / "a", workers=2, chunk_size=16 * MiB)
+    assert len(chunks_of(tmp_path / "a")["w"]) == 6
+    limit = 80 * MiB
+    with PeakSampler() as sampler:
+        parallel_dcp.convert(tmp_path / "a", tmp_path / "b", workers=2, memory_limit=limit, dtype="bf16")
+    assert sampler.peak < limit, f"tree added {sampler.peak / MiB:.1f} MiB, limit {limit / MiB:.0f} MiB"
+    assert len(chunks_of(tmp_path / "b")["w"]) > 1
+    expected = parallel_dcp.load(tmp_path / "a")["w"].to(torch.bfloat16)
+    assert_same(parallel_dcp.load(tmp_path / "b")["w"], expected)
