@@ -88,6 +88,14 @@ def _same(a: Any, b: Any) -> str | None:
     return f"data differs (first at element {first} of {a.numel()})"
 
 
+def _read_cost(source: Source, reference: Source | None, key: str) -> int:
+    """Memory a worker needs to check ``key``: its read here, and in the reference."""
+    cost = source.copied_bytes(key)
+    if reference is not None and key in reference.entries:
+        cost += reference.copied_bytes(key)
+    return cost
+
+
 def _compare_handler(source: Source, reference: Source | None) -> Any:
     def run(task: Task) -> list[str]:
         problems = []
@@ -162,8 +170,8 @@ def verify(path: str | os.PathLike[str], against: str | os.PathLike[str] | None,
         report.problems += [f"{k}: not in {against}" for k in keys if k not in theirs]
         report.problems += [f"{k}: in {against} but missing here" for k in sorted(theirs - set(keys))]
         keys = [k for k in keys if k in theirs]
-    per_key = 2 if reference is not None else 1
-    items = [Item(k, n, n * per_key) for k in keys for n in [source.entries[k].nbytes if k in source.entries else 0]]
+    items = [Item(k, source.entries[k].nbytes, _read_cost(source, reference, k)) for k in keys if k in source.entries]
+    items += [Item(k, 0, 0) for k in keys if k not in source.entries]
     largest = max((TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + it.memory for it in items), default=0)
     for item in items:
         governor.check_item(item.key, TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + item.memory + WORKER_MEMORY_BYTES)
