@@ -1,7 +1,9 @@
-"""The save benchmark; the same as ``parallel-dcp bench`` (see parallel_dcp/benchmark.py).
+"""The benchmark suite; the same as ``parallel-dcp bench`` (see parallel_dcp/benchmark/__init__.py).
 
-python bench/bench_save.py --gib 2 --reps 5 --dir /dev/shm
-python bench/bench_save.py --small 50000 --reps 5
+python bench/bench_save.py --gib 2 --targets shm --sync on --json bench.json --plot bench.png
+python bench/bench_save.py --suite small --small 50000 --targets shm
+python bench/bench_save.py --suite convert --gib 2 --targets shm disk
+python bench/bench_save.py --help
 """
 
 import sys

@@ -16,11 +16,38 @@ __all__ = ["SUITES", "BenchConfig", "Target", "default_gib"]
 SUITES = ("save", "small", "convert")
 _SHM = "/dev/shm"
 _MAX_DEFAULT_GIB = 2.0
+# Memory a run holds at once, in state-dict sizes: the state dict itself, plus (convert) the
+# stock path's full load of a source beside it. Outputs on /dev/shm are checked per target.
+_HELD = {"save": 1.0, "small": 1.0, "convert": 2.0}
+# A many-small tensor: 2,080 float32 on average, plus its Python and tensor objects.
+_SMALL_TENSOR_BYTES = 2080 * 4 + 1200
+# Never plan to use more than this share of the memory available.
+_AVAILABLE_SHARE = 0.8
 
 
 def default_gib() -> float:
     """The default LLM-like size: 2 GiB, or an eighth of the memory available if that is less."""
-    return round(min(_MAX_DEFAULT_GIB, psutil.virtual_memory().available / 8 / 2**30), 2)
+    available = float(psutil.virtual_memory().available)
+    return round(min(_MAX_DEFAULT_GIB, available / 8 / 2**30), 2)
+
+
+def _suites(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.suite:
+        return tuple(dict.fromkeys(args.suite))
+    # The first benchmark's habit: --small N alone meant the many-small state dict.
+    return ("small",) if args.small is not None else ("save",)
+
+
+def _check_fits(suites: tuple[str, ...], gib: float, small: int) -> None:
+    """Refuse sizes that cannot fit in memory, before anything is built (an OOM kill says nothing)."""
+    sizes = {"save": gib * 2**30, "convert": gib * 2**30, "small": small * _SMALL_TENSOR_BYTES}
+    needed = max(sizes[suite] * _HELD[suite] for suite in suites)
+    available = psutil.virtual_memory().available * _AVAILABLE_SHARE
+    if needed > available:
+        raise ValueError(
+            f"--suite {' '.join(suites)} needs about {needed / 2**30:.1f} GiB of memory and"
+            f" {available / 2**30:.1f} GiB can be used here: lower --gib or --small"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +114,7 @@ class BenchConfig:
             raise ValueError(f"--reps must be >= 1 and --warmup >= 0, got {self.reps} and {self.warmup}")
         if not self.targets or not self.syncs:
             raise ValueError("at least one target and one sync setting are needed")
+        _check_fits(self.suites, self.gib, self.small)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchConfig:
@@ -95,14 +123,10 @@ class BenchConfig:
         Raises:
             ValueError: a flag's value is out of range or names no usable target.
         """
-        if args.suite:
-            suites = tuple(dict.fromkeys(args.suite))
-        else:  # the first benchmark's habit: --small N alone meant the many-small state dict
-            suites = ("small",) if args.small is not None else ("save",)
         specs = [args.dir] if args.dir else args.targets
         workers = args.workers or list(range(1, usable_cores() + 1))
         return cls(
-            suites=suites,
+            suites=_suites(args),
             gib=args.gib if args.gib is not None else default_gib(),
             small=args.small if args.small is not None else 50_000,
             workers=tuple(sorted(set(workers))),
@@ -122,18 +146,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``parallel-dcp bench`` flags (see :class:`BenchConfig` for what each one sets)."""
     parser.add_argument("--suite", nargs="+", choices=SUITES, help="what to measure (default: save)")
     parser.add_argument("--gib", type=float, help="LLM-like state dict size (default: min(2, RAM available/8))")
-    parser.add_argument("--small", type=int, help="tensors of the many-small state dict (default 50000)")
-    parser.add_argument("--workers", type=int, nargs="+", help="counts to compare (default: 1..usable cores)")
+    parser.add_argument("--small", type=int, metavar="N", help="tensors of the many-small state dict (default 50000)")
+    parser.add_argument(
+        "--workers", type=int, nargs="+", metavar="N", help="counts to compare (default: 1..usable cores)"
+    )
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per configuration (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     parser.add_argument(
         "--targets", nargs="+", default=["shm"], metavar="TARGET", help="shm, disk or a directory (default: shm)"
     )
-    parser.add_argument("--disk-dir", help="where the disk target writes (default: the current directory)")
+    parser.add_argument(
+        "--disk-dir", metavar="DIR", help="where the disk target writes (default: the current directory)"
+    )
     parser.add_argument("--dir", help=argparse.SUPPRESS)  # the first benchmark's flag: one target directory
     parser.add_argument("--sync", nargs="+", choices=["on", "off"], default=["on"], help="fsync files (default: on)")
     parser.add_argument("--no-peers", action="store_true", help="skip torch.save, safetensors and nvrx rows")
-    parser.add_argument("--convert-memory-limit", help="memory_limit of our conversions (default: size/4 or more)")
+    parser.add_argument(
+        "--convert-memory-limit", metavar="SIZE", help="memory_limit of our conversions (default: size/4 or more)"
+    )
     parser.add_argument("--json", metavar="PATH", help="write all rows, ratios and machine facts here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of GiB/s against workers here")
     parser.add_argument("-v", "--verbose", action="store_true", help="report every run on stderr")

@@ -99,14 +99,25 @@ def _pss(proc: psutil.Process) -> int:
             return 0
 
 
-def tree_pss(me: psutil.Process | None = None) -> int:
-    """PSS of this process plus all its descendants, in bytes."""
-    me = me or psutil.Process()
+def _pids(me: psutil.Process) -> tuple[list[psutil.Process], set[int]]:
     try:
         children = me.children(recursive=True)
     except psutil.NoSuchProcess:
         children = []
-    return sum(_pss(proc) for proc in (me, *children))
+    return children, {proc.pid for proc in children}
+
+
+def tree_pss(me: psutil.Process | None = None) -> int | None:
+    """PSS of this process plus all its descendants, in bytes; None for a torn reading.
+
+    A fork or an exit between two processes' readings moves shared pages from one share to
+    another, so that the sum counts them twice (or not at all): a reading during which the set
+    of processes changed is returned as None, never as a figure.
+    """
+    me = me or psutil.Process()
+    children, before = _pids(me)
+    total = sum(_pss(proc) for proc in (me, *children))
+    return total if _pids(me)[1] == before else None
 
 
 class PeakMemory:
@@ -114,8 +125,9 @@ class PeakMemory:
 
     After the block, ``m.added`` is the highest reading minus the reading at entry (bytes, >= 0)
     and ``m.cpu_seconds`` what the sampling thread itself spent, to subtract from CPU figures.
-    Page cache and tmpfs files are not process memory and are not counted. A process that lives
-    shorter than the sampling interval can be missed.
+    Page cache and tmpfs files are not process memory and are not counted. Readings torn by a
+    fork or an exit are dropped; a process that lives shorter than the sampling interval can be
+    missed.
     """
 
     def __init__(self) -> None:
@@ -131,7 +143,10 @@ class PeakMemory:
         return max(0, self.peak - self.baseline)
 
     def __enter__(self) -> PeakMemory:
-        self.baseline = self.peak = tree_pss(self._me)
+        baseline = tree_pss(self._me)
+        while baseline is None:  # a child of an earlier run is still being reaped
+            baseline = tree_pss(self._me)
+        self.baseline = self.peak = baseline
         self._thread.start()
         return self
 
@@ -143,7 +158,9 @@ class PeakMemory:
         start = time.thread_time()
         while True:
             before = time.thread_time()
-            self.peak = max(self.peak, tree_pss(self._me))
+            reading = tree_pss(self._me)
+            if reading is not None:
+                self.peak = max(self.peak, reading)
             cost = time.thread_time() - before
             if self._stop.wait(max(_MIN_INTERVAL_S, cost * _SAMPLING_SHARE)):
                 break
@@ -169,10 +186,12 @@ def release_free_memory() -> None:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, CheckpointException):  # DCP wraps the real error per rank
-        inner = [f for f in exc.failures.values() if isinstance(f, BaseException)]
-        if inner:
-            exc = inner[0]
+    if isinstance(exc, CheckpointException):  # DCP wraps the real error per rank, with its traceback
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                exc = inner
+                break
     text = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
     return text[:_ERROR_CHARS]
 

@@ -18,7 +18,6 @@ import importlib
 import importlib.metadata
 import os
 import queue
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -42,7 +41,7 @@ def _version(distribution: str) -> str:
         return "?"
 
 
-def _import(package: str) -> tuple[ModuleType, ModuleType] | str:
+def _import(package: str) -> tuple[Any, Any] | str:
     """(filesystem_async, state_dict_saver) of ``package``, or why they cannot be imported."""
     try:
         return (
@@ -59,7 +58,8 @@ def _ensure_process_group() -> None:
     if dist.is_initialized():
         return
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one rank talks to nobody; keep it on loopback
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    store = dist.HashStore()  # type: ignore[attr-defined]  # exported at run time, not in the stubs
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     _state["own_group"] = True
 
 
@@ -70,7 +70,7 @@ def close() -> None:
     _state["own_group"] = False
 
 
-def _nvrx_save(modules: tuple[ModuleType, ModuleType], state_dict: Any, out: str, writers: int, sync: bool) -> None:
+def _nvrx_save(modules: tuple[Any, Any], state_dict: Any, out: str, writers: int, sync: bool) -> None:
     filesystem_async, saver = modules
     _ensure_process_group()
     if filesystem_async._results_queue is None:
@@ -87,7 +87,7 @@ def _nvrx_save(modules: tuple[ModuleType, ModuleType], state_dict: Any, out: str
     saver.save_state_dict_async_finalize(writer, metadata, wrapper)
 
 
-def _nvrx_case(state_dict: Any, writers: int, sync: bool, modules: tuple[ModuleType, ModuleType] | str) -> Case:
+def _nvrx_case(state_dict: Any, writers: int, sync: bool, modules: tuple[Any, Any] | str) -> Case:
     name = f"nvrx w={writers}"
     if isinstance(modules, str):
         reason = f"nvidia-resiliency-ext {modules}: pip install nvidia-resiliency-ext"

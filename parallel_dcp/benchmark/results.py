@@ -59,7 +59,8 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 def row_figures(scenario: Scenario) -> dict[str, dict[str, Any]]:
     """Per row (by name, in table order): timings, GiB/s, CPU, peak memory and ratios.
 
-    A row that did not run has ``error`` set and None for every figure.
+    ``status`` is ``"ok"``, ``"not run"`` (unavailable here) or ``"failed"``; a row that is not
+    ok has ``error`` set and None for every figure.
     """
     medians = {m.case.name: _median(m.walls) if m.walls and not m.error else None for m in scenario.measured}
     rows: dict[str, dict[str, Any]] = {}
@@ -84,6 +85,7 @@ def row_figures(scenario: Scenario) -> dict[str, dict[str, Any]]:
             "samples_s": list(m.walls),
             "details": dict(m.details),
             "note": case.note,
+            "status": "not run" if case.unavailable else "failed" if m.error else "ok",
             "error": m.error,
         }
     return rows

@@ -28,7 +28,10 @@ from parallel_dcp.benchmark.measure import Case
 
 __all__ = ["CRC_NOTE", "flat_tensors", "limit_cases", "memcpy", "plain_write", "save_cases"]
 
-CRC_NOTE = "CRC off in the calling thread only (thread-local in torch 2.13)"
+CRC_NOTE = (
+    "crc-off: torch.serialization.set_crc32_options(False) is thread-local in torch 2.13, so it reaches only the"
+    " files that dcp.save writes in the calling thread: all of them at t=1, the calling thread's share at t>1"
+)
 
 
 def flat_tensors(state_dict: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -48,6 +51,7 @@ def flat_tensors(state_dict: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 def fsync_file(path: str) -> None:
+    """Make a file that was written through Python's buffers durable (what ``sync_files`` means)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -133,7 +137,7 @@ def _stock(state_dict: Any, threads: int, sync: bool, crc_off: bool) -> Case:
         run=run,
         baseline=f"stock dcp t={threads}" if crc_off else None,
         limit=f"plain write x{threads}",
-        note=CRC_NOTE if crc_off and threads > 1 else "",
+        note="only the calling thread's files lose their CRC (see note)" if crc_off and threads > 1 else "",
     )
 
 
@@ -145,7 +149,9 @@ def _torch_save(state_dict: Any, sync: bool) -> Case:
         if sync:
             fsync_file(path)
 
-    return Case(name="torch.save", family="torch.save", procs=1, run=run, baseline="stock dcp t=1", limit="plain write x1")
+    return Case(
+        name="torch.save", family="torch.save", procs=1, run=run, baseline="stock dcp t=1", limit="plain write x1"
+    )
 
 
 def _safetensors(state_dict: Any, tensors: dict[str, torch.Tensor], sync: bool) -> Case:
@@ -187,7 +193,8 @@ def _memcpy(tensors: list[torch.Tensor]) -> Case:
     def run(out: str) -> None:
         memcpy(tensors)
 
-    return Case(name="memcpy (RAM)", family="memcpy", procs=1, run=run, note="no file: the RAM ceiling")
+    note = f"no file: the RAM ceiling (copy_ may use {torch.get_num_threads()} intra-op threads)"
+    return Case(name="memcpy (RAM)", family="memcpy", procs=1, run=run, note=note)
 
 
 def limit_cases(tensors: list[torch.Tensor], counts: list[int], sync: bool) -> list[Case]:
@@ -195,7 +202,9 @@ def limit_cases(tensors: list[torch.Tensor], counts: list[int], sync: bool) -> l
     return [*(_plain(tensors, n, sync) for n in counts), _memcpy(tensors)]
 
 
-def save_cases(state_dict: Any, workers: list[int], sync: bool, peers: list[Case], with_files: bool = True) -> list[Case]:
+def save_cases(
+    state_dict: Any, workers: list[int], sync: bool, peers: list[Case], with_files: bool = True
+) -> list[Case]:
     """All writers of a save suite on ``state_dict``, in the order the table shows them.
 
     ``peers`` come after stock DCP; ``with_files`` adds the one-file writers (torch.save,

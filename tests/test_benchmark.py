@@ -1,0 +1,268 @@
+"""``parallel-dcp bench`` end to end on tiny sizes, and its arithmetic on made-up samples.
+
+No timing is asserted: the machine is shared and noisy. What is checked is that every suite runs,
+that the outputs (table, strict JSON, PNG) are complete and consistent, that the ratios are the
+ratios of the medians, and that nothing is left behind on the target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from parallel_dcp import benchmark
+from parallel_dcp.benchmark.config import BenchConfig, Target
+from parallel_dcp.benchmark.measure import Case, Measured, PeakMemory
+from parallel_dcp.benchmark.report import document, scenario_lines
+from parallel_dcp.benchmark.results import Scenario, row_figures, summary
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TINY = ["--gib", "0.01", "--small", "200", "--reps", "1", "--warmup", "0", "--workers", "1", "2"]
+SAVE_ROWS = {
+    "parallel_dcp w=1",
+    "parallel_dcp w=2",
+    "stock dcp t=1",
+    "stock dcp t=2",
+    "stock dcp t=1 crc-off",
+    "stock dcp t=2 crc-off",
+    "torch.save",
+    "safetensors",
+    "plain write x1",
+    "plain write x2",
+    "memcpy (RAM)",
+}
+CONVERT_ROWS = {
+    "st->dcp parallel_dcp w=1",
+    "st->dcp parallel_dcp w=2",
+    "st->dcp stock",
+    "pt->dcp parallel_dcp w=1",
+    "pt->dcp parallel_dcp w=2",
+    "pt->dcp stock",
+    "plain write x1",
+    "plain write x2",
+    "memcpy (RAM)",
+}
+
+
+def _strict_json(text: str) -> Any:
+    def refuse(name: str) -> None:
+        raise ValueError(f"not strict JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _bench(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "parallel_dcp", "bench", *args], cwd=cwd, capture_output=True, text=True, timeout=240
+    )
+
+
+def test_bench_runs_every_suite_and_writes_table_json_and_png(tmp_path: Path) -> None:
+    target, results = tmp_path / "target", tmp_path / "results"
+    target.mkdir()
+    results.mkdir()
+    run = _bench(
+        [
+            *TINY,
+            *("--suite", "save", "small", "convert", "--targets", "disk", "--disk-dir", str(target)),
+            *("--json", str(results / "bench.json"), "--plot", str(results / "bench.png")),
+        ],
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    for line in ("GiB/s", "median s", "cpu s", "peak +MiB", "vs stock dcp t=2 (defaults)", "vs best stock"):
+        assert line in out
+    assert "many-small: parallel_dcp w=2" in out and "safetensors->DCP: parallel_dcp w=2 vs stock path" in out
+    assert "thread-local in torch 2.13" in out
+
+    data = _strict_json((results / "bench.json").read_text())
+    assert data["ok"] is True
+    assert {"cores", "ram_bytes", "torch", "date"} <= data["machine"].keys()
+    scenarios = {s["key"]: s for s in data["scenarios"]}
+    assert set(scenarios) == {"save/disk/sync-on", "small/disk/sync-on", "convert/disk/sync-on"}
+    for key, expected in (("save/disk/sync-on", SAVE_ROWS), ("convert/disk/sync-on", CONVERT_ROWS)):
+        rows = scenarios[key]["rows"]
+        assert expected <= rows.keys()
+        for name in expected:
+            assert rows[name]["status"] == "ok", (name, rows[name]["error"])
+            assert rows[name]["gib_per_s"] > 0 and rows[name]["cpu_s"] >= 0 and rows[name]["peak_added_bytes"] >= 0
+    save = scenarios["save/disk/sync-on"]
+    assert save["rows"]["parallel_dcp w=2"]["speedup"] > 0 and save["rows"]["parallel_dcp w=2"]["of_limit"] > 0
+    assert save["summary"]["speedup_vs_stock_same_count"] > 0 and save["summary"]["best_stock"].startswith("stock")
+    # The optional peers either ran or say why not.
+    peers = {name: row for name, row in save["rows"].items() if row["family"] in ("nvrx", "megatron-core")}
+    assert any(row["family"] == "megatron-core" for row in peers.values())
+    for row in peers.values():
+        assert row["status"] == "ok" or row["error"], row
+    assert scenarios["convert/disk/sync-on"]["summary"]["st_speedup_vs_stock"] > 0
+
+    assert (results / "bench.png").read_bytes()[:8] == PNG_MAGIC
+    assert list(target.iterdir()) == [], "the benchmark removes what it wrote"
+
+
+def test_bench_script_keeps_the_first_benchmarks_flags(tmp_path: Path) -> None:
+    """``bench/bench_save.py --gib --reps --dir --json`` (the README's commands) still work."""
+    result_file = tmp_path / "bench.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_save.py"),
+            *("--gib", "0.01", "--reps", "1", "--warmup", "0", "--workers", "2", "--no-peers"),
+            *("--sync", "off", "--dir", str(tmp_path), "--json", str(result_file)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "parallel_dcp w=2 vs stock dcp t=2 (defaults)" in run.stdout
+    (scenario,) = _strict_json(result_file.read_text())["scenarios"]
+    assert scenario["key"] == f"save/{tmp_path}/sync-off"
+    assert {"parallel_dcp w=2", "stock dcp t=2", "plain write x2"} <= scenario["rows"].keys()
+    assert "torch.save" not in scenario["rows"], "--no-peers leaves out the other formats"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--reps", "0"], "--reps must be >= 1"),
+        (["--workers", "0"], "--workers must be"),
+        (["--targets", "/no/such/dir"], "neither shm, disk nor an existing directory"),
+        (["--gib", "100000"], "lower --gib"),
+        (["--suite", "small", "--small", "1"], "--small must be >= 2"),
+    ],
+)
+def test_bad_flags_are_usage_errors_before_anything_runs(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _case(name: str, family: str, procs: int, baseline: str | None = None, limit: str | None = None) -> Case:
+    return Case(name=name, family=family, procs=procs, run=lambda out: None, baseline=baseline, limit=limit)
+
+
+def _measured(case: Case, walls: list[float], peak: int = 0, error: str | None = None) -> Measured:
+    return Measured(case=case, walls=walls, cpus=[w * 2 for w in walls], peaks=[peak] * len(walls), error=error)
+
+
+def _scenario() -> Scenario:
+    ours = _case("parallel_dcp w=2", "parallel_dcp", 2, "stock dcp t=2", "plain write x2")
+    stock = _case("stock dcp t=2", "stock dcp", 2, limit="plain write x2")
+    crc_off = _case("stock dcp t=2 crc-off", "stock dcp crc-off", 2, "stock dcp t=2", "plain write x2")
+    plain = _case("plain write x2", "plain write", 2)
+    broken = _case("nvrx w=2", "nvrx", 2, "stock dcp t=2", "plain write x2")
+    scenario = Scenario(
+        suite="save",
+        target="shm",
+        directory="/dev/shm",
+        sync=True,
+        state_dict="test",
+        nbytes=2**30,
+        tensors=3,
+        reps=3,
+        warmup=1,
+        workers=[2],
+    )
+    scenario.measured = [
+        _measured(ours, [1.0, 0.5, 9.0], peak=2**28),  # median 1.0 whatever the outlier
+        _measured(stock, [4.0, 3.0, 5.0]),
+        _measured(crc_off, [2.0, 2.0, 2.0]),
+        _measured(plain, [0.5, 0.5, 0.25]),
+        _measured(broken, [], error="RuntimeError: boom"),
+    ]
+    return scenario
+
+
+def test_ratios_are_taken_between_medians_of_the_same_scenario() -> None:
+    scenario = _scenario()
+    rows = row_figures(scenario)
+    ours = rows["parallel_dcp w=2"]
+    assert (ours["median_s"], ours["min_s"], ours["max_s"]) == (1.0, 0.5, 9.0)
+    assert ours["gib_per_s"] == pytest.approx(1.0)
+    assert ours["cpu_s"] == pytest.approx(2.0)
+    assert ours["speedup"] == pytest.approx(4.0)  # stock median 4.0 over ours 1.0
+    assert ours["of_limit"] == pytest.approx(0.5)  # plain median 0.5 over ours 1.0
+    assert ours["peak_added_of_state_dict"] == pytest.approx(0.25)
+    assert rows["stock dcp t=2 crc-off"]["speedup"] == pytest.approx(2.0)
+    broken = rows["nvrx w=2"]
+    assert broken["status"] == "failed" and broken["gib_per_s"] is None and broken["speedup"] is None
+
+    s = summary(scenario, rows)
+    assert s["speedup_vs_stock_same_count"] == pytest.approx(4.0)
+    assert s["best_stock"] == "stock dcp t=2 crc-off"
+    assert s["speedup_vs_best_stock"] == pytest.approx(2.0)
+    assert s["time_vs_plain_write"] == pytest.approx(2.0)
+    assert s["speedup_vs_nvrx_same_count"] is None
+
+    text = "\n".join(scenario_lines(scenario))
+    assert "nvrx w=2" in text and "failed: RuntimeError: boom" in text
+    assert "vs stock dcp t=2 (defaults): 4.00x" in text
+
+
+def test_json_document_is_strict_even_with_missing_figures() -> None:
+    scenario = _scenario()
+    scenario.measured[1].walls = [float("nan")] * 3  # an impossible sample must not make invalid JSON
+    config = BenchConfig(
+        suites=("save",),
+        gib=0.01,
+        small=2,
+        workers=(2,),
+        reps=3,
+        warmup=1,
+        targets=(Target("shm", "/dev/shm"),),
+        syncs=(True,),
+    )
+    text = json.dumps(document(config, [scenario], ok=True), allow_nan=False)
+    data = _strict_json(text)
+    assert data["scenarios"][0]["rows"]["parallel_dcp w=2"]["speedup"] is None
+
+
+def test_peak_memory_counts_what_a_forked_child_adds() -> None:
+    """The sampler follows children: a child that fills 64 MiB of its own shows in the peak."""
+    size = 64 * 2**20
+    with PeakMemory() as memory:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child leaves by os._exit only
+            try:
+                block = b"\x01" * size  # every page written, so private to the child
+                time.sleep(0.5)
+                del block
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+    assert memory.added >= size // 2
+    assert memory.cpu_seconds >= 0
+
+
+def test_nvrx_peer_writes_a_stock_loadable_checkpoint(tmp_path: Path) -> None:
+    pytest.importorskip("nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async")
+    from torch.distributed.checkpoint import load as dcp_load
+
+    from parallel_dcp.benchmark import peers
+    from parallel_dcp.synthetic import llm_like
+
+    state_dict = llm_like(0.005)
+    (case, *_rest) = peers.peer_cases(state_dict, [2], sync=True)
+    assert case.name == "nvrx w=2" and case.unavailable is None
+    try:
+        case.run(str(tmp_path / "ckpt"))
+    finally:
+        peers.close()
+    back = {k: torch.empty_like(v) for k, v in state_dict.items()}
+    dcp_load(back, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    assert all(torch.equal(back[k], state_dict[k]) for k in state_dict)
