@@ -91,6 +91,7 @@ def save(
     task_timeout: float | None = None,
     checksums: bool = True,
     chunk_size: int | str | None = None,
+    executor: str = "auto",
 ) -> SaveResult:
     """Save ``state_dict`` as a stock DCP checkpoint at ``path``, with a pool of processes.
 
@@ -118,6 +119,10 @@ def save(
         chunk_size: tensors larger than this (bytes or "1GiB") are split into row ranges that
             different workers write as DCP chunks; None derives it from the balanced share per
             worker and the memory limit.
+        executor: ``"processes"``, ``"threads"`` or ``"auto"`` (threads for large tensors and
+            plain values without ``retries``/``task_timeout``; processes otherwise). Threads write
+            with the GIL released and skip the fork; processes isolate crashes, can be killed by
+            the memory watchdog and run Python-heavy work (many small tensors) in parallel.
 
     Returns:
         A :class:`SaveResult` with bytes, files, tasks, seconds, GiB/s and per-worker figures.
@@ -144,6 +149,7 @@ def save(
         task_timeout=task_timeout,
         checksums=checksums,
         chunk_size=chunk_size,
+        executor=executor,
     )
     return _save(state_dict, path, options)
 

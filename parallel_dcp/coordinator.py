@@ -45,6 +45,7 @@ from parallel_dcp.partition import (
 )
 from parallel_dcp.pool import TaskResult, WorkerPool
 from parallel_dcp.targets import DcpTarget, Job, Target
+from parallel_dcp.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
 
 __all__ = ["SaveResult", "WorkerStats", "run_job", "save"]
 
@@ -82,6 +83,7 @@ class SaveResult:
     peak_memory: int = 0
     keys: int = 0
     format: str = "dcp"
+    executor: str = "processes"
 
     @property
     def gib_per_s(self) -> float:
@@ -165,6 +167,7 @@ def run_job(
         peak_memory=governor.peak,
         keys=len(job.keys),
         format=target.kind,
+        executor=choose_executor(job, options),
     )
 
 
@@ -174,6 +177,18 @@ def _chunk_threshold(job: Job, options: Options, workers: int, budget: int) -> i
     total = sum(job.out_bytes(key) for key in job.keys)
     # A chunk may cost twice its bytes in a worker (a mapped source plus DCP's copy of the view).
     return chunk_threshold(total, workers, (budget - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES) // 2)
+
+
+def choose_executor(job: Job, options: Options) -> str:
+    """``"threads"`` or ``"processes"`` for this job (see :class:`Options` ``executor``)."""
+    if options.executor != "auto":
+        return options.executor
+    if not isinstance(job.source, MemorySource) or options.retries or options.task_timeout is not None:
+        return "processes"
+    if not all(plain_value(v) for v in job.source.values.values()):
+        return "processes"  # pickling user objects runs their code: keep it out of the caller
+    sizes = [job.out_bytes(u) for u in job.keys if u in job.chunks or u in job.source.entries]
+    return "threads" if sizes and sum(sizes) / len(sizes) >= THREAD_MIN_ITEM_BYTES else "processes"
 
 
 def _run_tasks(
@@ -188,23 +203,24 @@ def _run_tasks(
     if not tasks:
         return []
     results: list[TaskResult[Any]] = []
-    with (
-        progress.Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc="write") as bar,
-        WorkerPool(
-            workers,
-            _handler(job, target, staging, options),
-            initializer=_worker_setup(options),
-        ) as pool,
-    ):
-        for result in pool.run(
-            tasks,
-            governor=governor,
-            task_timeout=options.task_timeout,
-            retries=options.retries,
-            on_tick=bar.refresh,
-        ):
-            results.append(result)
-            bar.refresh()
+    handler = _handler(job, target, staging, options)
+    with progress.Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc="write") as bar:
+        if choose_executor(job, options) == "threads":
+            with ThreadPool(workers, handler, initializer=lambda: _compat.set_crc32(options.crc32)) as threads:
+                for result in threads.run(tasks, governor=governor, on_tick=bar.refresh):
+                    results.append(result)
+                    bar.refresh()
+        else:
+            with WorkerPool(workers, handler, initializer=_worker_setup(options)) as pool:
+                for result in pool.run(
+                    tasks,
+                    governor=governor,
+                    task_timeout=options.task_timeout,
+                    retries=options.retries,
+                    on_tick=bar.refresh,
+                ):
+                    results.append(result)
+                    bar.refresh()
     return sorted(results, key=lambda r: r.task.index)
 
 

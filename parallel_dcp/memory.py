@@ -243,7 +243,8 @@ class MemoryGovernor:
         """Sample the tree if it is time; raise if it is over the ceiling twice in a row.
 
         Args:
-            workers: pid -> (worker number, keys of its running task) for every live worker.
+            workers: pid -> (worker number, keys of its running task) for every live worker;
+                empty when the job runs on writer threads in this process.
 
         Raises:
             MemoryLimitExceeded: naming the worker with the most private memory (which the caller
@@ -262,7 +263,18 @@ class MemoryGovernor:
             return
         time.sleep(0.01)  # measure again: a transient spike is not a breach
         second = self.read(workers)
-        if second.added <= self.limit or not second.private:
+        if second.added <= self.limit:
+            return
+        if not workers:  # writer threads in this process: they cannot be killed, only stopped
+            raise MemoryLimitExceeded(
+                f"the writer threads pushed the job to {format_bytes(second.added)}, over the memory limit "
+                f"{format_bytes(self.limit)}; no further task was started and nothing was committed. "
+                "Raise --memory-limit or lower --workers",
+                limit=self.limit,
+                measured=second.added,
+                keys=[],
+            )
+        if not second.private:
             return
         pid = max(second.private, key=lambda p: second.private[p])
         worker, keys = workers[pid]

@@ -36,6 +36,11 @@ class Options:
         chunk_size: DCP outputs split tensors larger than this (bytes or "1GiB") into chunks
             that different workers write; None derives it from the balanced share per worker
             and the memory limit (see :mod:`parallel_dcp.chunks`).
+        executor: ``"processes"`` (forked workers), ``"threads"`` (writer threads in the calling
+            process; in-memory saves only) or ``"auto"``: threads for an in-memory state dict of
+            large tensors (at least 1 MiB each on average) and plain values when neither
+            ``retries`` nor ``task_timeout`` is asked for, processes otherwise. See
+            :mod:`parallel_dcp.threads`.
         checksums: record each file's xxh3 checksum in the manifest (``verify`` then finds flipped
             bytes); sizes are recorded either way.
     """
@@ -50,6 +55,7 @@ class Options:
     task_timeout: float | None = None
     checksums: bool = True
     chunk_size: int | str | None = None
+    executor: str = "auto"
 
     def __post_init__(self) -> None:
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)):
@@ -60,6 +66,8 @@ class Options:
             parse_size(self.memory_limit)
         if self.chunk_size is not None:
             parse_size(self.chunk_size)
+        if self.executor not in ("auto", "processes", "threads"):
+            raise ValueError(f"executor must be 'auto', 'processes' or 'threads', got {self.executor!r}")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
         if self.task_timeout is not None and not self.task_timeout > 0:

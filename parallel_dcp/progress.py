@@ -7,6 +7,7 @@ ends, because workers report as they write. It stays silent when off.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import multiprocess as mp
@@ -15,26 +16,26 @@ __all__ = ["Progress", "report"]
 
 # Set in each worker (inherited by fork) while a job with a bar runs.
 _counter: Any = None
-_pending = 0
+# Bytes not yet added to the counter, per writer thread (workers have one; writer threads several).
+_local = threading.local()
 _FLUSH_BYTES = 4 * 1024 * 1024
 
 
 def report(nbytes: int) -> None:
     """Called in workers as bytes are done; cheap, and a no-op when no bar is shown."""
-    global _pending
     if _counter is None:
         return
-    _pending += nbytes
-    if _pending >= _FLUSH_BYTES:
+    _local.pending = getattr(_local, "pending", 0) + nbytes
+    if _local.pending >= _FLUSH_BYTES:
         flush()
 
 
 def flush() -> None:
-    global _pending
-    if _counter is not None and _pending:
+    pending = getattr(_local, "pending", 0)
+    if _counter is not None and pending:
         with _counter.get_lock():
-            _counter.value += _pending
-    _pending = 0
+            _counter.value += pending
+    _local.pending = 0
 
 
 class Progress:

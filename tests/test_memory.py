@@ -34,7 +34,7 @@ def test_copies_far_over_the_limit_still_save_under_it(workers: int, tmp_path: P
         result = parallel_dcp.save(sd, tmp_path / "ckpt", workers=workers, memory_limit=limit)
     assert sampler.peak < limit, f"tree added {sampler.peak / MiB:.1f} MiB, limit {limit / MiB:.0f} MiB"
     assert result.memory_limit == limit
-    assert 0 < result.peak_memory < limit
+    assert 0 <= result.peak_memory < limit  # the governor's own samples (0 if none landed mid-task)
     assert_same(parallel_dcp.load(tmp_path / "ckpt"), sd)
 
 

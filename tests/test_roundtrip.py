@@ -52,12 +52,17 @@ def stock_torch_save(path: Path, tmp_path: Path) -> Any:
     return torch.load(out, weights_only=False)
 
 
+EXECUTORS = ["processes", "threads"]
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("workers", [1, 2, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_every_dtype_round_trips(dtype: torch.dtype, workers: int, tmp_path: Path) -> None:
+def test_every_dtype_round_trips(dtype: torch.dtype, workers: int, executor: str, tmp_path: Path) -> None:
     sd = {f"t{i}": random_tensor((7, 5 + i), dtype, seed=i) for i in range(6)}
     sd["scalar"] = random_tensor((), dtype, seed=99)
-    parallel_dcp.save(sd, tmp_path / "ckpt", workers=workers)
+    result = parallel_dcp.save(sd, tmp_path / "ckpt", workers=workers, executor=executor)
+    assert result.executor == executor
     assert_same(stock_load(sd, tmp_path / "ckpt"), sd)
     assert_same(stock_torch_save(tmp_path / "ckpt", tmp_path), sd)
     assert_same(parallel_dcp.load(tmp_path / "ckpt", workers=workers), sd)
@@ -78,10 +83,11 @@ def odd_shapes() -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("workers", [1, 2, 4])
-def test_shapes_and_views_round_trip(workers: int, tmp_path: Path) -> None:
+def test_shapes_and_views_round_trip(workers: int, executor: str, tmp_path: Path) -> None:
     sd = odd_shapes()
-    result = parallel_dcp.save(sd, tmp_path / "ckpt", workers=workers)
+    result = parallel_dcp.save(sd, tmp_path / "ckpt", workers=workers, executor=executor)
     assert_same(stock_load(sd, tmp_path / "ckpt"), sd)
     assert_same(stock_torch_save(tmp_path / "ckpt", tmp_path), sd)
     assert_same(parallel_dcp.load(tmp_path / "ckpt", workers=workers), sd)
@@ -113,10 +119,11 @@ def nested_state() -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("workers", [1, 2, 4])
-def test_nested_state_dict_keeps_its_nesting(workers: int, tmp_path: Path) -> None:
+def test_nested_state_dict_keeps_its_nesting(workers: int, executor: str, tmp_path: Path) -> None:
     sd = nested_state()
-    parallel_dcp.save(sd, tmp_path / "ckpt", workers=workers)
+    parallel_dcp.save(sd, tmp_path / "ckpt", workers=workers, executor=executor)
     assert_same(stock_load(sd, tmp_path / "ckpt"), sd)
     assert_same(stock_torch_save(tmp_path / "ckpt", tmp_path), sd)
     assert_same(parallel_dcp.load(tmp_path / "ckpt", workers=workers), sd)

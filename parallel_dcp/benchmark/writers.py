@@ -1,6 +1,9 @@
 """The writers compared on one state dict, each as a :class:`Case` writing the same bytes to ``out``.
 
-- ``parallel_dcp w=n``: ``parallel_dcp.save`` with n forked workers (its CRC default: off).
+- ``parallel_dcp w=n``: ``parallel_dcp.save`` with its defaults at n workers (executor "auto":
+  writer threads for large tensors, forked workers for many small ones; CRC off; checksums on).
+- ``parallel_dcp w=N processes`` / ``no-checksums`` (N the most workers): forked workers forced,
+  and the manifest's checksums off: what each default costs or saves.
 - ``stock dcp t=n``: ``dcp.save`` with ``FileSystemWriter(thread_count=n)``, torch's defaults.
 - ``stock dcp t=n crc-off``: the same with ``torch.serialization.set_crc32_options(False)``.
   That switch is thread-local in torch 2.13: it reaches only the files the calling thread writes,
@@ -102,13 +105,22 @@ def memcpy(tensors: list[torch.Tensor]) -> None:
         torch.empty_like(t).copy_(t)
 
 
-def _parallel_dcp(state_dict: Any, workers: int, sync: bool) -> Case:
+def _parallel_dcp(state_dict: Any, workers: int, sync: bool, variant: str = "") -> Case:
+    """``variant``: "" (the defaults), "processes" (forked workers forced) or "no-checksums"."""
+    variants: dict[str, dict[str, Any]] = {"processes": {"executor": "processes"}, "no-checksums": {"checksums": False}}
+    options = variants.get(variant, {})
+
     def run(out: str) -> dict[str, Any]:
-        result = parallel_dcp.save(state_dict, out, workers=workers, sync_files=sync)
-        return {"workers_used": result.workers, "tasks": result.tasks, "files": result.files}
+        result = parallel_dcp.save(state_dict, out, workers=workers, sync_files=sync, **options)
+        return {
+            "workers_used": result.workers,
+            "tasks": result.tasks,
+            "files": result.files,
+            "executor": result.executor,
+        }
 
     return Case(
-        name=f"parallel_dcp w={workers}",
+        name=f"parallel_dcp w={workers}" + (f" {variant}" if variant else ""),
         family="parallel_dcp",
         procs=workers,
         run=run,
@@ -212,6 +224,8 @@ def save_cases(
     """
     flat = flat_tensors(state_dict)
     cases = [_parallel_dcp(state_dict, n, sync) for n in workers]
+    # What the defaults cost: forked workers instead of writer threads, and the manifest's checksums.
+    cases += [_parallel_dcp(state_dict, max(workers), sync, variant) for variant in ("processes", "no-checksums")]
     cases += [_stock(state_dict, n, sync, crc_off=False) for n in workers]
     cases += [_stock(state_dict, n, sync, crc_off=True) for n in workers]
     cases += peers
