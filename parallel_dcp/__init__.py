@@ -26,6 +26,7 @@ from parallel_dcp.coordinator import save as _save
 from parallel_dcp.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
+    DistributedJobError,
     IncompatibleTorchError,
     InsufficientSpaceError,
     InvalidDestinationError,
@@ -48,6 +49,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointExistsError",
     "CorruptCheckpointError",
+    "DistributedJobError",
     "IncompatibleTorchError",
     "InsufficientSpaceError",
     "InvalidDestinationError",
@@ -92,6 +94,7 @@ def save(
     checksums: bool = True,
     chunk_size: int | str | None = None,
     executor: str = "auto",
+    distributed: bool = False,
 ) -> SaveResult:
     """Save ``state_dict`` as a stock DCP checkpoint at ``path``, with a pool of processes.
 
@@ -123,6 +126,9 @@ def save(
             plain values without ``retries``/``task_timeout``; processes otherwise). Threads write
             with the GIL released and skip the fork; processes isolate crashes, can be killed by
             the memory watchdog and run Python-heavy work (many small tensors) in parallel.
+        distributed: run as one rank of a torchrun/srun job (every rank passes the same state
+            dict and path, on a shared file system); each rank writes its share with its own
+            pool and rank 0 commits once. See :mod:`parallel_dcp.distributed`.
 
     Returns:
         A :class:`SaveResult` with bytes, files, tasks, seconds, GiB/s and per-worker figures.
@@ -150,6 +156,7 @@ def save(
         checksums=checksums,
         chunk_size=chunk_size,
         executor=executor,
+        distributed=distributed,
     )
     return _save(state_dict, path, options)
 
@@ -208,6 +215,7 @@ def convert(
     task_timeout: float | None = None,
     checksums: bool = True,
     chunk_size: int | str | None = None,
+    distributed: bool = False,
 ) -> SaveResult | list[SaveResult]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
 
@@ -223,7 +231,7 @@ def convert(
         to: ``"dcp"``, ``"safetensors"`` or ``"torch"``; with the last two and a ``dst`` without
             those suffixes, a sharded Hugging Face directory (shards plus index JSON).
         workers, memory_limit, overwrite, progress, sync_files, retries, task_timeout, checksums,
-            chunk_size: as for
+            chunk_size, distributed: as for
             :func:`save`.
         dtype: cast floating tensors to this dtype on the way (``"bfloat16"``, ``torch.float16``).
         keys: select keys: globs on flattened names (``"model.layers.*"``), or ``"re:<regex>"``
@@ -254,6 +262,7 @@ def convert(
         task_timeout=task_timeout,
         checksums=checksums,
         chunk_size=chunk_size,
+        distributed=distributed,
     )
     cast = _convert.parse_dtype(dtype)
     shard_bytes = parse_size(shard_size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -55,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--shard-size", default="5GB", help="largest shard of a sharded output (default 5GB)")
     convert.add_argument(
         "--chunk-size", help="split tensors larger than this into DCP chunks (default: from workers and memory)"
+    )
+    convert.add_argument(
+        "--distributed",
+        action="store_true",
+        help="run as one rank of a torchrun/srun job: each rank converts its share, rank 0 commits",
     )
     convert.add_argument(
         "--no-checksums", action="store_true", help="record file sizes only in the manifest (faster; see verify)"
@@ -116,8 +122,11 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
         trust_pickle=args.trust_pickle,
         checksums=not args.no_checksums,
         chunk_size=args.chunk_size,
+        distributed=args.distributed,
     )
     assert isinstance(results, list)
+    if args.distributed and os.environ.get("RANK", "0") != "0":
+        return 0  # every rank has the same result: rank 0 reports it
     if args.json:
         print(json.dumps([_result_dict(r) for r in results], indent=2))
     elif not args.quiet:

@@ -129,10 +129,48 @@ def run_job(
     """
     _compat.check_torch()
     start = time.perf_counter() if start is None else start
+    if options.distributed:
+        from parallel_dcp import distributed
+
+        return distributed.run_job(job, target, options, governor, start=start)
+    plan = plan_job(job, target, options, governor)
+    job, tasks, workers = plan.job, plan.tasks, plan.workers
+    staging = target.stage(options.overwrite)
+    try:
+        staging.check_space(needed_space(job))
+        results = run_tasks(job, target, tasks, str(staging.path), options, governor, min(workers, len(tasks)))
+        files = target.commit(job, tasks, [r.value for r in results], staging.path, options)
+        staging.publish()
+    except BaseException:
+        staging.discard()
+        raise
+    return result_of(target, job, tasks, workers, results, files, governor, options, start)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A job's units (chunks split), its tasks, and how many workers run them."""
+
+    job: Job
+    tasks: list[Task]
+    workers: int
+    threshold: int
+
+
+def plan_job(job: Job, target: Target, options: Options, governor: MemoryGovernor, *, scale: int = 1) -> Plan:
+    """Split, check every unit against the limit, and plan the tasks (before anything is written).
+
+    ``scale`` multiplies the workers the tasks are planned for (the ranks of a distributed job).
+
+    Raises:
+        MemoryLimitExceeded: a unit, or a whole-file output, can never fit under the limit.
+    """
     free = governor.limit - governor.reserved
+    threshold = 0
     if target.kind == "dcp":  # only DCP can hold one tensor as several chunks
         most = options.worker_count(2**31)  # a split may give every worker work, however few the keys
-        job = job.split(_chunk_threshold(job, options, most, task_budget(free, most)))
+        threshold = _chunk_threshold(job, options, most * scale, task_budget(free, most))
+        job = job.split(threshold)
     wanted = options.worker_count(len(job.keys))
     largest = 0
     for key in job.keys:
@@ -140,21 +178,31 @@ def run_job(
         governor.check_item(key, need + WORKER_MEMORY_BYTES)
         largest = max(largest, need)
     workers = affordable_workers(wanted, free, largest)
-    tasks = target.plan(job, workers, task_budget(free, workers))
+    tasks = target.plan(job, workers * scale, task_budget(free, workers))
     for task in tasks:  # a whole-file output is one task: it must fit as a whole
         if len(task.keys) > 1:
             governor.check_item(
                 f"{len(task.keys)} keys written as one file to {target.path}", task.memory + WORKER_MEMORY_BYTES
             )
-    staging = target.stage(options.overwrite)
-    try:
-        staging.check_space(sum(job.out_bytes(k) for k in job.keys) + _RECORD_OVERHEAD * len(job.keys))
-        results = _run_tasks(job, target, tasks, str(staging.path), options, governor, min(workers, len(tasks)))
-        files = target.commit(job, tasks, [r.value for r in results], staging.path, options)
-        staging.publish()
-    except BaseException:
-        staging.discard()
-        raise
+    return Plan(job, tasks, workers, threshold)
+
+
+def needed_space(job: Job) -> int:
+    """Bytes the output will take, records' overhead included."""
+    return sum(job.out_bytes(k) for k in job.keys) + _RECORD_OVERHEAD * len(job.keys)
+
+
+def result_of(
+    target: Target,
+    job: Job,
+    tasks: list[Task],
+    workers: int,
+    results: list[TaskResult[Any]],
+    files: int,
+    governor: MemoryGovernor,
+    options: Options,
+    start: float,
+) -> SaveResult:
     return SaveResult(
         path=str(target.path),
         bytes=sum(t.nbytes for t in tasks),
@@ -191,7 +239,7 @@ def choose_executor(job: Job, options: Options) -> str:
     return "threads" if sizes and sum(sizes) / len(sizes) >= THREAD_MIN_ITEM_BYTES else "processes"
 
 
-def _run_tasks(
+def run_tasks(
     job: Job,
     target: Target,
     tasks: list[Task],

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 __all__ = [
     "CheckpointExistsError",
     "CorruptCheckpointError",
+    "DistributedJobError",
     "IncompatibleTorchError",
     "InsufficientSpaceError",
     "InvalidDestinationError",
@@ -133,3 +134,14 @@ class TaskTimeoutError(ParallelDCPError, TimeoutError):
 
 class InsufficientSpaceError(ParallelDCPError, OSError):
     """The destination's file system cannot hold the checkpoint; raised before any write."""
+
+
+class DistributedJobError(ParallelDCPError):
+    """One or more ranks of a distributed job failed; ``failures`` maps each rank to its error.
+
+    Raised on every rank, so every rank exits non-zero; nothing was committed.
+    """
+
+    def __init__(self, message: str, *, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = dict(failures)

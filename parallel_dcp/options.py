@@ -41,6 +41,10 @@ class Options:
             large tensors (at least 1 MiB each on average) and plain values when neither
             ``retries`` nor ``task_timeout`` is asked for, processes otherwise. See
             :mod:`parallel_dcp.threads`.
+        distributed: run as one rank of a torch.distributed job (torchrun, srun): every rank runs
+            its share of the tasks on its own pool; rank 0 commits (see
+            :mod:`parallel_dcp.distributed`).
+        dist_timeout: seconds a rank waits for the others at each step before failing.
         checksums: record each file's xxh3 checksum in the manifest (``verify`` then finds flipped
             bytes); sizes are recorded either way.
     """
@@ -56,6 +60,8 @@ class Options:
     checksums: bool = True
     chunk_size: int | str | None = None
     executor: str = "auto"
+    distributed: bool = False
+    dist_timeout: float = 1800.0
 
     def __post_init__(self) -> None:
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)):
@@ -66,6 +72,8 @@ class Options:
             parse_size(self.memory_limit)
         if self.chunk_size is not None:
             parse_size(self.chunk_size)
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be > 0 seconds, got {self.dist_timeout!r}")
         if self.executor not in ("auto", "processes", "threads"):
             raise ValueError(f"executor must be 'auto', 'processes' or 'threads', got {self.executor!r}")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:

@@ -24,8 +24,9 @@ __all__ = ["NOTES", "document", "machine_info", "scenario_lines", "write_json"]
 NOTES = [
     "GiB/s: tensor bytes over the median wall time; min/max s: the fastest and slowest repetition.",
     "cpu s: median user+sys seconds of this process and its reaped children (getrusage SELF+CHILDREN),"
-    " the memory sampler excluded. A forked child on this VM reads inherited pages faster than its parent,"
-    " so wall time alone flatters process-based writers; compare CPU too.",
+    " the memory sampler excluded. Forking changes memory speed: on some VMs a forked child reads"
+    " inherited pages faster than its parent, on others (this project's 2-core VM) its first pass over"
+    " them is slower (~0.1 s/GiB); compare CPU beside wall time, and the 'processes' row with the default.",
     "x stock: the stock baseline's median time over this row's (above 1: faster). Save rows: stock dcp.save"
     " (defaults) at the same thread count; torch.save and safetensors: stock t=1; conversions: the stock path.",
     "of limit: the plain write of ready buffers by as many processes, in time over this row's time.",
