@@ -20,24 +20,59 @@ from parallel_dcp.manifest import FileDigest, Hasher
 __all__ = ["CommitWriter", "ShardWriter"]
 
 
+# torch's zip writer makes ~40 small writes per record (headers, pickle, padding): they are
+# gathered here and checksummed, written and counted together, which halves the per-record cost
+# of a save of many small tensors.
+_GATHER_BYTES = 64 * 1024
+
+
 class _RecordingStream:
     """A file that checksums what is written and remembers the OSError of a failed write
-    before torch's zip writer hides it."""
+    before torch's zip writer hides it. Small writes are gathered; ``tell``, ``flush`` and
+    ``fileno`` (which fsync uses) see them as written."""
 
     def __init__(self, stream: Any, owner: _RecordingFileSystem, hasher: Hasher) -> None:
         self._stream = stream
         self._owner = owner
         self._hasher = hasher
+        self._gathered = bytearray()
 
     def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        if size < _GATHER_BYTES:
+            self._gathered += view
+            if len(self._gathered) >= _GATHER_BYTES:
+                self.write_gathered()
+            return size
+        self.write_gathered()
+        self._emit(view)
+        return size
+
+    def write_gathered(self) -> None:
+        if self._gathered:
+            gathered, self._gathered = self._gathered, bytearray()
+            self._emit(memoryview(gathered))
+
+    def _emit(self, view: memoryview) -> None:
         try:
-            written = int(self._stream.write(data))
+            self._stream.write(view)
         except OSError as exc:
             self._owner.error = exc
             raise
-        self._hasher.update(data)
-        progress.report(written)
-        return written
+        self._hasher.update(view)
+        progress.report(view.nbytes)
+
+    def tell(self) -> int:
+        return int(self._stream.tell()) + len(self._gathered)
+
+    def flush(self) -> None:
+        self.write_gathered()
+        self._stream.flush()
+
+    def fileno(self) -> int:
+        self.flush()  # whoever asks for the descriptor (os.fsync) must find every byte written
+        return int(self._stream.fileno())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -56,7 +91,9 @@ class _RecordingFileSystem(FileSystem):
             raise ValueError(f"a shard writer only writes new files, not mode {mode!r}")
         hasher = self.hashers[os.path.basename(path)] = Hasher(checksum=self.checksums)
         with super().create_stream(path, mode) as stream:
-            yield _RecordingStream(stream, self, hasher)  # type: ignore[misc]
+            recording = _RecordingStream(stream, self, hasher)
+            yield recording  # type: ignore[misc]
+            recording.write_gathered()
 
 
 class ShardWriter(FileSystemWriter):

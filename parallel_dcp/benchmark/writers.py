@@ -121,7 +121,7 @@ def _parallel_dcp(state_dict: Any, workers: int, sync: bool, variant: str = "") 
 
     return Case(
         name=f"parallel_dcp w={workers}" + (f" {variant}" if variant else ""),
-        family="parallel_dcp",
+        family="parallel_dcp" + (f" {variant}" if variant else ""),
         procs=workers,
         run=run,
         baseline=f"stock dcp t={workers}",
