@@ -24,6 +24,7 @@ from parallel_dcp.manifest import FileDigest, file_digest, write_manifest
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, merge_metadata, partial_save
 from parallel_dcp.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
+from parallel_dcp.pool import gc_paused
 from parallel_dcp.writer import CommitWriter, ShardWriter
 
 __all__ = ["DcpTarget", "FileTarget", "ShardedTarget", "Target", "target_for"]
@@ -43,6 +44,8 @@ class Job:
     keys: tuple[str, ...]
     dtype: torch.dtype | None = None
     chunks: dict[str, Chunk] = field(default_factory=dict)
+    # unit -> (bytes written, memory needed): asked for several times per unit while planning.
+    _sizes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
 
     def source_keys(self) -> list[str]:
         """The source keys the units cover, in order, each once."""
@@ -64,9 +67,25 @@ class Job:
                 taken.add(name)
                 units.append(name)
                 chunks[name] = piece
-        return Job(self.source, tuple(units), self.dtype, chunks)
+        known = {unit: self._sizes[unit] for unit in units if unit in self._sizes}  # whole keys keep theirs
+        return Job(self.source, tuple(units), self.dtype, chunks, known)
 
     def out_bytes(self, unit: str) -> int:
+        """Bytes of tensor data ``unit`` writes (0 for other values)."""
+        return self._sized(unit)[0]
+
+    def memory(self, unit: str) -> int:
+        """What a worker allocates for ``unit``: its read (or copy), plus the cast result."""
+        return self._sized(unit)[1]
+
+    def _sized(self, unit: str) -> tuple[int, int]:
+        sizes = self._sizes.get(unit)
+        if sizes is None:
+            nbytes = self._out_bytes(unit)
+            sizes = self._sizes[unit] = (nbytes, self._memory(unit, nbytes))
+        return sizes
+
+    def _out_bytes(self, unit: str) -> int:
         chunk = self.chunks.get(unit)
         entry = self.source.entries.get(chunk.key if chunk else unit)
         if entry is None:
@@ -77,14 +96,13 @@ class Job:
     def out_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
 
-    def memory(self, unit: str) -> int:
-        """What a worker allocates for ``unit``: its read (or copy), plus the cast result."""
+    def _memory(self, unit: str, out_bytes: int) -> int:
         chunk = self.chunks.get(unit)
         key = chunk.key if chunk else unit
         if key not in self.source.entries:
             return 0
         entry = self.source.entries[key]
-        cast = self.out_bytes(unit) if self.out_dtype(entry.dtype) != entry.dtype else 0
+        cast = out_bytes if self.out_dtype(entry.dtype) != entry.dtype else 0
         return (self.source.chunk_memory(chunk) if chunk else self.source.copied_bytes(key)) + cast
 
     def read(self, units: tuple[str, ...]) -> dict[str, Any]:
@@ -156,15 +174,15 @@ class DcpTarget(Target):
         return metadata, writes, writer.digests()
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, options: Options) -> int:
-        merged = merge_metadata([r[0] for r in results]) if results else Metadata(state_dict_metadata={})
-        # The source's key order, not the order tasks finished in.
-        keys = job.source_keys()
-        merged.state_dict_metadata = {key: merged.state_dict_metadata[key] for key in keys}
-        # Nesting comes from the whole source, not from the parts (which were saved flat).
-        merged.planner_data = {key: job.source.mapping.get(key, (key,)) for key in keys}
-        commit(
-            merged, [r[1] for r in results], CommitWriter(str(staging), str(self.path), sync_files=options.sync_files)
-        )
+        with gc_paused():  # tens of thousands of small objects; see gc_paused
+            merged = merge_metadata([r[0] for r in results]) if results else Metadata(state_dict_metadata={})
+            # The source's key order, not the order tasks finished in.
+            keys = job.source_keys()
+            merged.state_dict_metadata = {key: merged.state_dict_metadata[key] for key in keys}
+            # Nesting comes from the whole source, not from the parts (which were saved flat).
+            merged.planner_data = {key: job.source.mapping.get(key, (key,)) for key in keys}
+            writer = CommitWriter(str(staging), str(self.path), sync_files=options.sync_files)
+            commit(merged, [r[1] for r in results], writer)
         digests: dict[str, FileDigest] = {}
         for result in results:
             digests.update(result[2])
