@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["llm_like", "many_small", "tensor_bytes"]
+__all__ = ["llm_like", "lopsided", "many_small", "tensor_bytes"]
 
 
 def llm_like(gib: float, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -34,6 +34,17 @@ def llm_like(gib: float, seed: int = 0) -> dict[str, torch.Tensor]:
             used += t.nbytes
         layer += 1
     return sd
+
+
+def lopsided(gib: float, share: float = 0.6, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One embedding of ``share`` of the bytes beside an LLM-like rest: the key-per-task worst case."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = 1024 if gib * 2**30 >= 2**28 else 64
+    rows = max(2, int(gib * 2**30 * share) // (hidden * 4))
+    sd = {"tok_embeddings.weight": torch.randn(rows, hidden, generator=gen)}
+    rest = llm_like(gib * (1 - share), seed + 1)
+    rest.pop("tok_embeddings.weight")
+    return sd | rest
 
 
 def many_small(count: int, seed: int = 0) -> dict[str, Any]:

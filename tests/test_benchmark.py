@@ -73,7 +73,7 @@ def test_bench_runs_every_suite_and_writes_table_json_and_png(tmp_path: Path) ->
     run = _bench(
         [
             *TINY,
-            *("--suite", "save", "small", "convert", "--targets", "disk", "--disk-dir", str(target)),
+            *("--suite", "save", "small", "convert", "lopsided", "--targets", "disk", "--disk-dir", str(target)),
             *("--json", str(results / "bench.json"), "--plot", str(results / "bench.png")),
         ],
         cwd=tmp_path,
@@ -89,7 +89,15 @@ def test_bench_runs_every_suite_and_writes_table_json_and_png(tmp_path: Path) ->
     assert data["ok"] is True
     assert {"cores", "ram_bytes", "torch", "date"} <= data["machine"].keys()
     scenarios = {s["key"]: s for s in data["scenarios"]}
-    assert set(scenarios) == {"save/disk/sync-on", "small/disk/sync-on", "convert/disk/sync-on"}
+    assert set(scenarios) == {
+        "save/disk/sync-on",
+        "small/disk/sync-on",
+        "convert/disk/sync-on",
+        "lopsided/disk/sync-on",
+    }
+    lopsided = scenarios["lopsided/disk/sync-on"]
+    assert {"parallel_dcp w=1", "parallel_dcp w=2", "parallel_dcp w=2 unsplit"} <= lopsided["rows"].keys()
+    assert lopsided["summary"]["speedup_vs_one_worker"] > 0 and "lopsided: parallel_dcp w=2 vs w=1" in out
     for key, expected in (("save/disk/sync-on", SAVE_ROWS), ("convert/disk/sync-on", CONVERT_ROWS)):
         rows = scenarios[key]["rows"]
         assert expected <= rows.keys()

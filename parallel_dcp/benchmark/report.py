@@ -67,6 +67,12 @@ def _row_line(name: str, row: dict[str, Any]) -> str:
 def _save_summary_lines(scenario: Scenario, s: dict[str, Any]) -> list[str]:
     n = s["workers"]
     ours = f"{'many-small: ' if scenario.suite == 'small' else ''}parallel_dcp w={n}"
+    if scenario.suite == "lopsided":
+        return [
+            f"lopsided: parallel_dcp w={n} vs w=1: {_num(s['speedup_vs_one_worker'], '.2f', 'x')}",
+            f"lopsided: parallel_dcp w={n} vs the same unsplit: {_num(s['speedup_vs_unsplit'], '.2f', 'x')}",
+            f"lopsided: parallel_dcp w={n} time vs plain write: {_num(s['time_vs_plain_write'], '.2f', 'x')}",
+        ]
     return [
         f"{ours} vs stock dcp t={n} (defaults): {_num(s['speedup_vs_stock_same_count'], '.2f', 'x')}",
         f"{ours} vs best stock ({s['best_stock'] or '-'}): {_num(s['speedup_vs_best_stock'], '.2f', 'x')}",

@@ -103,8 +103,12 @@ def _save_summary(scenario: Scenario, rows: dict[str, dict[str, Any]]) -> dict[s
     stock = rows.get(f"stock dcp t={n}", {}).get("median_s")
     plain = rows.get(f"plain write x{n}", {}).get("median_s")
     nvrx = rows.get(f"nvrx w={n}", {}).get("median_s")
+    one = rows.get("parallel_dcp w=1", {}).get("median_s")
+    unsplit = rows.get(f"parallel_dcp w={n} unsplit", {}).get("median_s")
     return {
         "workers": n,
+        "speedup_vs_one_worker": _ratio(one, ours),
+        "speedup_vs_unsplit": _ratio(unsplit, ours),
         "speedup_vs_stock_same_count": _ratio(stock, ours),
         "best_stock": best,
         "speedup_vs_best_stock": _ratio(rows[best]["median_s"], ours) if best else None,

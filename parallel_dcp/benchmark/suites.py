@@ -23,15 +23,15 @@ from parallel_dcp.benchmark.config import BenchConfig, Target
 from parallel_dcp.benchmark.conversion import build_sources, convert_cases, convert_memory_limit
 from parallel_dcp.benchmark.measure import Case, run_interleaved
 from parallel_dcp.benchmark.results import Scenario
-from parallel_dcp.benchmark.writers import CRC_NOTE, flat_tensors, limit_cases, save_cases
+from parallel_dcp.benchmark.writers import CRC_NOTE, flat_tensors, limit_cases, save_cases, unsplit_case
 from parallel_dcp.memory import format_bytes
-from parallel_dcp.synthetic import llm_like, many_small, tensor_bytes
+from parallel_dcp.synthetic import llm_like, lopsided, many_small, tensor_bytes
 
 __all__ = ["run_all"]
 
 # What a scenario keeps on its target at once, in state-dict sizes: one output (save); the two
 # sources and one output (convert). Plus slack for metadata and zip headers.
-_SPACE_FACTOR = {"save": 1.2, "small": 1.5, "convert": 3.3}
+_SPACE_FACTOR = {"save": 1.2, "small": 1.5, "convert": 3.3, "lopsided": 1.2}
 
 
 class StateDicts:
@@ -42,9 +42,10 @@ class StateDicts:
         self._built: dict[str, Any] = {}
 
     def get(self, suite: str) -> Any:
-        kind = "small" if suite == "small" else "llm"
+        kind = suite if suite in ("small", "lopsided") else "llm"
         if kind not in self._built:
-            self._built[kind] = many_small(self._config.small) if kind == "small" else llm_like(self._config.gib)
+            build = {"small": lambda: many_small(self._config.small), "lopsided": lambda: lopsided(self._config.gib)}
+            self._built[kind] = build.get(kind, lambda: llm_like(self._config.gib))()
         return self._built[kind]
 
     def describe(self, suite: str) -> str:
@@ -52,6 +53,8 @@ class StateDicts:
         size = format_bytes(tensor_bytes(sd))
         if suite == "small":
             return f"many-small: {len(flat_tensors(sd)):,} optimizer-like tensors, {size}"
+        if suite == "lopsided":
+            return f"lopsided: one tensor of 60% of the bytes beside {len(sd) - 1:,} others, {size}"
         dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in flat_tensors(sd).values()})
         return f"LLM-like: {len(sd):,} tensors ({'+'.join(dtypes)}), {size}"
 
@@ -69,6 +72,10 @@ def _check_space(target: Target, suite: str, nbytes: int) -> None:
 def _cases(suite: str, sd: Any, root: str, sync: bool, config: BenchConfig) -> tuple[list[Case], list[str]]:
     workers = list(config.workers)
     tensors = flat_tensors(sd)
+    if suite == "lopsided":  # chunking on (the default) against whole keys as the unit of work
+        cases = save_cases(sd, workers, sync, [], with_files=False)
+        cases.insert(len(workers), unsplit_case(sd, max(workers), sync))
+        return cases, [CRC_NOTE, "unsplit: chunk_size larger than any tensor, so the big one is one task"]
     if suite != "convert":
         found = peers.peer_cases(sd, workers, sync) if config.peers else []
         return save_cases(sd, workers, sync, found, with_files=config.peers), [CRC_NOTE]

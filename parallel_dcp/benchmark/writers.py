@@ -106,8 +106,13 @@ def memcpy(tensors: list[torch.Tensor]) -> None:
 
 
 def _parallel_dcp(state_dict: Any, workers: int, sync: bool, variant: str = "") -> Case:
-    """``variant``: "" (the defaults), "processes" (forked workers forced) or "no-checksums"."""
-    variants: dict[str, dict[str, Any]] = {"processes": {"executor": "processes"}, "no-checksums": {"checksums": False}}
+    """``variant``: "" (the defaults), "processes" (forked workers forced), "no-checksums", or
+    "unsplit" (no tensor split into chunks)."""
+    variants: dict[str, dict[str, Any]] = {
+        "processes": {"executor": "processes"},
+        "no-checksums": {"checksums": False},
+        "unsplit": {"chunk_size": 2**62},
+    }
     options = variants.get(variant, {})
 
     def run(out: str) -> dict[str, Any]:
@@ -127,6 +132,11 @@ def _parallel_dcp(state_dict: Any, workers: int, sync: bool, variant: str = "") 
         baseline=f"stock dcp t={workers}",
         limit=f"plain write x{workers}",
     )
+
+
+def unsplit_case(state_dict: Any, workers: int, sync: bool) -> Case:
+    """parallel_dcp with whole keys as the unit of work (what chunking is measured against)."""
+    return _parallel_dcp(state_dict, workers, sync, "unsplit")
 
 
 def _stock(state_dict: Any, threads: int, sync: bool, crc_off: bool) -> Case:
