@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 if TYPE_CHECKING:
     from parallel_dcp.formats.base import Entry
 
-__all__ = ["MIN_CHUNK_BYTES", "Chunk", "ChunkSavePlanner", "chunk_threshold", "split"]
+__all__ = ["MIN_CHUNK_BYTES", "Chunk", "ChunkSavePlanner", "chunk_threshold", "exact_storage", "split"]
 
 # Below this, splitting costs more in per-item overhead than it gains in balance.
 MIN_CHUNK_BYTES = 32 * 1024 * 1024
@@ -58,6 +58,21 @@ class Chunk:
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         """This chunk of the whole tensor (a view)."""
         return tensor.narrow(self.dim, self.start, self.stop - self.start)
+
+
+def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when its storage is exactly its bytes; for a contiguous view into a larger
+    storage (a row range of a tensor), an alias over just its bytes (no copy). Other views are
+    returned as they are (the writer copies them).
+
+    DCP copies any tensor whose storage is larger than its elements, so that ``torch.save`` does not
+    write the whole storage: a chunk of a 10 GiB embedding would otherwise cost a copy of itself.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0 or not tensor.is_contiguous() or tensor.untyped_storage().nbytes() == nbytes:
+        return tensor
+    flat_bytes = tensor.reshape(-1).view(torch.uint8)  # numpy has no bfloat16 / float8: go through bytes
+    return torch.from_numpy(flat_bytes.numpy()).view(tensor.dtype).reshape(tensor.shape)
 
 
 def chunk_threshold(total_bytes: int, workers: int, task_budget: int) -> int:

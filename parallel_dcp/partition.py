@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["Item", "Task", "affordable_workers", "partition"]
@@ -152,23 +152,3 @@ def affordable_workers(wanted: int, limit: int, largest_need: int) -> int:
 def task_budget(limit: int, workers: int) -> int:
     """The memory each of ``workers`` tasks in flight may use under ``limit``."""
     return max(1, (limit - workers * WORKER_MEMORY_BYTES) // workers)
-
-
-def items_of(flat: Mapping[str, object]) -> list[Item]:
-    """Items for an in-memory flat state dict.
-
-    A tensor counts its bytes; it needs memory only if the writer must copy it first (DCP copies a
-    tensor whose storage is not exactly its own elements: a view, a slice, a transposed tensor).
-    Any other value is a small pickle and counts 0.
-    """
-    import torch
-
-    items = []
-    for key, value in flat.items():
-        if isinstance(value, torch.Tensor):
-            nbytes = value.numel() * value.element_size()
-            copied = value.untyped_storage().nbytes() != nbytes
-            items.append(Item(key, nbytes, nbytes if copied else 0))
-        else:
-            items.append(Item(key, 0))
-    return items

@@ -45,7 +45,7 @@ from parallel_dcp.errors import (
 from parallel_dcp.memory import MemoryGovernor, format_bytes
 from parallel_dcp.partition import Task
 
-__all__ = ["TaskResult", "WorkerPool", "gc_paused"]
+__all__ = ["TaskResult", "WorkerPool", "gc_paused", "return_freed_memory"]
 
 R = TypeVar("R")
 
@@ -93,7 +93,7 @@ def _worker_main(
             _send(conn, reply)
         except Exception as exc:  # a result that cannot be pickled is the task's error, not a crash
             _send(conn, ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc()))
-        _return_freed_memory()
+        return_freed_memory()
 
 
 def _send(conn: Any, message: Any) -> None:
@@ -136,7 +136,7 @@ def _die_with_parent(coordinator: int) -> None:
         os._exit(1)
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Give freed heap pages back to the OS between tasks, so the governor sees real usage."""
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):

@@ -27,7 +27,7 @@ from typing import Any
 from parallel_dcp.errors import MemoryLimitExceeded, RemoteTraceback, WorkerError, describe_keys
 from parallel_dcp.memory import MemoryGovernor, format_bytes
 from parallel_dcp.partition import Task
-from parallel_dcp.pool import TaskResult
+from parallel_dcp.pool import TaskResult, return_freed_memory
 
 __all__ = ["THREAD_MIN_ITEM_BYTES", "ThreadPool", "plain_value"]
 
@@ -74,6 +74,8 @@ class ThreadPool:
             value = self._handler(task)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             raise _ThreadFailure(worker, exc, traceback.format_exc()) from exc
+        finally:
+            return_freed_memory()  # copies freed into malloc's arenas would otherwise stay counted
         return worker, time.perf_counter() - start, value
 
     def run(

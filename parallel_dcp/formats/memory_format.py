@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from parallel_dcp.chunks import Chunk
+from parallel_dcp.chunks import Chunk, exact_storage
 from parallel_dcp.formats.base import Source, entry_of
 from parallel_dcp.validate import flatten_checked
 
@@ -33,17 +33,20 @@ class MemorySource(Source):
                 self.values[key] = value
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        return {key: self._flat[key] for key in keys}
+        return {key: exact_storage(self._flat[key]) for key in keys}
 
     def read_chunk(self, chunk: Chunk) -> torch.Tensor:
-        return chunk.of(self._flat[chunk.key])
+        return exact_storage(chunk.of(self._flat[chunk.key]))
 
     def chunk_memory(self, chunk: Chunk) -> int:
-        return chunk.nbytes(self.entries[chunk.key].dtype.itemsize)  # DCP copies the view
+        # A row range of a contiguous tensor is aliased as it is; any other chunk is copied by DCP.
+        if chunk.dim == 0 and self._flat[chunk.key].is_contiguous():
+            return 0
+        return chunk.nbytes(self.entries[chunk.key].dtype.itemsize)
 
     def copied_bytes(self, key: str) -> int:
-        """Bytes a writer must copy before writing ``key``: DCP clones a tensor whose storage is
-        not exactly its own elements (a view, a slice, a transposed tensor); others are written
-        from the shared pages as they are."""
+        """Bytes a writer must copy before writing ``key``: DCP clones a non-contiguous view (a
+        transposed or strided tensor); a contiguous tensor is written from the shared pages as it
+        is (a contiguous slice of a larger storage through an alias: see ``exact_storage``)."""
         tensor = self._flat[key]
-        return tensor.nbytes if tensor.untyped_storage().nbytes() != tensor.nbytes else 0
+        return 0 if tensor.is_contiguous() else tensor.nbytes

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from parallel_dcp import _compat
-from parallel_dcp.chunks import Chunk
+from parallel_dcp.chunks import Chunk, exact_storage
 from parallel_dcp.errors import UnsafeCheckpointError
 from parallel_dcp.formats.base import Source, entry_of
 from parallel_dcp.validate import flatten_checked
@@ -112,11 +112,12 @@ class TorchSource(Source):
         self._loaded.clear()
 
     def read_chunk(self, chunk: Chunk) -> torch.Tensor:
-        """A view of the mapped file: only the chunk's pages are read (DCP then copies the view)."""
-        return chunk.of(self.read([chunk.key])[chunk.key])
+        """A view of the mapped file: only the chunk's pages are read (aliased, not copied, when
+        the chunk is a row range)."""
+        return exact_storage(chunk.of(self.read([chunk.key])[chunk.key]))
 
     def chunk_memory(self, chunk: Chunk) -> int:
-        return 2 * chunk.nbytes(self.entries[chunk.key].dtype.itemsize)  # mapped pages + DCP's copy
+        return 2 * chunk.nbytes(self.entries[chunk.key].dtype.itemsize)  # mapped pages (+ a copy if strided)
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         out = {}
