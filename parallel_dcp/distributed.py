@@ -32,6 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from parallel_dcp import coordinator
+from parallel_dcp.destination import FileStaging, Staging
 from parallel_dcp.errors import DistributedJobError
 from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.options import Options
@@ -164,6 +165,26 @@ def _run(
     if "error" in announcement:
         raise DistributedJobError(f"the job failed before any write: {announcement['error']}", failures={0: ""})
 
+    try:
+        return _write_and_commit(job, target, options, governor, start, group, announcement, staging)
+    except BaseException:
+        if staging is not None:  # rank 0, interrupted (Ctrl-C) or failed outside the steps below
+            staging.discard()
+        raise
+
+
+def _write_and_commit(
+    job: Job,
+    target: Target,
+    options: Options,
+    governor: MemoryGovernor,
+    start: float,
+    group: Any,
+    announcement: dict[str, Any],
+    staging: Staging | FileStaging | None,
+) -> coordinator.SaveResult:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    host = socket.gethostname()
     if announcement["threshold"]:
         job = job.split(announcement["threshold"])
     tasks = target.plan(job, announcement["workers"] * world, announcement["budget"])
