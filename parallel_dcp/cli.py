@@ -165,7 +165,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 class _UsageError(Exception):
-    pass
+    """Arguments argparse accepts but the command cannot use (exit code 2)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

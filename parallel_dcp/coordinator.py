@@ -40,8 +40,6 @@ from parallel_dcp.partition import (
     TASK_MEMORY_BYTES,
     WORKER_MEMORY_BYTES,
     Task,
-    affordable_workers,
-    task_budget,
 )
 from parallel_dcp.pool import TaskResult, WorkerPool, gc_paused
 from parallel_dcp.targets import DcpTarget, Job, Target
@@ -167,20 +165,13 @@ def plan_job(job: Job, target: Target, options: Options, governor: MemoryGoverno
     Raises:
         MemoryLimitExceeded: a unit, or a whole-file output, can never fit under the limit.
     """
-    free = governor.limit - governor.reserved
     threshold = 0
     if target.kind == "dcp":  # only DCP can hold one tensor as several chunks
         most = options.worker_count(2**31)  # a split may give every worker work, however few the keys
-        threshold = _chunk_threshold(job, options, most * scale, task_budget(free, most))
+        threshold = _chunk_threshold(job, options, most * scale, governor.task_budget(most))
         job = job.split(threshold)
-    wanted = options.worker_count(len(job.keys))
-    largest = 0
-    for key in job.keys:
-        need = TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + job.memory(key)
-        governor.check_item(key, need + WORKER_MEMORY_BYTES)
-        largest = max(largest, need)
-    workers = affordable_workers(wanted, free, largest)
-    tasks = target.plan(job, workers * scale, task_budget(free, workers))
+    workers = governor.workers_for(((key, job.memory(key)) for key in job.keys), options.worker_count(len(job.keys)))
+    tasks = target.plan(job, workers * scale, governor.task_budget(workers))
     for task in tasks:  # a whole-file output is one task: it must fit as a whole
         if len(task.keys) > 1:
             governor.check_item(

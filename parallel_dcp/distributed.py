@@ -36,7 +36,7 @@ from parallel_dcp.destination import FileStaging, Staging
 from parallel_dcp.errors import DistributedJobError
 from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.options import Options
-from parallel_dcp.partition import Task, task_budget
+from parallel_dcp.partition import Task
 from parallel_dcp.pool import TaskResult
 from parallel_dcp.targets import Job, Target
 
@@ -148,11 +148,10 @@ def _run(
             plan = coordinator.plan_job(job, target, options, governor, scale=world)
             staging = target.stage(options.overwrite)
             staging.check_space(coordinator.needed_space(plan.job))
-            free = governor.limit - governor.reserved
             announcement = {
                 "threshold": plan.threshold,
                 "workers": plan.workers,
-                "budget": task_budget(free, plan.workers),
+                "budget": governor.task_budget(plan.workers),
                 "staging": str(staging.path),
             }
         except Exception as exc:

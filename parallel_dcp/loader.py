@@ -30,16 +30,7 @@ from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.metadata_io import read_metadata
 from parallel_dcp.options import Options
 from parallel_dcp.partial import extract_metadata, partial_load
-from parallel_dcp.partition import (
-    ITEM_MEMORY_BYTES,
-    TASK_MEMORY_BYTES,
-    WORKER_MEMORY_BYTES,
-    Item,
-    Task,
-    affordable_workers,
-    partition,
-    task_budget,
-)
+from parallel_dcp.partition import Item, Task, partition
 from parallel_dcp.pool import WorkerPool
 
 __all__ = ["load"]
@@ -119,14 +110,8 @@ def load(path: str | os.PathLike[str], keys: Iterable[str] | None, options: Opti
     # The output lives in memory for good; each item also needs a read buffer of its size.
     governor = MemoryGovernor(options.memory_ceiling())
     governor.reserve(sum(item.nbytes for item in items), f"loading {len(items)} keys from {path}")
-    largest = 0
-    for item in items:
-        need = TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + item.memory
-        governor.check_item(item.key, need + WORKER_MEMORY_BYTES)
-        largest = max(largest, need)
-    free = governor.limit - governor.reserved
-    workers = affordable_workers(options.worker_count(len(items)), free, largest)
-    tasks = partition(items, workers, max_task_memory=task_budget(free, workers), memory_adds_up=False)
+    workers = governor.workers_for(((it.key, it.memory) for it in items), options.worker_count(len(items)))
+    tasks = partition(items, workers, max_task_memory=governor.task_budget(workers), memory_adds_up=False)
     _check_shards(path, metadata, selected)
     targets: dict[str, torch.Tensor | None] = {k: None for k in selected}
     targets.update(_shared_tensors(tensor_metas))

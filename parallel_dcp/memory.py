@@ -30,6 +30,13 @@ from dataclasses import dataclass
 import psutil
 
 from parallel_dcp.errors import MemoryLimitExceeded, describe_keys
+from parallel_dcp.partition import (
+    ITEM_MEMORY_BYTES,
+    TASK_MEMORY_BYTES,
+    WORKER_MEMORY_BYTES,
+    affordable_workers,
+    task_budget,
+)
 
 __all__ = ["DEFAULT_FRACTION", "MemoryGovernor", "default_limit", "format_bytes", "parse_size"]
 
@@ -171,6 +178,26 @@ class MemoryGovernor:
                 measured=self.reserved + need,
                 keys=[key],
             )
+
+    def workers_for(self, needs: Iterable[tuple[str, int]], wanted: int) -> int:
+        """How many of ``wanted`` workers the limit affords, after checking that every item fits.
+
+        Args:
+            needs: (key, memory its worker allocates for it) for every item of the job.
+
+        Raises:
+            MemoryLimitExceeded: an item can never fit (before anything is written).
+        """
+        largest = 0
+        for key, memory in needs:
+            need = TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + memory
+            self.check_item(key, need + WORKER_MEMORY_BYTES)
+            largest = max(largest, need)
+        return affordable_workers(wanted, self.limit - self.reserved, largest)
+
+    def task_budget(self, workers: int) -> int:
+        """The memory each of ``workers`` tasks in flight may use beside what is set aside."""
+        return task_budget(self.limit - self.reserved, workers)
 
     def settle(self, worker_pids: Iterable[int], planned: int = 0) -> None:
         """Measure what the started, idle workers cost; tasks are admitted into what is left.

@@ -22,16 +22,7 @@ from parallel_dcp.formats.base import Source
 from parallel_dcp.manifest import FileDigest, file_digest, read_manifest
 from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.options import Options
-from parallel_dcp.partition import (
-    ITEM_MEMORY_BYTES,
-    TASK_MEMORY_BYTES,
-    WORKER_MEMORY_BYTES,
-    Item,
-    Task,
-    affordable_workers,
-    partition,
-    task_budget,
-)
+from parallel_dcp.partition import Item, Task, partition
 from parallel_dcp.pool import WorkerPool
 
 __all__ = ["VerifyReport", "verify"]
@@ -172,11 +163,8 @@ def verify(path: str | os.PathLike[str], against: str | os.PathLike[str] | None,
         keys = [k for k in keys if k in theirs]
     items = [Item(k, source.entries[k].nbytes, _read_cost(source, reference, k)) for k in keys if k in source.entries]
     items += [Item(k, 0, 0) for k in keys if k not in source.entries]
-    largest = max((TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + it.memory for it in items), default=0)
-    for item in items:
-        governor.check_item(item.key, TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + item.memory + WORKER_MEMORY_BYTES)
-    workers = affordable_workers(workers, governor.limit, largest)
-    tasks = partition(items, workers, max_task_memory=task_budget(governor.limit, workers), memory_adds_up=False)
+    workers = governor.workers_for(((it.key, it.memory) for it in items), workers)
+    tasks = partition(items, workers, max_task_memory=governor.task_budget(workers), memory_adds_up=False)
     report.problems += _run(tasks, _compare_handler(source, reference), options, governor, workers)
     report.keys_checked = len(keys)
     report.bytes_checked = sum(it.nbytes for it in items)
