@@ -215,8 +215,8 @@ def _exchange(a: Path, b: Path) -> bool:
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot fsync a directory; the rename is still atomic
+        # Some file systems cannot fsync a directory; the rename is atomic all the same.
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)

@@ -17,6 +17,7 @@ from parallel_dcp.chunks import split
 from parallel_dcp.formats.base import Entry
 from tests.conftest import assert_same
 from tests.memory_probe import PeakSampler
+from tests.test_roundtrip import DTYPES
 
 MiB = 2**20
 
@@ -62,23 +63,6 @@ def test_a_dominant_tensor_round_trips_through_stock_readers(tmp_path: Path, wor
     assert_same(torch.load(tmp_path / "whole.pt", weights_only=True), state)
     assert_same(parallel_dcp.load(tmp_path / "ckpt"), state)
     assert parallel_dcp.verify(tmp_path / "ckpt").ok
-
-
-DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -86,12 +86,7 @@ def test_ctrl_c_stops_workers_and_removes_staging(tmp_path: Path) -> None:
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "saving"
-        coordinator = psutil.Process(proc.pid)
-        deadline = time.monotonic() + 30
-        while len(coordinator.children()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        workers = coordinator.children()
-        assert len(workers) == 2
+        workers = wait_for_workers(proc.pid, 2)
         time.sleep(0.3)
         interrupted = time.monotonic()
         proc.send_signal(signal.SIGINT)
@@ -194,12 +189,7 @@ def test_coordinator_killed_takes_its_workers_with_it(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "ckpt")], cwd=ROOT, stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"saving"
-        coordinator = psutil.Process(proc.pid)
-        deadline = time.monotonic() + 30
-        while len(coordinator.children()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        workers = coordinator.children()
-        assert len(workers) == 2
+        workers = wait_for_workers(proc.pid, 2)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         _gone, alive = psutil.wait_procs(workers, timeout=10)
@@ -208,3 +198,14 @@ def test_coordinator_killed_takes_its_workers_with_it(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def wait_for_workers(pid: int, count: int) -> list[psutil.Process]:
+    """The ``count`` worker processes of coordinator ``pid``, once they have all started."""
+    coordinator = psutil.Process(pid)
+    deadline = time.monotonic() + 30
+    while len(coordinator.children()) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = coordinator.children()
+    assert len(workers) == count
+    return workers
