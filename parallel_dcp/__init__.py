@@ -41,6 +41,7 @@ from parallel_dcp.errors import (
 )
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, extract_metadata, load_metadata, merge_metadata, partial_load, partial_save
+from parallel_dcp.storage import is_url
 from parallel_dcp.targets import DEFAULT_SHARD_SIZE
 from parallel_dcp.verify import VerifyReport
 
@@ -95,6 +96,7 @@ def save(
     chunk_size: int | str | None = None,
     executor: str = "auto",
     distributed: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> SaveResult:
     """Save ``state_dict`` as a stock DCP checkpoint at ``path``, with a pool of processes.
 
@@ -104,11 +106,13 @@ def save(
 
     Args:
         state_dict: what to save. Workers are forked after it exists and read it copy-on-write.
-        path: the checkpoint directory. It must not exist, be empty, or (with ``overwrite``)
-            hold a checkpoint.
+        path: the checkpoint directory, or a URL on object storage (``s3://bucket/prefix``, any
+            fsspec URL). It must not exist, be empty, or (with ``overwrite``) hold a checkpoint.
         workers: worker processes; None uses every usable core.
         overwrite: replace an existing checkpoint. The new one is built beside it and swapped
-            in atomically; if the save fails, the old one stays as it was.
+            in atomically; if the save fails, the old one stays as it was. (On object storage the
+            new shards are uploaded beside the old ones under new names and ``.metadata``
+            replaced last; see :mod:`parallel_dcp.destination`.)
         progress: show a progress bar on stderr.
         sync_files: fsync every file before the commit (as stock DCP does).
         crc32: compute ``torch.save``'s per-record CRC32 (off by default: no DCP reader checks it).
@@ -129,6 +133,9 @@ def save(
         distributed: run as one rank of a torchrun/srun job (every rank passes the same state
             dict and path, on a shared file system); each rank writes its share with its own
             pool and rank 0 commits once. See :mod:`parallel_dcp.distributed`.
+        storage_options: fsspec options for URLs (``{"endpoint_url": ...}``); credentials come
+            from the standard AWS environment and config. On object storage ``.metadata`` is
+            uploaded last, after every shard (see :mod:`parallel_dcp.destination`).
 
     Returns:
         A :class:`SaveResult` with bytes, files, tasks, seconds, GiB/s and per-worker figures.
@@ -157,6 +164,7 @@ def save(
         chunk_size=chunk_size,
         executor=executor,
         distributed=distributed,
+        storage_options=storage_options,
     )
     return _save(state_dict, path, options)
 
@@ -170,6 +178,7 @@ def load(
     memory_limit: int | str | None = None,
     retries: int = 0,
     task_timeout: float | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load a DCP checkpoint (all keys, or the flattened ``keys`` given) with a pool of processes.
 
@@ -177,12 +186,13 @@ def load(
     original nesting. ``.metadata`` is read with an allow-list unpickler, never plain pickle.
 
     Args:
-        path: a committed DCP checkpoint directory (written by any DCP writer).
+        path: a committed DCP checkpoint directory (written by any DCP writer), or its URL.
         keys: flattened names (``"model.layer.weight"``) to load; None loads everything.
         workers: worker processes; None uses every usable core.
         progress: show a progress bar on stderr.
         memory_limit, retries, task_timeout: as for :func:`save`; the loaded tensors count
             against ``memory_limit``, so it must be larger than the bytes loaded.
+        storage_options: as for :func:`save`.
 
     Raises:
         FileNotFoundError: ``path`` holds no committed checkpoint.
@@ -192,7 +202,12 @@ def load(
         WorkerError / WorkerCrashed / TaskTimeoutError: a worker failed; no partial result is returned.
     """
     options = Options(
-        workers=workers, progress=progress, memory_limit=memory_limit, retries=retries, task_timeout=task_timeout
+        workers=workers,
+        progress=progress,
+        memory_limit=memory_limit,
+        retries=retries,
+        task_timeout=task_timeout,
+        storage_options=storage_options,
     )
     return _loader.load(path, keys, options)
 
@@ -216,6 +231,7 @@ def convert(
     checksums: bool = True,
     chunk_size: int | str | None = None,
     distributed: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> SaveResult | list[SaveResult]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
 
@@ -231,8 +247,9 @@ def convert(
         to: ``"dcp"``, ``"safetensors"`` or ``"torch"``; with the last two and a ``dst`` without
             those suffixes, a sharded Hugging Face directory (shards plus index JSON).
         workers, memory_limit, overwrite, progress, sync_files, retries, task_timeout, checksums,
-            chunk_size, distributed: as for
-            :func:`save`.
+            chunk_size, distributed, storage_options: as for :func:`save`. Sources and
+            destinations may be URLs (``s3://...``): safetensors and DCP sources are read by byte
+            ranges, torch.save sources through a local temporary copy.
         dtype: cast floating tensors to this dtype on the way (``"bfloat16"``, ``torch.float16``).
         keys: select keys: globs on flattened names (``"model.layers.*"``), or ``"re:<regex>"``
             matched against the whole name; several patterns select the union.
@@ -263,6 +280,7 @@ def convert(
         checksums=checksums,
         chunk_size=chunk_size,
         distributed=distributed,
+        storage_options=storage_options,
     )
     cast = _convert.parse_dtype(dtype)
     shard_bytes = parse_size(shard_size)
@@ -270,7 +288,7 @@ def convert(
     if not sources:
         raise ValueError("convert needs at least one source")
     outputs = _convert.destinations(sources, dst)
-    if len(sources) > 1:
+    if len(sources) > 1 and not is_url(dst):
         os.makedirs(dst, exist_ok=True)
     results = [
         _convert.convert_one(
@@ -287,21 +305,25 @@ def verify(
     against: str | os.PathLike[str] | None = None,
     workers: int | None = None,
     memory_limit: int | str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> VerifyReport:
     """Check a checkpoint: manifest sizes and checksums, every key read back, and bit-for-bit
     equality with ``against`` (any supported format) when given.
 
     Finds what stock DCP loads silently: a flipped byte, a truncated shard. Problems are
-    collected in the report (``report.ok`` is False), not raised.
+    collected in the report (``report.ok`` is False), not raised. ``path`` and ``against`` may be
+    URLs (``storage_options`` as for :func:`save`).
 
     Raises:
         FileNotFoundError / ValueError: ``path`` or ``against`` is missing or of no known format.
         CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
     """
-    return _verify.verify(path, against, Options(workers=workers, memory_limit=memory_limit))
+    options = Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options)
+    return _verify.verify(path, against, options)
 
 
-def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
+def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Describe a checkpoint from its headers only: ``format``, ``committed``, ``keys``,
-    ``tensors``, ``total_bytes``, ``dtypes``, ``largest`` tensors, ``files`` and ``manifest``."""
-    return _inspection.inspect_checkpoint(path)
+    ``tensors``, ``total_bytes``, ``dtypes``, ``largest`` tensors, ``files`` and ``manifest``.
+    ``path`` may be a URL (``storage_options`` as for :func:`save`)."""
+    return _inspection.inspect_checkpoint(path, storage_options)

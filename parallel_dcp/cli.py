@@ -22,7 +22,30 @@ from parallel_dcp.memory import format_bytes
 __all__ = ["main"]
 
 
+def _storage_options(text: str) -> dict[str, Any]:
+    """``--storage-options``: a JSON object of fsspec options."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _storage(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--storage-options",
+        type=_storage_options,
+        default=None,
+        metavar="JSON",
+        help='fsspec options for s3:// (or other) URLs, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'; '
+        "credentials come from the AWS environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ~/.aws)",
+    )
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
+    _storage(parser)
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default: every usable core)")
     parser.add_argument(
         "--memory-limit",
@@ -73,6 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="describe a checkpoint from its headers")
     inspect.add_argument("path", metavar="PATH")
     inspect.add_argument("--json", action="store_true", help="print JSON on stdout")
+    _storage(inspect)
 
     verify = sub.add_parser(
         "verify", help="check checksums, read everything back, compare with a source", description=None
@@ -123,6 +147,7 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
         checksums=not args.no_checksums,
         chunk_size=args.chunk_size,
         distributed=args.distributed,
+        storage_options=args.storage_options,
     )
     assert isinstance(results, list)
     if args.distributed and os.environ.get("RANK", "0") != "0":
@@ -140,13 +165,19 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    info = parallel_dcp.inspect(args.path)
+    info = parallel_dcp.inspect(args.path, storage_options=args.storage_options)
     print(json.dumps(info, indent=2) if args.json else describe(info))
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    report = parallel_dcp.verify(args.path, against=args.against, workers=args.workers, memory_limit=args.memory_limit)
+    report = parallel_dcp.verify(
+        args.path,
+        against=args.against,
+        workers=args.workers,
+        memory_limit=args.memory_limit,
+        storage_options=args.storage_options,
+    )
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     elif not args.quiet:
@@ -162,6 +193,9 @@ def _verify(args: argparse.Namespace) -> int:
         for problem in report.problems:
             print(f"  {problem}", file=sys.stderr)
     return 0 if report.ok else 1
+
+
+_STORAGE_MODULES = ("botocore", "aiobotocore", "s3fs", "fsspec", "aiohttp")
 
 
 class _UsageError(Exception):
@@ -190,6 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (parallel_dcp.ParallelDCPError, OSError, ValueError, KeyError, TypeError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"parallel-dcp: error: {message}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        if not type(exc).__module__.startswith(_STORAGE_MODULES):
+            raise
+        # botocore's credential and endpoint errors are not OSErrors
+        print(f"parallel-dcp: error: object storage: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -23,7 +23,8 @@ from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.options import Options
-from parallel_dcp.targets import DEFAULT_SHARD_SIZE, Job, target_for
+from parallel_dcp.storage import Remote, is_url, locate
+from parallel_dcp.targets import DEFAULT_SHARD_SIZE, Job, Target, target_for
 
 __all__ = ["convert_one", "destinations", "parse_dtype", "select_keys"]
 
@@ -90,7 +91,7 @@ def select_keys(source: Source, patterns: str | Sequence[str] | None) -> tuple[s
     return selected
 
 
-def destinations(sources: Sequence[str | os.PathLike[str]], dst: str | os.PathLike[str]) -> list[Path]:
+def destinations(sources: Sequence[str | os.PathLike[str]], dst: str | os.PathLike[str]) -> list[str]:
     """Where each source goes: ``dst`` itself for one source; ``dst/<source name>`` for several.
 
     For several sources, each output is a directory named after its source without its format
@@ -98,17 +99,17 @@ def destinations(sources: Sequence[str | os.PathLike[str]], dst: str | os.PathLi
     with the same name are refused.
     """
     if len(sources) == 1:
-        return [Path(dst)]
+        return [os.fspath(dst)]
     names = []
     for src in sources:
-        name = Path(src).name
+        name = os.fspath(src).rstrip("/").rsplit("/", 1)[-1]
         for ext in (".safetensors", ".pt", ".pth", ".bin"):
             name = name.removesuffix(ext)
         names.append(name)
     duplicates = {n for n in names if names.count(n) > 1}
     if duplicates:
         raise ValueError(f"several sources would write the same destination: {sorted(duplicates)}")
-    return [Path(dst, n) for n in names]
+    return [f"{os.fspath(dst).rstrip('/')}/{n}" if is_url(dst) else os.path.join(dst, n) for n in names]
 
 
 def convert_one(
@@ -124,10 +125,33 @@ def convert_one(
 ) -> SaveResult:
     """Convert one source; see :func:`parallel_dcp.convert`."""
     start = time.perf_counter()
-    target = target_for(dst, to, shard_size=shard_size)
+    target = target_for(dst, to, shard_size=shard_size, storage_options=options.storage_options)
+    locate(src, options.storage_options)  # a bad URL fails here; its filesystem's code is loaded
     governor = MemoryGovernor(options.memory_ceiling())
-    source = open_source(src, trust_pickle=trust_pickle)
-    if Path(source.path).resolve() == target.path.resolve():
+    source = open_source(src, trust_pickle=trust_pickle, storage_options=options.storage_options)
+    try:
+        return _convert_source(source, target, options, dtype, keys, governor, start)
+    finally:
+        source.close()
+
+
+def _same_place(a: str | Remote, b: Path | Remote) -> bool:
+    if isinstance(a, Remote) or isinstance(b, Remote):
+        return str(a).rstrip("/") == str(b).rstrip("/")
+    return Path(a).resolve() == b.resolve()
+
+
+def _convert_source(
+    source: Source,
+    target: Target,
+    options: Options,
+    dtype: torch.dtype | None,
+    keys: str | Sequence[str] | None,
+    governor: MemoryGovernor,
+    start: float,
+) -> SaveResult:
+    src = source.path
+    if _same_place(source.location, target.path):
         raise ValueError(f"{src} is both the source and the destination")
     selected = select_keys(source, keys)
     if target.kind == "safetensors":

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from parallel_dcp import _compat, progress
-from parallel_dcp.chunks import chunk_threshold
+from parallel_dcp.chunks import MIN_MEMORY_CHUNK_BYTES, chunk_threshold
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.memory import MemoryGovernor, parse_size
 from parallel_dcp.options import Options
@@ -42,6 +42,7 @@ from parallel_dcp.partition import (
     Task,
 )
 from parallel_dcp.pool import TaskResult, WorkerPool, gc_paused
+from parallel_dcp.storage import CLIENT_MEMORY, Remote
 from parallel_dcp.targets import DcpTarget, Job, Target
 from parallel_dcp.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
 
@@ -88,10 +89,10 @@ class SaveResult:
         return self.bytes / 2**30 / self.seconds if self.seconds > 0 else 0.0
 
 
-def _handler(job: Job, target: Target, staging: str, options: Options) -> Any:
+def _handler(job: Job, target: Target, staging: Path | Remote, options: Options) -> Any:
     def run(task: Task) -> Any:
         try:
-            return target.write(job, task, job.read(task.keys), Path(staging), options)
+            return target.write(job, task, job.read(task.keys), staging, options)
         finally:
             job.source.release()
             progress.flush()
@@ -111,11 +112,12 @@ def _worker_setup(options: Options) -> Any:
 def save(state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult:
     """Save an in-memory state dict as DCP; see :func:`parallel_dcp.save` for the contract."""
     start = time.perf_counter()
+    target = DcpTarget(path, options.storage_options)
     governor = MemoryGovernor(options.memory_ceiling())
     with gc_paused():  # flattening 50,000 keys; see gc_paused
         source = MemorySource(str(path), state_dict=state_dict)
         job = Job(source, tuple(list(source.entries) + list(source.values)))
-    return run_job(job, DcpTarget(path), options, governor, start=start)
+    return run_job(job, target, options, governor, start=start)
 
 
 def run_job(
@@ -138,8 +140,8 @@ def run_job(
     staging = target.stage(options.overwrite)
     try:
         staging.check_space(needed_space(job))
-        results = run_tasks(job, target, tasks, str(staging.path), options, governor, min(workers, len(tasks)))
-        files = target.commit(job, tasks, [r.value for r in results], staging.path, options)
+        results = run_tasks(job, target, tasks, staging.path, options, governor, min(workers, len(tasks)))
+        files = target.commit(job, tasks, [r.value for r in results], staging, options)
         staging.publish()
     except BaseException:
         staging.discard()
@@ -165,10 +167,17 @@ def plan_job(job: Job, target: Target, options: Options, governor: MemoryGoverno
     Raises:
         MemoryLimitExceeded: a unit, or a whole-file output, can never fit under the limit.
     """
+    if isinstance(target.path, Remote) or isinstance(job.source.location, Remote):
+        governor.worker_extra = CLIENT_MEMORY
     threshold = 0
     if target.kind == "dcp":  # only DCP can hold one tensor as several chunks
-        most = options.worker_count(2**31)  # a split may give every worker work, however few the keys
-        threshold = _chunk_threshold(job, options, most * scale, governor.task_budget(most))
+        io = target.io_memory(sum(job.out_bytes(k) for k in job.keys))
+        # A split may give every worker work, however few the keys; under a tight limit, as many
+        # workers as leave each task room for a chunk.
+        most = options.worker_count(2**31)
+        while most > 1 and _chunk_room(governor.task_budget(most) - io) < MIN_MEMORY_CHUNK_BYTES:
+            most -= 1
+        threshold = _chunk_threshold(job, options, most * scale, governor.task_budget(most) - io)
         job = job.split(threshold)
     workers = governor.workers_for(((key, job.memory(key)) for key in job.keys), options.worker_count(len(job.keys)))
     tasks = target.plan(job, workers * scale, governor.task_budget(workers))
@@ -212,12 +221,17 @@ def result_of(
     )
 
 
+def _chunk_room(budget: int) -> int:
+    """The largest chunk a task with ``budget`` bytes can hold: a chunk may cost twice its bytes
+    in a worker (a mapped source plus DCP's copy of the view)."""
+    return (budget - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES) // 2
+
+
 def _chunk_threshold(job: Job, options: Options, workers: int, budget: int) -> int:
     if options.chunk_size is not None:
         return parse_size(options.chunk_size)
     total = sum(job.out_bytes(key) for key in job.keys)
-    # A chunk may cost twice its bytes in a worker (a mapped source plus DCP's copy of the view).
-    return chunk_threshold(total, workers, (budget - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES) // 2)
+    return chunk_threshold(total, workers, _chunk_room(budget))
 
 
 def choose_executor(job: Job, options: Options) -> str:
@@ -236,7 +250,7 @@ def run_tasks(
     job: Job,
     target: Target,
     tasks: list[Task],
-    staging: str,
+    staging: Path | Remote,
     options: Options,
     governor: MemoryGovernor,
     workers: int,

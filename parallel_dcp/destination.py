@@ -8,6 +8,17 @@ new shards, and DCP loads that silently). Instead:
                 staging ◀─exchange─▶ <parent>/<name>          (overwrite: one atomic renameat2)
                 then the old checkpoint, now under the staging name, is removed
     discard():  the staging directory is removed; the destination was never touched
+
+Object storage has no rename, so there a save writes beside the checkpoint it replaces
+(:class:`RemoteStaging`), under shard names no other save uses (``__<task>_<tag>_0.distcp``):
+
+    upload every shard ── all done? ── delete the old .metadata ── upload the manifest, then
+    .metadata (the commit) ── delete the old checkpoint's shards
+    discard():  this save's shards and unfinished uploads are deleted; the old checkpoint,
+                whose .metadata still names only its own shards, loads as before
+
+A crash can leave no ``.metadata`` (between its delete and the upload of the new one), never an
+old ``.metadata`` beside new shards.
 """
 
 from __future__ import annotations
@@ -19,12 +30,15 @@ import errno
 import os
 import shutil
 import uuid
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from parallel_dcp.errors import CheckpointExistsError, InsufficientSpaceError, InvalidDestinationError
+from parallel_dcp.storage import Remote
 
-__all__ = ["DCP_LAYOUT", "FileStaging", "Layout", "Staging", "is_checkpoint"]
+__all__ = ["DCP_LAYOUT", "FileStaging", "Layout", "RemoteFileStaging", "RemoteStaging", "Staging", "is_checkpoint"]
 
 METADATA_FILE = ".metadata"
 MANIFEST_FILE = ".parallel_dcp.json"
@@ -43,12 +57,13 @@ class Layout:
     def holds_checkpoint(self, path: Path) -> bool:
         return any(Path(path, marker).is_file() for marker in self.markers)
 
+    def owns(self, name: str) -> bool:
+        """True when a file of this name is one this layout writes."""
+        return name in self.markers or name.endswith(self.suffixes) or name.startswith(MANIFEST_FILE)
+
     def owns_only(self, path: Path) -> bool:
         """True when every entry of ``path`` is a file this layout writes (safe to replace)."""
-        return all(
-            entry.name in self.markers or entry.name.endswith(self.suffixes) or entry.name.startswith(MANIFEST_FILE)
-            for entry in path.iterdir()
-        )
+        return all(self.owns(entry.name) for entry in path.iterdir())
 
 
 DCP_LAYOUT = Layout("DCP checkpoint", (METADATA_FILE,), (".distcp", ".metadata.tmp"))
@@ -220,3 +235,138 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _check_bucket(destination: Remote) -> None:
+    """Fail before any write when the bucket is missing or the credentials are refused."""
+    protocol, rest = destination.url.split("://", 1)
+    bucket = Remote(f"{protocol}://{rest.split('/', 1)[0]}", destination.options)
+    try:
+        found = bucket.exists()
+    except Exception as exc:  # botocore's credential and endpoint errors are not OSErrors
+        raise InvalidDestinationError(f"cannot reach {bucket}: {type(exc).__name__}: {exc}") from exc
+    if not found:
+        raise InvalidDestinationError(f"cannot write {destination}: {bucket} does not exist (or is not accessible)")
+
+
+def _abort_uploads(destination: Remote, mine: Callable[[str], bool]) -> None:
+    """Abort the unfinished multipart uploads under ``destination`` whose names ``mine`` accepts.
+
+    A killed worker leaves its upload open: the object never appears, but its parts are stored
+    (and billed) until aborted.
+    """
+    fs = destination.fs
+    if not hasattr(fs, "list_multipart_uploads"):
+        return
+    bucket, _, key = destination.key.partition("/")
+    prefix = f"{key}/" if key else ""
+    with contextlib.suppress(Exception):  # best effort: cleanup must not hide the real failure
+        for upload in fs.list_multipart_uploads(bucket):
+            name = str(upload.get("Key", ""))
+            if name.startswith(prefix) and "/" not in name[len(prefix) :] and mine(name[len(prefix) :]):
+                fs.abort_mpu(bucket, name, upload["UploadId"])
+
+
+class RemoteStaging:
+    """A checkpoint prefix on object storage, written in place (see the module docstring).
+
+    ``unique_names`` says the layout's data files are named per save (DCP), so an old checkpoint
+    survives a failed overwrite; layouts with fixed shard names (Hugging Face directories) refuse
+    to overwrite on object storage instead.
+
+    Raises:
+        CheckpointExistsError: a checkpoint is there and ``overwrite`` is False.
+        InvalidDestinationError: the bucket is missing or unreachable, the URL is an object, or
+            the prefix holds other things than a checkpoint of this layout.
+    """
+
+    def __init__(self, destination: Remote, *, overwrite: bool, layout: Layout, unique_names: bool) -> None:
+        _check_bucket(destination)
+        if destination.is_file():
+            raise InvalidDestinationError(f"cannot write a checkpoint to {destination}: it is an object, not a prefix")
+        names = destination.listdir()
+        holds = any(marker in names for marker in layout.markers)
+        if holds and not overwrite:
+            raise CheckpointExistsError(
+                f"{destination} already holds a checkpoint; pass overwrite=True (--overwrite) to replace it"
+            )
+        if names and not (overwrite and all(layout.owns(n) for n in names)):
+            raise InvalidDestinationError(
+                f"{destination} holds objects that are not a {layout.name} ({', '.join(names[:5])}); "
+                "refusing to write into it (choose an empty or new prefix)"
+            )
+        if names and not unique_names:
+            raise InvalidDestinationError(
+                f"cannot overwrite the {layout.name} at {destination}: on object storage its shards would be "
+                "replaced in place, so a failure would leave neither checkpoint; delete it first or write to a "
+                "new prefix"
+            )
+        self.destination = destination
+        self.path = destination
+        self.layout = layout
+        self.tag = uuid.uuid4().hex[:8]
+        self._existing = names
+        self._committed = False
+
+    def check_space(self, nbytes: int) -> None:
+        """Object storage has no free-space figure to check."""
+
+    def commit(self, marker: str, payload: bytes, before: dict[str, bytes]) -> None:
+        """Delete the old ``marker``, upload ``before`` (the manifest), then ``marker`` itself."""
+        self.destination.join(marker).remove()
+        for name, data in before.items():
+            self.destination.join(name).write_bytes(data)
+        self.destination.join(marker).write_bytes(payload)
+        self._committed = True
+
+    def publish(self) -> None:
+        """Delete the old checkpoint's data files (the commit already made the new one)."""
+        if not self._committed:
+            raise RuntimeError(f"nothing was committed to {self.destination}")
+        rewritten = {*self.layout.markers, MANIFEST_FILE}
+        stale = [n for n in self._existing if n not in rewritten and self.layout.owns(n)]
+        try:
+            self.destination.remove_all(stale)
+        except Exception as exc:  # the new checkpoint is committed: leftovers only cost space
+            warnings.warn(f"{self.destination}: could not delete the replaced shards {stale[:3]}: {exc}", stacklevel=2)
+
+    def discard(self) -> None:
+        """Delete this save's files and unfinished uploads; the old checkpoint stays as it was."""
+        if self._committed:
+            return
+        with contextlib.suppress(Exception):  # best effort: cleanup must not hide the real failure
+            self.destination.remove_all(n for n in self.destination.listdir() if self._mine(n))
+        _abort_uploads(self.destination, self._mine)
+
+    def _mine(self, name: str) -> bool:
+        return f"_{self.tag}_" in name or name not in self._existing
+
+
+class RemoteFileStaging:
+    """A single-file output on object storage. It is uploaded straight to its name: an object
+    appears only when its (multipart) upload completes, so readers see the old one or the new.
+
+    Raises:
+        CheckpointExistsError: the object exists and ``overwrite`` is False.
+        InvalidDestinationError: the bucket is missing or unreachable, or the URL is a prefix.
+    """
+
+    def __init__(self, destination: Remote, *, overwrite: bool) -> None:
+        _check_bucket(destination)
+        if destination.is_dir():
+            raise InvalidDestinationError(f"cannot write the file {destination}: it is a prefix holding objects")
+        if destination.exists() and not overwrite:
+            raise CheckpointExistsError(
+                f"{destination} already exists; pass overwrite=True (--overwrite) to replace it"
+            )
+        self.destination = destination
+        self.path = destination
+
+    def check_space(self, nbytes: int) -> None:
+        """Object storage has no free-space figure to check."""
+
+    def publish(self) -> None:
+        """The completed upload was the publish."""
+
+    def discard(self) -> None:
+        _abort_uploads(self.destination.parent, lambda name: name == self.destination.name)

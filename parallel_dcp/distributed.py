@@ -32,13 +32,13 @@ from typing import Any
 import torch.distributed as dist
 
 from parallel_dcp import coordinator
-from parallel_dcp.destination import FileStaging, Staging
 from parallel_dcp.errors import DistributedJobError
 from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.options import Options
 from parallel_dcp.partition import Task
 from parallel_dcp.pool import TaskResult
-from parallel_dcp.targets import Job, Target
+from parallel_dcp.storage import Remote, locate
+from parallel_dcp.targets import AnyStaging, DcpTarget, Job, Target
 
 __all__ = ["run_job", "share"]
 
@@ -153,6 +153,7 @@ def _run(
                 "workers": plan.workers,
                 "budget": governor.task_budget(plan.workers),
                 "staging": str(staging.path),
+                "file_tag": getattr(target, "file_tag", ""),
             }
         except Exception as exc:
             if staging is not None:
@@ -172,6 +173,11 @@ def _run(
         raise
 
 
+def _where(staging: str, options: Options) -> Path | Remote:
+    found = locate(staging, options.storage_options)
+    return found if isinstance(found, Remote) else Path(found)
+
+
 def _write_and_commit(
     job: Job,
     target: Target,
@@ -180,7 +186,7 @@ def _write_and_commit(
     start: float,
     group: Any,
     announcement: dict[str, Any],
-    staging: Staging | FileStaging | None,
+    staging: AnyStaging | None,
 ) -> coordinator.SaveResult:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     host = socket.gethostname()
@@ -188,18 +194,20 @@ def _write_and_commit(
         job = job.split(announcement["threshold"])
     tasks = target.plan(job, announcement["workers"] * world, announcement["budget"])
     mine = share(tasks, world)[rank]
-    staging_path = Path(announcement["staging"])
+    staging_path = _where(announcement["staging"], options)
+    if isinstance(target, DcpTarget):
+        target.file_tag = announcement["file_tag"]  # shard names rank 0 chose (object storage)
 
     # 2. Every rank runs its share.
     outcome: tuple[str | None, list[Any]]
     try:
-        if not staging_path.is_dir():
+        if isinstance(staging_path, Path) and not staging_path.is_dir():
             raise FileNotFoundError(
                 f"the staging directory {staging_path} that rank 0 created is not visible on {host}: the "
                 "destination must be on a file system every rank shares"
             )
         workers = min(options.worker_count(len(mine)), announcement["workers"]) if mine else 0
-        results = coordinator.run_tasks(job, target, mine, str(staging_path), options, governor, max(workers, 1))
+        results = coordinator.run_tasks(job, target, mine, staging_path, options, governor, max(workers, 1))
         outcome = (None, [(r.task.index, r.worker, r.seconds, r.value) for r in results])
     except Exception as exc:
         outcome = (f"rank {rank} ({host}): {_describe(exc)}", [])
@@ -216,7 +224,7 @@ def _write_and_commit(
                 staging.discard()
             else:
                 values = sorted((entry for _, entries in gathered for entry in entries), key=lambda e: e[0])
-                files = target.commit(job, tasks, [value for *_, value in values], staging.path, options)
+                files = target.commit(job, tasks, [value for *_, value in values], staging, options)
                 staging.publish()
         except Exception as exc:
             staging.discard()

@@ -9,15 +9,30 @@ from typing import Any
 from parallel_dcp.destination import METADATA_FILE
 from parallel_dcp.formats import detect_format, open_source
 from parallel_dcp.manifest import MANIFEST_FILE
+from parallel_dcp.storage import Remote, locate
 
 __all__ = ["describe", "inspect_checkpoint"]
 
 _LARGEST = 10
 
 
-def _uncommitted_dcp(path: Path) -> dict[str, Any] | None:
-    if path.is_dir() and not (path / METADATA_FILE).exists():
-        shards = sorted(p for p in path.iterdir() if p.name.endswith(".distcp"))
+def _listing(path: Path | Remote) -> list[str] | None:
+    """Names in a directory (or under a prefix); None when ``path`` is not one."""
+    if isinstance(path, Remote):
+        return path.listdir() if path.is_dir() else None
+    return sorted(p.name for p in path.iterdir()) if path.is_dir() else None
+
+
+def _size(path: Path | Remote) -> int | None:
+    try:
+        return path.size() if isinstance(path, Remote) else path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _uncommitted_dcp(path: Path | Remote, names: list[str] | None) -> dict[str, Any] | None:
+    if names is not None and METADATA_FILE not in names:
+        shards = [n for n in names if n.endswith(".distcp")]
         if shards:
             return {
                 "path": str(path),
@@ -28,13 +43,17 @@ def _uncommitted_dcp(path: Path) -> dict[str, Any] | None:
                 "total_bytes": 0,
                 "dtypes": {},
                 "largest": [],
-                "files": [{"name": p.name, "size": p.stat().st_size} for p in shards],
-                "manifest": (path / MANIFEST_FILE).exists(),
+                "files": [{"name": n, "size": _size(_child(path, n))} for n in shards],
+                "manifest": MANIFEST_FILE in names,
             }
     return None
 
 
-def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+def _child(path: Path | Remote, name: str) -> Path | Remote:
+    return path.join(name) if isinstance(path, Remote) else path / name
+
+
+def inspect_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Format, keys, bytes, dtypes, largest tensors, files and whether the checkpoint is committed.
 
     A DCP directory with shards but no ``.metadata`` is reported as ``committed: False`` (a save
@@ -44,26 +63,31 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         FileNotFoundError / ValueError: nothing at ``path``, or not a known format.
         CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
     """
-    uncommitted = _uncommitted_dcp(Path(path))
+    found = locate(path, storage_options)
+    where = found if isinstance(found, Remote) else Path(found)
+    names = _listing(where)
+    uncommitted = _uncommitted_dcp(where, names)
     if uncommitted is not None:
         return uncommitted
-    detect_format(path)
-    source = open_source(path)
+    detect_format(path, storage_options)
+    source = open_source(path, storage_options=storage_options)
     dtypes: dict[str, dict[str, int]] = {}
     for entry in source.entries.values():
         slot = dtypes.setdefault(str(entry.dtype).removeprefix("torch."), {"tensors": 0, "bytes": 0})
         slot["tensors"] += 1
         slot["bytes"] += entry.nbytes
     largest = sorted(source.entries.values(), key=lambda e: e.nbytes, reverse=True)[:_LARGEST]
+    root = os.fspath(where).rstrip("/") + "/"
     files: list[dict[str, Any]] = [
         {
-            "name": os.path.relpath(f, path) if Path(path).is_dir() else os.path.basename(f),
-            "size": os.path.getsize(f) if os.path.exists(f) else None,
+            "name": f.removeprefix(root) if names is not None else f.rsplit("/", 1)[-1],
+            "size": _size(Remote(f, where.options) if isinstance(where, Remote) else Path(f)),
         }
         for f in source.files
     ]
+    source.close()
     return {
-        "path": os.fspath(path),
+        "path": os.fspath(found),
         "format": source.kind,
         "committed": all(r["size"] is not None for r in files),
         "keys": len(source.entries) + len([k for k in source.values if k not in source.entries]),
@@ -75,7 +99,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             for e in largest
         ],
         "files": files,
-        "manifest": Path(path).is_dir() and (Path(path) / MANIFEST_FILE).exists(),
+        "manifest": names is not None and MANIFEST_FILE in names,
     }
 
 

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from parallel_dcp import _compat, progress
@@ -32,6 +31,7 @@ from parallel_dcp.options import Options
 from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.partition import Item, Task, partition
 from parallel_dcp.pool import WorkerPool
+from parallel_dcp.storage import Remote, dcp_reader, locate
 
 __all__ = ["load"]
 
@@ -63,7 +63,7 @@ def _shared_tensors(metas: dict[str, TensorStorageMetadata]) -> dict[str, torch.
     return tensors
 
 
-def _check_shards(path: str | os.PathLike[str], metadata: Metadata, keys: list[str]) -> None:
+def _check_shards(path: str | Remote, metadata: Metadata, keys: list[str]) -> None:
     """Refuse, before reading, a checkpoint whose shard files are missing or shorter than recorded."""
     wanted = set(keys)
     needed: dict[str, int] = {}
@@ -71,11 +71,12 @@ def _check_shards(path: str | os.PathLike[str], metadata: Metadata, keys: list[s
         if index.fqn in wanted:
             name = str(info.relative_path)
             needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    present = set(path.listdir()) if isinstance(path, Remote) else None
     for name, end in needed.items():
-        file = Path(path, name)
-        if not file.is_file():
+        file = path.join(name) if isinstance(path, Remote) else Path(path, name)
+        if not (name in present if present is not None else file.is_file()):
             raise CorruptCheckpointError(f"{path} is damaged: shard {name} is missing")
-        size = file.stat().st_size
+        size = file.size() if isinstance(file, Remote) else file.stat().st_size
         if size < end:
             raise CorruptCheckpointError(
                 f"{path} is damaged: shard {name} has {size} bytes but the metadata records data up to byte {end} "
@@ -83,12 +84,12 @@ def _check_shards(path: str | os.PathLike[str], metadata: Metadata, keys: list[s
             )
 
 
-def _load_handler(path: str, metadata: Metadata, targets: dict[str, torch.Tensor | None]) -> Any:
+def _load_handler(path: str | Remote, metadata: Metadata, targets: dict[str, torch.Tensor | None]) -> Any:
     def run(task: Task) -> dict[str, Any]:
         part = {key: targets[key] for key in task.keys}
         # No flattening of any kind: the planner must write bytes values into `part` itself.
         planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
-        loaded = partial_load(extract_metadata(task.keys, metadata), FileSystemReader(path), planner, state_dict=part)
+        loaded = partial_load(extract_metadata(task.keys, metadata), dcp_reader(path), planner, state_dict=part)
         progress.report(task.nbytes)
         progress.flush()
         # Tensors were filled in place in shared memory; only other values travel back.
@@ -100,6 +101,7 @@ def _load_handler(path: str, metadata: Metadata, targets: dict[str, torch.Tensor
 def load(path: str | os.PathLike[str], keys: Iterable[str] | None, options: Options) -> dict[str, Any]:
     """Run the load pipeline above; see :func:`parallel_dcp.load` for the contract."""
     _compat.check_torch()
+    path = locate(path, options.storage_options)
     metadata = read_metadata(path)
     selected = list(metadata.state_dict_metadata) if keys is None else list(dict.fromkeys(keys))
     missing = [k for k in selected if k not in metadata.state_dict_metadata]
@@ -122,7 +124,7 @@ def load(path: str | os.PathLike[str], keys: Iterable[str] | None, options: Opti
             progress.Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc="load") as bar,
             WorkerPool(
                 min(workers, len(tasks)),
-                _load_handler(os.fspath(path), metadata, targets),
+                _load_handler(path, metadata, targets),
                 initializer=lambda: torch.set_num_threads(1),
             ) as pool,
         ):

@@ -25,8 +25,9 @@ import xxhash
 
 from parallel_dcp.destination import MANIFEST_FILE
 from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.storage import Remote
 
-__all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "read_manifest", "write_manifest"]
+__all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "manifest_bytes", "read_manifest", "write_manifest"]
 
 ALGORITHM = "xxh3_64"
 _CHUNK = 8 * 1024 * 1024
@@ -57,8 +58,15 @@ class Hasher:
         return FileDigest(self.size, self._hash.hexdigest() if self._hash is not None else None)
 
 
-def file_digest(path: str | os.PathLike[str], *, checksum: bool = True) -> FileDigest:
+def file_digest(path: str | os.PathLike[str] | Remote, *, checksum: bool = True) -> FileDigest:
     """Size and checksum of a file, read in 8 MiB pieces (only its size when ``checksum`` is False)."""
+    if isinstance(path, Remote):
+        if not checksum:
+            return FileDigest(path.size(), None)
+        hasher = Hasher()
+        for piece in path.chunks():
+            hasher.update(piece)
+        return hasher.result()
     if not checksum:
         return FileDigest(os.path.getsize(path), None)
     hasher = Hasher()
@@ -69,8 +77,8 @@ def file_digest(path: str | os.PathLike[str], *, checksum: bool = True) -> FileD
     return hasher.result()
 
 
-def write_manifest(directory: str | os.PathLike[str], files: dict[str, FileDigest], source: dict[str, Any]) -> None:
-    """Write the manifest (fsynced) into ``directory``, which is still the staging directory."""
+def manifest_bytes(files: dict[str, FileDigest], source: dict[str, Any]) -> bytes:
+    """The manifest document recording ``files`` (and what the output was made from)."""
     from parallel_dcp import __version__
 
     document = {
@@ -84,25 +92,28 @@ def write_manifest(directory: str | os.PathLike[str], files: dict[str, FileDiges
             for name, d in sorted(files.items())
         },
     }
-    path = Path(directory, MANIFEST_FILE)
-    with open(path, "w") as f:
-        json.dump(document, f, indent=1)
-        f.write("\n")
+    return (json.dumps(document, indent=1) + "\n").encode()
+
+
+def write_manifest(directory: str | os.PathLike[str], files: dict[str, FileDigest], source: dict[str, Any]) -> None:
+    """Write the manifest (fsynced) into ``directory``, which is still the staging directory."""
+    with open(Path(directory, MANIFEST_FILE), "wb") as f:
+        f.write(manifest_bytes(files, source))
         f.flush()
         os.fsync(f.fileno())
 
 
-def read_manifest(directory: str | os.PathLike[str]) -> dict[str, FileDigest] | None:
+def read_manifest(directory: str | os.PathLike[str] | Remote) -> dict[str, FileDigest] | None:
     """The files the manifest records, or None when there is no manifest.
 
     Raises:
         CorruptCheckpointError: the manifest exists but cannot be read.
     """
-    path = Path(directory, MANIFEST_FILE)
+    path = directory.join(MANIFEST_FILE) if isinstance(directory, Remote) else Path(directory, MANIFEST_FILE)
     if not path.is_file():
         return None
     try:
-        document = json.loads(path.read_text())
+        document = json.loads(path.read_bytes())
         if document.get("checksum") != ALGORITHM:
             raise ValueError(f"unknown checksum {document.get('checksum')!r}")
         return {name: FileDigest(int(v["size"]), v.get(ALGORITHM)) for name, v in document["files"].items()}

@@ -148,6 +148,9 @@ class MemoryGovernor:
         self.baseline = _pss_uss(self._me)[0]
         self._rss_baseline = _rss(self._me)
         self.peak = 0
+        # What each worker keeps for the whole job beside its idle cost, such as its connection
+        # to object storage (opened at its first task, after the idle workers were measured).
+        self.worker_extra = 0
         self.overhead = 0
         self.reserved = 0
         self._in_flight = 0
@@ -191,13 +194,13 @@ class MemoryGovernor:
         largest = 0
         for key, memory in needs:
             need = TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + memory
-            self.check_item(key, need + WORKER_MEMORY_BYTES)
+            self.check_item(key, need + WORKER_MEMORY_BYTES + self.worker_extra)
             largest = max(largest, need)
-        return affordable_workers(wanted, self.limit - self.reserved, largest)
+        return affordable_workers(wanted, self.limit - self.reserved, largest, WORKER_MEMORY_BYTES + self.worker_extra)
 
     def task_budget(self, workers: int) -> int:
         """The memory each of ``workers`` tasks in flight may use beside what is set aside."""
-        return task_budget(self.limit - self.reserved, workers)
+        return task_budget(self.limit - self.reserved, workers, WORKER_MEMORY_BYTES + self.worker_extra)
 
     def settle(self, worker_pids: Iterable[int], planned: int = 0) -> None:
         """Measure what the started, idle workers cost; tasks are admitted into what is left.
@@ -207,12 +210,13 @@ class MemoryGovernor:
         otherwise PSS is read (tens of milliseconds for a large tree) for the exact figure.
         """
         pids = list(worker_pids)
-        bound = self._rss_bound(pids)
+        extra = self.worker_extra * len(pids)
+        bound = self._rss_bound(pids) + extra
         if bound + self.reserved + planned <= self.limit:
             self.overhead = bound
             return
         reading = self.read(pids)
-        self.overhead = max(0, reading.added)
+        self.overhead = max(0, reading.added) + extra
         if self.overhead + self.reserved >= self.limit:
             raise MemoryLimitExceeded(
                 f"the idle workers alone add {format_bytes(self.overhead)}, at or over the memory limit "

@@ -8,6 +8,7 @@ before running it.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
+from parallel_dcp.storage import Remote
 
 __all__ = ["read_metadata"]
 
@@ -52,7 +54,7 @@ class _SafeUnpickler(pickle.Unpickler):
         )
 
 
-def read_metadata(path: str | os.PathLike[str]) -> Metadata:
+def read_metadata(path: str | os.PathLike[str] | Remote) -> Metadata:
     """Read ``<path>/.metadata`` with an allow-list unpickler.
 
     Raises:
@@ -60,10 +62,10 @@ def read_metadata(path: str | os.PathLike[str]) -> Metadata:
         UnsafeCheckpointError: the file names a class outside the allow-list.
         CorruptCheckpointError: the file is truncated or not a DCP metadata pickle.
     """
-    file = Path(path, ".metadata")
+    file = path.join(".metadata") if isinstance(path, Remote) else Path(path, ".metadata")
     if not file.is_file():
         raise FileNotFoundError(f"{path} is not a DCP checkpoint: it has no .metadata (the commit marker)")
-    with open(file, "rb") as f:
+    with io.BytesIO(file.read_bytes()) as f:
         try:
             metadata = _SafeUnpickler(f).load()
         except UnsafeCheckpointError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from parallel_dcp.memory import default_limit, parse_size
 
@@ -47,6 +48,9 @@ class Options:
         dist_timeout: seconds a rank waits for the others at each step before failing.
         checksums: record each file's xxh3 checksum in the manifest (``verify`` then finds flipped
             bytes); sizes are recorded either way.
+        storage_options: fsspec options for paths that are URLs (``s3://...``), such as
+            ``{"endpoint_url": "http://minio:9000", "client_kwargs": {"region_name": "eu-west-1"}}``;
+            credentials come from the standard AWS environment and config unless given here.
     """
 
     workers: int | None = None
@@ -62,6 +66,7 @@ class Options:
     executor: str = "auto"
     distributed: bool = False
     dist_timeout: float = 1800.0
+    storage_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)):
@@ -78,6 +83,10 @@ class Options:
             raise ValueError(f"executor must be 'auto', 'processes' or 'threads', got {self.executor!r}")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
+        if self.storage_options is not None and (
+            not isinstance(self.storage_options, dict) or not all(isinstance(k, str) for k in self.storage_options)
+        ):
+            raise TypeError(f"storage_options must be a dict with string keys, got {self.storage_options!r}")
         if self.task_timeout is not None and not self.task_timeout > 0:
             raise ValueError(f"task_timeout must be > 0 seconds, got {self.task_timeout!r}")
 

@@ -53,6 +53,8 @@ def partial_save(
     storage_writer: StorageWriter,
     planner: SavePlanner | None = None,
     part_idx: int = 0,
+    *,
+    file_tag: str = "",
 ) -> tuple[Metadata, list[WriteResult]]:
     """Write one part of a checkpoint, in this process, without a process group.
 
@@ -63,6 +65,9 @@ def partial_save(
         part_idx: this part's unique index. It replaces the rank in the storage prefix
             (``__{part_idx}_`` for ``FileSystemWriter``), so two parts never write the same
             file. A retried part must reuse its index, so it rewrites its own files.
+        file_tag: added to the prefix (``__{part_idx}_{file_tag}_``) so that the files of one
+            save never share a name with those of another in the same place (object storage,
+            where a save writes beside the checkpoint it replaces).
 
     Returns:
         ``(metadata, write_results)``: this part's ``Metadata`` (``storage_data`` not yet set)
@@ -94,7 +99,9 @@ def partial_save(
         plans, metadata = planner.create_global_plan([local_plan])
         plans = storage_writer.prepare_global_plan(plans)
         # The writer numbered this single plan as rank 0; the part index makes it unique.
-        plan = dataclasses.replace(plans[0], storage_data=_compat.storage_prefix(f"__{part_idx}_"))
+        plan = dataclasses.replace(
+            plans[0], storage_data=_compat.storage_prefix(f"__{part_idx}_{file_tag}_" if file_tag else f"__{part_idx}_")
+        )
         return plan, metadata
 
     @log

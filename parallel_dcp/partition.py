@@ -137,18 +137,18 @@ def partition(
     ]
 
 
-def affordable_workers(wanted: int, limit: int, largest_need: int) -> int:
+def affordable_workers(wanted: int, limit: int, largest_need: int, worker_memory: int = WORKER_MEMORY_BYTES) -> int:
     """How many of ``wanted`` workers the limit affords, so that each still fits the largest task.
 
     Each worker costs ``WORKER_MEMORY_BYTES`` idle and gets an equal share of the rest; never
     fewer than one (the governor then decides whether that one fits at all).
     """
     for workers in range(wanted, 0, -1):
-        if (limit - workers * WORKER_MEMORY_BYTES) // workers >= largest_need:
+        if (limit - workers * worker_memory) // workers >= largest_need:
             return workers
     return 1
 
 
-def task_budget(limit: int, workers: int) -> int:
+def task_budget(limit: int, workers: int, worker_memory: int = WORKER_MEMORY_BYTES) -> int:
     """The memory each of ``workers`` tasks in flight may use under ``limit``."""
-    return max(1, (limit - workers * WORKER_MEMORY_BYTES) // workers)
+    return max(1, (limit - workers * worker_memory) // workers)

@@ -270,8 +270,14 @@ class WorkerPool:
                     else:
                         yield result
                     idle.append(worker)
-                if governor is not None:
-                    governor.watch({self._procs[w].pid: (w, t.keys) for w, (t, _) in running.items()})
+                if governor is not None:  # idle workers too: what they keep still counts
+                    governor.watch(
+                        {
+                            proc.pid: (w, running[w][0].keys if w in running else ())
+                            for w, proc in enumerate(self._procs)
+                            if proc is not None
+                        }
+                    )
                 if task_timeout is not None:
                     self._check_timeouts(running, task_timeout)
                 if on_tick is not None:

@@ -7,6 +7,7 @@ all inside a staging path that is published only when everything succeeded.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -17,15 +18,27 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from parallel_dcp.chunks import Chunk, ChunkSavePlanner, split
-from parallel_dcp.destination import DCP_LAYOUT, METADATA_FILE, FileStaging, Layout, Staging
+from parallel_dcp.destination import (
+    DCP_LAYOUT,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    FileStaging,
+    Layout,
+    RemoteFileStaging,
+    RemoteStaging,
+    Staging,
+)
 from parallel_dcp.formats import safetensors_format, torch_format
 from parallel_dcp.formats.base import Source
-from parallel_dcp.manifest import FileDigest, file_digest, write_manifest
+from parallel_dcp.manifest import FileDigest, Hasher, file_digest, manifest_bytes, write_manifest
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, merge_metadata, partial_save
 from parallel_dcp.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
 from parallel_dcp.pool import gc_paused
-from parallel_dcp.writer import CommitWriter, ShardWriter
+from parallel_dcp.storage import Remote, locate, upload_memory
+from parallel_dcp.writer import CommitWriter, MetadataPayloadWriter, ShardWriter
+
+AnyStaging = Staging | FileStaging | RemoteStaging | RemoteFileStaging
 
 __all__ = ["DcpTarget", "FileTarget", "ShardedTarget", "Target", "target_for"]
 
@@ -122,11 +135,16 @@ class Job:
 
 class Target(ABC):
     kind: str
-    path: Path
+    path: Path | Remote
 
     @abstractmethod
-    def stage(self, overwrite: bool) -> Staging | FileStaging:
+    def stage(self, overwrite: bool) -> AnyStaging:
         """Check the destination and create the staging path (before any write)."""
+
+    def io_memory(self, nbytes: int) -> int:
+        """Memory one task's output stream holds for a file of ``nbytes``: upload buffers on
+        object storage, nothing for a local file."""
+        return upload_memory(nbytes) if isinstance(self.path, Remote) else 0
 
     @abstractmethod
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
@@ -134,11 +152,11 @@ class Target(ABC):
         where its items allow."""
 
     @abstractmethod
-    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, options: Options) -> Any:
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path | Remote, options: Options) -> Any:
         """In a worker: write one task into ``staging``; the result goes back to the coordinator."""
 
     @abstractmethod
-    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, options: Options) -> int:
+    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         """In the coordinator, after every task: finish the output; returns the number of data files."""
 
 
@@ -146,26 +164,50 @@ def _items(job: Job) -> list[Item]:
     return [Item(key, job.out_bytes(key), job.memory(key)) for key in job.keys]
 
 
+def _where(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Path | Remote:
+    found = locate(path, storage_options)
+    return found if isinstance(found, Remote) else Path(os.path.abspath(found))
+
+
+def _digest_of(data: bytes, options: Options) -> FileDigest:
+    hasher = Hasher(checksum=options.checksums)
+    hasher.update(data)
+    return hasher.result()
+
+
 class DcpTarget(Target):
     """A stock DCP checkpoint directory: one ``__<task>_0.distcp`` per task, then ``.metadata``."""
 
     kind = "dcp"
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(os.path.abspath(path))
+    def __init__(self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
+        self.path = _where(path, storage_options)
+        self.file_tag = ""  # set when staged on object storage: shard names unique to this save
 
-    def stage(self, overwrite: bool) -> Staging:
+    def stage(self, overwrite: bool) -> Staging | RemoteStaging:
+        if isinstance(self.path, Remote):
+            staging = RemoteStaging(self.path, overwrite=overwrite, layout=DCP_LAYOUT, unique_names=True)
+            self.file_tag = staging.tag  # workers are forked after staging: they name shards with it
+            return staging
         return Staging(self.path, overwrite=overwrite, layout=DCP_LAYOUT)
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
-        return partition(_items(job), workers, max_task_memory=budget)
+        items = _items(job)
+        io = self.io_memory(sum(it.nbytes for it in items))  # one file per task: one stream
+        tasks = partition(items, workers, max_task_memory=max(1, budget - io))
+        return [dataclasses.replace(t, memory=t.memory + self.io_memory(t.nbytes)) for t in tasks]
 
-    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, options: Options) -> Any:
-        writer = ShardWriter(str(staging), sync_files=options.sync_files, checksums=options.checksums)
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path | Remote, options: Options) -> Any:
+        writer = ShardWriter(
+            staging if isinstance(staging, Remote) else str(staging),
+            sync_files=options.sync_files,
+            checksums=options.checksums,
+            expected_bytes=task.nbytes,
+        )
         whole = {unit: value for unit, value in data.items() if unit not in job.chunks}
         planner = ChunkSavePlanner((job.chunks[u], v) for u, v in data.items() if u in job.chunks)
         try:
-            metadata, writes = partial_save(whole, writer, planner, part_idx=task.index)
+            metadata, writes = partial_save(whole, writer, planner, part_idx=task.index, file_tag=self.file_tag)
         except BaseException as exc:
             original = writer.original_error()
             if original is not None:  # say what the file system said, not "unexpected pos ..."
@@ -173,7 +215,10 @@ class DcpTarget(Target):
             raise
         return metadata, writes, writer.digests()
 
-    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, options: Options) -> int:
+    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
+        digests: dict[str, FileDigest] = {}
+        for result in results:
+            digests.update(result[2])
         with gc_paused():  # tens of thousands of small objects; see gc_paused
             merged = merge_metadata([r[0] for r in results]) if results else Metadata(state_dict_metadata={})
             # The source's key order, not the order tasks finished in.
@@ -181,13 +226,19 @@ class DcpTarget(Target):
             merged.state_dict_metadata = {key: merged.state_dict_metadata[key] for key in keys}
             # Nesting comes from the whole source, not from the parts (which were saved flat).
             merged.planner_data = {key: job.source.mapping.get(key, (key,)) for key in keys}
-            writer = CommitWriter(str(staging), str(self.path), sync_files=options.sync_files)
-            commit(merged, [r[1] for r in results], writer)
-        digests: dict[str, FileDigest] = {}
-        for result in results:
-            digests.update(result[2])
-        digests[METADATA_FILE] = file_digest(staging / METADATA_FILE, checksum=options.checksums)
-        write_manifest(staging, digests, job.source.fingerprint())
+            if isinstance(staging, RemoteStaging):
+                payload_writer = MetadataPayloadWriter(str(self.path))
+                commit(merged, [r[1] for r in results], payload_writer)
+            else:
+                writer = CommitWriter(str(staging.path), str(self.path), sync_files=options.sync_files)
+                commit(merged, [r[1] for r in results], writer)
+        if isinstance(staging, RemoteStaging):
+            digests[METADATA_FILE] = _digest_of(payload_writer.payload, options)
+            manifest = manifest_bytes(digests, job.source.fingerprint())
+            staging.commit(METADATA_FILE, payload_writer.payload, {MANIFEST_FILE: manifest})
+        else:
+            digests[METADATA_FILE] = file_digest(Path(staging.path, METADATA_FILE), checksum=options.checksums)
+            write_manifest(Path(staging.path), digests, job.source.fingerprint())
         return len(digests) - 1
 
 
@@ -201,8 +252,14 @@ class ShardedTarget(Target):
     the memory each worker may use (``memory_limit / workers``).
     """
 
-    def __init__(self, path: str | os.PathLike[str], kind: str, shard_size: int = DEFAULT_SHARD_SIZE) -> None:
-        self.path = Path(os.path.abspath(path))
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        kind: str,
+        shard_size: int = DEFAULT_SHARD_SIZE,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.path = _where(path, storage_options)
         self.kind = kind
         self.shard_size = shard_size
         module = safetensors_format if kind == "safetensors" else torch_format
@@ -213,11 +270,14 @@ class ShardedTarget(Target):
         self._count = 1
         self._layout = Layout(f"{kind} checkpoint directory", (self._index_name, single), (suffix,))
 
-    def stage(self, overwrite: bool) -> Staging:
+    def stage(self, overwrite: bool) -> Staging | RemoteStaging:
+        if isinstance(self.path, Remote):
+            return RemoteStaging(self.path, overwrite=overwrite, layout=self._layout, unique_names=False)
         return Staging(self.path, overwrite=overwrite, layout=self._layout)
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
-        budget = max(1, min(self.shard_size, budget - TASK_MEMORY_BYTES))
+        io_memory = self.io_memory(self.shard_size)
+        budget = max(1, min(self.shard_size, budget - TASK_MEMORY_BYTES - io_memory))
         shards: list[list[Item]] = [[]]
         size = 0
         for item in _items(job):  # the source's order, as save_pretrained keeps it
@@ -232,7 +292,9 @@ class ShardedTarget(Target):
                 index=i,
                 keys=tuple(it.key for it in shard),
                 nbytes=sum(it.nbytes for it in shard),
-                memory=TASK_MEMORY_BYTES + sum(max(it.nbytes, it.memory) + ITEM_MEMORY_BYTES for it in shard),
+                memory=TASK_MEMORY_BYTES
+                + io_memory
+                + sum(max(it.nbytes, it.memory) + ITEM_MEMORY_BYTES for it in shard),
             )
             for i, shard in enumerate(shards)
             if shard
@@ -240,50 +302,103 @@ class ShardedTarget(Target):
         self._count = len(tasks)  # workers are forked after planning: they name shards from it
         return tasks
 
-    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, options: Options) -> Any:
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path | Remote, options: Options) -> Any:
         name = self._shard_names(self._count)[task.index]
+        if isinstance(staging, Remote):
+            return {name: _write_remote(staging.join(name), self.kind, data, task.nbytes, options)}
         _WRITERS[self.kind](data, str(staging / name))
         return {name: _finish_file(staging / name, options)}
 
-    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, options: Options) -> int:
+    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         digests: dict[str, FileDigest] = {}
         for result in results:
             digests.update(result)
+        index = b""
         if len(tasks) > 1:
             names = self._shard_names(len(tasks))
             weight_map = {key: names[task.index] for task in tasks for key in task.keys}
-            index = staging / self._index_name
-            index.write_text(safetensors_format.index_json(weight_map, sum(job.out_bytes(k) for k in job.keys)))
-            digests[self._index_name] = _finish_file(index, options)
-        write_manifest(staging, digests, job.source.fingerprint())
+            index = safetensors_format.index_json(weight_map, sum(job.out_bytes(k) for k in job.keys)).encode()
+        if index:
+            digests[self._index_name] = _digest_of(index, options)
+        if isinstance(staging, RemoteStaging):  # the index marks the directory complete: it goes last
+            manifest = manifest_bytes(digests, job.source.fingerprint())
+            if index:
+                staging.commit(self._index_name, index, {MANIFEST_FILE: manifest})
+            else:
+                staging.commit(MANIFEST_FILE, manifest, {})
+            return len(tasks)
+        if index:
+            Path(staging.path, self._index_name).write_bytes(index)
+            digests[self._index_name] = _finish_file(Path(staging.path, self._index_name), options)
+        write_manifest(Path(staging.path), digests, job.source.fingerprint())
         return len(tasks)
 
 
 class FileTarget(Target):
     """One file written by one worker (``torch.save`` or ``save_file`` need the whole dict at once)."""
 
-    def __init__(self, path: str | os.PathLike[str], kind: str) -> None:
-        self.path = Path(os.path.abspath(path))
+    def __init__(self, path: str | os.PathLike[str], kind: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.path = _where(path, storage_options)
         self.kind = kind
 
-    def stage(self, overwrite: bool) -> FileStaging:
+    def stage(self, overwrite: bool) -> FileStaging | RemoteFileStaging:
+        if isinstance(self.path, Remote):
+            return RemoteFileStaging(self.path, overwrite=overwrite)
         return FileStaging(self.path, overwrite=overwrite)
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)
+        nbytes = sum(it.nbytes for it in items)
         memory = TASK_MEMORY_BYTES + sum(max(it.nbytes, it.memory) + ITEM_MEMORY_BYTES for it in items)
-        return [Task(index=0, keys=job.keys, nbytes=sum(it.nbytes for it in items), memory=memory)]
+        memory += self.io_memory(nbytes)
+        return [Task(index=0, keys=job.keys, nbytes=nbytes, memory=memory)]
 
-    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path, options: Options) -> Any:
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path | Remote, options: Options) -> Any:
+        mapping = {key: job.source.mapping.get(key, (key,)) for key in task.keys} if self.kind == "torch" else None
+        if isinstance(staging, Remote):
+            return _write_remote(staging, self.kind, data, task.nbytes, options, mapping)
         if self.kind == "torch":
-            mapping = {key: job.source.mapping.get(key, (key,)) for key in task.keys}
             torch_format.write_file(data, str(staging), mapping)
         else:
             safetensors_format.write_shard(data, str(staging))
         return _finish_file(staging, options)
 
-    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: Path, options: Options) -> int:
+    def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         return 1
+
+
+class _Hashing:
+    """A write stream that also feeds what it writes to a :class:`Hasher`."""
+
+    def __init__(self, stream: Any, hasher: Hasher) -> None:
+        self._stream = stream
+        self._hasher = hasher
+
+    def write(self, data: Any) -> int:
+        self._hasher.update(data)
+        self._stream.write(data)
+        return memoryview(data).nbytes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _write_remote(
+    remote: Remote,
+    kind: str,
+    data: dict[str, Any],
+    nbytes: int,
+    options: Options,
+    mapping: dict[str, tuple[Any, ...]] | None = None,
+) -> FileDigest:
+    """Stream one safetensors or torch.save file to object storage; its digest."""
+    hasher = Hasher(checksum=options.checksums)
+    with remote.open_write(nbytes) as stream:
+        if kind == "torch":
+            torch_format.write_file(data, _Hashing(stream, hasher), mapping)  # type: ignore[arg-type]
+        else:
+            safetensors_format.write_stream(data, _Hashing(stream, hasher))
+    return hasher.result()
 
 
 def _finish_file(path: Path, options: Options) -> FileDigest:
@@ -296,7 +411,13 @@ def _finish_file(path: Path, options: Options) -> FileDigest:
     return file_digest(path, checksum=options.checksums)
 
 
-def target_for(path: str | os.PathLike[str], to: str | None, *, shard_size: int = DEFAULT_SHARD_SIZE) -> Target:
+def target_for(
+    path: str | os.PathLike[str],
+    to: str | None,
+    *,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    storage_options: dict[str, Any] | None = None,
+) -> Target:
     """The target a destination path and ``to`` name.
 
     ``to=None`` goes by the path: ``*.safetensors`` is one safetensors file, ``*.pt``/``*.pth``/
@@ -317,7 +438,7 @@ def target_for(path: str | os.PathLike[str], to: str | None, *, shard_size: int 
     if by_suffix is not None and by_suffix != to:
         raise ValueError(f"{name} names a {by_suffix} file but the output format is {to}")
     if to == "dcp":
-        return DcpTarget(path)
+        return DcpTarget(path, storage_options)
     if by_suffix is not None:
-        return FileTarget(path, to)
-    return ShardedTarget(path, to, shard_size)
+        return FileTarget(path, to, storage_options)
+    return ShardedTarget(path, to, shard_size, storage_options)

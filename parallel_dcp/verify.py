@@ -24,6 +24,7 @@ from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.options import Options
 from parallel_dcp.partition import Item, Task, partition
 from parallel_dcp.pool import WorkerPool
+from parallel_dcp.storage import Remote, locate
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -109,11 +110,11 @@ def _compare_handler(source: Source, reference: Source | None) -> Any:
     return run
 
 
-def _hash_handler(directory: Path, recorded: dict[str, FileDigest]) -> Any:
+def _hash_handler(directory: Path | Remote, recorded: dict[str, FileDigest]) -> Any:
     def run(task: Task) -> list[str]:
         problems = []
         for name in task.keys:
-            path = directory / name
+            path = directory.join(name) if isinstance(directory, Remote) else directory / name
             if not path.is_file():
                 problems.append(f"file {name}: missing")
                 continue
@@ -140,15 +141,36 @@ def _run(tasks: list[Task], handler: Any, options: Options, governor: MemoryGove
 
 def verify(path: str | os.PathLike[str], against: str | os.PathLike[str] | None, options: Options) -> VerifyReport:
     """See :func:`parallel_dcp.verify`."""
+    for where in (path, against):
+        if where is not None:
+            locate(where, options.storage_options)  # a bad URL fails here; its filesystem is loaded
     governor = MemoryGovernor(options.memory_ceiling())
-    source = open_source(path)
-    reference = open_source(against) if against is not None else None
-    report = VerifyReport(path=os.fspath(path), format=source.kind, against=os.fspath(against) if against else None)
-    directory = Path(path) if Path(path).is_dir() else Path(path).parent
-    recorded = read_manifest(directory) if Path(path).is_dir() else None
+    source = open_source(path, storage_options=options.storage_options)
+    try:
+        reference = open_source(against, storage_options=options.storage_options) if against is not None else None
+        try:
+            return _verify(source, reference, options, governor)
+        finally:
+            if reference is not None:
+                reference.close()
+    finally:
+        source.close()
+
+
+def _verify(source: Source, reference: Source | None, options: Options, governor: MemoryGovernor) -> VerifyReport:
+    against = reference.path if reference is not None else None
+    report = VerifyReport(path=source.path, format=source.kind, against=against)
+    where = source.location
+    directory: Path | Remote | None
+    if isinstance(where, Remote):
+        directory = where if where.is_dir() else None
+    else:
+        directory = Path(where) if Path(where).is_dir() else None
+    recorded = read_manifest(directory) if directory is not None else None
     workers = options.worker_count(max(1, len(source.entries)))
 
     if recorded is not None:
+        assert directory is not None
         report.manifest = True
         sizes = [Item(name, d.size, 0) for name, d in recorded.items()]
         tasks = partition(sizes, workers, memory_adds_up=False)

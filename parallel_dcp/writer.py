@@ -11,13 +11,14 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from parallel_dcp import progress
 from parallel_dcp.manifest import FileDigest, Hasher
+from parallel_dcp.storage import Remote, RemoteFileSystem
 
-__all__ = ["CommitWriter", "ShardWriter"]
+__all__ = ["CommitWriter", "MetadataPayloadWriter", "ShardWriter"]
 
 
 # torch's zip writer makes ~40 small writes per record (headers, pickle, padding): they are
@@ -31,7 +32,7 @@ class _RecordingStream:
     before torch's zip writer hides it. Small writes are gathered; ``tell``, ``flush`` and
     ``fileno`` (which fsync uses) see them as written."""
 
-    def __init__(self, stream: Any, owner: _RecordingFileSystem, hasher: Hasher) -> None:
+    def __init__(self, stream: Any, owner: _Recording, hasher: Hasher) -> None:
         self._stream = stream
         self._owner = owner
         self._hasher = hasher
@@ -78,22 +79,35 @@ class _RecordingStream:
         return getattr(self._stream, name)
 
 
-class _RecordingFileSystem(FileSystem):
-    def __init__(self, checksums: bool) -> None:
-        super().__init__()
+class _Recording:
+    """Mixed into a DCP file system: every stream it creates for writing is recorded."""
+
+    checksums: bool
+    error: OSError | None
+    hashers: dict[str, Hasher]
+
+    def start_recording(self, checksums: bool) -> None:
         self.checksums = checksums
-        self.error: OSError | None = None
-        self.hashers: dict[str, Hasher] = {}
+        self.error = None
+        self.hashers = {}
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
         if "w" not in mode:
             raise ValueError(f"a shard writer only writes new files, not mode {mode!r}")
         hasher = self.hashers[os.path.basename(path)] = Hasher(checksum=self.checksums)
-        with super().create_stream(path, mode) as stream:
+        with super().create_stream(path, mode) as stream:  # type: ignore[misc]
             recording = _RecordingStream(stream, self, hasher)
             yield recording  # type: ignore[misc]
             recording.write_gathered()
+
+
+class _LocalRecording(_Recording, FileSystem):
+    pass
+
+
+class _RemoteRecording(_Recording, RemoteFileSystem):
+    pass
 
 
 class ShardWriter(FileSystemWriter):
@@ -101,12 +115,25 @@ class ShardWriter(FileSystemWriter):
 
     torch's zip writer turns a failed ``write`` (ENOSPC, EFBIG, EIO) into ``RuntimeError:
     unexpected pos ...``; :meth:`original_error` gives back what the file system said.
+
+    On object storage (``path`` a :class:`Remote`) the shard is a multipart upload of parts sized
+    for ``expected_bytes``; nothing is fsynced (an upload is durable once it completes).
     """
 
-    def __init__(self, path: str, *, sync_files: bool, checksums: bool = True) -> None:
-        super().__init__(path, sync_files=sync_files, thread_count=1)
-        self._recording = _RecordingFileSystem(checksums)
-        self.fs = self._recording
+    def __init__(
+        self, path: str | Remote, *, sync_files: bool, checksums: bool = True, expected_bytes: int = 0
+    ) -> None:
+        remote = isinstance(path, Remote)
+        super().__init__(str(path), sync_files=sync_files and not remote, thread_count=1)
+        self._recording: _Recording
+        if isinstance(path, Remote):
+            recording = _RemoteRecording(path.options, expected_bytes)
+            self.path = path.url
+        else:
+            recording = _LocalRecording()  # type: ignore[assignment]
+        recording.start_recording(checksums)
+        self._recording = recording
+        self.fs = recording  # type: ignore[assignment]
 
     def original_error(self) -> OSError | None:
         return self._recording.error
@@ -128,3 +155,53 @@ class CommitWriter(FileSystemWriter):
         if meta is not None:
             meta.checkpoint_id = self._final
         return meta
+
+
+class _CapturingFileSystem(FileSystemBase):
+    """Keeps what is written in memory, by file name, and never touches storage."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        buffer = io.BytesIO()
+        yield buffer
+        self.files[os.path.basename(path)] = buffer.getvalue()
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return f"{os.fspath(path).rstrip('/')}/{suffix}"
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        self.files[os.path.basename(new_path)] = self.files.pop(os.path.basename(path))
+
+    def init_path(self, path: str | os.PathLike[str]) -> str:
+        return os.fspath(path)
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return os.path.basename(path) in self.files
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self.files.pop(os.path.basename(path), None)
+
+
+class MetadataPayloadWriter(FileSystemWriter):
+    """Runs DCP's own ``finish`` but keeps ``.metadata`` in memory (:attr:`payload`), so the
+    commit on object storage decides when it is uploaded: after every shard, last."""
+
+    def __init__(self, final: str) -> None:
+        super().__init__(final, sync_files=False)
+        self._captured = _CapturingFileSystem()
+        self.fs = self._captured  # type: ignore[assignment]
+        self.path = final  # type: ignore[assignment]
+
+    @property
+    def payload(self) -> bytes:
+        return self._captured.files[".metadata"]

@@ -10,34 +10,38 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.dcp_format import DcpSource, is_dcp
 from parallel_dcp.formats.safetensors_format import SafetensorsSource, is_safetensors
 from parallel_dcp.formats.torch_format import TorchSource, is_torch_save
+from parallel_dcp.storage import Remote, locate
 
 __all__ = ["FORMATS", "Entry", "Source", "detect_format", "open_source"]
 
 FORMATS = ("dcp", "safetensors", "torch")
 
 
-def detect_format(path: str | os.PathLike[str]) -> str:
-    """``"dcp"``, ``"safetensors"`` or ``"torch"``, from the files at ``path``.
+def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> str:
+    """``"dcp"``, ``"safetensors"`` or ``"torch"``, from the files at ``path`` (a path or a URL).
 
     Raises:
         FileNotFoundError: nothing at ``path``.
         ValueError: ``path`` holds none of the formats (an uncommitted DCP directory included).
     """
-    path = os.fspath(path)
-    if not os.path.exists(path):
+    where = locate(path, storage_options)
+    path = os.fspath(where)
+    if not where.exists() if isinstance(where, Remote) else not os.path.exists(where):
         raise FileNotFoundError(f"no such file or directory: {path}")
-    if is_dcp(path):
+    if is_dcp(where):
         return "dcp"
-    if is_safetensors(path):
+    if is_safetensors(where):
         return "safetensors"
-    if is_torch_save(path):
+    if is_torch_save(where):
         return "torch"
-    if os.path.isdir(path) and any(n.endswith(".distcp") for n in os.listdir(path)):
+    names = where.listdir() if isinstance(where, Remote) else os.listdir(where) if os.path.isdir(where) else []
+    if any(n.endswith(".distcp") for n in names):
         raise ValueError(f"{path} has DCP shards but no .metadata: it is not a committed checkpoint")
     raise ValueError(
         f"cannot tell the format of {path}: expected a DCP directory (.metadata), a .safetensors file or a "
@@ -46,12 +50,14 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     )
 
 
-def open_source(path: str | os.PathLike[str], *, trust_pickle: bool = False) -> Source:
-    """Open ``path`` for reading, listing its tensors from headers only (no tensor data read)."""
-    path = os.fspath(path)
-    kind = detect_format(path)
+def open_source(
+    path: str | os.PathLike[str], *, trust_pickle: bool = False, storage_options: dict[str, Any] | None = None
+) -> Source:
+    """Open ``path`` (a path or a URL) for reading, listing its tensors from headers only."""
+    path = os.fspath(locate(path, storage_options))
+    kind = detect_format(path, storage_options)
     if kind == "dcp":
-        return DcpSource(path)
+        return DcpSource(path, storage_options=storage_options)
     if kind == "safetensors":
-        return SafetensorsSource(path)
-    return TorchSource(path, trust_pickle=trust_pickle)
+        return SafetensorsSource(path, storage_options=storage_options)
+    return TorchSource(path, storage_options=storage_options, trust_pickle=trust_pickle)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from parallel_dcp.storage import Remote, locate
+
 if TYPE_CHECKING:
     from parallel_dcp.chunks import Chunk
 
@@ -57,7 +59,9 @@ class Source(ABC):
             in the coordinator.
         mapping: DCP ``planner_data`` (flattened key -> path in the nested structure), so a DCP
             output keeps the source's nesting; empty for flat formats.
-        files: the files the source consists of (for inspect and fingerprints).
+        files: the files the source consists of (for inspect and fingerprints): paths, or URLs
+            for a source on object storage.
+        storage_options: fsspec options for a source at a URL (see :mod:`parallel_dcp.storage`).
     """
 
     path: str
@@ -66,6 +70,15 @@ class Source(ABC):
     values: dict[str, Any] = field(default_factory=dict)
     mapping: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
+    storage_options: dict[str, Any] | None = None
+
+    @property
+    def location(self) -> str | Remote:
+        """The source's path, or a :class:`Remote` when it is a URL."""
+        return locate(self.path, self.storage_options)
+
+    def close(self) -> None:  # noqa: B027 (a no-op is right for sources that keep nothing)
+        """In the coordinator, when the job is over: drop what opening the source kept."""
 
     @abstractmethod
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -93,11 +106,16 @@ class Source(ABC):
 
     def fingerprint(self) -> dict[str, Any]:
         """What identifies this source cheaply: each file's name, size and modification time."""
-        stats = {}
+        stats: dict[str, Any] = {}
         for name in self.files:
-            st = os.stat(name)
-            stats[os.path.basename(name)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-        return {"kind": self.kind, "path": os.path.abspath(self.path), "files": stats}
+            where = locate(name, self.storage_options)
+            if isinstance(where, Remote):
+                stats[where.name] = where.fingerprint()
+            else:
+                st = os.stat(where)
+                stats[os.path.basename(where)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        path = self.path if isinstance(self.location, Remote) else os.path.abspath(self.path)
+        return {"kind": self.kind, "path": path, "files": stats}
 
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())

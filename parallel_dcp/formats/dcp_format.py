@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -31,19 +30,22 @@ from parallel_dcp.destination import METADATA_FILE
 from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.metadata_io import read_metadata
 from parallel_dcp.partial import extract_metadata, partial_load
+from parallel_dcp.storage import Remote, dcp_reader
 
 __all__ = ["DcpSource", "is_dcp", "read_keys"]
 
 
-def is_dcp(path: str) -> bool:
+def is_dcp(path: str | Remote) -> bool:
+    if isinstance(path, Remote):
+        return path.join(METADATA_FILE).is_file()
     return os.path.isdir(path) and os.path.exists(os.path.join(path, METADATA_FILE))
 
 
-def read_keys(path: str, metadata: Metadata, keys: Iterable[str], into: dict[str, Any]) -> dict[str, Any]:
+def read_keys(path: str | Remote, metadata: Metadata, keys: Iterable[str], into: dict[str, Any]) -> dict[str, Any]:
     """Load ``keys`` into ``into`` (preallocated tensors are filled in place; other values are set)."""
     keys = list(keys)
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
-    return partial_load(extract_metadata(keys, metadata), FileSystemReader(path), planner, state_dict=into)
+    return partial_load(extract_metadata(keys, metadata), dcp_reader(path), planner, state_dict=into)
 
 
 @dataclass
@@ -54,9 +56,10 @@ class DcpSource(Source):
 
     def __post_init__(self) -> None:
         self.kind = "dcp"
-        self.metadata = read_metadata(self.path)
+        self.metadata = read_metadata(self.location)
         names = {str(info.relative_path) for info in (self.metadata.storage_data or {}).values()}
-        self.files = [os.path.join(self.path, METADATA_FILE), *sorted(os.path.join(self.path, n) for n in names)]
+        root = self.path.rstrip("/")
+        self.files = [f"{root}/{name}" for name in [METADATA_FILE, *sorted(names)]]
         planner_data = self.metadata.planner_data or {}
         byte_keys = []
         for key, meta in self.metadata.state_dict_metadata.items():
@@ -65,13 +68,13 @@ class DcpSource(Source):
             else:
                 byte_keys.append(key)
         if byte_keys:  # small pickled values: read once, here, with the tensors left on disk
-            self.values = read_keys(self.path, self.metadata, byte_keys, {k: None for k in byte_keys})
+            self.values = read_keys(self.location, self.metadata, byte_keys, {k: None for k in byte_keys})
         self.mapping = {k: tuple(planner_data.get(k, (k,))) for k in self.metadata.state_dict_metadata}
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         assert self.metadata is not None
         out = {k: torch.empty(self.entries[k].shape, dtype=self.entries[k].dtype) for k in keys}
-        read_keys(self.path, self.metadata, list(out), out)
+        read_keys(self.location, self.metadata, list(out), out)
         return out
 
     def read_chunk(self, chunk: Chunk) -> torch.Tensor:
@@ -80,7 +83,7 @@ class DcpSource(Source):
         entry = self.entries[chunk.key]
         target = torch.empty(chunk.sizes, dtype=entry.dtype)
         planner = _ChunkLoadPlanner(chunk, target)
-        partial_load(extract_metadata([chunk.key], self.metadata), FileSystemReader(self.path), planner, state_dict={})
+        partial_load(extract_metadata([chunk.key], self.metadata), dcp_reader(self.location), planner, state_dict={})
         return target
 
     # DCP's reader loads a whole stored chunk (a torch.save record, read through a buffer of its

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,8 +20,17 @@ from safetensors.torch import save_file
 
 from parallel_dcp.chunks import Chunk
 from parallel_dcp.formats.base import Entry, Source
+from parallel_dcp.storage import MIN_PART_BYTES, Remote, child_path, is_dir, listdir, read_child
 
-__all__ = ["INDEX_NAME", "SafetensorsSource", "index_json", "is_safetensors", "shard_names", "write_shard"]
+__all__ = [
+    "INDEX_NAME",
+    "SafetensorsSource",
+    "index_json",
+    "is_safetensors",
+    "shard_names",
+    "write_shard",
+    "write_stream",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 _SUFFIX = ".safetensors"
@@ -41,27 +51,48 @@ _DTYPES = {
 }
 
 
-def is_safetensors(path: str) -> bool:
+_MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def is_safetensors(path: str | Remote) -> bool:
+    if isinstance(path, Remote):
+        if path.is_file():
+            return path.url.endswith(_SUFFIX)
+        return any(n == INDEX_NAME or n.endswith(_SUFFIX) for n in path.listdir())
     if os.path.isdir(path):
         return os.path.exists(os.path.join(path, INDEX_NAME)) or any(n.endswith(_SUFFIX) for n in os.listdir(path))
     return path.endswith(_SUFFIX)
 
 
-def _shard_files(path: str) -> list[str]:
-    if not os.path.isdir(path):
-        return [path]
-    index = os.path.join(path, INDEX_NAME)
-    if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        names = list(dict.fromkeys(weight_map.values()))
+def _shard_files(path: str | Remote) -> list[str]:
+    if not is_dir(path):
+        return [os.fspath(path)]
+    listing = listdir(path)
+    if INDEX_NAME in listing:
+        names = list(dict.fromkeys(json.loads(read_child(path, INDEX_NAME))["weight_map"].values()))
     else:
-        names = sorted(n for n in os.listdir(path) if n.endswith(_SUFFIX))
-    files = [os.path.join(path, n) for n in names]
-    missing = [f for f in files if not os.path.exists(f)]
+        names = sorted(n for n in listing if n.endswith(_SUFFIX))
+    missing = [n for n in names if n not in listing]
     if missing:
         raise FileNotFoundError(f"{path}: the index names shards that do not exist: {', '.join(missing)}")
-    return files
+    return [child_path(path, n) for n in names]
+
+
+def _remote_header(remote: Remote) -> tuple[int, dict[str, Any]]:
+    """Where the data starts, and the JSON header: two ranged reads, no tensor bytes."""
+    head = remote.read_bytes(0, 8)
+    if len(head) < 8:
+        raise ValueError(f"{remote} is not a safetensors file: it has {len(head)} bytes")
+    (size,) = struct.unpack("<Q", head)
+    if size > _MAX_HEADER:
+        raise ValueError(f"{remote} is not a safetensors file: its header claims {size} bytes")
+    try:
+        header = json.loads(remote.read_bytes(8, 8 + size))
+    except ValueError as exc:
+        raise ValueError(f"{remote} is not a safetensors file: its header is not JSON ({exc})") from exc
+    header.pop("__metadata__", None)
+    return 8 + size, header
 
 
 @dataclass
@@ -69,10 +100,15 @@ class SafetensorsSource(Source):
     """A safetensors file or sharded directory; listing reads only the JSON headers."""
 
     _handles: dict[str, Any] = field(default_factory=dict, repr=False)
+    # On object storage: key -> (first, end) byte of its data in its file.
+    _ranges: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.kind = "safetensors"
-        self.files = _shard_files(self.path)
+        self.files = _shard_files(self.location)
+        if isinstance(self.location, Remote):
+            self._list_remote(self.location)
+            return
         for file in self.files:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
@@ -86,6 +122,30 @@ class SafetensorsSource(Source):
                         raise ValueError(f"{self.path}: tensor {key!r} is in two shards")
                     self.entries[key] = Entry(key, dtype, tuple(piece.get_shape()), file)
 
+    def _list_remote(self, location: Remote) -> None:
+        for file in self.files:
+            start, header = _remote_header(Remote(file, location.options))
+            for key, info in header.items():
+                dtype = _DTYPES.get(info["dtype"])
+                if dtype is None:
+                    raise ValueError(f"{file}: tensor {key!r} has dtype {info['dtype']}, which torch cannot hold")
+                if key in self.entries:
+                    raise ValueError(f"{self.path}: tensor {key!r} is in two shards")
+                self.entries[key] = Entry(key, dtype, tuple(info["shape"]), file)
+                first, end = info["data_offsets"]
+                self._ranges[key] = (start + first, start + end)
+                if end - first != self.entries[key].nbytes:
+                    raise ValueError(f"{file}: tensor {key!r} has {end - first} bytes for its shape and dtype")
+
+    def _read_range(self, key: str, first: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Bytes of ``key`` from ``first`` on (relative to its data) into a tensor of ``shape``."""
+        entry = self.entries[key]
+        out = torch.empty(shape, dtype=entry.dtype)
+        if out.nbytes:
+            buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy().data).cast("B")
+            Remote(entry.file, self.storage_options or {}).read_into(self._ranges[key][0] + first, buffer)
+        return out
+
     def release(self) -> None:
         self._handles.clear()
 
@@ -97,21 +157,35 @@ class SafetensorsSource(Source):
         return handle
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        if self._ranges:
+            return {key: self._read_range(key, 0, self.entries[key].shape) for key in keys}
         return {key: self._handle(key).get_tensor(key) for key in keys}
 
     def read_chunk(self, chunk: Chunk) -> torch.Tensor:
-        """Only the chunk's rows are read (``get_slice``), into a tensor of their own."""
+        """Only the chunk's rows are read (``get_slice``, or one ranged read), into their own tensor."""
+        if self._ranges:
+            if chunk.dim != 0:
+                return chunk.of(self.read([chunk.key])[chunk.key]).contiguous()
+            row = chunk.nbytes(self.entries[chunk.key].dtype.itemsize) // max(1, chunk.stop - chunk.start)
+            return self._read_range(chunk.key, chunk.start * row, tuple(chunk.sizes))
         rows = slice(chunk.start, chunk.stop)
         index = tuple(rows if d == chunk.dim else slice(None) for d in range(len(chunk.shape)))
         tensor: torch.Tensor = self._handle(chunk.key).get_slice(chunk.key)[index]
         return tensor.contiguous()
 
     # A read maps the file's pages (which count while the handle is open) and copies them out.
+    # From object storage, bytes arrive in 8 MiB ranges straight into the tensor.
     def copied_bytes(self, key: str) -> int:
-        return 2 * self.entries[key].nbytes
+        nbytes = self.entries[key].nbytes
+        return nbytes + _in_flight(nbytes) if self._ranges else 2 * nbytes
 
     def chunk_memory(self, chunk: Chunk) -> int:
-        return 2 * chunk.nbytes(self.entries[chunk.key].dtype.itemsize)
+        nbytes = chunk.nbytes(self.entries[chunk.key].dtype.itemsize)
+        if not self._ranges:
+            return 2 * nbytes
+        if chunk.dim != 0:  # the whole tensor is read, then the chunk copied out
+            return self.copied_bytes(chunk.key) + nbytes
+        return nbytes + _in_flight(nbytes)
 
 
 def shard_names(count: int) -> list[str]:
@@ -133,6 +207,35 @@ def write_shard(tensors: dict[str, torch.Tensor], path: str) -> None:
         seen.add(ident)
         ready[key] = t
     save_file(ready, path, metadata={"format": "pt"})
+
+
+def _in_flight(nbytes: int) -> int:
+    """Memory a ranged read holds beside its target: the response of one range (at most
+    ``MIN_PART_BYTES``), and the HTTP client's buffers for it."""
+    return 3 * min(nbytes, MIN_PART_BYTES)
+
+
+def write_stream(tensors: dict[str, torch.Tensor], stream: Any) -> None:
+    """Write one safetensors file to a write stream, a tensor at a time (object storage uploads).
+
+    The layout is the format's own: an 8-byte little-endian header length, the JSON header
+    (padded with spaces to 8 bytes), then every tensor's bytes back to back in header order.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    ready = []
+    offset = 0
+    for key, tensor in tensors.items():
+        t = tensor.detach().contiguous()
+        header[key] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+        ready.append(t)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    stream.write(struct.pack("<Q", len(text)))
+    stream.write(text)
+    for t in ready:
+        if t.nbytes:
+            stream.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def index_json(weight_map: dict[str, str], total_size: int) -> str:

@@ -13,20 +13,26 @@ keys. Two kinds of file need the caller's say-so, never silent handling:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import tempfile
 import warnings
+import weakref
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from parallel_dcp import _compat
 from parallel_dcp.chunks import Chunk, exact_storage
-from parallel_dcp.errors import UnsafeCheckpointError
+from parallel_dcp.destination import free_bytes
+from parallel_dcp.errors import InsufficientSpaceError, UnsafeCheckpointError
 from parallel_dcp.formats.base import Source, entry_of
+from parallel_dcp.storage import Remote, child_path, is_dir, listdir, read_child
 from parallel_dcp.validate import flatten_checked
 
 __all__ = ["INDEX_NAME", "SUFFIXES", "TorchSource", "index_json", "is_torch_save", "shard_names", "write_file"]
@@ -35,22 +41,61 @@ INDEX_NAME = "pytorch_model.bin.index.json"
 SUFFIXES = (".pt", ".pth", ".bin")
 
 
-def is_torch_save(path: str) -> bool:
+def is_torch_save(path: str | Remote) -> bool:
+    if isinstance(path, Remote):
+        return path.url.endswith(SUFFIXES) if path.is_file() else INDEX_NAME in path.listdir()
     if os.path.isdir(path):
         return os.path.exists(os.path.join(path, INDEX_NAME))
     return path.endswith(SUFFIXES)
 
 
-def _shard_files(path: str) -> list[str]:
-    if not os.path.isdir(path):
-        return [path]
-    with open(os.path.join(path, INDEX_NAME)) as f:
-        names = list(dict.fromkeys(json.load(f)["weight_map"].values()))
-    files = [os.path.join(path, n) for n in names]
-    missing = [f for f in files if not os.path.exists(f)]
+def _shard_files(path: str | Remote) -> list[str]:
+    if not is_dir(path):
+        return [os.fspath(path)]
+    names = list(dict.fromkeys(json.loads(read_child(path, INDEX_NAME))["weight_map"].values()))
+    present = listdir(path)
+    missing = [n for n in names if n not in present]
     if missing:
         raise FileNotFoundError(f"{path}: the index names shards that do not exist: {', '.join(missing)}")
-    return files
+    return [child_path(path, n) for n in names]
+
+
+def _spool(files: list[str], options: dict[str, Any] | None) -> tuple[str, dict[str, str]]:
+    """Copy torch.save files from object storage to a local directory, in 8 MiB pieces.
+
+    A torch.save file is a pickle whose tensors can only be mapped (and so read a key at a time)
+    from a local file; the copy goes to disk, never whole into memory.
+
+    Raises:
+        InsufficientSpaceError: the temporary directory's file system cannot hold the files.
+    """
+    remotes = [Remote(f, options or {}) for f in files]
+    directory = tempfile.mkdtemp(prefix="parallel_dcp-source-")
+    need = sum(r.size() for r in remotes)
+    free = free_bytes(directory)
+    if free is not None and free < need:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise InsufficientSpaceError(
+            errno.ENOSPC,
+            f"reading {files[0]} needs a local copy of {need} bytes ({need / 2**30:.2f} GiB; torch.save files "
+            f"cannot be read by ranges) and {directory} has {free} bytes free: point TMPDIR at a larger disk",
+        )
+    local = {}
+    try:
+        for i, remote in enumerate(remotes):
+            local[remote.url] = os.path.join(directory, f"{i}-{remote.name}")
+            with open(local[remote.url], "wb") as out:
+                for piece in remote.chunks():
+                    out.write(piece)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return directory, local
+
+
+def _remove_if_owner(owner: int, directory: str) -> None:
+    if os.getpid() == owner:  # a forked worker that exits must not delete the coordinator's copy
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _load(file: str, *, mmap: bool, trust_pickle: bool) -> Any:
@@ -78,15 +123,20 @@ class TorchSource(Source):
     trust_pickle: bool = False
     _loaded: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
     _legacy: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
+    _cleanup: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.kind = "torch"
-        self.files = _shard_files(self.path)
+        self.files = _shard_files(self.location)
         if self.trust_pickle:
             warnings.warn(
                 f"{self.path}: trust_pickle=True runs the file's pickle code (weights_only=False)", stacklevel=3
             )
-        for file in self.files:
+        local = {file: file for file in self.files}
+        if isinstance(self.location, Remote):
+            directory, local = _spool(self.files, self.storage_options)
+            self._cleanup = weakref.finalize(self, _remove_if_owner, os.getpid(), directory)
+        for file in (local[f] for f in self.files):
             legacy = not zipfile.is_zipfile(file)
             if legacy:
                 warnings.warn(
@@ -110,6 +160,10 @@ class TorchSource(Source):
 
     def release(self) -> None:
         self._loaded.clear()
+
+    def close(self) -> None:
+        if self._cleanup is not None:
+            self._cleanup()
 
     def read_chunk(self, chunk: Chunk) -> torch.Tensor:
         """A view of the mapped file: only the chunk's pages are read (aliased, not copied, when
@@ -136,8 +190,10 @@ def shard_names(count: int) -> list[str]:
     return [f"pytorch_model-{i + 1:05d}-of-{count:05d}.bin" for i in range(count)]
 
 
-def write_file(tensors: dict[str, Any], path: str, mapping: dict[str, tuple[Any, ...]] | None = None) -> None:
-    """``torch.save`` the flat dict, nested again by ``mapping`` when one is given."""
+def write_file(
+    tensors: dict[str, Any], path: str | IO[bytes], mapping: dict[str, tuple[Any, ...]] | None = None
+) -> None:
+    """``torch.save`` the flat dict (to a path or a write stream), nested again by ``mapping``."""
     obj = _compat.unflatten_state_dict(tensors, mapping) if mapping else tensors
     torch.save(obj, path)
 

@@ -1,0 +1,321 @@
+"""Where checkpoints live: a local path, or a URL on object storage through fsspec.
+
+    "ckpt/step-1000"           Local   (os, mmap, staging directory + atomic rename)
+    "s3://bucket/ckpt/step-1"  Remote  (fsspec; s3fs for S3, any fsspec protocol otherwise)
+
+A :class:`Remote` is the URL plus the fsspec storage options (``endpoint_url``, ``region``...);
+credentials come from the standard environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``,
+``~/.aws/config``) as s3fs reads them. It is plain data: each process opens its own filesystem
+object on first use, because an async filesystem (s3fs) is not fork-safe once its event loop runs.
+
+Uploads go through bounded buffers: a file is sent in parts of :func:`part_size` bytes (a
+multipart upload), never held whole, and a failed write aborts its upload, so a half-written
+object never appears. Reads fetch exactly the byte ranges asked for (no read-ahead cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+from collections.abc import Generator, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+__all__ = [
+    "CLIENT_MEMORY",
+    "MIN_PART_BYTES",
+    "Remote",
+    "RemoteFileSystem",
+    "child_path",
+    "dcp_reader",
+    "is_dir",
+    "is_url",
+    "listdir",
+    "locate",
+    "part_size",
+    "read_child",
+    "upload_memory",
+]
+
+MIN_PART_BYTES = 8 * 2**20
+# What a process's filesystem object holds once it has connected: botocore's session and S3
+# service model, aiohttp's session and its event loop thread (measured: ~14 MiB for s3fs).
+CLIENT_MEMORY = 16 * 2**20
+# S3 allows 10,000 parts per upload; parts grow with the file so that a file never needs more.
+_MAX_PARTS = 9000
+_READ_BYTES = 8 * 2**20
+
+# (pid, protocol, options) -> the filesystem this process opened.
+_FILESYSTEMS: dict[tuple[int, str, str], AbstractFileSystem] = {}
+
+
+def is_url(path: object) -> bool:
+    """True for ``"<protocol>://..."`` strings other than ``file://`` (those are local paths)."""
+    return isinstance(path, str) and "://" in path and not path.startswith("file://")
+
+
+def locate(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> str | Remote:
+    """A :class:`Remote` for a URL, else the local path as a string (``file://`` removed)."""
+    if isinstance(path, Remote):
+        return path
+    if is_url(path):
+        _import_protocol(str(path))
+        return Remote(str(path), dict(storage_options or {}))
+    name = os.fspath(path)
+    return name.removeprefix("file://")
+
+
+def _import_protocol(url: str) -> None:
+    """Import the filesystem for ``url``'s protocol now, before a job measures its memory (its
+    code is no more the job's memory than torch's is), and say clearly what is missing."""
+    from fsspec.registry import get_filesystem_class
+
+    protocol = url.split("://", 1)[0]
+    try:
+        get_filesystem_class(protocol)
+    except ImportError as exc:
+        hint = " (pip install 'parallel_dcp[s3]')" if protocol in ("s3", "s3a") else ""
+        raise ValueError(f"cannot open {url}: the {protocol}:// filesystem is not installed{hint}: {exc}") from exc
+    except ValueError as exc:
+        raise ValueError(f"cannot open {url}: unknown protocol {protocol!r} ({exc})") from exc
+
+
+def part_size(expected_bytes: int) -> int:
+    """The upload part size for a file of about ``expected_bytes``: 8 MiB, more for huge files."""
+    return max(MIN_PART_BYTES, math.ceil(expected_bytes / _MAX_PARTS / 2**20) * 2**20)
+
+
+def upload_memory(expected_bytes: int) -> int:
+    """Memory one upload stream may hold (measured with s3fs: 20-25 MiB for 8 MiB parts): up to
+    two parts buffered, the part being sent and the HTTP client's copy of it; a file smaller than
+    a part is sent in one request, from its buffer and one copy."""
+    return min(4 * part_size(expected_bytes), 3 * expected_bytes + 2**20)
+
+
+@dataclass(frozen=True)
+class Remote:
+    """A file or prefix on object storage; ``str()`` gives the URL back."""
+
+    url: str
+    options: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __fspath__(self) -> str:  # lets messages and os.fspath() show the URL
+        return self.url
+
+    @property
+    def fs(self) -> AbstractFileSystem:
+        """This process's filesystem object for the URL's protocol and options."""
+        from fsspec.core import url_to_fs
+
+        key = (os.getpid(), self.url.split("://", 1)[0], json.dumps(self.options, sort_keys=True, default=str))
+        fs = _FILESYSTEMS.get(key)
+        if fs is None:
+            fs = _FILESYSTEMS[key] = url_to_fs(self.url, skip_instance_cache=True, **self.options)[0]
+        return fs
+
+    @property
+    def key(self) -> str:
+        """The path inside the filesystem (``bucket/prefix``), as fsspec calls take it."""
+        return str(self.fs._strip_protocol(self.url)).rstrip("/")
+
+    @property
+    def name(self) -> str:
+        return self.url.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> Remote:
+        return Remote(self.url.rstrip("/").rsplit("/", 1)[0], self.options)
+
+    def join(self, *names: str) -> Remote:
+        return Remote("/".join([self.url.rstrip("/"), *names]), self.options)
+
+    def exists(self) -> bool:
+        return bool(self.fs.exists(self.key))
+
+    def is_file(self) -> bool:
+        return bool(self.fs.isfile(self.key))
+
+    def is_dir(self) -> bool:
+        return bool(self.fs.isdir(self.key))
+
+    def listdir(self) -> list[str]:
+        """Names directly under this prefix ([] when there are none)."""
+        try:
+            found = self.fs.ls(self.key, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(str(p).rstrip("/").rsplit("/", 1)[-1] for p in found if str(p).rstrip("/") != self.key)
+
+    def size(self) -> int:
+        return int(self.fs.size(self.key))
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Size and version tag (ETag or modification time), to tell a changed object."""
+        info = self.fs.info(self.key)
+        return {"size": int(info.get("size") or 0), "etag": str(info.get("ETag") or info.get("mtime") or "")}
+
+    def read_bytes(self, start: int | None = None, end: int | None = None) -> bytes:
+        """The whole object, or bytes ``start:end`` of it (one ranged request)."""
+        return bytes(self.fs.cat_file(self.key, start=start, end=end))
+
+    def read_into(self, start: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the object's bytes from ``start`` on, a bounded range at a time."""
+        done = 0
+        while done < buffer.nbytes:
+            stop = min(buffer.nbytes, done + _READ_BYTES)
+            data = self.fs.cat_file(self.key, start=start + done, end=start + stop)
+            if len(data) != stop - done:
+                raise EOFError(f"{self.url} ends before byte {start + stop}")
+            buffer[done:stop] = data
+            done = stop
+
+    def open_read(self) -> Any:
+        """A seekable binary stream whose reads fetch exactly the ranges asked for."""
+        return self.fs.open(self.key, "rb", cache_type="none", block_size=MIN_PART_BYTES)
+
+    def chunks(self) -> Iterable[bytes]:
+        """The object's bytes in pieces of 8 MiB (for checksums)."""
+        with self.open_read() as stream:
+            while piece := stream.read(_READ_BYTES):
+                yield piece
+
+    def write_bytes(self, data: bytes) -> None:
+        """Upload a small object in one request (it appears whole or not at all)."""
+        self.fs.pipe_file(self.key, data)
+
+    @contextlib.contextmanager
+    def open_write(self, expected_bytes: int = 0) -> Generator[io.RawIOBase, None, None]:
+        """A write stream that uploads in parts; on an exception the upload is aborted."""
+        stream = self.fs.open(self.key, "wb", block_size=part_size(expected_bytes))
+        bounded = _BoundedWrites(stream, part_size(expected_bytes))
+        try:
+            yield bounded  # type: ignore[misc]
+        except BaseException:
+            with contextlib.suppress(Exception):
+                stream.discard()  # abort the multipart upload: no object appears
+            raise
+        stream.close()
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self.key)
+
+    def remove_all(self, names: Iterable[str]) -> None:
+        keys = [f"{self.key}/{n}" for n in names]
+        if keys:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(keys)
+
+
+class _BoundedWrites:
+    """Hands a stream at most one part at a time: fsspec buffers every byte given to one write()
+    call before it uploads, so one 10 GiB tensor would otherwise sit in memory twice."""
+
+    def __init__(self, stream: Any, piece: int) -> None:
+        self._stream = stream
+        self._piece = piece
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, view.nbytes, self._piece):
+            self._stream.write(view[start : start + self._piece])
+        return view.nbytes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class RemoteFileSystem(FileSystemBase):
+    """DCP's storage interface (``FileSystemWriter``/``FileSystemReader``) over a :class:`Remote`.
+
+    Paths are URLs. Writes are bounded multipart uploads; reads fetch exact ranges. There is no
+    rename: a commit on object storage uploads ``.metadata`` last instead (see ``destination``).
+    """
+
+    def __init__(self, options: Mapping[str, Any] | None = None, expected_bytes: int = 0) -> None:
+        self.options = dict(options or {})
+        self.expected_bytes = expected_bytes
+
+    def _remote(self, path: str | os.PathLike[str]) -> Remote:
+        return Remote(os.fspath(path), self.options)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        remote = self._remote(path)
+        if "w" in mode:
+            with remote.open_write(self.expected_bytes) as stream:
+                yield stream  # type: ignore[misc]
+        else:
+            with remote.open_read() as stream:
+                yield stream
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return f"{os.fspath(path).rstrip('/')}/{suffix}"
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        raise NotImplementedError("object storage has no rename: parallel_dcp commits by uploading .metadata last")
+
+    def init_path(self, path: str | os.PathLike[str]) -> str:
+        return os.fspath(path)
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        """Object storage has no directories: a prefix exists once an object is under it."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return is_url(os.fspath(checkpoint_id))
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return self._remote(path).exists()
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self._remote(path).remove()
+
+    def ls(self, path: str | os.PathLike[str]) -> list[str]:
+        return self._remote(path).listdir()
+
+
+def dcp_reader(location: str | os.PathLike[str] | Remote) -> FileSystemReader:
+    """DCP's ``FileSystemReader`` for a local directory or a checkpoint on object storage."""
+    if not isinstance(location, Remote):
+        return FileSystemReader(location)
+    reader = FileSystemReader(location.url)
+    reader.fs = RemoteFileSystem(location.options)  # type: ignore[assignment]
+    reader.path = location.url
+    return reader
+
+
+def is_dir(where: str | Remote) -> bool:
+    """A local directory, or a prefix with objects under it."""
+    return where.is_dir() if isinstance(where, Remote) else os.path.isdir(where)
+
+
+def listdir(where: str | Remote) -> list[str]:
+    """Names in a directory or under a prefix ([] when it is neither)."""
+    if isinstance(where, Remote):
+        return where.listdir()
+    return sorted(os.listdir(where)) if os.path.isdir(where) else []
+
+
+def child_path(where: str | Remote, name: str) -> str:
+    """The path (or URL) of ``name`` inside ``where``."""
+    return f"{os.fspath(where).rstrip('/')}/{name}"
+
+
+def read_child(where: str | Remote, name: str) -> bytes:
+    """The bytes of the file ``name`` inside ``where``."""
+    if isinstance(where, Remote):
+        return where.join(name).read_bytes()
+    with open(os.path.join(where, name), "rb") as f:
+        return f.read()

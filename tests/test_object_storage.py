@@ -1,0 +1,321 @@
+"""Checkpoints on S3-compatible object storage, against a real local S3 server (moto, server mode).
+
+Every entry point takes ``s3://`` URLs: save, load, convert (both ways), verify, inspect and the
+CLI. The commit works without rename (``.metadata`` is uploaded last), a worker killed in the
+middle of an upload leaves no checkpoint, and an interrupted overwrite leaves the old one loading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
+import parallel_dcp
+from parallel_dcp import cli
+from parallel_dcp.errors import CheckpointExistsError, InvalidDestinationError, WorkerCrashed
+from tests.conftest import assert_same, empty_like_state
+from tests.s3_server import CREDENTIALS, moto_server
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    saved = {name: os.environ.get(name) for name in [*CREDENTIALS, "AWS_ENDPOINT_URL", "AWS_PROFILE"]}
+    os.environ.update(CREDENTIALS)
+    os.environ.pop("AWS_ENDPOINT_URL", None)  # the endpoint is given explicitly unless a test sets it
+    os.environ.pop("AWS_PROFILE", None)
+    try:
+        with moto_server() as url:
+            yield url
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture
+def options(endpoint: str) -> dict[str, Any]:
+    return {"endpoint_url": endpoint}
+
+
+@pytest.fixture
+def s3(options: dict[str, Any]) -> Any:
+    import s3fs
+
+    return s3fs.S3FileSystem(skip_instance_cache=True, **options)
+
+
+@pytest.fixture
+def bucket(s3: Any) -> str:
+    name = f"pdcp-{uuid.uuid4().hex[:10]}"
+    s3.mkdir(name)
+    return name
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "embed": torch.randn(512, 256, generator=g),
+            "layers": [{"w": torch.randn(128, 128, generator=g).to(torch.bfloat16)} for _ in range(3)],
+            "bias": torch.arange(7, dtype=torch.int64) + seed,
+        },
+        "step": 100 + seed,
+        "name": "run-a",
+    }
+
+
+def _names(s3: Any, prefix: str) -> list[str]:
+    s3.invalidate_cache()
+    try:
+        return sorted(p.rsplit("/", 1)[-1] for p in s3.ls(prefix, detail=False))
+    except FileNotFoundError:
+        return []
+
+
+def _open_uploads(s3: Any, bucket: str) -> list[str]:
+    return [u["Key"] for u in s3.list_multipart_uploads(bucket)]
+
+
+def test_save_load_verify_inspect_and_stock_load(s3: Any, bucket: str, options: dict[str, Any]) -> None:
+    sd = _state()
+    url = f"s3://{bucket}/ckpt/step-1"
+    result = parallel_dcp.save(sd, url, workers=2, executor="processes", storage_options=options)
+    assert result.path == url
+    names = _names(s3, f"{bucket}/ckpt/step-1")
+    assert ".metadata" in names and ".parallel_dcp.json" in names
+    assert len([n for n in names if n.endswith(".distcp")]) == result.files
+
+    assert_same(parallel_dcp.load(url, workers=2, storage_options=options), sd)
+    report = parallel_dcp.verify(url, storage_options=options)
+    assert report.ok and report.manifest and report.files_checked == result.files + 1, report.problems
+    info = parallel_dcp.inspect(url, storage_options=options)
+    assert info["committed"] and info["format"] == "dcp" and info["tensors"] == 5
+
+    # Stock DCP, through torch's own fsspec reader, loads it unchanged.
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    target = empty_like_state(sd)
+    dcp.load(target, storage_reader=FsspecReader(url, **options))
+    target["step"], target["name"] = sd["step"], sd["name"]  # bytes values are loaded in place for dicts
+    assert_same(target["model"], sd["model"])
+
+
+def test_stock_load_by_checkpoint_id_with_the_aws_environment(
+    s3: Any, bucket: str, endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Credentials and endpoint from the standard AWS variables only: no storage_options at all."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    sd = _state(1)
+    url = f"s3://{bucket}/env"
+    parallel_dcp.save(sd, url, workers=2)
+    target = empty_like_state(sd)
+    dcp.load(target, checkpoint_id=url)  # torch picks its FsspecReader for the URL
+    assert_same(target["model"], sd["model"])
+    assert_same(parallel_dcp.load(url), sd)
+
+
+def test_convert_both_ways(tmp_path: Path, s3: Any, bucket: str, options: dict[str, Any]) -> None:
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"layer.{i}.weight": torch.randn(256, 64 + i, generator=g) for i in range(6)}
+    tensors["layer.0.mask"] = torch.ones(9, dtype=torch.bool)
+    local_st = tmp_path / "model.safetensors"
+    save_file(tensors, str(local_st))
+
+    # local safetensors -> DCP on S3 -> local safetensors (a file) and a sharded directory on S3
+    dcp_url = f"s3://{bucket}/dcp"
+    parallel_dcp.convert(str(local_st), dcp_url, workers=2, storage_options=options)
+    back = tmp_path / "back.safetensors"
+    parallel_dcp.convert(dcp_url, str(back), workers=2, storage_options=options)
+    assert_same(load_file(str(back)), tensors)
+    sharded_url = f"s3://{bucket}/hf"
+    result = parallel_dcp.convert(
+        dcp_url, sharded_url, to="safetensors", shard_size="200KB", workers=2, storage_options=options
+    )
+    assert not isinstance(result, list) and result.files > 1
+    assert "model.safetensors.index.json" in _names(s3, f"{bucket}/hf")
+
+    # safetensors on S3 (sharded, read by ranges) -> local DCP, cast on the way
+    local_dcp = tmp_path / "from-s3"
+    parallel_dcp.convert(sharded_url, str(local_dcp), dtype="bfloat16", workers=2, storage_options=options)
+    loaded = parallel_dcp.load(str(local_dcp))
+    assert_same(loaded, {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()})
+
+    # a single safetensors file and a torch.save file on S3, into DCP on S3 and locally
+    s3.put(str(local_st), f"{bucket}/single/model.safetensors")
+    parallel_dcp.convert(f"s3://{bucket}/single/model.safetensors", f"s3://{bucket}/dcp2", storage_options=options)
+    assert_same(parallel_dcp.load(f"s3://{bucket}/dcp2", storage_options=options), tensors)
+    torch.save({"model": tensors, "epoch": 4}, tmp_path / "ckpt.pt")
+    s3.put(str(tmp_path / "ckpt.pt"), f"{bucket}/pt/ckpt.pt")
+    parallel_dcp.convert(f"s3://{bucket}/pt/ckpt.pt", str(tmp_path / "pt-dcp"), storage_options=options)
+    assert_same(parallel_dcp.load(str(tmp_path / "pt-dcp")), {"model": tensors, "epoch": 4})
+    pt_url = f"s3://{bucket}/out/model.pt"
+    parallel_dcp.convert(str(tmp_path / "pt-dcp"), pt_url, storage_options=options)
+    s3.get(f"{bucket}/out/model.pt", str(tmp_path / "model.pt"))
+    assert_same(torch.load(tmp_path / "model.pt", weights_only=True), {"model": tensors, "epoch": 4})
+    assert not [p for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("parallel_dcp-source-*") if p.is_dir()]
+
+    report = parallel_dcp.verify(sharded_url, against=str(local_st), storage_options=options)
+    assert report.ok and report.manifest, report.problems
+
+
+def test_cli_with_storage_options(
+    tmp_path: Path, s3: Any, bucket: str, endpoint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tensors = {"a": torch.randn(64, 64), "b": torch.arange(10)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    flag = ["--storage-options", json.dumps({"endpoint_url": endpoint})]
+    url = f"s3://{bucket}/cli"
+    assert cli.main(["convert", str(tmp_path / "m.safetensors"), url, "-q", *flag]) == 0
+    assert cli.main(["inspect", url, "--json", *flag]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["committed"] and info["keys"] == 2
+    assert cli.main(["verify", url, "--against", str(tmp_path / "m.safetensors"), "--json", *flag]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+    # the same destination again: refused, and said why
+    assert cli.main(["convert", str(tmp_path / "m.safetensors"), url, "-q", *flag]) == 1
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["inspect", url, "--storage-options", "[1]"])
+    assert exited.value.code == 2 and "must be a JSON object" in capsys.readouterr().err
+
+
+def test_bad_destinations_fail_before_any_write(s3: Any, bucket: str, options: dict[str, Any]) -> None:
+    sd = _state()
+    with pytest.raises(InvalidDestinationError, match="does not exist"):
+        parallel_dcp.save(sd, f"s3://no-such-bucket-{uuid.uuid4().hex[:6]}/x", storage_options=options)
+    s3.pipe(f"{bucket}/foreign/notes.txt", b"mine")
+    with pytest.raises(InvalidDestinationError, match="not a DCP checkpoint"):
+        parallel_dcp.save(sd, f"s3://{bucket}/foreign", overwrite=True, storage_options=options)
+    assert _names(s3, f"{bucket}/foreign") == ["notes.txt"]
+    parallel_dcp.save(sd, f"s3://{bucket}/once", storage_options=options)
+    before = _names(s3, f"{bucket}/once")
+    with pytest.raises(CheckpointExistsError):
+        parallel_dcp.save(_state(1), f"s3://{bucket}/once", storage_options=options)
+    assert _names(s3, f"{bucket}/once") == before
+    # a sharded directory cannot be replaced in place on object storage: refused up front
+    hf = {"to": "safetensors", "keys": "model.*", "storage_options": options}
+    parallel_dcp.convert(f"s3://{bucket}/once", f"s3://{bucket}/hf", **hf)
+    with pytest.raises(InvalidDestinationError, match="delete it first"):
+        parallel_dcp.convert(f"s3://{bucket}/once", f"s3://{bucket}/hf", overwrite=True, **hf)
+
+
+def test_overwrite_replaces_and_removes_the_old_shards(s3: Any, bucket: str, options: dict[str, Any]) -> None:
+    url = f"s3://{bucket}/over"
+    parallel_dcp.save(_state(0), url, workers=2, storage_options=options)
+    old = {n for n in _names(s3, f"{bucket}/over") if n.endswith(".distcp")}
+    parallel_dcp.save(_state(5), url, workers=2, overwrite=True, storage_options=options)
+    new = {n for n in _names(s3, f"{bucket}/over") if n.endswith(".distcp")}
+    assert new and not new & old  # new shard names; the old shards are gone
+    assert_same(parallel_dcp.load(url, storage_options=options), _state(5))
+    assert parallel_dcp.verify(url, storage_options=options).ok
+
+
+def _big_state() -> dict[str, torch.Tensor]:
+    """Large enough that each worker's upload takes several multipart parts."""
+    return {f"w{i}": torch.full((24 * 2**20 // 4,), float(i)) for i in range(4)}
+
+
+class _KillDuringUpload(threading.Thread):
+    """SIGKILLs a worker once the server holds uploaded parts of an unfinished upload."""
+
+    def __init__(self, s3: Any, bucket: str) -> None:
+        super().__init__(daemon=True)
+        self.s3, self.bucket = s3, bucket
+        self.killed: int | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        me = psutil.Process(os.getpid())
+        while not self.stop.is_set():
+            for upload in self.s3.list_multipart_uploads(self.bucket):
+                parts = self.s3.call_s3(
+                    "list_parts", Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                ).get("Parts", [])
+                workers = me.children()
+                if parts and workers:
+                    self.killed = workers[0].pid
+                    os.kill(self.killed, signal.SIGKILL)
+                    return
+            time.sleep(0.01)
+
+
+def _save_killed(s3: Any, bucket: str, url: str, options: dict[str, Any], overwrite: bool) -> WorkerCrashed:
+    killer = _KillDuringUpload(s3, bucket)
+    killer.start()
+    try:
+        with pytest.raises(WorkerCrashed) as caught:
+            parallel_dcp.save(
+                _big_state(), url, workers=2, executor="processes", overwrite=overwrite, storage_options=options
+            )
+    finally:
+        killer.stop.set()
+        killer.join()
+    assert killer.killed is not None
+    return caught.value
+
+
+def test_worker_killed_mid_upload_leaves_no_checkpoint(s3: Any, bucket: str, options: dict[str, Any]) -> None:
+    url = f"s3://{bucket}/killed"
+    error = _save_killed(s3, bucket, url, options, overwrite=False)
+    assert "SIGKILL" in str(error)
+    assert _names(s3, f"{bucket}/killed") == []  # no .metadata, no shard: nothing of the save is left
+    assert _open_uploads(s3, bucket) == []  # the killed worker's upload was aborted
+    with pytest.raises(FileNotFoundError):
+        parallel_dcp.load(url, storage_options=options)
+
+
+def test_interrupted_overwrite_keeps_the_old_checkpoint(s3: Any, bucket: str, options: dict[str, Any]) -> None:
+    url = f"s3://{bucket}/keep"
+    old = _state(2)
+    parallel_dcp.save(old, url, workers=2, storage_options=options)
+    before = _names(s3, f"{bucket}/keep")
+    _save_killed(s3, bucket, url, options, overwrite=True)
+    assert _names(s3, f"{bucket}/keep") == before
+    assert _open_uploads(s3, bucket) == []
+    assert_same(parallel_dcp.load(url, storage_options=options), old)
+    assert parallel_dcp.verify(url, storage_options=options).ok
+    target = empty_like_state(old)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    dcp.load(target, storage_reader=FsspecReader(url, **options))
+    assert_same(target["model"], old["model"])
+
+
+def test_memory_ceiling_holds_for_a_source_and_a_destination_on_s3(
+    tmp_path: Path, s3: Any, bucket: str, options: dict[str, Any]
+) -> None:
+    """A 256 MiB safetensors file on S3 converts to DCP on S3 under a 192 MiB limit: it is read by
+    ranges (never downloaded whole) and uploaded in bounded parts."""
+    from tests.memory_probe import PeakSampler
+
+    tensors = {"big": torch.randn(256 * 2**20 // 4 // 1024, 1024), "small": torch.randn(100)}
+    save_file(tensors, str(tmp_path / "big.safetensors"))
+    s3.put(str(tmp_path / "big.safetensors"), f"{bucket}/src/big.safetensors")
+    with PeakSampler() as peak:
+        result = parallel_dcp.convert(
+            f"s3://{bucket}/src/big.safetensors",
+            f"s3://{bucket}/big",
+            workers=2,
+            memory_limit="192MiB",
+            storage_options=options,
+        )
+    assert not isinstance(result, list)
+    assert peak.peak < 192 * 2**20, f"peak {peak.peak / 2**20:.1f} MiB"
+    assert_same(parallel_dcp.load(f"s3://{bucket}/big", storage_options=options), tensors)
