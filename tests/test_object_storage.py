@@ -319,3 +319,36 @@ def test_memory_ceiling_holds_for_a_source_and_a_destination_on_s3(
     assert not isinstance(result, list)
     assert peak.peak < 192 * 2**20, f"peak {peak.peak / 2**20:.1f} MiB"
     assert_same(parallel_dcp.load(f"s3://{bucket}/big", storage_options=options), tensors)
+
+
+def test_threads_chunks_and_torch_shards_on_s3(tmp_path: Path, s3: Any, bucket: str, options: dict[str, Any]) -> None:
+    """Writer threads (the default for large in-memory tensors) share the coordinator's connection;
+    a chunked tensor and a sharded torch.save directory travel through S3 and back."""
+    sd = {"big": torch.randn(1024, 1024), "other": torch.randn(300, 300), "step": 3}
+    url = f"s3://{bucket}/threads"
+    result = parallel_dcp.save(sd, url, workers=2, executor="threads", chunk_size="1MiB", storage_options=options)
+    assert result.executor == "threads" and result.keys > len(sd)  # "big" went as several chunks
+    assert_same(parallel_dcp.load(url, storage_options=options), sd)
+
+    shards = f"s3://{bucket}/torch-shards"
+    out = parallel_dcp.convert(url, shards, to="torch", shard_size="2MB", storage_options=options)
+    assert not isinstance(out, list) and out.files > 1
+    assert "pytorch_model.bin.index.json" in _names(s3, f"{bucket}/torch-shards")
+    parallel_dcp.convert(shards, str(tmp_path / "again"), storage_options=options)
+    assert_same(parallel_dcp.load(str(tmp_path / "again")), sd)
+
+
+def test_unknown_protocol_and_missing_credentials_are_clear_errors(
+    tmp_path: Path, bucket: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ValueError, match="unknown protocol 'nosuch'"):
+        parallel_dcp.save({"a": torch.ones(2)}, "nosuch://bucket/x")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(InvalidDestinationError, match=r"cannot reach s3://|not accessible"):
+        parallel_dcp.save({"a": torch.ones(2)}, f"s3://{bucket}/nocreds")
+    assert cli.main(["inspect", f"s3://{bucket}/nocreds"]) == 1
+    assert "parallel-dcp: error:" in capsys.readouterr().err
