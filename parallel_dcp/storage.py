@@ -16,6 +16,7 @@ object never appears. Reads fetch exactly the byte ranges asked for (no read-ahe
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import math
@@ -53,7 +54,7 @@ CLIENT_MEMORY = 16 * 2**20
 _MAX_PARTS = 9000
 _READ_BYTES = 8 * 2**20
 
-# (pid, protocol, options) -> the filesystem this process opened.
+# (pid, protocol, options and AWS environment) -> the filesystem this process opened.
 _FILESYSTEMS: dict[tuple[int, str, str], AbstractFileSystem] = {}
 
 
@@ -118,7 +119,10 @@ class Remote:
         """This process's filesystem object for the URL's protocol and options."""
         from fsspec.core import url_to_fs
 
-        key = (os.getpid(), self.url.split("://", 1)[0], json.dumps(self.options, sort_keys=True, default=str))
+        # The AWS_* environment (credentials, endpoint, profile) is part of what a client is.
+        environment = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
+        options = json.dumps([self.options, environment], sort_keys=True, default=str)
+        key = (os.getpid(), self.url.split("://", 1)[0], hashlib.sha256(options.encode()).hexdigest())
         fs = _FILESYSTEMS.get(key)
         if fs is None:
             fs = _FILESYSTEMS[key] = url_to_fs(self.url, skip_instance_cache=True, **self.options)[0]
