@@ -31,7 +31,7 @@ from parallel_dcp.options import Options
 from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.partition import Item, Task, partition
 from parallel_dcp.pool import WorkerPool
-from parallel_dcp.storage import Remote, dcp_reader, locate
+from parallel_dcp.storage import CLIENT_MEMORY, Remote, dcp_reader, locate
 
 __all__ = ["load"]
 
@@ -111,6 +111,8 @@ def load(path: str | os.PathLike[str], keys: Iterable[str] | None, options: Opti
     items = [Item(k, n, n) for k in selected for n in [_nbytes(tensor_metas[k]) if k in tensor_metas else 0]]
     # The output lives in memory for good; each item also needs a read buffer of its size.
     governor = MemoryGovernor(options.memory_ceiling())
+    if isinstance(path, Remote):
+        governor.worker_extra = CLIENT_MEMORY  # each worker's own connection
     governor.reserve(sum(item.nbytes for item in items), f"loading {len(items)} keys from {path}")
     workers = governor.workers_for(((it.key, it.memory) for it in items), options.worker_count(len(items)))
     tasks = partition(items, workers, max_task_memory=governor.task_budget(workers), memory_adds_up=False)

@@ -24,7 +24,7 @@ from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.options import Options
 from parallel_dcp.partition import Item, Task, partition
 from parallel_dcp.pool import WorkerPool
-from parallel_dcp.storage import Remote, locate
+from parallel_dcp.storage import CLIENT_MEMORY, Remote, is_url, locate
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -145,6 +145,8 @@ def verify(path: str | os.PathLike[str], against: str | os.PathLike[str] | None,
         if where is not None:
             locate(where, options.storage_options)  # a bad URL fails here; its filesystem is loaded
     governor = MemoryGovernor(options.memory_ceiling())
+    if any(is_url(where) for where in (path, against)):
+        governor.worker_extra = CLIENT_MEMORY  # each worker's own connection
     source = open_source(path, storage_options=options.storage_options)
     try:
         reference = open_source(against, storage_options=options.storage_options) if against is not None else None
