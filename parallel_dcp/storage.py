@@ -287,7 +287,8 @@ class RemoteFileSystem(FileSystemBase):
         self._remote(path).remove()
 
     def ls(self, path: str | os.PathLike[str]) -> list[str]:
-        return self._remote(path).listdir()
+        remote = self._remote(path)
+        return [remote.join(name).url for name in remote.listdir()]
 
 
 def dcp_reader(location: str | os.PathLike[str] | Remote) -> FileSystemReader:

@@ -135,6 +135,11 @@ class ShardWriter(FileSystemWriter):
         self._recording = recording
         self.fs = recording  # type: ignore[assignment]
 
+    def _metadata_exists(self) -> bool:
+        # A shard writer never commits: the .metadata beside it (the live checkpoint on object
+        # storage, during an overwrite) is the coordinator's business, not a reason to warn.
+        return False
+
     def original_error(self) -> OSError | None:
         return self._recording.error
 
