@@ -18,6 +18,10 @@ DCP: merge_metadata + planner_data of the whole source (so nesting survives)
   ▼
 publish: rename (or atomic exchange) staging → destination     ── the checkpoint exists
 any failure before this: workers killed and reaped, staging removed, destination untouched
+
+On object storage (a URL; destination.RemoteStaging) there is no staging directory or rename:
+workers upload shards under per-save names into the destination prefix, and the commit uploads
+.metadata after all of them; a failure deletes this save's objects instead.
 """
 
 from __future__ import annotations
