@@ -103,11 +103,11 @@ class _Recording:
 
 
 class _LocalRecording(_Recording, FileSystem):
-    pass
+    """Local files, recorded."""
 
 
 class _RemoteRecording(_Recording, RemoteFileSystem):
-    pass
+    """Multipart uploads to object storage, recorded."""
 
 
 class ShardWriter(FileSystemWriter):
@@ -184,7 +184,7 @@ class _CapturingFileSystem(FileSystemBase):
         return os.fspath(path)
 
     def mkdir(self, path: str | os.PathLike[str]) -> None:
-        pass
+        """Nothing to create: the files stay in memory."""
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
