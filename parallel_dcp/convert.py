@@ -14,7 +14,6 @@ import os
 import re
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
@@ -23,7 +22,7 @@ from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.options import Options
-from parallel_dcp.storage import Remote, is_url, locate
+from parallel_dcp.storage import Location, Remote, is_url, locate
 from parallel_dcp.targets import DEFAULT_SHARD_SIZE, Job, Target, target_for
 
 __all__ = ["convert_one", "destinations", "parse_dtype", "select_keys"]
@@ -135,10 +134,10 @@ def convert_one(
         source.close()
 
 
-def _same_place(a: str | Remote, b: Path | Remote) -> bool:
+def _same_place(a: Location, b: Location) -> bool:
     if isinstance(a, Remote) or isinstance(b, Remote):
         return str(a).rstrip("/") == str(b).rstrip("/")
-    return Path(a).resolve() == b.resolve()
+    return a.resolve() == b.resolve()
 
 
 def _convert_source(

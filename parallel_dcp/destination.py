@@ -313,10 +313,10 @@ class RemoteStaging:
 
     def commit(self, marker: str, payload: bytes, before: dict[str, bytes]) -> None:
         """Delete the old ``marker``, upload ``before`` (the manifest), then ``marker`` itself."""
-        self.destination.join(marker).remove()
+        (self.destination / marker).remove()
         for name, data in before.items():
-            self.destination.join(name).write_bytes(data)
-        self.destination.join(marker).write_bytes(payload)
+            (self.destination / name).write_bytes(data)
+        (self.destination / marker).write_bytes(payload)
         self._committed = True
 
     def publish(self) -> None:

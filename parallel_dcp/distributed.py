@@ -37,7 +37,7 @@ from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.options import Options
 from parallel_dcp.partition import Task
 from parallel_dcp.pool import TaskResult
-from parallel_dcp.storage import Remote, locate
+from parallel_dcp.storage import locate
 from parallel_dcp.targets import AnyStaging, DcpTarget, Job, Target
 
 __all__ = ["run_job", "share"]
@@ -173,11 +173,6 @@ def _run(
         raise
 
 
-def _where(staging: str, options: Options) -> Path | Remote:
-    found = locate(staging, options.storage_options)
-    return found if isinstance(found, Remote) else Path(found)
-
-
 def _write_and_commit(
     job: Job,
     target: Target,
@@ -194,7 +189,7 @@ def _write_and_commit(
         job = job.split(announcement["threshold"])
     tasks = target.plan(job, announcement["workers"] * world, announcement["budget"])
     mine = share(tasks, world)[rank]
-    staging_path = _where(announcement["staging"], options)
+    staging_path = locate(announcement["staging"], options.storage_options)
     if isinstance(target, DcpTarget):
         target.file_tag = announcement["file_tag"]  # shard names rank 0 chose (object storage)
 

@@ -3,34 +3,26 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from parallel_dcp.destination import METADATA_FILE
 from parallel_dcp.formats import detect_format, open_source
 from parallel_dcp.manifest import MANIFEST_FILE
-from parallel_dcp.storage import Remote, locate
+from parallel_dcp.storage import Location, file_size, listdir, locate
 
 __all__ = ["describe", "inspect_checkpoint"]
 
 _LARGEST = 10
 
 
-def _listing(path: Path | Remote) -> list[str] | None:
-    """Names in a directory (or under a prefix); None when ``path`` is not one."""
-    if isinstance(path, Remote):
-        return path.listdir() if path.is_dir() else None
-    return sorted(p.name for p in path.iterdir()) if path.is_dir() else None
-
-
-def _size(path: Path | Remote) -> int | None:
+def _size(path: Location) -> int | None:
     try:
-        return path.size() if isinstance(path, Remote) else path.stat().st_size
+        return file_size(path)
     except FileNotFoundError:
         return None
 
 
-def _uncommitted_dcp(path: Path | Remote, names: list[str] | None) -> dict[str, Any] | None:
+def _uncommitted_dcp(path: Location, names: list[str] | None) -> dict[str, Any] | None:
     if names is not None and METADATA_FILE not in names:
         shards = [n for n in names if n.endswith(".distcp")]
         if shards:
@@ -43,14 +35,10 @@ def _uncommitted_dcp(path: Path | Remote, names: list[str] | None) -> dict[str, 
                 "total_bytes": 0,
                 "dtypes": {},
                 "largest": [],
-                "files": [{"name": n, "size": _size(_child(path, n))} for n in shards],
+                "files": [{"name": n, "size": _size(path / n)} for n in shards],
                 "manifest": MANIFEST_FILE in names,
             }
     return None
-
-
-def _child(path: Path | Remote, name: str) -> Path | Remote:
-    return path.join(name) if isinstance(path, Remote) else path / name
 
 
 def inspect_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -63,9 +51,8 @@ def inspect_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, 
         FileNotFoundError / ValueError: nothing at ``path``, or not a known format.
         CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
     """
-    found = locate(path, storage_options)
-    where = found if isinstance(found, Remote) else Path(found)
-    names = _listing(where)
+    where = locate(path, storage_options)
+    names = listdir(where) if where.is_dir() else None
     uncommitted = _uncommitted_dcp(where, names)
     if uncommitted is not None:
         return uncommitted
@@ -81,13 +68,13 @@ def inspect_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, 
     files: list[dict[str, Any]] = [
         {
             "name": f.removeprefix(root) if names is not None else f.rsplit("/", 1)[-1],
-            "size": _size(Remote(f, where.options) if isinstance(where, Remote) else Path(f)),
+            "size": _size(locate(f, storage_options)),
         }
         for f in source.files
     ]
     source.close()
     return {
-        "path": os.fspath(found),
+        "path": os.fspath(where),
         "format": source.kind,
         "committed": all(r["size"] is not None for r in files),
         "keys": len(source.entries) + len([k for k in source.values if k not in source.entries]),

@@ -16,7 +16,6 @@ import math
 import mmap
 import os
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ from parallel_dcp.options import Options
 from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.partition import Item, Task, partition
 from parallel_dcp.pool import WorkerPool
-from parallel_dcp.storage import CLIENT_MEMORY, Remote, dcp_reader, locate
+from parallel_dcp.storage import CLIENT_MEMORY, Location, Remote, dcp_reader, file_size, listdir, locate
 
 __all__ = ["load"]
 
@@ -63,7 +62,7 @@ def _shared_tensors(metas: dict[str, TensorStorageMetadata]) -> dict[str, torch.
     return tensors
 
 
-def _check_shards(path: str | Remote, metadata: Metadata, keys: list[str]) -> None:
+def _check_shards(path: Location, metadata: Metadata, keys: list[str]) -> None:
     """Refuse, before reading, a checkpoint whose shard files are missing or shorter than recorded."""
     wanted = set(keys)
     needed: dict[str, int] = {}
@@ -71,12 +70,11 @@ def _check_shards(path: str | Remote, metadata: Metadata, keys: list[str]) -> No
         if index.fqn in wanted:
             name = str(info.relative_path)
             needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
-    present = set(path.listdir()) if isinstance(path, Remote) else None
+    present = set(listdir(path))
     for name, end in needed.items():
-        file = path.join(name) if isinstance(path, Remote) else Path(path, name)
-        if not (name in present if present is not None else file.is_file()):
+        if name not in present:
             raise CorruptCheckpointError(f"{path} is damaged: shard {name} is missing")
-        size = file.size() if isinstance(file, Remote) else file.stat().st_size
+        size = file_size(path / name)
         if size < end:
             raise CorruptCheckpointError(
                 f"{path} is damaged: shard {name} has {size} bytes but the metadata records data up to byte {end} "
@@ -84,7 +82,7 @@ def _check_shards(path: str | Remote, metadata: Metadata, keys: list[str]) -> No
             )
 
 
-def _load_handler(path: str | Remote, metadata: Metadata, targets: dict[str, torch.Tensor | None]) -> Any:
+def _load_handler(path: Location, metadata: Metadata, targets: dict[str, torch.Tensor | None]) -> Any:
     def run(task: Task) -> dict[str, Any]:
         part = {key: targets[key] for key in task.keys}
         # No flattening of any kind: the planner must write bytes values into `part` itself.

@@ -25,7 +25,7 @@ import xxhash
 
 from parallel_dcp.destination import MANIFEST_FILE
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.storage import Remote
+from parallel_dcp.storage import Remote, locate
 
 __all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "manifest_bytes", "read_manifest", "write_manifest"]
 
@@ -109,7 +109,7 @@ def read_manifest(directory: str | os.PathLike[str] | Remote) -> dict[str, FileD
     Raises:
         CorruptCheckpointError: the manifest exists but cannot be read.
     """
-    path = directory.join(MANIFEST_FILE) if isinstance(directory, Remote) else Path(directory, MANIFEST_FILE)
+    path = locate(directory) / MANIFEST_FILE
     if not path.is_file():
         return None
     try:

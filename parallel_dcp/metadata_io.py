@@ -11,14 +11,13 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
-from parallel_dcp.storage import Remote
+from parallel_dcp.storage import Remote, locate
 
 __all__ = ["read_metadata"]
 
@@ -62,7 +61,7 @@ def read_metadata(path: str | os.PathLike[str] | Remote) -> Metadata:
         UnsafeCheckpointError: the file names a class outside the allow-list.
         CorruptCheckpointError: the file is truncated or not a DCP metadata pickle.
     """
-    file = path.join(".metadata") if isinstance(path, Remote) else Path(path, ".metadata")
+    file = locate(path) / ".metadata"
     if not file.is_file():
         raise FileNotFoundError(f"{path} is not a DCP checkpoint: it has no .metadata (the commit marker)")
     with io.BytesIO(file.read_bytes()) as f:

@@ -3,6 +3,10 @@
     "ckpt/step-1000"           Local   (os, mmap, staging directory + atomic rename)
     "s3://bucket/ckpt/step-1"  Remote  (fsspec; s3fs for S3, any fsspec protocol otherwise)
 
+:func:`locate` gives a ``Path`` or a :class:`Remote`; both answer ``/ name``, ``name``,
+``exists()``, ``is_file()``, ``is_dir()`` and ``read_bytes()``, and :func:`listdir` and
+:func:`file_size` cover the rest, so readers treat both alike.
+
 A :class:`Remote` is the URL plus the fsspec storage options (``endpoint_url``, ``region``...);
 credentials come from the standard environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``,
 ``~/.aws/config``) as s3fs reads them. It is plain data: each process opens its own filesystem
@@ -23,6 +27,7 @@ import math
 import os
 from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
@@ -33,16 +38,15 @@ if TYPE_CHECKING:
 __all__ = [
     "CLIENT_MEMORY",
     "MIN_PART_BYTES",
+    "Location",
     "Remote",
     "RemoteFileSystem",
-    "child_path",
     "dcp_reader",
-    "is_dir",
+    "file_size",
     "is_url",
     "listdir",
     "locate",
     "part_size",
-    "read_child",
     "upload_memory",
 ]
 
@@ -63,15 +67,14 @@ def is_url(path: object) -> bool:
     return isinstance(path, str) and "://" in path and not path.startswith("file://")
 
 
-def locate(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> str | Remote:
-    """A :class:`Remote` for a URL, else the local path as a string (``file://`` removed)."""
+def locate(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Location:
+    """A :class:`Remote` for a URL, else the local ``Path`` (``file://`` removed)."""
     if isinstance(path, Remote):
         return path
     if is_url(path):
         _import_protocol(str(path))
         return Remote(str(path), dict(storage_options or {}))
-    name = os.fspath(path)
-    return name.removeprefix("file://")
+    return Path(os.fspath(path).removeprefix("file://"))
 
 
 def _import_protocol(url: str) -> None:
@@ -141,8 +144,8 @@ class Remote:
     def parent(self) -> Remote:
         return Remote(self.url.rstrip("/").rsplit("/", 1)[0], self.options)
 
-    def join(self, *names: str) -> Remote:
-        return Remote("/".join([self.url.rstrip("/"), *names]), self.options)
+    def __truediv__(self, name: str) -> Remote:
+        return Remote(f"{self.url.rstrip('/')}/{name}", self.options)
 
     def exists(self) -> bool:
         return bool(self.fs.exists(self.key))
@@ -222,6 +225,9 @@ class Remote:
                 self.fs.rm(keys)
 
 
+Location = Path | Remote
+
+
 class _BoundedWrites:
     """Hands a stream at most one part at a time: fsspec buffers every byte given to one write()
     call before it uploads, so one 10 GiB tensor would otherwise sit in memory twice."""
@@ -288,7 +294,7 @@ class RemoteFileSystem(FileSystemBase):
 
     def ls(self, path: str | os.PathLike[str]) -> list[str]:
         remote = self._remote(path)
-        return [remote.join(name).url for name in remote.listdir()]
+        return [(remote / name).url for name in remote.listdir()]
 
 
 def dcp_reader(location: str | os.PathLike[str] | Remote) -> FileSystemReader:
@@ -301,26 +307,13 @@ def dcp_reader(location: str | os.PathLike[str] | Remote) -> FileSystemReader:
     return reader
 
 
-def is_dir(where: str | Remote) -> bool:
-    """A local directory, or a prefix with objects under it."""
-    return where.is_dir() if isinstance(where, Remote) else os.path.isdir(where)
-
-
-def listdir(where: str | Remote) -> list[str]:
+def listdir(where: Location) -> list[str]:
     """Names in a directory or under a prefix ([] when it is neither)."""
     if isinstance(where, Remote):
         return where.listdir()
-    return sorted(os.listdir(where)) if os.path.isdir(where) else []
+    return sorted(os.listdir(where)) if where.is_dir() else []
 
 
-def child_path(where: str | Remote, name: str) -> str:
-    """The path (or URL) of ``name`` inside ``where``."""
-    return f"{os.fspath(where).rstrip('/')}/{name}"
-
-
-def read_child(where: str | Remote, name: str) -> bytes:
-    """The bytes of the file ``name`` inside ``where``."""
-    if isinstance(where, Remote):
-        return where.join(name).read_bytes()
-    with open(os.path.join(where, name), "rb") as f:
-        return f.read()
+def file_size(where: Location) -> int:
+    """The size of a file or object; FileNotFoundError when there is none."""
+    return where.size() if isinstance(where, Remote) else where.stat().st_size

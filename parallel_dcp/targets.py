@@ -166,7 +166,7 @@ def _items(job: Job) -> list[Item]:
 
 def _where(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Path | Remote:
     found = locate(path, storage_options)
-    return found if isinstance(found, Remote) else Path(os.path.abspath(found))
+    return found if isinstance(found, Remote) else found.absolute()
 
 
 def _digest_of(data: bytes, options: Options) -> FileDigest:
@@ -199,7 +199,7 @@ class DcpTarget(Target):
 
     def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path | Remote, options: Options) -> Any:
         writer = ShardWriter(
-            staging if isinstance(staging, Remote) else str(staging),
+            staging,
             sync_files=options.sync_files,
             checksums=options.checksums,
             expected_bytes=task.nbytes,
@@ -305,7 +305,7 @@ class ShardedTarget(Target):
     def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path | Remote, options: Options) -> Any:
         name = self._shard_names(self._count)[task.index]
         if isinstance(staging, Remote):
-            return {name: _write_remote(staging.join(name), self.kind, data, task.nbytes, options)}
+            return {name: _write_remote(staging / name, self.kind, data, task.nbytes, options)}
         _WRITERS[self.kind](data, str(staging / name))
         return {name: _finish_file(staging / name, options)}
 

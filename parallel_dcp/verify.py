@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.options import Options
 from parallel_dcp.partition import Item, Task, partition
 from parallel_dcp.pool import WorkerPool
-from parallel_dcp.storage import CLIENT_MEMORY, Remote, is_url, locate
+from parallel_dcp.storage import CLIENT_MEMORY, Location, is_url, locate
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -110,11 +109,11 @@ def _compare_handler(source: Source, reference: Source | None) -> Any:
     return run
 
 
-def _hash_handler(directory: Path | Remote, recorded: dict[str, FileDigest]) -> Any:
+def _hash_handler(directory: Location, recorded: dict[str, FileDigest]) -> Any:
     def run(task: Task) -> list[str]:
         problems = []
         for name in task.keys:
-            path = directory.join(name) if isinstance(directory, Remote) else directory / name
+            path = directory / name
             if not path.is_file():
                 problems.append(f"file {name}: missing")
                 continue
@@ -162,12 +161,7 @@ def verify(path: str | os.PathLike[str], against: str | os.PathLike[str] | None,
 def _verify(source: Source, reference: Source | None, options: Options, governor: MemoryGovernor) -> VerifyReport:
     against = reference.path if reference is not None else None
     report = VerifyReport(path=source.path, format=source.kind, against=against)
-    where = source.location
-    directory: Path | Remote | None
-    if isinstance(where, Remote):
-        directory = where if where.is_dir() else None
-    else:
-        directory = Path(where) if Path(where).is_dir() else None
+    directory = source.location if source.location.is_dir() else None
     recorded = read_manifest(directory) if directory is not None else None
     workers = options.worker_count(max(1, len(source.entries)))
 

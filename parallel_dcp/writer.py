@@ -121,7 +121,12 @@ class ShardWriter(FileSystemWriter):
     """
 
     def __init__(
-        self, path: str | Remote, *, sync_files: bool, checksums: bool = True, expected_bytes: int = 0
+        self,
+        path: str | os.PathLike[str] | Remote,
+        *,
+        sync_files: bool,
+        checksums: bool = True,
+        expected_bytes: int = 0,
     ) -> None:
         remote = isinstance(path, Remote)
         super().__init__(str(path), sync_files=sync_files and not remote, thread_count=1)

@@ -19,7 +19,7 @@ from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.dcp_format import DcpSource, is_dcp
 from parallel_dcp.formats.safetensors_format import SafetensorsSource, is_safetensors
 from parallel_dcp.formats.torch_format import TorchSource, is_torch_save
-from parallel_dcp.storage import Remote, locate
+from parallel_dcp.storage import listdir, locate
 
 __all__ = ["FORMATS", "Entry", "Source", "detect_format", "open_source"]
 
@@ -35,7 +35,7 @@ def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] 
     """
     where = locate(path, storage_options)
     path = os.fspath(where)
-    if not where.exists() if isinstance(where, Remote) else not os.path.exists(where):
+    if not where.exists():
         raise FileNotFoundError(f"no such file or directory: {path}")
     if is_dcp(where):
         return "dcp"
@@ -43,8 +43,7 @@ def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] 
         return "safetensors"
     if is_torch_save(where):
         return "torch"
-    names = where.listdir() if isinstance(where, Remote) else os.listdir(where) if os.path.isdir(where) else []
-    if any(n.endswith(".distcp") for n in names):
+    if any(n.endswith(".distcp") for n in listdir(where)):
         raise ValueError(f"{path} has DCP shards but no .metadata: it is not a committed checkpoint")
     raise ValueError(
         f"cannot tell the format of {path}: expected a DCP directory (.metadata), a .safetensors file or a "

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallel_dcp.storage import Remote, locate
+from parallel_dcp.storage import Location, Remote, locate
 
 if TYPE_CHECKING:
     from parallel_dcp.chunks import Chunk
@@ -73,7 +73,7 @@ class Source(ABC):
     storage_options: dict[str, Any] | None = None
 
     @property
-    def location(self) -> str | Remote:
+    def location(self) -> Location:
         """The source's path, or a :class:`Remote` when it is a URL."""
         return locate(self.path, self.storage_options)
 
@@ -112,8 +112,8 @@ class Source(ABC):
             if isinstance(where, Remote):
                 stats[where.name] = where.fingerprint()
             else:
-                st = os.stat(where)
-                stats[os.path.basename(where)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+                st = where.stat()
+                stats[where.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
         path = self.path if isinstance(self.location, Remote) else os.path.abspath(self.path)
         return {"kind": self.kind, "path": path, "files": stats}
 

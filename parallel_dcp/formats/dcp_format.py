@@ -30,18 +30,16 @@ from parallel_dcp.destination import METADATA_FILE
 from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.metadata_io import read_metadata
 from parallel_dcp.partial import extract_metadata, partial_load
-from parallel_dcp.storage import Remote, dcp_reader
+from parallel_dcp.storage import Location, dcp_reader
 
 __all__ = ["DcpSource", "is_dcp", "read_keys"]
 
 
-def is_dcp(path: str | Remote) -> bool:
-    if isinstance(path, Remote):
-        return path.join(METADATA_FILE).is_file()
-    return os.path.isdir(path) and os.path.exists(os.path.join(path, METADATA_FILE))
+def is_dcp(path: Location) -> bool:
+    return (path / METADATA_FILE).is_file()
 
 
-def read_keys(path: str | Remote, metadata: Metadata, keys: Iterable[str], into: dict[str, Any]) -> dict[str, Any]:
+def read_keys(path: Location, metadata: Metadata, keys: Iterable[str], into: dict[str, Any]) -> dict[str, Any]:
     """Load ``keys`` into ``into`` (preallocated tensors are filled in place; other values are set)."""
     keys = list(keys)
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
@@ -58,8 +56,7 @@ class DcpSource(Source):
         self.kind = "dcp"
         self.metadata = read_metadata(self.location)
         names = {str(info.relative_path) for info in (self.metadata.storage_data or {}).values()}
-        root = self.path.rstrip("/")
-        self.files = [f"{root}/{name}" for name in [METADATA_FILE, *sorted(names)]]
+        self.files = [os.fspath(self.location / name) for name in [METADATA_FILE, *sorted(names)]]
         planner_data = self.metadata.planner_data or {}
         byte_keys = []
         for key, meta in self.metadata.state_dict_metadata.items():

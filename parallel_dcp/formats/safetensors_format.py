@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from parallel_dcp.chunks import Chunk
 from parallel_dcp.formats.base import Entry, Source
-from parallel_dcp.storage import MIN_PART_BYTES, Remote, child_path, is_dir, listdir, read_child
+from parallel_dcp.storage import MIN_PART_BYTES, Location, Remote, listdir
 
 __all__ = [
     "INDEX_NAME",
@@ -55,28 +55,24 @@ _MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
-def is_safetensors(path: str | Remote) -> bool:
-    if isinstance(path, Remote):
-        if path.is_file():
-            return path.url.endswith(_SUFFIX)
-        return any(n == INDEX_NAME or n.endswith(_SUFFIX) for n in path.listdir())
-    if os.path.isdir(path):
-        return os.path.exists(os.path.join(path, INDEX_NAME)) or any(n.endswith(_SUFFIX) for n in os.listdir(path))
-    return path.endswith(_SUFFIX)
+def is_safetensors(path: Location) -> bool:
+    if path.is_dir():
+        return any(n == INDEX_NAME or n.endswith(_SUFFIX) for n in listdir(path))
+    return path.name.endswith(_SUFFIX)
 
 
-def _shard_files(path: str | Remote) -> list[str]:
-    if not is_dir(path):
+def _shard_files(path: Location) -> list[str]:
+    if not path.is_dir():
         return [os.fspath(path)]
     listing = listdir(path)
     if INDEX_NAME in listing:
-        names = list(dict.fromkeys(json.loads(read_child(path, INDEX_NAME))["weight_map"].values()))
+        names = list(dict.fromkeys(json.loads((path / INDEX_NAME).read_bytes())["weight_map"].values()))
     else:
         names = sorted(n for n in listing if n.endswith(_SUFFIX))
     missing = [n for n in names if n not in listing]
     if missing:
         raise FileNotFoundError(f"{path}: the index names shards that do not exist: {', '.join(missing)}")
-    return [child_path(path, n) for n in names]
+    return [os.fspath(path / n) for n in names]
 
 
 def _remote_header(remote: Remote) -> tuple[int, dict[str, Any]]:

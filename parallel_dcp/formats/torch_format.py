@@ -32,7 +32,7 @@ from parallel_dcp.chunks import Chunk, exact_storage
 from parallel_dcp.destination import free_bytes
 from parallel_dcp.errors import InsufficientSpaceError, UnsafeCheckpointError
 from parallel_dcp.formats.base import Source, entry_of
-from parallel_dcp.storage import Remote, child_path, is_dir, listdir, read_child
+from parallel_dcp.storage import Location, Remote, listdir
 from parallel_dcp.validate import flatten_checked
 
 __all__ = ["INDEX_NAME", "SUFFIXES", "TorchSource", "index_json", "is_torch_save", "shard_names", "write_file"]
@@ -41,23 +41,21 @@ INDEX_NAME = "pytorch_model.bin.index.json"
 SUFFIXES = (".pt", ".pth", ".bin")
 
 
-def is_torch_save(path: str | Remote) -> bool:
-    if isinstance(path, Remote):
-        return path.url.endswith(SUFFIXES) if path.is_file() else INDEX_NAME in path.listdir()
-    if os.path.isdir(path):
-        return os.path.exists(os.path.join(path, INDEX_NAME))
-    return path.endswith(SUFFIXES)
+def is_torch_save(path: Location) -> bool:
+    if path.is_dir():
+        return (path / INDEX_NAME).is_file()
+    return path.name.endswith(SUFFIXES)
 
 
-def _shard_files(path: str | Remote) -> list[str]:
-    if not is_dir(path):
+def _shard_files(path: Location) -> list[str]:
+    if not path.is_dir():
         return [os.fspath(path)]
-    names = list(dict.fromkeys(json.loads(read_child(path, INDEX_NAME))["weight_map"].values()))
+    names = list(dict.fromkeys(json.loads((path / INDEX_NAME).read_bytes())["weight_map"].values()))
     present = listdir(path)
     missing = [n for n in names if n not in present]
     if missing:
         raise FileNotFoundError(f"{path}: the index names shards that do not exist: {', '.join(missing)}")
-    return [child_path(path, n) for n in names]
+    return [os.fspath(path / n) for n in names]
 
 
 def _spool(files: list[str], options: dict[str, Any] | None) -> tuple[str, dict[str, str]]:
