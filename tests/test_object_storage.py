@@ -352,3 +352,38 @@ def test_unknown_protocol_and_missing_credentials_are_clear_errors(
         parallel_dcp.save({"a": torch.ones(2)}, f"s3://{bucket}/nocreds")
     assert cli.main(["inspect", f"s3://{bucket}/nocreds"]) == 1
     assert "parallel-dcp: error:" in capsys.readouterr().err
+
+
+def test_single_file_on_s3_is_replaced_only_with_overwrite(
+    tmp_path: Path, s3: Any, bucket: str, options: dict[str, Any]
+) -> None:
+    first, second = {"w": torch.randn(64, 64)}, {"w": torch.randn(64, 64)}
+    save_file(first, str(tmp_path / "a.safetensors"))
+    save_file(second, str(tmp_path / "b.safetensors"))
+    url = f"s3://{bucket}/files/model.safetensors"
+    parallel_dcp.convert(str(tmp_path / "a.safetensors"), url, storage_options=options)
+    with pytest.raises(CheckpointExistsError):
+        parallel_dcp.convert(str(tmp_path / "b.safetensors"), url, storage_options=options)
+    parallel_dcp.convert(str(tmp_path / "b.safetensors"), url, overwrite=True, storage_options=options)
+    assert _names(s3, f"{bucket}/files") == ["model.safetensors"]
+    s3.get(f"{bucket}/files/model.safetensors", str(tmp_path / "got.safetensors"))
+    assert_same(load_file(str(tmp_path / "got.safetensors")), second)
+
+
+def test_torch_source_on_s3_needs_local_space_first(
+    tmp_path: Path, s3: Any, bucket: str, options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch.save source on object storage is copied locally: too little space fails before the copy."""
+    from parallel_dcp.errors import InsufficientSpaceError
+    from parallel_dcp.formats import torch_format
+
+    torch.save({"w": torch.randn(256, 256)}, tmp_path / "m.pt")
+    s3.put(str(tmp_path / "m.pt"), f"{bucket}/pt/m.pt")
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(torch_format.tempfile, "tempdir", None)  # re-read TMPDIR
+    monkeypatch.setattr(torch_format, "free_bytes", lambda _: 1024)
+    with pytest.raises(InsufficientSpaceError, match="TMPDIR"):
+        parallel_dcp.convert(f"s3://{bucket}/pt/m.pt", str(tmp_path / "out"), storage_options=options)
+    assert list((tmp_path / "tmp").iterdir()) == []  # the copy's directory was removed
+    assert not (tmp_path / "out").exists()
