@@ -204,13 +204,19 @@ class _CapturingFileSystem(FileSystemBase):
 
 class MetadataPayloadWriter(FileSystemWriter):
     """Runs DCP's own ``finish`` but keeps ``.metadata`` in memory (:attr:`payload`), so the
-    commit on object storage decides when it is uploaded: after every shard, last."""
+    destination's commit decides how it lands (one atomic rename, or one upload): after every
+    shard, last. ``save_id`` is recorded in ``storage_meta`` (the manifest records it too)."""
 
-    def __init__(self, final: str) -> None:
+    def __init__(self, final: str, save_id: str | None = None) -> None:
         super().__init__(final, sync_files=False)
         self._captured = _CapturingFileSystem()
         self.fs = self._captured  # type: ignore[assignment]
         self.path = final  # type: ignore[assignment]
+        self._final = final
+        self._save_id = save_id
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self._final, save_id=self._save_id or self.save_id)
 
     @property
     def payload(self) -> bytes:
