@@ -26,6 +26,7 @@ from parallel_dcp.coordinator import save as _save
 from parallel_dcp.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
+    DestinationBusyError,
     DistributedJobError,
     IncompatibleTorchError,
     InsufficientSpaceError,
@@ -50,6 +51,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointExistsError",
     "CorruptCheckpointError",
+    "DestinationBusyError",
     "DistributedJobError",
     "IncompatibleTorchError",
     "InsufficientSpaceError",
@@ -179,6 +181,7 @@ def load(
     retries: int = 0,
     task_timeout: float | None = None,
     storage_options: dict[str, Any] | None = None,
+    trust_pickle: bool = False,
 ) -> dict[str, Any]:
     """Load a DCP checkpoint (all keys, or the flattened ``keys`` given) with a pool of processes.
 
@@ -193,11 +196,15 @@ def load(
         memory_limit, retries, task_timeout: as for :func:`save`; the loaded tensors count
             against ``memory_limit``, so it must be larger than the bytes loaded.
         storage_options: as for :func:`save`.
+        trust_pickle: unpickle non-tensor values that need more than ``weights_only=True``
+            (runs the checkpoint's pickle code: only for checkpoints you trust).
 
     Raises:
         FileNotFoundError: ``path`` holds no committed checkpoint.
         KeyError: a requested key is not in the checkpoint.
-        UnsafeCheckpointError / CorruptCheckpointError: ``.metadata`` is malicious or damaged.
+        UnsafeCheckpointError / CorruptCheckpointError: ``.metadata`` is malicious or damaged, it
+            names a file outside the checkpoint, a shard is truncated, or a value needs
+            ``trust_pickle``.
         MemoryLimitExceeded: the selected keys do not fit under ``memory_limit``.
         WorkerError / WorkerCrashed / TaskTimeoutError: a worker failed; no partial result is returned.
     """
@@ -209,7 +216,7 @@ def load(
         task_timeout=task_timeout,
         storage_options=storage_options,
     )
-    return _loader.load(path, keys, options)
+    return _loader.load(path, keys, options, trust_pickle=trust_pickle)
 
 
 def convert(
@@ -306,6 +313,7 @@ def verify(
     workers: int | None = None,
     memory_limit: int | str | None = None,
     storage_options: dict[str, Any] | None = None,
+    trust_pickle: bool = False,
 ) -> VerifyReport:
     """Check a checkpoint: manifest sizes and checksums, every key read back, and bit-for-bit
     equality with ``against`` (any supported format) when given.
@@ -322,8 +330,13 @@ def verify(
     return _verify.verify(path, against, options)
 
 
-def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def inspect(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, trust_pickle: bool = False
+) -> dict[str, Any]:
     """Describe a checkpoint from its headers only: ``format``, ``committed``, ``keys``,
-    ``tensors``, ``total_bytes``, ``dtypes``, ``largest`` tensors, ``files`` and ``manifest``.
-    ``path`` may be a URL (``storage_options`` as for :func:`save`)."""
-    return _inspection.inspect_checkpoint(path, storage_options)
+    ``tensors``, ``total_bytes``, ``dtypes``, ``largest`` tensors, ``files``, ``manifest``,
+    ``values`` (non-tensor values by key and stored size, never unpickled), ``damaged`` (why
+    it is not loadable, or None) and ``leftovers`` (files of saves that did not finish).
+    ``path`` may be a URL (``storage_options`` as for :func:`save`); ``trust_pickle`` lets a
+    torch.save file that needs ``weights_only=False`` be listed (it runs its pickle code)."""
+    return _inspection.inspect_checkpoint(path, storage_options, trust_pickle=trust_pickle)

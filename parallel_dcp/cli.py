@@ -56,6 +56,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary text")
 
 
+_TRUST_HELP = "unpickle values and torch.save files that need weights_only=False (runs their code: trusted only)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="parallel-dcp",
@@ -96,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="describe a checkpoint from its headers")
     inspect.add_argument("path", metavar="PATH")
     inspect.add_argument("--json", action="store_true", help="print JSON on stdout")
+    inspect.add_argument("--trust-pickle", action="store_true", help=_TRUST_HELP)
     _storage(inspect)
 
     verify = sub.add_parser(
@@ -103,6 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("path", metavar="PATH")
     verify.add_argument("--against", metavar="SRC", help="compare every key bit for bit with this checkpoint")
+    verify.add_argument("--trust-pickle", action="store_true", help=_TRUST_HELP)
     _common(verify)
 
     from parallel_dcp import benchmark
@@ -165,7 +170,7 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    info = parallel_dcp.inspect(args.path, storage_options=args.storage_options)
+    info = parallel_dcp.inspect(args.path, storage_options=args.storage_options, trust_pickle=args.trust_pickle)
     print(json.dumps(info, indent=2) if args.json else describe(info))
     return 0
 
@@ -177,6 +182,7 @@ def _verify(args: argparse.Namespace) -> int:
         workers=args.workers,
         memory_limit=args.memory_limit,
         storage_options=args.storage_options,
+        trust_pickle=args.trust_pickle,
     )
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))

@@ -160,4 +160,8 @@ def _convert_source(
                 f"safetensors holds only tensors, and {src} selects {len(others)} other values "
                 f"({', '.join(others[:5])}); select tensors only with keys= (--keys)"
             )
+    # Before any write: the files the selection needs are all there and long enough, and its
+    # non-tensor values unpickle safely (an unsafe one is refused here, by name).
+    source.check(k for k in selected if k in source.entries or k in source.values)
+    source.load_values(k for k in selected if k not in source.entries)
     return run_job(Job(source, selected, dtype), target, options, governor, start=start)

@@ -114,8 +114,8 @@ class Job:
     def _memory(self, unit: str, out_bytes: int) -> int:
         chunk = self.chunks.get(unit)
         key = chunk.key if chunk else unit
-        if key not in self.source.entries:
-            return 0
+        if key not in self.source.entries:  # a non-tensor value: its pickle, made in the worker
+            return self.source.value_bytes(key) if key in self.source.values else 0
         entry = self.source.entries[key]
         cast = out_bytes if self.out_dtype(entry.dtype) != entry.dtype else 0
         return (self.source.chunk_memory(chunk) if chunk else self.source.copied_bytes(key)) + cast

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.manifest import FileDigest, file_digest, read_manifest
@@ -138,7 +139,13 @@ def _run(tasks: list[Task], handler: Any, options: Options, governor: MemoryGove
     return problems
 
 
-def verify(path: str | os.PathLike[str], against: str | os.PathLike[str] | None, options: Options) -> VerifyReport:
+def verify(
+    path: str | os.PathLike[str],
+    against: str | os.PathLike[str] | None,
+    options: Options,
+    *,
+    trust_pickle: bool = False,
+) -> VerifyReport:
     """See :func:`parallel_dcp.verify`."""
     for where in (path, against):
         if where is not None:
@@ -146,9 +153,13 @@ def verify(path: str | os.PathLike[str], against: str | os.PathLike[str] | None,
     governor = MemoryGovernor(options.memory_ceiling())
     if any(is_url(where) for where in (path, against)):
         governor.worker_extra = CLIENT_MEMORY  # each worker's own connection
-    source = open_source(path, storage_options=options.storage_options)
+    source = open_source(path, storage_options=options.storage_options, trust_pickle=trust_pickle)
     try:
-        reference = open_source(against, storage_options=options.storage_options) if against is not None else None
+        reference = (
+            open_source(against, storage_options=options.storage_options, trust_pickle=trust_pickle)
+            if against is not None
+            else None
+        )
         try:
             return _verify(source, reference, options, governor)
         finally:
@@ -162,7 +173,7 @@ def _verify(source: Source, reference: Source | None, options: Options, governor
     against = reference.path if reference is not None else None
     report = VerifyReport(path=source.path, format=source.kind, against=against)
     directory = source.location if source.location.is_dir() else None
-    recorded = read_manifest(directory) if directory is not None else None
+    recorded = read_manifest(directory, current_only=True) if directory is not None else None
     workers = options.worker_count(max(1, len(source.entries)))
 
     if recorded is not None:
@@ -179,6 +190,14 @@ def _verify(source: Source, reference: Source | None, options: Options, governor
         report.problems += [f"{k}: not in {against}" for k in keys if k not in theirs]
         report.problems += [f"{k}: in {against} but missing here" for k in sorted(theirs - set(keys))]
         keys = [k for k in keys if k in theirs]
+    try:  # damaged shards are found before reading; unsafe values are refused by name
+        source.check(keys)
+    except CorruptCheckpointError as exc:
+        report.problems.append(str(exc))
+        return report
+    for side in (source, reference):
+        if side is not None:
+            side.load_values(k for k in keys if k not in side.entries and k in side.values)
     items = [Item(k, source.entries[k].nbytes, _read_cost(source, reference, k)) for k in keys if k in source.entries]
     items += [Item(k, 0, 0) for k in keys if k not in source.entries]
     workers = governor.workers_for(((it.key, it.memory) for it in items), workers)
