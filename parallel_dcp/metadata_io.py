@@ -16,6 +16,7 @@ with :class:`UnsafeCheckpointError` naming the key, unless the caller passed ``t
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 from typing import Any
@@ -116,6 +117,7 @@ def _check_metadata(metadata: Metadata, file: object) -> None:
     storage = metadata.storage_data or {}
     if not isinstance(storage, dict):
         raise CorruptCheckpointError(f"{file}: storage_data is not a mapping")
+    stored: dict[str, int] = {}
     for index, info in storage.items():
         where = f"{file} (key {getattr(index, 'fqn', index)!r})"
         check_name(getattr(info, "relative_path", None), where)
@@ -123,6 +125,20 @@ def _check_metadata(metadata: Metadata, file: object) -> None:
             raise CorruptCheckpointError(
                 f"{where}: impossible offset {getattr(info, 'offset', None)!r} or length "
                 f"{getattr(info, 'length', None)!r}"
+            )
+        fqn = getattr(index, "fqn", None)
+        stored[str(fqn)] = stored.get(str(fqn), 0) + int(info.length)
+    # What a reader allocates is bounded by what is stored (and check_shards bounds that by the
+    # files' real sizes): a tensor's chunks cover it, and each chunk's bytes are in its records.
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        itemsize = meta.properties.dtype.itemsize
+        covered = sum(math.prod(chunk.sizes) for chunk in meta.chunks)
+        if math.prod(meta.size) > covered or covered * itemsize > stored.get(key, 0):
+            raise CorruptCheckpointError(
+                f"{file}: key {key!r} claims {math.prod(meta.size)} elements ({covered} in its chunks) but "
+                f"{stored.get(key, 0)} stored bytes: impossible sizes"
             )
 
 
