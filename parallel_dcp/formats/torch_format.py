@@ -162,6 +162,7 @@ class TorchSource(Source):
             directory, local = _spool(self.files, self.storage_options)
             self._cleanup = weakref.finalize(self, _remove_if_owner, os.getpid(), directory)
         for file in (local[f] for f in self.files):
+            _check_torch_file(file)
             legacy = not zipfile.is_zipfile(file)
             if legacy:
                 warnings.warn(
