@@ -143,3 +143,19 @@ class RunsCode:
 
     def __reduce__(self) -> Any:
         return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+class WaitForFile:
+    """Holds its worker until ``path`` exists (at most ``limit_s``), then saves the string 'released'."""
+
+    def __init__(self, path: str, limit_s: float = 60.0) -> None:
+        self.path = path
+        self.limit_s = limit_s
+
+    def __reduce__(self) -> Any:
+        import time
+
+        deadline = time.monotonic() + self.limit_s
+        while not os.path.exists(self.path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return (str, ("released",))
