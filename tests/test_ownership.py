@@ -30,9 +30,7 @@ pytestmark = pytest.mark.timeout(180)
 
 def _tree(path: Path) -> dict[str, bytes | None]:
     """Every file (bytes) and directory (None) under ``path``, by relative name."""
-    return {
-        str(p.relative_to(path)): (None if p.is_dir() else p.read_bytes()) for p in sorted(path.rglob("*"))
-    }
+    return {str(p.relative_to(path)): (None if p.is_dir() else p.read_bytes()) for p in sorted(path.rglob("*"))}
 
 
 def _stock_load(path: Path, like: dict[str, Any]) -> dict[str, Any]:

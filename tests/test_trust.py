@@ -62,7 +62,7 @@ READERS = [
 @pytest.mark.parametrize("read", READERS)
 def test_a_hostile_value_is_refused_by_name_and_never_runs(read: Any, hostile: tuple[Path, Path]) -> None:
     ckpt, marker = hostile
-    with pytest.raises(UnsafeCheckpointError, match="'evil'.*trust_pickle"):
+    with pytest.raises(UnsafeCheckpointError, match=r"'evil'.*trust_pickle"):
         read(ckpt, ckpt.parent)
     assert not marker.exists()
     assert not (ckpt.parent / "out").exists() and not (ckpt.parent / "out.pt").exists()
@@ -144,9 +144,7 @@ IMPOSSIBLE = [
     pytest.param(
         lambda m: setattr(m.state_dict_metadata["w"], "size", torch.Size([10**12])), "impossible", id="huge-tensor"
     ),
-    pytest.param(
-        lambda m: setattr(m.state_dict_metadata["w"], "size", torch.Size([-4])), "impossible", id="neg-size"
-    ),
+    pytest.param(lambda m: setattr(m.state_dict_metadata["w"], "size", torch.Size([-4])), "impossible", id="neg-size"),
 ]
 
 
@@ -184,7 +182,7 @@ def test_garbage_safetensors_is_a_corrupt_checkpoint(
 ) -> None:
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(content)
-    with pytest.raises(CorruptCheckpointError, match="bad.safetensors"):
+    with pytest.raises(CorruptCheckpointError, match=r"bad\.safetensors"):
         parallel_dcp.inspect(bad)
     assert cli.main(["inspect", str(bad)]) == 1
     err = capsys.readouterr().err
@@ -196,7 +194,7 @@ def test_a_file_that_is_not_torch_save_never_suggests_trusting_it(content: bytes
     bad = tmp_path / "x.pt"
     bad.write_bytes(content)
     for read in (lambda: parallel_dcp.inspect(bad), lambda: parallel_dcp.convert(bad, tmp_path / "o", workers=1)):
-        with pytest.raises(CorruptCheckpointError, match="not a torch.save file") as info:
+        with pytest.raises(CorruptCheckpointError, match=r"not a torch\.save file") as info:
             read()
         assert not isinstance(info.value, UnsafeCheckpointError) and "trust" not in str(info.value)
 
