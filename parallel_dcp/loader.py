@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from parallel_dcp import _compat, progress
 from parallel_dcp.formats.dcp_format import read_keys
 from parallel_dcp.memory import MemoryGovernor
-from parallel_dcp.metadata_io import SafeLoadPlanner, check_shards, read_metadata
+from parallel_dcp.metadata_io import SafeLoadPlanner, check_shards, read_metadata, reading
 from parallel_dcp.options import Options
 from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.partition import Item, Task, partition
@@ -71,7 +71,8 @@ def _load_handler(
         )
         keys = [key for key in task.keys if targets[key] is not None]  # values were read before the fork
         part = {key: targets[key] for key in keys}
-        partial_load(extract_metadata(keys, metadata), dcp_reader(path), planner, state_dict=part)
+        with reading(path, keys):
+            partial_load(extract_metadata(keys, metadata), dcp_reader(path), planner, state_dict=part)
         progress.report(task.nbytes)
         progress.flush()
         return {}

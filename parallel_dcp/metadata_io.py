@@ -15,10 +15,12 @@ with :class:`UnsafeCheckpointError` naming the key, unless the caller passed ``t
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
 import pickle
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,10 +29,17 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from parallel_dcp import _compat
-from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, ParallelDCPError, UnsafeCheckpointError, describe_keys
 from parallel_dcp.storage import Location, Remote, check_name, file_size, listdir, locate
 
-__all__ = ["SafeLoadPlanner", "check_shards", "read_metadata", "safe_empty_planner", "unpickle_value"]
+__all__ = [
+    "SafeLoadPlanner",
+    "check_shards",
+    "read_metadata",
+    "reading",
+    "safe_empty_planner",
+    "unpickle_value",
+]
 
 _ALLOWED: dict[str, set[str]] = {
     "torch.distributed.checkpoint.metadata": {
@@ -165,6 +174,21 @@ def check_shards(path: Location, metadata: Metadata, keys: list[str] | None = No
                 f"{path} is damaged: shard {name} has {size} bytes but the metadata records data up to byte {end} "
                 "(truncated file)"
             )
+
+
+@contextlib.contextmanager
+def reading(path: object, keys: Sequence[str]) -> Iterator[None]:
+    """Whatever goes wrong reading ``keys`` from ``path`` is a CorruptCheckpointError naming them
+    (torch raises RuntimeError from its zip reader on a damaged record)."""
+    try:
+        yield
+    except ParallelDCPError:
+        raise
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise CorruptCheckpointError(
+            f"{path}: cannot read {describe_keys(list(keys))}: {type(exc).__name__}: {first}"
+        ) from exc
 
 
 def unpickle_value(key: str, data: io.BytesIO, *, trust_pickle: bool = False) -> Any:

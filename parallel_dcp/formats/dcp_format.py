@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from parallel_dcp.chunks import Chunk
 from parallel_dcp.destination import METADATA_FILE
 from parallel_dcp.formats.base import Entry, Source
-from parallel_dcp.metadata_io import SafeLoadPlanner, check_shards, read_metadata
+from parallel_dcp.metadata_io import SafeLoadPlanner, check_shards, read_metadata, reading
 from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.storage import Location, dcp_reader
 
@@ -47,7 +47,8 @@ def read_keys(
     planner = SafeLoadPlanner(
         flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True, trust_pickle=trust_pickle
     )
-    return partial_load(extract_metadata(keys, metadata), dcp_reader(path), planner, state_dict=into)
+    with reading(path, keys):
+        return partial_load(extract_metadata(keys, metadata), dcp_reader(path), planner, state_dict=into)
 
 
 class _LazyValues(Mapping[str, Any]):
@@ -140,7 +141,10 @@ class DcpSource(Source):
         entry = self.entries[chunk.key]
         target = torch.empty(chunk.sizes, dtype=entry.dtype)
         planner = _ChunkLoadPlanner(chunk, target)
-        partial_load(extract_metadata([chunk.key], self.metadata), dcp_reader(self.location), planner, state_dict={})
+        with reading(self.location, [chunk.key]):
+            partial_load(
+                extract_metadata([chunk.key], self.metadata), dcp_reader(self.location), planner, state_dict={}
+            )
         return target
 
     # DCP's reader loads a whole stored chunk (a torch.save record, read through a buffer of its
