@@ -292,15 +292,14 @@ def _clean_leftovers(where: Location) -> None:
 
 def _protect(where: Location, names: Iterable[str], protect: Sequence[str]) -> None:
     """Refuse to replace or delete a file that is one of the job's source files."""
-    if not protect or isinstance(where, Remote):
-        if isinstance(where, Remote):
-            sources = {p.rstrip("/") for p in protect}
-            for name in names:
-                if (where / name).url.rstrip("/") in sources:
-                    raise InvalidDestinationError(f"refusing to replace {where / name}: it is a file of the source")
+    if isinstance(where, Remote):
+        urls = {p.rstrip("/") for p in protect}
+        for name in names:
+            if (where / name).url.rstrip("/") in urls:
+                raise InvalidDestinationError(f"refusing to replace {where / name}: it is a file of the source")
         return
-    sources = set()
-    for p in protect:
+    sources: set[tuple[int, int]] = set()
+    for p in protect:  # by inode: a link or another spelling of the same file is the same file
         with contextlib.suppress(OSError):
             st = os.stat(p)
             sources.add((st.st_dev, st.st_ino))
@@ -446,6 +445,8 @@ def _write_synced(path: Path, data: bytes) -> None:
 
 class _LocalStaging(Staging):
     """What a local directory and a local file share: lock, owner file, temporary names, renames."""
+
+    destination: Path
 
     def __init__(self, *, directory: Path, destination: Path, lock: Path, overwrite: bool, protect: Sequence[str]):
         self.destination = destination
