@@ -111,10 +111,12 @@ def save(
         path: the checkpoint directory, or a URL on object storage (``s3://bucket/prefix``, any
             fsspec URL). It must not exist, be empty, or (with ``overwrite``) hold a checkpoint.
         workers: worker processes; None uses every usable core.
-        overwrite: replace an existing checkpoint. The new one is built beside it and swapped
-            in atomically; if the save fails, the old one stays as it was. (On object storage the
-            new shards are uploaded beside the old ones under new names and ``.metadata``
-            replaced last; see :mod:`parallel_dcp.destination`.)
+        overwrite: replace an existing checkpoint: the new shards are written beside the old
+            ones under new names, ``.metadata`` is replaced by one atomic rename (one upload on
+            object storage), then the old checkpoint's own files are removed; every other file in
+            the directory is kept. If the save fails, the old one stays as it was. Without it,
+            nothing is ever replaced, even a checkpoint that appears while the save runs. See
+            :mod:`parallel_dcp.destination`.
         progress: show a progress bar on stderr.
         sync_files: fsync every file before the commit (as stock DCP does).
         crc32: compute ``torch.save``'s per-record CRC32 (off by default: no DCP reader checks it).
@@ -145,6 +147,7 @@ def save(
     Raises:
         InvalidStateDictError: the state dict cannot be saved (checked before any write).
         CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite`` is False.
+        DestinationBusyError: another save is writing ``path`` (its host and pid are named).
         InvalidDestinationError: ``path`` is a file, a foreign directory or has no parent.
         InsufficientSpaceError: the file system has less free space than the checkpoint needs.
         WorkerError: a task raised in a worker (its traceback is the ``__cause__``).
