@@ -315,6 +315,7 @@ def verify(
     against: str | os.PathLike[str] | None = None,
     workers: int | None = None,
     memory_limit: int | str | None = None,
+    dtype: str | torch.dtype | None = None,
     storage_options: dict[str, Any] | None = None,
     trust_pickle: bool = False,
 ) -> VerifyReport:
@@ -322,15 +323,22 @@ def verify(
     equality with ``against`` (any supported format) when given.
 
     Finds what stock DCP loads silently: a flipped byte, a truncated shard. Problems are
-    collected in the report (``report.ok`` is False), not raised. ``path`` and ``against`` may be
-    URLs (``storage_options`` as for :func:`save`).
+    collected in the report (``report.ok`` is False, ``report.problems`` sorted), not raised.
+    Tensors too large to compare whole under ``memory_limit`` are compared in row ranges, so
+    ``verify`` works under any limit that :func:`convert` works under. ``path`` and ``against``
+    may be URLs (``storage_options`` as for :func:`save`).
+
+    Args:
+        dtype: compare against ``against`` cast the way ``convert(..., dtype=dtype)`` casts it
+            (floating tensors only), exactly; for checking a conversion that changed the dtype.
 
     Raises:
-        FileNotFoundError / ValueError: ``path`` or ``against`` is missing or of no known format.
+        FileNotFoundError / ValueError: ``path`` or ``against`` is missing or of no known format;
+            ``dtype`` without ``against``, or not a floating dtype.
         CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
     """
     options = Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options)
-    return _verify.verify(path, against, options)
+    return _verify.verify(path, against, options, _convert.parse_dtype(dtype), trust_pickle=trust_pickle)
 
 
 def inspect(

@@ -244,7 +244,7 @@ def result_of(
         per_worker=_per_worker(results),
         memory_limit=governor.limit,
         peak_memory=governor.peak,
-        keys=len(job.keys),
+        keys=len(job.source_keys()),  # the keys written, not the chunks they were split into
         format=target.kind,
         executor=choose_executor(job, options),
     )
@@ -288,7 +288,8 @@ def run_tasks(
         return []
     results: list[TaskResult[Any]] = []
     handler = _handler(job, target, staging, options)
-    with progress.Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc="write") as bar:
+    label = "save" if isinstance(job.source, MemorySource) else "convert"
+    with progress.Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc=label) as bar:
         if choose_executor(job, options) == "threads":
             with ThreadPool(workers, handler, initializer=lambda: _compat.set_crc32(options.crc32)) as threads:
                 for result in threads.run(tasks, governor=governor, on_tick=bar.refresh):

@@ -7,13 +7,14 @@ from typing import Any
 
 from parallel_dcp.destination import METADATA_FILE, find_leftovers
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.formats import detect_format, open_source
+from parallel_dcp.formats import detect_format, open_source, safetensors_format, torch_format
 from parallel_dcp.manifest import MANIFEST_FILE
 from parallel_dcp.storage import Location, file_size, listdir, locate
 
 __all__ = ["describe", "inspect_checkpoint"]
 
 _LARGEST = 10
+_INDEXES = (safetensors_format.INDEX_NAME, torch_format.INDEX_NAME)
 
 
 def _size(path: Location) -> int | None:
@@ -84,6 +85,8 @@ def inspect_checkpoint(
         }
         for f in source.files
     ]
+    # A sharded directory's index is part of it (convert counts it among the files it wrote).
+    files += [{"name": n, "size": _size(where / n)} for n in _INDEXES if names is not None and n in names]
     source.close()
     return {
         "path": os.fspath(where),

@@ -164,7 +164,8 @@ class Target(ABC):
 
     @abstractmethod
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
-        """In the coordinator, after every task: finish the output; returns the number of data files."""
+        """In the coordinator, after every task: finish the output; returns the number of files it
+        consists of (what ``inspect`` lists: shards and ``.metadata`` or the index; not the manifest)."""
 
 
 def _items(job: Job) -> list[Item]:
@@ -237,7 +238,7 @@ class DcpTarget(Target):
         # .metadata is the commit; the manifest follows it (see destination: a stale manifest is
         # recognised by its save id).
         staging.commit(marker=(METADATA_FILE, payload_writer.payload), extras={MANIFEST_FILE: manifest})
-        return len(digests) - 1
+        return len(digests)  # the shards and .metadata, as inspect lists them
 
 
 _WRITERS = {"safetensors": safetensors_format.write_shard, "torch": torch_format.write_file}
@@ -276,17 +277,21 @@ class ShardedTarget(Target):
         return [*self._shard_names(len(tasks)), self._index_name, MANIFEST_FILE]
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
+        """Shards filled up to ``shard_size`` bytes in the source's key order, as Hugging Face's own
+        sharding does (a tensor larger than that gets a shard of its own); a shard also ends early
+        when the memory its worker needs to hold it would go over ``budget``."""
         io_memory = self.io_memory(self.shard_size)
-        budget = max(1, min(self.shard_size, budget - TASK_MEMORY_BYTES - io_memory))
+        room = max(1, budget - TASK_MEMORY_BYTES - io_memory)
         shards: list[list[Item]] = [[]]
-        size = 0
+        size = memory = 0
         for item in _items(job):  # the source's order, as save_pretrained keeps it
             need = max(item.nbytes, item.memory) + ITEM_MEMORY_BYTES
-            if shards[-1] and size + need > budget:
+            if shards[-1] and (size + item.nbytes > self.shard_size or memory + need > room):
                 shards.append([])
-                size = 0
+                size = memory = 0
             shards[-1].append(item)
-            size += need
+            size += item.nbytes
+            memory += need
         tasks = [
             Task(
                 index=i,
@@ -330,7 +335,7 @@ class ShardedTarget(Target):
             marker=(self._index_name, index) if index else None,
             extras={MANIFEST_FILE: manifest},
         )
-        return len(tasks)
+        return len(tasks) + bool(index)  # the shards and the index, as inspect lists them
 
 
 class FileTarget(Target):
