@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from parallel_dcp import convert as _convert
-from parallel_dcp import inspection as _inspection
-from parallel_dcp import loader as _loader
-from parallel_dcp import verify as _verify
-from parallel_dcp.coordinator import SaveResult, WorkerStats
-from parallel_dcp.coordinator import save as _save
+from parallel_dcp.jobs import convert as _convert
+from parallel_dcp.jobs import inspect as _inspection
+from parallel_dcp.jobs import load as _loader
+from parallel_dcp.jobs import verify as _verify
+from parallel_dcp.jobs.pipeline import SaveResult, WorkerStats
+from parallel_dcp.jobs.pipeline import save as _save
 from parallel_dcp.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
@@ -42,9 +42,9 @@ from parallel_dcp.errors import (
 )
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, extract_metadata, load_metadata, merge_metadata, partial_load, partial_save
-from parallel_dcp.storage import is_url
-from parallel_dcp.targets import DEFAULT_SHARD_SIZE
-from parallel_dcp.verify import VerifyReport
+from parallel_dcp.storage.location import is_url
+from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE
+from parallel_dcp.jobs.verify import VerifyReport
 
 __version__ = "0.1.0"
 
@@ -277,7 +277,7 @@ def convert(
         UnsafeCheckpointError: a torch.save file that needs ``trust_pickle``.
         Otherwise as :func:`save`; on failure each destination is as it was before the call.
     """
-    from parallel_dcp.memory import parse_size
+    from parallel_dcp.engine.memory import parse_size
 
     options = Options(
         workers=workers,

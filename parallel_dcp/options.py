@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from parallel_dcp.memory import default_limit, parse_size
+from parallel_dcp.engine.memory import default_limit, parse_size
 
 __all__ = ["Options", "usable_cores"]
 

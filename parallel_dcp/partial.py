@@ -236,7 +236,7 @@ def partial_load(
     Raises:
         UnsafeCheckpointError: (default planner) a value needs more than ``weights_only=True``.
     """
-    from parallel_dcp.metadata_io import safe_empty_planner
+    from parallel_dcp.storage.metadata import safe_empty_planner
 
     state_dict = {} if state_dict is None else state_dict
     planner = safe_empty_planner(trust_pickle) if planner is None else planner

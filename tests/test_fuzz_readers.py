@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 import parallel_dcp
 from parallel_dcp import ParallelDCPError
 from parallel_dcp.formats import open_source
-from parallel_dcp.inspection import inspect_checkpoint
-from parallel_dcp.manifest import file_digest, read_manifest
+from parallel_dcp.jobs.inspect import inspect_checkpoint
+from parallel_dcp.storage.manifest import file_digest, read_manifest
 
 pytestmark = pytest.mark.timeout(600)
 

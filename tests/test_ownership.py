@@ -256,7 +256,7 @@ def test_sigkill_mid_overwrite_leaves_the_old_checkpoint_and_the_next_save_clean
 CRASH_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, torch, parallel_dcp
-    from parallel_dcp import destination
+    from parallel_dcp.storage import staging as destination
     where = sys.argv[2]
     if where == "publish":  # after the commit, before the old shards are removed
         destination._LocalStaging.publish = lambda self: os.kill(os.getpid(), signal.SIGKILL)

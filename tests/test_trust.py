@@ -25,7 +25,7 @@ from parallel_dcp import (
     cli,
 )
 from parallel_dcp.partial import partial_load
-from parallel_dcp.storage import dcp_reader
+from parallel_dcp.storage.location import dcp_reader
 from tests.conftest import assert_same
 from tests.faults import RunsCode
 

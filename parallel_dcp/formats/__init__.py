@@ -19,7 +19,7 @@ from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.dcp_format import DcpSource, is_dcp
 from parallel_dcp.formats.safetensors_format import SafetensorsSource, is_safetensors
 from parallel_dcp.formats.torch_format import TorchSource, is_torch_save
-from parallel_dcp.storage import listdir, locate
+from parallel_dcp.storage.location import listdir, locate
 
 __all__ = ["FORMATS", "Entry", "Source", "detect_format", "open_source"]
 

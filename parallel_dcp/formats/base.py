@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallel_dcp.storage import Location, Remote, locate
+from parallel_dcp.storage.location import Location, Remote, locate
 
 if TYPE_CHECKING:
-    from parallel_dcp.chunks import Chunk
+    from parallel_dcp.engine.chunks import Chunk
 
 __all__ = ["Entry", "Source", "entry_of"]
 
@@ -100,7 +100,7 @@ class Source(ABC):
         if isinstance(value, str):
             return len(value.encode(errors="surrogatepass"))
         if isinstance(value, (list, tuple, dict)):
-            from parallel_dcp.threads import plain_value
+            from parallel_dcp.engine.threads import plain_value
 
             if plain_value(value):  # pickling plain containers runs no user code
                 import pickle

@@ -59,7 +59,7 @@ from parallel_dcp.errors import (
     InsufficientSpaceError,
     InvalidDestinationError,
 )
-from parallel_dcp.storage import Location, Remote, check_name
+from parallel_dcp.storage.location import Location, Remote, check_name
 
 __all__ = [
     "DCP_LAYOUT",
@@ -143,7 +143,7 @@ class Layout:
 
 
 def _dcp_owned(where: Location, names: list[str]) -> set[str]:
-    from parallel_dcp.metadata_io import read_metadata  # metadata_io reads through this module's names
+    from parallel_dcp.storage.metadata import read_metadata  # metadata_io reads through this module's names
 
     metadata = read_metadata(where)
     shards = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}

@@ -42,8 +42,8 @@ from parallel_dcp.errors import (
     describe_exit,
     describe_keys,
 )
-from parallel_dcp.memory import MemoryGovernor, format_bytes
-from parallel_dcp.partition import Task
+from parallel_dcp.engine.memory import MemoryGovernor, format_bytes
+from parallel_dcp.engine.partition import Task
 
 __all__ = ["TaskResult", "WorkerPool", "gc_paused", "return_freed_memory"]
 

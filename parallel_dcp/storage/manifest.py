@@ -24,9 +24,9 @@ from typing import Any
 
 import xxhash
 
-from parallel_dcp.destination import MANIFEST_FILE, METADATA_FILE
+from parallel_dcp.storage.staging import MANIFEST_FILE, METADATA_FILE
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.storage import Location, Remote, check_name, locate
+from parallel_dcp.storage.location import Location, Remote, check_name, locate
 
 __all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "manifest_bytes", "read_manifest", "write_manifest"]
 
@@ -153,7 +153,7 @@ def read_manifest(
 def _stale(directory: Location, save_id: object) -> bool:
     if not isinstance(save_id, str) or not (directory / METADATA_FILE).is_file():
         return False
-    from parallel_dcp.metadata_io import read_metadata
+    from parallel_dcp.storage.metadata import read_metadata
 
     meta = read_metadata(directory).storage_meta
     recorded = getattr(meta, "save_id", None)

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from parallel_dcp import _compat
 from parallel_dcp.errors import CorruptCheckpointError, ParallelDCPError, UnsafeCheckpointError, describe_keys
-from parallel_dcp.storage import Location, Remote, check_name, file_size, listdir, locate
+from parallel_dcp.storage.location import Location, Remote, check_name, file_size, listdir, locate
 
 __all__ = [
     "SafeLoadPlanner",
