@@ -17,12 +17,6 @@ from typing import Any
 
 import torch
 
-from parallel_dcp.jobs import convert as _convert
-from parallel_dcp.jobs import inspect as _inspection
-from parallel_dcp.jobs import load as _loader
-from parallel_dcp.jobs import verify as _verify
-from parallel_dcp.jobs.pipeline import SaveResult, WorkerStats
-from parallel_dcp.jobs.pipeline import save as _save
 from parallel_dcp.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
@@ -40,11 +34,17 @@ from parallel_dcp.errors import (
     WorkerCrashed,
     WorkerError,
 )
+from parallel_dcp.jobs import convert as _convert
+from parallel_dcp.jobs import inspect as _inspection
+from parallel_dcp.jobs import load as _loader
+from parallel_dcp.jobs import verify as _verify
+from parallel_dcp.jobs.pipeline import SaveResult, WorkerStats
+from parallel_dcp.jobs.pipeline import save as _save
+from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE
+from parallel_dcp.jobs.verify import VerifyReport
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, extract_metadata, load_metadata, merge_metadata, partial_load, partial_save
 from parallel_dcp.storage.location import is_url
-from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE
-from parallel_dcp.jobs.verify import VerifyReport
 
 __version__ = "0.1.0"
 

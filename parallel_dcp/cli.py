@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import parallel_dcp
-from parallel_dcp.jobs.pipeline import SaveResult
-from parallel_dcp.jobs.inspect import describe
 from parallel_dcp.engine.memory import format_bytes, parse_size
+from parallel_dcp.jobs.inspect import describe
+from parallel_dcp.jobs.pipeline import SaveResult
 
 __all__ = ["main"]
 

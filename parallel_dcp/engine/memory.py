@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import psutil
 
-from parallel_dcp.errors import MemoryLimitExceeded, describe_keys
 from parallel_dcp.engine.partition import (
     ITEM_MEMORY_BYTES,
     TASK_MEMORY_BYTES,
@@ -37,6 +36,7 @@ from parallel_dcp.engine.partition import (
     affordable_workers,
     task_budget,
 )
+from parallel_dcp.errors import MemoryLimitExceeded, describe_keys
 
 __all__ = ["DEFAULT_FRACTION", "MemoryGovernor", "default_limit", "format_bytes", "parse_size"]
 

@@ -31,14 +31,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from parallel_dcp.jobs import pipeline
-from parallel_dcp.storage.staging import WriteLocation
-from parallel_dcp.errors import DistributedJobError
 from parallel_dcp.engine.memory import MemoryGovernor
-from parallel_dcp.options import Options
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import TaskResult
+from parallel_dcp.errors import DistributedJobError
+from parallel_dcp.jobs import pipeline
 from parallel_dcp.jobs.targets import AnyStaging, Job, Target
+from parallel_dcp.options import Options
+from parallel_dcp.storage.staging import WriteLocation
 
 __all__ = ["run_job", "share"]
 

@@ -22,16 +22,15 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from parallel_dcp import _compat
-
 from parallel_dcp.engine import progress
-from parallel_dcp.formats.dcp_format import read_keys
 from parallel_dcp.engine.memory import MemoryGovernor
-from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading
-from parallel_dcp.options import Options
-from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
+from parallel_dcp.formats.dcp_format import read_keys
+from parallel_dcp.options import Options
+from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, dcp_reader, locate
+from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading
 
 __all__ = ["load"]
 

@@ -36,13 +36,9 @@ from typing import Any
 import torch
 
 from parallel_dcp import _compat
-
 from parallel_dcp.engine import progress
 from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, chunk_threshold
-from parallel_dcp.storage.staging import WriteLocation
-from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.engine.memory import MemoryGovernor, parse_size
-from parallel_dcp.options import Options
 from parallel_dcp.engine.partition import (
     ITEM_MEMORY_BYTES,
     TASK_MEMORY_BYTES,
@@ -50,9 +46,12 @@ from parallel_dcp.engine.partition import (
     Task,
 )
 from parallel_dcp.engine.pool import TaskResult, WorkerPool, gc_paused
-from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
-from parallel_dcp.jobs.targets import DcpTarget, Job, Target
 from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
+from parallel_dcp.formats.memory_format import MemorySource
+from parallel_dcp.jobs.targets import DcpTarget, Job, Target
+from parallel_dcp.options import Options
+from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
+from parallel_dcp.storage.staging import WriteLocation
 
 __all__ = ["SaveResult", "WorkerStats", "run_job", "save"]
 

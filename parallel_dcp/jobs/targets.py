@@ -18,6 +18,14 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from parallel_dcp.engine.chunks import Chunk, ChunkSavePlanner, split
+from parallel_dcp.engine.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
+from parallel_dcp.engine.pool import gc_paused
+from parallel_dcp.formats import safetensors_format, torch_format
+from parallel_dcp.formats.base import Source
+from parallel_dcp.options import Options
+from parallel_dcp.partial import commit, merge_metadata, partial_save
+from parallel_dcp.storage.location import Remote, locate, upload_memory
+from parallel_dcp.storage.manifest import FileDigest, Hasher, file_digest, manifest_bytes
 from parallel_dcp.storage.staging import (
     DCP_LAYOUT,
     MANIFEST_FILE,
@@ -30,14 +38,6 @@ from parallel_dcp.storage.staging import (
     WriteLocation,
     sharded_layout,
 )
-from parallel_dcp.formats import safetensors_format, torch_format
-from parallel_dcp.formats.base import Source
-from parallel_dcp.storage.manifest import FileDigest, Hasher, file_digest, manifest_bytes
-from parallel_dcp.options import Options
-from parallel_dcp.partial import commit, merge_metadata, partial_save
-from parallel_dcp.engine.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
-from parallel_dcp.engine.pool import gc_paused
-from parallel_dcp.storage.location import Remote, locate, upload_memory
 from parallel_dcp.storage.writers import MetadataPayloadWriter, ShardWriter
 
 AnyStaging = Staging  # kept for callers that imported the old union

@@ -24,9 +24,9 @@ from typing import Any
 
 import xxhash
 
-from parallel_dcp.storage.staging import MANIFEST_FILE, METADATA_FILE
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.location import Location, Remote, check_name, locate
+from parallel_dcp.storage.staging import MANIFEST_FILE, METADATA_FILE
 
 __all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "manifest_bytes", "read_manifest", "write_manifest"]
 

@@ -15,8 +15,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, 
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from parallel_dcp.engine import progress
-from parallel_dcp.storage.manifest import FileDigest, Hasher
 from parallel_dcp.storage.location import Remote, RemoteFileSystem
+from parallel_dcp.storage.manifest import FileDigest, Hasher
 
 __all__ = ["CommitWriter", "MetadataPayloadWriter", "ShardWriter"]
 
