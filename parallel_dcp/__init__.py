@@ -17,12 +17,6 @@ from typing import Any
 
 import torch
 
-from parallel_dcp import convert as _convert
-from parallel_dcp import inspection as _inspection
-from parallel_dcp import loader as _loader
-from parallel_dcp import verify as _verify
-from parallel_dcp.coordinator import SaveResult, WorkerStats
-from parallel_dcp.coordinator import save as _save
 from parallel_dcp.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
@@ -39,11 +33,17 @@ from parallel_dcp.errors import (
     WorkerCrashed,
     WorkerError,
 )
+from parallel_dcp.jobs import convert as _convert
+from parallel_dcp.jobs import inspect as _inspection
+from parallel_dcp.jobs import load as _loader
+from parallel_dcp.jobs import verify as _verify
+from parallel_dcp.jobs.pipeline import SaveResult, WorkerStats
+from parallel_dcp.jobs.pipeline import save as _save
+from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE
+from parallel_dcp.jobs.verify import VerifyReport
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, extract_metadata, load_metadata, merge_metadata, partial_load, partial_save
-from parallel_dcp.storage import is_url
-from parallel_dcp.targets import DEFAULT_SHARD_SIZE
-from parallel_dcp.verify import VerifyReport
+from parallel_dcp.storage.location import is_url
 
 __version__ = "0.1.0"
 
@@ -112,13 +112,13 @@ def save(
         overwrite: replace an existing checkpoint. The new one is built beside it and swapped
             in atomically; if the save fails, the old one stays as it was. (On object storage the
             new shards are uploaded beside the old ones under new names and ``.metadata``
-            replaced last; see :mod:`parallel_dcp.destination`.)
+            replaced last; see :mod:`parallel_dcp.storage.staging`.)
         progress: show a progress bar on stderr.
         sync_files: fsync every file before the commit (as stock DCP does).
         crc32: compute ``torch.save``'s per-record CRC32 (off by default: no DCP reader checks it).
         memory_limit: ceiling on the memory the job adds to its process tree (bytes, or "512MiB",
             "32GiB", "16GB"); None means half the memory available when the job starts. What is
-            counted: see ``parallel_dcp.memory``.
+            counted: see ``parallel_dcp.engine.memory``.
         retries: how often a task whose worker died is run again (same part index).
         task_timeout: seconds one task may run before its worker is killed (None: no limit).
         checksums: record every file's xxh3 checksum in the manifest (``.parallel_dcp.json``) as
@@ -132,10 +132,10 @@ def save(
             the memory watchdog and run Python-heavy work (many small tensors) in parallel.
         distributed: run as one rank of a torchrun/srun job (every rank passes the same state
             dict and path, on a shared file system); each rank writes its share with its own
-            pool and rank 0 commits once. See :mod:`parallel_dcp.distributed`.
+            pool and rank 0 commits once. See :mod:`parallel_dcp.jobs.distributed`.
         storage_options: fsspec options for URLs (``{"endpoint_url": ...}``); credentials come
             from the standard AWS environment and config. On object storage ``.metadata`` is
-            uploaded last, after every shard (see :mod:`parallel_dcp.destination`).
+            uploaded last, after every shard (see :mod:`parallel_dcp.storage.staging`).
 
     Returns:
         A :class:`SaveResult` with bytes, files, tasks, seconds, GiB/s and per-worker figures.
@@ -267,7 +267,7 @@ def convert(
         UnsafeCheckpointError: a torch.save file that needs ``trust_pickle``.
         Otherwise as :func:`save`; on failure each destination is as it was before the call.
     """
-    from parallel_dcp.memory import parse_size
+    from parallel_dcp.engine.memory import parse_size
 
     options = Options(
         workers=workers,

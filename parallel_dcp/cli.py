@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import parallel_dcp
-from parallel_dcp.coordinator import SaveResult
-from parallel_dcp.inspection import describe
-from parallel_dcp.memory import format_bytes, parse_size
+from parallel_dcp.engine.memory import format_bytes, parse_size
+from parallel_dcp.jobs.inspect import describe
+from parallel_dcp.jobs.pipeline import SaveResult
 
 __all__ = ["main"]
 
@@ -67,7 +67,7 @@ def _size(text: str) -> str:
 
 def _dtype(text: str) -> str:
     """``--dtype``: a floating dtype name."""
-    from parallel_dcp.convert import parse_dtype
+    from parallel_dcp.jobs.convert import parse_dtype
 
     try:
         parse_dtype(text)

@@ -72,12 +72,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _convert(model: dict[str, torch.Tensor], root: str, workers: int | None) -> bool:
     """safetensors shards -> DCP under a quarter of the model's size, then verify; True when equal."""
-    from parallel_dcp.memory import format_bytes
+    from parallel_dcp.engine.memory import format_bytes
 
     nbytes = tensor_bytes(model)
     shards = f"{root}/hf-model"
     parallel_dcp.save(model, f"{root}/model-dcp", workers=workers)
-    parallel_dcp.convert(f"{root}/model-dcp", shards, to="safetensors", shard_size=max(nbytes // 4, 1), workers=workers)
+    parallel_dcp.convert(
+        f"{root}/model-dcp", shards, to="safetensors", shard_size=max(nbytes // 4, 1), workers=workers
+    )
     limit = max(nbytes // 4, 256 * 2**20)
     result = parallel_dcp.convert(shards, f"{root}/converted", workers=workers, memory_limit=limit)
     assert isinstance(result, parallel_dcp.SaveResult)

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import parallel_dcp
-from parallel_dcp.chunks import split
+from parallel_dcp.engine.chunks import split
 from parallel_dcp.formats.base import Entry
 from tests.conftest import assert_same
 from tests.memory_probe import PeakSampler
@@ -99,7 +99,9 @@ def test_a_tensor_larger_than_the_limit_converts_from_safetensors_under_it(tmp_p
     # two processes' readings would move its shared pages from one reading to the next.
     limit = 64 * MiB
     with PeakSampler() as sampler:
-        result = parallel_dcp.convert(tmp_path / "model.safetensors", tmp_path / "dcp", workers=2, memory_limit=limit)
+        result = parallel_dcp.convert(
+            tmp_path / "model.safetensors", tmp_path / "dcp", workers=2, memory_limit=limit
+        )
     assert isinstance(result, parallel_dcp.SaveResult)
     assert sampler.peak < limit, f"tree added {sampler.peak / MiB:.1f} MiB, limit {limit / MiB:.0f} MiB"
     assert len(chunks_of(tmp_path / "dcp")["lm_head.weight"]) > 1

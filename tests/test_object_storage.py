@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 import parallel_dcp
 from parallel_dcp import cli
 from parallel_dcp.errors import CheckpointExistsError, InvalidDestinationError, WorkerCrashed
-from parallel_dcp.metadata_io import read_metadata
-from parallel_dcp.storage import locate
+from parallel_dcp.storage.location import locate
+from parallel_dcp.storage.metadata import read_metadata
 from tests.conftest import assert_same, empty_like_state
 from tests.s3_server import CREDENTIALS, moto_server
 

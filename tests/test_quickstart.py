@@ -13,7 +13,8 @@ import safetensors.torch as st
 import torch
 
 import parallel_dcp
-from parallel_dcp import cli, progress
+from parallel_dcp import cli
+from parallel_dcp.engine import progress
 from tests.memory_probe import PeakSampler
 from tests.test_cli import cli as run_cli
 

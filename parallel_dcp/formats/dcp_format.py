@@ -25,12 +25,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from parallel_dcp.chunks import Chunk
-from parallel_dcp.destination import METADATA_FILE
+from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.formats.base import Entry, Source
-from parallel_dcp.metadata_io import read_metadata
 from parallel_dcp.partial import extract_metadata, partial_load
-from parallel_dcp.storage import Location, dcp_reader
+from parallel_dcp.storage.location import Location, dcp_reader
+from parallel_dcp.storage.metadata import read_metadata
+from parallel_dcp.storage.staging import METADATA_FILE
 
 __all__ = ["DcpSource", "is_dcp", "read_keys"]
 

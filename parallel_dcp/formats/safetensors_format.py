@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from parallel_dcp.chunks import Chunk
+from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.formats.base import Entry, Source
-from parallel_dcp.storage import MIN_PART_BYTES, Location, Remote, listdir, new_file_mode
+from parallel_dcp.storage.location import MIN_PART_BYTES, Location, Remote, listdir, new_file_mode
 
 __all__ = [
     "INDEX_NAME",

@@ -24,10 +24,10 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from parallel_dcp.engine.memory import MemoryGovernor, format_bytes
+from parallel_dcp.engine.partition import Task
+from parallel_dcp.engine.pool import TaskResult, return_freed_memory
 from parallel_dcp.errors import MemoryLimitExceeded, RemoteTraceback, WorkerError, describe_keys
-from parallel_dcp.memory import MemoryGovernor, format_bytes
-from parallel_dcp.partition import Task
-from parallel_dcp.pool import TaskResult, return_freed_memory
 
 __all__ = ["THREAD_MIN_ITEM_BYTES", "ThreadPool", "plain_value"]
 

@@ -33,6 +33,8 @@ from typing import Any, Generic, TypeVar
 import multiprocess as mp
 import multiprocess.connection as mp_connection
 
+from parallel_dcp.engine.memory import MemoryGovernor, format_bytes
+from parallel_dcp.engine.partition import Task
 from parallel_dcp.errors import (
     MemoryLimitExceeded,
     RemoteTraceback,
@@ -42,8 +44,6 @@ from parallel_dcp.errors import (
     describe_exit,
     describe_keys,
 )
-from parallel_dcp.memory import MemoryGovernor, format_bytes
-from parallel_dcp.partition import Task
 
 __all__ = ["TaskResult", "WorkerPool", "gc_paused", "return_freed_memory"]
 

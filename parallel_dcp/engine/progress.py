@@ -97,7 +97,7 @@ _FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {figures}"
 
 def describe_progress(done: int, total: int, elapsed: float) -> str:
     """``1.5 GiB / 8.0 GiB, 750.0 MiB/s, 9 s left`` (binary prefixes)."""
-    from parallel_dcp.memory import format_bytes
+    from parallel_dcp.engine.memory import format_bytes
 
     text = f"{format_bytes(done)} / {format_bytes(total)}"
     if elapsed > 0 and done > 0:

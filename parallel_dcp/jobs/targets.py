@@ -17,8 +17,16 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from parallel_dcp.chunks import Chunk, ChunkSavePlanner, split
-from parallel_dcp.destination import (
+from parallel_dcp.engine.chunks import Chunk, ChunkSavePlanner, split
+from parallel_dcp.engine.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
+from parallel_dcp.engine.pool import gc_paused
+from parallel_dcp.formats import safetensors_format, torch_format
+from parallel_dcp.formats.base import Source
+from parallel_dcp.options import Options
+from parallel_dcp.partial import commit, merge_metadata, partial_save
+from parallel_dcp.storage.location import Remote, locate, upload_memory
+from parallel_dcp.storage.manifest import FileDigest, Hasher, file_digest, manifest_bytes, write_manifest
+from parallel_dcp.storage.staging import (
     DCP_LAYOUT,
     MANIFEST_FILE,
     METADATA_FILE,
@@ -28,15 +36,7 @@ from parallel_dcp.destination import (
     RemoteStaging,
     Staging,
 )
-from parallel_dcp.formats import safetensors_format, torch_format
-from parallel_dcp.formats.base import Source
-from parallel_dcp.manifest import FileDigest, Hasher, file_digest, manifest_bytes, write_manifest
-from parallel_dcp.options import Options
-from parallel_dcp.partial import commit, merge_metadata, partial_save
-from parallel_dcp.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
-from parallel_dcp.pool import gc_paused
-from parallel_dcp.storage import Remote, locate, upload_memory
-from parallel_dcp.writer import CommitWriter, MetadataPayloadWriter, ShardWriter
+from parallel_dcp.storage.writers import CommitWriter, MetadataPayloadWriter, ShardWriter
 
 AnyStaging = Staging | FileStaging | RemoteStaging | RemoteFileStaging
 
@@ -49,7 +49,7 @@ DEFAULT_SHARD_SIZE = 5 * 10**9  # what Hugging Face's save_pretrained uses
 class Job:
     """What to write: units of work selected from the source, and the dtype floats become.
 
-    A unit is a source key, or (for a tensor split by :mod:`parallel_dcp.chunks`) the name of one
+    A unit is a source key, or (for a tensor split by :mod:`parallel_dcp.engine.chunks`) the name of one
     of its chunks, mapped to the chunk in ``chunks``.
     """
 

@@ -20,15 +20,15 @@ from typing import Any
 
 import torch
 
-from parallel_dcp.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, split
+from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, split
+from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.engine.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
+from parallel_dcp.engine.pool import WorkerPool
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
-from parallel_dcp.manifest import FileDigest, file_digest, read_manifest
-from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.options import Options
-from parallel_dcp.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
-from parallel_dcp.pool import WorkerPool
-from parallel_dcp.storage import CLIENT_MEMORY, Location, is_url, locate
+from parallel_dcp.storage.location import CLIENT_MEMORY, Location, is_url, locate
+from parallel_dcp.storage.manifest import FileDigest, file_digest, read_manifest
 
 __all__ = ["VerifyReport", "verify"]
 

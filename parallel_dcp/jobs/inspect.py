@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from parallel_dcp.destination import METADATA_FILE
 from parallel_dcp.formats import detect_format, open_source, safetensors_format, torch_format
-from parallel_dcp.manifest import MANIFEST_FILE
-from parallel_dcp.storage import Location, file_size, listdir, locate
+from parallel_dcp.storage.location import Location, file_size, listdir, locate
+from parallel_dcp.storage.manifest import MANIFEST_FILE
+from parallel_dcp.storage.staging import METADATA_FILE
 
 __all__ = ["describe", "inspect_checkpoint"]
 
@@ -95,7 +95,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, 
 
 def describe(info: dict[str, Any]) -> str:
     """A short human-readable summary of :func:`inspect_checkpoint`'s result."""
-    from parallel_dcp.memory import format_bytes
+    from parallel_dcp.engine.memory import format_bytes
 
     lines = [
         f"{info['path']}: {info['format']}, {'committed' if info['committed'] else 'NOT committed'}",

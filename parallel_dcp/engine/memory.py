@@ -29,14 +29,14 @@ from dataclasses import dataclass
 
 import psutil
 
-from parallel_dcp.errors import MemoryLimitExceeded, describe_keys
-from parallel_dcp.partition import (
+from parallel_dcp.engine.partition import (
     ITEM_MEMORY_BYTES,
     TASK_MEMORY_BYTES,
     WORKER_MEMORY_BYTES,
     affordable_workers,
     task_budget,
 )
+from parallel_dcp.errors import MemoryLimitExceeded, describe_keys
 
 __all__ = ["DEFAULT_FRACTION", "MemoryGovernor", "default_limit", "format_bytes", "parse_size"]
 

@@ -34,21 +34,22 @@ from typing import Any
 
 import torch
 
-from parallel_dcp import _compat, progress
-from parallel_dcp.chunks import MIN_MEMORY_CHUNK_BYTES, chunk_threshold
-from parallel_dcp.formats.memory_format import MemorySource
-from parallel_dcp.memory import MemoryGovernor, parse_size
-from parallel_dcp.options import Options
-from parallel_dcp.partition import (
+from parallel_dcp import _compat
+from parallel_dcp.engine import progress
+from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, chunk_threshold
+from parallel_dcp.engine.memory import MemoryGovernor, parse_size
+from parallel_dcp.engine.partition import (
     ITEM_MEMORY_BYTES,
     TASK_MEMORY_BYTES,
     WORKER_MEMORY_BYTES,
     Task,
 )
-from parallel_dcp.pool import TaskResult, WorkerPool, gc_paused
-from parallel_dcp.storage import CLIENT_MEMORY, Remote
-from parallel_dcp.targets import DcpTarget, Job, Target
-from parallel_dcp.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
+from parallel_dcp.engine.pool import TaskResult, WorkerPool, gc_paused
+from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
+from parallel_dcp.formats.memory_format import MemorySource
+from parallel_dcp.jobs.targets import DcpTarget, Job, Target
+from parallel_dcp.options import Options
+from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
 
 __all__ = ["SaveResult", "WorkerStats", "run_job", "save"]
 
@@ -135,7 +136,7 @@ def run_job(
     _compat.check_torch()
     start = time.perf_counter() if start is None else start
     if options.distributed:
-        from parallel_dcp import distributed
+        from parallel_dcp.jobs import distributed
 
         return distributed.run_job(job, target, options, governor, start=start)
     with gc_paused():

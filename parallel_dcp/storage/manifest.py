@@ -23,9 +23,9 @@ from typing import Any
 
 import xxhash
 
-from parallel_dcp.destination import MANIFEST_FILE
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.storage import Remote, locate
+from parallel_dcp.storage.location import Remote, locate
+from parallel_dcp.storage.staging import MANIFEST_FILE
 
 __all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "manifest_bytes", "read_manifest", "write_manifest"]
 
