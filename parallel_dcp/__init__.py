@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from parallel_dcp._version import __version__ as __version__
 from parallel_dcp.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
@@ -44,8 +45,6 @@ from parallel_dcp.jobs.verify import VerifyReport
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, extract_metadata, load_metadata, merge_metadata, partial_load, partial_save
 from parallel_dcp.storage.location import is_url
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CheckpointExistsError",

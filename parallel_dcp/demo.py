@@ -77,9 +77,7 @@ def _convert(model: dict[str, torch.Tensor], root: str, workers: int | None) -> 
     nbytes = tensor_bytes(model)
     shards = f"{root}/hf-model"
     parallel_dcp.save(model, f"{root}/model-dcp", workers=workers)
-    parallel_dcp.convert(
-        f"{root}/model-dcp", shards, to="safetensors", shard_size=max(nbytes // 4, 1), workers=workers
-    )
+    parallel_dcp.convert(f"{root}/model-dcp", shards, to="safetensors", shard_size=max(nbytes // 4, 1), workers=workers)
     limit = max(nbytes // 4, 256 * 2**20)
     result = parallel_dcp.convert(shards, f"{root}/converted", workers=workers, memory_limit=limit)
     assert isinstance(result, parallel_dcp.SaveResult)

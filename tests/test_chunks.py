@@ -99,9 +99,7 @@ def test_a_tensor_larger_than_the_limit_converts_from_safetensors_under_it(tmp_p
     # two processes' readings would move its shared pages from one reading to the next.
     limit = 64 * MiB
     with PeakSampler() as sampler:
-        result = parallel_dcp.convert(
-            tmp_path / "model.safetensors", tmp_path / "dcp", workers=2, memory_limit=limit
-        )
+        result = parallel_dcp.convert(tmp_path / "model.safetensors", tmp_path / "dcp", workers=2, memory_limit=limit)
     assert isinstance(result, parallel_dcp.SaveResult)
     assert sampler.peak < limit, f"tree added {sampler.peak / MiB:.1f} MiB, limit {limit / MiB:.0f} MiB"
     assert len(chunks_of(tmp_path / "dcp")["lm_head.weight"]) > 1

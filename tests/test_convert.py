@@ -91,9 +91,7 @@ def test_sharded_safetensors_directory_round_trip(tmp_path: Path) -> None:
     parallel_dcp.convert(tmp_path / "hf", tmp_path / "dcp", workers=2)
     assert_same(stock_load(tmp_path / "dcp", tensors), tensors)
 
-    result = parallel_dcp.convert(
-        tmp_path / "dcp", tmp_path / "out", to="safetensors", shard_size="200KB", workers=2
-    )
+    result = parallel_dcp.convert(tmp_path / "dcp", tmp_path / "out", to="safetensors", shard_size="200KB", workers=2)
     assert isinstance(result, parallel_dcp.SaveResult) and result.files > 1
     names = sorted(p.name for p in (tmp_path / "out").iterdir() if p.suffix == ".safetensors")
     assert names == [f"model-{i:05d}-of-{len(names):05d}.safetensors" for i in range(1, len(names) + 1)]
@@ -183,9 +181,7 @@ def test_a_source_larger_than_the_limit_converts_under_it(tmp_path: Path) -> Non
     del tensors
     limit = 64 * MiB
     with PeakSampler() as sampler:
-        result = parallel_dcp.convert(
-            tmp_path / "big.safetensors", tmp_path / "dcp", workers=2, memory_limit=limit
-        )
+        result = parallel_dcp.convert(tmp_path / "big.safetensors", tmp_path / "dcp", workers=2, memory_limit=limit)
     assert isinstance(result, parallel_dcp.SaveResult) and result.bytes == 192 * MiB
     assert sampler.peak < limit, f"tree added {sampler.peak / MiB:.1f} MiB, limit {limit / MiB:.0f} MiB"
     report = parallel_dcp.verify(tmp_path / "dcp", against=tmp_path / "big.safetensors", memory_limit=limit)

@@ -17,11 +17,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from parallel_dcp.engine.chunks import Chunk, ChunkSavePlanner, split
-from parallel_dcp.engine.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
+from parallel_dcp.engine.chunks import Chunk, split
+from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES
+from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.formats import safetensors_format, torch_format
 from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.dcp_format import ChunkSavePlanner
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, merge_metadata, partial_save
 from parallel_dcp.storage.location import Remote, locate, upload_memory
