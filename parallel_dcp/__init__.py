@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from parallel_dcp._version import __version__ as __version__
 from parallel_dcp.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
@@ -45,8 +46,6 @@ from parallel_dcp.jobs.verify import VerifyReport
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, extract_metadata, load_metadata, merge_metadata, partial_load, partial_save
 from parallel_dcp.storage.location import is_url
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CheckpointExistsError",
@@ -116,13 +115,13 @@ def save(
             object storage), then the old checkpoint's own files are removed; every other file in
             the directory is kept. If the save fails, the old one stays as it was. Without it,
             nothing is ever replaced, even a checkpoint that appears while the save runs. See
-            :mod:`parallel_dcp.destination`.
+            :mod:`parallel_dcp.storage.staging`.
         progress: show a progress bar on stderr.
         sync_files: fsync every file before the commit (as stock DCP does).
         crc32: compute ``torch.save``'s per-record CRC32 (off by default: no DCP reader checks it).
         memory_limit: ceiling on the memory the job adds to its process tree (bytes, or "512MiB",
             "32GiB", "16GB"); None means half the memory available when the job starts. What is
-            counted: see ``parallel_dcp.memory``.
+            counted: see ``parallel_dcp.engine.memory``.
         retries: how often a task whose worker died is run again (same part index).
         task_timeout: seconds one task may run before its worker is killed (None: no limit).
         checksums: record every file's xxh3 checksum in the manifest (``.parallel_dcp.json``) as
@@ -136,10 +135,10 @@ def save(
             the memory watchdog and run Python-heavy work (many small tensors) in parallel.
         distributed: run as one rank of a torchrun/srun job (every rank passes the same state
             dict and path, on a shared file system); each rank writes its share with its own
-            pool and rank 0 commits once. See :mod:`parallel_dcp.distributed`.
+            pool and rank 0 commits once. See :mod:`parallel_dcp.jobs.distributed`.
         storage_options: fsspec options for URLs (``{"endpoint_url": ...}``); credentials come
             from the standard AWS environment and config. On object storage ``.metadata`` is
-            uploaded last, after every shard (see :mod:`parallel_dcp.destination`).
+            uploaded last, after every shard (see :mod:`parallel_dcp.storage.staging`).
 
     Returns:
         A :class:`SaveResult` with bytes, files, tasks, seconds, GiB/s and per-worker figures.

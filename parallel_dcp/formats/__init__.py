@@ -6,7 +6,7 @@
 - torch.save file (.pt/.pth/.bin) or HF ``.bin`` directory: read with
   ``torch.load(mmap=True, weights_only=True)``; written with ``torch.save`` per shard plus the index.
 
-Any of them may be at a URL (``s3://...``, see :mod:`parallel_dcp.storage`): DCP and safetensors
+Any of them may be at a URL (``s3://...``, see :mod:`parallel_dcp.storage.location`): DCP and safetensors
 are then read by byte ranges; torch.save files are first copied to a local temporary directory.
 """
 

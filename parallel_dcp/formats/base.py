@@ -61,7 +61,7 @@ class Source(ABC):
             output keeps the source's nesting; empty for flat formats.
         files: the files the source consists of (for inspect and fingerprints): paths, or URLs
             for a source on object storage.
-        storage_options: fsspec options for a source at a URL (see :mod:`parallel_dcp.storage`).
+        storage_options: fsspec options for a source at a URL (see :mod:`parallel_dcp.storage.location`).
     """
 
     path: str

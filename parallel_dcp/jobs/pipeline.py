@@ -38,13 +38,14 @@ import torch
 from parallel_dcp import _compat
 from parallel_dcp.engine import progress
 from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, chunk_threshold
-from parallel_dcp.engine.memory import MemoryGovernor, parse_size
-from parallel_dcp.engine.partition import (
+from parallel_dcp.engine.memory import (
     ITEM_MEMORY_BYTES,
     TASK_MEMORY_BYTES,
     WORKER_MEMORY_BYTES,
-    Task,
+    MemoryGovernor,
+    parse_size,
 )
+from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import TaskResult, WorkerPool, gc_paused
 from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
 from parallel_dcp.formats.memory_format import MemorySource

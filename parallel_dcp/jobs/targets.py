@@ -1,7 +1,7 @@
 """Where a job writes: a DCP directory, a sharded safetensors/torch directory, or a single file.
 
 A target plans the tasks (which keys each worker writes), writes one task in a worker, and
-commits in the coordinator through its destination's :class:`~parallel_dcp.destination.Staging`
+commits in the coordinator through its destination's :class:`~parallel_dcp.storage.staging.Staging`
 (DCP: ``.metadata``; sharded: the index JSON; both: then the manifest).
 """
 
@@ -17,11 +17,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from parallel_dcp.engine.chunks import Chunk, ChunkSavePlanner, split
-from parallel_dcp.engine.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
+from parallel_dcp.engine.chunks import Chunk, split
+from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES
+from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.formats import safetensors_format, torch_format
 from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.dcp_format import ChunkSavePlanner
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, merge_metadata, partial_save
 from parallel_dcp.storage.location import Remote, locate, upload_memory
@@ -51,7 +53,7 @@ DEFAULT_SHARD_SIZE = 5 * 10**9  # what Hugging Face's save_pretrained uses
 class Job:
     """What to write: units of work selected from the source, and the dtype floats become.
 
-    A unit is a source key, or (for a tensor split by :mod:`parallel_dcp.chunks`) the name of one
+    A unit is a source key, or (for a tensor split by :mod:`parallel_dcp.engine.chunks`) the name of one
     of its chunks, mapped to the chunk in ``chunks``.
     """
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, split
-from parallel_dcp.engine.memory import MemoryGovernor
-from parallel_dcp.engine.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
+from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, MemoryGovernor
+from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import open_source

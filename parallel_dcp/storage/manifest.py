@@ -24,6 +24,7 @@ from typing import Any
 
 import xxhash
 
+from parallel_dcp._version import __version__
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.location import Location, Remote, check_name, locate
 from parallel_dcp.storage.staging import MANIFEST_FILE, METADATA_FILE
@@ -84,8 +85,6 @@ def manifest_bytes(files: dict[str, FileDigest], source: dict[str, Any], save_id
     ``save_id`` is the save that wrote it, also recorded in its ``.metadata`` (``storage_meta``):
     a manifest whose save id differs from its ``.metadata``'s is stale, not a sign of corruption.
     """
-    from parallel_dcp import __version__
-
     document = {
         "tool": "parallel_dcp",
         "version": __version__,
