@@ -503,7 +503,8 @@ class _LocalStaging(Staging):
         if old:  # a save killed after its commit leaves these to the next save's cleanup
             record = self._record | {"replaces": sorted(old - new)}
             owner = self._dir / owner_name(self.save_id)
-            owner.write_text(json.dumps(record))
+            _write_synced(self._dir / temp_name(owner.name, self.save_id), json.dumps(record).encode())
+            os.replace(self._dir / temp_name(owner.name, self.save_id), owner)
         # The commit point: the marker's rename, or (no marker) the last staged file's.
         for name in [*staged, *([marker[0]] if marker else [])]:
             self._rename_into_place(name)
