@@ -73,6 +73,8 @@ __all__ = [
     "WriteLocation",
     "find_leftovers",
     "is_checkpoint",
+    "stage_directory",
+    "stage_file",
 ]
 
 METADATA_FILE = ".metadata"
@@ -313,6 +315,20 @@ def _protect(where: Location, names: Iterable[str], protect: Sequence[str]) -> N
 
 
 # --- the protocol ----------------------------------------------------------------------------
+
+
+def stage_directory(where: Path | Remote, *, overwrite: bool, layout: Layout, protect: Sequence[str] = ()) -> Staging:
+    """Take hold of a checkpoint directory (a local path or a prefix on object storage)."""
+    if isinstance(where, Remote):
+        return RemoteStaging(where, overwrite=overwrite, layout=layout, protect=protect)
+    return LocalDirStaging(where, overwrite=overwrite, layout=layout, protect=protect)
+
+
+def stage_file(where: Path | Remote, *, overwrite: bool, protect: Sequence[str] = ()) -> Staging:
+    """Take hold of a single-file output (a local path or an object)."""
+    if isinstance(where, Remote):
+        return RemoteFileStaging(where, overwrite=overwrite, protect=protect)
+    return LocalFileStaging(where, overwrite=overwrite, protect=protect)
 
 
 class Staging(ABC):
