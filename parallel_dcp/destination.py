@@ -421,7 +421,7 @@ class _Lock:
 
 
 def _holder(fd: int) -> str:
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         record = json.loads(os.pread(fd, 4096, 0))
         return f"pid {record['pid']} on host {record['host']}, save {record['save_id']}, since {record['since']}"
     return "a process that is still starting"
