@@ -302,3 +302,30 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path: Path) -> None:
     for worker in workers:
         assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
     assert list(out.iterdir()) == [], "this save's files and the directory it created are gone"
+
+
+def test_the_lock_survives_the_unlink_race(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A holder that removes the lock file between our open and our flock: we retry on the new file."""
+    import fcntl
+
+    from parallel_dcp import destination
+
+    lock = tmp_path / ".parallel_dcp.lock"
+    real_flock = fcntl.flock
+    raced: list[int] = []
+
+    def flock_after_unlink(fd: int, op: int) -> None:
+        if not raced:  # the previous holder finishes now: it unlinks the file we opened
+            raced.append(os.fstat(fd).st_ino)
+            os.unlink(lock)
+        real_flock(fd, op)
+
+    monkeypatch.setattr(destination.fcntl, "flock", flock_after_unlink)
+    held = destination._Lock(lock, destination.owner_record("race", tmp_path), tmp_path)
+    assert raced and held.fd is not None
+    assert os.stat(lock).st_ino == os.fstat(held.fd).st_ino, "the lock we hold is the file at the path"
+    monkeypatch.setattr(destination.fcntl, "flock", real_flock)
+    with pytest.raises(DestinationBusyError, match=f"pid {os.getpid()} on host {socket.gethostname()}, save race"):
+        destination._Lock(lock, destination.owner_record("second", tmp_path), tmp_path)
+    held.release()
+    assert not lock.exists()

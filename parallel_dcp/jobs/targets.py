@@ -32,13 +32,11 @@ from parallel_dcp.storage.staging import (
     DCP_LAYOUT,
     MANIFEST_FILE,
     METADATA_FILE,
-    LocalDirStaging,
-    LocalFileStaging,
-    RemoteFileStaging,
-    RemoteStaging,
     Staging,
     WriteLocation,
     sharded_layout,
+    stage_directory,
+    stage_file,
 )
 from parallel_dcp.storage.writers import MetadataPayloadWriter, ShardWriter
 
@@ -194,9 +192,7 @@ class DcpTarget(Target):
         self.path = _where(path, storage_options)
 
     def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
-        if isinstance(self.path, Remote):
-            return RemoteStaging(self.path, overwrite=overwrite, layout=DCP_LAYOUT, protect=protect or [])
-        return LocalDirStaging(self.path, overwrite=overwrite, layout=DCP_LAYOUT, protect=protect or [])
+        return stage_directory(self.path, overwrite=overwrite, layout=DCP_LAYOUT, protect=protect or [])
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)
@@ -271,9 +267,7 @@ class ShardedTarget(Target):
         self._layout = sharded_layout(kind, self._index_name, single)
 
     def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
-        if isinstance(self.path, Remote):
-            return RemoteStaging(self.path, overwrite=overwrite, layout=self._layout, protect=protect or [])
-        return LocalDirStaging(self.path, overwrite=overwrite, layout=self._layout, protect=protect or [])
+        return stage_directory(self.path, overwrite=overwrite, layout=self._layout, protect=protect or [])
 
     def output_names(self, tasks: list[Task]) -> list[str]:
         return [*self._shard_names(len(tasks)), self._index_name, MANIFEST_FILE]
@@ -348,9 +342,7 @@ class FileTarget(Target):
         self.kind = kind
 
     def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
-        if isinstance(self.path, Remote):
-            return RemoteFileStaging(self.path, overwrite=overwrite, protect=protect or [])
-        return LocalFileStaging(self.path, overwrite=overwrite, protect=protect or [])
+        return stage_file(self.path, overwrite=overwrite, protect=protect or [])
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)

@@ -19,7 +19,6 @@ import json
 import os
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import xxhash
@@ -29,7 +28,7 @@ from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.location import Location, Remote, check_name, locate
 from parallel_dcp.storage.staging import MANIFEST_FILE, METADATA_FILE
 
-__all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "manifest_bytes", "read_manifest", "write_manifest"]
+__all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "manifest_bytes", "read_manifest"]
 
 ALGORITHM = "xxh3_64"
 _CHUNK = 8 * 1024 * 1024
@@ -98,14 +97,6 @@ def manifest_bytes(files: dict[str, FileDigest], source: dict[str, Any], save_id
         },
     }
     return (json.dumps(document, indent=1) + "\n").encode()
-
-
-def write_manifest(directory: str | os.PathLike[str], files: dict[str, FileDigest], source: dict[str, Any]) -> None:
-    """Write the manifest (fsynced) into ``directory``, which is still the staging directory."""
-    with open(Path(directory, MANIFEST_FILE), "wb") as f:
-        f.write(manifest_bytes(files, source))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def read_manifest(

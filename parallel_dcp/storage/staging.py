@@ -73,6 +73,8 @@ __all__ = [
     "WriteLocation",
     "find_leftovers",
     "is_checkpoint",
+    "stage_directory",
+    "stage_file",
 ]
 
 METADATA_FILE = ".metadata"
@@ -315,6 +317,20 @@ def _protect(where: Location, names: Iterable[str], protect: Sequence[str]) -> N
 # --- the protocol ----------------------------------------------------------------------------
 
 
+def stage_directory(where: Path | Remote, *, overwrite: bool, layout: Layout, protect: Sequence[str] = ()) -> Staging:
+    """Take hold of a checkpoint directory (a local path or a prefix on object storage)."""
+    if isinstance(where, Remote):
+        return RemoteStaging(where, overwrite=overwrite, layout=layout, protect=protect)
+    return LocalDirStaging(where, overwrite=overwrite, layout=layout, protect=protect)
+
+
+def stage_file(where: Path | Remote, *, overwrite: bool, protect: Sequence[str] = ()) -> Staging:
+    """Take hold of a single-file output (a local path or an object)."""
+    if isinstance(where, Remote):
+        return RemoteFileStaging(where, overwrite=overwrite, protect=protect)
+    return LocalFileStaging(where, overwrite=overwrite, protect=protect)
+
+
 class Staging(ABC):
     """One save's hold on its destination; see the module docstring for the protocol.
 
@@ -405,7 +421,7 @@ class _Lock:
 
 
 def _holder(fd: int) -> str:
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         record = json.loads(os.pread(fd, 4096, 0))
         return f"pid {record['pid']} on host {record['host']}, save {record['save_id']}, since {record['since']}"
     return "a process that is still starting"
@@ -503,7 +519,8 @@ class _LocalStaging(Staging):
         if old:  # a save killed after its commit leaves these to the next save's cleanup
             record = self._record | {"replaces": sorted(old - new)}
             owner = self._dir / owner_name(self.save_id)
-            owner.write_text(json.dumps(record))
+            _write_synced(self._dir / temp_name(owner.name, self.save_id), json.dumps(record).encode())
+            os.replace(self._dir / temp_name(owner.name, self.save_id), owner)
         # The commit point: the marker's rename, or (no marker) the last staged file's.
         for name in [*staged, *([marker[0]] if marker else [])]:
             self._rename_into_place(name)

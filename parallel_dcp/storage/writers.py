@@ -1,4 +1,5 @@
-"""The two ``FileSystemWriter`` flavours a save uses: one per task in a worker, one to commit.
+"""The two ``FileSystemWriter`` flavours a save uses: one per task in a worker, one to commit
+(it builds ``.metadata`` in memory; the destination decides how it lands).
 
 Both write stock DCP files; they differ from ``FileSystemWriter`` only in what they report.
 """
@@ -18,7 +19,7 @@ from parallel_dcp.engine import progress
 from parallel_dcp.storage.location import Remote, RemoteFileSystem
 from parallel_dcp.storage.manifest import FileDigest, Hasher
 
-__all__ = ["CommitWriter", "MetadataPayloadWriter", "ShardWriter"]
+__all__ = ["MetadataPayloadWriter", "ShardWriter"]
 
 
 # torch's zip writer makes ~40 small writes per record (headers, pickle, padding): they are
@@ -151,20 +152,6 @@ class ShardWriter(FileSystemWriter):
     def digests(self) -> dict[str, FileDigest]:
         """Size and checksum of every file written, by file name."""
         return {name: hasher.result() for name, hasher in self._recording.hashers.items()}
-
-
-class CommitWriter(FileSystemWriter):
-    """Commits into the staging directory but records the final path as the checkpoint id."""
-
-    def __init__(self, staging: str, final: str, *, sync_files: bool) -> None:
-        super().__init__(staging, sync_files=sync_files)
-        self._final = final
-
-    def storage_meta(self) -> StorageMeta | None:
-        meta = super().storage_meta()
-        if meta is not None:
-            meta.checkpoint_id = self._final
-        return meta
 
 
 class _CapturingFileSystem(FileSystemBase):
