@@ -91,6 +91,21 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--trust-pickle", action="store_true", help="allow torch.save files that need weights_only=False (trusted only)"
     )
+    convert.add_argument(
+        "--rename",
+        action="append",
+        metavar="REGEX=TEMPLATE",
+        help="rename keys matching REGEX (whole name, Python re) to TEMPLATE (\\1, \\g<name>); repeat for more "
+        "rules, the first match wins; applied after --keys",
+    )
+    convert.add_argument(
+        "--rename-file", metavar="RULES.json", help="rename rules from a JSON list of [regex, template] pairs"
+    )
+    convert.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="plan only: files, keys, tasks per worker, chunks, predicted peak memory and space; write nothing",
+    )
     _common(convert)
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint from its headers")
@@ -128,10 +143,23 @@ def _result_dict(result: SaveResult) -> dict[str, Any]:
     }
 
 
+def _rename_rules(args: argparse.Namespace) -> list[tuple[str, str]] | None:
+    """``--rename-file`` rules first, then each ``--rename`` in order; None when there are none."""
+    from parallel_dcp.rename import parse_rule, read_rules_file
+
+    if args.rename_file is None and not args.rename:
+        return None
+    rules = read_rules_file(args.rename_file) if args.rename_file is not None else []
+    return rules + [parse_rule(text) for text in args.rename or []]
+
+
 def _convert(args: argparse.Namespace, show_progress: bool) -> int:
     if len(args.paths) < 2:
         raise _UsageError("convert needs at least one SRC and a DST")
     *sources, dst = args.paths
+    rename = _rename_rules(args)
+    if args.dry_run:
+        return _convert_plan(args, sources, dst, rename)
     results = parallel_dcp.convert(
         sources,
         dst,
@@ -148,6 +176,7 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
         chunk_size=args.chunk_size,
         distributed=args.distributed,
         storage_options=args.storage_options,
+        rename=rename,
     )
     assert isinstance(results, list)
     if args.distributed and os.environ.get("RANK", "0") != "0":
@@ -161,6 +190,36 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
                 f"{r.seconds:.2f} s, {r.gib_per_s:.2f} GiB/s, {r.workers} workers, "
                 f"peak memory {format_bytes(r.peak_memory)} of {format_bytes(r.memory_limit)}"
             )
+    return 0
+
+
+def _convert_plan(args: argparse.Namespace, sources: list[str], dst: str, rename: list[tuple[str, str]] | None) -> int:
+    """``convert --dry-run``: print the plan of every source; nothing is written."""
+    from parallel_dcp.dryrun import describe_plan
+
+    plans = parallel_dcp.convert(
+        sources,
+        dst,
+        to=args.to,
+        workers=args.workers,
+        memory_limit=args.memory_limit,
+        dtype=args.dtype,
+        keys=args.keys,
+        overwrite=args.overwrite,
+        shard_size=args.shard_size,
+        trust_pickle=args.trust_pickle,
+        checksums=not args.no_checksums,
+        chunk_size=args.chunk_size,
+        distributed=args.distributed,
+        storage_options=args.storage_options,
+        rename=rename,
+        dry_run=True,
+    )
+    assert isinstance(plans, list)
+    if args.json:
+        print(json.dumps([p.as_dict() for p in plans], indent=2))
+    else:
+        print("\n".join(describe_plan(p) for p in plans))
     return 0
 
 
