@@ -168,6 +168,9 @@ class RenamedSource(Source):
     def copied_bytes(self, key: str) -> int:
         return self._inner().copied_bytes(self.old_names[key])
 
+    def transient_bytes(self, key: str) -> int:
+        return self._inner().transient_bytes(self.old_names[key])
+
     def read_chunk(self, chunk: Chunk) -> torch.Tensor:
         return self._inner().read_chunk(dataclasses.replace(chunk, key=self.old_names[chunk.key]))
 
