@@ -18,12 +18,14 @@ from typing import Any, Literal, overload
 import torch
 
 from parallel_dcp import convert as _convert
+from parallel_dcp import diff as _diff
 from parallel_dcp import inspection as _inspection
 from parallel_dcp import loader as _loader
 from parallel_dcp import rename as _rename
 from parallel_dcp import verify as _verify
 from parallel_dcp.coordinator import SaveResult, WorkerStats
 from parallel_dcp.coordinator import save as _save
+from parallel_dcp.diff import DiffReport
 from parallel_dcp.dryrun import DryRunPlan
 from parallel_dcp.errors import (
     CheckpointExistsError,
@@ -54,6 +56,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointExistsError",
     "CorruptCheckpointError",
+    "DiffReport",
     "DistributedJobError",
     "DryRunPlan",
     "IncompatibleTorchError",
@@ -74,6 +77,7 @@ __all__ = [
     "WorkerStats",
     "commit",
     "convert",
+    "diff",
     "extract_metadata",
     "inspect",
     "load",
@@ -465,3 +469,28 @@ def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | N
     ``tensors``, ``total_bytes``, ``dtypes``, ``largest`` tensors, ``files`` and ``manifest``.
     ``path`` may be a URL (``storage_options`` as for :func:`save`)."""
     return _inspection.inspect_checkpoint(path, storage_options)
+
+
+def diff(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    memory_limit: int | str | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> DiffReport:
+    """Compare two checkpoints of any formats: keys, dtypes, shapes and content checksums.
+
+    Tensors are hashed (xxh3-64 of their bytes) by a pool of workers under ``memory_limit``, one
+    key at a time, nothing kept beyond the tensor being hashed; only tensors a comparison needs
+    are read. The report lists keys ``added`` in ``b``, ``removed`` from ``a``, ``renamed``
+    (a tensor only in ``a`` and one only in ``b`` with the same dtype, shape and bytes), and
+    ``changed`` (dtype, shape, content, or a non-tensor value). ``report.same`` when nothing
+    differs. ``a`` and ``b`` may be URLs (``storage_options`` as for :func:`save`).
+
+    Raises:
+        FileNotFoundError / ValueError: ``a`` or ``b`` is missing or of no known format.
+        MemoryLimitExceeded: one tensor cannot be read under ``memory_limit``.
+    """
+    options = Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options)
+    return _diff.diff(a, b, options)

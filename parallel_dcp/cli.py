@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,6 +112,14 @@ def _parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="describe a checkpoint from its headers")
     inspect.add_argument("path", metavar="PATH")
     inspect.add_argument("--json", action="store_true", help="print JSON on stdout")
+    inspect.add_argument(
+        "--diff",
+        metavar="OTHER",
+        help="compare PATH with OTHER (any formats): keys added, removed, renamed, and changed dtype, shape or "
+        "content (xxh3 of every tensor, hashed by the worker pool); exit code 1 when they differ",
+    )
+    inspect.add_argument("--workers", type=int, default=None, help="worker processes hashing tensors (with --diff)")
+    inspect.add_argument("--memory-limit", default=None, help="memory ceiling while hashing (with --diff)")
     _storage(inspect)
 
     verify = sub.add_parser(
@@ -224,6 +233,18 @@ def _convert_plan(args: argparse.Namespace, sources: list[str], dst: str, rename
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    if args.diff is not None:
+        from parallel_dcp.diff import describe_diff
+
+        report = parallel_dcp.diff(
+            args.path,
+            args.diff,
+            workers=args.workers,
+            memory_limit=args.memory_limit,
+            storage_options=args.storage_options,
+        )
+        print(json.dumps(report.as_dict(), indent=2) if args.json else describe_diff(report))
+        return 0 if report.same else 1
     info = parallel_dcp.inspect(args.path, storage_options=args.storage_options)
     print(json.dumps(info, indent=2) if args.json else describe(info))
     return 0
@@ -261,7 +282,19 @@ class _UsageError(Exception):
     """Arguments argparse accepts but the command cannot use (exit code 2)."""
 
 
+# torch.distributed.checkpoint warns on every save or load outside a process group; that is
+# advice for a trainer, and parallel_dcp runs without a process group on purpose.
+_TRAINER_WARNINGS = (r"torch\.distributed is disabled, unavailable or uninitialized",)
+
+
+def _silence_trainer_warnings() -> None:
+    """Hide torch's warnings meant for trainers, here and in the workers (forked after this)."""
+    for message in _TRAINER_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _silence_trainer_warnings()
     parser = _parser()
     args = parser.parse_args(argv)
     show_progress = sys.stdout.isatty() and not getattr(args, "quiet", False) and not getattr(args, "json", False)
