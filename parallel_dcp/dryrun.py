@@ -64,6 +64,7 @@ class DryRunPlan:
     chunks: dict[str, int] = field(default_factory=dict)
     files: list[dict[str, Any]] = field(default_factory=list)
     per_worker: list[dict[str, int]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +87,7 @@ class DryRunPlan:
             "chunks": self.chunks,
             "files": self.files,
             "per_worker": self.per_worker,
+            "notes": self.notes,
         }
 
 
@@ -132,6 +134,23 @@ def _space_free(target: Target) -> int | None:
     return free_bytes(where)
 
 
+def _notes(target: Target, options: Options, needed: int, free: int | None) -> list[str]:
+    """What the real run would stop at after planning: an existing output, too little space."""
+    notes = []
+    if not isinstance(target.path, Remote):
+        path = Path(target.path)
+        exists = (path / ".metadata").exists() if isinstance(target, DcpTarget) else path.exists()
+        if exists and not (path.is_dir() and not any(path.iterdir())):
+            notes.append(
+                f"{path} exists: the run replaces it (overwrite)"
+                if options.overwrite
+                else f"{path} exists: the run would refuse it without overwrite=True (--overwrite)"
+            )
+    if free is not None and free < needed:
+        notes.append(f"the run would fail: it needs {format_bytes(needed)} and {format_bytes(free)} is free")
+    return notes
+
+
 def plan_dry_run(job: Job, target: Target, options: Options, governor: MemoryGovernor) -> DryRunPlan:
     """Plan ``job`` as :func:`parallel_dcp.coordinator.run_job` would, and write nothing.
 
@@ -156,6 +175,7 @@ def plan_dry_run(job: Job, target: Target, options: Options, governor: MemoryGov
         {"name": name, "task": t.index, "keys": list(t.keys), "bytes": t.nbytes}
         for name, t in zip(_file_names(target, tasks), tasks, strict=True)
     ]
+    needed, free = needed_space(plan.job), _space_free(target)
     return DryRunPlan(
         path=os.fspath(target.path),
         source=job.source.path,
@@ -169,12 +189,13 @@ def plan_dry_run(job: Job, target: Target, options: Options, governor: MemoryGov
         executor=executor,
         memory_limit=governor.limit,
         predicted_peak_memory=overhead + peak,
-        space_needed=needed_space(plan.job),
-        space_free=_space_free(target),
+        space_needed=needed,
+        space_free=free,
         chunk_threshold=plan.threshold,
         chunks=chunks,
         files=files,
         per_worker=per_worker,
+        notes=_notes(target, options, needed, free),
     )
 
 
@@ -212,4 +233,5 @@ def describe_plan(plan: DryRunPlan, *, files_shown: int = 20) -> str:
         lines.append(f"  {f['name']}: {format_bytes(f['bytes'])}: {keys}")
     if len(plan.files) > files_shown:
         lines.append(f"  ... and {len(plan.files) - files_shown} more files")
+    lines += [f"  note: {note}" for note in plan.notes]
     return "\n".join(lines)

@@ -132,11 +132,21 @@ def test_dry_run_writes_nothing_and_plans_what_the_run_does(tmp_path: Path) -> N
         workers=2,
     )
     assert isinstance(result, parallel_dcp.SaveResult) and result.bytes == plan.bytes and result.tasks == plan.tasks
+    assert not plan.notes
     index = json.loads((tmp_path / "out" / "st" / "model.safetensors.index.json").read_text())["weight_map"]
     written: dict[str, list[str]] = {}
     for key, name in index.items():
         written.setdefault(name, []).append(key)
     assert {n: sorted(k) for n, k in written.items()} == {n: sorted(k) for n, k in planned.items()}
+
+
+def test_dry_run_notes_an_existing_output(tmp_path: Path) -> None:
+    st.save_file({"w": torch.zeros(8)}, tmp_path / "m.safetensors")
+    parallel_dcp.convert(tmp_path / "m.safetensors", tmp_path / "dcp")
+    plan = parallel_dcp.convert(tmp_path / "m.safetensors", tmp_path / "dcp", dry_run=True)
+    assert isinstance(plan, DryRunPlan) and "without overwrite" in plan.notes[0]
+    plan = parallel_dcp.convert(tmp_path / "m.safetensors", tmp_path / "dcp", dry_run=True, overwrite=True)
+    assert isinstance(plan, DryRunPlan) and "replaces it" in plan.notes[0]
 
 
 def test_dry_run_refuses_what_the_run_would_refuse(tmp_path: Path) -> None:
