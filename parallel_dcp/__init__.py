@@ -17,16 +17,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from parallel_dcp import convert as _convert
-from parallel_dcp import diff as _diff
-from parallel_dcp import inspection as _inspection
-from parallel_dcp import loader as _loader
-from parallel_dcp import rename as _rename
-from parallel_dcp import verify as _verify
-from parallel_dcp.coordinator import SaveResult, WorkerStats
-from parallel_dcp.coordinator import save as _save
-from parallel_dcp.diff import DiffReport
-from parallel_dcp.dryrun import DryRunPlan
+from parallel_dcp._version import __version__ as __version__
 from parallel_dcp.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
@@ -44,14 +35,22 @@ from parallel_dcp.errors import (
     WorkerCrashed,
     WorkerError,
 )
+from parallel_dcp.jobs import convert as _convert
+from parallel_dcp.jobs import diff as _diff
+from parallel_dcp.jobs import inspect as _inspection
+from parallel_dcp.jobs import load as _loader
+from parallel_dcp.jobs import rename as _rename
+from parallel_dcp.jobs import verify as _verify
+from parallel_dcp.jobs.diff import DiffReport
+from parallel_dcp.jobs.dryrun import DryRunPlan
+from parallel_dcp.jobs.pipeline import SaveResult, WorkerStats
+from parallel_dcp.jobs.pipeline import save as _save
+from parallel_dcp.jobs.rename import RenameRules
+from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE
+from parallel_dcp.jobs.verify import VerifyReport
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, extract_metadata, load_metadata, merge_metadata, partial_load, partial_save
-from parallel_dcp.rename import RenameRules
-from parallel_dcp.storage import is_url
-from parallel_dcp.targets import DEFAULT_SHARD_SIZE
-from parallel_dcp.verify import VerifyReport
-
-__version__ = "0.1.0"
+from parallel_dcp.storage.location import is_url
 
 __all__ = [
     "CheckpointExistsError",
@@ -167,13 +166,13 @@ def save(
         overwrite: replace an existing checkpoint. The new one is built beside it and swapped
             in atomically; if the save fails, the old one stays as it was. (On object storage the
             new shards are uploaded beside the old ones under new names and ``.metadata``
-            replaced last; see :mod:`parallel_dcp.destination`.)
+            replaced last; see :mod:`parallel_dcp.storage.staging`.)
         progress: show a progress bar on stderr.
         sync_files: fsync every file before the commit (as stock DCP does).
         crc32: compute ``torch.save``'s per-record CRC32 (off by default: no DCP reader checks it).
         memory_limit: ceiling on the memory the job adds to its process tree (bytes, or "512MiB",
             "32GiB", "16GB"); None means half the memory available when the job starts. What is
-            counted: see ``parallel_dcp.memory``.
+            counted: see ``parallel_dcp.engine.memory``.
         retries: how often a task whose worker died is run again (same part index).
         task_timeout: seconds one task may run before its worker is killed (None: no limit).
         checksums: record every file's xxh3 checksum in the manifest (``.parallel_dcp.json``) as
@@ -187,10 +186,10 @@ def save(
             the memory watchdog and run Python-heavy work (many small tensors) in parallel.
         distributed: run as one rank of a torchrun/srun job (every rank passes the same state
             dict and path, on a shared file system); each rank writes its share with its own
-            pool and rank 0 commits once. See :mod:`parallel_dcp.distributed`.
+            pool and rank 0 commits once. See :mod:`parallel_dcp.jobs.distributed`.
         storage_options: fsspec options for URLs (``{"endpoint_url": ...}``); credentials come
             from the standard AWS environment and config. On object storage ``.metadata`` is
-            uploaded last, after every shard (see :mod:`parallel_dcp.destination`).
+            uploaded last, after every shard (see :mod:`parallel_dcp.storage.staging`).
         dry_run: plan the save as a real one would (files, tasks, chunks, workers, predicted
             peak memory, space) and return the plan; nothing is written.
 
@@ -225,7 +224,7 @@ def save(
         storage_options=storage_options,
     )
     if dry_run:
-        from parallel_dcp.dryrun import dry_run_save
+        from parallel_dcp.jobs.dryrun import dry_run_save
 
         return dry_run_save(state_dict, path, options)
     return _save(state_dict, path, options)
@@ -377,7 +376,7 @@ def convert(
             ``re``; each regex must match the whole flattened name; ``\\1`` / ``\\g<name>`` in
             the template; the first matching rule wins; unmatched names are kept), or a callable
             ``name -> new name or None``. The output's nesting follows the new names (see
-            :mod:`parallel_dcp.rename`). Renaming never changes tensor data.
+            :mod:`parallel_dcp.jobs.rename`). Renaming never changes tensor data.
         dry_run: plan the conversion as a real one would (output files with their keys and
             bytes, tasks per worker, chunks, workers the limit allows, predicted peak memory next
             to the limit, space needed next to space free) and return it; nothing is written.
@@ -394,7 +393,7 @@ def convert(
         UnsafeCheckpointError: a torch.save file that needs ``trust_pickle``.
         Otherwise as :func:`save`; on failure each destination is as it was before the call.
     """
-    from parallel_dcp.memory import parse_size
+    from parallel_dcp.engine.memory import parse_size
 
     options = Options(
         workers=workers,
@@ -447,21 +446,29 @@ def verify(
     against: str | os.PathLike[str] | None = None,
     workers: int | None = None,
     memory_limit: int | str | None = None,
+    dtype: str | torch.dtype | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> VerifyReport:
     """Check a checkpoint: manifest sizes and checksums, every key read back, and bit-for-bit
     equality with ``against`` (any supported format) when given.
 
     Finds what stock DCP loads silently: a flipped byte, a truncated shard. Problems are
-    collected in the report (``report.ok`` is False), not raised. ``path`` and ``against`` may be
-    URLs (``storage_options`` as for :func:`save`).
+    collected in the report (``report.ok`` is False, ``report.problems`` sorted), not raised.
+    Tensors too large to compare whole under ``memory_limit`` are compared in row ranges, so
+    ``verify`` works under any limit that :func:`convert` works under. ``path`` and ``against``
+    may be URLs (``storage_options`` as for :func:`save`).
+
+    Args:
+        dtype: compare against ``against`` cast the way ``convert(..., dtype=dtype)`` casts it
+            (floating tensors only), exactly; for checking a conversion that changed the dtype.
 
     Raises:
-        FileNotFoundError / ValueError: ``path`` or ``against`` is missing or of no known format.
+        FileNotFoundError / ValueError: ``path`` or ``against`` is missing or of no known format;
+            ``dtype`` without ``against``, or not a floating dtype.
         CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
     """
     options = Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options)
-    return _verify.verify(path, against, options)
+    return _verify.verify(path, against, options, _convert.parse_dtype(dtype))
 
 
 def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -8,6 +8,7 @@ progress bar (stderr) shows only when stdout is a terminal and ``-q`` is not giv
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
@@ -16,9 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import parallel_dcp
-from parallel_dcp.coordinator import SaveResult
-from parallel_dcp.inspection import describe
-from parallel_dcp.memory import format_bytes
+from parallel_dcp.engine.memory import format_bytes, parse_size
+from parallel_dcp.jobs.inspect import describe
+from parallel_dcp.jobs.pipeline import SaveResult
 
 __all__ = ["main"]
 
@@ -45,11 +46,43 @@ def _storage(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _workers(text: str) -> int:
+    """``--workers``: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _size(text: str) -> str:
+    """``--memory-limit`` / ``--shard-size`` / ``--chunk-size``: checked here, passed on as given."""
+    try:
+        parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _dtype(text: str) -> str:
+    """``--dtype``: a floating dtype name."""
+    from parallel_dcp.jobs.convert import parse_dtype
+
+    try:
+        parse_dtype(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     _storage(parser)
-    parser.add_argument("--workers", type=int, default=None, help="worker processes (default: every usable core)")
+    parser.add_argument("--workers", type=_workers, default=None, help="worker processes (default: every usable core)")
     parser.add_argument(
         "--memory-limit",
+        type=_size,
         default=None,
         help="ceiling on the memory the job adds (e.g. 512MiB, 32GiB, 16GB; default: half of what is available)",
     )
@@ -57,10 +90,19 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary text")
 
 
+_EXAMPLES = """examples:
+  parallel-dcp convert /models/llama-8b /ckpt/llama-8b-dcp --memory-limit 16GiB   # Hugging Face -> DCP
+  parallel-dcp convert /ckpt/step-1000 /serve/model --to safetensors --dtype bf16  # DCP -> safetensors shards
+  parallel-dcp verify /ckpt/llama-8b-dcp --against /models/llama-8b               # bit for bit
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="parallel-dcp",
         description="Write, convert and check PyTorch Distributed Checkpoints with a pool of processes.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"parallel-dcp {parallel_dcp.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -71,15 +113,25 @@ def _parser() -> argparse.ArgumentParser:
         description="Convert SRC (or several SRCs, each into DST/<name>) to DST. The source format is detected.",
     )
     convert.add_argument("paths", nargs="+", metavar="SRC... DST", help="one or more sources, then the destination")
-    convert.add_argument("--to", choices=["dcp", "safetensors", "torch"], help="output format (default: from DST)")
-    convert.add_argument("--dtype", help="cast floating tensors (bfloat16, float16, float32, ...)")
+    convert.add_argument(
+        "--to",
+        choices=["dcp", "safetensors", "torch"],
+        help="output format; default: from DST's name: *.safetensors is one safetensors file, *.pt/*.pth/*.bin "
+        "one torch.save file, anything else a DCP directory; with --to safetensors|torch a DST without those "
+        "suffixes is a sharded directory (shards plus index JSON)",
+    )
+    convert.add_argument("--dtype", type=_dtype, help="cast floating tensors (bfloat16, float16, float32, ...)")
     convert.add_argument(
         "--keys", action="append", metavar="PATTERN", help="select keys: a glob, or re:<regex>; repeat for more"
     )
     convert.add_argument("--overwrite", action="store_true", help="replace an existing output atomically")
-    convert.add_argument("--shard-size", default="5GB", help="largest shard of a sharded output (default 5GB)")
     convert.add_argument(
-        "--chunk-size", help="split tensors larger than this into DCP chunks (default: from workers and memory)"
+        "--shard-size", type=_size, default="5GB", help="largest shard of a sharded output (default 5GB)"
+    )
+    convert.add_argument(
+        "--chunk-size",
+        type=_size,
+        help="split tensors larger than this into DCP chunks (default: from workers and memory)",
     )
     convert.add_argument(
         "--distributed",
@@ -127,6 +179,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("path", metavar="PATH")
     verify.add_argument("--against", metavar="SRC", help="compare every key bit for bit with this checkpoint")
+    verify.add_argument(
+        "--dtype",
+        type=_dtype,
+        help="compare against SRC cast to this dtype, as convert --dtype casts it (floating tensors, exactly)",
+    )
     _common(verify)
 
     from parallel_dcp import benchmark
@@ -154,7 +211,7 @@ def _result_dict(result: SaveResult) -> dict[str, Any]:
 
 def _rename_rules(args: argparse.Namespace) -> list[tuple[str, str]] | None:
     """``--rename-file`` rules first, then each ``--rename`` in order; None when there are none."""
-    from parallel_dcp.rename import parse_rule, read_rules_file
+    from parallel_dcp.jobs.rename import parse_rule, read_rules_file
 
     if args.rename_file is None and not args.rename:
         return None
@@ -164,7 +221,7 @@ def _rename_rules(args: argparse.Namespace) -> list[tuple[str, str]] | None:
 
 def _convert(args: argparse.Namespace, show_progress: bool) -> int:
     if len(args.paths) < 2:
-        raise _UsageError("convert needs at least one SRC and a DST")
+        raise _UsageError("convert needs at least one SRC and a DST")  # exits 2 with convert's usage
     *sources, dst = args.paths
     rename = _rename_rules(args)
     if args.dry_run:
@@ -204,7 +261,7 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
 
 def _convert_plan(args: argparse.Namespace, sources: list[str], dst: str, rename: list[tuple[str, str]] | None) -> int:
     """``convert --dry-run``: print the plan of every source; nothing is written."""
-    from parallel_dcp.dryrun import describe_plan
+    from parallel_dcp.jobs.dryrun import describe_plan
 
     plans = parallel_dcp.convert(
         sources,
@@ -234,7 +291,7 @@ def _convert_plan(args: argparse.Namespace, sources: list[str], dst: str, rename
 
 def _inspect(args: argparse.Namespace) -> int:
     if args.diff is not None:
-        from parallel_dcp.diff import describe_diff
+        from parallel_dcp.jobs.diff import describe_diff
 
         report = parallel_dcp.diff(
             args.path,
@@ -256,6 +313,7 @@ def _verify(args: argparse.Namespace) -> int:
         against=args.against,
         workers=args.workers,
         memory_limit=args.memory_limit,
+        dtype=args.dtype,
         storage_options=args.storage_options,
     )
     if args.json:
@@ -293,10 +351,32 @@ def _silence_trainer_warnings() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The parser of ``command`` (its usage line is the one to show), or the top-level one."""
+    for action in parser._subparsers._group_actions if parser._subparsers else []:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]  # type: ignore[no-any-return]
+    return parser
+
+
+def _unknown(sub: argparse.ArgumentParser, extras: list[str]) -> str:
+    """``unrecognized arguments: --overwite (did you mean --overwrite?)``."""
+    flags = [flag for action in sub._actions for flag in action.option_strings if flag.startswith("--")]
+    hints = []
+    for extra in extras:
+        close = difflib.get_close_matches(extra.split("=", 1)[0], flags, n=1) if extra.startswith("-") else []
+        if close:
+            hints.append(f"did you mean {close[0]}?")
+    return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _silence_trainer_warnings()
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    sub = _subparser(parser, getattr(args, "command", None))
+    if extras:
+        sub.error(_unknown(sub, extras))  # exits 2 with the subcommand's usage line
     show_progress = sys.stdout.isatty() and not getattr(args, "quiet", False) and not getattr(args, "json", False)
     try:
         if args.command == "convert":
@@ -309,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return benchmark.run(args)
     except _UsageError as exc:
-        parser.error(str(exc))  # exits 2
+        sub.error(str(exc))  # exits 2
     except KeyboardInterrupt:
         print("parallel-dcp: interrupted; nothing was committed", file=sys.stderr)
         return 130

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _convert(model: dict[str, torch.Tensor], root: str, workers: int | None) -> bool:
     """safetensors shards -> DCP under a quarter of the model's size, then verify; True when equal."""
-    from parallel_dcp.memory import format_bytes
+    from parallel_dcp.engine.memory import format_bytes
 
     nbytes = tensor_bytes(model)
     shards = f"{root}/hf-model"

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from parallel_dcp.memory import default_limit, parse_size
+from parallel_dcp.engine.memory import default_limit, parse_size
 
 __all__ = ["Options", "usable_cores"]
 
@@ -36,15 +36,15 @@ class Options:
         task_timeout: seconds one task may run before its worker is killed; None for no limit.
         chunk_size: DCP outputs split tensors larger than this (bytes or "1GiB") into chunks
             that different workers write; None derives it from the balanced share per worker
-            and the memory limit (see :mod:`parallel_dcp.chunks`).
+            and the memory limit (see :mod:`parallel_dcp.engine.chunks`).
         executor: ``"processes"`` (forked workers), ``"threads"`` (writer threads in the calling
             process; in-memory saves only) or ``"auto"``: threads for an in-memory state dict of
             large tensors (at least 1 MiB each on average) and plain values when neither
             ``retries`` nor ``task_timeout`` is asked for, processes otherwise. See
-            :mod:`parallel_dcp.threads`.
+            :mod:`parallel_dcp.engine.threads`.
         distributed: run as one rank of a torch.distributed job (torchrun, srun): every rank runs
             its share of the tasks on its own pool; rank 0 commits (see
-            :mod:`parallel_dcp.distributed`).
+            :mod:`parallel_dcp.jobs.distributed`).
         dist_timeout: seconds a rank waits for the others at each step before failing.
         checksums: record each file's xxh3 checksum in the manifest (``verify`` then finds flipped
             bytes); sizes are recorded either way.

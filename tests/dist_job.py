@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 import parallel_dcp
-from parallel_dcp import targets
+from parallel_dcp.jobs import targets
 
 
 def main() -> int:

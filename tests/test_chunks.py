@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import parallel_dcp
-from parallel_dcp.chunks import split
+from parallel_dcp.engine.chunks import split
 from parallel_dcp.formats.base import Entry
 from tests.conftest import assert_same
 from tests.memory_probe import PeakSampler

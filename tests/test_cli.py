@@ -95,8 +95,8 @@ def test_usage_errors_exit_2_and_failures_exit_1(tmp_path: Path, model: dict[str
     cli("convert", tmp_path / "model.safetensors", tmp_path / "dcp", "-q")
     exists = cli("convert", tmp_path / "model.safetensors", tmp_path / "dcp", check_code=1)
     assert "already holds a checkpoint" in exists.stderr and "--overwrite" in exists.stderr
-    limit = cli("convert", tmp_path / "model.safetensors", tmp_path / "x", "--memory-limit", "lots", check_code=1)
-    assert "not a size" in limit.stderr
+    limit = cli("convert", tmp_path / "model.safetensors", tmp_path / "x", "--memory-limit", "lots", check_code=2)
+    assert "not a size" in limit.stderr  # a bad value is a usage error (exit 2), caught before any work
 
 
 def test_batch_conversion_from_the_command_line(tmp_path: Path, model: dict[str, torch.Tensor]) -> None:

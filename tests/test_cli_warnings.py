@@ -20,7 +20,7 @@ WARNING = "torch.distributed is disabled"
 SCRIPT = """
 import os, runpy, sys, tempfile, torch
 import torch.distributed.checkpoint as dcp
-import parallel_dcp.targets as targets
+import parallel_dcp.jobs.targets as targets
 
 scratch = tempfile.mkdtemp()
 

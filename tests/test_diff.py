@@ -12,7 +12,7 @@ import safetensors.torch as st
 import torch
 
 import parallel_dcp
-from parallel_dcp.diff import tensor_checksum
+from parallel_dcp.jobs.diff import tensor_checksum
 
 MiB = 2**20
 

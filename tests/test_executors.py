@@ -11,11 +11,11 @@ import torch
 
 import parallel_dcp
 from parallel_dcp import RemoteTraceback, WorkerError
-from parallel_dcp.coordinator import choose_executor
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.memory_format import MemorySource
+from parallel_dcp.jobs.pipeline import choose_executor
+from parallel_dcp.jobs.targets import Job
 from parallel_dcp.options import Options
-from parallel_dcp.targets import Job
 from tests.conftest import assert_same, empty_like_state
 from tests.faults import RaiseInWorker
 from tests.memory_probe import PeakSampler

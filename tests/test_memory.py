@@ -10,7 +10,7 @@ import torch
 
 import parallel_dcp
 from parallel_dcp import MemoryLimitExceeded
-from parallel_dcp.memory import DEFAULT_FRACTION, default_limit, parse_size
+from parallel_dcp.engine.memory import DEFAULT_FRACTION, default_limit, parse_size
 from parallel_dcp.options import Options
 from tests.conftest import assert_same
 from tests.faults import AllocateInWorker

@@ -26,6 +26,8 @@ from safetensors.torch import load_file, save_file
 import parallel_dcp
 from parallel_dcp import cli
 from parallel_dcp.errors import CheckpointExistsError, InvalidDestinationError, WorkerCrashed
+from parallel_dcp.storage.location import locate
+from parallel_dcp.storage.metadata import read_metadata
 from tests.conftest import assert_same, empty_like_state
 from tests.s3_server import CREDENTIALS, moto_server
 
@@ -100,11 +102,11 @@ def test_save_load_verify_inspect_and_stock_load(s3: Any, bucket: str, options: 
     assert result.path == url
     names = _names(s3, f"{bucket}/ckpt/step-1")
     assert ".metadata" in names and ".parallel_dcp.json" in names
-    assert len([n for n in names if n.endswith(".distcp")]) == result.files
+    assert len([n for n in names if n.endswith(".distcp")]) + 1 == result.files  # shards and .metadata
 
     assert_same(parallel_dcp.load(url, workers=2, storage_options=options), sd)
     report = parallel_dcp.verify(url, storage_options=options)
-    assert report.ok and report.manifest and report.files_checked == result.files + 1, report.problems
+    assert report.ok and report.manifest and report.files_checked == result.files, report.problems
     info = parallel_dcp.inspect(url, storage_options=options)
     assert info["committed"] and info["format"] == "dcp" and info["tensors"] == 5
 
@@ -327,7 +329,9 @@ def test_threads_chunks_and_torch_shards_on_s3(tmp_path: Path, s3: Any, bucket: 
     sd = {"big": torch.randn(1024, 1024), "other": torch.randn(300, 300), "step": 3}
     url = f"s3://{bucket}/threads"
     result = parallel_dcp.save(sd, url, workers=2, executor="threads", chunk_size="1MiB", storage_options=options)
-    assert result.executor == "threads" and result.keys > len(sd)  # "big" went as several chunks
+    assert result.executor == "threads" and result.keys == len(sd)  # keys, not the chunks they became
+    stored = read_metadata(locate(url, options)).state_dict_metadata["big"]
+    assert len(stored.chunks) > 1, '"big" went as several chunks'
     assert_same(parallel_dcp.load(url, storage_options=options), sd)
 
     shards = f"s3://{bucket}/torch-shards"

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel_dcp.partition import Item, partition
+from parallel_dcp.engine.partition import Item, partition
 
 sizes = st.lists(st.integers(min_value=0, max_value=1 << 30), min_size=0, max_size=300)
 

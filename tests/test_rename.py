@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 
 import parallel_dcp
 from parallel_dcp import RenameError
-from parallel_dcp.metadata_io import read_metadata
-from parallel_dcp.rename import compile_rules, parse_rule
+from parallel_dcp.jobs.rename import compile_rules, parse_rule
+from parallel_dcp.storage.metadata import read_metadata
 from tests.conftest import assert_same
 from tests.test_convert import read_hf_safetensors, write_hf_safetensors
 

@@ -12,8 +12,18 @@ fi
 VPY="$ROOT/.venv/bin/python"
 stamp=".venv/.parallel_dcp-setup-$(cat pyproject.toml tools/_setup.sh | sha1sum | cut -c1-12)${EXTRAS:+-$EXTRAS}"
 if [ ! -f "$stamp" ]; then
-    "$VPY" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-    "$VPY" -c "import torch" 2>/dev/null || "$VPY" -m pip install --quiet "$TORCH_SPEC"
-    "$VPY" -m pip install --quiet -e ".${EXTRAS:+[$EXTRAS]}"
+    if "$VPY" -c "import torch" 2>/dev/null; then
+        echo "setting up .venv (the package${EXTRAS:+ with its $EXTRAS extras}; torch is already there) ..." >&2
+    else
+        echo "setting up .venv: the first run downloads CPU torch (about 1 GB) and the package; a few minutes ..." >&2
+    fi
+    log=".venv/setup.log"
+    # torch first, pinned, and the package only once torch is there (&&, not set -e, which a
+    # command list on the left of || ignores).
+    {
+        { "$VPY" -m pip install --upgrade pip || true; } &&
+            { "$VPY" -c "import torch" 2>/dev/null || "$VPY" -m pip install "$TORCH_SPEC"; } &&
+            "$VPY" -m pip install -e ".${EXTRAS:+[$EXTRAS]}"
+    } >"$log" 2>&1 || { tail -n 40 "$log" >&2; echo "set-up failed; the whole log: $ROOT/$log" >&2; exit 1; }
     touch "$stamp"
 fi

@@ -64,7 +64,21 @@ def run(args: argparse.Namespace) -> int:
     return _run(BenchConfig.from_args(args))
 
 
+def _check_plotting(config: BenchConfig) -> None:
+    """``--plot`` needs matplotlib, an optional extra: say so before minutes of measuring."""
+    if not config.plot_path:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "--plot needs matplotlib, which is not installed: pip install 'parallel_dcp[bench]' "
+            "(or pip install matplotlib), or leave out --plot"
+        ) from None
+
+
 def _run(config: BenchConfig) -> int:
+    _check_plotting(config)
     with warnings.catch_warnings():
         # dcp.save without a process group warns on every call; the table is the output here.
         warnings.simplefilter("ignore")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from parallel_dcp.memory import parse_size
+from parallel_dcp.engine.memory import parse_size
 from parallel_dcp.options import usable_cores
 
 __all__ = ["SUITES", "BenchConfig", "Target", "default_gib"]

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import parallel_dcp
 from parallel_dcp.benchmark.measure import Case
 from parallel_dcp.benchmark.writers import fsync_file
-from parallel_dcp.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, WORKER_MEMORY_BYTES
+from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, WORKER_MEMORY_BYTES
 
 __all__ = ["Sources", "build_sources", "convert_cases", "convert_memory_limit"]
 

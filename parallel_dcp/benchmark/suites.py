@@ -24,7 +24,7 @@ from parallel_dcp.benchmark.conversion import build_sources, convert_cases, conv
 from parallel_dcp.benchmark.measure import Case, run_interleaved
 from parallel_dcp.benchmark.results import Scenario
 from parallel_dcp.benchmark.writers import CRC_NOTE, flat_tensors, limit_cases, save_cases, unsplit_case
-from parallel_dcp.memory import format_bytes
+from parallel_dcp.engine.memory import format_bytes
 from parallel_dcp.synthetic import llm_like, lopsided, many_small, tensor_bytes
 
 __all__ = ["run_all"]

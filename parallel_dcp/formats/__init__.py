@@ -6,7 +6,7 @@
 - torch.save file (.pt/.pth/.bin) or HF ``.bin`` directory: read with
   ``torch.load(mmap=True, weights_only=True)``; written with ``torch.save`` per shard plus the index.
 
-Any of them may be at a URL (``s3://...``, see :mod:`parallel_dcp.storage`): DCP and safetensors
+Any of them may be at a URL (``s3://...``, see :mod:`parallel_dcp.storage.location`): DCP and safetensors
 are then read by byte ranges; torch.save files are first copied to a local temporary directory.
 """
 
@@ -19,7 +19,7 @@ from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.dcp_format import DcpSource, is_dcp
 from parallel_dcp.formats.safetensors_format import SafetensorsSource, is_safetensors
 from parallel_dcp.formats.torch_format import TorchSource, is_torch_save
-from parallel_dcp.storage import listdir, locate
+from parallel_dcp.storage.location import listdir, locate
 
 __all__ = ["FORMATS", "Entry", "Source", "detect_format", "open_source"]
 

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallel_dcp.storage import Location, Remote, locate
+from parallel_dcp.storage.location import Location, Remote, locate
 
 if TYPE_CHECKING:
-    from parallel_dcp.chunks import Chunk
+    from parallel_dcp.engine.chunks import Chunk
 
 __all__ = ["Entry", "Source", "entry_of"]
 
@@ -61,7 +61,7 @@ class Source(ABC):
             output keeps the source's nesting; empty for flat formats.
         files: the files the source consists of (for inspect and fingerprints): paths, or URLs
             for a source on object storage.
-        storage_options: fsspec options for a source at a URL (see :mod:`parallel_dcp.storage`).
+        storage_options: fsspec options for a source at a URL (see :mod:`parallel_dcp.storage.location`).
     """
 
     path: str

@@ -8,6 +8,7 @@ parallel_dcp split) are reassembled by DCP's own planner into one plain tensor; 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Iterable
@@ -15,24 +16,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from parallel_dcp.chunks import Chunk
-from parallel_dcp.destination import METADATA_FILE
+from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.formats.base import Entry, Source
-from parallel_dcp.metadata_io import read_metadata
 from parallel_dcp.partial import extract_metadata, partial_load
-from parallel_dcp.storage import Location, dcp_reader
+from parallel_dcp.storage.location import Location, dcp_reader
+from parallel_dcp.storage.metadata import read_metadata
+from parallel_dcp.storage.staging import METADATA_FILE
 
-__all__ = ["DcpSource", "is_dcp", "read_keys"]
+__all__ = ["ChunkSavePlanner", "DcpSource", "is_dcp", "read_keys"]
 
 
 def is_dcp(path: Location) -> bool:
@@ -120,3 +122,36 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self._target
+
+
+class ChunkSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` for whole keys, plus one ``SHARD`` write item per chunk."""
+
+    def __init__(self, chunks: Iterable[tuple[Chunk, torch.Tensor]]) -> None:
+        super().__init__(flatten_state_dict=False)
+        self._chunks = {(c.key, c.offsets): (c, t) for c, t in chunks}
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = list(plan.items)
+        for chunk, tensor in self._chunks.values():
+            offsets = torch.Size(chunk.offsets)
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(chunk.key, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(chunk.sizes)),
+                        properties=TensorProperties.create_from_tensor(tensor),
+                        size=torch.Size(chunk.shape),
+                    ),
+                )
+            )
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        found = self._chunks.get((index.fqn, tuple(index.offset or ())))
+        if found is not None:
+            return found[1]
+        return super().lookup_object(index)

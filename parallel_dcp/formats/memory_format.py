@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from parallel_dcp.chunks import Chunk, exact_storage
+from parallel_dcp.engine.chunks import Chunk, exact_storage
 from parallel_dcp.formats.base import Source, entry_of
-from parallel_dcp.validate import flatten_checked
+from parallel_dcp.formats.validate import flatten_checked
 
 __all__ = ["MemorySource"]
 

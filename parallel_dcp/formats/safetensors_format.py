@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from parallel_dcp.chunks import Chunk
+from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.formats.base import Entry, Source
-from parallel_dcp.storage import MIN_PART_BYTES, Location, Remote, listdir
+from parallel_dcp.storage.location import MIN_PART_BYTES, Location, Remote, listdir, new_file_mode
 
 __all__ = [
     "INDEX_NAME",
@@ -238,6 +238,8 @@ def write_shard(tensors: dict[str, torch.Tensor], path: str) -> None:
         seen.add(ident)
         ready[key] = t
     save_file(ready, path, metadata={"format": "pt"})
+    # The safetensors library creates its files 0600; an output gets the mode any new file gets.
+    os.chmod(path, new_file_mode())
 
 
 def _in_flight(nbytes: int) -> int:

@@ -28,12 +28,12 @@ from typing import IO, Any
 import torch
 
 from parallel_dcp import _compat
-from parallel_dcp.chunks import Chunk, exact_storage
-from parallel_dcp.destination import free_bytes
+from parallel_dcp.engine.chunks import Chunk, exact_storage
 from parallel_dcp.errors import InsufficientSpaceError, UnsafeCheckpointError
 from parallel_dcp.formats.base import Source, entry_of
-from parallel_dcp.storage import Location, Remote, listdir
-from parallel_dcp.validate import flatten_checked
+from parallel_dcp.formats.validate import flatten_checked
+from parallel_dcp.storage.location import Location, Remote, listdir
+from parallel_dcp.storage.staging import free_bytes
 
 __all__ = ["INDEX_NAME", "SUFFIXES", "TorchSource", "index_json", "is_torch_save", "shard_names", "write_file"]
 

@@ -35,7 +35,7 @@ from parallel_dcp.errors import RenameError
 from parallel_dcp.formats.base import Source
 
 if TYPE_CHECKING:
-    from parallel_dcp.chunks import Chunk
+    from parallel_dcp.engine.chunks import Chunk
 
 __all__ = ["RenameRules", "RenamedSource", "compile_rules", "parse_rule", "read_rules_file", "rename_source"]
 

@@ -23,9 +23,10 @@ from typing import Any
 
 import xxhash
 
-from parallel_dcp.destination import MANIFEST_FILE
+from parallel_dcp._version import __version__
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.storage import Remote, locate
+from parallel_dcp.storage.location import Remote, locate
+from parallel_dcp.storage.staging import MANIFEST_FILE
 
 __all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "manifest_bytes", "read_manifest", "write_manifest"]
 
@@ -79,8 +80,6 @@ def file_digest(path: str | os.PathLike[str] | Remote, *, checksum: bool = True)
 
 def manifest_bytes(files: dict[str, FileDigest], source: dict[str, Any]) -> bytes:
     """The manifest document recording ``files`` (and what the output was made from)."""
-    from parallel_dcp import __version__
-
     document = {
         "tool": "parallel_dcp",
         "version": __version__,

@@ -1,11 +1,11 @@
 """Dry runs: plan a save or conversion exactly as a real run would, and write nothing.
 
-    sources ── open, select, rename, dtype ── coordinator.plan_job ──┬─ files, keys, bytes, chunks
+    sources ── open, select, rename, dtype ── pipeline.plan_job ────┬─ files, keys, bytes, chunks
                                                                      ├─ workers the limit affords
                                                                      ├─ predicted peak memory
                                                                      └─ space needed / free
 
-The plan is :func:`parallel_dcp.coordinator.plan_job`'s, the one a real run executes. The
+The plan is :func:`parallel_dcp.jobs.pipeline.plan_job`'s, the one a real run executes. The
 predicted peak replays the pool's dispatch on that plan: tasks in order, each to the first free
 worker, each only when the governor would admit its memory estimate (``Task.memory``) beside
 those in flight; tasks take time in proportion to their bytes plus a per-item overhead. The peak
@@ -23,15 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from parallel_dcp import _compat
-from parallel_dcp.coordinator import Plan, choose_executor, needed_space, plan_job
-from parallel_dcp.destination import free_bytes
+from parallel_dcp.engine.memory import WORKER_MEMORY_BYTES, MemoryGovernor, format_bytes
+from parallel_dcp.engine.partition import ITEM_OVERHEAD_BYTES, Task
+from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.formats.memory_format import MemorySource
-from parallel_dcp.memory import MemoryGovernor, format_bytes
+from parallel_dcp.jobs.pipeline import Plan, choose_executor, needed_space, plan_job
+from parallel_dcp.jobs.targets import DcpTarget, Job, ShardedTarget, Target
 from parallel_dcp.options import Options
-from parallel_dcp.partition import ITEM_OVERHEAD_BYTES, WORKER_MEMORY_BYTES, Task
-from parallel_dcp.pool import gc_paused
-from parallel_dcp.storage import Remote
-from parallel_dcp.targets import DcpTarget, Job, ShardedTarget, Target
+from parallel_dcp.storage.location import Remote
+from parallel_dcp.storage.staging import free_bytes
 
 __all__ = ["DryRunPlan", "describe_plan", "dry_run_save", "plan_dry_run"]
 
@@ -152,7 +152,7 @@ def _notes(target: Target, options: Options, needed: int, free: int | None) -> l
 
 
 def plan_dry_run(job: Job, target: Target, options: Options, governor: MemoryGovernor) -> DryRunPlan:
-    """Plan ``job`` as :func:`parallel_dcp.coordinator.run_job` would, and write nothing.
+    """Plan ``job`` as :func:`parallel_dcp.jobs.pipeline.run_job` would, and write nothing.
 
     Raises:
         ValueError: ``options.distributed`` (a dry run plans one process's job).

@@ -33,8 +33,9 @@ from typing import Any, Generic, TypeVar
 import multiprocess as mp
 import multiprocess.connection as mp_connection
 
+from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.engine.partition import Task
 from parallel_dcp.errors import (
-    MemoryLimitExceeded,
     RemoteTraceback,
     TaskTimeoutError,
     WorkerCrashed,
@@ -42,8 +43,6 @@ from parallel_dcp.errors import (
     describe_exit,
     describe_keys,
 )
-from parallel_dcp.memory import MemoryGovernor, format_bytes
-from parallel_dcp.partition import Task
 
 __all__ = ["TaskResult", "WorkerPool", "gc_paused", "return_freed_memory"]
 
@@ -295,17 +294,9 @@ class WorkerPool:
     ) -> None:
         while pending and idle:
             task = pending[0]
-            if governor is not None and not governor.admit(task.memory):
-                if not running:
-                    raise MemoryLimitExceeded(
-                        f"task {task.index} with keys {describe_keys(task.keys)} needs "
-                        f"{format_bytes(task.memory)} beside the {format_bytes(governor.overhead + governor.reserved)} "
-                        f"the job already holds, over the memory limit {format_bytes(governor.limit)}: "
-                        "raise --memory-limit or lower --workers",
-                        limit=governor.limit,
-                        measured=task.memory + governor.overhead + governor.reserved,
-                        keys=task.keys,
-                    )
+            if governor is not None and not governor.admit_task(
+                task.index, task.keys, task.memory, others_running=bool(running)
+            ):
                 return  # wait until a running task frees its memory
             pending.popleft()
             worker = idle.popleft()

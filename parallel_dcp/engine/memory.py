@@ -24,21 +24,37 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import psutil
 
 from parallel_dcp.errors import MemoryLimitExceeded, describe_keys
-from parallel_dcp.partition import (
-    ITEM_MEMORY_BYTES,
-    TASK_MEMORY_BYTES,
-    WORKER_MEMORY_BYTES,
-    affordable_workers,
-    task_budget,
-)
 
-__all__ = ["DEFAULT_FRACTION", "MemoryGovernor", "default_limit", "format_bytes", "parse_size"]
+__all__ = [
+    "DEFAULT_FRACTION",
+    "ITEM_MEMORY_BYTES",
+    "TASK_MEMORY_BYTES",
+    "WORKER_MEMORY_BYTES",
+    "MemoryGovernor",
+    "affordable_workers",
+    "default_limit",
+    "format_bytes",
+    "parse_size",
+    "task_budget",
+]
+
+# What a worker's memory grows by while it runs a task, beyond the items' own buffers: the DCP
+# planner, writer and zip buffers, and ~9-13 KiB per item for its plan, metadata and write result.
+# With an idle worker's cost below, a worker running a task was measured at 11-17 MiB (torch 2.x,
+# 2 workers, 16 MiB tensors). These figures are both admission's and a dry run's prediction
+# (tests/test_dryrun.py compares the latter with the measured peak): rounding them far up would
+# make the prediction a fiction, rounding them down would let admission overcommit; the watchdog
+# measures twice before it acts on a breach.
+TASK_MEMORY_BYTES = 10 * 1024 * 1024
+# What an idle forked worker adds (page tables, pages its start-up touches): ~6-8 MiB measured.
+WORKER_MEMORY_BYTES = 8 * 1024 * 1024
+ITEM_MEMORY_BYTES = 16 * 1024
 
 # The watchdog spends at most about 1/_SAMPLING_SHARE of one core reading the tree.
 _SAMPLING_SHARE = 20
@@ -233,6 +249,27 @@ class MemoryGovernor:
         self._in_flight += need
         return True
 
+    def admit_task(self, index: int, keys: Sequence[str], need: int, *, others_running: bool) -> bool:
+        """The one admission path of both pools: True (bytes reserved) when task ``index`` fits now;
+        False when it must wait for a running task to finish.
+
+        Raises:
+            MemoryLimitExceeded: it does not fit although nothing else is running (it never will).
+        """
+        if self.admit(need):
+            return True
+        if others_running:
+            return False
+        held = self.overhead + self.reserved
+        raise MemoryLimitExceeded(
+            f"task {index} with keys {describe_keys(keys)} needs {format_bytes(need)} beside the "
+            f"{format_bytes(held)} the job already holds, over the memory limit {format_bytes(self.limit)}: "
+            "raise --memory-limit or lower --workers",
+            limit=self.limit,
+            measured=need + held,
+            keys=keys,
+        )
+
     def release(self, need: int) -> None:
         self._in_flight -= need
 
@@ -319,3 +356,20 @@ class MemoryGovernor:
             keys=keys,
             worker=worker,
         )
+
+
+def affordable_workers(wanted: int, limit: int, largest_need: int, worker_memory: int = WORKER_MEMORY_BYTES) -> int:
+    """How many of ``wanted`` workers the limit affords, so that each still fits the largest task.
+
+    Each worker costs ``WORKER_MEMORY_BYTES`` idle and gets an equal share of the rest; never
+    fewer than one (the governor then decides whether that one fits at all).
+    """
+    for workers in range(wanted, 0, -1):
+        if (limit - workers * worker_memory) // workers >= largest_need:
+            return workers
+    return 1
+
+
+def task_budget(limit: int, workers: int, worker_memory: int = WORKER_MEMORY_BYTES) -> int:
+    """The memory each of ``workers`` tasks in flight may use under ``limit``."""
+    return max(1, (limit - workers * worker_memory) // workers)

@@ -46,6 +46,7 @@ __all__ = [
     "is_url",
     "listdir",
     "locate",
+    "new_file_mode",
     "part_size",
     "upload_memory",
 ]
@@ -305,6 +306,24 @@ def dcp_reader(location: str | os.PathLike[str] | Remote) -> FileSystemReader:
     reader.fs = RemoteFileSystem(location.options)  # type: ignore[assignment]
     reader.path = location.url
     return reader
+
+
+def new_file_mode() -> int:
+    """The mode a new file gets from this process's umask (``0o644`` under the usual ``022``).
+
+    Read from ``/proc/self/status``: setting the umask to read it back would briefly change it for
+    every thread of the process.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def listdir(where: Location) -> list[str]:

@@ -24,10 +24,10 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from parallel_dcp.errors import MemoryLimitExceeded, RemoteTraceback, WorkerError, describe_keys
-from parallel_dcp.memory import MemoryGovernor, format_bytes
-from parallel_dcp.partition import Task
-from parallel_dcp.pool import TaskResult, return_freed_memory
+from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.engine.partition import Task
+from parallel_dcp.engine.pool import TaskResult, return_freed_memory
+from parallel_dcp.errors import RemoteTraceback, WorkerError, describe_keys
 
 __all__ = ["THREAD_MIN_ITEM_BYTES", "ThreadPool", "plain_value"]
 
@@ -98,15 +98,9 @@ class ThreadPool:
         while pending or running:
             while pending and len(running) < slots:
                 task = pending[0]
-                if governor is not None and not governor.admit(task.memory):
-                    if not running:
-                        raise MemoryLimitExceeded(
-                            f"task {task.index} with keys {describe_keys(task.keys)} needs "
-                            f"{format_bytes(task.memory)}, over the memory limit {format_bytes(governor.limit)}",
-                            limit=governor.limit,
-                            measured=task.memory,
-                            keys=task.keys,
-                        )
+                if governor is not None and not governor.admit_task(
+                    task.index, task.keys, task.memory, others_running=bool(running)
+                ):
                     break
                 pending.popleft()
                 running[self._executor.submit(self._call, task)] = task

@@ -17,8 +17,18 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from parallel_dcp.chunks import Chunk, ChunkSavePlanner, split
-from parallel_dcp.destination import (
+from parallel_dcp.engine.chunks import Chunk, split
+from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES
+from parallel_dcp.engine.partition import Item, Task, partition
+from parallel_dcp.engine.pool import gc_paused
+from parallel_dcp.formats import safetensors_format, torch_format
+from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.dcp_format import ChunkSavePlanner
+from parallel_dcp.options import Options
+from parallel_dcp.partial import commit, merge_metadata, partial_save
+from parallel_dcp.storage.location import Remote, locate, upload_memory
+from parallel_dcp.storage.manifest import FileDigest, Hasher, file_digest, manifest_bytes, write_manifest
+from parallel_dcp.storage.staging import (
     DCP_LAYOUT,
     MANIFEST_FILE,
     METADATA_FILE,
@@ -28,15 +38,7 @@ from parallel_dcp.destination import (
     RemoteStaging,
     Staging,
 )
-from parallel_dcp.formats import safetensors_format, torch_format
-from parallel_dcp.formats.base import Source
-from parallel_dcp.manifest import FileDigest, Hasher, file_digest, manifest_bytes, write_manifest
-from parallel_dcp.options import Options
-from parallel_dcp.partial import commit, merge_metadata, partial_save
-from parallel_dcp.partition import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, Item, Task, partition
-from parallel_dcp.pool import gc_paused
-from parallel_dcp.storage import Remote, locate, upload_memory
-from parallel_dcp.writer import CommitWriter, MetadataPayloadWriter, ShardWriter
+from parallel_dcp.storage.writers import CommitWriter, MetadataPayloadWriter, ShardWriter
 
 AnyStaging = Staging | FileStaging | RemoteStaging | RemoteFileStaging
 
@@ -49,7 +51,7 @@ DEFAULT_SHARD_SIZE = 5 * 10**9  # what Hugging Face's save_pretrained uses
 class Job:
     """What to write: units of work selected from the source, and the dtype floats become.
 
-    A unit is a source key, or (for a tensor split by :mod:`parallel_dcp.chunks`) the name of one
+    A unit is a source key, or (for a tensor split by :mod:`parallel_dcp.engine.chunks`) the name of one
     of its chunks, mapped to the chunk in ``chunks``.
     """
 
@@ -163,7 +165,8 @@ class Target(ABC):
 
     @abstractmethod
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
-        """In the coordinator, after every task: finish the output; returns the number of data files."""
+        """In the coordinator, after every task: finish the output; returns the number of files it
+        consists of (what ``inspect`` lists: shards and ``.metadata`` or the index; not the manifest)."""
 
 
 def _items(job: Job) -> list[Item]:
@@ -252,7 +255,7 @@ class DcpTarget(Target):
         else:
             digests[METADATA_FILE] = file_digest(Path(staging.path, METADATA_FILE), checksum=options.checksums)
             write_manifest(Path(staging.path), digests, job.source.fingerprint())
-        return len(digests) - 1
+        return len(digests)  # the shards and .metadata, as inspect lists them
 
 
 _WRITERS = {"safetensors": safetensors_format.write_shard, "torch": torch_format.write_file}
@@ -289,17 +292,21 @@ class ShardedTarget(Target):
         return Staging(self.path, overwrite=overwrite, layout=self._layout)
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
+        """Shards filled up to ``shard_size`` bytes in the source's key order, as Hugging Face's own
+        sharding does (a tensor larger than that gets a shard of its own); a shard also ends early
+        when the memory its worker needs to hold it would go over ``budget``."""
         io_memory = self.io_memory(self.shard_size)
-        budget = max(1, min(self.shard_size, budget - TASK_MEMORY_BYTES - io_memory))
+        room = max(1, budget - TASK_MEMORY_BYTES - io_memory)
         shards: list[list[Item]] = [[]]
-        size = 0
+        size = memory = 0
         for item in _items(job):  # the source's order, as save_pretrained keeps it
             need = max(item.nbytes, item.memory) + ITEM_MEMORY_BYTES
-            if shards[-1] and size + need > budget:
+            if shards[-1] and (size + item.nbytes > self.shard_size or memory + need > room):
                 shards.append([])
-                size = 0
+                size = memory = 0
             shards[-1].append(item)
-            size += need
+            size += item.nbytes
+            memory += need
         tasks = [
             Task(
                 index=i,
@@ -337,12 +344,12 @@ class ShardedTarget(Target):
                 staging.commit(self._index_name, index, {MANIFEST_FILE: manifest})
             else:
                 staging.commit(MANIFEST_FILE, manifest, {})
-            return len(tasks)
+            return len(tasks) + bool(index)
         if index:
             Path(staging.path, self._index_name).write_bytes(index)
             digests[self._index_name] = _finish_file(Path(staging.path, self._index_name), options)
         write_manifest(Path(staging.path), digests, job.source.fingerprint())
-        return len(tasks)
+        return len(tasks) + bool(index)  # the shards and the index, as inspect lists them
 
 
 class FileTarget(Target):

@@ -5,14 +5,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from parallel_dcp.destination import METADATA_FILE
-from parallel_dcp.formats import detect_format, open_source
-from parallel_dcp.manifest import MANIFEST_FILE
-from parallel_dcp.storage import Location, file_size, listdir, locate
+from parallel_dcp.formats import detect_format, open_source, safetensors_format, torch_format
+from parallel_dcp.storage.location import Location, file_size, listdir, locate
+from parallel_dcp.storage.manifest import MANIFEST_FILE
+from parallel_dcp.storage.staging import METADATA_FILE
 
 __all__ = ["describe", "inspect_checkpoint"]
 
 _LARGEST = 10
+_INDEXES = (safetensors_format.INDEX_NAME, torch_format.INDEX_NAME)
 
 
 def _size(path: Location) -> int | None:
@@ -72,6 +73,8 @@ def inspect_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, 
         }
         for f in source.files
     ]
+    # A sharded directory's index is part of it (convert counts it among the files it wrote).
+    files += [{"name": n, "size": _size(where / n)} for n in _INDEXES if names is not None and n in names]
     source.close()
     return {
         "path": os.fspath(where),
@@ -92,7 +95,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, 
 
 def describe(info: dict[str, Any]) -> str:
     """A short human-readable summary of :func:`inspect_checkpoint`'s result."""
-    from parallel_dcp.memory import format_bytes
+    from parallel_dcp.engine.memory import format_bytes
 
     lines = [
         f"{info['path']}: {info['format']}, {'committed' if info['committed'] else 'NOT committed'}",

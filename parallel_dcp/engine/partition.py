@@ -13,19 +13,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Item", "Task", "affordable_workers", "partition"]
+from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES
 
-# What a worker's memory grows by while it runs a task, beyond the items' own buffers: the DCP
-# planner, writer and zip buffers, and ~9-13 KiB per item for its plan, metadata and write result.
-# With an idle worker's cost below, a worker running a task was measured at 11-17 MiB (torch 2.x,
-# 2 workers, 16 MiB tensors). These figures are both admission's and a dry run's prediction
-# (tests/test_dryrun.py compares the latter with the measured peak): rounding them far up would
-# make the prediction a fiction, rounding them down would let admission overcommit; the watchdog
-# measures twice before it acts on a breach.
-TASK_MEMORY_BYTES = 10 * 1024 * 1024
-# What an idle forked worker adds (page tables, pages its start-up touches): ~6-8 MiB measured.
-WORKER_MEMORY_BYTES = 8 * 1024 * 1024
-ITEM_MEMORY_BYTES = 16 * 1024
+__all__ = ["Item", "Task", "partition"]
+
 # What one item costs beyond its bytes, in byte-equivalents: about 40 us of Python work per
 # ``torch.save`` record at ~1.5 GiB/s.
 ITEM_OVERHEAD_BYTES = 64 * 1024
@@ -154,20 +145,3 @@ def partition(
         Task(index=i, keys=tuple(it.key for it in b), nbytes=sum(it.nbytes for it in b), memory=TASK_MEMORY_BYTES + m)
         for i, (b, m) in enumerate(filled)
     ]
-
-
-def affordable_workers(wanted: int, limit: int, largest_need: int, worker_memory: int = WORKER_MEMORY_BYTES) -> int:
-    """How many of ``wanted`` workers the limit affords, so that each still fits the largest task.
-
-    Each worker costs ``WORKER_MEMORY_BYTES`` idle and gets an equal share of the rest; never
-    fewer than one (the governor then decides whether that one fits at all).
-    """
-    for workers in range(wanted, 0, -1):
-        if (limit - workers * worker_memory) // workers >= largest_need:
-            return workers
-    return 1
-
-
-def task_budget(limit: int, workers: int, worker_memory: int = WORKER_MEMORY_BYTES) -> int:
-    """The memory each of ``workers`` tasks in flight may use under ``limit``."""
-    return max(1, (limit - workers * worker_memory) // workers)

@@ -2,9 +2,9 @@
 
 A tensor larger than the chunk threshold becomes ``n`` contiguous ranges along dimension 0 (or
 the first dimension long enough, when dimension 0 is too short; a 0-dim or one-row tensor is
-never split). Each range is its own unit of
-work, written as a ``SHARD`` write item with its offsets, exactly as DCP records a sharded
-tensor: the merged ``.metadata`` holds one ``TensorStorageMetadata`` whose ``chunks`` list every
+never split). Each range is its own unit of work, written (by
+:mod:`parallel_dcp.formats.dcp_format`) as a ``SHARD`` write item with its offsets, exactly as
+DCP records a sharded tensor: the merged ``.metadata`` holds one ``TensorStorageMetadata`` whose ``chunks`` list every
 range, so stock ``dcp.load`` reassembles it into a plain tensor or any other sharding.
 
     threshold = min(max(total / workers / 2, 32 MiB), memory each task may use)   (or chunk_size=)
@@ -12,21 +12,13 @@ range, so stock ``dcp.load`` reassembles it into a plain tensor or any other sha
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-if TYPE_CHECKING:
-    from parallel_dcp.formats.base import Entry
-
-__all__ = ["MIN_CHUNK_BYTES", "Chunk", "ChunkSavePlanner", "chunk_threshold", "exact_storage", "split"]
+__all__ = ["MIN_CHUNK_BYTES", "Chunk", "Splittable", "chunk_threshold", "exact_storage", "split"]
 
 # Below this, splitting costs more in per-item overhead than it gains in balance.
 MIN_CHUNK_BYTES = 32 * 1024 * 1024
@@ -84,7 +76,20 @@ def chunk_threshold(total_bytes: int, workers: int, task_budget: int) -> int:
     return balanced if task_budget < MIN_MEMORY_CHUNK_BYTES else min(balanced, task_budget)
 
 
-def split(entry: Entry, threshold: int) -> list[Chunk]:
+class Splittable(Protocol):
+    """What :func:`split` needs to know of a tensor (a format's ``Entry`` is one)."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+def split(entry: Splittable, threshold: int) -> list[Chunk]:
     """The chunks of ``entry`` (empty when it stays whole: small enough, 0-dim or one row)."""
     if entry.nbytes <= threshold or not entry.shape or entry.shape[0] <= 1:
         return []
@@ -98,36 +103,3 @@ def split(entry: Entry, threshold: int) -> list[Chunk]:
     rows = entry.shape[dim]
     bounds = [i * rows // count for i in range(count + 1)]
     return [Chunk(entry.key, dim, bounds[i], bounds[i + 1], entry.shape) for i in range(count)]
-
-
-class ChunkSavePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` for whole keys, plus one ``SHARD`` write item per chunk."""
-
-    def __init__(self, chunks: Iterable[tuple[Chunk, torch.Tensor]]) -> None:
-        super().__init__(flatten_state_dict=False)
-        self._chunks = {(c.key, c.offsets): (c, t) for c, t in chunks}
-
-    def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
-        items = list(plan.items)
-        for chunk, tensor in self._chunks.values():
-            offsets = torch.Size(chunk.offsets)
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(chunk.key, offsets),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(chunk.sizes)),
-                        properties=TensorProperties.create_from_tensor(tensor),
-                        size=torch.Size(chunk.shape),
-                    ),
-                )
-            )
-        self.plan = dataclasses.replace(plan, items=items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        found = self._chunks.get((index.fqn, tuple(index.offset or ())))
-        if found is not None:
-            return found[1]
-        return super().lookup_object(index)

@@ -31,14 +31,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from parallel_dcp import coordinator
+from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.engine.partition import Task
+from parallel_dcp.engine.pool import TaskResult
 from parallel_dcp.errors import DistributedJobError
-from parallel_dcp.memory import MemoryGovernor
+from parallel_dcp.jobs import pipeline
+from parallel_dcp.jobs.targets import AnyStaging, DcpTarget, Job, Target
 from parallel_dcp.options import Options
-from parallel_dcp.partition import Task
-from parallel_dcp.pool import TaskResult
-from parallel_dcp.storage import locate
-from parallel_dcp.targets import AnyStaging, DcpTarget, Job, Target
+from parallel_dcp.storage.location import locate
 
 __all__ = ["run_job", "share"]
 
@@ -120,7 +120,7 @@ def _describe(exc: BaseException) -> str:
 
 def run_job(
     job: Job, target: Target, options: Options, governor: MemoryGovernor, *, start: float
-) -> coordinator.SaveResult:
+) -> pipeline.SaveResult:
     """Run ``job`` as one rank; see the module docstring. Every rank calls this."""
     group = _group(options)
     return _run(job, target, options, governor, start, group)
@@ -128,7 +128,7 @@ def run_job(
 
 def _run(
     job: Job, target: Target, options: Options, governor: MemoryGovernor, start: float, group: Any
-) -> coordinator.SaveResult:
+) -> pipeline.SaveResult:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     host = socket.gethostname()
     fingerprints = _gather(_fingerprint(job), group)
@@ -145,9 +145,9 @@ def _run(
     announcement: dict[str, Any]
     if rank == 0:
         try:
-            plan = coordinator.plan_job(job, target, options, governor, scale=world)
+            plan = pipeline.plan_job(job, target, options, governor, scale=world)
             staging = target.stage(options.overwrite)
-            staging.check_space(coordinator.needed_space(plan.job))
+            staging.check_space(pipeline.needed_space(plan.job))
             announcement = {
                 "threshold": plan.threshold,
                 "workers": plan.workers,
@@ -182,7 +182,7 @@ def _write_and_commit(
     group: Any,
     announcement: dict[str, Any],
     staging: AnyStaging | None,
-) -> coordinator.SaveResult:
+) -> pipeline.SaveResult:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     host = socket.gethostname()
     if announcement["threshold"]:
@@ -202,7 +202,7 @@ def _write_and_commit(
                 "destination must be on a file system every rank shares"
             )
         workers = min(options.worker_count(len(mine)), announcement["workers"]) if mine else 0
-        results = coordinator.run_tasks(job, target, mine, staging_path, options, governor, max(workers, 1))
+        results = pipeline.run_tasks(job, target, mine, staging_path, options, governor, max(workers, 1))
         outcome = (None, [(r.task.index, r.worker, r.seconds, r.value) for r in results])
     except Exception as exc:
         outcome = (f"rank {rank} ({host}): {_describe(exc)}", [])
@@ -238,4 +238,4 @@ def _write_and_commit(
         for r, (_, entries) in enumerate(gathered)
         for index, worker, seconds, _ in entries
     ]
-    return coordinator.result_of(target, job, tasks, per_rank * world, per_worker, files, governor, options, start)
+    return pipeline.result_of(target, job, tasks, per_rank * world, per_worker, files, governor, options, start)

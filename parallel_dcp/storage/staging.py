@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parallel_dcp.errors import CheckpointExistsError, InsufficientSpaceError, InvalidDestinationError
-from parallel_dcp.storage import Remote
+from parallel_dcp.storage.location import Remote
 
 __all__ = ["DCP_LAYOUT", "FileStaging", "Layout", "RemoteFileStaging", "RemoteStaging", "Staging", "is_checkpoint"]
 

@@ -22,15 +22,16 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from parallel_dcp import _compat, progress
+from parallel_dcp import _compat
+from parallel_dcp.engine import progress
+from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.engine.partition import Item, Task, partition
+from parallel_dcp.engine.pool import WorkerPool
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.memory import MemoryGovernor
-from parallel_dcp.metadata_io import read_metadata
 from parallel_dcp.options import Options
 from parallel_dcp.partial import extract_metadata, partial_load
-from parallel_dcp.partition import Item, Task, partition
-from parallel_dcp.pool import WorkerPool
-from parallel_dcp.storage import CLIENT_MEMORY, Location, Remote, dcp_reader, file_size, listdir, locate
+from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, dcp_reader, file_size, listdir, locate
+from parallel_dcp.storage.metadata import read_metadata
 
 __all__ = ["load"]
 

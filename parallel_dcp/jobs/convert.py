@@ -18,15 +18,15 @@ from collections.abc import Sequence
 
 import torch
 
-from parallel_dcp.coordinator import SaveResult, run_job
-from parallel_dcp.dryrun import DryRunPlan, plan_dry_run
+from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
-from parallel_dcp.memory import MemoryGovernor
+from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
+from parallel_dcp.jobs.pipeline import SaveResult, run_job
+from parallel_dcp.jobs.rename import RenameRules, rename_source
+from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE, Job, Target, target_for
 from parallel_dcp.options import Options
-from parallel_dcp.rename import RenameRules, rename_source
-from parallel_dcp.storage import Location, Remote, is_url, locate
-from parallel_dcp.targets import DEFAULT_SHARD_SIZE, Job, Target, target_for
+from parallel_dcp.storage.location import Location, Remote, is_url, locate
 
 __all__ = ["convert_one", "destinations", "parse_dtype", "select_keys"]
 

@@ -34,21 +34,23 @@ from typing import Any
 
 import torch
 
-from parallel_dcp import _compat, progress
-from parallel_dcp.chunks import MIN_MEMORY_CHUNK_BYTES, chunk_threshold
-from parallel_dcp.formats.memory_format import MemorySource
-from parallel_dcp.memory import MemoryGovernor, parse_size
-from parallel_dcp.options import Options
-from parallel_dcp.partition import (
+from parallel_dcp import _compat
+from parallel_dcp.engine import progress
+from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, chunk_threshold
+from parallel_dcp.engine.memory import (
     ITEM_MEMORY_BYTES,
     TASK_MEMORY_BYTES,
     WORKER_MEMORY_BYTES,
-    Task,
+    MemoryGovernor,
+    parse_size,
 )
-from parallel_dcp.pool import TaskResult, WorkerPool, gc_paused
-from parallel_dcp.storage import CLIENT_MEMORY, Remote
-from parallel_dcp.targets import DcpTarget, Job, Target
-from parallel_dcp.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
+from parallel_dcp.engine.partition import Task
+from parallel_dcp.engine.pool import TaskResult, WorkerPool, gc_paused
+from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
+from parallel_dcp.formats.memory_format import MemorySource
+from parallel_dcp.jobs.targets import DcpTarget, Job, Target
+from parallel_dcp.options import Options
+from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
 
 __all__ = ["SaveResult", "WorkerStats", "run_job", "save"]
 
@@ -135,7 +137,7 @@ def run_job(
     _compat.check_torch()
     start = time.perf_counter() if start is None else start
     if options.distributed:
-        from parallel_dcp import distributed
+        from parallel_dcp.jobs import distributed
 
         return distributed.run_job(job, target, options, governor, start=start)
     with gc_paused():
@@ -219,7 +221,7 @@ def result_of(
         per_worker=_per_worker(results),
         memory_limit=governor.limit,
         peak_memory=governor.peak,
-        keys=len(job.keys),
+        keys=len(job.source_keys()),  # the keys written, not the chunks they were split into
         format=target.kind,
         executor=choose_executor(job, options),
     )
@@ -263,7 +265,8 @@ def run_tasks(
         return []
     results: list[TaskResult[Any]] = []
     handler = _handler(job, target, staging, options)
-    with progress.Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc="write") as bar:
+    label = "save" if isinstance(job.source, MemorySource) else "convert"
+    with progress.Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc=label) as bar:
         if choose_executor(job, options) == "threads":
             with ThreadPool(workers, handler, initializer=lambda: _compat.set_crc32(options.crc32)) as threads:
                 for result in threads.run(tasks, governor=governor, on_tick=bar.refresh):

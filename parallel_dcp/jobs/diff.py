@@ -21,13 +21,13 @@ from typing import Any
 import torch
 import xxhash
 
+from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.engine.partition import Item, Task, partition
+from parallel_dcp.engine.pool import WorkerPool
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
-from parallel_dcp.memory import MemoryGovernor
 from parallel_dcp.options import Options
-from parallel_dcp.partition import Item, Task, partition
-from parallel_dcp.pool import WorkerPool
-from parallel_dcp.storage import CLIENT_MEMORY, is_url, locate
+from parallel_dcp.storage.location import CLIENT_MEMORY, is_url, locate
 
 __all__ = ["DiffReport", "describe_diff", "diff", "tensor_checksum"]
 

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
-from parallel_dcp.storage import Remote, locate
+from parallel_dcp.storage.location import Remote, locate
 
 __all__ = ["read_metadata"]
 

@@ -14,9 +14,9 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from parallel_dcp import progress
-from parallel_dcp.manifest import FileDigest, Hasher
-from parallel_dcp.storage import Remote, RemoteFileSystem
+from parallel_dcp.engine import progress
+from parallel_dcp.storage.location import Remote, RemoteFileSystem
+from parallel_dcp.storage.manifest import FileDigest, Hasher
 
 __all__ = ["CommitWriter", "MetadataPayloadWriter", "ShardWriter"]
 

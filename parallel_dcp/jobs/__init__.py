@@ -1,0 +1,9 @@
+"""The user-facing jobs, each a short composition of the one pipeline (plan -> stage -> run ->
+commit -> publish) with a source format, a destination and the engine.
+
+- :mod:`~parallel_dcp.jobs.pipeline`: the pipeline every write job (save, convert) runs.
+- :mod:`~parallel_dcp.jobs.targets`: what an output is (DCP directory, sharded directory, file).
+- :mod:`~parallel_dcp.convert`, :mod:`~parallel_dcp.jobs.load`, :mod:`~parallel_dcp.verify`,
+  :mod:`~parallel_dcp.jobs.inspect`: the other jobs.
+- :mod:`~parallel_dcp.jobs.distributed`: the same pipeline across the ranks of a torchrun/srun job.
+"""

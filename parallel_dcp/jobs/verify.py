@@ -1,0 +1,300 @@
+"""Verify a checkpoint: checksums from the manifest, every tensor read back, optionally compared.
+
+    files ── manifest sizes + xxh3 checksums, hashed by the pool ─────────────┐
+    keys  ── dtypes and shapes compared from headers first; then each tensor  ├─▶ VerifyReport
+             read back by the pool (and from --against, compared bit for bit, ┘
+             NaNs included), whole or in row ranges, under the memory limit
+
+A tensor whose reads (here and in the reference) do not fit in what one task may use under the
+memory limit is compared in row ranges, read from both sides exactly as conversions read them, so
+``verify`` works under any limit that ``convert`` works under. Every problem is reported (not only
+the first), sorted; a worker that cannot read a key reports it as a problem rather than failing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, split
+from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, MemoryGovernor
+from parallel_dcp.engine.partition import Item, Task, partition
+from parallel_dcp.engine.pool import WorkerPool
+from parallel_dcp.formats import open_source
+from parallel_dcp.formats.base import Source
+from parallel_dcp.options import Options
+from parallel_dcp.storage.location import CLIENT_MEMORY, Location, is_url, locate
+from parallel_dcp.storage.manifest import FileDigest, file_digest, read_manifest
+
+__all__ = ["VerifyReport", "verify"]
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` checked and every problem it found; ``ok`` when there are none."""
+
+    path: str
+    format: str
+    files_checked: int = 0
+    keys_checked: int = 0
+    bytes_checked: int = 0
+    manifest: bool = False
+    against: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "format": self.format,
+            "ok": self.ok,
+            "manifest": self.manifest,
+            "against": self.against,
+            "files_checked": self.files_checked,
+            "keys_checked": self.keys_checked,
+            "bytes_checked": self.bytes_checked,
+            "problems": self.problems,
+        }
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """None when ``a`` and ``b`` (same dtype and shape) are equal bit for bit, else the flat index
+    of the first element that differs."""
+    if a.numel() == 0:
+        return None
+    bits_a = a.contiguous().reshape(-1).view(torch.uint8)
+    bits_b = b.contiguous().reshape(-1).view(torch.uint8)
+    if torch.equal(bits_a, bits_b):
+        return None
+    return int((bits_a != bits_b).nonzero()[0, 0]) // a.element_size()
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The reference as a conversion with ``dtype`` writes it (floating tensors only)."""
+    if dtype is None or not tensor.dtype.is_floating_point or tensor.dtype == dtype:
+        return tensor
+    return tensor.to(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What one verify compares: units (keys, or row ranges of large keys) and the chunks."""
+
+    items: list[Item]
+    chunks: dict[str, Chunk]
+
+
+class _Checker:
+    """Reads units of a checkpoint (and of its reference) in a worker and compares them."""
+
+    def __init__(self, source: Source, reference: Source | None, dtype: torch.dtype | None, chunks: dict[str, Chunk]):
+        self.source = source
+        self.reference = reference
+        self.dtype = dtype
+        self.chunks = chunks
+
+    def _read(self, side: Source, unit: str) -> torch.Tensor:
+        chunk = self.chunks.get(unit)
+        return side.read_chunk(chunk) if chunk is not None else side.read([unit])[unit]
+
+    def __call__(self, task: Task) -> list[tuple[str, int, str]]:
+        """(key, element, problem) for every unit of ``task`` that differs or cannot be read."""
+        problems = []
+        for unit in task.keys:  # one unit at a time: memory is the largest unit, not the task
+            chunk = self.chunks.get(unit)
+            key = chunk.key if chunk is not None else unit
+            offset = math.prod(chunk.shape[1:]) * chunk.start if chunk is not None and chunk.dim == 0 else 0
+            try:
+                mine = self._read(self.source, unit)
+                if self.reference is not None:
+                    first = _first_difference(mine, _cast(self._read(self.reference, unit), self.dtype))
+                    if first is not None:
+                        where = "" if chunk is None or chunk.dim == 0 else f" of rows {chunk.start}:{chunk.stop}"
+                        problems.append(
+                            (key, offset + first, f"data differs (first at element {offset + first}{where})")
+                        )
+            except Exception as exc:
+                problems.append((key, offset, f"cannot be read: {type(exc).__name__}: {exc}"))
+            finally:
+                self.source.release()
+                if self.reference is not None:
+                    self.reference.release()
+        return problems
+
+
+def _hash_handler(directory: Location, recorded: dict[str, FileDigest]) -> Any:
+    def run(task: Task) -> list[str]:
+        problems = []
+        for name in task.keys:
+            path = directory / name
+            if not path.is_file():
+                problems.append(f"file {name}: missing")
+                continue
+            want = recorded[name]
+            found = file_digest(path, checksum=want.digest is not None)
+            if found.size != want.size:
+                problems.append(f"file {name}: {found.size} bytes, the manifest records {want.size} (truncated?)")
+            elif want.digest is not None and found.digest != want.digest:
+                problems.append(f"file {name}: checksum {found.digest} != {want.digest} recorded (corrupted)")
+        return problems
+
+    return run
+
+
+def _run(tasks: list[Task], handler: Any, options: Options, governor: MemoryGovernor, workers: int) -> list[Any]:
+    problems: list[Any] = []
+    if not tasks:
+        return problems
+    with WorkerPool(min(workers, len(tasks)), handler, initializer=lambda: torch.set_num_threads(1)) as pool:
+        for result in pool.run(tasks, governor=governor, task_timeout=options.task_timeout, retries=options.retries):
+            problems.extend(result.value)
+    return problems
+
+
+def verify(
+    path: str | os.PathLike[str],
+    against: str | os.PathLike[str] | None,
+    options: Options,
+    dtype: torch.dtype | None = None,
+) -> VerifyReport:
+    """See :func:`parallel_dcp.verify`."""
+    if dtype is not None and against is None:
+        raise ValueError("dtype= casts the reference (against=) before comparing: it needs against")
+    for where in (path, against):
+        if where is not None:
+            locate(where, options.storage_options)  # a bad URL fails here; its filesystem is loaded
+    governor = MemoryGovernor(options.memory_ceiling())
+    if any(is_url(where) for where in (path, against)):
+        governor.worker_extra = CLIENT_MEMORY  # each worker's own connection
+    source = open_source(path, storage_options=options.storage_options)
+    try:
+        reference = open_source(against, storage_options=options.storage_options) if against is not None else None
+        try:
+            return _verify(source, reference, options, governor, dtype)
+        finally:
+            if reference is not None:
+                reference.close()
+    finally:
+        source.close()
+
+
+def _header_problem(source: Source, reference: Source, key: str, dtype: torch.dtype | None) -> str | None:
+    """What differs between ``key`` here and in the reference, from headers alone (None: nothing)."""
+    mine, theirs = key in source.entries, key in reference.entries
+    if mine != theirs:
+        other = source.values[key] if not mine else reference.values[key]
+        return f"one is a tensor, the other a {type(other).__name__}"
+    if not mine:
+        a, b = source.values[key], reference.values[key]
+        return None if a == b else f"value {a!r} != {b!r}"
+    entry, ref = source.entries[key], reference.entries[key]
+    expected = dtype if dtype is not None and ref.dtype.is_floating_point else ref.dtype
+    if entry.dtype != expected:
+        return f"dtype {entry.dtype} != {expected}" + (
+            f" ({ref.dtype} cast to {dtype})" if expected != ref.dtype else ""
+        )
+    if entry.shape != ref.shape:
+        return f"shape {entry.shape} != {ref.shape}"
+    return None
+
+
+def _cost(source: Source, reference: Source | None, key: str, chunk: Chunk | None, dtype: torch.dtype | None) -> int:
+    """Memory a worker needs to compare ``key`` (or ``chunk`` of it): both reads, and the cast."""
+    cost = source.chunk_memory(chunk) if chunk is not None else source.copied_bytes(key)
+    if reference is not None:
+        entry = reference.entries[key]
+        cost += reference.chunk_memory(chunk) if chunk is not None else reference.copied_bytes(key)
+        if dtype is not None and entry.dtype.is_floating_point and entry.dtype != dtype:
+            elements = math.prod(chunk.sizes if chunk is not None else entry.shape)
+            cost += elements * dtype.itemsize
+    return cost
+
+
+def _plan(source: Source, reference: Source | None, keys: list[str], dtype: torch.dtype | None, room: int) -> _Plan:
+    """Each key whole when its comparison fits in ``room`` bytes, else in row ranges that do."""
+    items: list[Item] = []
+    chunks: dict[str, Chunk] = {}
+    for key in keys:
+        entry = source.entries[key]
+        cost = _cost(source, reference, key, None, dtype)
+        threshold = entry.nbytes
+        pieces: list[Chunk] = []
+        while cost > room and threshold > MIN_MEMORY_CHUNK_BYTES:
+            threshold = max(MIN_MEMORY_CHUNK_BYTES, threshold // 2)
+            pieces = split(entry, threshold)
+            if not pieces:
+                break
+            cost = max(_cost(source, reference, key, c, dtype) for c in pieces)
+        if not pieces:
+            items.append(Item(key, entry.nbytes, _cost(source, reference, key, None, dtype)))
+            continue
+        for piece in pieces:
+            unit = f"{key}[{piece.dim}:{piece.start}:{piece.stop}]"
+            chunks[unit] = piece
+            items.append(Item(unit, piece.nbytes(entry.dtype.itemsize), _cost(source, reference, key, piece, dtype)))
+    return _Plan(items, chunks)
+
+
+def _verify(
+    source: Source,
+    reference: Source | None,
+    options: Options,
+    governor: MemoryGovernor,
+    dtype: torch.dtype | None,
+) -> VerifyReport:
+    against = reference.path if reference is not None else None
+    report = VerifyReport(path=source.path, format=source.kind, against=against)
+    directory = source.location if source.location.is_dir() else None
+    recorded = read_manifest(directory) if directory is not None else None
+    workers = options.worker_count(max(1, len(source.entries)))
+    file_problems: list[str] = []
+
+    if recorded is not None:
+        assert directory is not None
+        report.manifest = True
+        sizes = [Item(name, d.size, 0) for name, d in recorded.items()]
+        tasks = partition(sizes, workers, memory_adds_up=False)
+        file_problems += _run(tasks, _hash_handler(directory, recorded), options, governor, workers)
+        report.files_checked = len(recorded)
+
+    keys = list(source.entries) + [k for k in source.values if k not in source.entries]
+    key_problems: dict[str, tuple[int, str]] = {}
+    if reference is not None:
+        theirs = set(reference.entries) | set(reference.values)
+        for k in keys:
+            if k not in theirs:
+                key_problems[k] = (0, f"not in {against}")
+        for k in theirs - set(keys):
+            key_problems[k] = (0, f"in {against} but missing here")
+        for k in keys:
+            if k in theirs and (problem := _header_problem(source, reference, k, dtype)) is not None:
+                key_problems[k] = (0, problem)
+    report.keys_checked = len([k for k in keys if reference is None or k in reference.entries or k in reference.values])
+    tensors = [k for k in keys if k in source.entries and k not in key_problems]
+
+    # As many workers as leave each task room for a row range of at least MIN_MEMORY_CHUNK_BYTES.
+    while (
+        workers > 1
+        and governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES < 3 * MIN_MEMORY_CHUNK_BYTES
+    ):
+        workers -= 1
+    plan = _plan(
+        source, reference, tensors, dtype, governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES
+    )
+    workers = governor.workers_for(((it.key, it.memory) for it in plan.items), workers)
+    tasks = partition(plan.items, workers, max_task_memory=governor.task_budget(workers), memory_adds_up=False)
+    for key, element, problem in _run(
+        tasks, _Checker(source, reference, dtype, plan.chunks), options, governor, workers
+    ):
+        if key not in key_problems or element < key_problems[key][0]:
+            key_problems[key] = (element, problem)
+    report.bytes_checked = sum(it.nbytes for it in plan.items)
+    report.problems = sorted(file_problems) + [f"{k}: {key_problems[k][1]}" for k in sorted(key_problems)]
+    return report
