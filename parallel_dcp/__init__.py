@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -30,17 +30,23 @@ from parallel_dcp.errors import (
     MemoryLimitExceeded,
     ParallelDCPError,
     RemoteTraceback,
+    RenameError,
     TaskTimeoutError,
     UnsafeCheckpointError,
     WorkerCrashed,
     WorkerError,
 )
 from parallel_dcp.jobs import convert as _convert
+from parallel_dcp.jobs import diff as _diff
 from parallel_dcp.jobs import inspect as _inspection
 from parallel_dcp.jobs import load as _loader
+from parallel_dcp.jobs import rename as _rename
 from parallel_dcp.jobs import verify as _verify
+from parallel_dcp.jobs.diff import DiffReport
+from parallel_dcp.jobs.dryrun import DryRunPlan
 from parallel_dcp.jobs.pipeline import SaveResult, WorkerStats
 from parallel_dcp.jobs.pipeline import save as _save
+from parallel_dcp.jobs.rename import RenameRules
 from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE
 from parallel_dcp.jobs.verify import VerifyReport
 from parallel_dcp.options import Options
@@ -51,7 +57,9 @@ __all__ = [
     "CheckpointExistsError",
     "CorruptCheckpointError",
     "DestinationBusyError",
+    "DiffReport",
     "DistributedJobError",
+    "DryRunPlan",
     "IncompatibleTorchError",
     "InsufficientSpaceError",
     "InvalidDestinationError",
@@ -60,6 +68,7 @@ __all__ = [
     "Options",
     "ParallelDCPError",
     "RemoteTraceback",
+    "RenameError",
     "SaveResult",
     "TaskTimeoutError",
     "UnsafeCheckpointError",
@@ -69,6 +78,7 @@ __all__ = [
     "WorkerStats",
     "commit",
     "convert",
+    "diff",
     "extract_metadata",
     "inspect",
     "load",
@@ -79,6 +89,50 @@ __all__ = [
     "save",
     "verify",
 ]
+
+
+@overload
+def save(
+    state_dict: Any,
+    path: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    sync_files: bool = True,
+    crc32: bool = False,
+    memory_limit: int | str | None = None,
+    retries: int = 0,
+    task_timeout: float | None = None,
+    checksums: bool = True,
+    chunk_size: int | str | None = None,
+    executor: str = "auto",
+    distributed: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    dry_run: Literal[False] = False,
+) -> SaveResult: ...
+
+
+@overload
+def save(
+    state_dict: Any,
+    path: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    sync_files: bool = True,
+    crc32: bool = False,
+    memory_limit: int | str | None = None,
+    retries: int = 0,
+    task_timeout: float | None = None,
+    checksums: bool = True,
+    chunk_size: int | str | None = None,
+    executor: str = "auto",
+    distributed: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    dry_run: Literal[True],
+) -> DryRunPlan: ...
 
 
 def save(
@@ -98,7 +152,8 @@ def save(
     executor: str = "auto",
     distributed: bool = False,
     storage_options: dict[str, Any] | None = None,
-) -> SaveResult:
+    dry_run: bool = False,
+) -> SaveResult | DryRunPlan:
     """Save ``state_dict`` as a stock DCP checkpoint at ``path``, with a pool of processes.
 
     The state dict may be nested (``{"model": ..., "optimizer": ...}``) and hold ints, floats,
@@ -139,9 +194,12 @@ def save(
         storage_options: fsspec options for URLs (``{"endpoint_url": ...}``); credentials come
             from the standard AWS environment and config. On object storage ``.metadata`` is
             uploaded last, after every shard (see :mod:`parallel_dcp.storage.staging`).
+        dry_run: plan the save as a real one would (files, tasks, chunks, workers, predicted
+            peak memory, space) and return the plan; nothing is written.
 
     Returns:
-        A :class:`SaveResult` with bytes, files, tasks, seconds, GiB/s and per-worker figures.
+        A :class:`SaveResult` with bytes, files, tasks, seconds, GiB/s and per-worker figures;
+        with ``dry_run``, a :class:`DryRunPlan`.
 
     Raises:
         InvalidStateDictError: the state dict cannot be saved (checked before any write).
@@ -170,6 +228,10 @@ def save(
         distributed=distributed,
         storage_options=storage_options,
     )
+    if dry_run:
+        from parallel_dcp.jobs.dryrun import dry_run_save
+
+        return dry_run_save(state_dict, path, options)
     return _save(state_dict, path, options)
 
 
@@ -221,6 +283,7 @@ def load(
     return _loader.load(path, keys, options, trust_pickle=trust_pickle)
 
 
+@overload
 def convert(
     src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     dst: str | os.PathLike[str],
@@ -241,7 +304,60 @@ def convert(
     chunk_size: int | str | None = None,
     distributed: bool = False,
     storage_options: dict[str, Any] | None = None,
-) -> SaveResult | list[SaveResult]:
+    rename: RenameRules | None = None,
+    dry_run: Literal[False] = False,
+) -> SaveResult | list[SaveResult]: ...
+
+
+@overload
+def convert(
+    src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    dst: str | os.PathLike[str],
+    *,
+    to: str | None = None,
+    workers: int | None = None,
+    memory_limit: int | str | None = None,
+    dtype: str | torch.dtype | None = None,
+    keys: str | Sequence[str] | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    shard_size: int | str = DEFAULT_SHARD_SIZE,
+    trust_pickle: bool = False,
+    sync_files: bool = True,
+    retries: int = 0,
+    task_timeout: float | None = None,
+    checksums: bool = True,
+    chunk_size: int | str | None = None,
+    distributed: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    rename: RenameRules | None = None,
+    dry_run: Literal[True],
+) -> DryRunPlan | list[DryRunPlan]: ...
+
+
+def convert(
+    src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    dst: str | os.PathLike[str],
+    *,
+    to: str | None = None,
+    workers: int | None = None,
+    memory_limit: int | str | None = None,
+    dtype: str | torch.dtype | None = None,
+    keys: str | Sequence[str] | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    shard_size: int | str = DEFAULT_SHARD_SIZE,
+    trust_pickle: bool = False,
+    sync_files: bool = True,
+    retries: int = 0,
+    task_timeout: float | None = None,
+    checksums: bool = True,
+    chunk_size: int | str | None = None,
+    distributed: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    rename: RenameRules | None = None,
+    dry_run: bool = False,
+) -> SaveResult | list[SaveResult] | DryRunPlan | list[DryRunPlan]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
 
     The source format is detected: a DCP directory (``.metadata``), a ``.safetensors`` file or a
@@ -266,13 +382,24 @@ def convert(
             are also kept under what each worker may use under ``memory_limit``.
         trust_pickle: allow torch.save files that need ``weights_only=False`` (runs their pickle
             code: only for files you trust).
+        rename: rename keys after ``keys`` selects them: ``[(regex, template), ...]`` (Python
+            ``re``; each regex must match the whole flattened name; ``\\1`` / ``\\g<name>`` in
+            the template; the first matching rule wins; unmatched names are kept), or a callable
+            ``name -> new name or None``. The output's nesting follows the new names (see
+            :mod:`parallel_dcp.jobs.rename`). Renaming never changes tensor data.
+        dry_run: plan the conversion as a real one would (output files with their keys and
+            bytes, tasks per worker, chunks, workers the limit allows, predicted peak memory next
+            to the limit, space needed next to space free) and return it; nothing is written.
 
     Returns:
         A :class:`SaveResult` (a list of them for several sources) with ``format``, ``keys``,
-        bytes, files, seconds, GiB/s and the measured peak memory.
+        bytes, files, seconds, GiB/s and the measured peak memory; with ``dry_run``, a
+        :class:`DryRunPlan` (or a list of them).
 
     Raises:
         ValueError: a bad ``to``, ``dtype`` or ``keys``, or non-tensor values bound for safetensors.
+        RenameError: bad rename rules, several keys renamed to one name, an empty name, or
+            clashing nesting (all listed; nothing is written).
         UnsafeCheckpointError: a torch.save file that needs ``trust_pickle``.
         Otherwise as :func:`save`; on failure each destination is as it was before the call.
     """
@@ -297,15 +424,30 @@ def convert(
     if not sources:
         raise ValueError("convert needs at least one source")
     outputs = _convert.destinations(sources, dst)
-    if len(sources) > 1 and not is_url(dst):
+    if len(sources) > 1 and not is_url(dst) and not dry_run:
         os.makedirs(dst, exist_ok=True)
+    if rename is not None:
+        _rename.compile_rules(rename)  # bad rules fail before any source is opened
     results = [
         _convert.convert_one(
-            one, out, options, to=to, dtype=cast, keys=keys, shard_size=shard_bytes, trust_pickle=trust_pickle
+            one,
+            out,
+            options,
+            to=to,
+            dtype=cast,
+            keys=keys,
+            shard_size=shard_bytes,
+            trust_pickle=trust_pickle,
+            rename=rename,
+            dry_run=dry_run,
         )
         for one, out in zip(sources, outputs, strict=True)
     ]
-    return results[0] if isinstance(src, (str, os.PathLike)) else results
+    if isinstance(src, (str, os.PathLike)):
+        return results[0]
+    if dry_run:
+        return [r for r in results if isinstance(r, DryRunPlan)]
+    return [r for r in results if isinstance(r, SaveResult)]
 
 
 def verify(
@@ -350,3 +492,30 @@ def inspect(
     ``path`` may be a URL (``storage_options`` as for :func:`save`); ``trust_pickle`` lets a
     torch.save file that needs ``weights_only=False`` be listed (it runs its pickle code)."""
     return _inspection.inspect_checkpoint(path, storage_options, trust_pickle=trust_pickle)
+
+
+def diff(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    memory_limit: int | str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    trust_pickle: bool = False,
+) -> DiffReport:
+    """Compare two checkpoints of any formats: keys, dtypes, shapes and content checksums.
+
+    Tensors are hashed (xxh3-64 of their bytes) by a pool of workers under ``memory_limit``, one
+    key at a time, nothing kept beyond the tensor being hashed; only tensors a comparison needs
+    are read. The report lists keys ``added`` in ``b``, ``removed`` from ``a``, ``renamed``
+    (a tensor only in ``a`` and one only in ``b`` with the same dtype, shape and bytes), and
+    ``changed`` (dtype, shape, content, or a non-tensor value). ``report.same`` when nothing
+    differs. ``a`` and ``b`` may be URLs (``storage_options`` as for :func:`save`). Non-tensor
+    values are unpickled with ``weights_only=True`` unless ``trust_pickle`` (as for :func:`load`).
+
+    Raises:
+        FileNotFoundError / ValueError: ``a`` or ``b`` is missing or of no known format.
+        MemoryLimitExceeded: one tensor cannot be read under ``memory_limit``.
+    """
+    options = Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options)
+    return _diff.diff(a, b, options, trust_pickle=trust_pickle)

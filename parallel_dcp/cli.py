@@ -12,6 +12,7 @@ import difflib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -144,12 +145,37 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--trust-pickle", action="store_true", help="allow torch.save files that need weights_only=False (trusted only)"
     )
+    convert.add_argument(
+        "--rename",
+        action="append",
+        metavar="REGEX=TEMPLATE",
+        help="rename keys matching REGEX (whole name, Python re) to TEMPLATE (\\1, \\g<name>); repeat for more "
+        "rules, the first match wins; applied after --keys",
+    )
+    convert.add_argument(
+        "--rename-file", metavar="RULES.json", help="rename rules from a JSON list of [regex, template] pairs"
+    )
+    convert.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="plan only: files, keys, tasks per worker, chunks, predicted peak memory and space; write nothing",
+    )
     _common(convert)
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint from its headers")
     inspect.add_argument("path", metavar="PATH")
     inspect.add_argument("--json", action="store_true", help="print JSON on stdout")
     inspect.add_argument("--trust-pickle", action="store_true", help=_TRUST_HELP)
+    inspect.add_argument(
+        "--diff",
+        metavar="OTHER",
+        help="compare PATH with OTHER (any formats): keys added, removed, renamed, and changed dtype, shape or "
+        "content (xxh3 of every tensor, hashed by the worker pool); exit code 1 when they differ",
+    )
+    inspect.add_argument(
+        "--workers", type=_workers, default=None, help="worker processes hashing tensors (with --diff)"
+    )
+    inspect.add_argument("--memory-limit", type=_size, default=None, help="memory ceiling while hashing (with --diff)")
     _storage(inspect)
 
     verify = sub.add_parser(
@@ -188,10 +214,23 @@ def _result_dict(result: SaveResult) -> dict[str, Any]:
     }
 
 
+def _rename_rules(args: argparse.Namespace) -> list[tuple[str, str]] | None:
+    """``--rename-file`` rules first, then each ``--rename`` in order; None when there are none."""
+    from parallel_dcp.jobs.rename import parse_rule, read_rules_file
+
+    if args.rename_file is None and not args.rename:
+        return None
+    rules = read_rules_file(args.rename_file) if args.rename_file is not None else []
+    return rules + [parse_rule(text) for text in args.rename or []]
+
+
 def _convert(args: argparse.Namespace, show_progress: bool) -> int:
     if len(args.paths) < 2:
         raise _UsageError("convert needs at least one SRC and a DST")  # exits 2 with convert's usage
     *sources, dst = args.paths
+    rename = _rename_rules(args)
+    if args.dry_run:
+        return _convert_plan(args, sources, dst, rename)
     results = parallel_dcp.convert(
         sources,
         dst,
@@ -208,6 +247,7 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
         chunk_size=args.chunk_size,
         distributed=args.distributed,
         storage_options=args.storage_options,
+        rename=rename,
     )
     assert isinstance(results, list)
     if args.distributed and os.environ.get("RANK", "0") != "0":
@@ -224,7 +264,50 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
     return 0
 
 
+def _convert_plan(args: argparse.Namespace, sources: list[str], dst: str, rename: list[tuple[str, str]] | None) -> int:
+    """``convert --dry-run``: print the plan of every source; nothing is written."""
+    from parallel_dcp.jobs.dryrun import describe_plan
+
+    plans = parallel_dcp.convert(
+        sources,
+        dst,
+        to=args.to,
+        workers=args.workers,
+        memory_limit=args.memory_limit,
+        dtype=args.dtype,
+        keys=args.keys,
+        overwrite=args.overwrite,
+        shard_size=args.shard_size,
+        trust_pickle=args.trust_pickle,
+        checksums=not args.no_checksums,
+        chunk_size=args.chunk_size,
+        distributed=args.distributed,
+        storage_options=args.storage_options,
+        rename=rename,
+        dry_run=True,
+    )
+    assert isinstance(plans, list)
+    if args.json:
+        print(json.dumps([p.as_dict() for p in plans], indent=2))
+    else:
+        print("\n".join(describe_plan(p) for p in plans))
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
+    if args.diff is not None:
+        from parallel_dcp.jobs.diff import describe_diff
+
+        report = parallel_dcp.diff(
+            args.path,
+            args.diff,
+            workers=args.workers,
+            memory_limit=args.memory_limit,
+            storage_options=args.storage_options,
+            trust_pickle=args.trust_pickle,
+        )
+        print(json.dumps(report.as_dict(), indent=2) if args.json else describe_diff(report))
+        return 0 if report.same else 1
     info = parallel_dcp.inspect(args.path, storage_options=args.storage_options, trust_pickle=args.trust_pickle)
     print(json.dumps(info, indent=2) if args.json else describe(info))
     return 0
@@ -264,6 +347,17 @@ class _UsageError(Exception):
     """Arguments argparse accepts but the command cannot use (exit code 2)."""
 
 
+# torch.distributed.checkpoint warns on every save or load outside a process group; that is
+# advice for a trainer, and parallel_dcp runs without a process group on purpose.
+_TRAINER_WARNINGS = (r"torch\.distributed is disabled, unavailable or uninitialized",)
+
+
+def _silence_trainer_warnings() -> None:
+    """Hide torch's warnings meant for trainers, here and in the workers (forked after this)."""
+    for message in _TRAINER_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
 def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
     """The parser of ``command`` (its usage line is the one to show), or the top-level one."""
     for action in parser._subparsers._group_actions if parser._subparsers else []:
@@ -284,6 +378,7 @@ def _unknown(sub: argparse.ArgumentParser, extras: list[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _silence_trainer_warnings()
     parser = _parser()
     args, extras = parser.parse_known_args(argv)
     sub = _subparser(parser, getattr(args, "command", None))

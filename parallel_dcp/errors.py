@@ -150,3 +150,15 @@ class DistributedJobError(ParallelDCPError):
     def __init__(self, message: str, *, failures: dict[int, str]) -> None:
         super().__init__(message)
         self.failures = dict(failures)
+
+
+class RenameError(ParallelDCPError, ValueError):
+    """Rename rules are malformed, or map names onto each other or onto an invalid name.
+
+    Raised before anything is written; ``collisions`` maps each offending output name to the
+    source names that produced it (or to why it is invalid).
+    """
+
+    def __init__(self, message: str, *, collisions: dict[str, list[str]] | None = None) -> None:
+        super().__init__(message)
+        self.collisions = dict(collisions or {})

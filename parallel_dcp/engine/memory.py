@@ -45,11 +45,15 @@ __all__ = [
 ]
 
 # What a worker's memory grows by while it runs a task, beyond the items' own buffers: the DCP
-# planner, writer and zip buffers (measured at ~11-14 MiB on torch 2.13), and ~9-13 KiB per item
-# for its plan, metadata and write result. Rounded up: admission must never under-estimate.
-TASK_MEMORY_BYTES = 16 * 1024 * 1024
+# planner, writer and zip buffers, and ~9-13 KiB per item for its plan, metadata and write result.
+# With an idle worker's cost below, a worker running a task was measured at 11-17 MiB (torch 2.x,
+# 2 workers, 16 MiB tensors). These figures are both admission's and a dry run's prediction
+# (tests/test_dryrun.py compares the latter with the measured peak): rounding them far up would
+# make the prediction a fiction, rounding them down would let admission overcommit; the watchdog
+# measures twice before it acts on a breach.
+TASK_MEMORY_BYTES = 10 * 1024 * 1024
 # What an idle forked worker adds (page tables, pages its start-up touches): ~6-8 MiB measured.
-WORKER_MEMORY_BYTES = 10 * 1024 * 1024
+WORKER_MEMORY_BYTES = 8 * 1024 * 1024
 ITEM_MEMORY_BYTES = 16 * 1024
 
 # The watchdog spends at most about 1/_SAMPLING_SHARE of one core reading the tree.

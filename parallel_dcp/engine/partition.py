@@ -38,6 +38,9 @@ class Item:
     key: str
     nbytes: int
     memory: int = 0
+    # The part of ``memory`` its worker frees as soon as the item is read (a read buffer), so a
+    # task holds only the largest of its items' transient bytes at once, not their sum.
+    transient: int = 0
 
     @property
     def cost(self) -> int:
@@ -97,17 +100,26 @@ def partition(
     cap = max_task_memory if max_task_memory is not None else math.inf
 
     def combined(memory: int, item: Item) -> int:
-        buffers = memory + item.memory if memory_adds_up else max(memory, item.memory)
+        buffers = memory + item.memory - item.transient if memory_adds_up else max(memory, item.memory)
         return buffers + ITEM_MEMORY_BYTES
 
     # Greedy LPT: each item, largest first, into the cheapest bin whose memory still fits it;
-    # a new bin when none does.
+    # a new bin when none does. ``memory`` holds what a bin's items keep, ``transient`` the
+    # largest read buffer among them (freed before the next item is read).
     bins: list[list[Item]] = [[] for _ in range(n_bins)]
     memory = [0] * n_bins
+    transient = [0] * n_bins
     heap = [(0, i) for i in range(n_bins)]
     for item in sorted(items, key=lambda it: it.cost, reverse=True):
         skipped = []
-        while heap and bins[heap[0][1]] and TASK_MEMORY_BYTES + combined(memory[heap[0][1]], item) > cap:
+        while (
+            heap
+            and bins[heap[0][1]]
+            and TASK_MEMORY_BYTES
+            + combined(memory[heap[0][1]], item)
+            + (max(transient[heap[0][1]], item.transient) if memory_adds_up else 0)
+            > cap
+        ):
             skipped.append(heapq.heappop(heap))
         if heap:
             cost, i = heapq.heappop(heap)
@@ -115,14 +127,17 @@ def partition(
             cost, i = 0, len(bins)
             bins.append([])
             memory.append(0)
+            transient.append(0)
         bins[i].append(item)
         memory[i] = combined(memory[i], item)
+        if memory_adds_up:
+            transient[i] = max(transient[i], item.transient)
         heapq.heappush(heap, (cost + item.cost, i))
         for entry in skipped:
             heapq.heappush(heap, entry)
 
     filled = sorted(
-        ((b, m) for b, m in zip(bins, memory, strict=True) if b),
+        ((b, m + t) for b, m, t in zip(bins, memory, transient, strict=True) if b),
         key=lambda bm: sum(it.cost for it in bm[0]),
         reverse=True,
     )

@@ -112,6 +112,11 @@ class Source(ABC):
         """Memory a worker allocates to read ``key`` (a source on disk: all its bytes)."""
         return self.entries[key].nbytes
 
+    def transient_bytes(self, key: str) -> int:
+        """The part of :meth:`copied_bytes` (and :meth:`chunk_memory`) that a read frees before
+        it returns (a buffer the bytes pass through), so a task holds it for one key at a time."""
+        return 0
+
     def read_chunk(self, chunk: Chunk) -> torch.Tensor:
         """In a worker: rows ``chunk.start:chunk.stop`` of ``chunk.key`` along ``chunk.dim``.
 

@@ -150,21 +150,24 @@ class DcpSource(Source):
             )
         return target
 
-    # DCP's reader loads a whole stored chunk (a torch.save record, read through a buffer of its
-    # size) before copying the part it needs into the target: a read costs the target plus twice
-    # the largest stored chunk it touches.
+    # DCP's reader loads a whole stored chunk (``torch.load`` of its record) before copying the
+    # part it needs into the target, and drops it at once: a read keeps the target and passes
+    # through one stored chunk at a time (transient).
     def copied_bytes(self, key: str) -> int:
         return self.entries[key].nbytes + self._largest_stored_chunk(key)
 
     def chunk_memory(self, chunk: Chunk) -> int:
         return chunk.nbytes(self.entries[chunk.key].dtype.itemsize) + self._largest_stored_chunk(chunk.key)
 
+    def transient_bytes(self, key: str) -> int:
+        return self._largest_stored_chunk(key)
+
     def _largest_stored_chunk(self, key: str) -> int:
         assert self.metadata is not None
         meta = self.metadata.state_dict_metadata[key]
         assert isinstance(meta, TensorStorageMetadata)
         itemsize = meta.properties.dtype.itemsize
-        return 2 * max((math.prod(c.sizes) * itemsize for c in meta.chunks), default=0)
+        return max((math.prod(c.sizes) * itemsize for c in meta.chunks), default=0)
 
 
 class _ChunkLoadPlanner(SafeLoadPlanner):

@@ -8,6 +8,7 @@ with ``safetensors.torch.save_file``, one shard per task, in the layout Hugging 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterable
@@ -194,11 +195,14 @@ class SafetensorsSource(Source):
         tensor: torch.Tensor = self._handle(chunk.key).get_slice(chunk.key)[index]
         return tensor.contiguous()
 
-    # A read maps the file's pages (which count while the handle is open) and copies them out.
+    # A read maps the file's pages (which count while the handle is open); older safetensors
+    # versions also copy them out, newer ones return the mapped pages themselves (probed once).
     # From object storage, bytes arrive in 8 MiB ranges straight into the tensor.
     def copied_bytes(self, key: str) -> int:
         nbytes = self.entries[key].nbytes
-        return nbytes + _in_flight(nbytes) if self._ranges else 2 * nbytes
+        if self._ranges:
+            return nbytes + _in_flight(nbytes)
+        return nbytes if _reads_are_mapped(self.entries[key].file) else 2 * nbytes
 
     def chunk_memory(self, chunk: Chunk) -> int:
         nbytes = chunk.nbytes(self.entries[chunk.key].dtype.itemsize)
@@ -207,6 +211,37 @@ class SafetensorsSource(Source):
         if chunk.dim != 0:  # the whole tensor is read, then the chunk copied out
             return self.copied_bytes(chunk.key) + nbytes
         return nbytes + _in_flight(nbytes)
+
+
+_MAPPED: dict[str, bool] = {}  # "probed": the answer, once found for this process
+
+
+def _reads_are_mapped(file: str) -> bool:
+    """Whether this safetensors library's ``get_tensor`` returns the file's mapped pages as the
+    tensor (no copy): read the smallest tensor of ``file`` once and look where its bytes live.
+    False (a copy: the conservative answer) when that cannot be told."""
+    known = _MAPPED.get("probed")
+    if known is not None:
+        return known
+    found = False
+    try:
+        with safe_open(file, framework="pt") as f:
+            keys = list(f.keys())
+            if keys:
+                key = min(keys, key=lambda k: math.prod(f.get_slice(k).get_shape()))
+                tensor = f.get_tensor(key)  # kept while the maps are read: its mapping stays
+                ptr = tensor.untyped_storage().data_ptr()
+                real = os.path.realpath(file)
+                with open("/proc/self/maps", encoding="utf-8") as maps:
+                    for line in maps:
+                        fields = line.split(maxsplit=5)
+                        if len(fields) == 6 and fields[5].strip() == real:
+                            start, end = (int(x, 16) for x in fields[0].split("-"))
+                            found = found or start <= ptr < end
+    except (OSError, ValueError):
+        found = False
+    _MAPPED["probed"] = found
+    return found
 
 
 def shard_names(count: int) -> list[str]:

@@ -1,6 +1,7 @@
 """Conversion between DCP, safetensors and torch.save, in either direction, with the write pipeline.
 
-    source path ── detect format ── open (headers only) ── select keys ── run_job(target) ──▶ dst
+    source path ── detect format ── open (headers only) ── select keys ── rename ── run_job(target) ──▶ dst
+                                                                                 └─ dry run: plan only
 
 The memory governor is created before the source is opened, so whatever opening loads (a legacy
 torch.save file) counts against the limit. Several sources convert one after the other, each
@@ -20,7 +21,9 @@ import torch
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
+from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.pipeline import SaveResult, run_job
+from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE, Job, Target, target_for
 from parallel_dcp.options import Options
 from parallel_dcp.storage.location import Location, Remote, is_url, locate
@@ -121,15 +124,20 @@ def convert_one(
     keys: str | Sequence[str] | None,
     shard_size: int = DEFAULT_SHARD_SIZE,
     trust_pickle: bool = False,
-) -> SaveResult:
-    """Convert one source; see :func:`parallel_dcp.convert`."""
+    rename: RenameRules | None = None,
+    dry_run: bool = False,
+) -> SaveResult | DryRunPlan:
+    """Convert one source (or, with ``dry_run``, plan it); see :func:`parallel_dcp.convert`."""
     start = time.perf_counter()
     target = target_for(dst, to, shard_size=shard_size, storage_options=options.storage_options)
     locate(src, options.storage_options)  # a bad URL fails here; its filesystem's code is loaded
     governor = MemoryGovernor(options.memory_ceiling())
     source = open_source(src, trust_pickle=trust_pickle, storage_options=options.storage_options)
     try:
-        return _convert_source(source, target, options, dtype, keys, governor, start)
+        job = _convert_job(source, target, dtype, keys, rename)
+        if dry_run:
+            return plan_dry_run(job, target, options, governor)
+        return run_job(job, target, options, governor, start=start)
     finally:
         source.close()
 
@@ -140,19 +148,24 @@ def _same_place(a: Location, b: Location) -> bool:
     return a.resolve() == b.resolve()
 
 
-def _convert_source(
+def _convert_job(
     source: Source,
     target: Target,
-    options: Options,
     dtype: torch.dtype | None,
     keys: str | Sequence[str] | None,
-    governor: MemoryGovernor,
-    start: float,
-) -> SaveResult:
+    rename: RenameRules | None,
+) -> Job:
+    """The job converting ``source``: keys selected, then renamed (checked before any write)."""
     src = source.path
     if _same_place(source.location, target.path):
         raise ValueError(f"{src} is both the source and the destination")
     selected = select_keys(source, keys)
+    # Before any write: the files the selection needs are all there and long enough, and its
+    # non-tensor values unpickle safely (an unsafe one is refused here, by name).
+    source.check(k for k in selected if k in source.entries or k in source.values)
+    source.load_values(k for k in selected if k not in source.entries)
+    if rename is not None:
+        source, selected = rename_source(source, selected, rename)
     if target.kind == "safetensors":
         others = [k for k in selected if k not in source.entries]
         if others:
@@ -160,8 +173,4 @@ def _convert_source(
                 f"safetensors holds only tensors, and {src} selects {len(others)} other values "
                 f"({', '.join(others[:5])}); select tensors only with keys= (--keys)"
             )
-    # Before any write: the files the selection needs are all there and long enough, and its
-    # non-tensor values unpickle safely (an unsafe one is refused here, by name).
-    source.check(k for k in selected if k in source.entries or k in source.values)
-    source.load_values(k for k in selected if k not in source.entries)
-    return run_job(Job(source, selected, dtype), target, options, governor, start=start)
+    return Job(source, selected, dtype)

@@ -93,6 +93,12 @@ class Job:
         """What a worker allocates for ``unit``: its read (or copy), plus the cast result."""
         return self._sized(unit)[1]
 
+    def transient(self, unit: str) -> int:
+        """The part of :meth:`memory` the read frees before it returns (see ``Source.transient_bytes``)."""
+        chunk = self.chunks.get(unit)
+        key = chunk.key if chunk else unit
+        return self.source.transient_bytes(key) if key in self.source.entries else 0
+
     def _sized(self, unit: str) -> tuple[int, int]:
         sizes = self._sizes.get(unit)
         if sizes is None:
@@ -169,7 +175,14 @@ class Target(ABC):
 
 
 def _items(job: Job) -> list[Item]:
-    return [Item(key, job.out_bytes(key), job.memory(key)) for key in job.keys]
+    return [Item(key, job.out_bytes(key), job.memory(key), job.transient(key)) for key in job.keys]
+
+
+def _whole_file_memory(items: list[Item]) -> int:
+    """What a task writing ``items`` as one file holds: each item's bytes or its read, whichever
+    is larger, and the largest read buffer (freed before the next read)."""
+    held = sum(max(it.nbytes, it.memory - it.transient) + ITEM_MEMORY_BYTES for it in items)
+    return held + max((it.transient for it in items), default=0)
 
 
 def _where(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Path | Remote:
@@ -293,9 +306,7 @@ class ShardedTarget(Target):
                 index=i,
                 keys=tuple(it.key for it in shard),
                 nbytes=sum(it.nbytes for it in shard),
-                memory=TASK_MEMORY_BYTES
-                + io_memory
-                + sum(max(it.nbytes, it.memory) + ITEM_MEMORY_BYTES for it in shard),
+                memory=TASK_MEMORY_BYTES + io_memory + _whole_file_memory(shard),
             )
             for i, shard in enumerate(shards)
             if shard
@@ -347,8 +358,7 @@ class FileTarget(Target):
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)
         nbytes = sum(it.nbytes for it in items)
-        memory = TASK_MEMORY_BYTES + sum(max(it.nbytes, it.memory) + ITEM_MEMORY_BYTES for it in items)
-        memory += self.io_memory(nbytes)
+        memory = TASK_MEMORY_BYTES + _whole_file_memory(items) + self.io_memory(nbytes)
         return [Task(index=0, keys=job.keys, nbytes=nbytes, memory=memory)]
 
     def write(self, job: Job, task: Task, data: dict[str, Any], staging: WriteLocation, options: Options) -> Any:

@@ -1,0 +1,234 @@
+"""Rename rules: map a source's flattened names to new ones on the way to the output.
+
+    source keys ── select (--keys) ── rename (first matching rule) ── check ──▶ RenamedSource
+
+A rule is a Python regular expression matched against the whole flattened name (``fullmatch``)
+and a template with ``\\1`` / ``\\g<name>`` references (``re.Match.expand``). Rules are tried in
+order; the first that matches renames the key; a key no rule matches keeps its name. A callable
+``name -> new name`` (None keeps it) may stand for the rules.
+
+Nesting of the output follows the new names: a key that keeps its name keeps the source's
+nesting; a renamed key keeps the leading levels of its old nesting that its new name still
+starts with (``("model", "layers.0.q")`` renamed ``model.layers.0.wq`` nests as
+``("model", "layers.0.wq")``) and holds the rest of its name as one flat level, as a flat state
+dict (``model.state_dict()``) does. Dots are never split into new levels: a flat name such as
+``layers.0.attention.wq.weight`` could come from ``{"layers": {"0": ...}}`` or from a flat dict,
+and only the latter is what ``model.state_dict()`` gives.
+
+Everything is checked before any write: two source keys mapped to one name, an empty name, and
+one key's nesting path being a level of another's are refused, every offender listed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import torch
+
+from parallel_dcp.errors import RenameError
+from parallel_dcp.formats.base import Source
+
+if TYPE_CHECKING:
+    from parallel_dcp.engine.chunks import Chunk
+
+__all__ = ["RenameRules", "RenamedSource", "compile_rules", "parse_rule", "read_rules_file", "rename_source"]
+
+RenameRules: TypeAlias = Sequence[tuple[str, str]] | Callable[[str], str | None]
+
+_SHOWN = 20  # collisions listed in an error message
+
+
+def parse_rule(text: str) -> tuple[str, str]:
+    """``"REGEX=TEMPLATE"`` (the CLI's ``--rename``) split at its last ``=``.
+
+    Templates cannot hold ``=`` this way (regexes may: ``(?=...)``); use a rules file for those.
+
+    Raises:
+        RenameError: no ``=``, or an empty regex.
+    """
+    regex, sep, template = text.rpartition("=")
+    if not sep or not regex:
+        raise RenameError(f"a rename rule is REGEX=TEMPLATE, got {text!r}")
+    return regex, template
+
+
+def read_rules_file(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
+    """Rules from a JSON file holding a list of ``[regex, template]`` pairs.
+
+    Raises:
+        RenameError: not JSON, or not a list of pairs of strings.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except ValueError as exc:
+        raise RenameError(f"rename rules file {os.fspath(path)} is not JSON: {exc}") from exc
+    if not isinstance(value, list):
+        raise RenameError(f"rename rules file {os.fspath(path)} must hold a JSON list of [regex, template] pairs")
+    rules = []
+    for i, pair in enumerate(value):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
+            raise RenameError(f"rename rules file {os.fspath(path)}: entry {i} is {pair!r}, not [regex, template]")
+        rules.append((pair[0], pair[1]))
+    return rules
+
+
+def compile_rules(rules: RenameRules) -> Callable[[str], str]:
+    """A function giving each flattened name its new name (unmatched names are returned as is).
+
+    Raises:
+        RenameError: a rule that is not a (regex, template) pair of strings, or a bad regex
+            (here); a template naming a group its regex lacks (when a name first matches it).
+    """
+    if callable(rules):
+        user = rules
+
+        def by_callable(name: str) -> str:
+            new = user(name)
+            if new is None:
+                return name
+            if not isinstance(new, str):
+                raise RenameError(f"the rename function returned {new!r} for {name!r}: expected a str or None")
+            return new
+
+        return by_callable
+    if isinstance(rules, (str, bytes)):
+        raise RenameError("rename takes a list of (regex, template) pairs, not a single string")
+    compiled: list[tuple[re.Pattern[str], str]] = []
+    for i, rule in enumerate(rules):
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and all(isinstance(s, str) for s in rule)):
+            raise RenameError(f"rename rule {i} is {rule!r}: expected a (regex, template) pair of strings")
+        try:
+            compiled.append((re.compile(rule[0]), rule[1]))
+        except re.error as exc:
+            raise RenameError(f"rename rule {i}: bad regular expression {rule[0]!r}: {exc}") from exc
+
+    def by_rules(name: str) -> str:
+        for i, (pattern, template) in enumerate(compiled):
+            match = pattern.fullmatch(name)
+            if match is not None:
+                try:
+                    return match.expand(template)
+                except (re.error, IndexError) as exc:
+                    raise RenameError(
+                        f"rename rule {i} ({pattern.pattern!r} -> {template!r}) cannot rename {name!r}: {exc}"
+                    ) from exc
+        return name
+
+    return by_rules
+
+
+def _nesting(old: str, new: str, path: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The new name's path: the old path's leading levels the new name still starts with, then
+    the rest of the name as one level."""
+    if new == old:
+        return path
+    kept: list[Any] = []
+    prefix = ""
+    for level in path[:-1]:
+        candidate = f"{prefix}{level}."
+        if not new.startswith(candidate) or len(new) == len(candidate):
+            break
+        kept.append(level)
+        prefix = candidate
+    return (*kept, new[len(prefix) :])
+
+
+def _collision_error(title: str, collisions: dict[str, list[str]]) -> RenameError:
+    lines = [f"  {new!r} <- {', '.join(map(repr, olds))}" for new, olds in list(collisions.items())[:_SHOWN]]
+    more = f"\n  ... and {len(collisions) - _SHOWN} more" if len(collisions) > _SHOWN else ""
+    return RenameError(f"{title} (nothing was written):\n" + "\n".join(lines) + more, collisions=collisions)
+
+
+@dataclass
+class RenamedSource(Source):
+    """A view of ``inner`` under new names: only the selected keys, renamed; reads go to the old names."""
+
+    inner: Source | None = None
+    old_names: dict[str, str] = field(default_factory=dict)  # new name -> source name
+
+    def _inner(self) -> Source:
+        assert self.inner is not None
+        return self.inner
+
+    def close(self) -> None:
+        self._inner().close()
+
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        keys = list(keys)
+        data = self._inner().read([self.old_names[k] for k in keys])
+        return {k: data[self.old_names[k]] for k in keys}
+
+    def copied_bytes(self, key: str) -> int:
+        return self._inner().copied_bytes(self.old_names[key])
+
+    def transient_bytes(self, key: str) -> int:
+        return self._inner().transient_bytes(self.old_names[key])
+
+    def read_chunk(self, chunk: Chunk) -> torch.Tensor:
+        return self._inner().read_chunk(dataclasses.replace(chunk, key=self.old_names[chunk.key]))
+
+    def chunk_memory(self, chunk: Chunk) -> int:
+        return self._inner().chunk_memory(dataclasses.replace(chunk, key=self.old_names[chunk.key]))
+
+    def release(self) -> None:
+        self._inner().release()
+
+    def fingerprint(self) -> dict[str, Any]:
+        return self._inner().fingerprint()
+
+
+def rename_source(source: Source, keys: Sequence[str], rules: RenameRules) -> tuple[Source, tuple[str, ...]]:
+    """``source`` seen under new names, restricted to ``keys``, and the new names in order.
+
+    Raises:
+        RenameError: two keys renamed to one name, an empty or non-string name, or nesting
+            paths that clash (one key's path a level of another's); all of them are listed.
+    """
+    rename = compile_rules(rules)
+    new_of = {key: rename(key) for key in keys}
+    empty = sorted(old for old, new in new_of.items() if not new)
+    if empty:
+        raise _collision_error("rename rules give empty names", {"": empty})
+    sources: dict[str, list[str]] = {}
+    for old, new in new_of.items():
+        sources.setdefault(new, []).append(old)
+    collisions = {new: olds for new, olds in sources.items() if len(olds) > 1}
+    if collisions:
+        raise _collision_error("rename rules map several keys to one name", collisions)
+
+    paths = {new: _nesting(old, new, tuple(source.mapping.get(old, (old,)))) for old, new in new_of.items()}
+    leaves = {path: new for new, path in paths.items()}
+    clashes: dict[str, list[str]] = {}
+    for new, path in paths.items():
+        for depth in range(1, len(path)):
+            holder = leaves.get(path[:depth])
+            if holder is not None:
+                clashes.setdefault(holder, []).append(new)
+    if clashes:
+        raise _collision_error(
+            "renamed keys clash in the output's nesting (a key would be both a value and a level holding others)",
+            {f"{holder} (a value)": news for holder, news in clashes.items()},
+        )
+
+    view = RenamedSource(
+        path=source.path,
+        kind=source.kind,
+        files=list(source.files),
+        storage_options=source.storage_options,
+        inner=source,
+    )
+    for old, new in new_of.items():
+        view.old_names[new] = old
+        if old in source.entries:
+            view.entries[new] = dataclasses.replace(source.entries[old], key=new)
+        else:
+            view.values[new] = source.values[old]
+        view.mapping[new] = paths[new]
+    return view, tuple(new_of[k] for k in keys)

@@ -1,0 +1,172 @@
+"""Dry runs: the plan a real run executes, nothing written, and a predicted peak near the measured one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch as st
+import torch
+
+import parallel_dcp
+from parallel_dcp import DryRunPlan, MemoryLimitExceeded
+from tests.memory_probe import PeakSampler
+from tests.test_convert import write_hf_safetensors
+from tests.test_rename import snapshot
+
+MiB = 2**20
+# The README quotes the errors this test measures (run with -s to see them).
+TOLERANCE = 0.25
+
+
+def llm_state(layers: int = 4, d: int = 512) -> dict[str, Any]:
+    """An LLM training state: bf16 weights (some fused, stored as transposed views, as tied or
+    fused layers give), fp32 Adam moments, plain values."""
+    g = torch.Generator().manual_seed(0)
+    model: dict[str, torch.Tensor] = {"tok_embeddings.weight": torch.randn(8192, d, generator=g).bfloat16()}
+    optim: dict[str, Any] = {}
+    for i in range(layers):
+        model[f"layers.{i}.attention.wqkv.weight"] = torch.randn(d, 3 * d, generator=g).t()  # a view
+        model[f"layers.{i}.feed_forward.w13.weight"] = torch.randn(d, 8 * d, generator=g).t()  # a view
+        model[f"layers.{i}.feed_forward.w2.weight"] = torch.randn(d, 4 * d, generator=g).bfloat16()
+        model[f"layers.{i}.attention_norm.weight"] = torch.ones(d)
+    for name, weight in model.items():
+        optim[name] = {"exp_avg": torch.zeros(weight.shape), "exp_avg_sq": torch.zeros(weight.shape), "step": 10}
+    return {"model": model, "optimizer": {"state": optim, "lr": 3e-4}, "step": 10}
+
+
+def _measure(plan: Callable[[], Any], real: Callable[[], Any]) -> tuple[DryRunPlan, int, float]:
+    predicted = plan()
+    assert isinstance(predicted, DryRunPlan)
+    with PeakSampler() as sampler:
+        result = real()
+    assert isinstance(result, parallel_dcp.SaveResult) and result.tasks == predicted.tasks
+    error = (predicted.predicted_peak_memory - sampler.peak) / sampler.peak
+    print(
+        f"\n{predicted.source} -> {predicted.path}: predicted {predicted.predicted_peak_memory / MiB:.1f} MiB, "
+        f"measured {sampler.peak / MiB:.1f} MiB, error {error:+.0%} (limit {predicted.memory_limit / MiB:.0f} MiB, "
+        f"{predicted.tasks} tasks, {predicted.workers} workers)"
+    )
+    return predicted, sampler.peak, error
+
+
+def test_llm_like_save(tmp_path: Path) -> None:
+    sd = llm_state()
+    # attention weights kept as q/k/v column slices of one fused parameter: strided views that
+    # DCP's writer copies one at a time (the save's memory beyond its workers' fixed cost)
+    g = torch.Generator().manual_seed(1)
+    for i in range(2):
+        fused = torch.randn(4096, 3 * 2048, generator=g)  # 96 MiB
+        for j, name in enumerate("qkv"):
+            sd["model"][f"layers.{i}.attention.w{name}.weight"] = fused[:, j * 2048 : (j + 1) * 2048]
+    kwargs: dict[str, Any] = {"workers": 2, "executor": "processes", "sync_files": False}
+    plan, _, error = _measure(
+        lambda: parallel_dcp.save(sd, tmp_path / "ckpt", dry_run=True, **kwargs),
+        lambda: parallel_dcp.save(sd, tmp_path / "ckpt", **kwargs),
+    )
+    assert abs(error) <= TOLERANCE
+    assert plan.executor == "processes" and plan.workers == 2 and plan.format == "dcp"
+
+
+def test_sharded_safetensors_to_dcp_under_a_limit(tmp_path: Path) -> None:
+    # large enough (224 MiB) that tasks last long enough for the sampler to see them overlap
+    tensors = {k: v.contiguous() for k, v in llm_state(layers=4, d=1024)["model"].items()}
+    write_hf_safetensors(tensors, tmp_path / "hf", shards=4)
+    kwargs: dict[str, Any] = {"workers": 2, "memory_limit": "160MiB", "sync_files": False}
+    plan, _, error = _measure(
+        lambda: parallel_dcp.convert(tmp_path / "hf", tmp_path / "dcp", dry_run=True, **kwargs),
+        lambda: parallel_dcp.convert(tmp_path / "hf", tmp_path / "dcp", **kwargs),
+    )
+    assert abs(error) <= TOLERANCE
+    assert plan.predicted_peak_memory <= plan.memory_limit == 160 * MiB
+    assert plan.chunks, "under this limit the largest tensors are split into chunks"
+
+
+def test_dcp_to_a_single_file(tmp_path: Path) -> None:
+    parallel_dcp.save(llm_state(layers=3), tmp_path / "dcp", workers=2)
+    kwargs: dict[str, Any] = {"workers": 2, "keys": "model.*", "sync_files": False}
+    plan, _, error = _measure(
+        lambda: parallel_dcp.convert(tmp_path / "dcp", tmp_path / "model.pt", dry_run=True, **kwargs),
+        lambda: parallel_dcp.convert(tmp_path / "dcp", tmp_path / "model.pt", **kwargs),
+    )
+    assert abs(error) <= TOLERANCE
+    assert plan.tasks == 1 and plan.files[0]["name"] == "model.pt"
+
+
+def test_dry_run_writes_nothing_and_plans_what_the_run_does(tmp_path: Path) -> None:
+    tensors = {f"model.layers.{i}.weight": torch.randn(256, 512) for i in range(12)}
+    write_hf_safetensors(tensors, tmp_path / "hf", shards=2)
+    (tmp_path / "out").mkdir()
+    before = snapshot(tmp_path)
+    stat_before = os.stat(tmp_path / "out").st_mtime_ns
+    plan = parallel_dcp.convert(
+        tmp_path / "hf",
+        tmp_path / "out" / "st",
+        to="safetensors",
+        shard_size=2 * MiB,
+        dtype="bf16",
+        rename=[(r"model\.(.*)", r"m.\1")],
+        workers=2,
+        dry_run=True,
+    )
+    assert snapshot(tmp_path) == before and os.stat(tmp_path / "out").st_mtime_ns == stat_before
+    assert isinstance(plan, DryRunPlan)
+    assert plan.bytes == sum(t.nbytes for t in tensors.values()) // 2  # bf16
+    assert plan.space_needed >= plan.bytes and plan.space_free is not None and plan.space_free > 0
+    planned = {f["name"]: f["keys"] for f in plan.files}
+    assert sum(w["tasks"] for w in plan.per_worker) == plan.tasks == len(plan.files)
+
+    result = parallel_dcp.convert(
+        tmp_path / "hf",
+        tmp_path / "out" / "st",
+        to="safetensors",
+        shard_size=2 * MiB,
+        dtype="bf16",
+        rename=[(r"model\.(.*)", r"m.\1")],
+        workers=2,
+    )
+    assert isinstance(result, parallel_dcp.SaveResult) and result.bytes == plan.bytes and result.tasks == plan.tasks
+    assert not plan.notes
+    index = json.loads((tmp_path / "out" / "st" / "model.safetensors.index.json").read_text())["weight_map"]
+    written: dict[str, list[str]] = {}
+    for key, name in index.items():
+        written.setdefault(name, []).append(key)
+    assert {n: sorted(k) for n, k in written.items()} == {n: sorted(k) for n, k in planned.items()}
+
+
+def test_dry_run_notes_an_existing_output(tmp_path: Path) -> None:
+    st.save_file({"w": torch.zeros(8)}, tmp_path / "m.safetensors")
+    parallel_dcp.convert(tmp_path / "m.safetensors", tmp_path / "dcp")
+    plan = parallel_dcp.convert(tmp_path / "m.safetensors", tmp_path / "dcp", dry_run=True)
+    assert isinstance(plan, DryRunPlan) and "without overwrite" in plan.notes[0]
+    plan = parallel_dcp.convert(tmp_path / "m.safetensors", tmp_path / "dcp", dry_run=True, overwrite=True)
+    assert isinstance(plan, DryRunPlan) and "replaces it" in plan.notes[0]
+
+
+def test_dry_run_refuses_what_the_run_would_refuse(tmp_path: Path) -> None:
+    st.save_file({"w": torch.zeros(4096, 1024)}, tmp_path / "m.safetensors")  # 16 MiB
+    with pytest.raises(MemoryLimitExceeded):
+        parallel_dcp.convert(tmp_path / "m.safetensors", tmp_path / "o.pt", memory_limit="12MiB", dry_run=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+def test_cli_dry_run_json_writes_nothing(tmp_path: Path) -> None:
+    st.save_file({f"l.{i}": torch.randn(64, 64) for i in range(8)}, tmp_path / "m.safetensors")
+    before = snapshot(tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    cli = [sys.executable, "-m", "parallel_dcp", "convert", str(tmp_path / "m.safetensors"), str(tmp_path / "dcp")]
+    run = subprocess.run([*cli, "--dry-run", "--json", "--workers", "2"], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    [plan] = json.loads(run.stdout)
+    assert plan["dry_run"] and plan["keys"] == 8 and plan["format"] == "dcp"
+    assert plan["predicted_peak_memory"] <= plan["memory_limit"] and plan["space_needed"] >= 8 * 64 * 64 * 4
+    assert sum(len(f["keys"]) for f in plan["files"]) == 8
+    text = subprocess.run([*cli, "--dry-run"], capture_output=True, text=True, env=env)
+    assert text.returncode == 0 and "predicted peak memory" in text.stdout and "nothing was written" in text.stdout
+    assert snapshot(tmp_path) == before
