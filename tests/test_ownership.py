@@ -308,7 +308,7 @@ def test_the_lock_survives_the_unlink_race(tmp_path: Path, monkeypatch: pytest.M
     """A holder that removes the lock file between our open and our flock: we retry on the new file."""
     import fcntl
 
-    from parallel_dcp import destination
+    from parallel_dcp.storage import staging as destination
 
     lock = tmp_path / ".parallel_dcp.lock"
     real_flock = fcntl.flock
