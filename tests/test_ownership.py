@@ -256,14 +256,14 @@ def test_sigkill_mid_overwrite_leaves_the_old_checkpoint_and_the_next_save_clean
 CRASH_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, torch, parallel_dcp
-    from parallel_dcp.storage import staging as destination
+    from parallel_dcp.storage import local_staging as destination
     where = sys.argv[2]
     if where == "publish":  # after the commit, before the old shards are removed
         destination._LocalStaging.publish = lambda self: os.kill(os.getpid(), signal.SIGKILL)
     else:  # between the .metadata rename and the manifest's
         rename = destination._LocalStaging._rename_into_place
         def crash(self, name):
-            if name == destination.MANIFEST_FILE:
+            if name == ".parallel_dcp.json":  # the manifest
                 os.kill(os.getpid(), signal.SIGKILL)
             rename(self, name)
         destination._LocalStaging._rename_into_place = crash
@@ -308,7 +308,8 @@ def test_the_lock_survives_the_unlink_race(tmp_path: Path, monkeypatch: pytest.M
     """A holder that removes the lock file between our open and our flock: we retry on the new file."""
     import fcntl
 
-    from parallel_dcp.storage import staging as destination
+    from parallel_dcp.storage import local_staging as destination
+    from parallel_dcp.storage.ownership import owner_record
 
     lock = tmp_path / ".parallel_dcp.lock"
     real_flock = fcntl.flock
@@ -321,11 +322,11 @@ def test_the_lock_survives_the_unlink_race(tmp_path: Path, monkeypatch: pytest.M
         real_flock(fd, op)
 
     monkeypatch.setattr(destination.fcntl, "flock", flock_after_unlink)
-    held = destination._Lock(lock, destination.owner_record("race", tmp_path), tmp_path)
+    held = destination._Lock(lock, owner_record("race", tmp_path), tmp_path)
     assert raced and held.fd is not None
     assert os.stat(lock).st_ino == os.fstat(held.fd).st_ino, "the lock we hold is the file at the path"
     monkeypatch.setattr(destination.fcntl, "flock", real_flock)
     with pytest.raises(DestinationBusyError, match=f"pid {os.getpid()} on host {socket.gethostname()}, save race"):
-        destination._Lock(lock, destination.owner_record("second", tmp_path), tmp_path)
+        destination._Lock(lock, owner_record("second", tmp_path), tmp_path)
     held.release()
     assert not lock.exists()

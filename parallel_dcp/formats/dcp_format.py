@@ -32,7 +32,7 @@ from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.storage.location import Location, dcp_reader
 from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading
-from parallel_dcp.storage.staging import METADATA_FILE
+from parallel_dcp.storage.ownership import METADATA_FILE
 
 __all__ = ["ChunkSavePlanner", "DcpSource", "is_dcp", "read_keys"]
 

@@ -32,8 +32,8 @@ from parallel_dcp.engine.chunks import Chunk, exact_storage
 from parallel_dcp.errors import CorruptCheckpointError, InsufficientSpaceError, UnsafeCheckpointError
 from parallel_dcp.formats.base import Source, entry_of
 from parallel_dcp.formats.validate import flatten_checked
+from parallel_dcp.storage.local_staging import free_bytes
 from parallel_dcp.storage.location import Location, Remote, check_name, listdir
-from parallel_dcp.storage.staging import free_bytes
 
 __all__ = ["INDEX_NAME", "SUFFIXES", "TorchSource", "index_json", "is_torch_save", "shard_names", "write_file"]
 

@@ -38,7 +38,7 @@ from parallel_dcp.errors import DistributedJobError
 from parallel_dcp.jobs import pipeline
 from parallel_dcp.jobs.targets import AnyStaging, Job, Target
 from parallel_dcp.options import Options
-from parallel_dcp.storage.staging import WriteLocation
+from parallel_dcp.storage.protocol import WriteLocation
 
 __all__ = ["run_job", "share"]
 

@@ -30,8 +30,8 @@ from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs.pipeline import Plan, choose_executor, needed_space, plan_job
 from parallel_dcp.jobs.targets import DcpTarget, Job, ShardedTarget, Target
 from parallel_dcp.options import Options
+from parallel_dcp.storage.local_staging import free_bytes
 from parallel_dcp.storage.location import Remote
-from parallel_dcp.storage.staging import free_bytes
 
 __all__ = ["DryRunPlan", "describe_plan", "dry_run_save", "plan_dry_run"]
 

@@ -9,7 +9,7 @@ from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import detect_format, open_source, safetensors_format, torch_format
 from parallel_dcp.storage.location import Location, file_size, listdir, locate
 from parallel_dcp.storage.manifest import MANIFEST_FILE
-from parallel_dcp.storage.staging import METADATA_FILE, find_leftovers
+from parallel_dcp.storage.ownership import METADATA_FILE, find_leftovers
 
 __all__ = ["describe", "inspect_checkpoint"]
 

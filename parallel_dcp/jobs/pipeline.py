@@ -52,7 +52,7 @@ from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs.targets import DcpTarget, Job, Target
 from parallel_dcp.options import Options
 from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
-from parallel_dcp.storage.staging import WriteLocation
+from parallel_dcp.storage.protocol import WriteLocation
 
 __all__ = ["SaveResult", "WorkerStats", "run_job", "save"]
 

@@ -28,16 +28,9 @@ from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, merge_metadata, partial_save
 from parallel_dcp.storage.location import Remote, locate, upload_memory
 from parallel_dcp.storage.manifest import FileDigest, Hasher, file_digest, manifest_bytes
-from parallel_dcp.storage.staging import (
-    DCP_LAYOUT,
-    MANIFEST_FILE,
-    METADATA_FILE,
-    Staging,
-    WriteLocation,
-    sharded_layout,
-    stage_directory,
-    stage_file,
-)
+from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
+from parallel_dcp.storage.protocol import Staging, WriteLocation
+from parallel_dcp.storage.staging import stage_directory, stage_file
 from parallel_dcp.storage.writers import MetadataPayloadWriter, ShardWriter
 
 AnyStaging = Staging  # kept for callers that imported the old union

@@ -26,7 +26,7 @@ import xxhash
 from parallel_dcp._version import __version__
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.location import Location, Remote, check_name, locate
-from parallel_dcp.storage.staging import MANIFEST_FILE, METADATA_FILE
+from parallel_dcp.storage.ownership import MANIFEST_FILE, METADATA_FILE
 
 __all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "manifest_bytes", "read_manifest"]
 

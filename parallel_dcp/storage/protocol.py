@@ -1,0 +1,79 @@
+"""The staging protocol every destination implements (see :mod:`parallel_dcp.storage.staging`)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from parallel_dcp.storage.location import Remote
+from parallel_dcp.storage.ownership import temp_name
+
+__all__ = [
+    "Staging",
+    "WriteLocation",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteLocation:
+    """Where workers write (plain data: it travels to workers and to the ranks of a distributed job).
+
+    ``root`` is the destination directory (or, for a single file, its parent). ``private``: files
+    with fixed names are written under a hidden temporary name and renamed at the commit.
+    """
+
+    root: Path | Remote
+    save_id: str
+    private: bool
+
+    def file(self, name: str) -> Path | Remote:
+        return self.root / (temp_name(name, self.save_id) if self.private else name)
+
+
+class Staging(ABC):
+    """One save's hold on its destination; see the module docstring for the protocol.
+
+    Raises (on creation, before any write):
+        CheckpointExistsError: a checkpoint is there and ``overwrite`` is False.
+        DestinationBusyError: another save holds the destination's lock (local destinations).
+        InvalidDestinationError: a file where a directory is wanted (or the reverse), a
+            non-empty directory that is not a checkpoint of this kind, a missing or unwritable
+            parent, an unreachable bucket.
+    """
+
+    destination: Path | Remote
+    location: WriteLocation
+    save_id: str
+
+    @property
+    def path(self) -> Path | Remote:
+        """The directory (or file) workers write into."""
+        return self.location.root
+
+    @abstractmethod
+    def check_space(self, nbytes: int) -> None:
+        """Fail before writing if the destination cannot hold ``nbytes`` more."""
+
+    @abstractmethod
+    def expect(self, names: Iterable[str]) -> None:
+        """Note the fixed names this save will create (for :meth:`discard` on object storage)."""
+
+    @abstractmethod
+    def commit(
+        self,
+        *,
+        staged: Sequence[str] = (),
+        marker: tuple[str, bytes] | None = None,
+        extras: Mapping[str, bytes] | None = None,
+    ) -> None:
+        """Publish ``staged`` files under their names, then ``marker`` (the commit), then ``extras``."""
+
+    @abstractmethod
+    def publish(self) -> None:
+        """After the commit: remove what the replaced checkpoint owned; release the destination."""
+
+    @abstractmethod
+    def discard(self) -> None:
+        """On failure: remove exactly what this save created; release the destination."""
