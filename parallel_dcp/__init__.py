@@ -17,6 +17,7 @@ from typing import Any, Literal, overload
 
 import torch
 
+from parallel_dcp import _compat
 from parallel_dcp._version import __version__ as __version__
 from parallel_dcp.errors import (
     CheckpointExistsError,
@@ -52,6 +53,8 @@ from parallel_dcp.jobs.verify import VerifyReport
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, extract_metadata, load_metadata, merge_metadata, partial_load, partial_save
 from parallel_dcp.storage.location import is_url
+
+_compat.check_torch()  # a torch or fsspec without a private name we use fails here, naming it
 
 __all__ = [
     "CheckpointExistsError",

@@ -1,8 +1,11 @@
-"""Guarded access to the torch internals that parallel_dcp relies on.
+"""Guarded access to the private torch and fsspec names that parallel_dcp relies on.
 
-The seed primitives use private DCP names. Importing them here, once, turns a torch upgrade that
-moves or renames one into a clear :class:`IncompatibleTorchError` naming the torch version,
-instead of an ``AttributeError`` from deep inside a worker.
+This is the only module that names them (``tests/test_architecture.py`` holds every other module
+to that). :func:`check_torch` looks every one of them up when ``parallel_dcp`` is imported, so a
+torch or fsspec upgrade that moves or renames one fails at once with a clear
+:class:`IncompatibleTorchError` naming it and the installed version, instead of an
+``AttributeError`` from deep inside a worker, or an ``UnsafeCheckpointError`` for a class the
+metadata allow-list no longer finds.
 """
 
 from __future__ import annotations
@@ -30,6 +33,30 @@ def _private(module: str, name: str) -> Any:
             f"parallel_dcp supports torch >= {MIN_TORCH} (tested on 2.13). "
             "Install a supported torch or report this torch version."
         ) from exc
+
+
+# The private classes and functions a DCP ``.metadata`` pickle refers to, beside public ones: the
+# metadata allow-list (storage/metadata.py) admits them by these names.
+METADATA_PRIVATE_NAMES: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({"_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+}
+
+
+def strip_protocol(fs: Any, url: str) -> str:
+    """The path an fsspec filesystem's calls take for ``url`` (``bucket/key`` for ``s3://...``)."""
+    stripped: str = type(fs)._strip_protocol(url)
+    return str(stripped)
+
+
+class NoExistingCheckpointProbe:
+    """Mixed into a ``FileSystemWriter`` that never commits (a shard writer): its probe for a
+    ``.metadata`` beside it, which only feeds an "overwriting" warning, always says there is none
+    (on object storage the live checkpoint's ``.metadata`` is there during an overwrite)."""
+
+    def _metadata_exists(self) -> bool:
+        return False
 
 
 def storage_prefix(prefix: str) -> Any:
@@ -80,8 +107,29 @@ def set_crc32(enabled: bool) -> None:
 
 @functools.cache
 def check_torch() -> None:
-    """Fail early, in the caller, if any required internal is missing."""
+    """Fail early, in the caller, if any private name this module uses is missing."""
     _private("torch.distributed.checkpoint.filesystem", "_StoragePrefix")
     _private("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner")
     _private("torch.distributed.checkpoint._nested_dict", "flatten_state_dict")
     _private("torch.distributed.checkpoint._nested_dict", "unflatten_state_dict")
+    _private("torch.distributed.checkpoint._traverse", "set_element")
+    for module, names in METADATA_PRIVATE_NAMES.items():
+        for name in names:
+            _private(module, name)
+    _private("torch.distributed.checkpoint.filesystem", "FileSystemWriter")
+    if not hasattr(_private("torch.distributed.checkpoint.filesystem", "FileSystemWriter"), "_metadata_exists"):
+        raise IncompatibleTorchError(
+            f"parallel_dcp needs FileSystemWriter._metadata_exists, which torch {torch.__version__} does not have"
+        )
+    _check_fsspec()
+
+
+def _check_fsspec() -> None:
+    import fsspec
+    from fsspec.spec import AbstractFileSystem
+
+    if not callable(getattr(AbstractFileSystem, "_strip_protocol", None)):
+        raise IncompatibleTorchError(
+            f"parallel_dcp needs fsspec's AbstractFileSystem._strip_protocol, which fsspec {fsspec.__version__} "
+            "does not have; install a supported fsspec (tested on 2026.9)"
+        )

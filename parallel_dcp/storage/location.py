@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
 
+from parallel_dcp import _compat
+
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
@@ -161,7 +163,7 @@ class Remote:
     @property
     def key(self) -> str:
         """The path inside the filesystem (``bucket/prefix``), as fsspec calls take it."""
-        return str(self.fs._strip_protocol(self.url)).rstrip("/")
+        return _compat.strip_protocol(self.fs, self.url).rstrip("/")
 
     @property
     def name(self) -> str:

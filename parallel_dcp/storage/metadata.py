@@ -50,15 +50,19 @@ _ALLOWED: dict[str, set[str]] = {
         "StorageMeta",
         "TensorProperties",
         "TensorStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
+        *_compat.METADATA_PRIVATE_NAMES["torch.distributed.checkpoint.metadata"],
     },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
+    "torch.distributed.checkpoint.filesystem": set(
+        _compat.METADATA_PRIVATE_NAMES["torch.distributed.checkpoint.filesystem"]
+    ),
+    "torch.serialization": set(_compat.METADATA_PRIVATE_NAMES["torch.serialization"]),
     "torch": {"Size"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset", "tuple", "list", "dict", "slice"},
 }
+for _module, _names in _compat.METADATA_PRIVATE_NAMES.items():  # torch's private ones, kept in _compat
+    _ALLOWED.setdefault(_module, set()).update(_names)
 
 
 class _SafeUnpickler(pickle.Unpickler):
@@ -241,7 +245,7 @@ class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
 
 
 def safe_empty_planner(trust_pickle: bool = False) -> DefaultLoadPlanner:
-    """DCP's ``_EmptyStateDictLoadPlanner`` (every key into an empty dict) with safe unpickling."""
+    """DCP's planner that loads every key into an empty dict, with safe unpickling."""
     base = type(_compat.empty_state_dict_load_planner())
     planner_type = type("SafeEmptyStateDictLoadPlanner", (_SafeBytes, base), {})
     planner: DefaultLoadPlanner = planner_type()

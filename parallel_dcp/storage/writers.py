@@ -15,6 +15,7 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from parallel_dcp import _compat
 from parallel_dcp.engine import progress
 from parallel_dcp.storage.location import Remote, RemoteFileSystem
 from parallel_dcp.storage.manifest import FileDigest, Hasher
@@ -111,7 +112,7 @@ class _RemoteRecording(_Recording, RemoteFileSystem):
     """Multipart uploads to object storage, recorded."""
 
 
-class ShardWriter(FileSystemWriter):
+class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
     """Writes one task's shard file; a failed write is re-raised as the OSError that caused it.
 
     torch's zip writer turns a failed ``write`` (ENOSPC, EFBIG, EIO) into ``RuntimeError:
@@ -140,11 +141,6 @@ class ShardWriter(FileSystemWriter):
         recording.start_recording(checksums)
         self._recording = recording
         self.fs = recording  # type: ignore[assignment]
-
-    def _metadata_exists(self) -> bool:
-        # A shard writer never commits: the .metadata beside it (the live checkpoint on object
-        # storage, during an overwrite) is the coordinator's business, not a reason to warn.
-        return False
 
     def original_error(self) -> OSError | None:
         return self._recording.error
