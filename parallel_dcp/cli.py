@@ -18,6 +18,7 @@ from typing import Any
 
 import parallel_dcp
 from parallel_dcp.engine.memory import format_bytes, parse_size
+from parallel_dcp.formats import FORMATS
 from parallel_dcp.jobs.inspect import describe
 from parallel_dcp.jobs.pipeline import SaveResult
 
@@ -116,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("paths", nargs="+", metavar="SRC... DST", help="one or more sources, then the destination")
     convert.add_argument(
         "--to",
-        choices=["dcp", "safetensors", "torch"],
+        choices=FORMATS,
         help="output format; default: from DST's name: *.safetensors is one safetensors file, *.pt/*.pth/*.bin "
         "one torch.save file, anything else a DCP directory; with --to safetensors|torch a DST without those "
         "suffixes is a sharded directory (shards plus index JSON)",

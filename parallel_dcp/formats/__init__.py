@@ -13,17 +13,28 @@ are then read by byte ranges; torch.save files are first copied to a local tempo
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
-from parallel_dcp.formats.base import Entry, Source
+from parallel_dcp.formats import safetensors_format, torch_format
+from parallel_dcp.formats.base import Entry, FileFormat, Source
 from parallel_dcp.formats.dcp_format import DcpSource, is_dcp
 from parallel_dcp.formats.safetensors_format import SafetensorsSource, is_safetensors
 from parallel_dcp.formats.torch_format import TorchSource, is_torch_save
-from parallel_dcp.storage.location import listdir, locate
+from parallel_dcp.storage.location import Location, listdir, locate
 
-__all__ = ["FORMATS", "Entry", "Source", "detect_format", "open_source"]
+__all__ = ["FILE_FORMATS", "FORMATS", "Entry", "FileFormat", "Source", "detect_format", "open_source"]
 
-FORMATS = ("dcp", "safetensors", "torch")
+# The registry. Reading: each format's detector and source, tried in this order.
+_READERS: tuple[tuple[str, Callable[[Location], bool], type[Source]], ...] = (
+    ("dcp", is_dcp, DcpSource),
+    ("safetensors", is_safetensors, SafetensorsSource),
+    ("torch", is_torch_save, TorchSource),
+)
+# Writing: DCP is written by the pipeline's DCP target (parts and one commit); file formats are
+# written a file at a time, as a single file or a sharded directory.
+FILE_FORMATS: dict[str, FileFormat] = {f.kind: f for f in (safetensors_format.FORMAT, torch_format.FORMAT)}
+FORMATS = tuple(kind for kind, _, _ in _READERS)
 
 
 def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> str:
@@ -37,12 +48,9 @@ def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] 
     path = os.fspath(where)
     if not where.exists():
         raise FileNotFoundError(f"no such file or directory: {path}")
-    if is_dcp(where):
-        return "dcp"
-    if is_safetensors(where):
-        return "safetensors"
-    if is_torch_save(where):
-        return "torch"
+    for kind, detect, _ in _READERS:
+        if detect(where):
+            return kind
     if any(n.endswith(".distcp") for n in listdir(where)):
         raise ValueError(f"{path} has DCP shards but no .metadata: it is not a committed checkpoint")
     raise ValueError(
@@ -62,8 +70,5 @@ def open_source(
     """
     path = os.fspath(locate(path, storage_options))
     kind = detect_format(path, storage_options)
-    if kind == "dcp":
-        return DcpSource(path, storage_options=storage_options, trust_pickle=trust_pickle)
-    if kind == "safetensors":
-        return SafetensorsSource(path, storage_options=storage_options)
-    return TorchSource(path, storage_options=storage_options, trust_pickle=trust_pickle)
+    source_type = next(source for name, _, source in _READERS if name == kind)
+    return source_type(path, storage_options=storage_options, trust_pickle=trust_pickle)

@@ -1,4 +1,5 @@
-"""What every format offers the pipeline: list tensors without reading data, read a key subset.
+"""What every format offers the pipeline: list tensors without reading data, read a key subset;
+and, for file-based formats, how to write one (:class:`FileFormat`).
 
 A :class:`Source` is opened once in the coordinator (which lists it, reading headers only) and
 read from in forked workers. Anything a worker opens (an mmap, a file handle) is opened lazily in
@@ -7,20 +8,22 @@ that worker and never shared, so a source is safe to fork before its first :meth
 
 from __future__ import annotations
 
+import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallel_dcp.storage.location import Location, Remote, locate
+from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.storage.location import Location, Remote, check_name, listdir, locate
 
 if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
 
-__all__ = ["Entry", "Source", "entry_of"]
+__all__ = ["Entry", "FileFormat", "Source", "entry_of", "index_json", "index_names", "shard_files"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,8 @@ class Source(ABC):
             output keeps the source's nesting; empty for flat formats.
         files: the files the source consists of (for inspect and fingerprints): paths, or URLs
             for a source on object storage.
+        trust_pickle: unpickle values that need more than ``weights_only=True`` (runs their code;
+            formats that pickle nothing ignore it).
         storage_options: fsspec options for a source at a URL (see :mod:`parallel_dcp.storage.location`).
     """
 
@@ -71,6 +76,7 @@ class Source(ABC):
     mapping: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
     storage_options: dict[str, Any] | None = None
+    trust_pickle: bool = False
 
     @property
     def location(self) -> Location:
@@ -148,3 +154,65 @@ class Source(ABC):
 
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
+
+
+@dataclass(frozen=True, slots=True)
+class FileFormat:
+    """How a file-based format writes: what the pipeline needs to produce a single file or a
+    sharded Hugging Face style directory of it (registered in :mod:`parallel_dcp.formats`).
+
+    Attributes:
+        kind: the name users give it (``--to``).
+        suffixes: a destination ending in one of these is a single file of this format.
+        index_name: the index JSON of a sharded directory (``weight_map``, ``total_size``).
+        shard_names: the file names of ``n`` shards (one shard: the format's single-file name).
+        write: writes a flat dict of tensors (and, for formats that keep nesting, values nested
+            again by the mapping) to a path or a write stream.
+        tensors_only: the format holds tensors only (no ints, strings, ...).
+    """
+
+    kind: str
+    suffixes: tuple[str, ...]
+    index_name: str
+    shard_names: Callable[[int], list[str]]
+    write: Callable[[dict[str, Any], Any, dict[str, tuple[Any, ...]] | None], None]
+    tensors_only: bool = False
+
+
+def index_json(weight_map: dict[str, str], total_size: int) -> str:
+    """A sharded directory's index, as Hugging Face writes it."""
+    return json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n"
+
+
+def index_names(index: Location) -> list[str]:
+    """The shard names an index's ``weight_map`` lists, each a plain name inside its directory.
+
+    Raises:
+        CorruptCheckpointError: the index is not readable, or names a file outside its directory.
+    """
+    try:
+        names = list(dict.fromkeys(json.loads(index.read_bytes())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{index} is not a readable index: {type(exc).__name__}: {exc}") from exc
+    return [check_name(n, index) for n in names]
+
+
+def shard_files(path: Location, index_name: str, suffix: str | None = None) -> list[str]:
+    """The files of a single-file source, or of a sharded directory: the ones its index names,
+    or (``suffix`` given, no index) every file with that suffix.
+
+    Raises:
+        FileNotFoundError: the index names a shard that does not exist.
+        CorruptCheckpointError: the index is unreadable or names a file outside the directory.
+    """
+    if not path.is_dir():
+        return [os.fspath(path)]
+    listing = listdir(path)
+    if index_name in listing or suffix is None:
+        names = index_names(path / index_name)
+    else:
+        names = sorted(n for n in listing if n.endswith(suffix))
+    missing = [n for n in names if n not in listing]
+    if missing:
+        raise FileNotFoundError(f"{path}: the index names shards that do not exist: {', '.join(missing)}")
+    return [os.fspath(path / n) for n in names]

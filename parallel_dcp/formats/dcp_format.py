@@ -102,7 +102,6 @@ class DcpSource(Source):
     and sizes checked; values are unpickled safely, and only when asked for."""
 
     metadata: Metadata | None = None
-    trust_pickle: bool = False
 
     def __post_init__(self) -> None:
         self.kind = "dcp"

@@ -21,15 +21,16 @@ from safetensors.torch import save_file
 
 from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.formats.base import Entry, Source
+from parallel_dcp.formats.base import Entry, FileFormat, Source, shard_files
 from parallel_dcp.storage.location import MIN_PART_BYTES, Location, Remote, listdir, new_file_mode
 
 __all__ = [
+    "FORMAT",
     "INDEX_NAME",
     "SafetensorsSource",
-    "index_json",
     "is_safetensors",
     "shard_names",
+    "write",
     "write_shard",
     "write_stream",
 ]
@@ -63,22 +64,6 @@ def is_safetensors(path: Location) -> bool:
     return path.name.endswith(_SUFFIX)
 
 
-def _shard_files(path: Location) -> list[str]:
-    if not path.is_dir():
-        return [os.fspath(path)]
-    listing = listdir(path)
-    if INDEX_NAME in listing:
-        from parallel_dcp.formats.torch_format import _index_names
-
-        names = _index_names(path / INDEX_NAME)
-    else:
-        names = sorted(n for n in listing if n.endswith(_SUFFIX))
-    missing = [n for n in names if n not in listing]
-    if missing:
-        raise FileNotFoundError(f"{path}: the index names shards that do not exist: {', '.join(missing)}")
-    return [os.fspath(path / n) for n in names]
-
-
 def _remote_header(remote: Remote) -> tuple[int, dict[str, Any]]:
     """Where the data starts, and the JSON header: two ranged reads, no tensor bytes."""
     head = remote.read_bytes(0, 8)
@@ -107,7 +92,7 @@ class SafetensorsSource(Source):
 
     def __post_init__(self) -> None:
         self.kind = "safetensors"
-        self.files = _shard_files(self.location)
+        self.files = shard_files(self.location, INDEX_NAME, _SUFFIX)
         if isinstance(self.location, Remote):
             self._list_remote(self.location)
             return
@@ -296,5 +281,20 @@ def write_stream(tensors: dict[str, torch.Tensor], stream: Any) -> None:
             stream.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
-def index_json(weight_map: dict[str, str], total_size: int) -> str:
-    return json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n"
+def write(tensors: dict[str, Any], where: Any, mapping: dict[str, tuple[Any, ...]] | None = None) -> None:
+    """Write one safetensors file to a path (``save_file``) or a write stream; a flat format, so
+    ``mapping`` (nesting) does not apply."""
+    if isinstance(where, str):
+        write_shard(tensors, where)
+    else:
+        write_stream(tensors, where)
+
+
+FORMAT = FileFormat(
+    kind="safetensors",
+    suffixes=(_SUFFIX,),
+    index_name=INDEX_NAME,
+    shard_names=shard_names,
+    write=write,
+    tensors_only=True,
+)

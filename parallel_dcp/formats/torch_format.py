@@ -14,7 +14,6 @@ keys. Two kinds of file need the caller's say-so, never silent handling:
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import tempfile
@@ -30,12 +29,12 @@ import torch
 from parallel_dcp import _compat
 from parallel_dcp.engine.chunks import Chunk, exact_storage
 from parallel_dcp.errors import CorruptCheckpointError, InsufficientSpaceError, UnsafeCheckpointError
-from parallel_dcp.formats.base import Source, entry_of
+from parallel_dcp.formats.base import FileFormat, Source, entry_of, shard_files
 from parallel_dcp.formats.validate import flatten_checked
 from parallel_dcp.storage.local_staging import free_bytes
-from parallel_dcp.storage.location import Location, Remote, check_name, listdir
+from parallel_dcp.storage.location import Location, Remote
 
-__all__ = ["INDEX_NAME", "SUFFIXES", "TorchSource", "index_json", "is_torch_save", "shard_names", "write_file"]
+__all__ = ["FORMAT", "INDEX_NAME", "SUFFIXES", "TorchSource", "is_torch_save", "shard_names", "write_file"]
 
 INDEX_NAME = "pytorch_model.bin.index.json"
 SUFFIXES = (".pt", ".pth", ".bin")
@@ -45,26 +44,6 @@ def is_torch_save(path: Location) -> bool:
     if path.is_dir():
         return (path / INDEX_NAME).is_file()
     return path.name.endswith(SUFFIXES)
-
-
-def _shard_files(path: Location) -> list[str]:
-    if not path.is_dir():
-        return [os.fspath(path)]
-    names = _index_names(path / INDEX_NAME)
-    present = listdir(path)
-    missing = [n for n in names if n not in present]
-    if missing:
-        raise FileNotFoundError(f"{path}: the index names shards that do not exist: {', '.join(missing)}")
-    return [os.fspath(path / n) for n in names]
-
-
-def _index_names(index: Location) -> list[str]:
-    """The shard names an index's ``weight_map`` lists, each a plain name inside its directory."""
-    try:
-        names = list(dict.fromkeys(json.loads(index.read_bytes())["weight_map"].values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"{index} is not a readable index: {type(exc).__name__}: {exc}") from exc
-    return [check_name(n, index) for n in names]
 
 
 def _spool(files: list[str], options: dict[str, Any] | None) -> tuple[str, dict[str, str]]:
@@ -145,14 +124,13 @@ def _first_line_after(message: str) -> str:
 class TorchSource(Source):
     """A torch.save file or a directory of shards with ``pytorch_model.bin.index.json``."""
 
-    trust_pickle: bool = False
     _loaded: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
     _legacy: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
     _cleanup: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.kind = "torch"
-        self.files = _shard_files(self.location)
+        self.files = shard_files(self.location, INDEX_NAME)
         if self.trust_pickle:
             warnings.warn(
                 f"{self.path}: trust_pickle=True runs the file's pickle code (weights_only=False)", stacklevel=3
@@ -224,5 +202,4 @@ def write_file(
     torch.save(obj, path)
 
 
-def index_json(weight_map: dict[str, str], total_size: int) -> str:
-    return json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n"
+FORMAT = FileFormat(kind="torch", suffixes=SUFFIXES, index_name=INDEX_NAME, shard_names=shard_names, write=write_file)

@@ -166,7 +166,7 @@ def _convert_job(
     source.load_values(k for k in selected if k not in source.entries)
     if rename is not None:
         source, selected = rename_source(source, selected, rename)
-    if target.kind == "safetensors":
+    if target.tensors_only:
         others = [k for k in selected if k not in source.entries]
         if others:
             raise ValueError(

@@ -200,7 +200,7 @@ def plan_job(job: Job, target: Target, options: Options, governor: MemoryGoverno
     if isinstance(target.path, Remote) or isinstance(job.source.location, Remote):
         governor.worker_extra = CLIENT_MEMORY
     threshold = 0
-    if target.kind == "dcp":  # only DCP can hold one tensor as several chunks
+    if target.splits_tensors:  # only DCP can hold one tensor as several chunks
         io = target.io_memory(sum(job.out_bytes(k) for k in job.keys))
         # A split may give every worker work, however few the keys; under a tight limit, as many
         # workers as leave each task room for a chunk.

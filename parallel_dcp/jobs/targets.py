@@ -21,8 +21,8 @@ from parallel_dcp.engine.chunks import Chunk, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import gc_paused
-from parallel_dcp.formats import safetensors_format, torch_format
-from parallel_dcp.formats.base import Source
+from parallel_dcp.formats import FILE_FORMATS, FORMATS
+from parallel_dcp.formats.base import FileFormat, Source, index_json
 from parallel_dcp.formats.dcp_format import ChunkSavePlanner
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, merge_metadata, partial_save
@@ -135,8 +135,13 @@ class Job:
 
 
 class Target(ABC):
+    """An output: ``kind`` is its format's name; ``tensors_only`` when the format holds tensors
+    only; ``splits_tensors`` when one tensor may be written as several chunks (DCP)."""
+
     kind: str
     path: Path | Remote
+    tensors_only = False
+    splits_tensors = False
 
     @abstractmethod
     def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
@@ -193,6 +198,7 @@ class DcpTarget(Target):
     """A stock DCP checkpoint directory: one ``__<task>_0.distcp`` per task, then ``.metadata``."""
 
     kind = "dcp"
+    splits_tensors = True
 
     def __init__(self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
         self.path = _where(path, storage_options)
@@ -245,9 +251,6 @@ class DcpTarget(Target):
         return len(digests)  # the shards and .metadata, as inspect lists them
 
 
-_WRITERS = {"safetensors": safetensors_format.write_shard, "torch": torch_format.write_file}
-
-
 class ShardedTarget(Target):
     """A Hugging Face style directory: shards of at most ``shard_size`` bytes plus the index JSON.
 
@@ -263,12 +266,13 @@ class ShardedTarget(Target):
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.path = _where(path, storage_options)
+        self.format = FILE_FORMATS[kind]
         self.kind = kind
+        self.tensors_only = self.format.tensors_only
         self.shard_size = shard_size
-        module = safetensors_format if kind == "safetensors" else torch_format
-        self._index_name = module.INDEX_NAME
-        self._shard_names = module.shard_names
-        single = module.shard_names(1)[0]
+        self._index_name = self.format.index_name
+        self._shard_names = self.format.shard_names
+        single = self.format.shard_names(1)[0]
         self._count = 1
         self._layout = sharded_layout(kind, self._index_name, single)
 
@@ -311,8 +315,8 @@ class ShardedTarget(Target):
         name = self._shard_names(self._count)[task.index]
         where = staging.file(name)  # a hidden temporary name until the commit renames it (local)
         if isinstance(where, Remote):
-            return {name: _write_remote(where, self.kind, data, task.nbytes, options)}
-        _WRITERS[self.kind](data, str(where))
+            return {name: _write_remote(where, self.format, data, task.nbytes, options)}
+        self.format.write(data, str(where), None)
         return {name: _finish_file(where, options)}
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
@@ -323,7 +327,7 @@ class ShardedTarget(Target):
         if len(tasks) > 1:
             names = self._shard_names(len(tasks))
             weight_map = {key: names[task.index] for task in tasks for key in task.keys}
-            index = safetensors_format.index_json(weight_map, sum(job.out_bytes(k) for k in job.keys)).encode()
+            index = index_json(weight_map, sum(job.out_bytes(k) for k in job.keys)).encode()
         if index:
             digests[self._index_name] = _digest_of(index, options)
         manifest = manifest_bytes(digests, job.source.fingerprint(), save_id=staging.save_id)
@@ -343,7 +347,9 @@ class FileTarget(Target):
 
     def __init__(self, path: str | os.PathLike[str], kind: str, storage_options: dict[str, Any] | None = None) -> None:
         self.path = _where(path, storage_options)
+        self.format = FILE_FORMATS[kind]
         self.kind = kind
+        self.tensors_only = self.format.tensors_only
 
     def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
         return stage_file(self.path, overwrite=overwrite, protect=protect or [])
@@ -355,14 +361,12 @@ class FileTarget(Target):
         return [Task(index=0, keys=job.keys, nbytes=nbytes, memory=memory)]
 
     def write(self, job: Job, task: Task, data: dict[str, Any], staging: WriteLocation, options: Options) -> Any:
-        mapping = {key: job.source.mapping.get(key, (key,)) for key in task.keys} if self.kind == "torch" else None
+        # A format that keeps nesting (torch.save) writes the source's; flat ones ignore it.
+        mapping = {key: job.source.mapping.get(key, (key,)) for key in task.keys}
         where = staging.file(self.path.name)  # beside the destination, under a hidden name (local)
         if isinstance(where, Remote):
-            return _write_remote(where, self.kind, data, task.nbytes, options, mapping)
-        if self.kind == "torch":
-            torch_format.write_file(data, str(where), mapping)
-        else:
-            safetensors_format.write_shard(data, str(where))
+            return _write_remote(where, self.format, data, task.nbytes, options, mapping)
+        self.format.write(data, str(where), mapping)
         return _finish_file(where, options)
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
@@ -388,19 +392,16 @@ class _Hashing:
 
 def _write_remote(
     remote: Remote,
-    kind: str,
+    file_format: FileFormat,
     data: dict[str, Any],
     nbytes: int,
     options: Options,
     mapping: dict[str, tuple[Any, ...]] | None = None,
 ) -> FileDigest:
-    """Stream one safetensors or torch.save file to object storage; its digest."""
+    """Stream one file of ``file_format`` to object storage; its digest."""
     hasher = Hasher(checksum=options.checksums)
     with remote.open_write(nbytes) as stream:
-        if kind == "torch":
-            torch_format.write_file(data, _Hashing(stream, hasher), mapping)  # type: ignore[arg-type]
-        else:
-            safetensors_format.write_stream(data, _Hashing(stream, hasher))
+        file_format.write(data, _Hashing(stream, hasher), mapping)
     return hasher.result()
 
 
@@ -431,13 +432,11 @@ def target_for(
         ValueError: an unknown ``to``, or a suffix that contradicts it.
     """
     name = os.fspath(path)
-    by_suffix = (
-        "safetensors" if name.endswith(".safetensors") else "torch" if name.endswith(torch_format.SUFFIXES) else None
-    )
+    by_suffix = next((kind for kind, f in FILE_FORMATS.items() if name.endswith(f.suffixes)), None)
     if to is None:
         to = by_suffix or "dcp"
-    if to not in ("dcp", "safetensors", "torch"):
-        raise ValueError(f"unknown output format {to!r}: use dcp, safetensors or torch")
+    if to not in FORMATS:
+        raise ValueError(f"unknown output format {to!r}: use {', '.join(FORMATS)}")
     if by_suffix is not None and by_suffix != to:
         raise ValueError(f"{name} names a {by_suffix} file but the output format is {to}")
     if to == "dcp":
