@@ -64,6 +64,17 @@ def storage_prefix(prefix: str) -> Any:
     return _private("torch.distributed.checkpoint.filesystem", "_StoragePrefix")(prefix)
 
 
+def storage_info_class() -> Any:
+    """DCP's ``_StorageInfo``: where one record of a shard lies, as ``FileSystemWriter`` records it
+    (``cls(relative_path, offset, length)``). Look it up once per job, not once per key."""
+    return _private("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+
+
+def storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """One ``_StorageInfo`` (see :func:`storage_info_class`)."""
+    return storage_info_class()(relative_path, offset, length)
+
+
 def empty_state_dict_load_planner() -> Any:
     """The planner that loads every key of a metadata into an empty dict."""
     return _private("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner")()
@@ -109,6 +120,7 @@ def set_crc32(enabled: bool) -> None:
 def check_torch() -> None:
     """Fail early, in the caller, if any private name this module uses is missing."""
     _private("torch.distributed.checkpoint.filesystem", "_StoragePrefix")
+    _private("torch.distributed.checkpoint.filesystem", "_StorageInfo")
     _private("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner")
     _private("torch.distributed.checkpoint._nested_dict", "flatten_state_dict")
     _private("torch.distributed.checkpoint._nested_dict", "unflatten_state_dict")

@@ -212,6 +212,7 @@ def _result_dict(result: SaveResult) -> dict[str, Any]:
         "gib_per_s": round(result.gib_per_s, 4),
         "memory_limit": result.memory_limit,
         "peak_memory": result.peak_memory,
+        "phases": {name: round(seconds, 4) for name, seconds in result.phases.items()},
     }
 
 

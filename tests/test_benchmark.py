@@ -61,8 +61,14 @@ def _strict_json(text: str) -> Any:
 
 
 def _bench(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run(
-        [sys.executable, "-m", "parallel_dcp", "bench", *args], cwd=cwd, capture_output=True, text=True, timeout=240
+        [sys.executable, "-m", "parallel_dcp", "bench", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,  # this checkout's parallel_dcp, wherever the test runs from
     )
 
 
@@ -274,3 +280,42 @@ def test_nvrx_peer_writes_a_stock_loadable_checkpoint(tmp_path: Path) -> None:
     back = {k: torch.empty_like(v) for k, v in state_dict.items()}
     dcp_load(back, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     assert all(torch.equal(back[k], state_dict[k]) for k in state_dict)
+
+
+def test_scaling_suite_projects_from_its_own_measurements(tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.mkdir()
+    json_path = tmp_path / "bench.json"
+    run = _bench([*TINY, "--suite", "scaling", "--targets", str(target), "--json", str(json_path)], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("PROJECTION (a model fed with this run's measurements, not a measurement)") == 2
+    scenarios = {s["key"]: s for s in _strict_json(json_path.read_text())["scenarios"]}
+    assert {s["suite"] for s in scenarios.values()} == {"scaling:llm", "scaling:small"}
+    for scenario in scenarios.values():
+        projection = scenario["projection"]
+        rows = {row["workers"]: row for row in projection["rows"]}
+        assert {1, 2, 8, 16, 32, 64, 128} <= rows.keys()
+        assert rows[1]["measured_seconds"] > 0 and rows[2]["measured_seconds"] > 0
+        assert rows[16]["measured_seconds"] is None  # projected only, never shown as measured
+        assert projection["serial_seconds"] >= 0 and projection["parallel_worker_seconds"] > 0
+        assert set(projection["phases"]["1"]) == {"plan", "fork", "write", "merge", "commit"}
+    assert list(target.iterdir()) == []
+
+
+def test_projection_model_arithmetic() -> None:
+    from parallel_dcp.benchmark.scaling import Samples, project, projection_lines
+
+    phases = {"plan": 0.1, "fork": 0.0, "write": 0.8, "merge": 0.05, "commit": 0.05}
+    samples = Samples(runs={1: [(1.0, 0.8, 2**30, phases)] * 3, 2: [(0.7, 0.9, 2**30, phases)] * 3})
+    plain = Measured(case=Case(name="plain write x2", family="plain write", procs=2, run=lambda out: None))
+    plain.walls = [0.25]
+    projection = project(samples, [plain], warmup=1, keys=1000)
+    assert projection["serial_seconds"] == pytest.approx(0.2)  # T(1) - P(1)
+    assert projection["serial_us_per_key"] == pytest.approx(200.0)
+    rows = {row["workers"]: row for row in projection["rows"]}
+    assert rows[2]["projected_seconds"] == pytest.approx(0.2 + 0.8 / 2)
+    assert rows[16]["projected_speedup"] == pytest.approx(1.0 / (0.2 + 0.8 / 16))
+    assert rows[16]["projected_capped_speedup"] == pytest.approx(1.0 / (0.2 + 0.25))  # storage-bound
+    assert rows[2]["measured_speedup"] == pytest.approx(1.0 / 0.7) and rows[16]["measured_speedup"] is None
+    lines = projection_lines(projection)
+    assert "not a measurement" in lines[0] and any("S = 0.200 s serial" in line for line in lines)

@@ -36,6 +36,9 @@ def test_convert_inspect_verify_as_a_user_runs_them(tmp_path: Path, model: dict[
     out = cli("convert", tmp_path / "model.safetensors", tmp_path / "dcp", "--workers", "2", "--json").stdout
     summary = json.loads(out)
     assert summary[0]["format"] == "dcp" and summary[0]["keys"] == len(model) and summary[0]["bytes"] > 0
+    phases = summary[0]["phases"]
+    assert set(phases) == {"plan", "fork", "write", "merge", "commit"} and min(phases.values()) >= 0
+    assert phases["write"] > 0 and sum(phases.values()) <= summary[0]["seconds"] + 0.01
 
     info = json.loads(cli("inspect", tmp_path / "dcp", "--json").stdout)
     assert info["format"] == "dcp" and info["committed"] and info["manifest"]

@@ -182,15 +182,15 @@ def test_a_file_that_appears_at_a_single_file_destination_is_never_replaced(
 ) -> None:
     src = tmp_path / "src"
     parallel_dcp.save({"w": torch.ones(4)}, src)
-    from parallel_dcp.formats import torch_format
+    import dataclasses
 
-    write = torch_format.write_file
+    from parallel_dcp.formats import FILE_FORMATS, torch_format
 
     def another_writer_first(tensors: Any, path: Any, mapping: Any = None) -> None:
         (tmp_path / "x.pt").write_bytes(b"theirs")  # in the worker, while this save writes
-        write(tensors, path, mapping)
+        torch_format.write_file(tensors, path, mapping)
 
-    monkeypatch.setattr(torch_format, "write_file", another_writer_first)
+    monkeypatch.setitem(FILE_FORMATS, "torch", dataclasses.replace(torch_format.FORMAT, write=another_writer_first))
     with pytest.raises(CheckpointExistsError, match="appeared"):
         parallel_dcp.convert(src, tmp_path / "x.pt", workers=1)
     assert (tmp_path / "x.pt").read_bytes() == b"theirs"

@@ -18,6 +18,7 @@ import parallel_dcp
 from parallel_dcp.benchmark import peers
 from parallel_dcp.benchmark.config import BenchConfig
 from parallel_dcp.benchmark.results import Scenario, row_figures, summary
+from parallel_dcp.benchmark.scaling import projection_lines
 from parallel_dcp.options import usable_cores
 
 __all__ = ["NOTES", "document", "machine_info", "scenario_lines", "write_json"]
@@ -106,6 +107,8 @@ def scenario_lines(scenario: Scenario) -> list[str]:
     s = summary(scenario, rows)
     lines += _convert_summary_lines(s) if scenario.suite == "convert" else _save_summary_lines(scenario, s)
     lines += [f"note: {note}" for note in scenario.notes]
+    if scenario.suite.startswith("scaling"):
+        lines += projection_lines(scenario.projection)
     return lines
 
 
@@ -166,6 +169,7 @@ def document(config: BenchConfig, scenarios: list[Scenario], ok: bool) -> dict[s
                 "rows": rows,
                 "summary": summary(scenario, rows),
                 "notes": scenario.notes,
+                **({"projection": scenario.projection} if scenario.projection else {}),
             }
         )
     options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

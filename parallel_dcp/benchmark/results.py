@@ -35,6 +35,8 @@ class Scenario:
     workers: list[int]
     measured: list[Measured] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # The scaling suite's model inputs and projection (parallel_dcp.benchmark.scaling.project).
+    projection: dict[str, Any] = field(default_factory=dict)
 
     @property
     def key(self) -> str:

@@ -23,6 +23,7 @@ from parallel_dcp.benchmark.config import BenchConfig, Target
 from parallel_dcp.benchmark.conversion import build_sources, convert_cases, convert_memory_limit
 from parallel_dcp.benchmark.measure import Case, run_interleaved
 from parallel_dcp.benchmark.results import Scenario
+from parallel_dcp.benchmark.scaling import Samples, project, scaling_cases
 from parallel_dcp.benchmark.writers import CRC_NOTE, flat_tensors, limit_cases, save_cases, unsplit_case
 from parallel_dcp.engine.memory import format_bytes
 from parallel_dcp.synthetic import llm_like, lopsided, many_small, tensor_bytes
@@ -31,7 +32,9 @@ __all__ = ["run_all"]
 
 # What a scenario keeps on its target at once, in state-dict sizes: one output (save); the two
 # sources and one output (convert). Plus slack for metadata and zip headers.
-_SPACE_FACTOR = {"save": 1.2, "small": 1.5, "convert": 3.3, "lopsided": 1.2}
+_SPACE_FACTOR = {"save": 1.2, "small": 1.5, "convert": 3.3, "lopsided": 1.2, "scaling:llm": 1.2, "scaling:small": 1.5}
+# The scaling suite projects both shapes of state dict: a few large tensors, many small ones.
+_SCALING = ("scaling:llm", "scaling:small")
 
 
 class StateDicts:
@@ -42,6 +45,7 @@ class StateDicts:
         self._built: dict[str, Any] = {}
 
     def get(self, suite: str) -> Any:
+        suite = {"scaling:small": "small"}.get(suite, suite)
         kind = suite if suite in ("small", "lopsided") else "llm"
         if kind not in self._built:
             build = {"small": lambda: many_small(self._config.small), "lopsided": lambda: lopsided(self._config.gib)}
@@ -49,6 +53,7 @@ class StateDicts:
         return self._built[kind]
 
     def describe(self, suite: str) -> str:
+        suite = {"scaling:small": "small", "scaling:llm": "save"}.get(suite, suite)
         sd = self.get(suite)
         size = format_bytes(tensor_bytes(sd))
         if suite == "small":
@@ -69,16 +74,22 @@ def _check_space(target: Target, suite: str, nbytes: int) -> None:
         )
 
 
-def _cases(suite: str, sd: Any, root: str, sync: bool, config: BenchConfig) -> tuple[list[Case], list[str]]:
+def _cases(
+    suite: str, sd: Any, root: str, sync: bool, config: BenchConfig
+) -> tuple[list[Case], list[str], Samples | None]:
     workers = list(config.workers)
     tensors = flat_tensors(sd)
+    if suite in _SCALING:
+        cases, samples = scaling_cases(sd, sorted({1, *workers}), sync)
+        notes = ["forked workers at every count (executor='processes'); see the projection's model below"]
+        return cases + limit_cases(list(tensors.values()), sorted({1, *workers}), sync), notes, samples
     if suite == "lopsided":  # chunking on (the default) against whole keys as the unit of work
         cases = save_cases(sd, workers, sync, [], with_files=False)
         cases.insert(len(workers), unsplit_case(sd, max(workers), sync))
-        return cases, [CRC_NOTE, "unsplit: chunk_size larger than any tensor, so the big one is one task"]
+        return cases, [CRC_NOTE, "unsplit: chunk_size larger than any tensor, so the big one is one task"], None
     if suite != "convert":
         found = peers.peer_cases(sd, workers, sync) if config.peers else []
-        return save_cases(sd, workers, sync, found, with_files=config.peers), [CRC_NOTE]
+        return save_cases(sd, workers, sync, found, with_files=config.peers), [CRC_NOTE], None
     nbytes = tensor_bytes(sd)
     sources = build_sources(sd, root, nbytes)
     largest = max(t.nbytes for t in tensors.values())
@@ -87,7 +98,8 @@ def _cases(suite: str, sd: Any, root: str, sync: bool, config: BenchConfig) -> t
         f"our conversions ran with memory_limit={format_bytes(limit)} ({limit / nbytes:.0%} of the state dict)",
         "the sources were written just before the timed rounds, so they are read from the page cache",
     ]
-    return convert_cases(sources, workers, sync, limit) + limit_cases(list(tensors.values()), workers, sync), notes
+    cases = convert_cases(sources, workers, sync, limit) + limit_cases(list(tensors.values()), workers, sync)
+    return cases, notes, None
 
 
 def _scenario(suite: str, target: Target, sync: bool, dicts: StateDicts, config: BenchConfig) -> Scenario:
@@ -109,9 +121,11 @@ def _scenario(suite: str, target: Target, sync: bool, dicts: StateDicts, config:
     _say(f"bench: {scenario.key}: {scenario.state_dict}")
     root = tempfile.mkdtemp(prefix="pdcp-bench-", dir=target.directory)
     try:
-        cases, scenario.notes = _cases(suite, sd, root, sync, config)
+        cases, scenario.notes, samples = _cases(suite, sd, root, sync, config)
         progress = _say if config.verbose else None
         scenario.measured = run_interleaved(cases, config.reps, config.warmup, root, progress)
+        if samples is not None:
+            scenario.projection = project(samples, scenario.measured, config.warmup, scenario.tensors)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return scenario
@@ -126,7 +140,7 @@ def run_all(config: BenchConfig, on_scenario: Callable[[Scenario], None] | None 
     dicts = StateDicts(config)
     scenarios = []
     try:
-        for suite in config.suites:
+        for suite in (kind for name in config.suites for kind in (_SCALING if name == "scaling" else (name,))):
             for target in config.targets:
                 for sync in config.syncs:
                     scenario = _scenario(suite, target, sync, dicts, config)

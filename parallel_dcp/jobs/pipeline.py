@@ -91,6 +91,11 @@ class SaveResult:
     keys: int = 0
     format: str = "dcp"
     executor: str = "processes"
+    # Seconds of each phase of the job, in the coordinator's wall time: ``plan`` (open and
+    # flatten the source, split and partition, create the staging path), ``fork`` (start the
+    # workers), ``write`` (until the last task's result is back), ``merge`` (join the tasks'
+    # metadata) and ``commit`` (write .metadata and the manifest, publish).
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def gib_per_s(self) -> float:
@@ -148,16 +153,25 @@ def run_job(
     job, tasks, workers = plan.job, plan.tasks, plan.workers
     with terminate_as_interrupt():
         staging = target.stage(options.overwrite, protect=list(job.source.files))
+        phases: dict[str, float] = {}
         try:
             staging.expect(target.output_names(tasks))
             staging.check_space(needed_space(job))
-            results = run_tasks(job, target, tasks, staging.location, options, governor, min(workers, len(tasks)))
+            phases["plan"] = time.perf_counter() - start
+            began = time.perf_counter()
+            results = run_tasks(
+                job, target, tasks, staging.location, options, governor, min(workers, len(tasks)), phases=phases
+            )
+            phases["write"] = time.perf_counter() - began - phases.get("fork", 0.0)
+            began = time.perf_counter()
             files = target.commit(job, tasks, [r.value for r in results], staging, options)
             staging.publish()
+            phases["merge"] = target.merge_seconds
+            phases["commit"] = time.perf_counter() - began - target.merge_seconds
         except BaseException:
             staging.discard()
             raise
-    return result_of(target, job, tasks, workers, results, files, governor, options, start)
+    return result_of(target, job, tasks, workers, results, files, governor, options, start, phases)
 
 
 @contextlib.contextmanager
@@ -235,6 +249,7 @@ def result_of(
     governor: MemoryGovernor,
     options: Options,
     start: float,
+    phases: dict[str, float] | None = None,
 ) -> SaveResult:
     return SaveResult(
         path=str(target.path),
@@ -249,6 +264,7 @@ def result_of(
         keys=len(job.source_keys()),  # the keys written, not the chunks they were split into
         format=target.kind,
         executor=choose_executor(job, options),
+        phases={"plan": 0.0, "fork": 0.0, "write": 0.0, "merge": 0.0, "commit": 0.0} | (phases or {}),
     )
 
 
@@ -285,20 +301,29 @@ def run_tasks(
     options: Options,
     governor: MemoryGovernor,
     workers: int,
+    *,
+    phases: dict[str, float] | None = None,
 ) -> list[TaskResult[Any]]:
+    """Run ``tasks`` on ``workers`` threads or forked processes; the results in task order.
+    ``phases["fork"]`` gets the seconds spent starting the pool."""
     if not tasks:
         return []
     results: list[TaskResult[Any]] = []
     handler = _handler(job, target, staging, options)
     label = "save" if isinstance(job.source, MemorySource) else "convert"
     with progress.Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc=label) as bar:
+        began = time.perf_counter()
         if choose_executor(job, options) == "threads":
             with ThreadPool(workers, handler, initializer=lambda: _compat.set_crc32(options.crc32)) as threads:
+                if phases is not None:
+                    phases["fork"] = time.perf_counter() - began
                 for result in threads.run(tasks, governor=governor, on_tick=bar.refresh):
                     results.append(result)
                     bar.refresh()
         else:
             with WorkerPool(workers, handler, initializer=_worker_setup(options)) as pool:
+                if phases is not None:
+                    phases["fork"] = time.perf_counter() - began
                 for result in pool.run(
                     tasks,
                     governor=governor,

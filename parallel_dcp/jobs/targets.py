@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from parallel_dcp.engine.chunks import Chunk, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import gc_paused
-from parallel_dcp.formats import FILE_FORMATS, FORMATS
+from parallel_dcp.formats import FILE_FORMATS, FORMATS, lean
 from parallel_dcp.formats.base import FileFormat, Source, index_json
 from parallel_dcp.formats.dcp_format import ChunkSavePlanner
 from parallel_dcp.options import Options
@@ -142,6 +143,7 @@ class Target(ABC):
     path: Path | Remote
     tensors_only = False
     splits_tensors = False
+    merge_seconds: float = 0.0  # of the last commit: joining the tasks' results (SaveResult.phases)
 
     @abstractmethod
     def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
@@ -220,8 +222,11 @@ class DcpTarget(Target):
             expected_bytes=task.nbytes,
         )
         whole = {unit: value for unit, value in data.items() if unit not in job.chunks}
-        planner = ChunkSavePlanner((job.chunks[u], v) for u, v in data.items() if u in job.chunks)
+        chunks = [(job.chunks[u], v) for u, v in data.items() if u in job.chunks]
         try:
+            if lean.lean_eligible(data.values()):
+                return lean.write_part(writer, whole, chunks, task.index, staging.save_id)
+            planner = ChunkSavePlanner(chunks)
             metadata, writes = partial_save(whole, writer, planner, part_idx=task.index, file_tag=staging.save_id)
         except BaseException as exc:
             original = writer.original_error()
@@ -233,20 +238,27 @@ class DcpTarget(Target):
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         digests: dict[str, FileDigest] = {}
         for result in results:
-            digests.update(result[2])
+            digests.update(result.digests if isinstance(result, lean.LeanPart) else result[2])
         with gc_paused():  # tens of thousands of small objects; see gc_paused
-            merged = merge_metadata([r[0] for r in results]) if results else Metadata(state_dict_metadata={})
+            began = time.perf_counter()
+            if all(isinstance(r, lean.LeanPart) for r in results):
+                merged, writes = lean.build(results)
+            else:  # some task held values only DCP's planner plans (DTensor, ...)
+                parts = [lean.build([r]) if isinstance(r, lean.LeanPart) else (r[0], [r[1]]) for r in results]
+                merged = merge_metadata([m for m, _ in parts]) if parts else Metadata(state_dict_metadata={})
+                writes = [w for _, (w,) in parts]
             # The source's key order, not the order tasks finished in.
             keys = job.source_keys()
             merged.state_dict_metadata = {key: merged.state_dict_metadata[key] for key in keys}
             # Nesting comes from the whole source, not from the parts (which were saved flat).
             merged.planner_data = {key: job.source.mapping.get(key, (key,)) for key in keys}
+            self.merge_seconds = time.perf_counter() - began
             payload_writer = MetadataPayloadWriter(str(self.path), save_id=staging.save_id)
-            commit(merged, [r[1] for r in results], payload_writer)
+            commit(merged, writes, payload_writer)
         digests[METADATA_FILE] = _digest_of(payload_writer.payload, options)
         manifest = manifest_bytes(digests, job.source.fingerprint(), save_id=staging.save_id)
-        # .metadata is the commit; the manifest follows it (see destination: a stale manifest is
-        # recognised by its save id).
+        # .metadata is the commit; the manifest follows it (see storage.staging: a stale manifest
+        # is recognised by its save id).
         staging.commit(marker=(METADATA_FILE, payload_writer.payload), extras={MANIFEST_FILE: manifest})
         return len(digests)  # the shards and .metadata, as inspect lists them
 

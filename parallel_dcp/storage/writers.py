@@ -12,11 +12,21 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, FileSystemWriter
+import torch
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    FileSystem,
+    FileSystemBase,
+    FileSystemWriter,
+)
 from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from parallel_dcp import _compat
 from parallel_dcp.engine import progress
+from parallel_dcp.storage import records
 from parallel_dcp.storage.location import Remote, RemoteFileSystem
 from parallel_dcp.storage.manifest import FileDigest, Hasher
 
@@ -27,6 +37,8 @@ __all__ = ["MetadataPayloadWriter", "ShardWriter"]
 # gathered here and checksummed, written and counted together, which halves the per-record cost
 # of a save of many small tensors.
 _GATHER_BYTES = 64 * 1024
+# Pieces of a large write: small enough to stay in a core's cache between the write and the hash.
+_PIECE_BYTES = 1024 * 1024
 
 
 class _RecordingStream:
@@ -58,13 +70,17 @@ class _RecordingStream:
             self._emit(memoryview(gathered))
 
     def _emit(self, view: memoryview) -> None:
-        try:
-            self._stream.write(view)
-        except OSError as exc:
-            self._owner.error = exc
-            raise
-        self._hasher.update(view)
-        progress.report(view.nbytes)
+        # A large record goes out in pieces, each hashed right after it is written, while it is
+        # still in the cache: hashing the whole record after writing it read it from memory twice.
+        for start in range(0, max(view.nbytes, 1), _PIECE_BYTES):
+            piece = view[start : start + _PIECE_BYTES]
+            try:
+                self._stream.write(piece)
+            except OSError as exc:
+                self._owner.error = exc
+                raise
+            self._hasher.update(piece)
+            progress.report(piece.nbytes)
 
     def tell(self) -> int:
         return int(self._stream.tell()) + len(self._gathered)
@@ -148,6 +164,72 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
     def digests(self) -> dict[str, FileDigest]:
         """Size and checksum of every file written, by file name."""
         return {name: hasher.result() for name, hasher in self._recording.hashers.items()}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write the plan as one file, laid out as ``FileSystemWriter`` (one thread) lays it out
+        (see :meth:`write_records`)."""
+        serialization = getattr(self, "serialization_format", None)
+        transforms = getattr(self, "transforms", None)
+        if (serialization is not None and serialization.name != "TORCH_SAVE") or getattr(transforms, "extensions", ()):
+            return super().write_data(plan, planner)
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        values = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
+        tensors = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
+        placed = self.write_records(
+            name,
+            [planner.resolve_data(item) for item in values],  # type: ignore[misc]
+            [planner.resolve_data(item) for item in tensors],  # type: ignore[misc]
+        )
+        future: Future[list[WriteResult]] = Future()
+        future.set_result([_result(item, name, *at) for item, at in zip(values + tensors, placed, strict=True)])
+        return future
+
+    def write_records(self, name: str, values: list[io.BytesIO], tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+        """Write file ``name``: each value (already serialized), then each tensor as one torch.save
+        record, as DCP writes them; the (offset, length) of each, values first.
+
+        A tensor whose storage holds more than its elements is cloned first, as DCP does; tensors of
+        the cases :mod:`parallel_dcp.records` knows are written from a cached record template.
+        """
+        placed: list[tuple[int, int]] = []
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+            for value in values:
+                offset = stream.tell()
+                stream.write(value.getbuffer())
+                placed.append((offset, stream.tell() - offset))
+            for tensor in tensors:
+                tensor = tensor.detach().cpu()
+                if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                    tensor = tensor.clone()  # never write more than the tensor's elements
+                offset = stream.tell()
+                template = records.template_for(tensor)
+                if template is None:
+                    torch.save(tensor, _NoClose(stream))  # type: ignore[arg-type]
+                else:
+                    stream.write(template.prefix)
+                    stream.write(records.storage_bytes(tensor))
+                    stream.write(template.suffix)
+                placed.append((offset, stream.tell() - offset))
+            if self.sync_files:
+                os.fsync(stream.fileno())
+        return placed
+
+
+class _NoClose:
+    """The stream torch.save writes one record to: it must not close the shard file."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, data: Any) -> int:
+        return int(self._stream.write(data))
+
+    def flush(self) -> None:
+        """The shard's stream flushes when the shard is done."""
+
+
+def _result(item: WriteItem, name: str, offset: int, length: int) -> WriteResult:
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=_compat.storage_info(name, offset, length))
 
 
 class _CapturingFileSystem(FileSystemBase):

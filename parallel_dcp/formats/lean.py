@@ -1,0 +1,172 @@
+"""The lean per-key path of a DCP save: write items and ``Metadata`` built directly.
+
+DCP's planner builds, for every key, a ``WriteItem`` with its ``TensorWriteData``, a
+``TensorStorageMetadata``, then copies both while deduplicating, validating and rewriting index
+hints; the worker pickles all of it to the coordinator, which unpickles and merges it. For many
+small tensors that costs more than writing them. Here a worker writes its task's records
+(:meth:`ShardWriter.write_records`) and sends back one flat tuple per key::
+
+    value:  (fqn, offset, length)
+    tensor: (fqn, dtype, requires_grad, pinned, size, chunk offsets or None, chunk sizes, offset, length)
+
+and the coordinator builds, in one pass, the merged ``Metadata`` and the ``WriteResult`` lists
+that DCP's own planner and writer would have produced for the same state dict
+(``tests/test_lean.py`` compares them), sharing one ``TensorProperties`` per dtype.
+
+Values DCP plans specially (DTensor, ShardedTensor and other tensor subclasses, objects with
+``__create_write_items__``) send the task through :func:`partial_save` instead.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from parallel_dcp import _compat
+from parallel_dcp.engine.chunks import Chunk
+from parallel_dcp.storage.manifest import FileDigest
+from parallel_dcp.storage.writers import ShardWriter
+
+__all__ = ["LeanPart", "build", "lean_eligible", "write_part"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+@dataclass(slots=True)
+class LeanPart:
+    """What one task wrote: its file, one tuple per value and per tensor (see the module doc)."""
+
+    file: str
+    values: list[tuple[str, int, int]] = field(default_factory=list)
+    tensors: list[tuple[Any, ...]] = field(default_factory=list)
+    digests: dict[str, FileDigest] = field(default_factory=dict)
+
+
+def lean_eligible(values: Iterable[Any]) -> bool:
+    """True when DCP's default planner would plan every one of ``values`` as a plain tensor or a
+    pickled value (nothing it hands to ``__create_write_items__`` or to ShardedTensor's rules)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if type(value) not in _PLAIN:
+                return False
+        elif hasattr(value, "__create_write_items__"):
+            return False
+    return True
+
+
+def file_name(part_idx: int, file_tag: str) -> str:
+    """The shard name :func:`partial_save` gives part ``part_idx`` (``FileSystemWriter``'s first file)."""
+    prefix = f"__{part_idx}_{file_tag}_" if file_tag else f"__{part_idx}_"
+    return f"{prefix}0{DEFAULT_SUFFIX}"
+
+
+def write_part(
+    writer: ShardWriter,
+    whole: dict[str, Any],
+    chunks: Sequence[tuple[Chunk, torch.Tensor]],
+    part_idx: int,
+    file_tag: str,
+) -> LeanPart:
+    """Write one task's keys and chunks as one shard file, laid out as :func:`partial_save` lays
+    it out (values first, then whole tensors in order, then chunks)."""
+    name = file_name(part_idx, file_tag)
+    values = [(key, value) for key, value in whole.items() if not isinstance(value, torch.Tensor)]
+    tensors = [(key, value) for key, value in whole.items() if isinstance(value, torch.Tensor)]
+    placed = writer.write_records(
+        name, [_pickled(v) for _, v in values], [t for _, t in tensors] + [t for _, t in chunks]
+    )
+    part = LeanPart(name)
+    for (key, _), (offset, length) in zip(values, placed, strict=False):
+        part.values.append((key, offset, length))
+    at = iter(placed[len(values) :])
+    for key, tensor in tensors:
+        offset, length = next(at)
+        size = tuple(tensor.shape)
+        part.tensors.append(
+            (key, tensor.dtype, tensor.requires_grad, tensor.is_pinned(), size, None, size, offset, length)
+        )
+    for chunk, tensor in chunks:
+        offset, length = next(at)
+        part.tensors.append(
+            (
+                chunk.key,
+                tensor.dtype,
+                tensor.requires_grad,
+                tensor.is_pinned(),
+                chunk.shape,
+                chunk.offsets,
+                chunk.sizes,
+                offset,
+                length,
+            )
+        )
+    part.digests = writer.digests()
+    return part
+
+
+def _pickled(value: Any) -> io.BytesIO:
+    data = io.BytesIO()
+    torch.save(value, data)  # what DCP's planner does with a value (DefaultSavePlanner.transform_object)
+    return data
+
+
+def build(parts: Sequence[LeanPart]) -> tuple[Metadata, list[list[WriteResult]]]:
+    """The merged ``Metadata`` (``planner_data`` and ``storage_data`` not yet set) and each part's
+    ``WriteResult`` list, as :func:`partial_save` and :func:`merge_metadata` would give them.
+
+    Raises:
+        ValueError: two parts hold the same key (other than chunks of one tensor).
+    """
+    properties: dict[tuple[Any, ...], TensorProperties] = {}
+    sizes: dict[tuple[int, ...], torch.Size] = {}
+    state: dict[str, Any] = {}
+    all_writes: list[list[WriteResult]] = []
+    size_of = sizes.get
+    storage_info = _compat.storage_info_class()
+    for part in parts:
+        writes: list[WriteResult] = []
+        for key, offset, length in part.values:
+            if key in state:
+                raise ValueError(f"parts are not disjoint: {key!r} appears in two parts")
+            state[key] = BytesStorageMetadata()
+            info = storage_info(part.file, offset, length)
+            writes.append(WriteResult(index=MetadataIndex(key), size_in_bytes=length, storage_data=info))
+        for key, dtype, grad, pinned, shape, offsets, chunk_sizes, offset, length in part.tensors:
+            props = properties.get((dtype, grad, pinned))
+            if props is None:
+                props = properties[(dtype, grad, pinned)] = TensorProperties(
+                    dtype=dtype, layout=torch.strided, requires_grad=grad, pin_memory=pinned
+                )
+            whole = size_of(shape) or sizes.setdefault(shape, torch.Size(shape))
+            at = offsets if offsets is not None else (0,) * len(shape)
+            chunk = ChunkStorageMetadata(
+                offsets=size_of(at) or sizes.setdefault(at, torch.Size(at)),
+                sizes=size_of(chunk_sizes) or sizes.setdefault(chunk_sizes, torch.Size(chunk_sizes)),
+            )
+            meta = state.get(key)
+            if meta is None:
+                meta = state[key] = TensorStorageMetadata(properties=props, size=whole, chunks=[])
+            elif offsets is None or not isinstance(meta, TensorStorageMetadata) or meta.size != whole:
+                raise ValueError(f"parts are not disjoint: {key!r} appears in two parts")
+            index = MetadataIndex(key, None, len(meta.chunks))
+            # The chunk's shared offsets, not a copy: pickling .metadata writes each distinct one once.
+            object.__setattr__(index, "offset", chunk.offsets)
+            meta.chunks.append(chunk)
+            info = storage_info(part.file, offset, length)
+            writes.append(WriteResult(index=index, size_in_bytes=length, storage_data=info))
+        all_writes.append(writes)
+    return Metadata(state_dict_metadata=state), all_writes

@@ -1,0 +1,162 @@
+"""torch.save records for many small tensors without torch.save's per-call cost.
+
+DCP writes every tensor as one ``torch.save`` zip record. For a tensor of a few KiB, torch.save's
+Python pickler, its zip writer's ~40 small writes and its serialization id cost ~100 us, twenty
+times the bytes. With the CRC off (parallel_dcp's default), what torch.save writes for a plain CPU
+tensor depends only on its dtype, shape and strides, except for the tensor's bytes themselves::
+
+    torch.save(t) == prefix(class) + bytes of t's storage + suffix(class)
+
+so the record of a *class* is made once, by torch.save itself, from an uninitialised tensor of the
+same dtype, shape and strides, and split around its storage's bytes; every tensor of the class is
+then written as ``prefix``, its storage's bytes (straight from the tensor, no copy) and ``suffix``.
+The only difference from a fresh torch.save is the serialization id, a random number every
+torch.save draws and no reader checks: records of one class share their template's.
+
+Only what ``tests/test_records.py`` compares bit for bit against torch.save takes this path (the
+dtypes of :data:`LEAN_DTYPES`, strided CPU tensors whose storage is exactly their bytes, at
+offset 0, no conjugate or negative bit, at most :data:`LEAN_MAX_BYTES`) and only while torch.save's
+CRC is off; anything else is written by torch.save as before (:func:`template_for` says None).
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zipfile
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LEAN_DTYPES", "LEAN_MAX_BYTES", "Template", "storage_bytes", "template_for"]
+
+# The round-trip matrix's dtypes (tests/test_roundtrip.py), each checked by tests/test_records.py.
+LEAN_DTYPES = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    }
+)
+# Building a template writes a tensor of the class once; above this the per-call cost of
+# torch.save is negligible beside the bytes, so large tensors keep going through it.
+LEAN_MAX_BYTES = 4 * 1024 * 1024
+_CACHE_LIMIT = 4096
+_LOCAL_HEADER = struct.Struct("<4s5H3I2H")
+
+
+@dataclass(frozen=True, slots=True)
+class Template:
+    """A torch.save record split around its tensor's bytes."""
+
+    prefix: bytes
+    suffix: bytes
+    nbytes: int
+
+    def size(self) -> int:
+        return len(self.prefix) + self.nbytes + len(self.suffix)
+
+
+_cache: dict[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int], Template | None] = {}
+
+
+def _crc_off() -> bool:
+    getter = getattr(torch.serialization, "get_crc32_options", None)
+    return getter is not None and not getter()
+
+
+def _alignment() -> int:
+    try:
+        from torch.utils.serialization import config
+
+        return int(config.save.storage_alignment)
+    except (ImportError, AttributeError):
+        return -1
+
+
+def lean_eligible(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` (already detached) is one of the tested cases."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.dtype in LEAN_DTYPES
+        and tensor.layout == torch.strided
+        and tensor.device.type == "cpu"
+        and not tensor.requires_grad
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and not tensor.is_quantized
+        and not _has_names(tensor)
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.nbytes
+        and tensor.nbytes <= LEAN_MAX_BYTES
+    )
+
+
+def _has_names(tensor: torch.Tensor) -> bool:
+    has_names = getattr(tensor, "has_names", None)  # named tensors are gone from newer torch
+    return bool(has_names()) if has_names is not None else False
+
+
+def template_for(tensor: torch.Tensor) -> Template | None:
+    """The record template of ``tensor``'s class, or None when torch.save must write it."""
+    if not _crc_off() or not lean_eligible(tensor):
+        return None
+    key = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), _alignment())
+    if key in _cache:
+        return _cache[key]
+    template = _build(tensor)
+    if len(_cache) >= _CACHE_LIMIT:
+        _cache.clear()  # a job of ever new shapes: keep memory bounded, rebuild on demand
+    _cache[key] = template
+    return template
+
+
+def storage_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of ``tensor``'s storage, in storage order (what torch.save writes), without a copy."""
+    if tensor.nbytes == 0:
+        return memoryview(b"")
+    raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    return memoryview(raw.numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def _build(tensor: torch.Tensor) -> Template | None:
+    dummy = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype)
+    if dummy.untyped_storage().nbytes() != tensor.nbytes:
+        return None
+    buffer = io.BytesIO()
+    torch.save(dummy, buffer)
+    record = buffer.getvalue()
+    start = _data_offset(record)
+    if start is None:
+        return None
+    end = start + tensor.nbytes
+    if record[start:end] != storage_bytes(dummy).tobytes():
+        return None  # not the layout this module knows: torch.save writes this class
+    return Template(record[:start], record[end:], tensor.nbytes)
+
+
+def _data_offset(record: bytes) -> int | None:
+    """Where the bytes of the one storage record (``<archive>/data/0``) start in ``record``."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(record)) as archive:
+            infos = [i for i in archive.infolist() if i.filename.endswith("/data/0")]
+            names = [i.filename for i in archive.infolist() if "/data/" in i.filename]
+    except zipfile.BadZipFile:
+        return None
+    if len(infos) != 1 or len(names) != 1:
+        return None
+    offset = infos[0].header_offset
+    signature, *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(record, offset)
+    if signature != b"PK\x03\x04":
+        return None
+    return int(offset + _LOCAL_HEADER.size + name_length + extra_length)
