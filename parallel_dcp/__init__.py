@@ -21,6 +21,7 @@ from parallel_dcp._version import __version__ as __version__
 from parallel_dcp.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
+    DestinationBusyError,
     DistributedJobError,
     IncompatibleTorchError,
     InsufficientSpaceError,
@@ -55,6 +56,7 @@ from parallel_dcp.storage.location import is_url
 __all__ = [
     "CheckpointExistsError",
     "CorruptCheckpointError",
+    "DestinationBusyError",
     "DiffReport",
     "DistributedJobError",
     "DryRunPlan",
@@ -163,10 +165,12 @@ def save(
         path: the checkpoint directory, or a URL on object storage (``s3://bucket/prefix``, any
             fsspec URL). It must not exist, be empty, or (with ``overwrite``) hold a checkpoint.
         workers: worker processes; None uses every usable core.
-        overwrite: replace an existing checkpoint. The new one is built beside it and swapped
-            in atomically; if the save fails, the old one stays as it was. (On object storage the
-            new shards are uploaded beside the old ones under new names and ``.metadata``
-            replaced last; see :mod:`parallel_dcp.storage.staging`.)
+        overwrite: replace an existing checkpoint: the new shards are written beside the old
+            ones under new names, ``.metadata`` is replaced by one atomic rename (one upload on
+            object storage), then the old checkpoint's own files are removed; every other file in
+            the directory is kept. If the save fails, the old one stays as it was. Without it,
+            nothing is ever replaced, even a checkpoint that appears while the save runs. See
+            :mod:`parallel_dcp.storage.staging`.
         progress: show a progress bar on stderr.
         sync_files: fsync every file before the commit (as stock DCP does).
         crc32: compute ``torch.save``'s per-record CRC32 (off by default: no DCP reader checks it).
@@ -200,6 +204,7 @@ def save(
     Raises:
         InvalidStateDictError: the state dict cannot be saved (checked before any write).
         CheckpointExistsError: ``path`` holds a checkpoint and ``overwrite`` is False.
+        DestinationBusyError: another save is writing ``path`` (its host and pid are named).
         InvalidDestinationError: ``path`` is a file, a foreign directory or has no parent.
         InsufficientSpaceError: the file system has less free space than the checkpoint needs.
         WorkerError: a task raised in a worker (its traceback is the ``__cause__``).
@@ -240,6 +245,7 @@ def load(
     retries: int = 0,
     task_timeout: float | None = None,
     storage_options: dict[str, Any] | None = None,
+    trust_pickle: bool = False,
 ) -> dict[str, Any]:
     """Load a DCP checkpoint (all keys, or the flattened ``keys`` given) with a pool of processes.
 
@@ -254,11 +260,15 @@ def load(
         memory_limit, retries, task_timeout: as for :func:`save`; the loaded tensors count
             against ``memory_limit``, so it must be larger than the bytes loaded.
         storage_options: as for :func:`save`.
+        trust_pickle: unpickle non-tensor values that need more than ``weights_only=True``
+            (runs the checkpoint's pickle code: only for checkpoints you trust).
 
     Raises:
         FileNotFoundError: ``path`` holds no committed checkpoint.
         KeyError: a requested key is not in the checkpoint.
-        UnsafeCheckpointError / CorruptCheckpointError: ``.metadata`` is malicious or damaged.
+        UnsafeCheckpointError / CorruptCheckpointError: ``.metadata`` is malicious or damaged, it
+            names a file outside the checkpoint, a shard is truncated, or a value needs
+            ``trust_pickle``.
         MemoryLimitExceeded: the selected keys do not fit under ``memory_limit``.
         WorkerError / WorkerCrashed / TaskTimeoutError: a worker failed; no partial result is returned.
     """
@@ -270,7 +280,7 @@ def load(
         task_timeout=task_timeout,
         storage_options=storage_options,
     )
-    return _loader.load(path, keys, options)
+    return _loader.load(path, keys, options, trust_pickle=trust_pickle)
 
 
 @overload
@@ -448,6 +458,7 @@ def verify(
     memory_limit: int | str | None = None,
     dtype: str | torch.dtype | None = None,
     storage_options: dict[str, Any] | None = None,
+    trust_pickle: bool = False,
 ) -> VerifyReport:
     """Check a checkpoint: manifest sizes and checksums, every key read back, and bit-for-bit
     equality with ``against`` (any supported format) when given.
@@ -468,14 +479,19 @@ def verify(
         CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
     """
     options = Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options)
-    return _verify.verify(path, against, options, _convert.parse_dtype(dtype))
+    return _verify.verify(path, against, options, _convert.parse_dtype(dtype), trust_pickle=trust_pickle)
 
 
-def inspect(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def inspect(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, trust_pickle: bool = False
+) -> dict[str, Any]:
     """Describe a checkpoint from its headers only: ``format``, ``committed``, ``keys``,
-    ``tensors``, ``total_bytes``, ``dtypes``, ``largest`` tensors, ``files`` and ``manifest``.
-    ``path`` may be a URL (``storage_options`` as for :func:`save`)."""
-    return _inspection.inspect_checkpoint(path, storage_options)
+    ``tensors``, ``total_bytes``, ``dtypes``, ``largest`` tensors, ``files``, ``manifest``,
+    ``values`` (non-tensor values by key and stored size, never unpickled), ``damaged`` (why
+    it is not loadable, or None) and ``leftovers`` (files of saves that did not finish).
+    ``path`` may be a URL (``storage_options`` as for :func:`save`); ``trust_pickle`` lets a
+    torch.save file that needs ``weights_only=False`` be listed (it runs its pickle code)."""
+    return _inspection.inspect_checkpoint(path, storage_options, trust_pickle=trust_pickle)
 
 
 def diff(
@@ -485,6 +501,7 @@ def diff(
     workers: int | None = None,
     memory_limit: int | str | None = None,
     storage_options: dict[str, Any] | None = None,
+    trust_pickle: bool = False,
 ) -> DiffReport:
     """Compare two checkpoints of any formats: keys, dtypes, shapes and content checksums.
 
@@ -493,11 +510,12 @@ def diff(
     are read. The report lists keys ``added`` in ``b``, ``removed`` from ``a``, ``renamed``
     (a tensor only in ``a`` and one only in ``b`` with the same dtype, shape and bytes), and
     ``changed`` (dtype, shape, content, or a non-tensor value). ``report.same`` when nothing
-    differs. ``a`` and ``b`` may be URLs (``storage_options`` as for :func:`save`).
+    differs. ``a`` and ``b`` may be URLs (``storage_options`` as for :func:`save`). Non-tensor
+    values are unpickled with ``weights_only=True`` unless ``trust_pickle`` (as for :func:`load`).
 
     Raises:
         FileNotFoundError / ValueError: ``a`` or ``b`` is missing or of no known format.
         MemoryLimitExceeded: one tensor cannot be read under ``memory_limit``.
     """
     options = Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options)
-    return _diff.diff(a, b, options)
+    return _diff.diff(a, b, options, trust_pickle=trust_pickle)

@@ -52,6 +52,11 @@ def unflatten_state_dict(flat: dict[str, Any], mapping: dict[str, tuple[Any, ...
     return _private("torch.distributed.checkpoint._nested_dict", "unflatten_state_dict")(flat, mapping)  # type: ignore[no-any-return]
 
 
+def set_element(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    """DCP's own setter of a nested element (as ``DefaultLoadPlanner.load_bytes`` uses it)."""
+    _private("torch.distributed.checkpoint._traverse", "set_element")(root, path, value)
+
+
 def dcp_method_logger(**kwargs: Any) -> Callable[[_F], _F]:
     """DCP's event logger where torch has it; logging only, so a plain pass-through otherwise."""
     try:

@@ -90,6 +90,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary text")
 
 
+_TRUST_HELP = "unpickle values and torch.save files that need weights_only=False (runs their code: trusted only)"
 _EXAMPLES = """examples:
   parallel-dcp convert /models/llama-8b /ckpt/llama-8b-dcp --memory-limit 16GiB   # Hugging Face -> DCP
   parallel-dcp convert /ckpt/step-1000 /serve/model --to safetensors --dtype bf16  # DCP -> safetensors shards
@@ -164,14 +165,17 @@ def _parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="describe a checkpoint from its headers")
     inspect.add_argument("path", metavar="PATH")
     inspect.add_argument("--json", action="store_true", help="print JSON on stdout")
+    inspect.add_argument("--trust-pickle", action="store_true", help=_TRUST_HELP)
     inspect.add_argument(
         "--diff",
         metavar="OTHER",
         help="compare PATH with OTHER (any formats): keys added, removed, renamed, and changed dtype, shape or "
         "content (xxh3 of every tensor, hashed by the worker pool); exit code 1 when they differ",
     )
-    inspect.add_argument("--workers", type=int, default=None, help="worker processes hashing tensors (with --diff)")
-    inspect.add_argument("--memory-limit", default=None, help="memory ceiling while hashing (with --diff)")
+    inspect.add_argument(
+        "--workers", type=_workers, default=None, help="worker processes hashing tensors (with --diff)"
+    )
+    inspect.add_argument("--memory-limit", type=_size, default=None, help="memory ceiling while hashing (with --diff)")
     _storage(inspect)
 
     verify = sub.add_parser(
@@ -179,6 +183,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("path", metavar="PATH")
     verify.add_argument("--against", metavar="SRC", help="compare every key bit for bit with this checkpoint")
+    verify.add_argument("--trust-pickle", action="store_true", help=_TRUST_HELP)
     verify.add_argument(
         "--dtype",
         type=_dtype,
@@ -299,10 +304,11 @@ def _inspect(args: argparse.Namespace) -> int:
             workers=args.workers,
             memory_limit=args.memory_limit,
             storage_options=args.storage_options,
+            trust_pickle=args.trust_pickle,
         )
         print(json.dumps(report.as_dict(), indent=2) if args.json else describe_diff(report))
         return 0 if report.same else 1
-    info = parallel_dcp.inspect(args.path, storage_options=args.storage_options)
+    info = parallel_dcp.inspect(args.path, storage_options=args.storage_options, trust_pickle=args.trust_pickle)
     print(json.dumps(info, indent=2) if args.json else describe(info))
     return 0
 
@@ -315,6 +321,7 @@ def _verify(args: argparse.Namespace) -> int:
         memory_limit=args.memory_limit,
         dtype=args.dtype,
         storage_options=args.storage_options,
+        trust_pickle=args.trust_pickle,
     )
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 __all__ = [
     "CheckpointExistsError",
     "CorruptCheckpointError",
+    "DestinationBusyError",
     "DistributedJobError",
     "IncompatibleTorchError",
     "InsufficientSpaceError",
@@ -99,6 +100,10 @@ class WorkerCrashed(ParallelDCPError):
 
 class InvalidDestinationError(ParallelDCPError, ValueError):
     """The destination cannot take a checkpoint (a file, a foreign directory, a missing parent)."""
+
+
+class DestinationBusyError(InvalidDestinationError):
+    """Another save holds the destination's lock; the message names its host, pid and save id."""
 
 
 class CorruptCheckpointError(ParallelDCPError, ValueError):

@@ -214,6 +214,7 @@ def partial_load(
     planner: LoadPlanner | None = None,
     *,
     state_dict: StateDict | None = None,
+    trust_pickle: bool = False,
 ) -> StateDict:
     """Load the keys that ``metadata`` describes (see :func:`extract_metadata`) into a new dict.
 
@@ -221,15 +222,24 @@ def partial_load(
         metadata: the metadata of the keys to load, with their ``storage_data``.
         storage_reader: where to read from.
         planner: a ``LoadPlanner``; by default one that fills an empty dict with every key of
-            ``metadata``, with the nesting that ``planner_data`` records.
+            ``metadata``, with the nesting that ``planner_data`` records, and unpickles
+            non-tensor values with ``weights_only=True`` (DCP's own planners use
+            ``weights_only=False``, which runs a hostile checkpoint's code).
+        trust_pickle: let the default planner unpickle values that need more than
+            ``weights_only=True`` (only for checkpoints you trust).
         state_dict: a dict to load into, whose preallocated tensors are filled in place (use
             it with a planner such as ``DefaultLoadPlanner``); a new empty dict when None.
 
     Returns:
         The loaded state dict; non-tensor values are unpickled.
+
+    Raises:
+        UnsafeCheckpointError: (default planner) a value needs more than ``weights_only=True``.
     """
+    from parallel_dcp.storage.metadata import safe_empty_planner
+
     state_dict = {} if state_dict is None else state_dict
-    planner = _compat.empty_state_dict_load_planner() if planner is None else planner
+    planner = safe_empty_planner(trust_pickle) if planner is None else planner
     log = _compat.dcp_method_logger(**_logger_kwargs(storage_reader))
 
     @log

@@ -102,3 +102,60 @@ class FillDisk:
             except OSError:
                 pass
         return (str, ("filled",))
+
+
+class CreateInWorker:
+    """Creates files (bytes) and directories (None) while a worker writes: another writer acting
+    behind the save's back. Saved as the string 'created' once it has run."""
+
+    def __init__(self, paths: dict[str, bytes | None]) -> None:
+        self.paths = paths
+
+    def __reduce__(self) -> Any:
+        for path, data in self.paths.items():
+            if data is None:
+                os.makedirs(path, exist_ok=True)
+            else:
+                with open(path, "wb") as f:
+                    f.write(data)
+        return (str, ("created",))
+
+
+class PutObjectInWorker:
+    """Uploads an object to S3 from a worker (another writer under the same prefix), then raises."""
+
+    def __init__(self, url: str, endpoint: str) -> None:
+        self.url = url
+        self.endpoint = endpoint
+
+    def __reduce__(self) -> Any:
+        import s3fs
+
+        s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=self.endpoint).pipe(self.url, b"another writer")
+        raise RuntimeError("injected failure after another writer's upload")
+
+
+class RunsCode:
+    """A hostile value: unpickling it creates ``marker`` (it would run any code the same way)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+class WaitForFile:
+    """Holds its worker until ``path`` exists (at most ``limit_s``), then saves the string 'released'."""
+
+    def __init__(self, path: str, limit_s: float = 60.0) -> None:
+        self.path = path
+        self.limit_s = limit_s
+
+    def __reduce__(self) -> Any:
+        import time
+
+        deadline = time.monotonic() + self.limit_s
+        while not os.path.exists(self.path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return (str, ("released",))

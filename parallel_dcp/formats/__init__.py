@@ -55,11 +55,15 @@ def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] 
 def open_source(
     path: str | os.PathLike[str], *, trust_pickle: bool = False, storage_options: dict[str, Any] | None = None
 ) -> Source:
-    """Open ``path`` (a path or a URL) for reading, listing its tensors from headers only."""
+    """Open ``path`` (a path or a URL) for reading, listing its tensors from headers only.
+
+    ``trust_pickle`` lets values (DCP) and torch.save files that need ``weights_only=False`` be
+    unpickled; without it they are refused with UnsafeCheckpointError (nothing runs).
+    """
     path = os.fspath(locate(path, storage_options))
     kind = detect_format(path, storage_options)
     if kind == "dcp":
-        return DcpSource(path, storage_options=storage_options)
+        return DcpSource(path, storage_options=storage_options, trust_pickle=trust_pickle)
     if kind == "safetensors":
         return SafetensorsSource(path, storage_options=storage_options)
     return TorchSource(path, storage_options=storage_options, trust_pickle=trust_pickle)

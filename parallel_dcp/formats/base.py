@@ -84,6 +84,30 @@ class Source(ABC):
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """Read the tensors of ``keys`` (called in a worker; each result owns or maps its bytes)."""
 
+    def check(self, keys: Iterable[str] | None = None) -> None:  # noqa: B027 (formats that check on open)
+        """Before reading: raise CorruptCheckpointError when the files ``keys`` (or all) need are
+        missing or shorter than recorded."""
+
+    def load_values(self, keys: Iterable[str]) -> None:  # noqa: B027 (values read on open)
+        """In the coordinator: read the non-tensor values of ``keys`` now (so an unsafe one fails
+        here, by name, not in a worker)."""
+
+    def value_bytes(self, key: str) -> int:
+        """The size of a non-tensor value (its stored record, or its bytes), for admission."""
+        value = self.values.get(key)
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return len(value)
+        if isinstance(value, str):
+            return len(value.encode(errors="surrogatepass"))
+        if isinstance(value, (list, tuple, dict)):
+            from parallel_dcp.engine.threads import plain_value
+
+            if plain_value(value):  # pickling plain containers runs no user code
+                import pickle
+
+                return len(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        return 0
+
     def copied_bytes(self, key: str) -> int:
         """Memory a worker allocates to read ``key`` (a source on disk: all its bytes)."""
         return self.entries[key].nbytes

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -31,7 +31,7 @@ from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.storage.location import Location, dcp_reader
-from parallel_dcp.storage.metadata import read_metadata
+from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading
 from parallel_dcp.storage.staging import METADATA_FILE
 
 __all__ = ["ChunkSavePlanner", "DcpSource", "is_dcp", "read_keys"]
@@ -41,18 +41,68 @@ def is_dcp(path: Location) -> bool:
     return (path / METADATA_FILE).is_file()
 
 
-def read_keys(path: Location, metadata: Metadata, keys: Iterable[str], into: dict[str, Any]) -> dict[str, Any]:
-    """Load ``keys`` into ``into`` (preallocated tensors are filled in place; other values are set)."""
+def read_keys(
+    path: Location, metadata: Metadata, keys: Iterable[str], into: dict[str, Any], *, trust_pickle: bool = False
+) -> dict[str, Any]:
+    """Load ``keys`` into ``into`` (preallocated tensors are filled in place; other values are set,
+    unpickled with ``weights_only=True`` unless ``trust_pickle``)."""
     keys = list(keys)
-    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
-    return partial_load(extract_metadata(keys, metadata), dcp_reader(path), planner, state_dict=into)
+    planner = SafeLoadPlanner(
+        flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True, trust_pickle=trust_pickle
+    )
+    with reading(path, keys):
+        return partial_load(extract_metadata(keys, metadata), dcp_reader(path), planner, state_dict=into)
+
+
+class _LazyValues(Mapping[str, Any]):
+    """The non-tensor values of a DCP checkpoint: their keys are known from ``.metadata``; a value
+    is read (and safely unpickled) only when asked for, so listing or inspecting runs nothing."""
+
+    def __init__(self, source: DcpSource, keys: list[str]) -> None:
+        self._source = source
+        self._keys = keys
+        self._loaded: dict[str, Any] = {}
+
+    def load(self, keys: Iterable[str]) -> None:
+        wanted = [k for k in keys if k in self and k not in self._loaded]
+        if wanted:
+            assert self._source.metadata is not None
+            got = read_keys(
+                self._source.location,
+                self._source.metadata,
+                wanted,
+                {k: None for k in wanted},
+                trust_pickle=self._source.trust_pickle,
+            )
+            self._loaded.update({k: got[k] for k in wanted})
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._keys_set:
+            raise KeyError(key)
+        self.load([key])
+        return self._loaded[key]
+
+    @property
+    def _keys_set(self) -> set[str]:
+        return set(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys_set
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 @dataclass
 class DcpSource(Source):
-    """A committed DCP checkpoint; ``.metadata`` is read with the allow-list unpickler."""
+    """A committed DCP checkpoint; ``.metadata`` is read with the allow-list unpickler, its names
+    and sizes checked; values are unpickled safely, and only when asked for."""
 
     metadata: Metadata | None = None
+    trust_pickle: bool = False
 
     def __post_init__(self) -> None:
         self.kind = "dcp"
@@ -66,14 +116,26 @@ class DcpSource(Source):
                 self.entries[key] = Entry(key, meta.properties.dtype, tuple(meta.size), self.path)
             else:
                 byte_keys.append(key)
-        if byte_keys:  # small pickled values: read once, here, with the tensors left on disk
-            self.values = read_keys(self.location, self.metadata, byte_keys, {k: None for k in byte_keys})
+        self.values = _LazyValues(self, byte_keys)  # type: ignore[assignment]
         self.mapping = {k: tuple(planner_data.get(k, (k,))) for k in self.metadata.state_dict_metadata}
+
+    def check(self, keys: Iterable[str] | None = None) -> None:
+        """Every shard the keys need exists and is as long as ``.metadata`` records."""
+        assert self.metadata is not None
+        check_shards(self.location, self.metadata, None if keys is None else list(keys))
+
+    def load_values(self, keys: Iterable[str]) -> None:
+        assert isinstance(self.values, _LazyValues)
+        self.values.load(keys)
+
+    def value_bytes(self, key: str) -> int:
+        assert self.metadata is not None
+        return sum(int(info.length) for index, info in (self.metadata.storage_data or {}).items() if index.fqn == key)
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         assert self.metadata is not None
         out = {k: torch.empty(self.entries[k].shape, dtype=self.entries[k].dtype) for k in keys}
-        read_keys(self.location, self.metadata, list(out), out)
+        read_keys(self.location, self.metadata, list(out), out, trust_pickle=self.trust_pickle)
         return out
 
     def read_chunk(self, chunk: Chunk) -> torch.Tensor:
@@ -82,7 +144,10 @@ class DcpSource(Source):
         entry = self.entries[chunk.key]
         target = torch.empty(chunk.sizes, dtype=entry.dtype)
         planner = _ChunkLoadPlanner(chunk, target)
-        partial_load(extract_metadata([chunk.key], self.metadata), dcp_reader(self.location), planner, state_dict={})
+        with reading(self.location, [chunk.key]):
+            partial_load(
+                extract_metadata([chunk.key], self.metadata), dcp_reader(self.location), planner, state_dict={}
+            )
         return target
 
     # DCP's reader loads a whole stored chunk (a torch.save record, read through a buffer of its
@@ -106,7 +171,7 @@ class DcpSource(Source):
         return 2 * max((math.prod(c.sizes) * itemsize for c in meta.chunks), default=0)
 
 
-class _ChunkLoadPlanner(DefaultLoadPlanner):
+class _ChunkLoadPlanner(SafeLoadPlanner):
     """Loads the region ``chunk`` of one key (from however it was chunked) into ``target``."""
 
     def __init__(self, chunk: Chunk, target: torch.Tensor) -> None:

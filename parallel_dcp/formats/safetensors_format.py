@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from parallel_dcp.engine.chunks import Chunk
+from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.storage.location import MIN_PART_BYTES, Location, Remote, listdir, new_file_mode
 
@@ -67,7 +68,9 @@ def _shard_files(path: Location) -> list[str]:
         return [os.fspath(path)]
     listing = listdir(path)
     if INDEX_NAME in listing:
-        names = list(dict.fromkeys(json.loads((path / INDEX_NAME).read_bytes())["weight_map"].values()))
+        from parallel_dcp.formats.torch_format import _index_names
+
+        names = _index_names(path / INDEX_NAME)
     else:
         names = sorted(n for n in listing if n.endswith(_SUFFIX))
     missing = [n for n in names if n not in listing]
@@ -80,14 +83,16 @@ def _remote_header(remote: Remote) -> tuple[int, dict[str, Any]]:
     """Where the data starts, and the JSON header: two ranged reads, no tensor bytes."""
     head = remote.read_bytes(0, 8)
     if len(head) < 8:
-        raise ValueError(f"{remote} is not a safetensors file: it has {len(head)} bytes")
+        raise CorruptCheckpointError(f"{remote} is not a safetensors file: it has {len(head)} bytes")
     (size,) = struct.unpack("<Q", head)
     if size > _MAX_HEADER:
-        raise ValueError(f"{remote} is not a safetensors file: its header claims {size} bytes")
+        raise CorruptCheckpointError(f"{remote} is not a safetensors file: its header claims {size} bytes")
     try:
         header = json.loads(remote.read_bytes(8, 8 + size))
     except ValueError as exc:
-        raise ValueError(f"{remote} is not a safetensors file: its header is not JSON ({exc})") from exc
+        raise CorruptCheckpointError(f"{remote} is not a safetensors file: its header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{remote} is not a safetensors file: its header is not a JSON object")
     header.pop("__metadata__", None)
     return 8 + size, header
 
@@ -107,32 +112,52 @@ class SafetensorsSource(Source):
             self._list_remote(self.location)
             return
         for file in self.files:
-            with safe_open(file, framework="pt") as f:
+            try:
+                handle = safe_open(file, framework="pt")
+            except FileNotFoundError:
+                raise
+            except Exception as exc:  # SafetensorError and friends: the header is not valid
+                raise CorruptCheckpointError(f"{file} is not a readable safetensors file: {exc}") from exc
+            with handle as f:
                 for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                     piece = f.get_slice(key)
                     dtype = _DTYPES.get(piece.get_dtype())
                     if dtype is None:
-                        raise ValueError(
+                        raise CorruptCheckpointError(
                             f"{file}: tensor {key!r} has dtype {piece.get_dtype()}, which torch cannot hold"
                         )
                     if key in self.entries:
-                        raise ValueError(f"{self.path}: tensor {key!r} is in two shards")
+                        raise CorruptCheckpointError(f"{self.path}: tensor {key!r} is in two shards")
                     self.entries[key] = Entry(key, dtype, tuple(piece.get_shape()), file)
 
     def _list_remote(self, location: Remote) -> None:
         for file in self.files:
-            start, header = _remote_header(Remote(file, location.options))
+            remote = Remote(file, location.options)
+            start, header = _remote_header(remote)
+            total = remote.size()
             for key, info in header.items():
-                dtype = _DTYPES.get(info["dtype"])
+                try:
+                    dtype = _DTYPES.get(info["dtype"])
+                    shape = tuple(int(n) for n in info["shape"])
+                    first, end = (int(n) for n in info["data_offsets"])
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise CorruptCheckpointError(f"{file}: tensor {key!r} has a malformed header entry") from exc
                 if dtype is None:
-                    raise ValueError(f"{file}: tensor {key!r} has dtype {info['dtype']}, which torch cannot hold")
+                    raise CorruptCheckpointError(
+                        f"{file}: tensor {key!r} has dtype {info['dtype']}, which torch cannot hold"
+                    )
                 if key in self.entries:
-                    raise ValueError(f"{self.path}: tensor {key!r} is in two shards")
-                self.entries[key] = Entry(key, dtype, tuple(info["shape"]), file)
-                first, end = info["data_offsets"]
+                    raise CorruptCheckpointError(f"{self.path}: tensor {key!r} is in two shards")
+                if any(n < 0 for n in shape) or not 0 <= first <= end or start + end > total:
+                    raise CorruptCheckpointError(
+                        f"{file}: tensor {key!r} has an impossible shape or byte range ({shape}, {first}..{end})"
+                    )
+                self.entries[key] = Entry(key, dtype, shape, file)
                 self._ranges[key] = (start + first, start + end)
                 if end - first != self.entries[key].nbytes:
-                    raise ValueError(f"{file}: tensor {key!r} has {end - first} bytes for its shape and dtype")
+                    raise CorruptCheckpointError(
+                        f"{file}: tensor {key!r} has {end - first} bytes for its shape and dtype"
+                    )
 
     def _read_range(self, key: str, first: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Bytes of ``key`` from ``first`` on (relative to its data) into a tensor of ``shape``."""

@@ -29,10 +29,10 @@ import torch
 
 from parallel_dcp import _compat
 from parallel_dcp.engine.chunks import Chunk, exact_storage
-from parallel_dcp.errors import InsufficientSpaceError, UnsafeCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, InsufficientSpaceError, UnsafeCheckpointError
 from parallel_dcp.formats.base import Source, entry_of
 from parallel_dcp.formats.validate import flatten_checked
-from parallel_dcp.storage.location import Location, Remote, listdir
+from parallel_dcp.storage.location import Location, Remote, check_name, listdir
 from parallel_dcp.storage.staging import free_bytes
 
 __all__ = ["INDEX_NAME", "SUFFIXES", "TorchSource", "index_json", "is_torch_save", "shard_names", "write_file"]
@@ -50,12 +50,21 @@ def is_torch_save(path: Location) -> bool:
 def _shard_files(path: Location) -> list[str]:
     if not path.is_dir():
         return [os.fspath(path)]
-    names = list(dict.fromkeys(json.loads((path / INDEX_NAME).read_bytes())["weight_map"].values()))
+    names = _index_names(path / INDEX_NAME)
     present = listdir(path)
     missing = [n for n in names if n not in present]
     if missing:
         raise FileNotFoundError(f"{path}: the index names shards that do not exist: {', '.join(missing)}")
     return [os.fspath(path / n) for n in names]
+
+
+def _index_names(index: Location) -> list[str]:
+    """The shard names an index's ``weight_map`` lists, each a plain name inside its directory."""
+    try:
+        names = list(dict.fromkeys(json.loads(index.read_bytes())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{index} is not a readable index: {type(exc).__name__}: {exc}") from exc
+    return [check_name(n, index) for n in names]
 
 
 def _spool(files: list[str], options: dict[str, Any] | None) -> tuple[str, dict[str, str]]:
@@ -96,17 +105,35 @@ def _remove_if_owner(owner: int, directory: str) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+# What torch.save's legacy (non-zip) format starts with: protocol 2, then its magic number.
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
+
+
+def _check_torch_file(file: str) -> None:
+    """A zip with a pickle inside, or the legacy format's magic: else not a torch.save file at
+    all (never worth advice to turn on pickle execution)."""
+    if zipfile.is_zipfile(file):
+        return
+    with open(file, "rb") as f:
+        head = f.read(len(_LEGACY_MAGIC))
+    if head != _LEGACY_MAGIC:
+        raise CorruptCheckpointError(f"{file} is not a torch.save file (neither a zip archive nor the legacy format)")
+
+
 def _load(file: str, *, mmap: bool, trust_pickle: bool) -> Any:
+    _check_torch_file(file)
     try:
         return torch.load(file, map_location="cpu", mmap=mmap, weights_only=not trust_pickle)
     except Exception as exc:
-        if not trust_pickle and "Weights only load failed" in str(exc):
+        if not trust_pickle and "Weights only load failed" in str(exc) and "GLOBAL" in str(exc):
             raise UnsafeCheckpointError(
                 f"{file} holds objects that safe loading (weights_only=True) refuses; loading it runs the "
                 "file's own pickle code. Only if you trust where it came from, pass trust_pickle=True "
                 f"(--trust-pickle). First line of torch's refusal: {_first_line_after(str(exc))}"
             ) from exc
-        raise
+        raise CorruptCheckpointError(
+            f"{file} is not a readable torch.save file: {type(exc).__name__}: {_first_line_after(str(exc))}"
+        ) from exc
 
 
 def _first_line_after(message: str) -> str:
@@ -135,6 +162,7 @@ class TorchSource(Source):
             directory, local = _spool(self.files, self.storage_options)
             self._cleanup = weakref.finalize(self, _remove_if_owner, os.getpid(), directory)
         for file in (local[f] for f in self.files):
+            _check_torch_file(file)
             legacy = not zipfile.is_zipfile(file)
             if legacy:
                 warnings.warn(

@@ -160,6 +160,10 @@ def _convert_job(
     if _same_place(source.location, target.path):
         raise ValueError(f"{src} is both the source and the destination")
     selected = select_keys(source, keys)
+    # Before any write: the files the selection needs are all there and long enough, and its
+    # non-tensor values unpickle safely (an unsafe one is refused here, by name).
+    source.check(k for k in selected if k in source.entries or k in source.values)
+    source.load_values(k for k in selected if k not in source.entries)
     if rename is not None:
         source, selected = rename_source(source, selected, rename)
     if target.kind == "safetensors":

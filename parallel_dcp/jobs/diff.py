@@ -194,17 +194,22 @@ def _compare(a: Source, b: Source, options: Options, governor: MemoryGovernor) -
     return report
 
 
-def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], options: Options) -> DiffReport:
+def diff(
+    a: str | os.PathLike[str], b: str | os.PathLike[str], options: Options, *, trust_pickle: bool = False
+) -> DiffReport:
     """See :func:`parallel_dcp.diff`."""
     for where in (a, b):
         locate(where, options.storage_options)
     governor = MemoryGovernor(options.memory_ceiling())
     if is_url(a) or is_url(b):
         governor.worker_extra = CLIENT_MEMORY
-    first = open_source(a, storage_options=options.storage_options)
+    first = open_source(a, storage_options=options.storage_options, trust_pickle=trust_pickle)
     try:
-        second = open_source(b, storage_options=options.storage_options)
+        second = open_source(b, storage_options=options.storage_options, trust_pickle=trust_pickle)
         try:
+            for side in (first, second):  # damaged files found, unsafe values refused, before any read
+                side.check()
+                side.load_values(k for k in side.values if k not in side.entries)
             return _compare(first, second, options, governor)
         finally:
             second.close()

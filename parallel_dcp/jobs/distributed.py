@@ -1,13 +1,13 @@
 """One job across the ranks of a ``torch.distributed`` job (torchrun or srun), over gloo on CPU.
 
-    rank 0: plan (split, check against the limit, tasks), create the staging directory
-       │ broadcast: units, chunk threshold, worker count, task budget, staging path
+    rank 0: plan (split, check against the limit, tasks), take hold of the destination
+       │ broadcast: units, chunk threshold, worker count, task budget, where to write (save id)
        ▼
     every rank: the same task list (planned identically); its share, balanced by bytes over
        │ the ranks; runs it on its own worker pool under its own memory limit. Part indices
        │ are the global task indices, so no two ranks write the same file.
        ▼ all_gather: (error or results) from every rank
-    rank 0: any error → staging removed; else merge, commit once, publish
+    rank 0: any error → this save's files removed; else merge, commit once, publish
        │ broadcast: the outcome
        ▼
     every rank returns the same SaveResult, or raises DistributedJobError naming each failed
@@ -36,9 +36,9 @@ from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import TaskResult
 from parallel_dcp.errors import DistributedJobError
 from parallel_dcp.jobs import pipeline
-from parallel_dcp.jobs.targets import AnyStaging, DcpTarget, Job, Target
+from parallel_dcp.jobs.targets import AnyStaging, Job, Target
 from parallel_dcp.options import Options
-from parallel_dcp.storage.location import locate
+from parallel_dcp.storage.staging import WriteLocation
 
 __all__ = ["run_job", "share"]
 
@@ -146,14 +146,13 @@ def _run(
     if rank == 0:
         try:
             plan = pipeline.plan_job(job, target, options, governor, scale=world)
-            staging = target.stage(options.overwrite)
+            staging = target.stage(options.overwrite, protect=list(job.source.files))
             staging.check_space(pipeline.needed_space(plan.job))
             announcement = {
                 "threshold": plan.threshold,
                 "workers": plan.workers,
                 "budget": governor.task_budget(plan.workers),
-                "staging": str(staging.path),
-                "file_tag": getattr(target, "file_tag", ""),
+                "location": staging.location,  # plain data: the directory and this save's id
             }
         except Exception as exc:
             if staging is not None:
@@ -189,27 +188,28 @@ def _write_and_commit(
         job = job.split(announcement["threshold"])
     tasks = target.plan(job, announcement["workers"] * world, announcement["budget"])
     mine = share(tasks, world)[rank]
-    staging_path = locate(announcement["staging"], options.storage_options)
-    if isinstance(target, DcpTarget):
-        target.file_tag = announcement["file_tag"]  # shard names rank 0 chose (object storage)
+    location: WriteLocation = announcement["location"]
+    staging_path = location.root
+    if rank == 0 and staging is not None:
+        staging.expect(target.output_names(tasks))
 
     # 2. Every rank runs its share.
     outcome: tuple[str | None, list[Any]]
     try:
         if isinstance(staging_path, Path) and not staging_path.is_dir():
             raise FileNotFoundError(
-                f"the staging directory {staging_path} that rank 0 created is not visible on {host}: the "
+                f"the destination directory {staging_path} that rank 0 prepared is not visible on {host}: the "
                 "destination must be on a file system every rank shares"
             )
         workers = min(options.worker_count(len(mine)), announcement["workers"]) if mine else 0
-        results = pipeline.run_tasks(job, target, mine, staging_path, options, governor, max(workers, 1))
+        results = pipeline.run_tasks(job, target, mine, location, options, governor, max(workers, 1))
         outcome = (None, [(r.task.index, r.worker, r.seconds, r.value) for r in results])
     except Exception as exc:
         outcome = (f"rank {rank} ({host}): {_describe(exc)}", [])
     gathered = _gather(outcome, group)
     failures = {r: error for r, (error, _) in enumerate(gathered) if error}
 
-    # 3. Rank 0 commits once, or removes the staging directory.
+    # 3. Rank 0 commits once, or removes what this save wrote.
     final: str | None = None
     files = 0
     if rank == 0:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import detect_format, open_source, safetensors_format, torch_format
 from parallel_dcp.storage.location import Location, file_size, listdir, locate
 from parallel_dcp.storage.manifest import MANIFEST_FILE
-from parallel_dcp.storage.staging import METADATA_FILE
+from parallel_dcp.storage.staging import METADATA_FILE, find_leftovers
 
 __all__ = ["describe", "inspect_checkpoint"]
 
@@ -42,11 +43,16 @@ def _uncommitted_dcp(path: Location, names: list[str] | None) -> dict[str, Any] 
     return None
 
 
-def inspect_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def inspect_checkpoint(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, trust_pickle: bool = False
+) -> dict[str, Any]:
     """Format, keys, bytes, dtypes, largest tensors, files and whether the checkpoint is committed.
 
     A DCP directory with shards but no ``.metadata`` is reported as ``committed: False`` (a save
-    that never finished) instead of raising.
+    that never finished) instead of raising; so is one whose shards are missing or shorter than
+    ``.metadata`` records (``damaged`` says which). Non-tensor values are listed with their
+    stored size (``values``), never unpickled. ``leftovers`` lists files of saves that did not
+    finish (their owner, whether it still runs, their files).
 
     Raises:
         FileNotFoundError / ValueError: nothing at ``path``, or not a known format.
@@ -54,11 +60,17 @@ def inspect_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, 
     """
     where = locate(path, storage_options)
     names = listdir(where) if where.is_dir() else None
+    leftovers = find_leftovers(where, names) if names is not None else []
     uncommitted = _uncommitted_dcp(where, names)
     if uncommitted is not None:
-        return uncommitted
+        return uncommitted | {"values": [], "damaged": None, "leftovers": leftovers}
     detect_format(path, storage_options)
-    source = open_source(path, storage_options=storage_options)
+    source = open_source(path, storage_options=storage_options, trust_pickle=trust_pickle)
+    damaged = None
+    try:
+        source.check()
+    except CorruptCheckpointError as exc:
+        damaged = str(exc)
     dtypes: dict[str, dict[str, int]] = {}
     for entry in source.entries.values():
         slot = dtypes.setdefault(str(entry.dtype).removeprefix("torch."), {"tensors": 0, "bytes": 0})
@@ -79,7 +91,8 @@ def inspect_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, 
     return {
         "path": os.fspath(where),
         "format": source.kind,
-        "committed": all(r["size"] is not None for r in files),
+        "committed": damaged is None and all(r["size"] is not None for r in files),
+        "damaged": damaged,
         "keys": len(source.entries) + len([k for k in source.values if k not in source.entries]),
         "tensors": len(source.entries),
         "total_bytes": source.total_bytes(),
@@ -90,6 +103,8 @@ def inspect_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, 
         ],
         "files": files,
         "manifest": names is not None and MANIFEST_FILE in names,
+        "values": [{"key": k, "bytes": source.value_bytes(k)} for k in source.values if k not in source.entries],
+        "leftovers": leftovers,
     }
 
 
@@ -102,10 +117,20 @@ def describe(info: dict[str, Any]) -> str:
         f"  {info['keys']} keys ({info['tensors']} tensors), {format_bytes(info['total_bytes'])}, "
         f"{len(info['files'])} files" + (", manifest" if info["manifest"] else ""),
     ]
+    if info.get("damaged"):
+        lines.append(f"  DAMAGED: {info['damaged']}")
     for dtype, slot in sorted(info["dtypes"].items(), key=lambda kv: -kv[1]["bytes"]):
         lines.append(f"  {dtype:<14}{slot['tensors']:>8} tensors {format_bytes(slot['bytes']):>12}")
     if info["largest"]:
         lines.append("  largest:")
         for e in info["largest"]:
             lines.append(f"    {e['key']}  {e['dtype']} {tuple(e['shape'])}  {format_bytes(e['bytes'])}")
+    for value in info.get("values", [])[:_LARGEST]:
+        lines.append(f"  value {value['key']}: {format_bytes(value['bytes'])} (not unpickled)")
+    for left in info.get("leftovers", []):
+        state = {True: "still running", False: "gone", None: "on another host"}[left["running"]]
+        lines.append(
+            f"  leftover of save {left['save_id']} (pid {left['pid']} on {left['host']}, {state}): "
+            f"{len(left['files'])} files"
+        )
     return "\n".join(lines)

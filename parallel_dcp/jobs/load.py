@@ -5,7 +5,7 @@
   ▼
 partition by bytes ── WorkerPool (fork)
   │ worker: partial_load(extract_metadata(its keys)) straight into the shared tensors
-  │ ◀── only non-tensor values (small pickles) travel back through the pipe
+  │ (non-tensor values are read before the fork, unpickled with weights_only=True)
   ▼
 unflatten with planner_data → the original nesting
 """
@@ -19,7 +19,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from parallel_dcp import _compat
@@ -27,11 +26,11 @@ from parallel_dcp.engine import progress
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
-from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.formats.dcp_format import read_keys
 from parallel_dcp.options import Options
 from parallel_dcp.partial import extract_metadata, partial_load
-from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, dcp_reader, file_size, listdir, locate
-from parallel_dcp.storage.metadata import read_metadata
+from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, dcp_reader, locate
+from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading
 
 __all__ = ["load"]
 
@@ -63,41 +62,28 @@ def _shared_tensors(metas: dict[str, TensorStorageMetadata]) -> dict[str, torch.
     return tensors
 
 
-def _check_shards(path: Location, metadata: Metadata, keys: list[str]) -> None:
-    """Refuse, before reading, a checkpoint whose shard files are missing or shorter than recorded."""
-    wanted = set(keys)
-    needed: dict[str, int] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        if index.fqn in wanted:
-            name = str(info.relative_path)
-            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
-    present = set(listdir(path))
-    for name, end in needed.items():
-        if name not in present:
-            raise CorruptCheckpointError(f"{path} is damaged: shard {name} is missing")
-        size = file_size(path / name)
-        if size < end:
-            raise CorruptCheckpointError(
-                f"{path} is damaged: shard {name} has {size} bytes but the metadata records data up to byte {end} "
-                "(truncated file)"
-            )
-
-
-def _load_handler(path: Location, metadata: Metadata, targets: dict[str, torch.Tensor | None]) -> Any:
+def _load_handler(
+    path: Location, metadata: Metadata, targets: dict[str, torch.Tensor | None], trust_pickle: bool
+) -> Any:
     def run(task: Task) -> dict[str, Any]:
-        part = {key: targets[key] for key in task.keys}
-        # No flattening of any kind: the planner must write bytes values into `part` itself.
-        planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
-        loaded = partial_load(extract_metadata(task.keys, metadata), dcp_reader(path), planner, state_dict=part)
+        # No flattening of any kind: tensors are filled in place, in shared memory.
+        planner = SafeLoadPlanner(
+            flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True, trust_pickle=trust_pickle
+        )
+        keys = [key for key in task.keys if targets[key] is not None]  # values were read before the fork
+        part = {key: targets[key] for key in keys}
+        with reading(path, keys):
+            partial_load(extract_metadata(keys, metadata), dcp_reader(path), planner, state_dict=part)
         progress.report(task.nbytes)
         progress.flush()
-        # Tensors were filled in place in shared memory; only other values travel back.
-        return {key: loaded[key] for key in task.keys if targets[key] is None}
+        return {}
 
     return run
 
 
-def load(path: str | os.PathLike[str], keys: Iterable[str] | None, options: Options) -> dict[str, Any]:
+def load(
+    path: str | os.PathLike[str], keys: Iterable[str] | None, options: Options, *, trust_pickle: bool = False
+) -> dict[str, Any]:
     """Run the load pipeline above; see :func:`parallel_dcp.load` for the contract."""
     _compat.check_torch()
     path = locate(path, options.storage_options)
@@ -107,7 +93,10 @@ def load(path: str | os.PathLike[str], keys: Iterable[str] | None, options: Opti
     if missing:
         raise KeyError(f"not in the checkpoint at {path}: {missing[:8]}" + (" ..." if len(missing) > 8 else ""))
     tensor_metas = {k: m for k in selected if isinstance(m := metadata.state_dict_metadata[k], TensorStorageMetadata)}
+    values = {k: sum(int(i.length) for x, i in (metadata.storage_data or {}).items() if x.fqn == k) for k in selected}
+    # A value's record is read, then unpickled: twice its stored size, for admission.
     items = [Item(k, n, n) for k in selected for n in [_nbytes(tensor_metas[k]) if k in tensor_metas else 0]]
+    items = [it if it.key in tensor_metas else Item(it.key, 0, 2 * values[it.key]) for it in items]
     # The output lives in memory for good; each item also needs a read buffer of its size.
     governor = MemoryGovernor(options.memory_ceiling())
     if isinstance(path, Remote):
@@ -115,17 +104,23 @@ def load(path: str | os.PathLike[str], keys: Iterable[str] | None, options: Opti
     governor.reserve(sum(item.nbytes for item in items), f"loading {len(items)} keys from {path}")
     workers = governor.workers_for(((it.key, it.memory) for it in items), options.worker_count(len(items)))
     tasks = partition(items, workers, max_task_memory=governor.task_budget(workers), memory_adds_up=False)
-    _check_shards(path, metadata, selected)
+    check_shards(path, metadata, selected)
     targets: dict[str, torch.Tensor | None] = {k: None for k in selected}
     targets.update(_shared_tensors(tensor_metas))
 
     flat: dict[str, Any] = dict(targets)
+    # Non-tensor values are read here, before the fork: small, and an unsafe one is refused by
+    # name (UnsafeCheckpointError) rather than inside a worker.
+    value_keys = [k for k in selected if k not in tensor_metas]
+    if value_keys:
+        flat.update(read_keys(path, metadata, value_keys, {k: None for k in value_keys}, trust_pickle=trust_pickle))
+    tasks = [t for t in tasks if any(k in tensor_metas for k in t.keys)]
     if tasks:
         with (
             progress.Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc="load") as bar,
             WorkerPool(
                 min(workers, len(tasks)),
-                _load_handler(path, metadata, targets),
+                _load_handler(path, metadata, targets, trust_pickle),
                 initializer=lambda: torch.set_num_threads(1),
             ) as pool,
         ):

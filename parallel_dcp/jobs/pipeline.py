@@ -6,30 +6,31 @@ source: state_dict in memory | safetensors | torch.save | DCP   (formats/: heade
   ▼
 partition ── disjoint tasks balanced by bytes, largest first; task i writes part i
   │
-  ▼                                   staging dir  <parent>/.<name>.staging-<id>/
+  ▼                 stage: lock the destination, note this save as the owner (destination.py)
 WorkerPool (fork: workers read the state dict copy-on-write, no tensor bytes in pipes)
-  │ worker: read its keys (lazily, mmap), cast, then write them (targets.py):
-  │   DCP: partial_save(keys, FileSystemWriter(staging), part_idx=i) → __i_0.distcp
-  │   safetensors / torch: one shard file per task
+  │ worker: read its keys (lazily, mmap), cast, then write them (targets.py) into the
+  │ destination itself, under names carrying this save's id:
+  │   DCP: partial_save(keys, FileSystemWriter(dst), part_idx=i) → __i_<save id>_0.distcp
+  │   safetensors / torch: one shard file per task (a hidden temporary name until the commit)
   │ ◀── (Metadata, [WriteResult], checksums) per task, pickled through the pipe
   ▼
 DCP: merge_metadata + planner_data of the whole source (so nesting survives)
-  │ commit: FileSystemWriter.finish → staging/.metadata, then the manifest (checksums)
+  │ commit: .metadata in one atomic rename (or one upload), then the manifest
   ▼
-publish: rename (or atomic exchange) staging → destination     ── the checkpoint exists
-any failure before this: workers killed and reaped, staging removed, destination untouched
-
-On object storage (a URL; destination.RemoteStaging) there is no staging directory or rename:
-workers upload shards under per-save names into the destination prefix, and the commit uploads
-.metadata after all of them; a failure deletes this save's objects instead.
+publish: the replaced checkpoint's own files removed; the lock released
+any failure (SIGTERM included) before the commit: workers killed and reaped, this save's files
+removed, the destination as it was
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs.targets import DcpTarget, Job, Target
 from parallel_dcp.options import Options
 from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
+from parallel_dcp.storage.staging import WriteLocation
 
 __all__ = ["SaveResult", "WorkerStats", "run_job", "save"]
 
@@ -95,7 +97,7 @@ class SaveResult:
         return self.bytes / 2**30 / self.seconds if self.seconds > 0 else 0.0
 
 
-def _handler(job: Job, target: Target, staging: Path | Remote, options: Options) -> Any:
+def _handler(job: Job, target: Target, staging: WriteLocation, options: Options) -> Any:
     def run(task: Task) -> Any:
         try:
             return target.write(job, task, job.read(task.keys), staging, options)
@@ -139,20 +141,42 @@ def run_job(
     if options.distributed:
         from parallel_dcp.jobs import distributed
 
-        return distributed.run_job(job, target, options, governor, start=start)
+        with terminate_as_interrupt():
+            return distributed.run_job(job, target, options, governor, start=start)
     with gc_paused():
         plan = plan_job(job, target, options, governor)
     job, tasks, workers = plan.job, plan.tasks, plan.workers
-    staging = target.stage(options.overwrite)
-    try:
-        staging.check_space(needed_space(job))
-        results = run_tasks(job, target, tasks, staging.path, options, governor, min(workers, len(tasks)))
-        files = target.commit(job, tasks, [r.value for r in results], staging, options)
-        staging.publish()
-    except BaseException:
-        staging.discard()
-        raise
+    with terminate_as_interrupt():
+        staging = target.stage(options.overwrite, protect=list(job.source.files))
+        try:
+            staging.expect(target.output_names(tasks))
+            staging.check_space(needed_space(job))
+            results = run_tasks(job, target, tasks, staging.location, options, governor, min(workers, len(tasks)))
+            files = target.commit(job, tasks, [r.value for r in results], staging, options)
+            staging.publish()
+        except BaseException:
+            staging.discard()
+            raise
     return result_of(target, job, tasks, workers, results, files, governor, options, start)
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt while a job runs, so it ends as Ctrl-C does: workers
+    stopped, this save's files removed, nothing committed (only in the main thread, where
+    Python delivers signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,8 +220,9 @@ def plan_job(job: Job, target: Target, options: Options, governor: MemoryGoverno
 
 
 def needed_space(job: Job) -> int:
-    """Bytes the output will take, records' overhead included."""
-    return sum(job.out_bytes(k) for k in job.keys) + _RECORD_OVERHEAD * len(job.keys)
+    """Bytes the output will take, records' overhead and non-tensor values included."""
+    values = sum(job.memory(k) for k in job.keys if k in job.source.values and k not in job.source.entries)
+    return sum(job.out_bytes(k) for k in job.keys) + values + _RECORD_OVERHEAD * len(job.keys)
 
 
 def result_of(
@@ -256,7 +281,7 @@ def run_tasks(
     job: Job,
     target: Target,
     tasks: list[Task],
-    staging: Path | Remote,
+    staging: WriteLocation,
     options: Options,
     governor: MemoryGovernor,
     workers: int,

@@ -1,8 +1,8 @@
 """Where a job writes: a DCP directory, a sharded safetensors/torch directory, or a single file.
 
 A target plans the tasks (which keys each worker writes), writes one task in a worker, and
-commits in the coordinator (DCP: ``.metadata``; sharded: the index JSON; both: the manifest),
-all inside a staging path that is published only when everything succeeded.
+commits in the coordinator through its destination's :class:`~parallel_dcp.storage.staging.Staging`
+(DCP: ``.metadata``; sharded: the index JSON; both: then the manifest).
 """
 
 from __future__ import annotations
@@ -27,20 +27,20 @@ from parallel_dcp.formats.dcp_format import ChunkSavePlanner
 from parallel_dcp.options import Options
 from parallel_dcp.partial import commit, merge_metadata, partial_save
 from parallel_dcp.storage.location import Remote, locate, upload_memory
-from parallel_dcp.storage.manifest import FileDigest, Hasher, file_digest, manifest_bytes, write_manifest
+from parallel_dcp.storage.manifest import FileDigest, Hasher, file_digest, manifest_bytes
 from parallel_dcp.storage.staging import (
     DCP_LAYOUT,
     MANIFEST_FILE,
     METADATA_FILE,
-    FileStaging,
-    Layout,
-    RemoteFileStaging,
-    RemoteStaging,
     Staging,
+    WriteLocation,
+    sharded_layout,
+    stage_directory,
+    stage_file,
 )
-from parallel_dcp.storage.writers import CommitWriter, MetadataPayloadWriter, ShardWriter
+from parallel_dcp.storage.writers import MetadataPayloadWriter, ShardWriter
 
-AnyStaging = Staging | FileStaging | RemoteStaging | RemoteFileStaging
+AnyStaging = Staging  # kept for callers that imported the old union
 
 __all__ = ["DcpTarget", "FileTarget", "ShardedTarget", "Target", "target_for"]
 
@@ -120,8 +120,8 @@ class Job:
     def _memory(self, unit: str, out_bytes: int) -> int:
         chunk = self.chunks.get(unit)
         key = chunk.key if chunk else unit
-        if key not in self.source.entries:
-            return 0
+        if key not in self.source.entries:  # a non-tensor value: its pickle, made in the worker
+            return self.source.value_bytes(key) if key in self.source.values else 0
         entry = self.source.entries[key]
         cast = out_bytes if self.out_dtype(entry.dtype) != entry.dtype else 0
         return (self.source.chunk_memory(chunk) if chunk else self.source.copied_bytes(key)) + cast
@@ -146,8 +146,13 @@ class Target(ABC):
     path: Path | Remote
 
     @abstractmethod
-    def stage(self, overwrite: bool) -> AnyStaging:
-        """Check the destination and create the staging path (before any write)."""
+    def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
+        """Check the destination and take hold of it (before any write); ``protect``: the source's
+        files, which the job must never replace or delete."""
+
+    def output_names(self, tasks: list[Task]) -> list[str]:
+        """The fixed file names the tasks write (none for DCP, whose names carry the save id)."""
+        return []
 
     def io_memory(self, nbytes: int) -> int:
         """Memory one task's output stream holds for a file of ``nbytes``: upload buffers on
@@ -160,8 +165,8 @@ class Target(ABC):
         where its items allow."""
 
     @abstractmethod
-    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path | Remote, options: Options) -> Any:
-        """In a worker: write one task into ``staging``; the result goes back to the coordinator."""
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: WriteLocation, options: Options) -> Any:
+        """In a worker: write one task at ``staging``; the result goes back to the coordinator."""
 
     @abstractmethod
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
@@ -198,14 +203,9 @@ class DcpTarget(Target):
 
     def __init__(self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
         self.path = _where(path, storage_options)
-        self.file_tag = ""  # set when staged on object storage: shard names unique to this save
 
-    def stage(self, overwrite: bool) -> Staging | RemoteStaging:
-        if isinstance(self.path, Remote):
-            staging = RemoteStaging(self.path, overwrite=overwrite, layout=DCP_LAYOUT, unique_names=True)
-            self.file_tag = staging.tag  # workers are forked after staging: they name shards with it
-            return staging
-        return Staging(self.path, overwrite=overwrite, layout=DCP_LAYOUT)
+    def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
+        return stage_directory(self.path, overwrite=overwrite, layout=DCP_LAYOUT, protect=protect or [])
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)
@@ -213,9 +213,9 @@ class DcpTarget(Target):
         tasks = partition(items, workers, max_task_memory=max(1, budget - io))
         return [dataclasses.replace(t, memory=t.memory + self.io_memory(t.nbytes)) for t in tasks]
 
-    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path | Remote, options: Options) -> Any:
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: WriteLocation, options: Options) -> Any:
         writer = ShardWriter(
-            staging,
+            staging.root,
             sync_files=options.sync_files,
             checksums=options.checksums,
             expected_bytes=task.nbytes,
@@ -223,11 +223,11 @@ class DcpTarget(Target):
         whole = {unit: value for unit, value in data.items() if unit not in job.chunks}
         planner = ChunkSavePlanner((job.chunks[u], v) for u, v in data.items() if u in job.chunks)
         try:
-            metadata, writes = partial_save(whole, writer, planner, part_idx=task.index, file_tag=self.file_tag)
+            metadata, writes = partial_save(whole, writer, planner, part_idx=task.index, file_tag=staging.save_id)
         except BaseException as exc:
             original = writer.original_error()
             if original is not None:  # say what the file system said, not "unexpected pos ..."
-                raise OSError(original.errno, f"{original.strerror} writing {staging}") from exc
+                raise OSError(original.errno, f"{original.strerror} writing {staging.root}") from exc
             raise
         return metadata, writes, writer.digests()
 
@@ -242,19 +242,13 @@ class DcpTarget(Target):
             merged.state_dict_metadata = {key: merged.state_dict_metadata[key] for key in keys}
             # Nesting comes from the whole source, not from the parts (which were saved flat).
             merged.planner_data = {key: job.source.mapping.get(key, (key,)) for key in keys}
-            if isinstance(staging, RemoteStaging):
-                payload_writer = MetadataPayloadWriter(str(self.path))
-                commit(merged, [r[1] for r in results], payload_writer)
-            else:
-                writer = CommitWriter(str(staging.path), str(self.path), sync_files=options.sync_files)
-                commit(merged, [r[1] for r in results], writer)
-        if isinstance(staging, RemoteStaging):
-            digests[METADATA_FILE] = _digest_of(payload_writer.payload, options)
-            manifest = manifest_bytes(digests, job.source.fingerprint())
-            staging.commit(METADATA_FILE, payload_writer.payload, {MANIFEST_FILE: manifest})
-        else:
-            digests[METADATA_FILE] = file_digest(Path(staging.path, METADATA_FILE), checksum=options.checksums)
-            write_manifest(Path(staging.path), digests, job.source.fingerprint())
+            payload_writer = MetadataPayloadWriter(str(self.path), save_id=staging.save_id)
+            commit(merged, [r[1] for r in results], payload_writer)
+        digests[METADATA_FILE] = _digest_of(payload_writer.payload, options)
+        manifest = manifest_bytes(digests, job.source.fingerprint(), save_id=staging.save_id)
+        # .metadata is the commit; the manifest follows it (see destination: a stale manifest is
+        # recognised by its save id).
+        staging.commit(marker=(METADATA_FILE, payload_writer.payload), extras={MANIFEST_FILE: manifest})
         return len(digests)  # the shards and .metadata, as inspect lists them
 
 
@@ -282,14 +276,14 @@ class ShardedTarget(Target):
         self._index_name = module.INDEX_NAME
         self._shard_names = module.shard_names
         single = module.shard_names(1)[0]
-        suffix = ".safetensors" if kind == "safetensors" else ".bin"
         self._count = 1
-        self._layout = Layout(f"{kind} checkpoint directory", (self._index_name, single), (suffix,))
+        self._layout = sharded_layout(kind, self._index_name, single)
 
-    def stage(self, overwrite: bool) -> Staging | RemoteStaging:
-        if isinstance(self.path, Remote):
-            return RemoteStaging(self.path, overwrite=overwrite, layout=self._layout, unique_names=False)
-        return Staging(self.path, overwrite=overwrite, layout=self._layout)
+    def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
+        return stage_directory(self.path, overwrite=overwrite, layout=self._layout, protect=protect or [])
+
+    def output_names(self, tasks: list[Task]) -> list[str]:
+        return [*self._shard_names(len(tasks)), self._index_name, MANIFEST_FILE]
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         """Shards filled up to ``shard_size`` bytes in the source's key order, as Hugging Face's own
@@ -320,12 +314,13 @@ class ShardedTarget(Target):
         self._count = len(tasks)  # workers are forked after planning: they name shards from it
         return tasks
 
-    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path | Remote, options: Options) -> Any:
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: WriteLocation, options: Options) -> Any:
         name = self._shard_names(self._count)[task.index]
-        if isinstance(staging, Remote):
-            return {name: _write_remote(staging / name, self.kind, data, task.nbytes, options)}
-        _WRITERS[self.kind](data, str(staging / name))
-        return {name: _finish_file(staging / name, options)}
+        where = staging.file(name)  # a hidden temporary name until the commit renames it (local)
+        if isinstance(where, Remote):
+            return {name: _write_remote(where, self.kind, data, task.nbytes, options)}
+        _WRITERS[self.kind](data, str(where))
+        return {name: _finish_file(where, options)}
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         digests: dict[str, FileDigest] = {}
@@ -338,17 +333,15 @@ class ShardedTarget(Target):
             index = safetensors_format.index_json(weight_map, sum(job.out_bytes(k) for k in job.keys)).encode()
         if index:
             digests[self._index_name] = _digest_of(index, options)
-        if isinstance(staging, RemoteStaging):  # the index marks the directory complete: it goes last
-            manifest = manifest_bytes(digests, job.source.fingerprint())
-            if index:
-                staging.commit(self._index_name, index, {MANIFEST_FILE: manifest})
-            else:
-                staging.commit(MANIFEST_FILE, manifest, {})
-            return len(tasks) + bool(index)
-        if index:
-            Path(staging.path, self._index_name).write_bytes(index)
-            digests[self._index_name] = _finish_file(Path(staging.path, self._index_name), options)
-        write_manifest(Path(staging.path), digests, job.source.fingerprint())
+        manifest = manifest_bytes(digests, job.source.fingerprint(), save_id=staging.save_id)
+        # Shards are renamed into place, then the index (the commit), then the manifest. Shard
+        # names are fixed: between the first rename and the index's, new shards sit beside the old
+        # index (the documented window of an overwrite).
+        staging.commit(
+            staged=sorted(digests.keys() - {self._index_name}),
+            marker=(self._index_name, index) if index else None,
+            extras={MANIFEST_FILE: manifest},
+        )
         return len(tasks) + bool(index)  # the shards and the index, as inspect lists them
 
 
@@ -359,10 +352,8 @@ class FileTarget(Target):
         self.path = _where(path, storage_options)
         self.kind = kind
 
-    def stage(self, overwrite: bool) -> FileStaging | RemoteFileStaging:
-        if isinstance(self.path, Remote):
-            return RemoteFileStaging(self.path, overwrite=overwrite)
-        return FileStaging(self.path, overwrite=overwrite)
+    def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
+        return stage_file(self.path, overwrite=overwrite, protect=protect or [])
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)
@@ -370,17 +361,19 @@ class FileTarget(Target):
         memory = TASK_MEMORY_BYTES + _whole_file_memory(items) + self.io_memory(nbytes)
         return [Task(index=0, keys=job.keys, nbytes=nbytes, memory=memory)]
 
-    def write(self, job: Job, task: Task, data: dict[str, Any], staging: Path | Remote, options: Options) -> Any:
+    def write(self, job: Job, task: Task, data: dict[str, Any], staging: WriteLocation, options: Options) -> Any:
         mapping = {key: job.source.mapping.get(key, (key,)) for key in task.keys} if self.kind == "torch" else None
-        if isinstance(staging, Remote):
-            return _write_remote(staging, self.kind, data, task.nbytes, options, mapping)
+        where = staging.file(self.path.name)  # beside the destination, under a hidden name (local)
+        if isinstance(where, Remote):
+            return _write_remote(where, self.kind, data, task.nbytes, options, mapping)
         if self.kind == "torch":
-            torch_format.write_file(data, str(staging), mapping)
+            torch_format.write_file(data, str(where), mapping)
         else:
-            safetensors_format.write_shard(data, str(staging))
-        return _finish_file(staging, options)
+            safetensors_format.write_shard(data, str(where))
+        return _finish_file(where, options)
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
+        staging.commit(staged=[self.path.name])  # one atomic rename (local); the upload itself (remote)
         return 1
 
 

@@ -24,6 +24,7 @@ from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
+from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.options import Options
@@ -163,6 +164,8 @@ def verify(
     against: str | os.PathLike[str] | None,
     options: Options,
     dtype: torch.dtype | None = None,
+    *,
+    trust_pickle: bool = False,
 ) -> VerifyReport:
     """See :func:`parallel_dcp.verify`."""
     if dtype is not None and against is None:
@@ -173,9 +176,13 @@ def verify(
     governor = MemoryGovernor(options.memory_ceiling())
     if any(is_url(where) for where in (path, against)):
         governor.worker_extra = CLIENT_MEMORY  # each worker's own connection
-    source = open_source(path, storage_options=options.storage_options)
+    source = open_source(path, storage_options=options.storage_options, trust_pickle=trust_pickle)
     try:
-        reference = open_source(against, storage_options=options.storage_options) if against is not None else None
+        reference = (
+            open_source(against, storage_options=options.storage_options, trust_pickle=trust_pickle)
+            if against is not None
+            else None
+        )
         try:
             return _verify(source, reference, options, governor, dtype)
         finally:
@@ -252,7 +259,7 @@ def _verify(
     against = reference.path if reference is not None else None
     report = VerifyReport(path=source.path, format=source.kind, against=against)
     directory = source.location if source.location.is_dir() else None
-    recorded = read_manifest(directory) if directory is not None else None
+    recorded = read_manifest(directory, current_only=True) if directory is not None else None
     workers = options.worker_count(max(1, len(source.entries)))
     file_problems: list[str] = []
 
@@ -273,10 +280,21 @@ def _verify(
                 key_problems[k] = (0, f"not in {against}")
         for k in theirs - set(keys):
             key_problems[k] = (0, f"in {against} but missing here")
+        keys = [k for k in keys if k in theirs]
+    report.keys_checked = len(keys)
+    try:  # damaged shards are found before reading; unsafe values are refused by name
+        source.check(keys)
+    except CorruptCheckpointError as exc:
+        report.problems = sorted(file_problems) + [f"{k}: {key_problems[k][1]}" for k in sorted(key_problems)]
+        report.problems.append(str(exc))
+        return report
+    for side in (source, reference):
+        if side is not None:
+            side.load_values(k for k in keys if k not in side.entries and k in side.values)
+    if reference is not None:
         for k in keys:
-            if k in theirs and (problem := _header_problem(source, reference, k, dtype)) is not None:
+            if (problem := _header_problem(source, reference, k, dtype)) is not None:
                 key_problems[k] = (0, problem)
-    report.keys_checked = len([k for k in keys if reference is None or k in reference.entries or k in reference.values])
     tensors = [k for k in keys if k in source.entries and k not in key_problems]
 
     # As many workers as leave each task room for a row range of at least MIN_MEMORY_CHUNK_BYTES.

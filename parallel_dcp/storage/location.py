@@ -41,6 +41,7 @@ __all__ = [
     "Location",
     "Remote",
     "RemoteFileSystem",
+    "check_name",
     "dcp_reader",
     "file_size",
     "is_url",
@@ -61,6 +62,31 @@ _READ_BYTES = 8 * 2**20
 
 # (pid, protocol, options and AWS environment) -> the filesystem this process opened.
 _FILESYSTEMS: dict[tuple[int, str, str], AbstractFileSystem] = {}
+
+
+def check_name(name: object, where: object) -> str:
+    """``name`` if it is a plain file name inside a checkpoint directory; else CorruptCheckpointError.
+
+    Names read from a checkpoint (``relative_path`` in ``.metadata``, the manifest's entries, an
+    index's ``weight_map``) are hostile: ``../other/__0_0.distcp``, ``/etc/hostname`` or
+    ``/proc/self/pagemap`` would make a reader leave the checkpoint. A plain name has no path
+    separator, is not ``.`` or ``..``, and holds no NUL.
+    """
+    from parallel_dcp.errors import CorruptCheckpointError
+
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or os.path.isabs(name)
+    ):
+        raise CorruptCheckpointError(
+            f"{where} names the file {name!r}, which is not a plain file name inside the checkpoint "
+            "(refused before reading anything: the checkpoint may be malicious)"
+        )
+    return name
 
 
 def is_url(path: object) -> bool:

@@ -17,18 +17,18 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from parallel_dcp._version import __version__
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.storage.location import Remote, locate
-from parallel_dcp.storage.staging import MANIFEST_FILE
+from parallel_dcp.storage.location import Location, Remote, check_name, locate
+from parallel_dcp.storage.staging import MANIFEST_FILE, METADATA_FILE
 
-__all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "manifest_bytes", "read_manifest", "write_manifest"]
+__all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "manifest_bytes", "read_manifest"]
 
 ALGORITHM = "xxh3_64"
 _CHUNK = 8 * 1024 * 1024
@@ -78,13 +78,18 @@ def file_digest(path: str | os.PathLike[str] | Remote, *, checksum: bool = True)
     return hasher.result()
 
 
-def manifest_bytes(files: dict[str, FileDigest], source: dict[str, Any]) -> bytes:
-    """The manifest document recording ``files`` (and what the output was made from)."""
+def manifest_bytes(files: dict[str, FileDigest], source: dict[str, Any], save_id: str | None = None) -> bytes:
+    """The manifest document recording ``files`` (and what the output was made from).
+
+    ``save_id`` is the save that wrote it, also recorded in its ``.metadata`` (``storage_meta``):
+    a manifest whose save id differs from its ``.metadata``'s is stale, not a sign of corruption.
+    """
     document = {
         "tool": "parallel_dcp",
         "version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "checksum": ALGORITHM,
+        "save_id": save_id,
         "source": source,
         "files": {
             name: {"size": d.size, ALGORITHM: d.digest} if d.digest else {"size": d.size}
@@ -94,19 +99,19 @@ def manifest_bytes(files: dict[str, FileDigest], source: dict[str, Any]) -> byte
     return (json.dumps(document, indent=1) + "\n").encode()
 
 
-def write_manifest(directory: str | os.PathLike[str], files: dict[str, FileDigest], source: dict[str, Any]) -> None:
-    """Write the manifest (fsynced) into ``directory``, which is still the staging directory."""
-    with open(Path(directory, MANIFEST_FILE), "wb") as f:
-        f.write(manifest_bytes(files, source))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def read_manifest(directory: str | os.PathLike[str] | Remote) -> dict[str, FileDigest] | None:
+def read_manifest(
+    directory: str | os.PathLike[str] | Remote, *, current_only: bool = False
+) -> dict[str, FileDigest] | None:
     """The files the manifest records, or None when there is no manifest.
 
+    Every name in it must be a plain file name inside ``directory`` (checked before anything is
+    read). With ``current_only``, a manifest that belongs to another save than the directory's
+    ``.metadata`` (left by a save killed between the two renames of its commit) is stale: a
+    warning, and None.
+
     Raises:
-        CorruptCheckpointError: the manifest exists but cannot be read.
+        CorruptCheckpointError: the manifest exists but cannot be read, or names a file outside
+            the checkpoint.
     """
     path = locate(directory) / MANIFEST_FILE
     if not path.is_file():
@@ -115,6 +120,31 @@ def read_manifest(directory: str | os.PathLike[str] | Remote) -> dict[str, FileD
         document = json.loads(path.read_bytes())
         if document.get("checksum") != ALGORITHM:
             raise ValueError(f"unknown checksum {document.get('checksum')!r}")
-        return {name: FileDigest(int(v["size"]), v.get(ALGORITHM)) for name, v in document["files"].items()}
+        files = {
+            check_name(name, path): FileDigest(int(v["size"]), v.get(ALGORITHM))
+            for name, v in document["files"].items()
+        }
+        if any(d.size < 0 or not isinstance(d.digest, (str, type(None))) for d in files.values()):
+            raise ValueError("a negative size or a checksum that is not a string")
+    except CorruptCheckpointError:
+        raise
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{path} is not a readable manifest: {exc}") from exc
+    if current_only and _stale(locate(directory), document.get("save_id")):
+        warnings.warn(
+            f"{path} belongs to another save than {locate(directory) / METADATA_FILE} (a save was stopped "
+            "between its commit and the manifest's rename): it is stale and was not used",
+            stacklevel=2,
+        )
+        return None
+    return files
+
+
+def _stale(directory: Location, save_id: object) -> bool:
+    if not isinstance(save_id, str) or not (directory / METADATA_FILE).is_file():
+        return False
+    from parallel_dcp.storage.metadata import read_metadata
+
+    meta = read_metadata(directory).storage_meta
+    recorded = getattr(meta, "save_id", None)
+    return isinstance(recorded, str) and recorded != save_id

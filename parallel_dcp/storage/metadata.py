@@ -1,25 +1,45 @@
-"""Read a checkpoint's ``.metadata`` without trusting it.
+"""Read a checkpoint without trusting it: its ``.metadata``, its names, sizes and values.
 
 DCP reads ``.metadata`` with plain ``pickle.load``, so a crafted file runs code the moment it is
 opened. Every parallel_dcp reader goes through :func:`read_metadata` instead: an unpickler that
 resolves only the classes a DCP metadata file is made of, and refuses anything else by name
-before running it.
+before running it. Then every file name it holds must be a plain name inside the checkpoint,
+and every offset, length and size must be possible (:class:`CorruptCheckpointError` otherwise).
+
+Non-tensor values are stored by DCP as pickled ``BYTE_IO`` records, which torch's
+``DefaultLoadPlanner.load_bytes`` unpickles with ``weights_only=False``: a hostile checkpoint
+runs code through it. Every read path here uses :class:`SafeLoadPlanner` /
+:func:`safe_empty_planner`, which unpickle with ``weights_only=True`` and refuse anything more
+with :class:`UnsafeCheckpointError` naming the key, unless the caller passed ``trust_pickle``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import math
 import os
 import pickle
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
 
-from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
-from parallel_dcp.storage.location import Remote, locate
+from parallel_dcp import _compat
+from parallel_dcp.errors import CorruptCheckpointError, ParallelDCPError, UnsafeCheckpointError, describe_keys
+from parallel_dcp.storage.location import Location, Remote, check_name, file_size, listdir, locate
 
-__all__ = ["read_metadata"]
+__all__ = [
+    "SafeLoadPlanner",
+    "check_shards",
+    "read_metadata",
+    "reading",
+    "safe_empty_planner",
+    "unpickle_value",
+]
 
 _ALLOWED: dict[str, set[str]] = {
     "torch.distributed.checkpoint.metadata": {
@@ -73,4 +93,157 @@ def read_metadata(path: str | os.PathLike[str] | Remote) -> Metadata:
             raise CorruptCheckpointError(f"{file} is truncated or corrupt: {type(exc).__name__}: {exc}") from exc
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{file} does not hold DCP Metadata but {type(metadata).__name__}")
+    _check_metadata(metadata, file)
     return metadata
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_metadata(metadata: Metadata, file: object) -> None:
+    """Every name plain, every size and offset possible; before anything else is read."""
+    if not isinstance(metadata.state_dict_metadata, dict):
+        raise CorruptCheckpointError(f"{file}: state_dict_metadata is not a mapping")
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(key, str):
+            raise CorruptCheckpointError(f"{file}: a key is not a string ({key!r})")
+        if isinstance(meta, TensorStorageMetadata):
+            dtype = getattr(meta.properties, "dtype", None)
+            if not isinstance(dtype, torch.dtype) or not all(_count(n) for n in meta.size):
+                raise CorruptCheckpointError(f"{file}: key {key!r} has an impossible dtype or size {meta.size}")
+            for chunk in meta.chunks:
+                if len(chunk.offsets) != len(meta.size) or len(chunk.sizes) != len(meta.size):
+                    raise CorruptCheckpointError(f"{file}: key {key!r} has a chunk of the wrong rank")
+                for offset, size, whole in zip(chunk.offsets, chunk.sizes, meta.size, strict=True):
+                    if not (_count(offset) and _count(size) and offset + size <= whole):
+                        raise CorruptCheckpointError(
+                            f"{file}: key {key!r} has a chunk outside the tensor "
+                            f"(offsets {list(chunk.offsets)}, sizes {list(chunk.sizes)}, tensor {list(meta.size)})"
+                        )
+        elif not isinstance(meta, BytesStorageMetadata):
+            raise CorruptCheckpointError(f"{file}: key {key!r} has storage metadata of type {type(meta).__name__}")
+    storage = metadata.storage_data or {}
+    if not isinstance(storage, dict):
+        raise CorruptCheckpointError(f"{file}: storage_data is not a mapping")
+    stored: dict[str, int] = {}
+    for index, info in storage.items():
+        where = f"{file} (key {getattr(index, 'fqn', index)!r})"
+        check_name(getattr(info, "relative_path", None), where)
+        if not (_count(getattr(info, "offset", None)) and _count(getattr(info, "length", None))):
+            raise CorruptCheckpointError(
+                f"{where}: impossible offset {getattr(info, 'offset', None)!r} or length "
+                f"{getattr(info, 'length', None)!r}"
+            )
+        fqn = getattr(index, "fqn", None)
+        stored[str(fqn)] = stored.get(str(fqn), 0) + int(info.length)
+    # What a reader allocates is bounded by what is stored (and check_shards bounds that by the
+    # files' real sizes): a tensor's chunks cover it, and each chunk's bytes are in its records.
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        itemsize = meta.properties.dtype.itemsize
+        covered = sum(math.prod(chunk.sizes) for chunk in meta.chunks)
+        if math.prod(meta.size) > covered or covered * itemsize > stored.get(key, 0):
+            raise CorruptCheckpointError(
+                f"{file}: key {key!r} claims {math.prod(meta.size)} elements ({covered} in its chunks) but "
+                f"{stored.get(key, 0)} stored bytes: impossible sizes"
+            )
+
+
+def check_shards(path: Location, metadata: Metadata, keys: list[str] | None = None) -> None:
+    """Refuse, before reading, a checkpoint whose shard files (for ``keys``, or all) are missing
+    or shorter than ``.metadata`` records.
+
+    Raises:
+        CorruptCheckpointError: naming the shard.
+    """
+    wanted = None if keys is None else set(keys)
+    needed: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if wanted is None or index.fqn in wanted:
+            name = check_name(info.relative_path, path)
+            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    present = set(listdir(path))
+    for name, end in needed.items():
+        if name not in present:
+            raise CorruptCheckpointError(f"{path} is damaged: shard {name} is missing")
+        size = file_size(path / name)
+        if size < end:
+            raise CorruptCheckpointError(
+                f"{path} is damaged: shard {name} has {size} bytes but the metadata records data up to byte {end} "
+                "(truncated file)"
+            )
+
+
+@contextlib.contextmanager
+def reading(path: object, keys: Sequence[str]) -> Iterator[None]:
+    """Whatever goes wrong reading ``keys`` from ``path`` is a CorruptCheckpointError naming them
+    (torch raises RuntimeError from its zip reader on a damaged record)."""
+    try:
+        yield
+    except ParallelDCPError:
+        raise
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise CorruptCheckpointError(
+            f"{path}: cannot read {describe_keys(list(keys))}: {type(exc).__name__}: {first}"
+        ) from exc
+
+
+def unpickle_value(key: str, data: io.BytesIO, *, trust_pickle: bool = False) -> Any:
+    """A non-tensor value DCP stored (a ``torch.save`` record), unpickled with ``weights_only=True``
+    unless ``trust_pickle``.
+
+    Raises:
+        UnsafeCheckpointError: the value needs more than ``weights_only=True`` allows (nothing ran).
+        CorruptCheckpointError: the record is not a readable ``torch.save`` record.
+    """
+    try:
+        return torch.load(data, map_location="cpu", weights_only=not trust_pickle)
+    except pickle.UnpicklingError as exc:
+        if not trust_pickle and "Weights only load failed" in str(exc) and "GLOBAL" in str(exc):
+            detail = next((ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln or "Unsupported" in ln), "")
+            raise UnsafeCheckpointError(
+                f"the value of {key!r} needs code to run to be unpickled (weights_only=True refuses it; nothing "
+                f"ran): {detail}. Only if you trust the checkpoint's origin, pass trust_pickle=True (--trust-pickle)"
+            ) from None
+        raise CorruptCheckpointError(f"the value of {key!r} is not a readable record: {exc}") from exc
+    except Exception as exc:
+        message = f"the value of {key!r} is not a readable record: {type(exc).__name__}: {exc}"
+        raise CorruptCheckpointError(message) from exc
+
+
+class _SafeBytes:
+    """``load_bytes`` with :func:`unpickle_value` in place of ``torch.load(weights_only=False)``."""
+
+    trust_pickle: bool = False
+    flatten_state_dict: bool
+    original_state_dict: Any
+    mappings: Any
+    state_dict: Any
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = unpickle_value(fqn, value, trust_pickle=self.trust_pickle)
+        if self.flatten_state_dict:
+            _compat.set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
+    """DCP's ``DefaultLoadPlanner`` with safe unpickling of non-tensor values."""
+
+    def __init__(self, *args: Any, trust_pickle: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.trust_pickle = trust_pickle
+
+
+def safe_empty_planner(trust_pickle: bool = False) -> DefaultLoadPlanner:
+    """DCP's ``_EmptyStateDictLoadPlanner`` (every key into an empty dict) with safe unpickling."""
+    base = type(_compat.empty_state_dict_load_planner())
+    planner_type = type("SafeEmptyStateDictLoadPlanner", (_SafeBytes, base), {})
+    planner: DefaultLoadPlanner = planner_type()
+    planner.trust_pickle = trust_pickle  # type: ignore[attr-defined]
+    return planner

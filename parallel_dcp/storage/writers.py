@@ -1,4 +1,5 @@
-"""The two ``FileSystemWriter`` flavours a save uses: one per task in a worker, one to commit.
+"""The two ``FileSystemWriter`` flavours a save uses: one per task in a worker, one to commit
+(it builds ``.metadata`` in memory; the destination decides how it lands).
 
 Both write stock DCP files; they differ from ``FileSystemWriter`` only in what they report.
 """
@@ -18,7 +19,7 @@ from parallel_dcp.engine import progress
 from parallel_dcp.storage.location import Remote, RemoteFileSystem
 from parallel_dcp.storage.manifest import FileDigest, Hasher
 
-__all__ = ["CommitWriter", "MetadataPayloadWriter", "ShardWriter"]
+__all__ = ["MetadataPayloadWriter", "ShardWriter"]
 
 
 # torch's zip writer makes ~40 small writes per record (headers, pickle, padding): they are
@@ -153,20 +154,6 @@ class ShardWriter(FileSystemWriter):
         return {name: hasher.result() for name, hasher in self._recording.hashers.items()}
 
 
-class CommitWriter(FileSystemWriter):
-    """Commits into the staging directory but records the final path as the checkpoint id."""
-
-    def __init__(self, staging: str, final: str, *, sync_files: bool) -> None:
-        super().__init__(staging, sync_files=sync_files)
-        self._final = final
-
-    def storage_meta(self) -> StorageMeta | None:
-        meta = super().storage_meta()
-        if meta is not None:
-            meta.checkpoint_id = self._final
-        return meta
-
-
 class _CapturingFileSystem(FileSystemBase):
     """Keeps what is written in memory, by file name, and never touches storage."""
 
@@ -204,13 +191,19 @@ class _CapturingFileSystem(FileSystemBase):
 
 class MetadataPayloadWriter(FileSystemWriter):
     """Runs DCP's own ``finish`` but keeps ``.metadata`` in memory (:attr:`payload`), so the
-    commit on object storage decides when it is uploaded: after every shard, last."""
+    destination's commit decides how it lands (one atomic rename, or one upload): after every
+    shard, last. ``save_id`` is recorded in ``storage_meta`` (the manifest records it too)."""
 
-    def __init__(self, final: str) -> None:
+    def __init__(self, final: str, save_id: str | None = None) -> None:
         super().__init__(final, sync_files=False)
         self._captured = _CapturingFileSystem()
         self.fs = self._captured  # type: ignore[assignment]
         self.path = final  # type: ignore[assignment]
+        self._final = final
+        self._save_id = save_id
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self._final, save_id=self._save_id or self.save_id)
 
     @property
     def payload(self) -> bytes:
