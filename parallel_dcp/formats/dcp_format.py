@@ -149,9 +149,10 @@ class DcpSource(Source):
             )
         return target
 
-    # DCP's reader loads a whole stored chunk (``torch.load`` of its record) before copying the
-    # part it needs into the target, and drops it at once: a read keeps the target and passes
-    # through one stored chunk at a time (transient).
+    # DCP's reader loads a whole stored chunk (a torch.save record, read through a buffer of its
+    # size) before copying the part it needs into the target, and drops both at once: a read
+    # keeps the target and passes twice the largest stored chunk it touches through memory, one
+    # chunk at a time (transient).
     def copied_bytes(self, key: str) -> int:
         return self.entries[key].nbytes + self._largest_stored_chunk(key)
 
@@ -166,7 +167,7 @@ class DcpSource(Source):
         meta = self.metadata.state_dict_metadata[key]
         assert isinstance(meta, TensorStorageMetadata)
         itemsize = meta.properties.dtype.itemsize
-        return max((math.prod(c.sizes) * itemsize for c in meta.chunks), default=0)
+        return 2 * max((math.prod(c.sizes) * itemsize for c in meta.chunks), default=0)
 
 
 class _ChunkLoadPlanner(SafeLoadPlanner):
