@@ -111,6 +111,7 @@ def save(
     chunk_size: int | str | None = None,
     executor: str = "auto",
     distributed: bool = False,
+    dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
     dry_run: Literal[False] = False,
 ) -> SaveResult: ...
@@ -133,6 +134,7 @@ def save(
     chunk_size: int | str | None = None,
     executor: str = "auto",
     distributed: bool = False,
+    dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
     dry_run: Literal[True],
 ) -> DryRunPlan: ...
@@ -154,6 +156,7 @@ def save(
     chunk_size: int | str | None = None,
     executor: str = "auto",
     distributed: bool = False,
+    dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
     dry_run: bool = False,
 ) -> SaveResult | DryRunPlan:
@@ -194,6 +197,8 @@ def save(
         distributed: run as one rank of a torchrun/srun job (every rank passes the same state
             dict and path, on a shared file system); each rank writes its share with its own
             pool and rank 0 commits once. See :mod:`parallel_dcp.jobs.distributed`.
+        dist_timeout: with ``distributed``, seconds a rank waits for the others at each step
+            before the job fails (default 30 minutes), so a dead rank cannot hang the others.
         storage_options: fsspec options for URLs (``{"endpoint_url": ...}``); credentials come
             from the standard AWS environment and config. On object storage ``.metadata`` is
             uploaded last, after every shard (see :mod:`parallel_dcp.storage.staging`).
@@ -229,6 +234,7 @@ def save(
         chunk_size=chunk_size,
         executor=executor,
         distributed=distributed,
+        dist_timeout=dist_timeout,
         storage_options=storage_options,
     )
     if dry_run:
@@ -306,6 +312,7 @@ def convert(
     checksums: bool = True,
     chunk_size: int | str | None = None,
     distributed: bool = False,
+    dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
     rename: RenameRules | None = None,
     dry_run: Literal[False] = False,
@@ -332,6 +339,7 @@ def convert(
     checksums: bool = True,
     chunk_size: int | str | None = None,
     distributed: bool = False,
+    dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
     rename: RenameRules | None = None,
     dry_run: Literal[True],
@@ -357,6 +365,7 @@ def convert(
     checksums: bool = True,
     chunk_size: int | str | None = None,
     distributed: bool = False,
+    dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
     rename: RenameRules | None = None,
     dry_run: bool = False,
@@ -375,7 +384,7 @@ def convert(
         to: ``"dcp"``, ``"safetensors"`` or ``"torch"``; with the last two and a ``dst`` without
             those suffixes, a sharded Hugging Face directory (shards plus index JSON).
         workers, memory_limit, overwrite, progress, sync_files, retries, task_timeout, checksums,
-            chunk_size, distributed, storage_options: as for :func:`save`. Sources and
+            chunk_size, distributed, dist_timeout, storage_options: as for :func:`save`. Sources and
             destinations may be URLs (``s3://...``): safetensors and DCP sources are read by byte
             ranges, torch.save sources through a local temporary copy.
         dtype: cast floating tensors to this dtype on the way (``"bfloat16"``, ``torch.float16``).
@@ -419,6 +428,7 @@ def convert(
         checksums=checksums,
         chunk_size=chunk_size,
         distributed=distributed,
+        dist_timeout=dist_timeout,
         storage_options=storage_options,
     )
     cast = _convert.parse_dtype(dtype)

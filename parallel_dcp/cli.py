@@ -58,6 +58,17 @@ def _workers(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    """``--dist-timeout``: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
 def _size(text: str) -> str:
     """``--memory-limit`` / ``--shard-size`` / ``--chunk-size``: checked here, passed on as given."""
     try:
@@ -139,6 +150,13 @@ def _parser() -> argparse.ArgumentParser:
         "--distributed",
         action="store_true",
         help="run as one rank of a torchrun/srun job: each rank converts its share, rank 0 commits",
+    )
+    convert.add_argument(
+        "--dist-timeout",
+        type=_seconds,
+        default=1800.0,
+        metavar="SECONDS",
+        help="with --distributed: how long a rank waits for the others at each step (default 1800)",
     )
     convert.add_argument(
         "--no-checksums", action="store_true", help="record file sizes only in the manifest (faster; see verify)"
@@ -248,6 +266,7 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
         checksums=not args.no_checksums,
         chunk_size=args.chunk_size,
         distributed=args.distributed,
+        dist_timeout=args.dist_timeout,
         storage_options=args.storage_options,
         rename=rename,
     )
@@ -284,6 +303,7 @@ def _convert_plan(args: argparse.Namespace, sources: list[str], dst: str, rename
         checksums=not args.no_checksums,
         chunk_size=args.chunk_size,
         distributed=args.distributed,
+        dist_timeout=args.dist_timeout,
         storage_options=args.storage_options,
         rename=rename,
         dry_run=True,

@@ -102,3 +102,22 @@ def test_compat_checks_every_private_name_at_import() -> None:
     assert used and all(f'"{name}")' in checked for name in used), used
     init = (ROOT / "parallel_dcp" / "__init__.py").read_text()
     assert re.search(r"^_compat\.check_torch\(\)", init, re.MULTILINE), "checked when parallel_dcp is imported"
+
+
+def test_dist_timeout_can_be_set_from_the_api_and_the_cli(tmp_path: Path) -> None:
+    """Every collective of a distributed job waits at most this long (issue: it could not be set)."""
+    import torch
+
+    import parallel_dcp
+    from parallel_dcp import cli
+
+    with pytest.raises(ValueError, match="dist_timeout must be > 0"):
+        parallel_dcp.save({"w": torch.ones(2)}, tmp_path / "a", dist_timeout=0)
+    with pytest.raises(ValueError, match="dist_timeout must be > 0"):
+        parallel_dcp.convert(tmp_path / "a", tmp_path / "b", dist_timeout=-1.0)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["convert", str(tmp_path / "a"), str(tmp_path / "b"), "--dist-timeout", "0"])
+    assert exit_info.value.code == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing written"
+    args = cli._parser().parse_args(["convert", "a", "b", "--distributed", "--dist-timeout", "90"])
+    assert args.dist_timeout == 90.0
