@@ -37,6 +37,8 @@ from parallel_dcp.errors import (
     WorkerCrashed,
     WorkerError,
 )
+from parallel_dcp.formats.fast_read import ReadStats
+from parallel_dcp.formats.fast_reader import FastReader
 from parallel_dcp.jobs import convert as _convert
 from parallel_dcp.jobs import diff as _diff
 from parallel_dcp.jobs import inspect as _inspection
@@ -63,6 +65,7 @@ __all__ = [
     "DiffReport",
     "DistributedJobError",
     "DryRunPlan",
+    "FastReader",
     "IncompatibleTorchError",
     "InsufficientSpaceError",
     "InvalidDestinationError",
@@ -70,6 +73,7 @@ __all__ = [
     "MemoryLimitExceeded",
     "Options",
     "ParallelDCPError",
+    "ReadStats",
     "RemoteTraceback",
     "RenameError",
     "SaveResult",
@@ -254,30 +258,49 @@ def load(
     retries: int = 0,
     task_timeout: float | None = None,
     storage_options: dict[str, Any] | None = None,
+    into: dict[str, Any] | None = None,
     trust_pickle: bool = False,
+    stats: ReadStats | None = None,
 ) -> dict[str, Any]:
-    """Load a DCP checkpoint (all keys, or the flattened ``keys`` given) with a pool of processes.
+    """Load a DCP checkpoint (all keys, or the flattened ``keys`` given), fast.
 
-    Tensors are read by workers straight into shared memory and returned with the checkpoint's
-    original nesting. ``.metadata`` is read with an allow-list unpickler, never plain pickle.
+    Each tensor's bytes are read straight from its shard into the tensor's memory (``preadv``
+    by ``workers`` threads, reads sorted by offset and merged where adjacent), after its
+    ``torch.save`` record was checked against ``.metadata``; records that do not fit that path
+    (compressed, non-contiguous) go through DCP's own reader (``stats`` counts both).
+    ``.metadata`` is read with an allow-list unpickler, never plain pickle; every shard it names
+    must be a plain file name inside ``path``.
 
     Args:
         path: a committed DCP checkpoint directory (written by any DCP writer), or its URL.
-        keys: flattened names (``"model.layer.weight"``) to load; None loads everything.
-        workers: worker processes; None uses every usable core.
+        keys: flattened names (``"model.layer.weight"``) to load; None loads everything (with
+            ``into``: every key of ``into``).
+        workers: reading threads (worker processes with ``retries``/``task_timeout``); None uses
+            every usable core.
         progress: show a progress bar on stderr.
-        memory_limit, retries, task_timeout: as for :func:`save`; the loaded tensors count
-            against ``memory_limit``, so it must be larger than the bytes loaded.
+        memory_limit: as for :func:`save`. Without ``into`` the loaded tensors count against it,
+            beside bounded read buffers (about 8 MiB per thread); with ``into``, only the buffers.
+        retries, task_timeout: as for :func:`save`; they make the load run on killable worker
+            processes (without ``into``).
         storage_options: as for :func:`save`.
-        trust_pickle: unpickle non-tensor values that need more than ``weights_only=True``
-            (runs the checkpoint's pickle code: only for checkpoints you trust).
+        into: a state dict (nested as it was saved) of preallocated CPU tensors, filled in place,
+            and returned; non-tensor values in it are replaced by the loaded ones. Every tensor
+            must have the stored dtype and shape: a mismatch raises before any read, load never
+            casts. A shard found damaged while reading raises and may leave ``into`` partly filled.
+        trust_pickle: unpickle non-tensor values without ``weights_only`` (runs their pickle
+            code: only for checkpoints you trust).
+        stats: a :class:`ReadStats` to add the counts of this load to (fast path, fallback).
+
+    Returns:
+        A new dict with the checkpoint's original nesting, or ``into`` itself.
 
     Raises:
         FileNotFoundError: ``path`` holds no committed checkpoint.
-        KeyError: a requested key is not in the checkpoint.
-        UnsafeCheckpointError / CorruptCheckpointError: ``.metadata`` is malicious or damaged, it
-            names a file outside the checkpoint, a shard is truncated, or a value needs
-            ``trust_pickle``.
+        KeyError: a requested key is not in the checkpoint (or not in ``into``).
+        InvalidStateDictError: an ``into`` tensor's dtype or shape differs (names the key, both
+            dtypes or shapes), or it is not a plain tensor.
+        UnsafeCheckpointError / CorruptCheckpointError: ``.metadata`` or a value is malicious,
+            or a shard is damaged, truncated or named outside ``path``.
         MemoryLimitExceeded: the selected keys do not fit under ``memory_limit``.
         WorkerError / WorkerCrashed / TaskTimeoutError: a worker failed; no partial result is returned.
     """
@@ -289,7 +312,7 @@ def load(
         task_timeout=task_timeout,
         storage_options=storage_options,
     )
-    return _loader.load(path, keys, options, trust_pickle=trust_pickle)
+    return _loader.load(path, keys, options, into=into, trust_pickle=trust_pickle, stats=stats)
 
 
 @overload

@@ -60,8 +60,9 @@ def _strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
-def _bench(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+def _bench(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    if env is None:  # this checkout's parallel_dcp, wherever the test runs from
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run(
         [sys.executable, "-m", "parallel_dcp", "bench", *args],
         cwd=cwd,
@@ -319,3 +320,43 @@ def test_projection_model_arithmetic() -> None:
     assert rows[2]["measured_speedup"] == pytest.approx(1.0 / 0.7) and rows[16]["measured_speedup"] is None
     lines = projection_lines(projection)
     assert "not a measurement" in lines[0] and any("S = 0.200 s serial" in line for line in lines)
+
+
+def test_load_suites_compare_every_reader_on_both_checkpoints(tmp_path: Path) -> None:
+    target, results = tmp_path / "target", tmp_path / "results"
+    target.mkdir()
+    results.mkdir()
+    run = _bench(
+        [
+            *TINY,
+            *("--suite", "load", "load-small", "--targets", "disk", "--disk-dir", str(target)),
+            *("--json", str(results / "bench.json"), "--plot", str(results / "bench.png")),
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout's code, not an installed one
+    )
+    assert run.returncode == 0, run.stderr
+    assert "[stock] load into w=2 vs stock dcp.load" in run.stdout and "[pdcp] FastReader w=2" in run.stdout
+    data = _strict_json((results / "bench.json").read_text())
+    scenarios = {s["key"]: s for s in data["scenarios"]}
+    assert set(scenarios) == {"load/disk/sync-on", "load-small/disk/sync-on"}
+    for scenario in scenarios.values():
+        rows = scenario["rows"]
+        for source in ("stock", "pdcp"):
+            names = [
+                f"load w=2 [{source}]",
+                f"load into w=2 [{source}]",
+                f"FastReader w=2 [{source}]",
+                f"stock dcp.load [{source}]",
+                f"stock alloc load [{source}]",
+                f"plain read x2 ready [{source}]",
+                f"plain read x2 fresh [{source}]",
+            ]
+            for name in names:
+                assert rows[name]["status"] == "ok", (name, rows[name]["error"])
+                assert rows[name]["gib_per_s"] > 0
+            for name in names[:3]:
+                assert rows[name]["details"]["fallback"] == 0  # the fast path served every read
+            assert scenario["summary"][source]["into_vs_stock"] > 0
+    assert (results / "bench.png").read_bytes()[:8] == PNG_MAGIC
+    assert list(target.iterdir()) == [], "the benchmark removes what it wrote"

@@ -39,6 +39,8 @@ def torchrun(mode: str, src: Path, dst: Path) -> subprocess.CompletedProcess[str
         text=True,
         timeout=240,
         cwd=ROOT,
+        # the ranks import this checkout's parallel_dcp, not the one installed in the environment
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
 
 

@@ -36,7 +36,8 @@ def test_retries_rerun_a_crashed_task_and_succeed(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     parallel_dcp.save(sd, tmp_path / "out" / "ckpt", workers=2, retries=1)
     assert marker.exists(), "the first attempt really crashed"
-    loaded = parallel_dcp.load(tmp_path / "out" / "ckpt", trust_pickle=True)  # the value was stored as str("ok")
+    # the value pickles as a call of str(): weights_only refuses it, so the test trusts its own file
+    loaded = parallel_dcp.load(tmp_path / "out" / "ckpt", trust_pickle=True)
     assert loaded["flaky"] == "ok"
     assert_same({k: v for k, v in loaded.items() if k != "flaky"}, {k: v for k, v in sd.items() if k != "flaky"})
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ckpt"]

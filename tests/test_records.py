@@ -1,4 +1,4 @@
-"""Differential tests of the lean record writer (parallel_dcp.records) against torch.save itself."""
+"""Differential tests of the lean record writer (parallel_dcp.storage.records) against torch.save itself."""
 
 from __future__ import annotations
 

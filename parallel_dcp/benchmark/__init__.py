@@ -9,6 +9,10 @@ and max, CPU seconds, peak added memory, and ratios taken within the run.
                         torch.save, safetensors
                small    the same writers on many small optimizer-like tensors
                convert  safetensors shards and a torch.save file into DCP: ours vs the stock path
+               load     reading a checkpoint back (written by stock dcp.save and by parallel_dcp):
+                        parallel_dcp.load (allocating, into=), dcp.load + FastReader, stock
+                        dcp.load (preallocated), the stock allocating load, plain reads
+               load-small  the same on the many-small state dict (see benchmark.loading)
     limits     plain write of ready buffers by 1..N processes; memcpy (RAM)
     targets    shm (/dev/shm), disk (--disk-dir, default: the current directory), or a directory
     sync       on (fsync every file, the default of both DCP writers) / off

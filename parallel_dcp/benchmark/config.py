@@ -13,12 +13,13 @@ from parallel_dcp.options import usable_cores
 
 __all__ = ["SUITES", "BenchConfig", "Target", "default_gib"]
 
-SUITES = ("save", "small", "convert", "lopsided", "scaling")
+SUITES = ("save", "small", "convert", "lopsided", "scaling", "load", "load-small")
 _SHM = "/dev/shm"
 _MAX_DEFAULT_GIB = 2.0
 # Memory a run holds at once, in state-dict sizes: the state dict itself, plus (convert) the
 # stock path's full load of a source beside it. Outputs on /dev/shm are checked per target.
-_HELD = {"save": 1.0, "small": 1.0, "convert": 2.0, "lopsided": 1.0, "scaling": 1.0}
+# load: the state dict while the checkpoints are written, then the reused targets and one output.
+_HELD = {"save": 1.0, "small": 1.0, "convert": 2.0, "lopsided": 1.0, "scaling": 1.0, "load": 2.0, "load-small": 2.0}
 # A many-small tensor: 2,080 float32 on average, plus its Python and tensor objects.
 _SMALL_TENSOR_BYTES = 2080 * 4 + 1200
 # Never plan to use more than this share of the memory available.
@@ -40,12 +41,15 @@ def _suites(args: argparse.Namespace) -> tuple[str, ...]:
 
 def _check_fits(suites: tuple[str, ...], gib: float, small: int) -> None:
     """Refuse sizes that cannot fit in memory, before anything is built (an OOM kill says nothing)."""
+    llm, many = gib * 2**30, small * _SMALL_TENSOR_BYTES
     sizes = {
-        "save": gib * 2**30,
-        "convert": gib * 2**30,
-        "lopsided": gib * 2**30,
-        "small": small * _SMALL_TENSOR_BYTES,
-        "scaling": gib * 2**30 + small * _SMALL_TENSOR_BYTES,  # both state dicts are kept
+        "save": llm,
+        "convert": llm,
+        "lopsided": llm,
+        "load": llm,
+        "small": many,
+        "load-small": many,
+        "scaling": llm + many,  # both state dicts are kept
     }
     needed = max(sizes[suite] * _HELD[suite] for suite in suites)
     available = psutil.virtual_memory().available * _AVAILABLE_SHARE
@@ -81,7 +85,8 @@ class BenchConfig:
     """What one ``parallel-dcp bench`` run measures and where it reports.
 
     Attributes:
-        suites: any of ``save`` (LLM-like state dict), ``small`` (many small tensors), ``convert``.
+        suites: any of ``save`` (LLM-like state dict), ``small`` (many small tensors), ``convert``,
+            ``lopsided``, ``load`` (reading an LLM-like checkpoint back), ``load-small``.
         gib: size of the LLM-like state dict (save and convert suites).
         small: number of tensors of the many-small state dict.
         workers: the worker / thread / process counts compared (ascending, unique).

@@ -2,7 +2,7 @@
 
 Writers that use n processes or threads are lines over n; the plain write of ready buffers is the
 dashed black line (the storage's limit); one-process writers and stock conversion paths are
-dotted horizontal lines.
+dotted horizontal lines. Load scenarios are bars: one per reader.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from parallel_dcp.benchmark.results import Scenario, row_figures
 
-__all__ = ["write_plot"]
+__all__ = ["draw_bars", "write_plot"]
 
 # Families drawn as horizontal lines: they have no worker or thread count to vary.
 _FLAT = {"torch.save", "safetensors", "st->dcp stock", "pt->dcp stock"}
@@ -29,7 +29,26 @@ def _series(scenario: Scenario) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
+def draw_bars(axes: Any, rows: dict[str, dict[str, Any]], title: str) -> None:
+    """A load scenario: one bar of GiB/s per row (its rows compare readers, not worker counts)."""
+    names = [name for name, row in rows.items() if row.get("gib_per_s")]
+    values = [rows[name]["gib_per_s"] for name in names]
+    colors = [
+        "black" if rows[n]["family"].startswith("plain") else "C0" if rows[n]["family"].startswith("stock") else "C1"
+        for n in names
+    ]
+    axes.barh(range(len(names)), values, color=colors)
+    axes.set_yticks(range(len(names)), names, fontsize=7)
+    axes.invert_yaxis()
+    axes.set_xlabel("GiB/s (median); orange: parallel_dcp, blue: stock DCP, black: plain reads")
+    axes.set_title(title, fontsize=9)
+    axes.grid(alpha=0.3, axis="x")
+
+
 def _draw(axes: Any, scenario: Scenario) -> None:
+    if scenario.suite in ("load", "load-small"):
+        draw_bars(axes, row_figures(scenario), f"{scenario.key}\n{scenario.state_dict}")
+        return
     for index, (family, points) in enumerate(_series(scenario).items()):
         xs, ys = zip(*sorted(points), strict=True)
         color = f"C{index % 10}"

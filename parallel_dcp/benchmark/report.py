@@ -94,6 +94,21 @@ def _convert_summary_lines(s: dict[str, Any]) -> list[str]:
     ]
 
 
+def _load_summary_lines(s: dict[str, Any]) -> list[str]:
+    n, lines = s["workers"], []
+    for source in ("stock", "pdcp"):
+        r = s[source]
+        lines += [
+            f"[{source}] load into w={n} vs stock dcp.load: {_num(r['into_vs_stock'], '.2f', 'x')} (target >= 2x);"
+            f" time vs plain read: {_num(r['into_time_vs_limit'], '.2f', 'x')} (target <= 1.5x)",
+            f"[{source}] FastReader w={n} vs stock dcp.load: {_num(r['fast_reader_vs_stock'], '.2f', 'x')};"
+            f" time vs plain read: {_num(r['fast_reader_time_vs_limit'], '.2f', 'x')}",
+            f"[{source}] load w={n} vs stock allocating load: {_num(r['load_vs_stock_alloc'], '.2f', 'x')}"
+            " (target >= 1.5x)",
+        ]
+    return lines
+
+
 def scenario_lines(scenario: Scenario) -> list[str]:
     """The table of one scenario, its summary lines and its notes."""
     rows = row_figures(scenario)
@@ -105,7 +120,12 @@ def scenario_lines(scenario: Scenario) -> list[str]:
         *(_row_line(name, row) for name, row in rows.items()),
     ]
     s = summary(scenario, rows)
-    lines += _convert_summary_lines(s) if scenario.suite == "convert" else _save_summary_lines(scenario, s)
+    if scenario.suite == "convert":
+        lines += _convert_summary_lines(s)
+    elif scenario.suite in ("load", "load-small"):
+        lines += _load_summary_lines(s)
+    else:
+        lines += _save_summary_lines(scenario, s)
     lines += [f"note: {note}" for note in scenario.notes]
     if scenario.suite.startswith("scaling"):
         lines += projection_lines(scenario.projection)

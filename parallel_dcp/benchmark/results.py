@@ -135,4 +135,8 @@ def summary(scenario: Scenario, rows: dict[str, dict[str, Any]]) -> dict[str, An
     """The headline ratios of a scenario (None where a row they need did not run)."""
     if scenario.suite == "convert":
         return _convert_summary(scenario, rows)
+    if scenario.suite in ("load", "load-small"):
+        from parallel_dcp.benchmark.loading import load_summary
+
+        return load_summary(rows, scenario.compare_count)
     return _save_summary(scenario, rows)

@@ -2,6 +2,7 @@
 
     state dicts (built once per run, shared by the scenarios that use them)
         save, convert: synthetic.llm_like(gib)      small: synthetic.many_small(count)
+        load, load-small: the same, built per scenario, written twice, then dropped
     for each suite, target, sync:
         mkdtemp on the target ── convert: build the sources there (untimed)
         cases (writers.py, peers.py, conversion.py) ── run_interleaved (measure.py)
@@ -21,6 +22,7 @@ from typing import Any
 from parallel_dcp.benchmark import peers
 from parallel_dcp.benchmark.config import BenchConfig, Target
 from parallel_dcp.benchmark.conversion import build_sources, convert_cases, convert_memory_limit
+from parallel_dcp.benchmark.loading import load_cases, write_checkpoints
 from parallel_dcp.benchmark.measure import Case, run_interleaved
 from parallel_dcp.benchmark.results import Scenario
 from parallel_dcp.benchmark.scaling import Samples, project, scaling_cases
@@ -32,7 +34,16 @@ __all__ = ["run_all"]
 
 # What a scenario keeps on its target at once, in state-dict sizes: one output (save); the two
 # sources and one output (convert). Plus slack for metadata and zip headers.
-_SPACE_FACTOR = {"save": 1.2, "small": 1.5, "convert": 3.3, "lopsided": 1.2, "scaling:llm": 1.2, "scaling:small": 1.5}
+_SPACE_FACTOR = {
+    "save": 1.2,
+    "small": 1.5,
+    "convert": 3.3,
+    "lopsided": 1.2,
+    "scaling:llm": 1.2,
+    "scaling:small": 1.5,
+    "load": 2.4,
+    "load-small": 3.0,
+}
 # The scaling suite projects both shapes of state dict: a few large tensors, many small ones.
 _SCALING = ("scaling:llm", "scaling:small")
 
@@ -45,6 +56,8 @@ class StateDicts:
         self._built: dict[str, Any] = {}
 
     def get(self, suite: str) -> Any:
+        if suite in ("load", "load-small"):  # written to the target, then dropped: not kept
+            return self.build(suite)
         suite = {"scaling:small": "small"}.get(suite, suite)
         kind = suite if suite in ("small", "lopsided") else "llm"
         if kind not in self._built:
@@ -52,11 +65,14 @@ class StateDicts:
             self._built[kind] = build.get(kind, lambda: llm_like(self._config.gib))()
         return self._built[kind]
 
-    def describe(self, suite: str) -> str:
+    def build(self, suite: str) -> Any:
+        return many_small(self._config.small) if suite == "load-small" else llm_like(self._config.gib)
+
+    def describe(self, suite: str, sd: Any | None = None) -> str:
         suite = {"scaling:small": "small", "scaling:llm": "save"}.get(suite, suite)
-        sd = self.get(suite)
+        sd = self.get(suite) if sd is None else sd
         size = format_bytes(tensor_bytes(sd))
-        if suite == "small":
+        if suite in ("small", "load-small"):
             return f"many-small: {len(flat_tensors(sd)):,} optimizer-like tensors, {size}"
         if suite == "lopsided":
             return f"lopsided: one tensor of 60% of the bytes beside {len(sd) - 1:,} others, {size}"
@@ -78,6 +94,17 @@ def _cases(
     suite: str, sd: Any, root: str, sync: bool, config: BenchConfig
 ) -> tuple[list[Case], list[str], Samples | None]:
     workers = list(config.workers)
+    if suite in ("load", "load-small"):
+        n = 2 if 2 in workers else max(workers)
+        paths = write_checkpoints(sd, root, n)
+        sd.clear()  # the checkpoints hold it now; the rows need the memory
+        notes = [
+            f"[stock]: written by dcp.save(thread_count={n}); [pdcp]: by parallel_dcp.save(workers={n})",
+            "x stock: into= and FastReader over stock dcp.load into preallocated tensors; load w= over the"
+            " stock allocating load (_load_state_dict_from_keys); of limit: plain read of ready buffers",
+            "the checkpoints were written just before the timed rounds, so they are read from the page cache",
+        ]
+        return load_cases(paths, n), notes, None
     tensors = flat_tensors(sd)
     if suite in _SCALING:
         cases, samples = scaling_cases(sd, sorted({1, *workers}), sync)
@@ -104,6 +131,7 @@ def _cases(
 
 def _scenario(suite: str, target: Target, sync: bool, dicts: StateDicts, config: BenchConfig) -> Scenario:
     sd = dicts.get(suite)
+    described = dicts.describe(suite, sd)
     nbytes = tensor_bytes(sd)
     _check_space(target, suite, nbytes)
     scenario = Scenario(
@@ -111,7 +139,7 @@ def _scenario(suite: str, target: Target, sync: bool, dicts: StateDicts, config:
         target=target.label,
         directory=target.directory,
         sync=sync,
-        state_dict=dicts.describe(suite),
+        state_dict=described,
         nbytes=nbytes,
         tensors=len(flat_tensors(sd)),
         reps=config.reps,

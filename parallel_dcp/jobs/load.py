@@ -1,6 +1,17 @@
-"""The load pipeline: read any subset of a checkpoint with a pool of workers, into shared memory.
+"""The load pipeline: read any subset of a checkpoint into new tensors or into the caller's.
 
-.metadata ── allow-list unpickler (never plain pickle) ── select keys
+.metadata ── allow-list unpickler (never plain pickle) ── shard names checked ── select keys
+  │ into=: the caller's tensors, checked key by key (dtype and shape, never cast)
+  │ else:  torch.empty per key (pages are faulted in by the reading threads, in parallel)
+  ▼
+fast_read.read_requests: threads preadv each record's bytes straight into its tensor;
+  records that do not fit (compressed, odd layout) and pickled values go through DCP's reader
+  ▼
+unflatten with planner_data → the original nesting (or the caller's dict, filled in place)
+
+With ``retries`` or ``task_timeout`` (and no ``into``), the job needs killable workers instead:
+
+.metadata ── select keys
   │ allocate every selected tensor in one anonymous shared mapping (before the fork)
   ▼
 partition by bytes ── WorkerPool (fork)
@@ -12,6 +23,7 @@ unflatten with planner_data → the original nesting
 
 from __future__ import annotations
 
+import io
 import math
 import mmap
 import os
@@ -19,18 +31,23 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from parallel_dcp import _compat
 from parallel_dcp.engine import progress
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
-from parallel_dcp.engine.pool import WorkerPool
+from parallel_dcp.engine.pool import WorkerPool, gc_paused
+from parallel_dcp.errors import CorruptCheckpointError, InvalidStateDictError
+from parallel_dcp.formats import fast_read
 from parallel_dcp.formats.dcp_format import read_keys
-from parallel_dcp.options import Options
+from parallel_dcp.formats.fast_read import ReadStats
+from parallel_dcp.options import Options, usable_cores
 from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, dcp_reader, locate
-from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading
+from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading, unpickle_value
 
 __all__ = ["load"]
 
@@ -82,12 +99,154 @@ def _load_handler(
 
 
 def load(
-    path: str | os.PathLike[str], keys: Iterable[str] | None, options: Options, *, trust_pickle: bool = False
+    path: str | os.PathLike[str],
+    keys: Iterable[str] | None,
+    options: Options,
+    *,
+    into: dict[str, Any] | None = None,
+    trust_pickle: bool = False,
+    stats: ReadStats | None = None,
 ) -> dict[str, Any]:
     """Run the load pipeline above; see :func:`parallel_dcp.load` for the contract."""
+    # Building per-key objects (metadata, read items) for 50,000 keys otherwise triggers collections
+    # that walk the caller's whole heap, several seconds.
+    with gc_paused():
+        return _load(path, keys, options, into, trust_pickle, stats)
+
+
+def _load(
+    path: str | os.PathLike[str],
+    keys: Iterable[str] | None,
+    options: Options,
+    into: dict[str, Any] | None,
+    trust_pickle: bool,
+    stats: ReadStats | None,
+) -> dict[str, Any]:
     _compat.check_torch()
-    path = locate(path, options.storage_options)
-    metadata = read_metadata(path)
+    location = locate(path, options.storage_options)
+    metadata = read_metadata(location)
+    if into is None and (options.retries or options.task_timeout is not None):
+        return _load_with_processes(location, metadata, keys, options, trust_pickle)
+    if into is not None and (options.retries or options.task_timeout is not None):
+        raise ValueError("into= is filled by threads in this process: retries and task_timeout need worker processes")
+    flat_into, into_paths = _compat.flatten_state_dict(into) if into is not None else ({}, {})
+    if into is not None:
+        selected = list(flat_into) if keys is None else list(dict.fromkeys(keys))
+        absent = [k for k in selected if k not in flat_into]
+        if absent:
+            raise KeyError(f"not in into: {absent[:8]}" + (" ..." if len(absent) > 8 else ""))
+    else:
+        selected = list(metadata.state_dict_metadata) if keys is None else list(dict.fromkeys(keys))
+    missing = [k for k in selected if k not in metadata.state_dict_metadata]
+    if missing:
+        raise KeyError(f"not in the checkpoint at {location}: {missing[:8]}" + (" ..." if len(missing) > 8 else ""))
+    metas = {k: m for k in selected if isinstance(m := metadata.state_dict_metadata[k], TensorStorageMetadata)}
+    if into is not None:
+        for key, meta in metas.items():
+            _check_target(key, flat_into[key], meta)
+    budget = fast_read.Budget(options.memory_ceiling())
+    if into is None:
+        budget.reserve(sum(_nbytes(m) for m in metas.values()), f"loading {len(selected)} keys from {location}")
+    if isinstance(location, Remote):  # this process's connection to object storage, shared by the threads
+        budget.reserve(CLIENT_MEMORY, f"the object storage client for {location}")
+    threads = options.workers if options.workers is not None else usable_cores()
+    threads = max(1, min(threads, (budget.limit - budget.reserved) // fast_read.thread_memory()))
+    budget.reserve(threads * fast_read.thread_memory(), f"read buffers for {threads} threads")
+    check_shards(location, metadata, selected)
+    targets = {
+        k: flat_into[k] if into is not None else torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in metas.items()
+    }
+    values: dict[str, Any] = {}
+
+    def on_bytes(item: ReadItem, data: bytes) -> None:
+        values[item.dest_index.fqn] = unpickle_value(item.dest_index.fqn, io.BytesIO(data), trust_pickle=trust_pickle)
+
+    requests = _requests(metadata, selected, targets, location)
+    with progress.Progress(total=sum(_nbytes(m) for m in metas.values()), enabled=options.progress, desc="load") as bar:
+        done = fast_read.read_requests(location, requests, threads, on_bytes, budget, on_tick=bar.refresh)
+    if stats is not None:
+        stats.add(done)
+    if into is not None:
+        for key, value in values.items():
+            _compat.set_element(into, into_paths[key], value)
+        return into
+    flat: dict[str, Any] = {**targets, **values}
+    planner_data = metadata.planner_data or {}
+    return _compat.unflatten_state_dict(
+        {k: flat[k] for k in selected}, {k: planner_data.get(k, (k,)) for k in selected}
+    )
+
+
+def _check_target(key: str, value: Any, meta: TensorStorageMetadata) -> None:
+    """An ``into`` tensor must match the stored one exactly: load fills, it never casts or reshapes."""
+    dtype, shape = meta.properties.dtype, tuple(meta.size)
+    if not isinstance(value, torch.Tensor):
+        raise InvalidStateDictError(
+            f"into[{key!r}] is a {type(value).__name__}, but the checkpoint holds a {dtype} tensor {list(shape)}"
+        )
+    if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+        raise InvalidStateDictError(
+            f"into[{key!r}] is a {type(value).__name__}: load fills plain tensors; for DTensors use "
+            "torch.distributed.checkpoint.load with storage_reader=parallel_dcp.FastReader(path)"
+        )
+    if value.dtype != dtype:
+        raise InvalidStateDictError(
+            f"into[{key!r}] has dtype {value.dtype} but the checkpoint holds {dtype} (load never casts)"
+        )
+    if tuple(value.shape) != shape:
+        raise InvalidStateDictError(
+            f"into[{key!r}] has shape {list(value.shape)} but the checkpoint holds {list(shape)}"
+        )
+
+
+def _requests(
+    metadata: Metadata, selected: list[str], targets: dict[str, torch.Tensor], where: Location
+) -> list[fast_read.Request]:
+    """One request per stored chunk each key overlaps (a whole-tensor chunk: its read item directly)."""
+    storage = metadata.storage_data or {}
+    out: list[fast_read.Request] = []
+    for key in selected:
+        meta = metadata.state_dict_metadata[key]
+        if not isinstance(meta, TensorStorageMetadata):
+            index = MetadataIndex(key)
+            zero = torch.Size([0])
+            item = ReadItem(LoadItemType.BYTE_IO, index, zero, index, zero, zero)
+            out.append(fast_read.Request(item, _info(storage, index, where), (), None, None))
+            continue
+        target = targets[key]
+        origin = torch.Size([0] * len(meta.size))
+        if len(meta.chunks) == 1 and meta.chunks[0].offsets == origin and meta.chunks[0].sizes == meta.size:
+            index = MetadataIndex(key, origin)
+            items = [ReadItem(LoadItemType.TENSOR, index, origin, index, origin, meta.size)]
+        else:
+            items = create_read_items_for_chunk_list(key, meta, [ChunkStorageMetadata(origin, meta.size)])
+        sizes = {tuple(c.offsets): tuple(c.sizes) for c in meta.chunks}
+        for item in items:
+            region = target
+            for dim, (offset, length) in enumerate(zip(item.dest_offsets, item.lengths, strict=True)):
+                if offset != 0 or length != region.shape[dim]:
+                    region = region.narrow(dim, offset, length)
+            chunk = sizes[tuple(item.storage_index.offset or ())]
+            out.append(
+                fast_read.Request(item, _info(storage, item.storage_index, where), chunk, meta.properties.dtype, region)
+            )
+    return out
+
+
+def _info(storage: dict[Any, Any], index: MetadataIndex, where: Location) -> Any:
+    info = storage.get(index)
+    if info is None:
+        raise CorruptCheckpointError(
+            f"{where} is damaged: .metadata records no shard for {index.fqn!r} at {list(index.offset or [])}"
+        )
+    return info
+
+
+def _load_with_processes(
+    path: Location, metadata: Metadata, keys: Iterable[str] | None, options: Options, trust_pickle: bool
+) -> dict[str, Any]:
+    """The pipeline with killable worker processes (for ``retries`` and ``task_timeout``)."""
     selected = list(metadata.state_dict_metadata) if keys is None else list(dict.fromkeys(keys))
     missing = [k for k in selected if k not in metadata.state_dict_metadata]
     if missing:

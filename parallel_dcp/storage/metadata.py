@@ -34,6 +34,7 @@ from parallel_dcp.storage.location import Location, Remote, check_name, file_siz
 
 __all__ = [
     "SafeLoadPlanner",
+    "check_metadata",
     "check_shards",
     "read_metadata",
     "reading",
@@ -97,7 +98,7 @@ def read_metadata(path: str | os.PathLike[str] | Remote) -> Metadata:
             raise CorruptCheckpointError(f"{file} is truncated or corrupt: {type(exc).__name__}: {exc}") from exc
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{file} does not hold DCP Metadata but {type(metadata).__name__}")
-    _check_metadata(metadata, file)
+    check_metadata(metadata, file)
     return metadata
 
 
@@ -105,7 +106,7 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_metadata(metadata: Metadata, file: object) -> None:
+def check_metadata(metadata: Metadata, file: object) -> None:
     """Every name plain, every size and offset possible; before anything else is read."""
     if not isinstance(metadata.state_dict_metadata, dict):
         raise CorruptCheckpointError(f"{file}: state_dict_metadata is not a mapping")

@@ -189,7 +189,7 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
         record, as DCP writes them; the (offset, length) of each, values first.
 
         A tensor whose storage holds more than its elements is cloned first, as DCP does; tensors of
-        the cases :mod:`parallel_dcp.records` knows are written from a cached record template.
+        the cases :mod:`parallel_dcp.storage.records` knows are written from a cached record template.
         """
         placed: list[tuple[int, int]] = []
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:

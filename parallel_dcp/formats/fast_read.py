@@ -1,0 +1,249 @@
+"""The zero-copy read path: DCP read items straight from shard files into their target tensors.
+
+    requests (ReadItem, its _StorageInfo, the stored chunk's shape, the target region)
+      │ transformed (compressed) records and pickled values ─────────────────────┐
+      ▼                                                                          │
+    per file, records sorted by offset, cut into units ── threads (preadv releases the GIL)
+      │ unit: one pread per batch of nearby record heads/tails (bounded buffer)   │
+      │       parse_record + check against .metadata (dtype, shape, extent)       │
+      │       small records: copied out of the batch buffer                       │
+      │       large records: preadv straight into the target's memory, reads      │
+      │       sorted by offset and coalesced (gaps land in a scratch buffer)      │
+      │ a record that is not a plain row-major tensor ──────────────────────────▶│
+      ▼                                                                          ▼
+    done                                          DCP's FileSystemReader.read_data (counted)
+
+Pages of freshly allocated targets are faulted in by the reading threads, in parallel. Threads
+keep the targets in private memory; each holds at most one batch buffer (``BATCH_BYTES``) and
+one gap buffer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+from parallel_dcp.engine.memory import format_bytes
+from parallel_dcp.errors import MemoryLimitExceeded
+from parallel_dcp.formats.read_units import (
+    BATCH_BYTES,
+    PIECE_BYTES,
+    SMALL_RECORD,
+    ReadStats,
+    Record,
+    Request,
+    Unit,
+    thread_memory,
+)
+from parallel_dcp.storage.location import Location, dcp_reader
+
+__all__ = [
+    "BATCH_BYTES",
+    "Budget",
+    "ReadStats",
+    "Request",
+    "read_requests",
+    "thread_memory",
+]
+
+_TICK_S = 0.1
+
+
+class Budget:
+    """The memory ceiling of a read in this process, kept by reservation alone.
+
+    Everything the read holds is set aside before it starts (the output when it allocates, each
+    thread's buffers) or before DCP's reader takes a record; the threads hold nothing else. No
+    sampling: reading PSS walks every page table (~0.15 s for a process with a few GiB mapped,
+    as long as reading them), and a thread could not be killed anyway.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.reserved = 0
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Set ``nbytes`` aside for the whole read; MemoryLimitExceeded if they do not fit."""
+        if self.reserved + nbytes > self.limit:
+            raise MemoryLimitExceeded(
+                f"{what} needs {format_bytes(self.reserved + nbytes)} in memory, more than the memory limit "
+                f"{format_bytes(self.limit)}: raise memory_limit or select fewer keys",
+                limit=self.limit,
+                measured=self.reserved + nbytes,
+                keys=[],
+            )
+        self.reserved += nbytes
+
+    def check_item(self, key: str, need: int) -> None:
+        """MemoryLimitExceeded if ``key`` needs ``need`` bytes at once beside what is set aside."""
+        if self.reserved + need > self.limit:
+            raise MemoryLimitExceeded(
+                f"{key!r} needs {format_bytes(need)} in memory at once beside the {format_bytes(self.reserved)} "
+                f"set aside, more than the memory limit {format_bytes(self.limit)}",
+                limit=self.limit,
+                measured=self.reserved + need,
+                keys=[key],
+            )
+
+
+def _pieces(req: Request, threads: int) -> list[Request]:
+    """A large region cut into row ranges (of its first dimension longer than 1, all dims before
+    it being 1: each range stays one contiguous run), so that threads share one large record."""
+    target = req.target
+    if target is None or threads < 2 or target.numel() * target.element_size() <= 2 * PIECE_BYTES:
+        return [req]
+    lengths = list(req.item.lengths)
+    dim = next((d for d, n in enumerate(lengths) if n > 1), None)
+    if dim is None or any(n != 1 for n in lengths[:dim]):
+        return [req]
+    rows = lengths[dim]
+    count = min(rows, -(-target.numel() * target.element_size() // PIECE_BYTES))
+    step = -(-rows // count)
+    out = []
+    for number, start in enumerate(range(0, rows, step)):
+        stop = min(rows, start + step)
+        storage_offsets = list(req.item.storage_offsets)
+        dest_offsets = list(req.item.dest_offsets)
+        storage_offsets[dim] += start
+        dest_offsets[dim] += start
+        lengths[dim] = stop - start
+        item = dataclasses.replace(
+            req.item,
+            storage_offsets=torch.Size(storage_offsets),
+            dest_offsets=torch.Size(dest_offsets),
+            lengths=torch.Size(lengths),
+        )
+        piece = dataclasses.replace(req, item=item, target=target.narrow(dim, start, stop - start), piece=number)
+        out.append(piece)
+    return out
+
+
+def _units(requests: list[Request], threads: int) -> list[Unit]:
+    """Records grouped by file in offset order, cut into about 4 units per thread; the pieces of
+    a large region are records of their own."""
+    files: dict[str, dict[tuple[int, int], Record]] = {}
+    for whole in requests:
+        for req in _pieces(whole, threads):
+            records = files.setdefault(str(req.info.relative_path), {})
+            key = (int(req.info.offset), req.piece)
+            record = records.get(key)
+            if record is None:
+                record = records[key] = Record(int(req.info.offset), int(req.info.length), [])
+            record.requests.append(req)
+    work = {id(r): _work(r) for records in files.values() for r in records.values()}
+    share = max(sum(work.values()) // (4 * threads), SMALL_RECORD)
+    units = []
+    for name, records in files.items():
+        current: list[Record] = []
+        size = window = 0
+        for record in sorted(records.values(), key=lambda r: r.offset):
+            small = min(record.length, SMALL_RECORD + 1) if record.length <= SMALL_RECORD else 0
+            if current and (size + work[id(record)] > share or window + small > BATCH_BYTES):
+                units.append(Unit(name, current))
+                current, size, window = [], 0, 0
+            current.append(record)
+            size, window = size + work[id(record)], window + small
+        if current:
+            units.append(Unit(name, current))
+    return sorted(units, key=lambda u: -sum(work[id(r)] for r in u.records))
+
+
+def _work(record: Record) -> int:
+    """Bytes a record costs to read: all of a small one, the regions of a large one."""
+    if record.length <= SMALL_RECORD:
+        return record.length
+    return sum(q.target.numel() * q.target.element_size() for q in record.requests if q.target is not None)
+
+
+class _Sink:
+    """The planner DCP's reader sees for the fallback: targets are already resolved."""
+
+    def __init__(self, targets: dict[int, torch.Tensor], on_bytes: Callable[[ReadItem, bytes], None]) -> None:
+        self.targets = targets
+        self.on_bytes = on_bytes
+
+    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+        return self.targets[id(item)]
+
+    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        """The caller commits every item once all are read."""
+
+    def load_bytes(self, item: ReadItem, stream: Any) -> None:
+        self.on_bytes(item, stream.read())
+
+
+def read_requests(
+    where: Location,
+    requests: Iterable[Request],
+    threads: int,
+    on_bytes: Callable[[ReadItem, bytes], None],
+    budget: Budget | None = None,
+    on_tick: Callable[[], None] | None = None,
+) -> ReadStats:
+    """Read every request into its target; pickled values go to ``on_bytes(item, raw bytes)``.
+
+    Raises:
+        CorruptCheckpointError: a shard is missing bytes, or a record contradicts ``.metadata``.
+        MemoryLimitExceeded: a record left to DCP's reader cannot fit under ``budget``.
+    """
+    fast: list[Request] = []
+    slow: list[Request] = []
+    for req in requests:
+        transformed = bool(getattr(req.info, "transform_descriptors", None))
+        (slow if req.item.type == LoadItemType.BYTE_IO or transformed or req.unfit else fast).append(req)
+    stats = ReadStats()
+    units = _units(fast, threads)
+    cancel = threading.Event()
+    if units:
+        with cf.ThreadPoolExecutor(
+            max_workers=min(threads, len(units)), thread_name_prefix="parallel_dcp-read"
+        ) as pool:
+            pending = {pool.submit(unit.run, where, cancel) for unit in units}
+            try:
+                while pending:
+                    done, pending = cf.wait(pending, timeout=_TICK_S, return_when=cf.FIRST_EXCEPTION)
+                    for future in done:
+                        part, more = future.result()
+                        stats.add(part)
+                        slow.extend(more)
+                    if on_tick is not None:
+                        on_tick()
+            except BaseException:
+                cancel.set()
+                for future in pending:
+                    future.cancel()
+                raise
+    _fallback(where, slow, stats, on_bytes, budget)
+    return stats
+
+
+def _fallback(
+    where: Location,
+    slow: list[Request],
+    stats: ReadStats,
+    on_bytes: Callable[[ReadItem, bytes], None],
+    budget: Budget | None,
+) -> None:
+    """DCP's own reader for what the fast path does not serve, one record at a time."""
+    if not slow:
+        return
+    reader = dcp_reader(where)
+    reader.storage_data = {req.item.storage_index: req.info for req in slow}
+    targets = {id(req.item): req.target for req in slow if req.target is not None}
+    sink = _Sink(targets, on_bytes)
+    for req in slow:
+        if req.target is not None and budget is not None:
+            # DCP holds the whole stored chunk, and a decompressed copy of a transformed one
+            budget.check_item(req.item.storage_index.fqn, 2 * int(req.info.length) + 2 * req.target.nbytes)
+        reader.read_data(LoadPlan([req.item]), sink).wait()  # type: ignore[arg-type]
+        if req.target is None:
+            stats.values += 1
+    tensors = [req for req in slow if req.target is not None and req.piece == 0]
+    stats.fallback += len(tensors)
+    stats.fallback_keys |= {req.item.storage_index.fqn for req in tensors}

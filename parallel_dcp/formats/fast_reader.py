@@ -1,0 +1,146 @@
+"""``FastReader``: a drop-in ``StorageReader`` for stock ``torch.distributed.checkpoint.load``.
+
+    dcp.load(state_dict, storage_reader=parallel_dcp.FastReader(path, workers=4))
+
+DCP's planner still decides what each rank reads (any resharding: a DTensor shard reading part of
+a stored chunk is a ``ReadItem`` with storage offsets and lengths); this reader serves each item
+with :mod:`parallel_dcp.fast_read`, straight into ``planner.resolve_tensor(item)``, and leaves
+to DCP's own reader what the fast path does not fit (compressed records, non-contiguous stored
+layouts, a target of another dtype, which stock casts). ``.metadata`` is read with the allow-list
+unpickler and its shard names checked; pickled values must pass ``weights_only=True`` before the
+planner sees them, unless ``trust_pickle``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from parallel_dcp.engine.pool import gc_paused
+from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.formats import fast_read
+from parallel_dcp.options import usable_cores
+from parallel_dcp.storage.location import Location, Remote, RemoteFileSystem, locate
+from parallel_dcp.storage.metadata import check_metadata, read_metadata, unpickle_value
+
+__all__ = ["FastReader"]
+
+
+class FastReader(FileSystemReader):
+    """A ``StorageReader`` that reads DCP checkpoints with parallel zero-copy reads.
+
+    Args:
+        path: the checkpoint directory, or its URL (``s3://...``; ``storage_options`` as for
+            :func:`parallel_dcp.save`).
+        workers: reading threads per process (per rank); None uses every usable core.
+        trust_pickle: hand pickled values to the planner without first checking that
+            ``weights_only=True`` loads them (stock DCP unpickles them fully).
+
+    ``stats`` (a :class:`parallel_dcp.ReadStats`) counts what the fast path and DCP's reader
+    served across every ``read_data`` call.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        workers: int | None = None,
+        trust_pickle: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self._where: Location = locate(path, storage_options)
+        super().__init__(os.fspath(self._where))
+        if isinstance(self._where, Remote):
+            self.fs = RemoteFileSystem(self._where.options)  # type: ignore[assignment]
+            self.path = self._where.url
+        if workers is not None and workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = workers if workers is not None else usable_cores()
+        self.trust_pickle = trust_pickle
+        self.stats = fast_read.ReadStats()
+        self._chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
+        self._metadata: Metadata | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            options = self._where.options if isinstance(self._where, Remote) else None
+            self._where = locate(checkpoint_id, options)
+        super().reset(checkpoint_id)
+        if isinstance(self._where, Remote):
+            self.path = self._where.url
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """``.metadata`` through the allow-list unpickler (stock uses plain pickle)."""
+        if kwargs.get("rank") is not None:
+            raise NotImplementedError("FastReader reads the global .metadata only, not per-rank metadata files")
+        with gc_paused():
+            metadata = read_metadata(self._where)  # names, sizes and offsets checked as it is read
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        check_metadata(metadata, self._where)  # every rank: the metadata may come from another rank
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._metadata = metadata
+        self._chunks = {}
+
+    def _chunk(self, index: Any) -> tuple[torch.dtype, tuple[int, ...]]:
+        assert self._metadata is not None
+        meta = self._metadata.state_dict_metadata.get(index.fqn)
+        if not isinstance(meta, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"{self._where}: .metadata holds no tensor {index.fqn!r}")
+        sizes = self._chunks.get(index.fqn)
+        if sizes is None:
+            sizes = self._chunks[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in meta.chunks}
+        chunk = sizes.get(tuple(index.offset or ()))
+        if chunk is None:
+            raise CorruptCheckpointError(f"{self._where}: .metadata has no chunk of {index.fqn!r} at {index.offset}")
+        return meta.properties.dtype, chunk
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every item of ``plan``; tensors are committed to the planner once all are read."""
+        with gc_paused():  # per-item objects would trigger collections over the caller's heap
+            return self._read_data(plan, planner)
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        requests: list[fast_read.Request] = []
+        committed: list[tuple[ReadItem, torch.Tensor]] = []
+        for item in plan.items:
+            info = self.storage_data.get(item.storage_index)
+            if info is None:
+                raise CorruptCheckpointError(f"{self._where}: .metadata records no shard for {item.storage_index}")
+            if item.type == LoadItemType.BYTE_IO:
+                requests.append(fast_read.Request(item, info, (), None, None))
+                continue
+            dtype, chunk = self._chunk(item.storage_index)
+            target = planner.resolve_tensor(item).detach()
+            if tuple(target.shape) != tuple(item.lengths):
+                raise CorruptCheckpointError(
+                    f"{item.storage_index.fqn!r}: the planner's target has shape {list(target.shape)}, "
+                    f"the read item {list(item.lengths)}"
+                )
+            # stock casts into a target of another dtype: its reader does that copy, as it would
+            requests.append(fast_read.Request(item, info, chunk, dtype, target, unfit=target.dtype != dtype))
+            committed.append((item, target))
+
+        def on_bytes(item: ReadItem, data: bytes) -> None:
+            if not self.trust_pickle:
+                unpickle_value(item.storage_index.fqn, io.BytesIO(data), trust_pickle=False)
+            planner.load_bytes(item, io.BytesIO(data))
+
+        self.stats.add(fast_read.read_requests(self._where, requests, self.workers, on_bytes))
+        for item, target in committed:
+            planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future

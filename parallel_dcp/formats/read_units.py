@@ -1,0 +1,314 @@
+"""How one thread reads a run of records of one shard (see :mod:`parallel_dcp.fast_read`).
+
+records (sorted by offset) ── one pread per batch of nearby heads/tails (≤ BATCH_BYTES)
+  │ parse_record, checked against .metadata (dtype, shape, extent in the record)
+  │ each request: the contiguous runs of its region (a whole chunk: one run)
+  │   small record: runs copied out of the batch buffer
+  │   large record: (file offset, target memory) segments
+  ▼
+segments sorted by offset; neighbours within GAP_BYTES merged into one preadv, the gap
+landing in a scratch buffer; a target that is not dense along the runs (or not on the CPU)
+is read into a staging tensor and copied
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import ReadItem
+
+from parallel_dcp.engine import progress
+from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.formats.dcp_records import HEAD_BYTES, TAIL_BYTES, RecordLayout, is_row_major, parse_record
+from parallel_dcp.storage.location import Location, Remote
+
+__all__ = [
+    "BATCH_BYTES",
+    "GAP_BYTES",
+    "PIECE_BYTES",
+    "SMALL_RECORD",
+    "ReadStats",
+    "Record",
+    "Request",
+    "Unit",
+    "thread_memory",
+]
+
+SMALL_RECORD = 1 << 20
+# The most one batch read holds; also how far apart two reads may be and still be merged.
+BATCH_BYTES = 8 << 20
+GAP_BYTES = 64 << 10
+# A region larger than twice this is read as pieces of about this size, by several threads.
+PIECE_BYTES = 32 << 20
+_IOV_MAX = 1024
+# A region whose contiguous runs are this short, and many, is left to DCP's reader.
+_TINY_RUN = 64
+_TICK_S = 0.1
+
+
+def thread_memory() -> int:
+    """What one reading thread holds at most beside the targets."""
+    return BATCH_BYTES + GAP_BYTES + HEAD_BYTES + TAIL_BYTES
+
+
+@dataclass(slots=True)
+class Request:
+    """One read item: the region ``item.storage_offsets``/``lengths`` of a stored chunk of shape
+    ``chunk`` into ``target`` (shape ``lengths``; None for a pickled value); ``unfit`` sends it
+    to DCP's reader whatever its record holds."""
+
+    item: ReadItem
+    info: Any  # torch's _StorageInfo: relative_path, offset, length, transform_descriptors
+    chunk: tuple[int, ...]
+    dtype: torch.dtype | None
+    target: torch.Tensor | None
+    unfit: bool = False
+    piece: int = 0  # a large region is cut into pieces 0, 1, ...; only piece 0 is counted
+
+
+@dataclass
+class ReadStats:
+    """Which path served a read: ``fast`` and ``fallback`` count read items (a tensor or a part of
+    one); ``fallback_keys`` names the keys DCP's own reader served; ``values`` counts pickled
+    (non-tensor) values; ``reads`` the system calls (or ranged GETs) of the fast path."""
+
+    fast: int = 0
+    fallback: int = 0
+    fallback_keys: set[str] = field(default_factory=set)
+    values: int = 0
+    reads: int = 0
+    bytes: int = 0
+
+    def add(self, other: ReadStats) -> None:
+        self.fast += other.fast
+        self.fallback += other.fallback
+        self.fallback_keys |= other.fallback_keys
+        self.values += other.values
+        self.reads += other.reads
+        self.bytes += other.bytes
+
+
+class _File:
+    """One shard, read by offset into lists of buffers (local: preadv; remote: ranged GETs)."""
+
+    def __init__(self, where: Location, name: str) -> None:
+        self.where = where / name
+        self.fd = -1
+        if isinstance(self.where, Remote):
+            self.size = self.where.size()
+        else:
+            self.fd = os.open(self.where, os.O_RDONLY)
+            self.size = os.fstat(self.fd).st_size
+        self.reads = 0
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+
+    def read(self, offset: int, views: list[memoryview]) -> None:
+        self.reads += 1
+        if isinstance(self.where, Remote):
+            for view in views:
+                self.where.read_into(offset, view)
+                offset += view.nbytes
+            return
+        while views:
+            got = os.preadv(self.fd, views, offset)
+            if got <= 0:
+                raise CorruptCheckpointError(f"{self.where} ends at byte {offset}: the shard is truncated")
+            offset += got
+            while views and got >= views[0].nbytes:
+                got -= views[0].nbytes
+                views = views[1:]
+            if views and got:
+                views = [views[0][got:], *views[1:]]
+
+
+def _memory(tensor: torch.Tensor, element: int, nbytes: int) -> memoryview:
+    address = tensor.data_ptr() + element * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+@dataclass(slots=True)
+class Record:
+    offset: int
+    length: int
+    requests: list[Request]
+    head: memoryview | None = None
+    tail: memoryview | None = None
+
+
+def _runs(req: Request, target: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """(element in the stored chunk, element in ``target``, elements) of each contiguous run of the
+    region, or None when the target is not dense along them (then it is staged)."""
+    size, offsets, lengths = req.chunk, tuple(req.item.storage_offsets), tuple(req.item.lengths)
+    ndim = len(size)
+    partial = [j for j in range(ndim) if offsets[j] != 0 or lengths[j] != size[j]]
+    d = partial[-1] if partial else 0
+    if not is_row_major(lengths[d:], tuple(target.stride())[d:]) or ndim == 0:
+        return None if ndim else [(0, 0, 1)]
+    step = [math.prod(size[j + 1 :]) for j in range(ndim)]
+    tstride = target.stride()
+    run = lengths[d] * step[d]
+    runs = [(offsets[d] * step[d], 0, run)]
+    for j in range(d - 1, -1, -1):
+        runs = [(s + (offsets[j] + i) * step[j], t + i * tstride[j], n) for i in range(lengths[j]) for s, t, n in runs]
+    return runs
+
+
+class Unit:
+    """Records of one file, read by one thread."""
+
+    def __init__(self, name: str, records: list[Record]) -> None:
+        self.name = name
+        self.records = records
+
+    def run(self, where: Location, cancel: threading.Event) -> tuple[ReadStats, list[Request]]:
+        stats, fallback = ReadStats(), []
+        file = _File(where, self.name)
+        try:
+            end = max(r.offset + r.length for r in self.records)
+            if end > file.size:
+                keys = sorted({q.item.storage_index.fqn for r in self.records for q in r.requests})
+                raise CorruptCheckpointError(
+                    f"{file.where} has {file.size} bytes but .metadata records {keys[:4]} up to byte {end} "
+                    "(truncated file)"
+                )
+            self._read_windows(file)
+            segments: list[tuple[int, memoryview]] = []
+            staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for record in self.records:
+                if cancel.is_set():
+                    return stats, []
+                layout = self._layout(file, record)
+                for req in record.requests:
+                    if layout is None or not self._plan(req, record, layout, segments, staged):
+                        fallback.append(req)
+                    else:
+                        stats.fast += req.piece == 0
+                        assert req.target is not None
+                        stats.bytes += req.target.numel() * req.target.element_size()
+            for record in self.records:
+                record.head = record.tail = None  # the batch buffers are no longer needed
+            _read_segments(file, segments)
+            for stage, target in staged:
+                target.copy_(stage)
+            progress.report(stats.bytes)
+            progress.flush()
+        finally:
+            stats.reads = file.reads
+            file.close()
+        return stats, fallback
+
+    def _read_windows(self, file: _File) -> None:
+        """Read each record's head and tail (small records whole), nearby ones in one read."""
+        windows: list[tuple[int, int, Record, str]] = []
+        for r in self.records:
+            if r.length <= SMALL_RECORD:
+                windows.append((r.offset, r.offset + r.length, r, "whole"))
+            else:
+                windows.append((r.offset, r.offset + HEAD_BYTES, r, "head"))
+                windows.append((r.offset + r.length - TAIL_BYTES, r.offset + r.length, r, "tail"))
+        windows.sort(key=lambda w: w[0])
+        i = 0
+        while i < len(windows):
+            start, stop, j = windows[i][0], windows[i][1], i + 1
+            while j < len(windows) and windows[j][0] - stop <= GAP_BYTES and windows[j][1] - start <= BATCH_BYTES:
+                stop, j = max(stop, windows[j][1]), j + 1
+            buffer = memoryview(bytearray(stop - start))
+            file.read(start, [buffer])
+            for w_start, w_stop, record, kind in windows[i:j]:
+                view = buffer[w_start - start : w_stop - start]
+                if kind in ("whole", "head"):
+                    record.head = view
+                if kind in ("whole", "tail"):
+                    record.tail = view
+            i = j
+
+    def _layout(self, file: _File, record: Record) -> RecordLayout | None:
+        assert record.head is not None and record.tail is not None
+        first = record.requests[0]
+        try:
+            layout = parse_record(record.head, record.tail, record.length)
+        except ValueError as exc:
+            key = first.item.storage_index.fqn
+            raise CorruptCheckpointError(
+                f"{file.where}: the record of {key!r} at byte {record.offset} is damaged: {exc}"
+            ) from exc
+        if layout is None:
+            return None
+        key, dtype, chunk = first.item.storage_index.fqn, first.dtype, first.chunk
+        if layout.dtype != dtype or layout.size != chunk:
+            raise CorruptCheckpointError(
+                f"{file.where}: the record of {key!r} at byte {record.offset} holds {layout.dtype} {list(layout.size)} "
+                f"but .metadata says {dtype} {list(chunk)}"
+            )
+        itemsize = layout.dtype.itemsize
+        if (layout.storage_offset + math.prod(chunk)) * itemsize > layout.data_bytes:
+            raise CorruptCheckpointError(
+                f"{file.where}: the record of {key!r} at byte {record.offset} has {layout.data_bytes} data bytes, "
+                f"fewer than its {list(chunk)} {dtype} elements need"
+            )
+        return layout if is_row_major(layout.size, layout.stride) else None
+
+    def _plan(
+        self,
+        req: Request,
+        record: Record,
+        layout: RecordLayout,
+        segments: list[tuple[int, memoryview]],
+        staged: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> bool:
+        """Add the reads of one request; False when it is left to DCP's reader."""
+        target = req.target
+        assert target is not None and req.dtype is not None
+        if target.numel() == 0:
+            return True
+        into = target
+        runs = _runs(req, target) if target.device.type == "cpu" else None
+        if runs is None:
+            into = torch.empty(tuple(req.item.lengths), dtype=req.dtype)
+            runs = _runs(req, into)
+            assert runs is not None
+        itemsize = req.dtype.itemsize
+        if len(runs) > 16 and runs[0][2] * itemsize < _TINY_RUN:
+            return False
+        base = layout.data_offset + layout.storage_offset * itemsize
+        whole = record.length <= SMALL_RECORD
+        for stored, element, count in runs:
+            dest = _memory(into, element, count * itemsize)
+            if whole:
+                assert record.head is not None
+                dest[:] = record.head[base + stored * itemsize : base + (stored + count) * itemsize]
+            else:
+                segments.append((record.offset + base + stored * itemsize, dest))
+        if into is not target:
+            staged.append((into, target))
+        return True
+
+
+def _read_segments(file: _File, segments: list[tuple[int, memoryview]]) -> None:
+    """Read every (offset, buffer), sorted; nearby ones in one preadv, gaps into a scratch buffer."""
+    segments.sort(key=lambda s: s[0])
+    scratch = memoryview(bytearray(GAP_BYTES)) if len(segments) > 1 else memoryview(b"")
+    i = 0
+    while i < len(segments):
+        start, first = segments[i]
+        views, end, j = [first], start + first.nbytes, i + 1
+        while j < len(segments) and len(views) + 2 <= _IOV_MAX:
+            offset, view = segments[j]
+            gap = offset - end
+            if gap < 0 or gap > GAP_BYTES:
+                break
+            if gap:
+                views.append(scratch[:gap])
+            views.append(view)
+            end, j = offset + view.nbytes, j + 1
+        file.read(start, views)
+        i = j
