@@ -7,6 +7,9 @@ reader open it unchanged.
     >>> result = parallel_dcp.save({"w": torch.ones(4)}, "/tmp/ckpt", overwrite=True)
     >>> parallel_dcp.load("/tmp/ckpt")["w"].sum().item()
     4.0
+
+Longer than 300 lines because every public function's full contract (arguments, results, errors)
+lives here, with typed overloads for dry_run; the logic is in jobs/.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ from parallel_dcp.jobs import verify as _verify
 from parallel_dcp.jobs.diff import DiffReport
 from parallel_dcp.jobs.dryrun import DryRunPlan
 from parallel_dcp.jobs.pipeline import SaveResult, WorkerStats
-from parallel_dcp.jobs.pipeline import save as _save
 from parallel_dcp.jobs.rename import RenameRules
+from parallel_dcp.jobs.save import save as _save
 from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE
 from parallel_dcp.jobs.verify import VerifyReport
 from parallel_dcp.options import Options

@@ -121,3 +121,30 @@ def test_dist_timeout_can_be_set_from_the_api_and_the_cli(tmp_path: Path) -> Non
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing written"
     args = cli._parser().parse_args(["convert", "a", "b", "--distributed", "--dist-timeout", "90"])
     assert args.dist_timeout == 90.0
+
+
+def test_no_import_cycles() -> None:
+    """Each module imports only what sits below it (the pipeline once imported distributed mode,
+    which imports the pipeline: the choice between them now lives in jobs/runner.py)."""
+    import grimp
+
+    graph = grimp.build_graph("parallel_dcp")
+    cycles = sorted(
+        {
+            tuple(sorted((a, b)))
+            for a in graph.modules
+            for b in graph.find_modules_directly_imported_by(a)
+            if b.startswith("parallel_dcp") and graph.find_shortest_chain(importer=b, imported=a)
+        }
+    )
+    assert cycles == []
+
+
+def test_modules_over_300_lines_say_why() -> None:
+    long = []
+    for path in sorted((ROOT / "parallel_dcp").rglob("*.py")):
+        text = path.read_text()
+        docstring = ast.get_docstring(ast.parse(text)) or ""
+        if text.count("\n") > 300 and "Longer than 300 lines because" not in docstring:
+            long.append(str(path.relative_to(ROOT)))
+    assert long == []

@@ -18,6 +18,9 @@ Two mechanisms enforce the ceiling:
   of a core; a reading over the
   ceiling is measured again before acting, and then the worker with the most private memory is
   killed and the job fails with :class:`MemoryLimitExceeded` naming it, its keys and the figures.
+
+Longer than 300 lines because the whole memory model sits together on purpose: cost constants,
+worker arithmetic, admission and the watchdog.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@
 Workers are forked, never spawned: the job's data (a state dict, an open checkpoint's metadata)
 is read copy-on-write and never travels through a pipe. Only task descriptions and small results
 (metadata, write results, statistics) do.
+
+Longer than 300 lines because a process pool's failure handling (crashes, signals, timeouts,
+retries, orphans, tracebacks home) is one piece of logic that must stay together to stay right.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ records (sorted by offset) ── one pread per batch of nearby heads/tails (≤
 segments sorted by offset; neighbours within GAP_BYTES merged into one preadv, the gap
 landing in a scratch buffer; a target that is not dense along the runs (or not on the CPU)
 is read into a staging tensor and copied
+
+Longer than 300 lines because the per-thread read machinery (batched small reads, merged preadv
+runs, checks against the record layout) is one hot loop.
 """
 
 from __future__ import annotations

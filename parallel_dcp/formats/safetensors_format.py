@@ -3,6 +3,9 @@
 Read through the safetensors library (headers for listing, ``safe_open`` mmap for data); written
 with ``safetensors.torch.save_file``, one shard per task, in the layout Hugging Face tools expect:
 ``model-00001-of-00003.safetensors`` ... plus the index's ``weight_map`` and ``total_size``.
+
+Longer than 300 lines because it reads safetensors three ways (the library's mmap, private
+mappings, ranged reads from object storage) and writes it two ways (a file, a stream).
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
-from parallel_dcp.jobs.pipeline import SaveResult, run_job
+from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.rename import RenameRules, rename_source
+from parallel_dcp.jobs.runner import run_job
 from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE, Job, Target, target_for
 from parallel_dcp.options import Options
 from parallel_dcp.storage.location import Location, Remote, is_url, locate

@@ -20,12 +20,14 @@ DCP: merge_metadata + planner_data of the whole source (so nesting survives)
 publish: the replaced checkpoint's own files removed; the lock released
 any failure (SIGTERM included) before the commit: workers killed and reaped, this save's files
 removed, the destination as it was
+
+Longer than 300 lines because the diagram, SaveResult and the plan, run and result steps of the
+one pipeline are kept together so it reads top to bottom.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 import time
@@ -49,12 +51,12 @@ from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import TaskResult, WorkerPool, gc_paused
 from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
 from parallel_dcp.formats.memory_format import MemorySource
-from parallel_dcp.jobs.targets import DcpTarget, Job, Target
+from parallel_dcp.jobs.targets import Job, Target
 from parallel_dcp.options import Options
 from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
 from parallel_dcp.storage.protocol import WriteLocation
 
-__all__ = ["SaveResult", "WorkerStats", "run_job", "save"]
+__all__ = ["SaveResult", "WorkerStats", "run_job", "terminate_as_interrupt"]
 
 # Each torch.save record adds about 1 KiB of zip headers and pickle to its tensor's bytes.
 _RECORD_OVERHEAD = 1024
@@ -122,32 +124,18 @@ def _worker_setup(options: Options) -> Any:
     return setup
 
 
-def save(state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult:
-    """Save an in-memory state dict as DCP; see :func:`parallel_dcp.save` for the contract."""
-    start = time.perf_counter()
-    target = DcpTarget(path, options.storage_options)
-    governor = MemoryGovernor(options.memory_ceiling())
-    with gc_paused():  # flattening 50,000 keys; see gc_paused
-        source = MemorySource(str(path), state_dict=state_dict)
-        job = Job(source, tuple(list(source.entries) + list(source.values)))
-    return run_job(job, target, options, governor, start=start)
-
-
 def run_job(
     job: Job, target: Target, options: Options, governor: MemoryGovernor, *, start: float | None = None
 ) -> SaveResult:
-    """Plan, check, run and commit one job; on any failure the destination is as it was.
+    """Plan, check, run and commit one job on this node; on any failure the destination is as it
+    was. (Across the ranks of a torchrun job the same steps run in :mod:`parallel_dcp.jobs.distributed`;
+    :func:`parallel_dcp.jobs.runner.run_job` picks one.)
 
     ``governor`` must have been created before the source was opened, so that whatever opening
     it loaded counts against the limit.
     """
     _compat.check_torch()
     start = time.perf_counter() if start is None else start
-    if options.distributed:
-        from parallel_dcp.jobs import distributed
-
-        with terminate_as_interrupt():
-            return distributed.run_job(job, target, options, governor, start=start)
     with gc_paused():
         plan = plan_job(job, target, options, governor)
     job, tasks, workers = plan.job, plan.tasks, plan.workers

@@ -3,6 +3,10 @@
 A target plans the tasks (which keys each worker writes), writes one task in a worker, and
 commits in the coordinator through its destination's :class:`~parallel_dcp.storage.staging.Staging`
 (DCP: ``.metadata``; sharded: the index JSON; both: then the manifest).
+
+Longer than 300 lines because it holds the job (units, sizes, worker-side reads) and the three
+kinds of output (DCP directory, sharded directory, single file) that share it; each target is one
+class of planning, writing and committing.
 """
 
 from __future__ import annotations

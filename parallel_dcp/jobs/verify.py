@@ -9,6 +9,9 @@ A tensor whose reads (here and in the reference) do not fit in what one task may
 memory limit is compared in row ranges, read from both sides exactly as conversions read them, so
 ``verify`` works under any limit that ``convert`` works under. Every problem is reported (not only
 the first), sorted; a worker that cannot read a key reports it as a problem rather than failing.
+
+Longer than 300 lines because checksum checks, header comparison and the chunked, memory-bounded
+bit-for-bit comparison form one job.
 """
 
 from __future__ import annotations

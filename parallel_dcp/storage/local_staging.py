@@ -2,7 +2,12 @@
 
 The destination's lock is an ``flock`` on a lock file; the commit is one ``rename`` of the marker
 (``renameat2(RENAME_NOREPLACE)`` unless overwriting, so nothing that appeared meanwhile is ever
-replaced). See :mod:`parallel_dcp.storage.staging` for the protocol."""
+replaced). See :mod:`parallel_dcp.storage.staging` for the protocol.
+
+Longer than 300 lines because the local commit protocol (lock, owner record, no-replace rename,
+cleanup of leftovers) for both a directory and a single file, which share every step but the
+names.
+"""
 
 from __future__ import annotations
 

@@ -15,6 +15,9 @@ object on first use, because an async filesystem (s3fs) is not fork-safe once it
 Uploads go through bounded buffers: a file is sent in parts of :func:`part_size` bytes (a
 multipart upload), never held whole, and a failed write aborts its upload, so a half-written
 object never appears. Reads fetch exactly the byte ranges asked for (no read-ahead cache).
+
+Longer than 300 lines because local paths and fsspec URLs behind one interface, including DCP's
+file-system adapter for URLs and bounded multipart uploads.
 """
 
 from __future__ import annotations

@@ -1,0 +1,29 @@
+"""Run a write job here, or as one rank of a torchrun/srun job: the only place that chooses.
+
+Both run the same steps of :mod:`parallel_dcp.jobs.pipeline` (plan, stage, run, commit,
+publish); distributed mode changes who runs which tasks and who commits.
+"""
+
+from __future__ import annotations
+
+import time
+
+from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.jobs import distributed, pipeline
+from parallel_dcp.jobs.pipeline import SaveResult, terminate_as_interrupt
+from parallel_dcp.jobs.targets import Job, Target
+from parallel_dcp.options import Options
+
+__all__ = ["run_job"]
+
+
+def run_job(
+    job: Job, target: Target, options: Options, governor: MemoryGovernor, *, start: float | None = None
+) -> SaveResult:
+    """See :func:`parallel_dcp.jobs.pipeline.run_job`; with ``options.distributed``, as one rank."""
+    if options.distributed:
+        with terminate_as_interrupt():
+            return distributed.run_job(
+                job, target, options, governor, start=time.perf_counter() if start is None else start
+            )
+    return pipeline.run_job(job, target, options, governor, start=start)
