@@ -41,19 +41,32 @@ def llm_state(layers: int = 4, d: int = 512) -> dict[str, Any]:
     return {"model": model, "optimizer": {"state": optim, "lr": 3e-4}, "step": 10}
 
 
+RUNS = 5
+
+
 def _measure(plan: Callable[[], Any], real: Callable[[], Any]) -> tuple[DryRunPlan, int, float]:
+    """The prediction against the peak of the real run, as the independent sampler measures it.
+
+    A task's peak can last a few milliseconds (the lean path writes a 30 MiB record in about
+    that), so one 2 ms sampler may miss it: the real run is repeated and its highest reading kept.
+    """
     predicted = plan()
     assert isinstance(predicted, DryRunPlan)
-    with PeakSampler() as sampler:
-        result = real()
-    assert isinstance(result, parallel_dcp.SaveResult) and result.tasks == predicted.tasks
-    error = (predicted.predicted_peak_memory - sampler.peak) / sampler.peak
+    peaks = []
+    for _ in range(RUNS):
+        with PeakSampler() as sampler:
+            result = real()
+        assert isinstance(result, parallel_dcp.SaveResult) and result.tasks == predicted.tasks
+        peaks.append(sampler.peak)
+    peak = max(peaks)
+    error = (predicted.predicted_peak_memory - peak) / peak
     print(
         f"\n{predicted.source} -> {predicted.path}: predicted {predicted.predicted_peak_memory / MiB:.1f} MiB, "
-        f"measured {sampler.peak / MiB:.1f} MiB, error {error:+.0%} (limit {predicted.memory_limit / MiB:.0f} MiB, "
+        f"measured {peak / MiB:.1f} MiB (runs: {', '.join(f'{p / MiB:.1f}' for p in peaks)}), error {error:+.0%} "
+        f"(limit {predicted.memory_limit / MiB:.0f} MiB, "
         f"{predicted.tasks} tasks, {predicted.workers} workers)"
     )
-    return predicted, sampler.peak, error
+    return predicted, peak, error
 
 
 def test_llm_like_save(tmp_path: Path) -> None:
@@ -65,7 +78,7 @@ def test_llm_like_save(tmp_path: Path) -> None:
         fused = torch.randn(4096, 3 * 2048, generator=g)  # 96 MiB
         for j, name in enumerate("qkv"):
             sd["model"][f"layers.{i}.attention.w{name}.weight"] = fused[:, j * 2048 : (j + 1) * 2048]
-    kwargs: dict[str, Any] = {"workers": 2, "executor": "processes", "sync_files": False}
+    kwargs: dict[str, Any] = {"workers": 2, "executor": "processes", "sync_files": False, "overwrite": True}
     plan, _, error = _measure(
         lambda: parallel_dcp.save(sd, tmp_path / "ckpt", dry_run=True, **kwargs),
         lambda: parallel_dcp.save(sd, tmp_path / "ckpt", **kwargs),
@@ -78,7 +91,7 @@ def test_sharded_safetensors_to_dcp_under_a_limit(tmp_path: Path) -> None:
     # large enough (224 MiB) that tasks last long enough for the sampler to see them overlap
     tensors = {k: v.contiguous() for k, v in llm_state(layers=4, d=1024)["model"].items()}
     write_hf_safetensors(tensors, tmp_path / "hf", shards=4)
-    kwargs: dict[str, Any] = {"workers": 2, "memory_limit": "160MiB", "sync_files": False}
+    kwargs: dict[str, Any] = {"workers": 2, "memory_limit": "160MiB", "sync_files": False, "overwrite": True}
     plan, _, error = _measure(
         lambda: parallel_dcp.convert(tmp_path / "hf", tmp_path / "dcp", dry_run=True, **kwargs),
         lambda: parallel_dcp.convert(tmp_path / "hf", tmp_path / "dcp", **kwargs),
@@ -90,7 +103,7 @@ def test_sharded_safetensors_to_dcp_under_a_limit(tmp_path: Path) -> None:
 
 def test_dcp_to_a_single_file(tmp_path: Path) -> None:
     parallel_dcp.save(llm_state(layers=3), tmp_path / "dcp", workers=2)
-    kwargs: dict[str, Any] = {"workers": 2, "keys": "model.*", "sync_files": False}
+    kwargs: dict[str, Any] = {"workers": 2, "keys": "model.*", "sync_files": False, "overwrite": True}
     plan, _, error = _measure(
         lambda: parallel_dcp.convert(tmp_path / "dcp", tmp_path / "model.pt", dry_run=True, **kwargs),
         lambda: parallel_dcp.convert(tmp_path / "dcp", tmp_path / "model.pt", **kwargs),

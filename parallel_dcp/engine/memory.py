@@ -37,6 +37,7 @@ from parallel_dcp.errors import MemoryLimitExceeded, describe_keys
 __all__ = [
     "DEFAULT_FRACTION",
     "ITEM_MEMORY_BYTES",
+    "LEAN_TASK_MEMORY_BYTES",
     "TASK_MEMORY_BYTES",
     "WORKER_MEMORY_BYTES",
     "MemoryGovernor",
@@ -55,6 +56,10 @@ __all__ = [
 # make the prediction a fiction, rounding them down would let admission overcommit; the watchdog
 # measures twice before it acts on a breach.
 TASK_MEMORY_BYTES = 10 * 1024 * 1024
+# The same for a DCP task on the lean path (formats/lean.py: no DCP planner, records written from
+# templates): a 2-worker save of contiguous tensors peaked at 15-21 MiB, two idle workers
+# included, so 0-3 MiB a task; rounded up.
+LEAN_TASK_MEMORY_BYTES = 4 * 1024 * 1024
 # What an idle forked worker adds (page tables, pages its start-up touches): ~6-8 MiB measured.
 WORKER_MEMORY_BYTES = 8 * 1024 * 1024
 ITEM_MEMORY_BYTES = 16 * 1024

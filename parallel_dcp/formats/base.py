@@ -114,6 +114,11 @@ class Source(ABC):
                 return len(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
         return 0
 
+    def plain_tensors(self) -> bool:
+        """True when every tensor read from this source is a plain CPU tensor (files always are;
+        an in-memory state dict may hold DTensors), so DCP outputs take the lean path."""
+        return True
+
     def copied_bytes(self, key: str) -> int:
         """Memory a worker allocates to read ``key`` (a source on disk: all its bytes)."""
         return self.entries[key].nbytes

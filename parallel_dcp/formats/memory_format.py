@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from parallel_dcp.engine.chunks import Chunk, exact_storage
+from parallel_dcp.formats import lean
 from parallel_dcp.formats.base import Source, entry_of
 from parallel_dcp.formats.validate import flatten_checked
 
@@ -31,6 +32,9 @@ class MemorySource(Source):
                 self.entries[key] = entry_of(key, value)
             else:
                 self.values[key] = value
+
+    def plain_tensors(self) -> bool:
+        return lean.lean_eligible(self._flat[key] for key in self.entries)
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         return {key: exact_storage(self._flat[key]) for key in keys}

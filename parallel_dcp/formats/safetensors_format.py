@@ -4,15 +4,14 @@ Read through the safetensors library (headers for listing, ``safe_open`` mmap fo
 with ``safetensors.torch.save_file``, one shard per task, in the layout Hugging Face tools expect:
 ``model-00001-of-00003.safetensors`` ... plus the index's ``weight_map`` and ``total_size``.
 
-Longer than 300 lines because it reads safetensors three ways (the library's mmap, private
-mappings, ranged reads from object storage) and writes it two ways (a file, a stream).
+Longer than 300 lines because it reads safetensors two ways (the library's mmap, ranged reads
+from object storage), checks untrusted headers, and writes it two ways (a file, a stream).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import struct
 from collections.abc import Iterable
@@ -93,9 +92,6 @@ class SafetensorsSource(Source):
     _handles: dict[str, Any] = field(default_factory=dict, repr=False)
     # On object storage: key -> (first, end) byte of its data in its file.
     _ranges: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
-    # Local files: key -> first byte of its data in its file (checked against the file's size).
-    _starts: dict[str, int] = field(default_factory=dict, repr=False)
-    _maps: dict[str, mmap.mmap] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.kind = "safetensors"
@@ -121,23 +117,6 @@ class SafetensorsSource(Source):
                     if key in self.entries:
                         raise CorruptCheckpointError(f"{self.path}: tensor {key!r} is in two shards")
                     self.entries[key] = Entry(key, dtype, tuple(piece.get_shape()), file)
-            self._locate(file)
-
-    def _locate(self, file: str) -> None:
-        """Record where each tensor's bytes start, so that workers map them instead of copying."""
-        size = os.path.getsize(file)
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length)) if length <= _MAX_HEADER else {}
-        header.pop("__metadata__", None)
-        for key, info in header.items():
-            entry = self.entries.get(key)
-            first, end = info.get("data_offsets", (0, -1))
-            start = 8 + length + first
-            # Anything odd (a lying header, an unaligned tensor) is read by the library instead.
-            fits = entry is not None and end - first == entry.nbytes and start + entry.nbytes <= size
-            if fits and entry is not None and start % entry.dtype.itemsize == 0:
-                self._starts[key] = start
 
     def _list_remote(self, location: Remote) -> None:
         for file in self.files:
@@ -179,23 +158,6 @@ class SafetensorsSource(Source):
 
     def release(self) -> None:
         self._handles.clear()
-        self._maps.clear()  # tensors still in use keep their mapping alive (frombuffer holds it)
-
-    def _mapped(self, key: str, skip: int = 0, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
-        """``key``'s bytes from ``skip`` on, aliased from a private mapping of its file (no copy):
-        the shard is written straight from the page cache. None when it must be read instead."""
-        start = self._starts.get(key)
-        entry = self.entries[key]
-        shape = entry.shape if shape is None else shape
-        count = math.prod(shape) * entry.dtype.itemsize
-        if start is None or count == 0:
-            return None
-        mapping = self._maps.get(entry.file)
-        if mapping is None:
-            with open(entry.file, "rb") as f:
-                mapping = self._maps[entry.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=count, offset=start + skip)
-        return flat.view(entry.dtype).reshape(shape)
 
     def _handle(self, key: str) -> Any:
         file = self.entries[key].file
@@ -207,11 +169,7 @@ class SafetensorsSource(Source):
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         if self._ranges:
             return {key: self._read_range(key, 0, self.entries[key].shape) for key in keys}
-        found = {}
-        for key in keys:
-            mapped = self._mapped(key)
-            found[key] = mapped if mapped is not None else self._handle(key).get_tensor(key)
-        return found
+        return {key: self._handle(key).get_tensor(key) for key in keys}
 
     def read_chunk(self, chunk: Chunk) -> torch.Tensor:
         """Only the chunk's rows are read (``get_slice``, or one ranged read), into their own tensor."""
@@ -220,11 +178,6 @@ class SafetensorsSource(Source):
                 return chunk.of(self.read([chunk.key])[chunk.key]).contiguous()
             row = chunk.nbytes(self.entries[chunk.key].dtype.itemsize) // max(1, chunk.stop - chunk.start)
             return self._read_range(chunk.key, chunk.start * row, tuple(chunk.sizes))
-        if chunk.dim == 0:  # contiguous rows: mapped as they are
-            row = chunk.nbytes(self.entries[chunk.key].dtype.itemsize) // max(1, chunk.stop - chunk.start)
-            mapped = self._mapped(chunk.key, chunk.start * row, tuple(chunk.sizes))
-            if mapped is not None:
-                return mapped
         rows = slice(chunk.start, chunk.stop)
         index = tuple(rows if d == chunk.dim else slice(None) for d in range(len(chunk.shape)))
         tensor: torch.Tensor = self._handle(chunk.key).get_slice(chunk.key)[index]

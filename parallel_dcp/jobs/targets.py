@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from parallel_dcp.engine.chunks import Chunk, split
-from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES
+from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, LEAN_TASK_MEMORY_BYTES, TASK_MEMORY_BYTES
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.formats import FILE_FORMATS, FORMATS, lean
@@ -216,7 +216,9 @@ class DcpTarget(Target):
         items = _items(job)
         io = self.io_memory(sum(it.nbytes for it in items))  # one file per task: one stream
         tasks = partition(items, workers, max_task_memory=max(1, budget - io))
-        return [dataclasses.replace(t, memory=t.memory + self.io_memory(t.nbytes)) for t in tasks]
+        # A task on the lean path (plain tensors) holds no DCP planner: a smaller fixed cost.
+        saved = TASK_MEMORY_BYTES - LEAN_TASK_MEMORY_BYTES if job.source.plain_tensors() else 0
+        return [dataclasses.replace(t, memory=t.memory - saved + self.io_memory(t.nbytes)) for t in tasks]
 
     def write(self, job: Job, task: Task, data: dict[str, Any], staging: WriteLocation, options: Options) -> Any:
         writer = ShardWriter(
