@@ -101,6 +101,15 @@ __all__ = [
 ]
 
 
+def _given_or(given: Options | None, from_keywords: Options) -> Options:
+    """``options=`` when it was passed (the keywords then stay at their defaults), else the keywords'."""
+    if given is None:
+        return from_keywords
+    if from_keywords != Options():
+        raise TypeError("pass the options either as options=Options(...) or as keyword arguments, not both")
+    return given
+
+
 @overload
 def save(
     state_dict: Any,
@@ -120,6 +129,7 @@ def save(
     distributed: bool = False,
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
     dry_run: Literal[False] = False,
 ) -> SaveResult: ...
 
@@ -143,6 +153,7 @@ def save(
     distributed: bool = False,
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
     dry_run: Literal[True],
 ) -> DryRunPlan: ...
 
@@ -165,6 +176,7 @@ def save(
     distributed: bool = False,
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
     dry_run: bool = False,
 ) -> SaveResult | DryRunPlan:
     """Save ``state_dict`` as a stock DCP checkpoint at ``path``, with a pool of processes.
@@ -209,6 +221,8 @@ def save(
         storage_options: fsspec options for URLs (``{"endpoint_url": ...}``); credentials come
             from the standard AWS environment and config. On object storage ``.metadata`` is
             uploaded last, after every shard (see :mod:`parallel_dcp.storage.staging`).
+        options: all of the above as one :class:`Options` (what the CLI builds); the keyword
+            arguments then stay at their defaults. The other functions take it too.
         dry_run: plan the save as a real one would (files, tasks, chunks, workers, predicted
             peak memory, space) and return the plan; nothing is written.
 
@@ -228,21 +242,24 @@ def save(
         TaskTimeoutError: a task ran past ``task_timeout``.
         On any failure nothing is committed: ``path`` is as it was before the call.
     """
-    options = Options(
-        workers=workers,
-        overwrite=overwrite,
-        progress=progress,
-        sync_files=sync_files,
-        crc32=crc32,
-        memory_limit=memory_limit,
-        retries=retries,
-        task_timeout=task_timeout,
-        checksums=checksums,
-        chunk_size=chunk_size,
-        executor=executor,
-        distributed=distributed,
-        dist_timeout=dist_timeout,
-        storage_options=storage_options,
+    options = _given_or(
+        options,
+        Options(
+            workers=workers,
+            overwrite=overwrite,
+            progress=progress,
+            sync_files=sync_files,
+            crc32=crc32,
+            memory_limit=memory_limit,
+            retries=retries,
+            task_timeout=task_timeout,
+            checksums=checksums,
+            chunk_size=chunk_size,
+            executor=executor,
+            distributed=distributed,
+            dist_timeout=dist_timeout,
+            storage_options=storage_options,
+        ),
     )
     if dry_run:
         from parallel_dcp.jobs.dryrun import dry_run_save
@@ -261,6 +278,7 @@ def load(
     retries: int = 0,
     task_timeout: float | None = None,
     storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
     into: dict[str, Any] | None = None,
     trust_pickle: bool = False,
     stats: ReadStats | None = None,
@@ -307,13 +325,16 @@ def load(
         MemoryLimitExceeded: the selected keys do not fit under ``memory_limit``.
         WorkerError / WorkerCrashed / TaskTimeoutError: a worker failed; no partial result is returned.
     """
-    options = Options(
-        workers=workers,
-        progress=progress,
-        memory_limit=memory_limit,
-        retries=retries,
-        task_timeout=task_timeout,
-        storage_options=storage_options,
+    options = _given_or(
+        options,
+        Options(
+            workers=workers,
+            progress=progress,
+            memory_limit=memory_limit,
+            retries=retries,
+            task_timeout=task_timeout,
+            storage_options=storage_options,
+        ),
     )
     return _loader.load(path, keys, options, into=into, trust_pickle=trust_pickle, stats=stats)
 
@@ -340,6 +361,7 @@ def convert(
     distributed: bool = False,
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
     rename: RenameRules | None = None,
     dry_run: Literal[False] = False,
 ) -> SaveResult | list[SaveResult]: ...
@@ -367,6 +389,7 @@ def convert(
     distributed: bool = False,
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
     rename: RenameRules | None = None,
     dry_run: Literal[True],
 ) -> DryRunPlan | list[DryRunPlan]: ...
@@ -393,6 +416,7 @@ def convert(
     distributed: bool = False,
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
     rename: RenameRules | None = None,
     dry_run: bool = False,
 ) -> SaveResult | list[SaveResult] | DryRunPlan | list[DryRunPlan]:
@@ -443,19 +467,22 @@ def convert(
     """
     from parallel_dcp.engine.memory import parse_size
 
-    options = Options(
-        workers=workers,
-        overwrite=overwrite,
-        progress=progress,
-        sync_files=sync_files,
-        memory_limit=memory_limit,
-        retries=retries,
-        task_timeout=task_timeout,
-        checksums=checksums,
-        chunk_size=chunk_size,
-        distributed=distributed,
-        dist_timeout=dist_timeout,
-        storage_options=storage_options,
+    options = _given_or(
+        options,
+        Options(
+            workers=workers,
+            overwrite=overwrite,
+            progress=progress,
+            sync_files=sync_files,
+            memory_limit=memory_limit,
+            retries=retries,
+            task_timeout=task_timeout,
+            checksums=checksums,
+            chunk_size=chunk_size,
+            distributed=distributed,
+            dist_timeout=dist_timeout,
+            storage_options=storage_options,
+        ),
     )
     cast = _convert.parse_dtype(dtype)
     shard_bytes = parse_size(shard_size)
@@ -497,6 +524,7 @@ def verify(
     memory_limit: int | str | None = None,
     dtype: str | torch.dtype | None = None,
     storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
     trust_pickle: bool = False,
 ) -> VerifyReport:
     """Check a checkpoint: manifest sizes and checksums, every key read back, and bit-for-bit
@@ -517,7 +545,7 @@ def verify(
             ``dtype`` without ``against``, or not a floating dtype.
         CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
     """
-    options = Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options)
+    options = _given_or(options, Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options))
     return _verify.verify(path, against, options, _convert.parse_dtype(dtype), trust_pickle=trust_pickle)
 
 
@@ -540,6 +568,7 @@ def diff(
     workers: int | None = None,
     memory_limit: int | str | None = None,
     storage_options: dict[str, Any] | None = None,
+    options: Options | None = None,
     trust_pickle: bool = False,
 ) -> DiffReport:
     """Compare two checkpoints of any formats: keys, dtypes, shapes and content checksums.
@@ -556,5 +585,5 @@ def diff(
         FileNotFoundError / ValueError: ``a`` or ``b`` is missing or of no known format.
         MemoryLimitExceeded: one tensor cannot be read under ``memory_limit``.
     """
-    options = Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options)
+    options = _given_or(options, Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options))
     return _diff.diff(a, b, options, trust_pickle=trust_pickle)

@@ -148,3 +148,23 @@ def test_modules_over_300_lines_say_why() -> None:
         if text.count("\n") > 300 and "Longer than 300 lines because" not in docstring:
             long.append(str(path.relative_to(ROOT)))
     assert long == []
+
+
+def test_options_is_accepted_by_the_public_functions(tmp_path: Path) -> None:
+    """``Options`` is exported, so the functions take it: one validated object, or keywords."""
+    import torch
+
+    import parallel_dcp
+    from parallel_dcp import Options
+
+    options = Options(workers=1, checksums=False)
+    result = parallel_dcp.save({"w": torch.ones(3)}, tmp_path / "a", options=options)
+    assert result.workers == 1
+    assert torch.equal(parallel_dcp.load(tmp_path / "a", options=options)["w"], torch.ones(3))
+    assert parallel_dcp.verify(tmp_path / "a", options=options).ok
+    converted = parallel_dcp.convert(tmp_path / "a", tmp_path / "b.safetensors", options=options)
+    assert isinstance(converted, parallel_dcp.SaveResult) and converted.workers == 1
+    assert parallel_dcp.diff(tmp_path / "a", tmp_path / "b.safetensors", options=options).same
+    with pytest.raises(TypeError, match="not both"):
+        parallel_dcp.save({"w": torch.ones(3)}, tmp_path / "c", options=options, workers=2)
+    assert not (tmp_path / "c").exists()
