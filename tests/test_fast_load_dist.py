@@ -67,7 +67,9 @@ def test_full_tensors_in_one_process(sharded: Path) -> None:
 def test_dtensors_of_another_sharding_in_two_ranks(sharded: Path) -> None:
     done = torchrun("load", sharded)
     assert done.returncode == 0, done.stdout + done.stderr
-    reports = [json.loads(found) for found in re.findall(r"\{\"rank\".*?\}(?=\s|$)", done.stdout)]
+    # the two ranks print at the same time: their lines may run into each other ("}{")
+    decoder = json.JSONDecoder()
+    reports = [decoder.raw_decode(done.stdout, m.start())[0] for m in re.finditer(r'\{"rank"', done.stdout)]
     assert sorted(r["rank"] for r in reports) == [0, 1], done.stdout
     for report in reports:
         assert report["equal"] == {"w": True, "e": True, "b": True}, report

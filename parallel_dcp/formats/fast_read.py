@@ -29,8 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from parallel_dcp.engine.memory import format_bytes
-from parallel_dcp.errors import MemoryLimitExceeded
+from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.formats.read_units import (
     BATCH_BYTES,
     PIECE_BYTES,
@@ -45,7 +44,6 @@ from parallel_dcp.storage.location import Location, dcp_reader
 
 __all__ = [
     "BATCH_BYTES",
-    "Budget",
     "ReadStats",
     "Request",
     "read_requests",
@@ -53,43 +51,6 @@ __all__ = [
 ]
 
 _TICK_S = 0.1
-
-
-class Budget:
-    """The memory ceiling of a read in this process, kept by reservation alone.
-
-    Everything the read holds is set aside before it starts (the output when it allocates, each
-    thread's buffers) or before DCP's reader takes a record; the threads hold nothing else. No
-    sampling: reading PSS walks every page table (~0.15 s for a process with a few GiB mapped,
-    as long as reading them), and a thread could not be killed anyway.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.reserved = 0
-
-    def reserve(self, nbytes: int, what: str) -> None:
-        """Set ``nbytes`` aside for the whole read; MemoryLimitExceeded if they do not fit."""
-        if self.reserved + nbytes > self.limit:
-            raise MemoryLimitExceeded(
-                f"{what} needs {format_bytes(self.reserved + nbytes)} in memory, more than the memory limit "
-                f"{format_bytes(self.limit)}: raise memory_limit or select fewer keys",
-                limit=self.limit,
-                measured=self.reserved + nbytes,
-                keys=[],
-            )
-        self.reserved += nbytes
-
-    def check_item(self, key: str, need: int) -> None:
-        """MemoryLimitExceeded if ``key`` needs ``need`` bytes at once beside what is set aside."""
-        if self.reserved + need > self.limit:
-            raise MemoryLimitExceeded(
-                f"{key!r} needs {format_bytes(need)} in memory at once beside the {format_bytes(self.reserved)} "
-                f"set aside, more than the memory limit {format_bytes(self.limit)}",
-                limit=self.limit,
-                measured=self.reserved + need,
-                keys=[key],
-            )
 
 
 def _pieces(req: Request, threads: int) -> list[Request]:
@@ -183,7 +144,7 @@ def read_requests(
     requests: Iterable[Request],
     threads: int,
     on_bytes: Callable[[ReadItem, bytes], None],
-    budget: Budget | None = None,
+    budget: MemoryGovernor | None = None,
     on_tick: Callable[[], None] | None = None,
 ) -> ReadStats:
     """Read every request into its target; pickled values go to ``on_bytes(item, raw bytes)``.
@@ -228,7 +189,7 @@ def _fallback(
     slow: list[Request],
     stats: ReadStats,
     on_bytes: Callable[[ReadItem, bytes], None],
-    budget: Budget | None,
+    budget: MemoryGovernor | None,
 ) -> None:
     """DCP's own reader for what the fast path does not serve, one record at a time."""
     if not slow:

@@ -144,7 +144,10 @@ def _load(
     if into is not None:
         for key, meta in metas.items():
             _check_target(key, flat_into[key], meta)
-    budget = fast_read.Budget(options.memory_ceiling())
+    # Kept by reservation alone: everything the read holds is set aside before it starts (the
+    # output when it allocates, each thread's buffers); no sampling (reading PSS walks every page
+    # table, as long as the read itself), and a thread could not be killed anyway.
+    budget = MemoryGovernor(options.memory_ceiling())
     if into is None:
         budget.reserve(sum(_nbytes(m) for m in metas.values()), f"loading {len(selected)} keys from {location}")
     if isinstance(location, Remote):  # this process's connection to object storage, shared by the threads
