@@ -10,6 +10,7 @@ sharding: every rank reads parts of both stored chunks); prints whether each equ
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -50,7 +51,10 @@ def main() -> int:
         stats = reader.stats
         print(json.dumps({"rank": rank, "equal": equal, "fast": stats.fast, "fallback": stats.fallback}))
     dist.destroy_process_group()
-    return 0
+    # torch's process-group threads sometimes abort the interpreter's teardown ("terminate called
+    # without an active exception") after everything above has finished and printed.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -43,12 +43,12 @@ def llm_state(layers: int = 4, d: int = 512) -> dict[str, Any]:
     return {"model": model, "optimizer": {"state": optim, "lr": 3e-4}, "step": 10}
 
 
-RUNS = 3
+RUNS = 5
 
 
 @pytest.fixture(autouse=True)
 def held_peaks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every piece a shard writer emits takes 2 ms longer (workers inherit this by fork).
+    """Every piece a shard writer emits takes 4 ms longer (workers inherit this by fork).
 
     On a quiet machine a task writes a 30 MiB record from the page cache in a few milliseconds,
     so its peak (the record's buffers, held until the record is written) can come and go between
@@ -58,7 +58,7 @@ def held_peaks(monkeypatch: pytest.MonkeyPatch) -> None:
     emit = writers._RecordingStream._emit
 
     def slow_emit(self: Any, view: memoryview) -> None:
-        time.sleep(0.002)
+        time.sleep(0.004)
         emit(self, view)
 
     monkeypatch.setattr(writers._RecordingStream, "_emit", slow_emit)

@@ -216,8 +216,10 @@ class DcpTarget(Target):
         items = _items(job)
         io = self.io_memory(sum(it.nbytes for it in items))  # one file per task: one stream
         tasks = partition(items, workers, max_task_memory=max(1, budget - io))
-        # A task on the lean path (plain tensors) holds no DCP planner: a smaller fixed cost.
-        saved = TASK_MEMORY_BYTES - LEAN_TASK_MEMORY_BYTES if job.source.plain_tensors() else 0
+        # A task on the lean path (plain tensors) holds no DCP planner: a smaller fixed cost. It was
+        # measured for local files; an upload to object storage keeps the full figure.
+        local = self.io_memory(1) == 0
+        saved = TASK_MEMORY_BYTES - LEAN_TASK_MEMORY_BYTES if local and job.source.plain_tensors() else 0
         return [dataclasses.replace(t, memory=t.memory - saved + self.io_memory(t.nbytes)) for t in tasks]
 
     def write(self, job: Job, task: Task, data: dict[str, Any], staging: WriteLocation, options: Options) -> Any:
