@@ -351,7 +351,7 @@ def new_file_mode() -> int:
                 if line.startswith("Umask:"):
                     return 0o666 & ~int(line.split()[1], 8)
     except (OSError, ValueError):
-        pass
+        pass  # no /proc (or no Umask line): read it the old way below
     mask = os.umask(0o022)
     os.umask(mask)
     return 0o666 & ~mask
