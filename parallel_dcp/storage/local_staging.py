@@ -267,7 +267,7 @@ class LocalDirStaging(_LocalStaging):
                 dest.mkdir()
                 self._made = True
             except FileExistsError:
-                pass  # another process made it: the lock decides who writes
+                self._made = False  # another process made it: not ours to remove; the lock decides who writes
             except OSError as exc:
                 raise InvalidDestinationError(f"cannot create {dest}: {exc.strerror}") from exc
         if not os.access(dest, os.W_OK | os.X_OK):

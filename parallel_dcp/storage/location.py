@@ -345,13 +345,11 @@ def new_file_mode() -> int:
     Read from ``/proc/self/status``: setting the umask to read it back would briefly change it for
     every thread of the process.
     """
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass  # no /proc (or no Umask line): read it the old way below
+    # Without /proc (or its Umask line), fall back to reading it by setting it.
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return 0o666 & ~mask
