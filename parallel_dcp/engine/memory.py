@@ -215,11 +215,11 @@ class MemoryGovernor:
         Raises:
             MemoryLimitExceeded: an item can never fit (before anything is written).
         """
-        largest = 0
-        for key, memory in needs:
-            need = TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES + memory
-            self.check_item(key, need + WORKER_MEMORY_BYTES + self.worker_extra)
-            largest = max(largest, need)
+        largest = TASK_MEMORY_BYTES + ITEM_MEMORY_BYTES
+        biggest = max(needs, key=lambda need: need[1], default=None)  # if the largest fits, all do
+        if biggest is not None:
+            largest += biggest[1]
+            self.check_item(biggest[0], largest + WORKER_MEMORY_BYTES + self.worker_extra)
         return affordable_workers(wanted, self.limit - self.reserved, largest, WORKER_MEMORY_BYTES + self.worker_extra)
 
     def task_budget(self, workers: int) -> int:

@@ -12,6 +12,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES
 
@@ -26,8 +27,7 @@ TASKS_PER_WORKER = 4
 MIN_TASK_BYTES = 32 * 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Item:
+class Item(NamedTuple):  # a named tuple: built once per key of a 50,000-key job, before any worker starts
     """One flattened key, the bytes it will take, and the memory its worker needs for it.
 
     ``memory`` is what handling the item adds to its worker beyond shared pages: 0 for a
@@ -103,6 +103,15 @@ def partition(
         buffers = memory + item.memory - item.transient if memory_adds_up else max(memory, item.memory)
         return buffers + ITEM_MEMORY_BYTES
 
+    ordered = sorted(items, key=_cost, reverse=True)
+    # Where every item in one task would fit, no bin can overflow: plain LPT, memory added after.
+    everything = (
+        TASK_MEMORY_BYTES
+        + sum((it.memory - it.transient if memory_adds_up else it.memory) + ITEM_MEMORY_BYTES for it in items)
+        + max((it.transient for it in items), default=0)
+    )
+    if everything <= cap:
+        return _tasks(_lpt(ordered, n_bins), memory_adds_up)
     # Greedy LPT: each item, largest first, into the cheapest bin whose memory still fits it;
     # a new bin when none does. ``memory`` holds what a bin's items keep, ``transient`` the
     # largest read buffer among them (freed before the next item is read).
@@ -110,7 +119,7 @@ def partition(
     memory = [0] * n_bins
     transient = [0] * n_bins
     heap = [(0, i) for i in range(n_bins)]
-    for item in sorted(items, key=lambda it: it.cost, reverse=True):
+    for item in ordered:
         skipped = []
         while (
             heap
@@ -136,9 +145,44 @@ def partition(
         for entry in skipped:
             heapq.heappush(heap, entry)
 
+    return _ranked(bins, [m + t for m, t in zip(memory, transient, strict=True)])
+
+
+def _cost(item: Item) -> int:
+    return item.nbytes + ITEM_OVERHEAD_BYTES
+
+
+def _lpt(ordered: list[Item], n_bins: int) -> list[list[Item]]:
+    """Each item, largest first, into the bin with the least cost so far."""
+    bins: list[list[Item]] = [[] for _ in range(n_bins)]
+    heap = [(0, i) for i in range(n_bins)]
+    for item in ordered:
+        cost, i = heap[0]
+        bins[i].append(item)
+        heapq.heapreplace(heap, (cost + item.nbytes + ITEM_OVERHEAD_BYTES, i))
+    return bins
+
+
+def _tasks(bins: list[list[Item]], memory_adds_up: bool) -> list[Task]:
+    """Tasks of ``bins`` with the memory the checked loop of :func:`partition` would have added up."""
+    held = []
+    for b in bins:
+        memory = transient = 0
+        for item in b:
+            if memory_adds_up:
+                memory += item.memory - item.transient + ITEM_MEMORY_BYTES
+                transient = max(transient, item.transient)
+            else:
+                memory = max(memory, item.memory) + ITEM_MEMORY_BYTES
+        held.append(memory + transient)
+    return _ranked(bins, held)
+
+
+def _ranked(bins: list[list[Item]], held: list[int]) -> list[Task]:
+    """The non-empty bins as tasks ``0..n-1``, costliest first."""
     filled = sorted(
-        ((b, m + t) for b, m, t in zip(bins, memory, transient, strict=True) if b),
-        key=lambda bm: sum(it.cost for it in bm[0]),
+        ((b, m) for b, m in zip(bins, held, strict=True) if b),
+        key=lambda bm: sum(it.nbytes + ITEM_OVERHEAD_BYTES for it in bm[0]),
         reverse=True,
     )
     return [

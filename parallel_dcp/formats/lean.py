@@ -4,14 +4,17 @@ DCP's planner builds, for every key, a ``WriteItem`` with its ``TensorWriteData`
 ``TensorStorageMetadata``, then copies both while deduplicating, validating and rewriting index
 hints; the worker pickles all of it to the coordinator, which unpickles and merges it. For many
 small tensors that costs more than writing them. Here a worker writes its task's records
-(:meth:`ShardWriter.write_records`) and sends back one flat tuple per key::
+(:meth:`ShardWriter.write_records`) and notes one flat tuple per key::
 
     value:  (fqn, offset, length)
     tensor: (fqn, dtype, requires_grad, pinned, size, chunk offsets or None, chunk sizes, offset, length)
 
-and the coordinator builds, in one pass, the merged ``Metadata`` and the ``WriteResult`` lists
-that DCP's own planner and writer would have produced for the same state dict
-(``tests/test_lean.py`` compares them), sharing one ``TensorProperties`` per dtype.
+from which :func:`build` makes, in one pass, the merged ``Metadata`` and the ``WriteResult``
+lists that DCP's own planner and writer would have produced for the same state dict
+(``tests/test_lean.py`` compares them), sharing one ``TensorProperties`` per dtype. The worker
+builds its whole keys' entries itself and sends them pickled (:func:`encode`), so the
+coordinator's share of a key is splicing bytes; only chunks of split tensors, which join chunks
+from other parts, are built in the coordinator.
 
 Values DCP plans specially (DTensor, ShardedTensor and other tensor subclasses, objects with
 ``__create_write_items__``) send the task through :func:`partial_save` instead.
@@ -20,7 +23,7 @@ Values DCP plans specially (DTensor, ShardedTensor and other tensor subclasses, 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +41,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from parallel_dcp import _compat
 from parallel_dcp.engine.chunks import Chunk
+from parallel_dcp.formats.metadata_pickle import dict_fragment
 from parallel_dcp.storage.manifest import FileDigest
 from parallel_dcp.storage.writers import ShardWriter
 
-__all__ = ["LeanPart", "build", "lean_eligible", "write_part"]
+__all__ = ["LeanPart", "build", "encode", "lean_eligible", "write_part"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -54,6 +58,9 @@ class LeanPart:
     values: list[tuple[str, int, int]] = field(default_factory=list)
     tensors: list[tuple[Any, ...]] = field(default_factory=list)
     digests: dict[str, FileDigest] = field(default_factory=dict)
+    # After :func:`encode`: the whole keys' entries of .metadata, pickled (``state_dict_metadata``,
+    # ``planner_data``, ``storage_data``); ``values`` and ``tensors`` then hold only chunks.
+    fragments: tuple[bytes, bytes, bytes] = (b"", b"", b"")
 
 
 def lean_eligible(values: Iterable[Any]) -> bool:
@@ -116,6 +123,23 @@ def write_part(
         )
     part.digests = writer.digests()
     return part
+
+
+def encode(part: LeanPart, mapping: Mapping[str, tuple[Any, ...]]) -> LeanPart:
+    """``part`` with its whole keys' ``.metadata`` entries built and pickled here, in the worker
+    (see :mod:`parallel_dcp.formats.metadata_pickle`); ``mapping`` gives each key's
+    ``planner_data`` (its path in the nesting; ``(key,)`` when absent). Chunks of split tensors
+    stay tuples: their entries join chunks from other parts in the coordinator."""
+    whole = [t for t in part.tensors if t[5] is None]
+    chunks = [t for t in part.tensors if t[5] is not None]
+    metadata, (writes,) = build([LeanPart(part.file, part.values, whole)])
+    entries = metadata.state_dict_metadata
+    fragments = (
+        dict_fragment(entries),
+        dict_fragment({key: mapping.get(key, (key,)) for key in entries}),
+        dict_fragment({w.index: w.storage_data for w in writes}),
+    )
+    return LeanPart(part.file, [], chunks, part.digests, fragments)
 
 
 def _pickled(value: Any) -> io.BytesIO:

@@ -147,8 +147,17 @@ def run_job(
             staging.check_space(needed_space(job))
             phases["plan"] = time.perf_counter() - start
             began = time.perf_counter()
+            executor = choose_executor(job, options)
             results = run_tasks(
-                job, target, tasks, staging.location, options, governor, min(workers, len(tasks)), phases=phases
+                job,
+                target,
+                tasks,
+                staging.location,
+                options,
+                governor,
+                min(workers, len(tasks)),
+                phases=phases,
+                executor=executor,
             )
             phases["write"] = time.perf_counter() - began - phases.get("fork", 0.0)
             began = time.perf_counter()
@@ -159,7 +168,7 @@ def run_job(
         except BaseException:
             staging.discard()
             raise
-    return result_of(target, job, tasks, workers, results, files, governor, options, start, phases)
+    return result_of(target, job, tasks, workers, results, files, governor, options, start, phases, executor)
 
 
 @contextlib.contextmanager
@@ -203,13 +212,14 @@ def plan_job(job: Job, target: Target, options: Options, governor: MemoryGoverno
         governor.worker_extra = CLIENT_MEMORY
     threshold = 0
     if target.splits_tensors:  # only DCP can hold one tensor as several chunks
-        io = target.io_memory(sum(job.out_bytes(k) for k in job.keys))
+        total = sum(job.out_bytes(k) for k in job.keys)
+        io = target.io_memory(total)
         # A split may give every worker work, however few the keys; under a tight limit, as many
         # workers as leave each task room for a chunk.
         most = options.worker_count(2**31)
         while most > 1 and _chunk_room(governor.task_budget(most) - io) < MIN_MEMORY_CHUNK_BYTES:
             most -= 1
-        threshold = _chunk_threshold(job, options, most * scale, governor.task_budget(most) - io)
+        threshold = _chunk_threshold(total, options, most * scale, governor.task_budget(most) - io)
         job = job.split(threshold)
     workers = governor.workers_for(((key, job.memory(key)) for key in job.keys), options.worker_count(len(job.keys)))
     tasks = target.plan(job, workers * scale, governor.task_budget(workers))
@@ -238,6 +248,7 @@ def result_of(
     options: Options,
     start: float,
     phases: dict[str, float] | None = None,
+    executor: str | None = None,
 ) -> SaveResult:
     return SaveResult(
         path=str(target.path),
@@ -251,7 +262,7 @@ def result_of(
         peak_memory=governor.peak,
         keys=len(job.source_keys()),  # the keys written, not the chunks they were split into
         format=target.kind,
-        executor=choose_executor(job, options),
+        executor=executor or choose_executor(job, options),
         phases={"plan": 0.0, "fork": 0.0, "write": 0.0, "merge": 0.0, "commit": 0.0} | (phases or {}),
     )
 
@@ -262,10 +273,9 @@ def _chunk_room(budget: int) -> int:
     return (budget - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES) // 2
 
 
-def _chunk_threshold(job: Job, options: Options, workers: int, budget: int) -> int:
+def _chunk_threshold(total: int, options: Options, workers: int, budget: int) -> int:
     if options.chunk_size is not None:
         return parse_size(options.chunk_size)
-    total = sum(job.out_bytes(key) for key in job.keys)
     return chunk_threshold(total, workers, _chunk_room(budget))
 
 
@@ -291,9 +301,11 @@ def run_tasks(
     workers: int,
     *,
     phases: dict[str, float] | None = None,
+    executor: str | None = None,
 ) -> list[TaskResult[Any]]:
     """Run ``tasks`` on ``workers`` threads or forked processes; the results in task order.
-    ``phases["fork"]`` gets the seconds spent starting the pool."""
+    ``phases["fork"]`` gets the seconds spent starting the pool; ``executor``: the one
+    :func:`choose_executor` picked, where the caller has it already."""
     if not tasks:
         return []
     results: list[TaskResult[Any]] = []
@@ -301,7 +313,7 @@ def run_tasks(
     label = "save" if isinstance(job.source, MemorySource) else "convert"
     with progress.Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc=label) as bar:
         began = time.perf_counter()
-        if choose_executor(job, options) == "threads":
+        if (executor or choose_executor(job, options)) == "threads":
             with ThreadPool(workers, handler, initializer=lambda: _compat.set_crc32(options.crc32)) as threads:
                 if phases is not None:
                     phases["fork"] = time.perf_counter() - began

@@ -20,23 +20,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from parallel_dcp.engine.chunks import Chunk, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, LEAN_TASK_MEMORY_BYTES, TASK_MEMORY_BYTES
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import gc_paused
-from parallel_dcp.formats import FILE_FORMATS, FORMATS, lean
+from parallel_dcp.formats import FILE_FORMATS, FORMATS, lean, metadata_pickle
 from parallel_dcp.formats.base import FileFormat, Source, index_json
 from parallel_dcp.formats.dcp_format import ChunkSavePlanner
 from parallel_dcp.options import Options
-from parallel_dcp.partial import commit, merge_metadata, partial_save
+from parallel_dcp.partial import merge_metadata, partial_save
 from parallel_dcp.storage.location import Remote, locate, upload_memory
 from parallel_dcp.storage.manifest import FileDigest, Hasher, file_digest, manifest_bytes
 from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
 from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.staging import stage_directory, stage_file
-from parallel_dcp.storage.writers import MetadataPayloadWriter, ShardWriter
+from parallel_dcp.storage.writers import ShardWriter
 
 AnyStaging = Staging  # kept for callers that imported the old union
 
@@ -62,6 +63,8 @@ class Job:
 
     def source_keys(self) -> list[str]:
         """The source keys the units cover, in order, each once."""
+        if not self.chunks:
+            return list(self.keys)
         return list(dict.fromkeys(self.chunks[u].key if u in self.chunks else u for u in self.keys))
 
     def split(self, threshold: int) -> Job:
@@ -69,8 +72,10 @@ class Job:
         taken = set(self.keys)
         units: list[str] = []
         chunks: dict[str, Chunk] = {}
+        entries = self.source.entries
         for key in self.keys:
-            pieces = split(self.source.entries[key], threshold) if key in self.source.entries else []
+            entry = entries.get(key)
+            pieces = split(entry, threshold) if entry is not None and entry.nbytes > threshold else []
             if not pieces:
                 units.append(key)
             for piece in pieces:
@@ -99,30 +104,23 @@ class Job:
 
     def _sized(self, unit: str) -> tuple[int, int]:
         sizes = self._sizes.get(unit)
-        if sizes is None:
-            nbytes = self._out_bytes(unit)
-            sizes = self._sizes[unit] = (nbytes, self._memory(unit, nbytes))
+        if sizes is None:  # once per unit, for every unit before any worker starts: kept to one pass
+            source = self.source
+            chunk = self.chunks.get(unit)
+            key = chunk.key if chunk else unit
+            entry = source.entries.get(key)
+            if entry is None:  # a non-tensor value: its pickle, made in the worker
+                sizes = (0, source.value_bytes(key) if key in source.values else 0)
+            else:
+                out = self.out_dtype(entry.dtype)
+                nbytes = chunk.nbytes(out.itemsize) if chunk else entry.nbytes // entry.dtype.itemsize * out.itemsize
+                read = source.chunk_memory(chunk) if chunk else source.copied_bytes(key)
+                sizes = (nbytes, read + (nbytes if out != entry.dtype else 0))
+            self._sizes[unit] = sizes
         return sizes
-
-    def _out_bytes(self, unit: str) -> int:
-        chunk = self.chunks.get(unit)
-        entry = self.source.entries.get(chunk.key if chunk else unit)
-        if entry is None:
-            return 0
-        itemsize = self.out_dtype(entry.dtype).itemsize
-        return chunk.nbytes(itemsize) if chunk else entry.nbytes // entry.dtype.itemsize * itemsize
 
     def out_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
-
-    def _memory(self, unit: str, out_bytes: int) -> int:
-        chunk = self.chunks.get(unit)
-        key = chunk.key if chunk else unit
-        if key not in self.source.entries:  # a non-tensor value: its pickle, made in the worker
-            return self.source.value_bytes(key) if key in self.source.values else 0
-        entry = self.source.entries[key]
-        cast = out_bytes if self.out_dtype(entry.dtype) != entry.dtype else 0
-        return (self.source.chunk_memory(chunk) if chunk else self.source.copied_bytes(key)) + cast
 
     def read(self, units: tuple[str, ...]) -> dict[str, Any]:
         """In a worker: the task's tensors and chunks (read and cast) and other values, by unit."""
@@ -233,7 +231,8 @@ class DcpTarget(Target):
         chunks = [(job.chunks[u], v) for u, v in data.items() if u in job.chunks]
         try:
             if lean.lean_eligible(data.values()):
-                return lean.write_part(writer, whole, chunks, task.index, staging.save_id)
+                part = lean.write_part(writer, whole, chunks, task.index, staging.save_id)
+                return lean.encode(part, job.source.mapping)
             planner = ChunkSavePlanner(chunks)
             metadata, writes = partial_save(whole, writer, planner, part_idx=task.index, file_tag=staging.save_id)
         except BaseException as exc:
@@ -247,28 +246,39 @@ class DcpTarget(Target):
         digests: dict[str, FileDigest] = {}
         for result in results:
             digests.update(result.digests if isinstance(result, lean.LeanPart) else result[2])
-        with gc_paused():  # tens of thousands of small objects; see gc_paused
+        with gc_paused():  # thousands of small objects where tasks went through DCP's planner
             began = time.perf_counter()
-            if all(isinstance(r, lean.LeanPart) for r in results):
-                merged, writes = lean.build(results)
-            else:  # some task held values only DCP's planner plans (DTensor, ...)
-                parts = [lean.build([r]) if isinstance(r, lean.LeanPart) else (r[0], [r[1]]) for r in results]
-                merged = merge_metadata([m for m, _ in parts]) if parts else Metadata(state_dict_metadata={})
-                writes = [w for _, (w,) in parts]
-            # The source's key order, not the order tasks finished in.
-            keys = job.source_keys()
-            merged.state_dict_metadata = {key: merged.state_dict_metadata[key] for key in keys}
-            # Nesting comes from the whole source, not from the parts (which were saved flat).
-            merged.planner_data = {key: job.source.mapping.get(key, (key,)) for key in keys}
+            # The workers pickled their whole keys' entries; what is left is built here.
+            fragments = [r.fragments for r in results if isinstance(r, lean.LeanPart)]
+            fragments.append(_remaining_entries(job, results))
             self.merge_seconds = time.perf_counter() - began
-            payload_writer = MetadataPayloadWriter(str(self.path), save_id=staging.save_id)
-            commit(merged, writes, payload_writer)
-        digests[METADATA_FILE] = _digest_of(payload_writer.payload, options)
+            # What FileSystemWriter.finish records besides the entries.
+            storage_meta = StorageMeta(checkpoint_id=str(self.path), save_id=staging.save_id)
+            payload = metadata_pickle.assemble(fragments, storage_meta, CURRENT_DCP_VERSION)
+        digests[METADATA_FILE] = _digest_of(payload, options)
         manifest = manifest_bytes(digests, job.source.fingerprint(), save_id=staging.save_id)
         # .metadata is the commit; the manifest follows it (see storage.staging: a stale manifest
         # is recognised by its save id).
-        staging.commit(marker=(METADATA_FILE, payload_writer.payload), extras={MANIFEST_FILE: manifest})
+        staging.commit(marker=(METADATA_FILE, payload), extras={MANIFEST_FILE: manifest})
         return len(digests)  # the shards and .metadata, as inspect lists them
+
+
+def _remaining_entries(job: Job, results: list[Any]) -> tuple[bytes, bytes, bytes]:
+    """The ``.metadata`` entries no worker pickled: chunks of split tensors (one entry per tensor,
+    its chunks from several parts) and tasks that went through DCP's planner (DTensor, ...)."""
+    leftovers = [r for r in results if isinstance(r, lean.LeanPart) and (r.values or r.tensors)]
+    parts = [lean.build(leftovers)] if leftovers else []
+    parts += [(r[0], [r[1]]) for r in results if not isinstance(r, lean.LeanPart)]
+    if not parts:
+        return b"", b"", b""
+    merged = merge_metadata([m for m, _ in parts]) if len(parts) > 1 else parts[0][0]
+    entries = merged.state_dict_metadata
+    return (
+        metadata_pickle.dict_fragment(entries),
+        # Nesting comes from the whole source, not from the parts (which were saved flat).
+        metadata_pickle.dict_fragment({key: job.source.mapping.get(key, (key,)) for key in entries}),
+        metadata_pickle.dict_fragment({w.index: w.storage_data for _, writes in parts for ws in writes for w in ws}),
+    )
 
 
 class ShardedTarget(Target):

@@ -1,0 +1,86 @@
+"""``.metadata`` assembled from pieces pickled in the workers, so the coordinator never pickles
+(nor builds) one object per key.
+
+Pickling a 50,000-key ``Metadata`` takes the coordinator about 0.3 s on its own, the largest
+serial step of a many-small-tensor save. Each worker instead pickles the entries of its own keys
+(:func:`dict_fragment`), and the coordinator splices those bytes into a frame holding the empty
+dicts (:func:`assemble`). The result is an ordinary pickle that ``pickle.load`` (stock DCP's
+reader) and the safe unpickler read as ``Metadata``; ``tests/test_metadata_pickle.py`` compares it
+with what ``FileSystemWriter.finish`` writes.
+
+How the splice stays correct:
+
+- a fragment is a protocol-2 pickle of a dict with its first three opcodes (``PROTO 2``,
+  ``EMPTY_DICT``, ``BINPUT 0``) and its ``STOP`` removed: what is left, ``MARK k v ... SETITEMS``
+  repeated, adds its entries to whatever dict is on top of the unpickler's stack;
+- each fragment comes from its own pickler, so it reads back (``BINGET``) only memo slots it
+  wrote itself (``BINPUT``, with explicit indices: never protocol 4's ``MEMOIZE``, whose implicit
+  index would depend on the fragments before it); a later fragment may overwrite those slots,
+  and nothing after it reads them;
+- the frame is pickled without a memo (``Pickler.fast``), so no fragment can overwrite a slot it
+  reads back.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import pickle
+import pickletools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+__all__ = ["FIELDS", "assemble", "dict_fragment"]
+
+# Metadata's dict fields, in the order the frame holds them.
+FIELDS = ("state_dict_metadata", "planner_data", "storage_data")
+_PROTOCOL = 2
+_PREFIX = pickle.PROTO + bytes([_PROTOCOL]) + pickle.EMPTY_DICT + pickle.BINPUT + b"\x00"
+
+
+def dict_fragment(entries: Mapping[Any, Any]) -> bytes:
+    """Opcodes that add ``entries`` to the dict on top of an unpickler's stack (see the module doc)."""
+    if not entries:
+        return b""
+    data = pickle.dumps(dict(entries), protocol=_PROTOCOL)
+    if not data.startswith(_PREFIX) or not data.endswith(pickle.STOP):
+        raise RuntimeError("pickle laid out a dict in an unexpected way; cannot splice .metadata")
+    return data[len(_PREFIX) : -1]
+
+
+def _frame(storage_meta: StorageMeta | None, version: str | None) -> tuple[bytes, list[int]]:
+    """A pickled ``Metadata`` with empty dict fields, and where each field's empty dict ends."""
+    empty = Metadata(state_dict_metadata={}, planner_data={}, storage_data={}, storage_meta=storage_meta)
+    empty.version = version
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=_PROTOCOL)
+    pickler.fast = True  # no memo: nothing spliced in can shadow a slot the frame reads back
+    pickler.dump(empty)
+    data = buffer.getvalue()
+
+    ends: dict[str, int] = {}
+    for (op, arg, _), (following, _, at) in itertools.pairwise(pickletools.genops(data)):
+        if "UNICODE" in op.name and arg in FIELDS and following.name == "EMPTY_DICT" and at is not None:
+            ends[arg] = at + 1
+    if sorted(ends) != sorted(FIELDS) or sorted(ends.values()) != [ends[name] for name in FIELDS]:
+        raise RuntimeError("pickle laid out Metadata in an unexpected way; cannot splice .metadata")
+    return data, [ends[name] for name in FIELDS]
+
+
+def assemble(
+    fragments: Iterable[tuple[bytes, bytes, bytes]], storage_meta: StorageMeta | None, version: str | None
+) -> bytes:
+    """The bytes of ``.metadata``: a ``Metadata`` whose ``state_dict_metadata``, ``planner_data``
+    and ``storage_data`` hold the entries of every fragment triple, in order."""
+    frame, ends = _frame(storage_meta, version)
+    pieces: list[list[bytes]] = [[], [], []]
+    for triple in fragments:
+        for field_pieces, fragment in zip(pieces, triple, strict=True):
+            field_pieces.append(fragment)
+    out = [frame[: ends[0]]]
+    for i, field_pieces in enumerate(pieces):
+        out.extend(field_pieces)
+        out.append(frame[ends[i] : ends[i + 1] if i + 1 < len(ends) else len(frame)])
+    return b"".join(out)

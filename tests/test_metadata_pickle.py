@@ -1,0 +1,97 @@
+""".metadata spliced from fragments pickled in the workers (formats/metadata_pickle.py) reads back
+as the Metadata that DCP's own FileSystemWriter.finish writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+import parallel_dcp
+from parallel_dcp.formats.metadata_pickle import assemble, dict_fragment
+from parallel_dcp.storage.metadata import read_metadata
+from parallel_dcp.storage.ownership import MANIFEST_FILE
+from tests.test_roundtrip import assert_same, nested_state, odd_shapes
+
+
+def tensor_meta(shape: tuple[int, ...], props: TensorProperties) -> TensorStorageMetadata:
+    size = torch.Size(shape)
+    return TensorStorageMetadata(props, size, [ChunkStorageMetadata(torch.Size([0] * len(shape)), size)])
+
+
+def test_fragments_with_colliding_memo_slots_read_back_as_their_own_objects() -> None:
+    # Each fragment memoizes its shared TensorProperties and sizes in slots 1, 2, ...: the
+    # second fragment overwrites the first's, and each must still read back its own objects.
+    floats = TensorProperties(dtype=torch.float32)
+    ints = TensorProperties(dtype=torch.int64)
+    first = {f"a{i}": tensor_meta((i + 1, 2), floats) for i in range(300)}  # > 255 slots: LONG_BINPUT
+    second = {f"b{i}": tensor_meta((3,), ints) for i in range(5)}
+    triples = [
+        (dict_fragment(first), dict_fragment({k: ("m", k) for k in first}), dict_fragment({k: len(k) for k in first})),
+        (dict_fragment(second), b"", dict_fragment({k: [k] for k in second})),
+    ]
+    meta = StorageMeta(checkpoint_id="/ckpt", save_id="abc")
+    loaded = pickle.loads(assemble(triples, meta, "1.0.0"))
+    assert isinstance(loaded, Metadata)
+    assert loaded.state_dict_metadata == first | second
+    assert list(loaded.state_dict_metadata) == [*first, *second]
+    assert loaded.planner_data == {k: ("m", k) for k in first}
+    assert loaded.storage_data == {k: len(k) for k in first} | {k: [k] for k in second}
+    assert loaded.storage_meta == meta and loaded.version == "1.0.0"
+    assert all(m.properties.dtype == torch.int64 for k, m in loaded.state_dict_metadata.items() if k[0] == "b")
+
+
+def test_no_fragments_is_an_empty_metadata() -> None:
+    loaded = pickle.loads(assemble([], None, "1.0.0"))
+    assert loaded == Metadata(state_dict_metadata={}, planner_data={}, storage_data={}, version="1.0.0")
+
+
+def stock_save(sd: dict[str, Any], path: Path) -> Metadata:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group
+        dcp.save(sd, storage_writer=FileSystemWriter(str(path), thread_count=1), no_dist=True)
+    return FileSystemReader(str(path)).read_metadata()
+
+
+def test_a_save_with_split_tensors_writes_what_stock_writes(tmp_path: Path) -> None:
+    sd = nested_state() | {"odd": odd_shapes(), "big": torch.randn(64, 32), "big2": torch.arange(4096.0)}
+    result = parallel_dcp.save(sd, tmp_path / "ours", workers=3, executor="processes", chunk_size=4096)
+    assert result.tasks >= 3
+    ours = FileSystemReader(str(tmp_path / "ours")).read_metadata()  # stock's reader: plain pickle.load
+    assert len(ours.state_dict_metadata["big"].chunks) > 1  # split, its chunks from several parts
+    stock = stock_save(sd, tmp_path / "stock")
+    assert set(ours.state_dict_metadata) == set(stock.state_dict_metadata)
+    split = {k for k, v in ours.state_dict_metadata.items() if len(getattr(v, "chunks", [])) > 1}
+    assert {"big", "big2"} <= split
+    whole = {k: v for k, v in ours.state_dict_metadata.items() if k not in split}
+    assert whole == {k: v for k, v in stock.state_dict_metadata.items() if k not in split}
+    for key in split:  # the same tensor, its chunks covering it
+        ours_meta, stock_meta = ours.state_dict_metadata[key], stock.state_dict_metadata[key]
+        assert (ours_meta.properties, ours_meta.size) == (stock_meta.properties, stock_meta.size)
+        assert sum(math.prod(c.sizes) for c in ours_meta.chunks) == math.prod(ours_meta.size)
+    assert ours.planner_data == stock.planner_data
+    assert ours.version == stock.version
+    assert (
+        ours.storage_meta is not None
+        and ours.storage_meta.save_id == json.loads((tmp_path / "ours" / MANIFEST_FILE).read_text())["save_id"]
+    )
+    assert str(ours.storage_meta.checkpoint_id) == str(tmp_path / "ours")
+    # Every record is where storage_data says: every chunk and value reads back bit for bit.
+    for index, info in ours.storage_data.items():
+        assert (tmp_path / "ours" / info.relative_path).stat().st_size >= info.offset + info.length, index
+    assert read_metadata(tmp_path / "ours").state_dict_metadata == ours.state_dict_metadata  # the safe reader
+    assert_same(parallel_dcp.load(tmp_path / "ours"), sd)
