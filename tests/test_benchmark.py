@@ -320,6 +320,11 @@ def test_projection_model_arithmetic() -> None:
     assert rows[2]["measured_speedup"] == pytest.approx(1.0 / 0.7) and rows[16]["measured_speedup"] is None
     lines = projection_lines(projection)
     assert "not a measurement" in lines[0] and any("S = 0.200 s serial" in line for line in lines)
+    # Forking is serial and once per worker: 20 ms each (the fork phase over the worker count).
+    forked = Samples(runs={w: [(1.0 if w == 1 else 0.7, 0.8, 2**30, phases | {"fork": 0.02 * w})] * 3 for w in (1, 2)})
+    rows = {row["workers"]: row for row in project(forked, [plain], warmup=1, keys=1000)["rows"]}
+    assert rows[1]["projected_seconds"] == pytest.approx(1.0)
+    assert rows[16]["projected_seconds"] == pytest.approx(0.2 - 0.02 + 16 * 0.02 + 0.8 / 16)
 
 
 def test_load_suites_compare_every_reader_on_both_checkpoints(tmp_path: Path) -> None:

@@ -99,6 +99,7 @@ def test_saved_metadata_equals_stock_dcp_save(tmp_path: Path) -> None:
     ours = FileSystemReader(str(tmp_path / "ours")).read_metadata()
     stock = FileSystemReader(str(tmp_path / "stock")).read_metadata()
     assert ours.state_dict_metadata == stock.state_dict_metadata
+    assert list(ours.state_dict_metadata) == list(stock.state_dict_metadata)  # stock's order too
     assert ours.planner_data == stock.planner_data
     assert set(ours.storage_data) == set(stock.storage_data)
 

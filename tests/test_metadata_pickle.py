@@ -74,7 +74,7 @@ def test_a_save_with_split_tensors_writes_what_stock_writes(tmp_path: Path) -> N
     ours = FileSystemReader(str(tmp_path / "ours")).read_metadata()  # stock's reader: plain pickle.load
     assert len(ours.state_dict_metadata["big"].chunks) > 1  # split, its chunks from several parts
     stock = stock_save(sd, tmp_path / "stock")
-    assert set(ours.state_dict_metadata) == set(stock.state_dict_metadata)
+    assert list(ours.state_dict_metadata) == list(stock.state_dict_metadata)  # stock's order, split keys too
     split = {k for k, v in ours.state_dict_metadata.items() if len(getattr(v, "chunks", [])) > 1}
     assert {"big", "big2"} <= split
     whole = {k: v for k, v in ours.state_dict_metadata.items() if k not in split}
@@ -95,3 +95,24 @@ def test_a_save_with_split_tensors_writes_what_stock_writes(tmp_path: Path) -> N
         assert (tmp_path / "ours" / info.relative_path).stat().st_size >= info.offset + info.length, index
     assert read_metadata(tmp_path / "ours").state_dict_metadata == ours.state_dict_metadata  # the safe reader
     assert_same(parallel_dcp.load(tmp_path / "ours"), sd)
+
+
+def test_many_keys_over_many_tasks_keep_the_state_dicts_order(tmp_path: Path) -> None:
+    # Interleaved sizes so that a largest-first partition would scatter the keys over tasks.
+    sd = {f"layers.{i}.w": torch.full((1 + (i * 7) % 13,), float(i)) for i in range(3000)}
+    sd["step"] = 7  # a value in the middle of the order
+    sd |= {f"tail.{i}": torch.ones(2) for i in range(10)}
+    result = parallel_dcp.save(sd, tmp_path / "ours", workers=3, executor="processes")
+    assert result.tasks >= 3
+    ours = FileSystemReader(str(tmp_path / "ours")).read_metadata()
+    assert list(ours.state_dict_metadata) == list(sd)
+    assert list(ours.planner_data) == list(sd)
+    assert [index.fqn for index in ours.storage_data] == list(sd)
+    assert_same(parallel_dcp.load(tmp_path / "ours"), sd)
+    # A few tensors of very different sizes: spread largest first, still in order.
+    few = {f"t{i}": torch.ones(2 ** (i % 9) * 64) for i in range(20)} | {"big": torch.ones(2**20), "lr": 0.1}
+    few |= {f"u{i}": torch.ones(2 ** (i % 9) * 64) for i in range(20)}
+    # (the largest item is over an eighth of a task: not cut into runs)
+    assert torch.ones(2**20).nbytes * 8 > sum(t.nbytes + 64 * 2**10 for t in few.values() if torch.is_tensor(t)) / 3
+    parallel_dcp.save(few, tmp_path / "few", workers=3, executor="processes")
+    assert list(FileSystemReader(str(tmp_path / "few")).read_metadata().state_dict_metadata) == list(few)

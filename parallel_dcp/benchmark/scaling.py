@@ -5,8 +5,12 @@
                (summed over workers: P) and the bytes written (B)
     model      S = T(1) - P(1)          what the coordinator does alone (plan, fork, dispatch,
                                         unpickling results, merge, .metadata, manifest, publish)
-               T(N) = S + P(1) / N                                  (storage not the bottleneck)
-               T_capped(N) = S + max(P(1) / N, B / plain-write rate)  (this machine's storage)
+               F = fork seconds per worker (median over the measured counts of the fork phase / w):
+                   the coordinator forks its workers one after another, and each fork copies the
+                   page tables of everything it holds (~50 ms per GiB of state dict here), so
+                   this part of S grows with N
+               T(N) = S - F + N * F + P(1) / N                      (storage not the bottleneck)
+               T_capped(N) = S - F + N * F + max(P(1) / N, B / plain-write rate)  (this storage)
     printed    the projected speedup T(1) / T(N) at 1, 2, 8, 16, 32, 64, 128 beside the measured
                T(1) / T(w): a projection, labelled as one, never a measurement.
 
@@ -77,10 +81,13 @@ def project(samples: Samples, measured: list[Measured], warmup: int, keys: int) 
     plain = {m.case.procs: _median(m.walls) for m in measured if m.case.family == "plain write" and m.walls}
     memcpy = [_median(m.walls) for m in measured if m.case.family == "memcpy" and m.walls]
     storage_rate = max((nbytes / s for s in plain.values() if s > 0), default=0.0)
+    fork = _median([phases[count]["fork"] / count for count in phases]) if phases and "fork" in runs[1][0][3] else 0.0
+    fork = min(fork, serial)
     rows = []
     for count in sorted(set(PROJECTED_COUNTS) | set(walls)):
-        model = serial + inside / count
-        capped = serial + max(inside / count, nbytes / storage_rate if storage_rate else 0.0)
+        fixed = serial - fork + count * fork
+        model = fixed + inside / count
+        capped = fixed + max(inside / count, nbytes / storage_rate if storage_rate else 0.0)
         rows.append(
             {
                 "workers": count,
@@ -92,8 +99,10 @@ def project(samples: Samples, measured: list[Measured], warmup: int, keys: int) 
             }
         )
     return {
-        "model": "T(N) = S + P/N; capped: S + max(P/N, B/plain-write rate); speedup = T(1) measured / T(N)",
+        "model": "T(N) = S - F + N*F + P/N; capped: S - F + N*F + max(P/N, B/plain-write rate);"
+        " speedup = T(1) measured / T(N)",
         "serial_seconds": serial,
+        "fork_seconds_per_worker": fork,
         "keys": keys,
         "serial_us_per_key": serial / max(keys, 1) * 1e6,
         "parallel_worker_seconds": inside,
@@ -123,7 +132,7 @@ def projection_lines(projection: dict[str, Any]) -> list[str]:
         "PROJECTION (a model fed with this run's measurements, not a measurement):",
         f"  model: {projection['model']}",
         f"  inputs: S = {serial:.3f} s serial ({projection['serial_us_per_key']:.1f} us/key over"
-        f" {projection['keys']:,} keys),"
+        f" {projection['keys']:,} keys), F = {projection['fork_seconds_per_worker']:.3f} s to fork each worker,"
         f" P = {projection['parallel_worker_seconds']:.3f} worker-seconds for {projection['bytes'] / 2**20:.0f} MiB"
         f" ({_gibs(projection['per_worker_bytes_per_second'])} a worker),"
         f" storage {_gibs(projection['storage_bytes_per_second'])} (best plain write),"

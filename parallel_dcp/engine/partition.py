@@ -25,6 +25,9 @@ ITEM_OVERHEAD_BYTES = 64 * 1024
 TASKS_PER_WORKER = 4
 # ...but a task below this size costs more in per-task overhead than it gains in balance.
 MIN_TASK_BYTES = 32 * 1024 * 1024
+# Items this much smaller than a task are cut into consecutive runs instead of spread largest
+# first: the balance is as good (within one small item) and a task's keys stay together.
+_SMALL_ITEMS_PER_BIN = 8
 
 
 class Item(NamedTuple):  # a named tuple: built once per key of a 50,000-key job, before any worker starts
@@ -111,6 +114,9 @@ def partition(
         + max((it.transient for it in items), default=0)
     )
     if everything <= cap:
+        largest = _cost(ordered[0])
+        if largest * _SMALL_ITEMS_PER_BIN <= total / n_bins:
+            return _tasks(_ranges(items, n_bins, total), memory_adds_up)
         return _tasks(_lpt(ordered, n_bins), memory_adds_up)
     # Greedy LPT: each item, largest first, into the cheapest bin whose memory still fits it;
     # a new bin when none does. ``memory`` holds what a bin's items keep, ``transient`` the
@@ -150,6 +156,22 @@ def partition(
 
 def _cost(item: Item) -> int:
     return item.nbytes + ITEM_OVERHEAD_BYTES
+
+
+def _ranges(items: Sequence[Item], n_bins: int, total: int) -> list[list[Item]]:
+    """Consecutive runs of ``items`` (in their given order), each of about ``total / n_bins``:
+    no run is off by more than one item's cost, and a task's keys stay together in the output
+    (its part of ``.metadata`` is one piece, in the source's order)."""
+    bins: list[list[Item]] = [[] for _ in range(n_bins)]
+    done, i = 0, 0
+    for item in items:
+        cost = item.nbytes + ITEM_OVERHEAD_BYTES
+        # The item goes where its middle falls: cuts land within half an item of the ideal.
+        while i < n_bins - 1 and (done + cost / 2) * n_bins >= (i + 1) * total:
+            i += 1
+        bins[i].append(item)
+        done += cost
+    return bins
 
 
 def _lpt(ordered: list[Item], n_bins: int) -> list[list[Item]]:

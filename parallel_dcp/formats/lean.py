@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from parallel_dcp import _compat
 from parallel_dcp.engine.chunks import Chunk
+from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.formats.metadata_pickle import dict_fragment
 from parallel_dcp.storage.manifest import FileDigest
 from parallel_dcp.storage.writers import ShardWriter
@@ -58,9 +59,10 @@ class LeanPart:
     values: list[tuple[str, int, int]] = field(default_factory=list)
     tensors: list[tuple[Any, ...]] = field(default_factory=list)
     digests: dict[str, FileDigest] = field(default_factory=dict)
-    # After :func:`encode`: the whole keys' entries of .metadata, pickled (``state_dict_metadata``,
-    # ``planner_data``, ``storage_data``); ``values`` and ``tensors`` then hold only chunks.
-    fragments: tuple[bytes, bytes, bytes] = (b"", b"", b"")
+    # After :func:`encode`: the whole keys' entries of .metadata, pickled, as (place of the first
+    # key in the job, (``state_dict_metadata``, ``planner_data``, ``storage_data``)) per run of
+    # neighbouring keys; ``values`` and ``tensors`` then hold only chunks.
+    runs: list[tuple[int, tuple[bytes, bytes, bytes]]] = field(default_factory=list)
 
 
 def lean_eligible(values: Iterable[Any]) -> bool:
@@ -125,21 +127,42 @@ def write_part(
     return part
 
 
-def encode(part: LeanPart, mapping: Mapping[str, tuple[Any, ...]]) -> LeanPart:
+def encode(part: LeanPart, mapping: Mapping[str, tuple[Any, ...]], positions: Mapping[str, int]) -> LeanPart:
     """``part`` with its whole keys' ``.metadata`` entries built and pickled here, in the worker
-    (see :mod:`parallel_dcp.formats.metadata_pickle`); ``mapping`` gives each key's
-    ``planner_data`` (its path in the nesting; ``(key,)`` when absent). Chunks of split tensors
-    stay tuples: their entries join chunks from other parts in the coordinator."""
+    (see :mod:`parallel_dcp.formats.metadata_pickle`), one piece per run of keys that are
+    neighbours in ``positions`` (the job's order), so the coordinator can put every piece in
+    its place. ``mapping`` gives each key's ``planner_data`` (its path in the nesting; ``(key,)``
+    when absent). Chunks of split tensors stay tuples: their entries join chunks from other parts
+    in the coordinator."""
+    with gc_paused():  # thousands of small objects: no collection walking the worker's heap
+        return _encode(part, mapping, positions)
+
+
+def _encode(part: LeanPart, mapping: Mapping[str, tuple[Any, ...]], positions: Mapping[str, int]) -> LeanPart:
     whole = [t for t in part.tensors if t[5] is None]
     chunks = [t for t in part.tensors if t[5] is not None]
     metadata, (writes,) = build([LeanPart(part.file, part.values, whole)])
     entries = metadata.state_dict_metadata
-    fragments = (
-        dict_fragment(entries),
-        dict_fragment({key: mapping.get(key, (key,)) for key in entries}),
-        dict_fragment({w.index: w.storage_data for w in writes}),
-    )
-    return LeanPart(part.file, [], chunks, part.digests, fragments)
+    stored = {w.index.fqn: w for w in writes}  # one record per whole key
+    runs: list[tuple[int, tuple[bytes, bytes, bytes]]] = []
+    ordered = sorted(entries, key=positions.__getitem__)
+    start = 0
+    for end in range(1, len(ordered) + 1):
+        if end < len(ordered) and positions[ordered[end]] == positions[ordered[end - 1]] + 1:
+            continue
+        keys = ordered[start:end]
+        runs.append(
+            (
+                positions[keys[0]],
+                (
+                    dict_fragment({key: entries[key] for key in keys}),
+                    dict_fragment({key: mapping.get(key, (key,)) for key in keys}),
+                    dict_fragment({stored[key].index: stored[key].storage_data for key in keys}),
+                ),
+            )
+        )
+        start = end
+    return LeanPart(part.file, [], chunks, part.digests, runs)
 
 
 def _pickled(value: Any) -> io.BytesIO:

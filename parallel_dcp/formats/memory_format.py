@@ -33,6 +33,10 @@ class MemorySource(Source):
             else:
                 self.values[key] = value
 
+    def keys(self) -> tuple[str, ...]:
+        """Every key, tensors and values, in the order DCP flattens them (stock's ``.metadata`` order)."""
+        return tuple(self._flat)
+
     def plain_tensors(self) -> bool:
         return lean.lean_eligible(self._flat[key] for key in self.entries)
 

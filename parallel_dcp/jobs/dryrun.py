@@ -205,7 +205,7 @@ def dry_run_save(state_dict: Any, path: str | os.PathLike[str], options: Options
     governor = MemoryGovernor(options.memory_ceiling())
     with gc_paused():
         source = MemorySource(str(path), state_dict=state_dict)
-        job = Job(source, tuple(list(source.entries) + list(source.values)))
+        job = Job(source, source.keys())
     return plan_dry_run(job, target, options, governor)
 
 

@@ -24,5 +24,5 @@ def save(state_dict: Any, path: str | os.PathLike[str], options: Options) -> Sav
     governor = MemoryGovernor(options.memory_ceiling())
     with gc_paused():  # flattening 50,000 keys; see gc_paused
         source = MemorySource(str(path), state_dict=state_dict)
-        job = Job(source, tuple(list(source.entries) + list(source.values)))
+        job = Job(source, source.keys())
     return run_job(job, target, options, governor, start=start)

@@ -60,6 +60,14 @@ class Job:
     chunks: dict[str, Chunk] = field(default_factory=dict)
     # unit -> (bytes written, memory needed): asked for several times per unit while planning.
     _sizes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
+    _positions: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def positions(self) -> dict[str, int]:
+        """Each unit's place in ``keys``: where its entries go in ``.metadata`` (built once per
+        process, on first use)."""
+        if not self._positions and self.keys:
+            self._positions.update((unit, i) for i, unit in enumerate(self.keys))
+        return self._positions
 
     def source_keys(self) -> list[str]:
         """The source keys the units cover, in order, each once."""
@@ -232,7 +240,7 @@ class DcpTarget(Target):
         try:
             if lean.lean_eligible(data.values()):
                 part = lean.write_part(writer, whole, chunks, task.index, staging.save_id)
-                return lean.encode(part, job.source.mapping)
+                return lean.encode(part, job.source.mapping, job.positions())
             planner = ChunkSavePlanner(chunks)
             metadata, writes = partial_save(whole, writer, planner, part_idx=task.index, file_tag=staging.save_id)
         except BaseException as exc:
@@ -248,13 +256,15 @@ class DcpTarget(Target):
             digests.update(result.digests if isinstance(result, lean.LeanPart) else result[2])
         with gc_paused():  # thousands of small objects where tasks went through DCP's planner
             began = time.perf_counter()
-            # The workers pickled their whole keys' entries; what is left is built here.
-            fragments = [r.fragments for r in results if isinstance(r, lean.LeanPart)]
-            fragments.append(_remaining_entries(job, results))
+            # The workers pickled their whole keys' entries; what is left is built here. Each
+            # piece goes where its first unit is in the job, so .metadata keeps the job's order.
+            runs = [run for r in results if isinstance(r, lean.LeanPart) for run in r.runs]
+            runs += _remaining_entries(job, results)
+            runs.sort(key=lambda run: run[0])
             self.merge_seconds = time.perf_counter() - began
             # What FileSystemWriter.finish records besides the entries.
             storage_meta = StorageMeta(checkpoint_id=str(self.path), save_id=staging.save_id)
-            payload = metadata_pickle.assemble(fragments, storage_meta, CURRENT_DCP_VERSION)
+            payload = metadata_pickle.assemble([run for _, run in runs], storage_meta, CURRENT_DCP_VERSION)
         digests[METADATA_FILE] = _digest_of(payload, options)
         manifest = manifest_bytes(digests, job.source.fingerprint(), save_id=staging.save_id)
         # .metadata is the commit; the manifest follows it (see storage.staging: a stale manifest
@@ -263,22 +273,37 @@ class DcpTarget(Target):
         return len(digests)  # the shards and .metadata, as inspect lists them
 
 
-def _remaining_entries(job: Job, results: list[Any]) -> tuple[bytes, bytes, bytes]:
-    """The ``.metadata`` entries no worker pickled: chunks of split tensors (one entry per tensor,
-    its chunks from several parts) and tasks that went through DCP's planner (DTensor, ...)."""
+def _remaining_entries(job: Job, results: list[Any]) -> list[tuple[int, tuple[bytes, bytes, bytes]]]:
+    """The ``.metadata`` entries no worker pickled, one piece per key at its place in the job:
+    chunks of split tensors (one entry per tensor, its chunks from several parts) and tasks that
+    went through DCP's planner (DTensor, ...)."""
     leftovers = [r for r in results if isinstance(r, lean.LeanPart) and (r.values or r.tensors)]
     parts = [lean.build(leftovers)] if leftovers else []
     parts += [(r[0], [r[1]]) for r in results if not isinstance(r, lean.LeanPart)]
     if not parts:
-        return b"", b"", b""
+        return []
     merged = merge_metadata([m for m, _ in parts]) if len(parts) > 1 else parts[0][0]
-    entries = merged.state_dict_metadata
-    return (
-        metadata_pickle.dict_fragment(entries),
-        # Nesting comes from the whole source, not from the parts (which were saved flat).
-        metadata_pickle.dict_fragment({key: job.source.mapping.get(key, (key,)) for key in entries}),
-        metadata_pickle.dict_fragment({w.index: w.storage_data for _, writes in parts for ws in writes for w in ws}),
-    )
+    stored: dict[str, list[Any]] = {}
+    for _, writes in parts:
+        for ws in writes:
+            for w in ws:
+                stored.setdefault(w.index.fqn, []).append(w)
+    place: dict[str, int] = {}
+    for i, unit in enumerate(job.keys):
+        chunk = job.chunks.get(unit)
+        place.setdefault(chunk.key if chunk else unit, i)
+    return [
+        (
+            place.get(key, len(job.keys)),
+            (
+                metadata_pickle.dict_fragment({key: entry}),
+                # Nesting comes from the whole source, not from the parts (which were saved flat).
+                metadata_pickle.dict_fragment({key: job.source.mapping.get(key, (key,))}),
+                metadata_pickle.dict_fragment({w.index: w.storage_data for w in stored.get(key, [])}),
+            ),
+        )
+        for key, entry in merged.state_dict_metadata.items()
+    ]
 
 
 class ShardedTarget(Target):
