@@ -212,7 +212,7 @@ def plan_job(job: Job, target: Target, options: Options, governor: MemoryGoverno
         governor.worker_extra = CLIENT_MEMORY
     threshold = 0
     if target.splits_tensors:  # only DCP can hold one tensor as several chunks
-        total = sum(job.out_bytes(k) for k in job.keys)
+        total = sum(nbytes for nbytes, _ in job.sizes().values())
         io = target.io_memory(total)
         # A split may give every worker work, however few the keys; under a tight limit, as many
         # workers as leave each task room for a chunk.
@@ -221,7 +221,8 @@ def plan_job(job: Job, target: Target, options: Options, governor: MemoryGoverno
             most -= 1
         threshold = _chunk_threshold(total, options, most * scale, governor.task_budget(most) - io)
         job = job.split(threshold)
-    workers = governor.workers_for(((key, job.memory(key)) for key in job.keys), options.worker_count(len(job.keys)))
+    needs = ((key, memory) for key, (_, memory) in job.sizes().items())
+    workers = governor.workers_for(needs, options.worker_count(len(job.keys)))
     tasks = target.plan(job, workers * scale, governor.task_budget(workers))
     for task in tasks:  # a whole-file output is one task: it must fit as a whole
         if len(task.keys) > 1:
@@ -233,8 +234,10 @@ def plan_job(job: Job, target: Target, options: Options, governor: MemoryGoverno
 
 def needed_space(job: Job) -> int:
     """Bytes the output will take, records' overhead and non-tensor values included."""
-    values = sum(job.memory(k) for k in job.keys if k in job.source.values and k not in job.source.entries)
-    return sum(job.out_bytes(k) for k in job.keys) + values + _RECORD_OVERHEAD * len(job.keys)
+    entries, values = job.source.entries, job.source.values
+    sizes = job.sizes()
+    pickled = sum(sizes[k][1] for k in values if k in sizes and k not in entries)
+    return sum(nbytes for nbytes, _ in sizes.values()) + pickled + _RECORD_OVERHEAD * len(job.keys)
 
 
 def result_of(
@@ -287,7 +290,8 @@ def choose_executor(job: Job, options: Options) -> str:
         return "processes"
     if not all(plain_value(v) for v in job.source.values.values()):
         return "processes"  # pickling user objects runs their code: keep it out of the caller
-    sizes = [job.out_bytes(u) for u in job.keys if u in job.chunks or u in job.source.entries]
+    entries = job.source.entries
+    sizes = [nbytes for u, (nbytes, _) in job.sizes().items() if u in entries or u in job.chunks]
     return "threads" if sizes and sum(sizes) / len(sizes) >= THREAD_MIN_ITEM_BYTES else "processes"
 
 

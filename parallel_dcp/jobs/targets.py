@@ -60,6 +60,7 @@ class Job:
     chunks: dict[str, Chunk] = field(default_factory=dict)
     # unit -> (bytes written, memory needed): asked for several times per unit while planning.
     _sizes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
+    _ordered_sizes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
     _positions: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def positions(self) -> dict[str, int]:
@@ -95,6 +96,14 @@ class Job:
                 chunks[name] = piece
         known = {unit: self._sizes[unit] for unit in units if unit in self._sizes}  # whole keys keep theirs
         return Job(self.source, tuple(units), self.dtype, chunks, known)
+
+    def sizes(self) -> dict[str, tuple[int, int]]:
+        """(bytes written, memory needed) of every unit, in ``keys`` order: the planning passes
+        over 50,000 keys read this dict instead of calling :meth:`out_bytes` and :meth:`memory`."""
+        if len(self._ordered_sizes) != len(self.keys):
+            self._ordered_sizes.clear()
+            self._ordered_sizes.update((unit, self._sized(unit)) for unit in self.keys)
+        return self._ordered_sizes
 
     def out_bytes(self, unit: str) -> int:
         """Bytes of tensor data ``unit`` writes (0 for other values)."""
@@ -185,7 +194,8 @@ class Target(ABC):
 
 
 def _items(job: Job) -> list[Item]:
-    return [Item(key, job.out_bytes(key), job.memory(key), job.transient(key)) for key in job.keys]
+    transient = job.transient
+    return [Item(key, nbytes, memory, transient(key)) for key, (nbytes, memory) in job.sizes().items()]
 
 
 def _whole_file_memory(items: list[Item]) -> int:
