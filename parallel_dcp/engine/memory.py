@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import psutil
@@ -142,11 +143,21 @@ def _pss_uss(proc: psutil.Process) -> tuple[int, int]:
             return 0, 0
 
 
+def _pss_uss_of(pid: int) -> tuple[int, int]:
+    try:
+        return _pss_uss(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return 0, 0
+
+
 def _rss(proc: psutil.Process) -> int:
     try:
         return int(proc.memory_info().rss)
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return 0
+
+
+_READ_THREADS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +192,7 @@ class MemoryGovernor:
         self._next_sample = 0.0
         self._next_relaxed = 0.0
         self._read_cost = 0.0
+        self.settle_seconds = 0.0
 
     def reserve(self, nbytes: int, what: str) -> None:
         """Set aside memory the whole job holds (a load's output); fail now if it cannot fit."""
@@ -233,7 +245,16 @@ class MemoryGovernor:
         upper bound, read cheaply) leaves room for all of it at once, that bound is used as is;
         otherwise PSS is read (tens of milliseconds for a large tree) for the exact figure.
         """
-        pids = list(worker_pids)
+        started = time.perf_counter()
+        try:
+            self._settle(list(worker_pids), planned)
+        finally:
+            # Serial, and it grows with the worker count (one smaps read per worker when the
+            # resident sizes do not prove the tree far under the limit): SaveResult.phases
+            # counts it with the fork.
+            self.settle_seconds = time.perf_counter() - started
+
+    def _settle(self, pids: list[int], planned: int) -> None:
         extra = self.worker_extra * len(pids)
         bound = self._rss_bound(pids) + extra
         if bound + self.reserved + planned <= self.limit:
@@ -300,14 +321,14 @@ class MemoryGovernor:
 
     def read(self, worker_pids: Iterable[int]) -> Reading:
         started = time.monotonic()
-        private: dict[int, int] = {}
-        total = _pss_uss(self._me)[0]
-        for pid in worker_pids:
-            try:
-                pss, private[pid] = _pss_uss(psutil.Process(pid))
-            except psutil.NoSuchProcess:
-                continue
-            total += pss
+        pids = list(worker_pids)
+        # Each read walks a process's page tables in the kernel (the GIL is released meanwhile):
+        # one thread per process, so reading 64 workers costs about one read, not 64.
+        with ThreadPoolExecutor(max_workers=max(1, min(len(pids), _READ_THREADS))) as threads:
+            found = list(threads.map(_pss_uss_of, pids))
+            total = _pss_uss(self._me)[0]
+        private = {pid: uss for pid, (pss, uss) in zip(pids, found, strict=True) if pss or uss}
+        total += sum(pss for pss, _ in found)
         added = total - self.baseline
         # Reading smaps walks page tables: ~7 ms for a process that maps a few GiB. Keep the
         # watchdog's share of one core near 1/_SAMPLING_SHARE however large the tree.

@@ -95,8 +95,9 @@ class SaveResult:
     executor: str = "processes"
     # Seconds of each phase of the job, in the coordinator's wall time: ``plan`` (open and
     # flatten the source, split and partition, create the staging path), ``fork`` (start the
-    # workers), ``write`` (until the last task's result is back), ``merge`` (join the tasks'
-    # metadata) and ``commit`` (write .metadata and the manifest, publish).
+    # workers and measure what they cost idle), ``write`` (until the last task's result is
+    # back), ``merge`` (join the tasks' metadata) and ``commit`` (write .metadata and the
+    # manifest, publish).
     phases: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -337,6 +338,8 @@ def run_tasks(
                 ):
                     results.append(result)
                     bar.refresh()
+    if phases is not None:  # measuring the idle workers is part of starting them
+        phases["fork"] = phases.get("fork", 0.0) + governor.settle_seconds
     return sorted(results, key=lambda r: r.task.index)
 
 
