@@ -1,7 +1,6 @@
-"""The two ``FileSystemWriter`` flavours a save uses: one per task in a worker, one to commit
-(it builds ``.metadata`` in memory; the destination decides how it lands).
+"""The ``FileSystemWriter`` a save's workers use: one per task, writing the task's shard.
 
-Both write stock DCP files; they differ from ``FileSystemWriter`` only in what they report.
+It writes stock DCP files; it differs from ``FileSystemWriter`` only in what it reports.
 """
 
 from __future__ import annotations
@@ -16,10 +15,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,
-    FileSystemBase,
     FileSystemWriter,
 )
-from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -30,7 +27,7 @@ from parallel_dcp.storage import records
 from parallel_dcp.storage.location import Remote, RemoteFileSystem
 from parallel_dcp.storage.manifest import FileDigest, Hasher
 
-__all__ = ["MetadataPayloadWriter", "ShardWriter"]
+__all__ = ["ShardWriter"]
 
 
 # torch's zip writer makes ~40 small writes per record (headers, pickle, padding): they are
@@ -230,59 +227,3 @@ class _NoClose:
 
 def _result(item: WriteItem, name: str, offset: int, length: int) -> WriteResult:
     return WriteResult(index=item.index, size_in_bytes=length, storage_data=_compat.storage_info(name, offset, length))
-
-
-class _CapturingFileSystem(FileSystemBase):
-    """Keeps what is written in memory, by file name, and never touches storage."""
-
-    def __init__(self) -> None:
-        self.files: dict[str, bytes] = {}
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
-        buffer = io.BytesIO()
-        yield buffer
-        self.files[os.path.basename(path)] = buffer.getvalue()
-
-    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
-        return f"{os.fspath(path).rstrip('/')}/{suffix}"
-
-    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        self.files[os.path.basename(new_path)] = self.files.pop(os.path.basename(path))
-
-    def init_path(self, path: str | os.PathLike[str]) -> str:
-        return os.fspath(path)
-
-    def mkdir(self, path: str | os.PathLike[str]) -> None:
-        """Nothing to create: the files stay in memory."""
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return True
-
-    def exists(self, path: str | os.PathLike[str]) -> bool:
-        return os.path.basename(path) in self.files
-
-    def rm_file(self, path: str | os.PathLike[str]) -> None:
-        self.files.pop(os.path.basename(path), None)
-
-
-class MetadataPayloadWriter(FileSystemWriter):
-    """Runs DCP's own ``finish`` but keeps ``.metadata`` in memory (:attr:`payload`), so the
-    destination's commit decides how it lands (one atomic rename, or one upload): after every
-    shard, last. ``save_id`` is recorded in ``storage_meta`` (the manifest records it too)."""
-
-    def __init__(self, final: str, save_id: str | None = None) -> None:
-        super().__init__(final, sync_files=False)
-        self._captured = _CapturingFileSystem()
-        self.fs = self._captured  # type: ignore[assignment]
-        self.path = final  # type: ignore[assignment]
-        self._final = final
-        self._save_id = save_id
-
-    def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self._final, save_id=self._save_id or self.save_id)
-
-    @property
-    def payload(self) -> bytes:
-        return self._captured.files[".metadata"]
