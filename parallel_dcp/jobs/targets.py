@@ -35,6 +35,7 @@ from parallel_dcp.storage.location import Remote, locate, upload_memory
 from parallel_dcp.storage.manifest import FileDigest, Hasher, file_digest, manifest_bytes
 from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
 from parallel_dcp.storage.protocol import Staging, WriteLocation
+from parallel_dcp.storage.resume import IdentityCheck
 from parallel_dcp.storage.staging import stage_directory, stage_file
 from parallel_dcp.storage.writers import MetadataPayloadWriter, ShardWriter
 
@@ -150,9 +151,10 @@ class Target(ABC):
     merge_seconds: float = 0.0  # of the last commit: joining the tasks' results (SaveResult.phases)
 
     @abstractmethod
-    def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
+    def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
         """Check the destination and take hold of it (before any write); ``protect``: the source's
-        files, which the job must never replace or delete."""
+        files, which the job must never replace or delete; ``resume``: continue the dead conversion
+        whose job record it accepts (:mod:`parallel_dcp.jobs.resume`)."""
 
     def output_names(self, tasks: list[Task]) -> list[str]:
         """The fixed file names the tasks write (none for DCP, whose names carry the save id)."""
@@ -209,8 +211,8 @@ class DcpTarget(Target):
     def __init__(self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
         self.path = _where(path, storage_options)
 
-    def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
-        return stage_directory(self.path, overwrite=overwrite, layout=DCP_LAYOUT, protect=protect or [])
+    def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
+        return stage_directory(self.path, overwrite=overwrite, layout=DCP_LAYOUT, protect=protect or [], resume=resume)
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)
@@ -296,8 +298,10 @@ class ShardedTarget(Target):
         self._count = 1
         self._layout = sharded_layout(kind, self._index_name, single)
 
-    def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
-        return stage_directory(self.path, overwrite=overwrite, layout=self._layout, protect=protect or [])
+    def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
+        return stage_directory(
+            self.path, overwrite=overwrite, layout=self._layout, protect=protect or [], resume=resume
+        )
 
     def output_names(self, tasks: list[Task]) -> list[str]:
         return [*self._shard_names(len(tasks)), self._index_name, MANIFEST_FILE]
@@ -371,8 +375,8 @@ class FileTarget(Target):
         self.kind = kind
         self.tensors_only = self.format.tensors_only
 
-    def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
-        return stage_file(self.path, overwrite=overwrite, protect=protect or [])
+    def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
+        return stage_file(self.path, overwrite=overwrite, protect=protect or [], resume=resume)
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)
