@@ -51,9 +51,8 @@ CHILD = textwrap.dedent(
     hold(targets.DcpTarget)
     hold(targets.ShardedTarget)
     to = None if sys.argv[4] == "dcp" else sys.argv[4]
-    parallel_dcp.convert(sys.argv[1], sys.argv[2], to=to, workers=4, shard_size=%d)
+    parallel_dcp.convert(sys.argv[1], sys.argv[2], to=to, workers=4, shard_size=int(sys.argv[5]))
     """
-    % SHARD
 )
 
 
@@ -70,7 +69,7 @@ def _records(out: Path) -> list[str]:
 
 def _kill_midway(src: Path, out: Path, to: str) -> None:
     """Run the conversion in a child process and SIGKILL it once FINISHED tasks have recorded."""
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(src), str(out), str(FINISHED), to], cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(src), str(out), str(FINISHED), to, str(SHARD)], cwd=ROOT)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and (not out.is_dir() or len(_records(out)) < FINISHED):
@@ -267,7 +266,7 @@ def test_a_run_without_resume_removes_the_dead_conversion_with_a_warning(
 
 
 def test_cli_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    src, sd = _source(tmp_path)
+    src, _ = _source(tmp_path)
     out = tmp_path / "out"
     _fail_midway(monkeypatch, src, out, "dcp")
     assert main(["convert", str(src), str(out), "--resume", "--dtype", "fp16", "-q"]) == 1
