@@ -163,6 +163,7 @@ def run_job(
         plan, staging = _plan_and_stage(job, target, options, governor, identity)
         job, tasks, workers = plan.job, plan.tasks, plan.workers
         phases: dict[str, float] = {}
+        writing = False
         try:
             staging.expect(target.output_names(tasks))
             kept = resume.Kept()
@@ -174,6 +175,7 @@ def run_job(
             staging.check_space(max(0, needed_space(job) - kept.bytes_kept))
             phases["plan"] = time.perf_counter() - start
             began = time.perf_counter()
+            writing = True  # a failure from here to the commit leaves the finished tasks for resume
             recorder = (
                 resume.Recorder(staging.location.root, staging.save_id, resume.job_digest(identity), target, job)
                 if records and isinstance(staging.location.root, Path)
@@ -192,6 +194,7 @@ def run_job(
                 kept=kept.bytes_kept,
             )
             phases["write"] = time.perf_counter() - began - phases.get("fork", 0.0)
+            writing = False
             began = time.perf_counter()
             values = kept.results | {r.task.index: r.value for r in results}
             files = target.commit(job, tasks, [values[t.index] for t in tasks], staging, options)
@@ -199,7 +202,9 @@ def run_job(
             phases["merge"] = target.merge_seconds
             phases["commit"] = time.perf_counter() - began - target.merge_seconds
         except BaseException:
-            if records:
+            # Killed, out of space or interrupted while tasks ran: what finished stays, with its
+            # records, for resume. A failure planning or committing leaves nothing, as for a save.
+            if records and writing:
                 staging.discard_keeping(resume.finished_files(target, tasks, staging))
             else:
                 staging.discard()

@@ -19,6 +19,9 @@ shard size and an explicit chunk size. Workers and the memory limit are not part
 recorded plan is reused (and checked against the limit), so a resume may run with fewer workers
 or another limit. Resume is for conversions to local destinations; object storage and
 distributed jobs are refused with :class:`ResumeError`.
+
+Longer than 300 lines because the done record's writer (in the worker) and its reader (the
+checks a resume runs on it) are one format, kept side by side so that they cannot drift apart.
 """
 
 from __future__ import annotations
