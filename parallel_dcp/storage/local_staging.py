@@ -144,7 +144,7 @@ def _write_synced(path: Path, data: bytes) -> None:
 
 
 def _replace_synced(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f"{path.name}.tmp")
+    temporary = path.with_name(f".{path.name}.tmp")  # not an owner file's name: leftovers never read it
     with contextlib.suppress(FileNotFoundError):
         temporary.unlink()
     _write_synced(temporary, data)
