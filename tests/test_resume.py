@@ -286,3 +286,45 @@ def test_resume_where_it_cannot_work_is_refused_before_writing(tmp_path: Path) -
     with pytest.raises(ResumeError, match="not for saving a state dict"):
         parallel_dcp.save({"w": torch.ones(2)}, tmp_path / "ckpt", options=parallel_dcp.Options(resume=True))
     assert not (tmp_path / "ckpt").exists()
+
+
+HELD_COMMIT = textwrap.dedent(
+    """
+    import sys, time
+    import parallel_dcp
+    from parallel_dcp.jobs import targets
+
+    def commit(self, *args, **kwargs):
+        time.sleep(600)
+
+    targets.FileTarget.commit = commit
+    parallel_dcp.convert(sys.argv[1], sys.argv[2], workers=1)
+    """
+)
+
+
+def test_single_file_output_killed_before_its_commit_keeps_everything(tmp_path: Path) -> None:
+    src, sd = _source(tmp_path)
+    out = tmp_path / "model.pt"
+    proc = subprocess.Popen([sys.executable, "-c", HELD_COMMIT, str(src), str(out)], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not _records(tmp_path):
+            assert proc.poll() is None, "the conversion ended before it was killed"
+            time.sleep(0.05)
+        workers = psutil.Process(proc.pid).children()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        psutil.wait_procs(workers, timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not out.exists()
+    result = parallel_dcp.convert(src, out, workers=1, resume=True)
+    assert result.resumed and result.bytes_kept == result.bytes and result.bytes_rewritten == 0
+    assert_same(torch.load(out, weights_only=True), sd)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [
+        "model.pt",
+        "model.safetensors",
+    ]
