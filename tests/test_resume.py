@@ -328,3 +328,23 @@ def test_single_file_output_killed_before_its_commit_keeps_everything(tmp_path: 
         "model.pt",
         "model.safetensors",
     ]
+
+
+def test_a_resume_that_fails_leaves_the_finished_tasks_for_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from parallel_dcp import InsufficientSpaceError
+    from parallel_dcp.storage import local_staging
+
+    src, sd = _source(tmp_path)
+    out = tmp_path / "out"
+    _fail_midway(monkeypatch, src, out, "dcp")
+    before = set(os.listdir(out))
+    monkeypatch.setattr(local_staging, "free_bytes", lambda path: 0)  # the disk filled up meanwhile
+    with pytest.raises(InsufficientSpaceError):
+        parallel_dcp.convert(src, out, workers=2, resume=True)
+    monkeypatch.undo()
+    assert len(_records(out)) == FINISHED and {n for n in before if n.endswith(".distcp")} <= set(os.listdir(out))
+    result = parallel_dcp.convert(src, out, workers=2, resume=True)
+    assert result.resumed and result.bytes_kept > 0
+    assert_same(_read_output(out, "dcp", sd), sd)

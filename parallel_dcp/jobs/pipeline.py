@@ -203,8 +203,9 @@ def run_job(
             phases["commit"] = time.perf_counter() - began - target.merge_seconds
         except BaseException:
             # Killed, out of space or interrupted while tasks ran: what finished stays, with its
-            # records, for resume. A failure planning or committing leaves nothing, as for a save.
-            if records and writing:
+            # records, for resume (in a resumed run, whenever it fails: those files were there
+            # before it). A fresh run failing to plan or commit leaves nothing, as a save does.
+            if records and (writing or staging.resumed is not None):
                 staging.discard_keeping(resume.finished_files(target, tasks, staging))
             else:
                 staging.discard()
