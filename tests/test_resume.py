@@ -348,3 +348,39 @@ def test_a_resume_that_fails_leaves_the_finished_tasks_for_the_next(
     result = parallel_dcp.convert(src, out, workers=2, resume=True)
     assert result.resumed and result.bytes_kept > 0
     assert_same(_read_output(out, "dcp", sd), sd)
+
+
+def _job_record(out: Path) -> str:
+    return next(n for n in os.listdir(out) if n.startswith(".parallel_dcp.job.") and not n.endswith(".tmp"))
+
+
+def test_a_damaged_job_record_is_refused_and_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, _ = _source(tmp_path)
+    out = tmp_path / "out"
+    _fail_midway(monkeypatch, src, out, "dcp")
+    path = out / _job_record(out)
+    path.write_bytes(path.read_bytes().replace(b'"threshold":', b'"threshold":1', 1))
+    before = sorted(os.listdir(out))
+    with pytest.raises(ResumeError, match="job record is damaged"):
+        parallel_dcp.convert(src, out, workers=2, resume=True)
+    assert sorted(os.listdir(out)) == before
+
+
+def test_a_resealed_plan_that_does_not_cover_the_job_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, sd = _source(tmp_path)
+    out = tmp_path / "out"
+    _fail_midway(monkeypatch, src, out, "dcp")
+    name = _job_record(out)
+    record = read_sealed(out, name)
+    assert record is not None
+    record["plan"]["tasks"][0] = ["../../etc/passwd"]
+    write_sealed(out, name, record)
+    before = sorted(os.listdir(out))
+    with pytest.raises(ResumeError, match="recorded plan does not match"):
+        parallel_dcp.convert(src, out, workers=2, resume=True)
+    assert sorted(os.listdir(out)) == before
+    with pytest.warns(UserWarning, match="removed .* leftover files"):  # without resume: starts over
+        parallel_dcp.convert(src, out, workers=2)
+    assert_same(_read_output(out, "dcp", sd), sd)
