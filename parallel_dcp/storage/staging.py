@@ -31,6 +31,12 @@ index's, the directory holds new shards beside the old index (a short, documente
 Leftovers: each save writes an owner file (host, pid, process start time, save id). The next save
 to the same destination removes the files of a save whose owner is gone (dead pid on this host),
 with a warning; ``inspect`` lists them.
+
+Resume (local destinations): a conversion also writes sealed records of its job and of each
+finished task (:mod:`parallel_dcp.storage.resume`); when it fails while its tasks run it calls
+``discard_keeping`` (its finished tasks stay, its owner record is marked stopped). A later stage
+with ``resume`` adopts such a dead save (its save id becomes the new save's) when its job record
+matches, instead of removing it; ``publish`` removes the records.
 """
 
 from __future__ import annotations
