@@ -35,6 +35,7 @@ from parallel_dcp.errors import (
     ParallelDCPError,
     RemoteTraceback,
     RenameError,
+    ResumeError,
     TaskTimeoutError,
     UnsafeCheckpointError,
     WorkerCrashed,
@@ -79,6 +80,7 @@ __all__ = [
     "ReadStats",
     "RemoteTraceback",
     "RenameError",
+    "ResumeError",
     "SaveResult",
     "TaskTimeoutError",
     "UnsafeCheckpointError",
@@ -364,6 +366,7 @@ def convert(
     options: Options | None = None,
     rename: RenameRules | None = None,
     dry_run: Literal[False] = False,
+    resume: bool = False,
 ) -> SaveResult | list[SaveResult]: ...
 
 
@@ -392,6 +395,7 @@ def convert(
     options: Options | None = None,
     rename: RenameRules | None = None,
     dry_run: Literal[True],
+    resume: bool = False,
 ) -> DryRunPlan | list[DryRunPlan]: ...
 
 
@@ -419,6 +423,7 @@ def convert(
     options: Options | None = None,
     rename: RenameRules | None = None,
     dry_run: bool = False,
+    resume: bool = False,
 ) -> SaveResult | list[SaveResult] | DryRunPlan | list[DryRunPlan]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
 
@@ -452,6 +457,13 @@ def convert(
         dry_run: plan the conversion as a real one would (output files with their keys and
             bytes, tasks per worker, chunks, workers the limit allows, predicted peak memory next
             to the limit, space needed next to space free) and return it; nothing is written.
+        resume: continue a conversion to ``dst`` that died (SIGKILL, power loss, out of space,
+            interrupted) and was started with the same arguments: every task whose files are
+            complete and hash as its durable record says is kept, the rest is redone, and the
+            output is committed as usual (``bytes_kept`` / ``bytes_rewritten`` in the result).
+            Workers and memory limit may differ. With nothing to resume, a fresh run. Local
+            destinations only. Without ``resume``, a dead conversion's files are removed (with a
+            warning) and the conversion starts over. See :mod:`parallel_dcp.jobs.resume`.
 
     Returns:
         A :class:`SaveResult` (a list of them for several sources) with ``format``, ``keys``,
@@ -463,7 +475,13 @@ def convert(
         RenameError: bad rename rules, several keys renamed to one name, an empty name, or
             clashing nesting (all listed; nothing is written).
         UnsafeCheckpointError: a torch.save file that needs ``trust_pickle``.
-        Otherwise as :func:`save`; on failure each destination is as it was before the call.
+        ResumeError: ``resume`` found a dead conversion to ``dst`` made with other arguments
+            (sources, keys, rename, dtype, format, shard or chunk size) or from a source that
+            changed since; its files are left as they were. Also for object storage and
+            ``distributed``.
+        Otherwise as :func:`save`; on failure each destination is as it was before the call,
+            except that a failed conversion leaves its finished tasks (and their records) for
+            ``resume``.
     """
     from parallel_dcp.engine.memory import parse_size
 
@@ -482,6 +500,7 @@ def convert(
             distributed=distributed,
             dist_timeout=dist_timeout,
             storage_options=storage_options,
+            resume=resume,
         ),
     )
     cast = _convert.parse_dtype(dtype)

@@ -178,6 +178,13 @@ def _parser() -> argparse.ArgumentParser:
         "--rename-file", metavar="RULES.json", help="rename rules from a JSON list of [regex, template] pairs"
     )
     convert.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue a conversion to DST that died (killed, out of space, interrupted), run with the same "
+        "arguments: keep its finished files that still match their checksums, redo the rest; nothing to "
+        "resume: convert from the start",
+    )
+    convert.add_argument(
         "--dry-run",
         action="store_true",
         help="plan only: files, keys, tasks per worker, chunks, predicted peak memory and space; write nothing",
@@ -234,6 +241,9 @@ def _result_dict(result: SaveResult) -> dict[str, Any]:
         "memory_limit": result.memory_limit,
         "peak_memory": result.peak_memory,
         "phases": {name: round(seconds, 4) for name, seconds in result.phases.items()},
+        "resumed": result.resumed,
+        "bytes_kept": result.bytes_kept,
+        "bytes_rewritten": result.bytes_rewritten,
     }
 
 
@@ -272,18 +282,28 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
         dist_timeout=args.dist_timeout,
         storage_options=args.storage_options,
         rename=rename,
+        resume=args.resume,
     )
     assert isinstance(results, list)
     if args.distributed and os.environ.get("RANK", "0") != "0":
         return 0  # every rank has the same result: rank 0 reports it
+    if args.resume and not args.quiet:
+        for r in results:
+            if not r.resumed:
+                print(f"parallel-dcp: nothing to resume in {r.path}: converted from the start", file=sys.stderr)
     if args.json:
         print(json.dumps([_result_dict(r) for r in results], indent=2))
     elif not args.quiet:
         for src, r in zip(sources, results, strict=True):
+            resumed = (
+                f", resumed: {format_bytes(r.bytes_kept)} kept, {format_bytes(r.bytes_rewritten)} rewritten"
+                if r.resumed
+                else ""
+            )
             print(
                 f"{src} -> {r.path} ({r.format}): {r.keys} keys, {format_bytes(r.bytes)} in {r.files} files, "
                 f"{r.seconds:.2f} s, {r.gib_per_s:.2f} GiB/s, {r.workers} workers, "
-                f"peak memory {format_bytes(r.peak_memory)} of {format_bytes(r.memory_limit)}"
+                f"peak memory {format_bytes(r.peak_memory)} of {format_bytes(r.memory_limit)}{resumed}"
             )
     return 0
 

@@ -22,6 +22,7 @@ __all__ = [
     "MemoryLimitExceeded",
     "ParallelDCPError",
     "RemoteTraceback",
+    "ResumeError",
     "TaskTimeoutError",
     "UnsafeCheckpointError",
     "WorkerCrashed",
@@ -162,3 +163,14 @@ class RenameError(ParallelDCPError, ValueError):
     def __init__(self, message: str, *, collisions: dict[str, list[str]] | None = None) -> None:
         super().__init__(message)
         self.collisions = dict(collisions or {})
+
+
+class ResumeError(ParallelDCPError, ValueError):
+    """``resume=True`` found a conversion it must not continue: other arguments (sources, keys,
+    rename rules, dtype, format, shard or chunk size), a source changed since, a plan that no longer
+    fits the memory limit, or a destination where resume is not supported. ``reasons`` lists why;
+    nothing was written or removed."""
+
+    def __init__(self, message: str, *, reasons: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.reasons = list(reasons)

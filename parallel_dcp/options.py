@@ -48,6 +48,10 @@ class Options:
         dist_timeout: seconds a rank waits for the others at each step before failing.
         checksums: record each file's xxh3 checksum in the manifest (``verify`` then finds flipped
             bytes); sizes are recorded either way.
+        resume: continue a conversion that died (killed, out of space, interrupted) in this
+            destination with the same arguments: keep each finished task whose files still hash as
+            recorded, redo the rest (see :mod:`parallel_dcp.jobs.resume`). Nothing to resume: a
+            fresh run. Other arguments or a changed source: :class:`ResumeError`.
         storage_options: fsspec options for paths that are URLs (``s3://...``), such as
             ``{"endpoint_url": "http://minio:9000", "client_kwargs": {"region_name": "eu-west-1"}}``;
             credentials come from the standard AWS environment and config unless given here.
@@ -67,6 +71,7 @@ class Options:
     distributed: bool = False
     dist_timeout: float = 1800.0
     storage_options: dict[str, Any] | None = None
+    resume: bool = False
 
     def __post_init__(self) -> None:
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)):

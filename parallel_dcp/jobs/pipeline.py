@@ -28,11 +28,13 @@ one pipeline are kept together so it reads top to bottom.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,16 +47,18 @@ from parallel_dcp.engine.memory import (
     TASK_MEMORY_BYTES,
     WORKER_MEMORY_BYTES,
     MemoryGovernor,
+    format_bytes,
     parse_size,
 )
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import TaskResult, WorkerPool, gc_paused
 from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
 from parallel_dcp.formats.memory_format import MemorySource
+from parallel_dcp.jobs import resume
 from parallel_dcp.jobs.targets import Job, Target
 from parallel_dcp.options import Options
 from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
-from parallel_dcp.storage.protocol import WriteLocation
+from parallel_dcp.storage.protocol import Staging, WriteLocation
 
 __all__ = ["SaveResult", "WorkerStats", "run_job", "terminate_as_interrupt"]
 
@@ -99,16 +103,30 @@ class SaveResult:
     # back), ``merge`` (join the tasks' metadata) and ``commit`` (write .metadata and the
     # manifest, publish).
     phases: dict[str, float] = field(default_factory=dict)
+    # What ``resume`` kept of a dead conversion (bytes of tensor data of its finished, re-hashed
+    # tasks) and what this run wrote; a fresh run keeps 0 and writes ``bytes``.
+    bytes_kept: int = 0
+    bytes_rewritten: int = 0
+    resumed: bool = False
 
     @property
     def gib_per_s(self) -> float:
         return self.bytes / 2**30 / self.seconds if self.seconds > 0 else 0.0
 
 
-def _handler(job: Job, target: Target, staging: WriteLocation, options: Options) -> Any:
+def _handler(
+    job: Job,
+    target: Target,
+    staging: WriteLocation,
+    options: Options,
+    recorder: Callable[[Task, Any], None] | None = None,
+) -> Any:
     def run(task: Task) -> Any:
         try:
-            return target.write(job, task, job.read(task.keys), staging, options)
+            result = target.write(job, task, job.read(task.keys), staging, options)
+            if recorder is not None:  # the task's files are complete: its done record, for resume
+                recorder(task, result)
+            return target.outgoing(job, result)
         finally:
             job.source.release()
             progress.flush()
@@ -129,47 +147,104 @@ def run_job(
     job: Job, target: Target, options: Options, governor: MemoryGovernor, *, start: float | None = None
 ) -> SaveResult:
     """Plan, check, run and commit one job on this node; on any failure the destination is as it
-    was. (Across the ranks of a torchrun job the same steps run in :mod:`parallel_dcp.jobs.distributed`;
-    :func:`parallel_dcp.jobs.runner.run_job` picks one.)
+    was, except that a conversion leaves its finished tasks for ``resume`` (see
+    :mod:`parallel_dcp.jobs.resume`). (Across the ranks of a torchrun job the same steps run in
+    :mod:`parallel_dcp.jobs.distributed`; :func:`parallel_dcp.jobs.runner.run_job` picks one.)
 
     ``governor`` must have been created before the source was opened, so that whatever opening
     it loaded counts against the limit.
     """
     _compat.check_torch()
     start = time.perf_counter() if start is None else start
-    with gc_paused():
-        plan = plan_job(job, target, options, governor)
-    job, tasks, workers = plan.job, plan.tasks, plan.workers
+    if options.resume:
+        resume.refuse_unsupported(job, target, options)
+    records = resume.resumable(job, target, options)
+    identity = resume.identity(job, target, options) if records else {}
     with terminate_as_interrupt():
-        staging = target.stage(options.overwrite, protect=list(job.source.files))
+        plan, staging = _plan_and_stage(job, target, options, governor, identity)
+        job, tasks, workers = plan.job, plan.tasks, plan.workers
         phases: dict[str, float] = {}
+        writing = False
         try:
             staging.expect(target.output_names(tasks))
-            staging.check_space(needed_space(job))
+            kept = resume.Kept()
+            if staging.resumed is not None:
+                kept = resume.keep_finished(job, target, tasks, staging, resume.job_digest(identity))
+            elif records:
+                resume.start_record(staging, identity, resume.plan_record(tasks, plan.threshold, target))
+            todo = [task for task in tasks if task.index not in kept.results]
+            staging.check_space(max(0, needed_space(job) - kept.bytes_kept))
             phases["plan"] = time.perf_counter() - start
             began = time.perf_counter()
+            writing = True  # a failure from here to the commit leaves the finished tasks for resume
+            recorder = (
+                resume.Recorder(staging.location.root, staging.save_id, resume.job_digest(identity), target, job)
+                if records and isinstance(staging.location.root, Path)
+                else None
+            )
             executor = choose_executor(job, options)
             results = run_tasks(
                 job,
                 target,
-                tasks,
+                todo,
                 staging.location,
                 options,
                 governor,
-                min(workers, len(tasks)),
+                min(workers, max(1, len(todo))),
                 phases=phases,
+                recorder=recorder,
+                kept=kept.bytes_kept,
                 executor=executor,
             )
             phases["write"] = time.perf_counter() - began - phases.get("fork", 0.0)
+            writing = False
             began = time.perf_counter()
-            files = target.commit(job, tasks, [r.value for r in results], staging, options)
+            values = kept.results | {r.task.index: r.value for r in results}
+            files = target.commit(job, tasks, [values[t.index] for t in tasks], staging, options)
             staging.publish()
             phases["merge"] = target.merge_seconds
             phases["commit"] = time.perf_counter() - began - target.merge_seconds
         except BaseException:
-            staging.discard()
+            # Killed, out of space or interrupted while tasks ran: what finished stays, with its
+            # records, for resume (in a resumed run, whenever it fails: those files were there
+            # before it). A fresh run failing to plan or commit leaves nothing, as a save does.
+            if records and (writing or staging.resumed is not None):
+                staging.discard_keeping(resume.finished_files(target, tasks, staging))
+            else:
+                staging.discard()
             raise
-    return result_of(target, job, tasks, workers, results, files, governor, options, start, phases, executor)
+    result = result_of(target, job, tasks, workers, results, files, governor, options, start, phases, executor)
+    return dataclasses.replace(
+        result,
+        bytes_kept=kept.bytes_kept,
+        bytes_rewritten=sum(t.nbytes for t in todo),
+        resumed=staging.resumed is not None,
+    )
+
+
+def _plan_and_stage(
+    job: Job, target: Target, options: Options, governor: MemoryGovernor, identity: dict[str, Any]
+) -> tuple[Plan, Staging]:
+    """Plan, then take hold of the destination; with ``resume``, take hold first, since the plan
+    is then the dead conversion's, if there is one to continue."""
+    protect = list(job.source.files)
+    if not options.resume:
+        with gc_paused():
+            plan = plan_job(job, target, options, governor)
+        return plan, target.stage(options.overwrite, protect=protect)
+    staging = target.stage(options.overwrite, protect=protect, resume=resume.check_identity(identity))
+    try:
+        with gc_paused():
+            if staging.resumed is None:
+                return plan_job(job, target, options, governor), staging
+            again = resume.replan(job, target, options, governor, staging.resumed)
+            return Plan(again.job, again.tasks, again.workers, again.threshold), staging
+    except BaseException:
+        if staging.resumed is None:
+            staging.discard()
+        else:  # refused after all: the dead conversion's files stay as they were
+            staging.discard_keeping(resume.adopted_files(staging))
+        raise
 
 
 @contextlib.contextmanager
@@ -306,16 +381,21 @@ def run_tasks(
     workers: int,
     *,
     phases: dict[str, float] | None = None,
+    recorder: Callable[[Task, Any], None] | None = None,
+    kept: int = 0,
     executor: str | None = None,
 ) -> list[TaskResult[Any]]:
     """Run ``tasks`` on ``workers`` threads or forked processes; the results in task order.
-    ``phases["fork"]`` gets the seconds spent starting the pool; ``executor``: the one
-    :func:`choose_executor` picked, where the caller has it already."""
+    ``phases["fork"]`` gets the seconds spent starting the pool; ``recorder`` runs in the worker
+    after each task; ``kept``: bytes a resume kept (the bar says so, and counts the rest);
+    ``executor``: the one :func:`choose_executor` picked, where the caller has it already."""
     if not tasks:
         return []
     results: list[TaskResult[Any]] = []
-    handler = _handler(job, target, staging, options)
+    handler = _handler(job, target, staging, options, recorder)
     label = "save" if isinstance(job.source, MemorySource) else "convert"
+    if kept:
+        label += f" (resumed: {format_bytes(kept)} kept, rewriting {format_bytes(sum(t.nbytes for t in tasks))})"
     with progress.Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc=label) as bar:
         began = time.perf_counter()
         if (executor or choose_executor(job, options)) == "threads":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from parallel_dcp.engine.memory import MemoryGovernor
-from parallel_dcp.jobs import distributed, pipeline
+from parallel_dcp.jobs import distributed, pipeline, resume
 from parallel_dcp.jobs.pipeline import SaveResult, terminate_as_interrupt
 from parallel_dcp.jobs.targets import Job, Target
 from parallel_dcp.options import Options
@@ -21,6 +21,8 @@ def run_job(
     job: Job, target: Target, options: Options, governor: MemoryGovernor, *, start: float | None = None
 ) -> SaveResult:
     """See :func:`parallel_dcp.jobs.pipeline.run_job`; with ``options.distributed``, as one rank."""
+    if options.resume:
+        resume.refuse_unsupported(job, target, options)  # before anything is written
     if options.distributed:
         with terminate_as_interrupt():
             return distributed.run_job(

@@ -36,6 +36,7 @@ from parallel_dcp.storage.location import Remote, locate, upload_memory
 from parallel_dcp.storage.manifest import FileDigest, Hasher, file_digest, manifest_bytes
 from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
 from parallel_dcp.storage.protocol import Staging, WriteLocation
+from parallel_dcp.storage.resume import IdentityCheck
 from parallel_dcp.storage.staging import stage_directory, stage_file
 from parallel_dcp.storage.writers import ShardWriter
 
@@ -165,9 +166,10 @@ class Target(ABC):
     merge_seconds: float = 0.0  # of the last commit: joining the tasks' results (SaveResult.phases)
 
     @abstractmethod
-    def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
+    def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
         """Check the destination and take hold of it (before any write); ``protect``: the source's
-        files, which the job must never replace or delete."""
+        files, which the job must never replace or delete; ``resume``: continue the dead conversion
+        whose job record it accepts (:mod:`parallel_dcp.jobs.resume`)."""
 
     def output_names(self, tasks: list[Task]) -> list[str]:
         """The fixed file names the tasks write (none for DCP, whose names carry the save id)."""
@@ -186,6 +188,10 @@ class Target(ABC):
     @abstractmethod
     def write(self, job: Job, task: Task, data: dict[str, Any], staging: WriteLocation, options: Options) -> Any:
         """In a worker: write one task at ``staging``; the result goes back to the coordinator."""
+
+    def outgoing(self, job: Job, result: Any) -> Any:
+        """In the worker, after :meth:`write` (and the task's done record): what is sent back."""
+        return result
 
     @abstractmethod
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
@@ -225,8 +231,8 @@ class DcpTarget(Target):
     def __init__(self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
         self.path = _where(path, storage_options)
 
-    def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
-        return stage_directory(self.path, overwrite=overwrite, layout=DCP_LAYOUT, protect=protect or [])
+    def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
+        return stage_directory(self.path, overwrite=overwrite, layout=DCP_LAYOUT, protect=protect or [], resume=resume)
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)
@@ -249,8 +255,7 @@ class DcpTarget(Target):
         chunks = [(job.chunks[u], v) for u, v in data.items() if u in job.chunks]
         try:
             if lean.lean_eligible(data.values()):
-                part = lean.write_part(writer, whole, chunks, task.index, staging.save_id)
-                return lean.encode(part, job.source.mapping, job.positions())
+                return lean.write_part(writer, whole, chunks, task.index, staging.save_id)
             planner = ChunkSavePlanner(chunks)
             metadata, writes = partial_save(whole, writer, planner, part_idx=task.index, file_tag=staging.save_id)
         except BaseException as exc:
@@ -260,7 +265,13 @@ class DcpTarget(Target):
             raise
         return metadata, writes, writer.digests()
 
+    def outgoing(self, job: Job, result: Any) -> Any:
+        # The worker pickles its keys' .metadata entries: the coordinator only splices them.
+        return lean.encode(result, job.source.mapping, job.positions()) if _unencoded(result) else result
+
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
+        # Tasks a resume kept come back from their records as plain parts: encoded here.
+        results = [lean.encode(r, job.source.mapping, job.positions()) if _unencoded(r) else r for r in results]
         digests: dict[str, FileDigest] = {}
         for result in results:
             digests.update(result.digests if isinstance(result, lean.LeanPart) else result[2])
@@ -281,6 +292,11 @@ class DcpTarget(Target):
         # is recognised by its save id).
         staging.commit(marker=(METADATA_FILE, payload), extras={MANIFEST_FILE: manifest})
         return len(digests)  # the shards and .metadata, as inspect lists them
+
+
+def _unencoded(result: Any) -> bool:
+    """A lean part still holding whole keys as tuples (not yet pickled by :func:`lean.encode`)."""
+    return isinstance(result, lean.LeanPart) and (bool(result.values) or any(t[5] is None for t in result.tensors))
 
 
 def _remaining_entries(job: Job, results: list[Any]) -> list[tuple[int, tuple[bytes, bytes, bytes]]]:
@@ -341,8 +357,10 @@ class ShardedTarget(Target):
         self._count = 1
         self._layout = sharded_layout(kind, self._index_name, single)
 
-    def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
-        return stage_directory(self.path, overwrite=overwrite, layout=self._layout, protect=protect or [])
+    def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
+        return stage_directory(
+            self.path, overwrite=overwrite, layout=self._layout, protect=protect or [], resume=resume
+        )
 
     def output_names(self, tasks: list[Task]) -> list[str]:
         return [*self._shard_names(len(tasks)), self._index_name, MANIFEST_FILE]
@@ -384,7 +402,13 @@ class ShardedTarget(Target):
         self.format.write(data, str(where), None)
         return {name: _finish_file(where, options)}
 
+    def outgoing(self, job: Job, result: Any) -> Any:
+        # The worker pickles its keys' .metadata entries: the coordinator only splices them.
+        return lean.encode(result, job.source.mapping, job.positions()) if _unencoded(result) else result
+
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
+        # Tasks a resume kept come back from their records as plain parts: encoded here.
+        results = [lean.encode(r, job.source.mapping, job.positions()) if _unencoded(r) else r for r in results]
         digests: dict[str, FileDigest] = {}
         for result in results:
             digests.update(result)
@@ -416,8 +440,8 @@ class FileTarget(Target):
         self.kind = kind
         self.tensors_only = self.format.tensors_only
 
-    def stage(self, overwrite: bool, protect: list[str] | None = None) -> Staging:
-        return stage_file(self.path, overwrite=overwrite, protect=protect or [])
+    def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
+        return stage_file(self.path, overwrite=overwrite, protect=protect or [], resume=resume)
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)

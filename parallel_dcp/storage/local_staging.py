@@ -19,7 +19,7 @@ import fcntl
 import json
 import os
 from abc import abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +28,17 @@ from parallel_dcp.errors import (
     DestinationBusyError,
     InsufficientSpaceError,
     InvalidDestinationError,
+    ResumeError,
 )
 from parallel_dcp.storage.ownership import (
     DCP_LAYOUT,
+    DONE_PREFIX,
+    JOB_PREFIX,
     LOCK_FILE,
+    MANIFEST_FILE,
     Layout,
     clean_leftovers,
+    find_leftovers,
     is_of_save,
     listing,
     new_save_id,
@@ -44,6 +49,7 @@ from parallel_dcp.storage.ownership import (
     temp_name,
 )
 from parallel_dcp.storage.protocol import Staging, WriteLocation
+from parallel_dcp.storage.resume import IdentityCheck, read_job_record
 
 __all__ = [
     "LocalDirStaging",
@@ -137,13 +143,41 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _replace_synced(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")  # not an owner file's name: leftovers never read it
+    with contextlib.suppress(FileNotFoundError):
+        temporary.unlink()
+    _write_synced(temporary, data)
+    os.replace(temporary, path)
+
+
+def _manifest_save_id(directory: Path) -> str | None:
+    """The save id in the destination's manifest (that save committed: nothing to resume)."""
+    try:
+        value = json.loads((directory / MANIFEST_FILE).read_bytes()).get("save_id")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 class _LocalStaging(Staging):
     """What a local directory and a local file share: lock, owner file, temporary names, renames."""
 
     destination: Path
 
-    def __init__(self, *, directory: Path, destination: Path, lock: Path, overwrite: bool, protect: Sequence[str]):
+    def __init__(
+        self,
+        *,
+        directory: Path,
+        destination: Path,
+        lock: Path,
+        overwrite: bool,
+        protect: Sequence[str],
+        resume: IdentityCheck | None = None,
+    ):
         self.destination = destination
+        self.resumed = None
+        self._resume = resume
         self.overwrite = overwrite
         self.protect = list(protect)
         self.save_id = new_save_id()
@@ -156,12 +190,58 @@ class _LocalStaging(Staging):
 
     def _start(self) -> None:
         try:
-            clean_leftovers(self._dir)
+            adopted = self._adopt() if self._resume is not None else None
+            clean_leftovers(self._dir, keep=adopted)
             self._check()
-            _write_synced(self._dir / owner_name(self.save_id), json.dumps(self._record).encode())
+            owner = self._dir / owner_name(self.save_id)
+            if adopted is not None:  # the dead save's owner record becomes this process's
+                _replace_synced(owner, json.dumps(self._record).encode())
+            else:
+                _write_synced(owner, json.dumps(self._record).encode())
         except BaseException:
             self._release()
             raise
+
+    def _adopt(self) -> str | None:
+        """Under the lock: take over the files of a dead conversion to this destination whose job
+        record matches (``resume=True``); its save id becomes this save's. None when there is none.
+
+        Raises:
+            ResumeError: there is a dead conversion to this destination, but of another job
+                (nothing is removed: the user decides).
+        """
+        assert self._resume is not None
+        committed = _manifest_save_id(self._dir)
+        refused: list[tuple[str, list[str]]] = []
+        for leftover in find_leftovers(self._dir):
+            save_id: str = leftover["save_id"]
+            if leftover["running"] is not False or not leftover["resumable"] or save_id == committed:
+                continue
+            record = read_job_record(self._dir, save_id)
+            if record is None:
+                refused.append((save_id, ["its job record is damaged (it fails its checksum)"]))
+                continue
+            if record.get("destination") != os.fspath(self.destination):
+                continue  # a neighbouring single-file output in the same directory
+            reasons = self._resume(record["identity"])
+            if reasons:
+                refused.append((save_id, reasons))
+                continue
+            self.save_id = save_id
+            self._record = owner_record(save_id, self.destination)
+            self.location = WriteLocation(self.location.root, save_id, private=True)
+            self.resumed = record
+            return save_id
+        if refused:
+            save_id, reasons = refused[0]
+            raise ResumeError(
+                f"cannot resume the conversion to {self.destination} (save {save_id}): "
+                + "; ".join(reasons)
+                + ". Run again with the arguments it had, or without resume to start over (its files are "
+                "then removed)",
+                reasons=reasons,
+            )
+        return None
 
     @abstractmethod
     def _check(self) -> None:
@@ -219,8 +299,28 @@ class _LocalStaging(Staging):
         try:
             for name in sorted(self._replaced):
                 remove_path(self._dir / name)
+            for name in listing(self._dir):  # the records kept for resume, before the owner file
+                if is_of_save(name, self.save_id) and name.startswith((JOB_PREFIX, DONE_PREFIX)):
+                    remove_path(self._dir / name)
             remove_path(self._dir / owner_name(self.save_id))
             _fsync_dir(self._dir)
+        finally:
+            self._release()
+
+    def discard_keeping(self, keep: Collection[str]) -> None:
+        if self._committed or not keep:
+            self.discard()
+            return
+        try:
+            with contextlib.suppress(OSError):
+                keep = {*keep, owner_name(self.save_id)}
+                for name in listing(self._dir):
+                    if (is_of_save(name, self.save_id) or name in self._created) and name not in keep:
+                        remove_path(self._dir / name)
+                # Marked stopped (no pid): the next save to this destination resumes or removes them,
+                # also from this same process.
+                record = self._record | {"pid": None, "start": None, "stopped": True}
+                _replace_synced(self._dir / owner_name(self.save_id), json.dumps(record).encode())
         finally:
             self._release()
 
@@ -254,6 +354,7 @@ class LocalDirStaging(_LocalStaging):
         overwrite: bool,
         layout: Layout = DCP_LAYOUT,
         protect: Sequence[str] = (),
+        resume: IdentityCheck | None = None,
     ) -> None:
         dest = Path(os.path.abspath(destination))
         _check_parent(dest)
@@ -275,7 +376,12 @@ class LocalDirStaging(_LocalStaging):
         self.layout = layout
         try:
             super().__init__(
-                directory=dest, destination=dest, lock=dest / LOCK_FILE, overwrite=overwrite, protect=protect
+                directory=dest,
+                destination=dest,
+                lock=dest / LOCK_FILE,
+                overwrite=overwrite,
+                protect=protect,
+                resume=resume,
             )
         except BaseException:
             self._after_discard()
@@ -284,7 +390,8 @@ class LocalDirStaging(_LocalStaging):
         self._start()
 
     def _check(self) -> None:
-        names = [n for n in listing(self._dir) if n != LOCK_FILE]
+        mine = self.save_id if self.resumed is not None else None  # an adopted save's files are ours
+        names = [n for n in listing(self._dir) if n != LOCK_FILE and not (mine and is_of_save(n, mine))]
         if self.layout.holds_checkpoint(self._dir, names):
             if not self.overwrite:
                 raise CheckpointExistsError(
@@ -309,13 +416,22 @@ class LocalDirStaging(_LocalStaging):
 class LocalFileStaging(_LocalStaging):
     """A single-file output (``model.safetensors``, ``model.pt``): written beside, then renamed."""
 
-    def __init__(self, destination: str | os.PathLike[str], *, overwrite: bool, protect: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        destination: str | os.PathLike[str],
+        *,
+        overwrite: bool,
+        protect: Sequence[str] = (),
+        resume: IdentityCheck | None = None,
+    ) -> None:
         dest = Path(os.path.abspath(destination))
         _check_parent(dest)
         if dest.is_dir():
             raise InvalidDestinationError(f"cannot write the file {dest}: it is a directory")
         lock = dest.parent / f".{dest.name}.lock"
-        super().__init__(directory=dest.parent, destination=dest, lock=lock, overwrite=overwrite, protect=protect)
+        super().__init__(
+            directory=dest.parent, destination=dest, lock=lock, overwrite=overwrite, protect=protect, resume=resume
+        )
         self.location = WriteLocation(dest.parent, self.save_id, private=True)
         self._start()
 

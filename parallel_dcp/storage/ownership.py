@@ -52,6 +52,9 @@ METADATA_FILE = ".metadata"
 MANIFEST_FILE = ".parallel_dcp.json"
 LOCK_FILE = ".parallel_dcp.lock"
 _OWNER_PREFIX = ".parallel_dcp.owner."
+# The records a conversion keeps for resume=True (see parallel_dcp.storage.resume).
+JOB_PREFIX = ".parallel_dcp.job."
+DONE_PREFIX = ".parallel_dcp.done."
 
 
 def new_save_id() -> str:
@@ -64,11 +67,14 @@ def temp_name(name: str, save_id: str) -> str:
 
 
 def is_of_save(name: str, save_id: str) -> bool:
-    """True for the names a save with this id writes (shards, temporary files, its owner file)."""
+    """True for the names a save with this id writes (shards, temporary files, its owner file,
+    the records kept for resume)."""
     return (
         (name.startswith("__") and f"_{save_id}_" in name and name.endswith(".distcp"))
         or (name.startswith(".") and name.endswith(f".{save_id}.tmp"))
         or name == owner_name(save_id)
+        or name in (f"{JOB_PREFIX}{save_id}", f"{JOB_PREFIX}{save_id}.tmp")
+        or name.startswith(f"{DONE_PREFIX}{save_id}.")
     )
 
 
@@ -217,6 +223,9 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
                 "pid": record.get("pid"),
                 "running": _owner_alive(record),
                 "files": sorted(files),
+                # A conversion that kept records for resume=True, and how many of its tasks finished.
+                "resumable": f"{JOB_PREFIX}{save_id}" in files,
+                "tasks_done": sum(1 for n in files if n.startswith(DONE_PREFIX) and not n.endswith(".tmp")),
             }
         )
     return found
@@ -230,17 +239,24 @@ def _manifest_save_id(where: Location) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def clean_leftovers(where: Location) -> None:
-    """Remove the files of saves to ``where`` whose owner process is gone (one warning each)."""
+def clean_leftovers(where: Location, keep: str | None = None) -> None:
+    """Remove the files of saves to ``where`` whose owner process is gone (one warning each), but
+    those of save ``keep`` (the one a resumed conversion continues)."""
     for leftover in find_leftovers(where):
-        if leftover["running"] is not False:
+        if leftover["running"] is not False or leftover["save_id"] == keep:
             continue
         for name in leftover["files"]:
             remove_path(where / name)
         remove_path(where / owner_name(leftover["save_id"]))
         warnings.warn(
             f"{where}: removed {len(leftover['files'])} leftover files of save {leftover['save_id']} "
-            f"(pid {leftover['pid']} on {leftover['host']}, no longer running)",
+            f"(pid {leftover['pid']} on {leftover['host']}, no longer running)"
+            + (
+                f"; it was a conversion with {leftover['tasks_done']} finished tasks, which "
+                "convert(..., resume=True) (--resume) would have kept"
+                if leftover["resumable"] and leftover["tasks_done"]
+                else ""
+            ),
             stacklevel=4,
         )
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.ownership import temp_name
@@ -46,6 +47,9 @@ class Staging(ABC):
     destination: Path | Remote
     location: WriteLocation
     save_id: str
+    # With resume: the job record of the dead conversion this save continues (its save id is now
+    # this save's); None for a fresh save.
+    resumed: dict[str, Any] | None = None
 
     @property
     def path(self) -> Path | Remote:
@@ -77,3 +81,10 @@ class Staging(ABC):
     @abstractmethod
     def discard(self) -> None:
         """On failure: remove exactly what this save created; release the destination."""
+
+    def discard_keeping(self, keep: Collection[str]) -> None:
+        """On failure: as :meth:`discard`, but leave the files named in ``keep`` (a conversion's
+        finished tasks and their records, for ``resume=True``) and the owner record, marked
+        stopped, so that the next save to the destination resumes or removes them. Where a
+        destination cannot resume, the same as :meth:`discard`."""
+        self.discard()

@@ -31,6 +31,12 @@ index's, the directory holds new shards beside the old index (a short, documente
 Leftovers: each save writes an owner file (host, pid, process start time, save id). The next save
 to the same destination removes the files of a save whose owner is gone (dead pid on this host),
 with a warning; ``inspect`` lists them.
+
+Resume (local destinations): a conversion also writes sealed records of its job and of each
+finished task (:mod:`parallel_dcp.storage.resume`); when it fails while its tasks run it calls
+``discard_keeping`` (its finished tasks stay, its owner record is marked stopped). A later stage
+with ``resume`` adopts such a dead save (its save id becomes the new save's) when its job record
+matches, instead of removing it; ``publish`` removes the records.
 """
 
 from __future__ import annotations
@@ -38,24 +44,48 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from parallel_dcp.errors import ResumeError
 from parallel_dcp.storage.local_staging import LocalDirStaging, LocalFileStaging
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.ownership import Layout
 from parallel_dcp.storage.protocol import Staging
 from parallel_dcp.storage.remote_staging import RemoteFileStaging, RemoteStaging
+from parallel_dcp.storage.resume import IdentityCheck
 
 __all__ = ["stage_directory", "stage_file"]
 
 
-def stage_directory(where: Path | Remote, *, overwrite: bool, layout: Layout, protect: Sequence[str] = ()) -> Staging:
-    """Take hold of a checkpoint directory (a local path or a prefix on object storage)."""
+def stage_directory(
+    where: Path | Remote,
+    *,
+    overwrite: bool,
+    layout: Layout,
+    protect: Sequence[str] = (),
+    resume: IdentityCheck | None = None,
+) -> Staging:
+    """Take hold of a checkpoint directory (a local path or a prefix on object storage).
+
+    ``resume``: continue the dead conversion to this destination whose job record it accepts
+    (local destinations only; see :mod:`parallel_dcp.storage.resume`)."""
     if isinstance(where, Remote):
+        _no_remote_resume(where, resume)
         return RemoteStaging(where, overwrite=overwrite, layout=layout, protect=protect)
-    return LocalDirStaging(where, overwrite=overwrite, layout=layout, protect=protect)
+    return LocalDirStaging(where, overwrite=overwrite, layout=layout, protect=protect, resume=resume)
 
 
-def stage_file(where: Path | Remote, *, overwrite: bool, protect: Sequence[str] = ()) -> Staging:
+def stage_file(
+    where: Path | Remote, *, overwrite: bool, protect: Sequence[str] = (), resume: IdentityCheck | None = None
+) -> Staging:
     """Take hold of a single-file output (a local path or an object)."""
     if isinstance(where, Remote):
+        _no_remote_resume(where, resume)
         return RemoteFileStaging(where, overwrite=overwrite, protect=protect)
-    return LocalFileStaging(where, overwrite=overwrite, protect=protect)
+    return LocalFileStaging(where, overwrite=overwrite, protect=protect, resume=resume)
+
+
+def _no_remote_resume(where: Remote, resume: IdentityCheck | None) -> None:
+    if resume is not None:
+        raise ResumeError(
+            f"resume is supported for local destinations only, not {where} (object storage has no "
+            "durable per-task records here); run without resume to convert from the start"
+        )
