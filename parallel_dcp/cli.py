@@ -422,6 +422,12 @@ def _unknown(sub: argparse.ArgumentParser, extras: list[str]) -> str:
     return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")
 
 
+def _notes(exc: BaseException) -> None:
+    """What the job added to its error (a conversion's finished tasks kept for --resume)."""
+    for note in getattr(exc, "__notes__", []):
+        print(f"parallel-dcp: {note}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _silence_trainer_warnings()
     parser = _parser()
@@ -442,12 +448,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return benchmark.run(args)
     except _UsageError as exc:
         sub.error(str(exc))  # exits 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("parallel-dcp: interrupted; nothing was committed", file=sys.stderr)
+        _notes(exc)
         return 130
     except (parallel_dcp.ParallelDCPError, OSError, ValueError, KeyError, TypeError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"parallel-dcp: error: {message}", file=sys.stderr)
+        _notes(exc)
         return 1
     except Exception as exc:
         if not type(exc).__module__.startswith(_STORAGE_MODULES):

@@ -103,10 +103,13 @@ def _fail_midway(monkeypatch: pytest.MonkeyPatch, src: Path, out: Path, to: str,
             return _o(self, job, task, data, staging, options)
 
         monkeypatch.setattr(cls, "write", write)
-    with pytest.raises(WorkerError, match="No space left"):
+    with pytest.raises(WorkerError, match="No space left") as caught:
         parallel_dcp.convert(src, out, to=None if to == "dcp" else to, workers=4, shard_size=SHARD, **kwargs)
     monkeypatch.undo()
     assert len(_records(out)) == FINISHED, "the finished tasks are left for resume"
+    # The error says what was kept and how to continue.
+    notes = getattr(caught.value, "__notes__", [])
+    assert any(f"{FINISHED} of " in note and "--resume" in note for note in notes), notes
 
 
 def _read_output(out: Path, to: str, sd: dict[str, torch.Tensor]) -> dict[str, Any]:

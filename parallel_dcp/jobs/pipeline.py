@@ -204,12 +204,15 @@ def run_job(
             staging.publish()
             phases["merge"] = target.merge_seconds
             phases["commit"] = time.perf_counter() - began - target.merge_seconds
-        except BaseException:
+        except BaseException as failure:
             # Killed, out of space or interrupted while tasks ran: what finished stays, with its
             # records, for resume (in a resumed run, whenever it fails: those files were there
             # before it). A fresh run failing to plan or commit leaves nothing, as a save does.
             if records and (writing or staging.resumed is not None):
-                staging.discard_keeping(resume.finished_files(target, tasks, staging))
+                kept_files = resume.finished_files(target, tasks, staging)
+                staging.discard_keeping(kept_files)
+                if kept_files:
+                    failure.add_note(resume.kept_note(target, tasks, staging, kept_files))
             else:
                 staging.discard()
             raise

@@ -35,7 +35,7 @@ from typing import Any
 
 import xxhash
 
-from parallel_dcp.engine.memory import TASK_MEMORY_BYTES, WORKER_MEMORY_BYTES, MemoryGovernor
+from parallel_dcp.engine.memory import TASK_MEMORY_BYTES, WORKER_MEMORY_BYTES, MemoryGovernor, format_bytes
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.errors import ResumeError
 from parallel_dcp.formats import lean
@@ -379,6 +379,16 @@ def finished_files(target: Target, tasks: list[Task], staging: Staging) -> set[s
             keep.add(name)
             keep.update(_task_files(target, task, save_id))
     return keep | {job_name(save_id)} if keep else set()
+
+
+def kept_note(target: Target, tasks: list[Task], staging: Staging, kept: set[str]) -> str:
+    """What a failed conversion left for a resume, and how to use it (added to its error)."""
+    done = [t for t in tasks if done_name(staging.save_id, t.index) in kept]
+    return (
+        f"{len(done)} of {len(tasks)} tasks ({format_bytes(sum(t.nbytes for t in done))}) had finished and were kept "
+        f"in {target.path}: run the same command with --resume (convert(..., resume=True)) to continue from them; "
+        "a run without it removes them"
+    )
 
 
 def adopted_files(staging: Staging) -> set[str]:
