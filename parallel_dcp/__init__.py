@@ -129,6 +129,7 @@ def save(
     distributed: bool = False,
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
+    compress: str | None = None,
     options: Options | None = None,
     dry_run: Literal[False] = False,
 ) -> SaveResult: ...
@@ -153,6 +154,7 @@ def save(
     distributed: bool = False,
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
+    compress: str | None = None,
     options: Options | None = None,
     dry_run: Literal[True],
 ) -> DryRunPlan: ...
@@ -176,6 +178,7 @@ def save(
     distributed: bool = False,
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
+    compress: str | None = None,
     options: Options | None = None,
     dry_run: bool = False,
 ) -> SaveResult | DryRunPlan:
@@ -221,6 +224,10 @@ def save(
         storage_options: fsspec options for URLs (``{"endpoint_url": ...}``); credentials come
             from the standard AWS environment and config. On object storage ``.metadata`` is
             uploaded last, after every shard (see :mod:`parallel_dcp.storage.staging`).
+        compress: ``None``, ``"zstd"`` or ``"zstd:LEVEL"`` (1..22, default 3): each record is
+            compressed by the worker that writes it, as one zstd frame exactly as stock DCP's
+            ``ZStandard`` extension writes it (stock ``dcp.load`` reads it with ``zstandard``
+            installed); needs ``pip install 'parallel_dcp[zstd]'``. See the README's "Compression".
         options: all of the above as one :class:`Options` (what the CLI builds); the keyword
             arguments then stay at their defaults. The other functions take it too.
         dry_run: plan the save as a real one would (files, tasks, chunks, workers, predicted
@@ -259,6 +266,7 @@ def save(
             distributed=distributed,
             dist_timeout=dist_timeout,
             storage_options=storage_options,
+            compress=compress,
         ),
     )
     if dry_run:
@@ -363,6 +371,7 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     rename: RenameRules | None = None,
+    compress: str | None = None,
     dry_run: Literal[False] = False,
 ) -> SaveResult | list[SaveResult]: ...
 
@@ -391,6 +400,7 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     rename: RenameRules | None = None,
+    compress: str | None = None,
     dry_run: Literal[True],
 ) -> DryRunPlan | list[DryRunPlan]: ...
 
@@ -418,6 +428,7 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     rename: RenameRules | None = None,
+    compress: str | None = None,
     dry_run: bool = False,
 ) -> SaveResult | list[SaveResult] | DryRunPlan | list[DryRunPlan]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
@@ -437,6 +448,7 @@ def convert(
             chunk_size, distributed, dist_timeout, storage_options: as for :func:`save`. Sources and
             destinations may be URLs (``s3://...``): safetensors and DCP sources are read by byte
             ranges, torch.save sources through a local temporary copy.
+        compress: for a DCP output, as for :func:`save` (any other output refuses it).
         dtype: cast floating tensors to this dtype on the way (``"bfloat16"``, ``torch.float16``).
         keys: select keys: globs on flattened names (``"model.layers.*"``), or ``"re:<regex>"``
             matched against the whole name; several patterns select the union.
@@ -482,6 +494,7 @@ def convert(
             distributed=distributed,
             dist_timeout=dist_timeout,
             storage_options=storage_options,
+            compress=compress,
         ),
     )
     cast = _convert.parse_dtype(dtype)

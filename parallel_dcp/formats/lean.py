@@ -19,6 +19,7 @@ Values DCP plans specially (DTensor, ShardedTensor and other tensor subclasses, 
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class LeanPart:
     values: list[tuple[str, int, int]] = field(default_factory=list)
     tensors: list[tuple[Any, ...]] = field(default_factory=list)
     digests: dict[str, FileDigest] = field(default_factory=dict)
+    descriptors: list[str] | None = None  # every record's transform (compressed), or None
 
 
 def lean_eligible(values: Iterable[Any]) -> bool:
@@ -115,6 +117,7 @@ def write_part(
             )
         )
     part.digests = writer.digests()
+    part.descriptors = writer.descriptors()
     return part
 
 
@@ -122,6 +125,10 @@ def _pickled(value: Any) -> io.BytesIO:
     data = io.BytesIO()
     torch.save(value, data)  # what DCP's planner does with a value (DefaultSavePlanner.transform_object)
     return data
+
+
+def _compressed_info(descriptors: list[str], file: str, offset: int, length: int) -> Any:
+    return _compat.storage_info(file, offset, length, descriptors)
 
 
 def build(parts: Sequence[LeanPart]) -> tuple[Metadata, list[list[WriteResult]]]:
@@ -136,8 +143,12 @@ def build(parts: Sequence[LeanPart]) -> tuple[Metadata, list[list[WriteResult]]]
     state: dict[str, Any] = {}
     all_writes: list[list[WriteResult]] = []
     size_of = sizes.get
-    storage_info = _compat.storage_info_class()
+    plain_info = _compat.storage_info_class()
     for part in parts:
+        descriptors = part.descriptors
+        # a compressed part's records each carry its transform; plain ones leave the field out
+        storage_info = plain_info if descriptors is None else functools.partial(_compressed_info, descriptors)
+
         writes: list[WriteResult] = []
         for key, offset, length in part.values:
             if key in state:
