@@ -42,6 +42,7 @@ __all__ = [
     "WORKER_MEMORY_BYTES",
     "ZSTD_DECOMPRESS_BYTES",
     "ZSTD_MAX_WINDOW_BYTES",
+    "ZSTD_VALUE_MAX_BYTES",
     "MemoryGovernor",
     "affordable_workers",
     "default_limit",
@@ -75,6 +76,8 @@ _ZSTD_PIECE_BYTES = 2 * 1024 * 1024
 # writes 2-8 MiB windows up to level 19), the context, the input read and one output piece.
 ZSTD_MAX_WINDOW_BYTES = 1 << 23
 ZSTD_DECOMPRESS_BYTES = ZSTD_MAX_WINDOW_BYTES + 3 * 1024 * 1024
+# A compressed pickled value has no size in .metadata: it may decompress to at most this much.
+ZSTD_VALUE_MAX_BYTES = 64 * 1024 * 1024
 
 # The watchdog spends at most about 1/_SAMPLING_SHARE of one core reading the tree.
 _SAMPLING_SHARE = 20

@@ -29,8 +29,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.formats.base import Entry, Source
+from parallel_dcp.formats.compressed_read import bounded_reader
 from parallel_dcp.partial import extract_metadata, partial_load
-from parallel_dcp.storage.location import Location, dcp_reader
+from parallel_dcp.storage.location import Location
 from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading
 from parallel_dcp.storage.ownership import METADATA_FILE
 
@@ -51,7 +52,7 @@ def read_keys(
         flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True, trust_pickle=trust_pickle
     )
     with reading(path, keys):
-        return partial_load(extract_metadata(keys, metadata), dcp_reader(path), planner, state_dict=into)
+        return partial_load(extract_metadata(keys, metadata), bounded_reader(path), planner, state_dict=into)
 
 
 class _LazyValues(Mapping[str, Any]):
@@ -145,7 +146,7 @@ class DcpSource(Source):
         planner = _ChunkLoadPlanner(chunk, target)
         with reading(self.location, [chunk.key]):
             partial_load(
-                extract_metadata([chunk.key], self.metadata), dcp_reader(self.location), planner, state_dict={}
+                extract_metadata([chunk.key], self.metadata), bounded_reader(self.location), planner, state_dict={}
             )
         return target
 
