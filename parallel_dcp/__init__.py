@@ -539,6 +539,7 @@ def verify(
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     trust_pickle: bool = False,
+    deep: bool = True,
 ) -> VerifyReport:
     """Check a checkpoint: manifest sizes and checksums, every key read back, and bit-for-bit
     equality with ``against`` (any supported format) when given.
@@ -552,6 +553,10 @@ def verify(
     Args:
         dtype: compare against ``against`` cast the way ``convert(..., dtype=dtype)`` casts it
             (floating tensors only), exactly; for checking a conversion that changed the dtype.
+        deep: read every tensor back (the default; compressed records are decompressed and each
+            checked against ``.metadata``). False checks the manifest only (sizes and checksums of
+            the stored bytes: compressed records are not decompressed) and the shards' lengths;
+            ``against`` always reads both sides.
 
     Raises:
         FileNotFoundError / ValueError: ``path`` or ``against`` is missing or of no known format;
@@ -559,7 +564,7 @@ def verify(
         CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
     """
     options = _given_or(options, Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options))
-    return _verify.verify(path, against, options, _convert.parse_dtype(dtype), trust_pickle=trust_pickle)
+    return _verify.verify(path, against, options, _convert.parse_dtype(dtype), trust_pickle=trust_pickle, deep=deep)
 
 
 def inspect(

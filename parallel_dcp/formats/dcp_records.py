@@ -274,7 +274,7 @@ def parse_head(head: memoryview) -> RecordLayout | None:
         at = bytes(head).find(wanted)
         while at >= 0:
             local = at - _LOCAL.size
-            if local >= 0 and head[local : local + 4] == b"PK\x03\x04":
+            if local >= 0 and bytes(head[local : local + 4]) == b"PK\x03\x04":
                 entry = _LOCAL.unpack_from(head, local)
                 if entry[9] == len(wanted) and entry[3] == 0:
                     start = at + len(wanted) + entry[10]

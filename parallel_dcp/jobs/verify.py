@@ -169,6 +169,7 @@ def verify(
     dtype: torch.dtype | None = None,
     *,
     trust_pickle: bool = False,
+    deep: bool = True,
 ) -> VerifyReport:
     """See :func:`parallel_dcp.verify`."""
     if dtype is not None and against is None:
@@ -187,7 +188,7 @@ def verify(
             else None
         )
         try:
-            return _verify(source, reference, options, governor, dtype)
+            return _verify(source, reference, options, governor, dtype, deep=deep or reference is not None)
         finally:
             if reference is not None:
                 reference.close()
@@ -258,6 +259,8 @@ def _verify(
     options: Options,
     governor: MemoryGovernor,
     dtype: torch.dtype | None,
+    *,
+    deep: bool = True,
 ) -> VerifyReport:
     against = reference.path if reference is not None else None
     report = VerifyReport(path=source.path, format=source.kind, against=against)
@@ -298,7 +301,7 @@ def _verify(
         for k in keys:
             if (problem := _header_problem(source, reference, k, dtype)) is not None:
                 key_problems[k] = (0, problem)
-    tensors = [k for k in keys if k in source.entries and k not in key_problems]
+    tensors = [k for k in keys if k in source.entries and k not in key_problems] if deep else []
 
     # As many workers as leave each task room for a row range of at least MIN_MEMORY_CHUNK_BYTES.
     while (
