@@ -104,6 +104,9 @@ def read_record(
         try:
             layout = parse_head(memoryview(head))
         except ValueError as exc:
+            if len(head) < HEAD_BYTES:  # the frame ended (or stopped decoding) early
+                what = f"ends after {len(head)} decompressed bytes (truncated record or damaged frame)"
+                raise _corrupt(shard, key, what) from exc
             raise _corrupt(shard, key, f"is not a tensor record: {exc}") from exc
         plain = (
             layout is not None

@@ -271,15 +271,16 @@ def parse_head(head: memoryview) -> RecordLayout | None:
         if not isinstance(rebuilt, _Rebuilt):
             raise _NotATensorRecord("not one tensor")
         wanted = f"{name[: -len('data.pkl')]}data/{rebuilt.storage.key}".encode()
-        at = bytes(head).find(wanted)
+        raw = bytes(head)
+        at = raw.find(wanted)
         while at >= 0:
             local = at - _LOCAL.size
-            if local >= 0 and bytes(head[local : local + 4]) == b"PK\x03\x04":
+            if local >= 0 and raw[local : local + 4] == b"PK\x03\x04":
                 entry = _LOCAL.unpack_from(head, local)
                 if entry[9] == len(wanted) and entry[3] == 0:
                     start = at + len(wanted) + entry[10]
                     break
-            at = bytes(head).find(wanted, at + 1)
+            at = raw.find(wanted, at + 1)
         else:
             raise _NotATensorRecord("the storage's header lies beyond the head")
     except _NotATensorRecord:
