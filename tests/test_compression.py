@@ -106,7 +106,8 @@ def test_stock_written_compressed_checkpoint_converts_bit_for_bit(tmp_path: Path
         "meta": {"epoch": 3, "name": "run"},
     }
     stock = tmp_path / "stock"
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(stock), thread_count=2, _extensions=[ZStandard()]), no_dist=True)
+    writer = dcp.FileSystemWriter(str(stock), thread_count=2, _extensions=[ZStandard()])
+    dcp.save(sd, storage_writer=writer, no_dist=True)
     _assert_compressed(stock)
     parallel_dcp.convert(stock, tmp_path / "model.safetensors", keys=["emb", "w", "ids", "flag"], workers=2)
     out = load_file(tmp_path / "model.safetensors")
@@ -248,7 +249,7 @@ def test_value_bomb_is_corrupt(tmp_path: Path) -> None:
     value = io.BytesIO()
     torch.save(1, value)
     _plant(ckpt / info.relative_path, info, _bomb_frame(value.getvalue(), 256 << 20), metadata, index, ckpt)
-    with PeakSampler() as sampler, pytest.raises(CorruptCheckpointError, match="note.a"):
+    with PeakSampler() as sampler, pytest.raises(CorruptCheckpointError, match=r"note\.a"):
         parallel_dcp.load(ckpt)
     assert sampler.peak < 192 << 20
 

@@ -13,6 +13,9 @@ it accepts only the rebuild functions, storage types and dtypes a tensor record 
 returns plain numbers. Every offset is checked to lie inside the record; the caller checks the
 layout against ``.metadata``. A record that is a valid zip but not a plain tensor of one storage
 gives None (it goes through DCP's own reader); one that is not a valid zip raises.
+
+Longer than 300 lines because both parsers (a whole record; the head of a record still being
+decompressed) share one allow-list unpickler and the zip structures.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ partition by bytes ── WorkerPool (fork)
   │ (non-tensor values are read before the fork, unpickled with weights_only=True)
   ▼
 unflatten with planner_data → the original nesting
+
+Longer than 300 lines because the fast threaded path and the process path share one set of checks
+(keys, targets, memory) and one result.
 """
 
 from __future__ import annotations

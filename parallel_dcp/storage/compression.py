@@ -18,6 +18,9 @@ decompression bomb, a truncated record and a damaged frame are each a
 
 ``zstandard`` was picked over ``pyzstd`` (README, "Compression"): it is the package stock DCP
 tries first, and its ``stream_reader.readinto`` decompresses straight into the caller's buffer.
+
+Longer than 300 lines because the spec parser, the frame writer and the bounded reader are one
+format, kept together so that writing and reading cannot drift apart.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 (it builds ``.metadata`` in memory; the destination decides how it lands).
 
 Both write stock DCP files; they differ from ``FileSystemWriter`` only in what they report.
+
+Longer than 300 lines because the recording stream, the shard writer (plain and compressed
+records) and the in-memory commit writer are one write path.
 """
 
 from __future__ import annotations
