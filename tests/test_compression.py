@@ -67,6 +67,22 @@ def test_every_dtype_round_trips_compressed(dtype: torch.dtype, executor: str, t
     assert report.ok and report.keys_checked == len(sd), report.problems
 
 
+def test_large_records_stream_into_their_targets(tmp_path: Path) -> None:
+    sd = {"f32": torch.randn(1100, 1024), "bf16": torch.randn(2200, 1024).to(torch.bfloat16), "v": 1}
+    ckpt = tmp_path / "ckpt"
+    parallel_dcp.save(sd, ckpt, workers=2, compress="zstd:1")
+    assert_same(stock_load(sd, ckpt), sd)
+    assert_same(parallel_dcp.load(ckpt, workers=2), sd)
+    into = {"f32": torch.empty(1100, 1024), "bf16": torch.empty(2200, 1024, dtype=torch.bfloat16), "v": 0}
+    assert parallel_dcp.load(ckpt, into=into) is into
+    assert_same(into, sd)
+    assert_same(parallel_dcp.load(ckpt, retries=1), sd)
+    # stock-written large records (no content size in the frame) stream as well
+    stock = tmp_path / "stock"
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(stock), _extensions=[ZStandard()]), no_dist=True)
+    assert_same(parallel_dcp.load(stock, workers=2), sd)
+
+
 @pytest.mark.parametrize("level", ["zstd:1", "zstd:9"])
 def test_shapes_views_and_nesting_round_trip_compressed(level: str, tmp_path: Path) -> None:
     sd: dict[str, Any] = {"shapes": odd_shapes(), "nested": nested_state()}
@@ -155,8 +171,17 @@ def test_manifest_checksums_the_stored_bytes(tmp_path: Path) -> None:
     assert not shallow.ok and any(shard.name in p for p in shallow.problems)
 
 
-def _save_one(tmp_path: Path) -> tuple[Path, Any, Path]:
-    sd = {"victim": torch.randn(64, 128), "other": torch.ones(3)}
+# A record read whole (small) and one streamed into its target (past SMALL_DECOMPRESSED, 4 MiB).
+VICTIMS = {"small": (64, 128), "streamed": (1100, 1024)}
+
+
+@pytest.fixture(params=list(VICTIMS))
+def victim(request: Any) -> tuple[int, int]:
+    return VICTIMS[request.param]
+
+
+def _save_one(tmp_path: Path, shape: tuple[int, int] = VICTIMS["small"]) -> tuple[Path, Any, Path]:
+    sd = {"victim": torch.randn(*shape), "other": torch.ones(3)}
     ckpt = tmp_path / "c"
     parallel_dcp.save(sd, ckpt, workers=1, compress="zstd")
     metadata = read_metadata(ckpt)
@@ -183,8 +208,8 @@ def _all_readers_refuse(ckpt: Path, key: str, tmp_path: Path) -> None:
     assert not report.ok and any(key in p and "compressed record" in p for p in report.problems), report.problems
 
 
-def test_truncated_compressed_record_is_corrupt_naming_the_key(tmp_path: Path) -> None:
-    ckpt, (metadata, index, info), _ = _save_one(tmp_path)
+def test_truncated_compressed_record_is_corrupt_naming_the_key(tmp_path: Path, victim: tuple[int, int]) -> None:
+    ckpt, (metadata, index, info), _ = _save_one(tmp_path, victim)
     metadata.storage_data[index] = type(info)(
         info.relative_path, info.offset, info.length // 2, transform_descriptors=info.transform_descriptors
     )
@@ -192,8 +217,8 @@ def test_truncated_compressed_record_is_corrupt_naming_the_key(tmp_path: Path) -
     _all_readers_refuse(ckpt, "victim", tmp_path)
 
 
-def test_damaged_frame_is_corrupt_naming_the_key(tmp_path: Path) -> None:
-    ckpt, (_, _, info), shard = _save_one(tmp_path)
+def test_damaged_frame_is_corrupt_naming_the_key(tmp_path: Path, victim: tuple[int, int]) -> None:
+    ckpt, (_, _, info), shard = _save_one(tmp_path, victim)
     data = bytearray(shard.read_bytes())
     data[info.offset : info.offset + 4] = b"\x00\x01\x02\x03"  # not a zstd frame
     mid = info.offset + info.length // 2
@@ -226,11 +251,11 @@ def _plant(shard: Path, info: Any, frame: bytes, metadata: Any, index: Any, ckpt
 
 
 @pytest.mark.timeout(240)
-def test_decompression_bomb_is_corrupt_under_the_memory_limit(tmp_path: Path) -> None:
-    ckpt, (metadata, index, info), shard = _save_one(tmp_path)
+def test_decompression_bomb_is_corrupt_under_the_memory_limit(tmp_path: Path, victim: tuple[int, int]) -> None:
+    ckpt, (metadata, index, info), shard = _save_one(tmp_path, victim)
     record = io.BytesIO()
-    torch.save(torch.randn(64, 128), record)
-    bomb = 1 << 30  # 1 GiB of zeros behind a valid 32 KiB record; stores as ~40 KiB
+    torch.save(torch.zeros(*victim), record)  # the record .metadata announces, then the bomb
+    bomb = 1 << 30  # 1 GiB of zeros behind a valid record; stores as ~40 KiB
     frame = _bomb_frame(record.getvalue(), bomb)
     assert len(frame) < 1 << 20
     _plant(shard, info, frame, metadata, index, ckpt)

@@ -42,7 +42,13 @@ from parallel_dcp.engine.memory import ZSTD_VALUE_MAX_BYTES
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats.dcp_records import HEAD_BYTES, RecordLayout, is_row_major, parse_head, parse_record
 from parallel_dcp.formats.read_units import ReadStats
-from parallel_dcp.storage.compression import BoundedDecompressor, check_descriptors, is_compressed
+from parallel_dcp.storage.compression import (
+    BoundedDecompressor,
+    check_descriptors,
+    decompress_small,
+    is_compressed,
+    new_decompressor,
+)
 from parallel_dcp.storage.location import Location, Remote, RemoteFileSystem
 
 __all__ = ["RECORD_OVERHEAD", "BoundedReader", "CompressedRecord", "bounded_reader", "read_value"]
@@ -50,6 +56,9 @@ __all__ = ["RECORD_OVERHEAD", "BoundedReader", "CompressedRecord", "bounded_read
 # What a tensor's torch.save record holds beside the tensor's bytes (zip headers, data.pkl,
 # alignment padding, central directory: ~1 KiB); anything beyond this is a decompression bomb.
 RECORD_OVERHEAD = 64 * 1024
+# A record that decompresses to at most this is read whole and decompressed in one call (the
+# per-record cost of a stream matters for small tensors); larger ones stream into their targets.
+SMALL_DECOMPRESSED = 4 << 20
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -86,6 +95,7 @@ def read_record(
     chunk: Sequence[int],
     dtype: torch.dtype,
     requests: Sequence[tuple[ReadItem, torch.Tensor]],
+    decompressor: Any = None,
 ) -> None:
     """Decompress one stored tensor record (stored chunk ``chunk`` of ``dtype``) and fill each
     (read item, target) region of it.
@@ -99,6 +109,10 @@ def read_record(
     chunk = tuple(int(n) for n in chunk)
     nbytes = math.prod(chunk) * dtype.itemsize
     bound = nbytes + RECORD_OVERHEAD
+    if bound <= SMALL_DECOMPRESSED:
+        record = decompress_small(shard, int(info.offset), int(info.length), key, bound, decompressor)
+        _serve_small(shard, key, record, chunk, dtype, requests)
+        return
     with BoundedDecompressor(shard, int(info.offset), int(info.length), key, bound) as source:
         head = source.read_up_to(HEAD_BYTES)
         try:
@@ -140,6 +154,35 @@ def read_record(
     progress.report(nbytes)
 
 
+def _serve_small(
+    shard: Location,
+    key: str,
+    record: bytes,
+    chunk: tuple[int, ...],
+    dtype: torch.dtype,
+    requests: Sequence[tuple[ReadItem, torch.Tensor]],
+) -> None:
+    """A record decompressed whole (small): checked by :func:`parse_record`, then copied out."""
+    view = memoryview(record)
+    try:
+        layout = parse_record(view, view, len(record))
+    except ValueError as exc:
+        raise _corrupt(shard, key, f"is damaged: {exc}") from exc
+    nbytes = math.prod(chunk) * dtype.itemsize
+    if layout is None or layout.storage_offset != 0 or not is_row_major(layout.size, layout.stride):
+        stored = _load_whole(shard, key, record, chunk, dtype)
+    else:
+        if layout.dtype != dtype or layout.size != chunk or layout.data_bytes != nbytes:
+            raise _corrupt(
+                shard, key, f"holds {layout.dtype} {list(layout.size)} but .metadata says {dtype} {list(chunk)}"
+            )
+        stored = torch.empty(chunk, dtype=dtype)
+        _bytes_of(stored)[:] = view[layout.data_offset : layout.data_offset + nbytes]
+    for item, target in requests:
+        target.copy_(_region(stored, item))
+    progress.report(nbytes)
+
+
 def _fill(
     source: BoundedDecompressor, head: bytes, layout: RecordLayout, dest: memoryview, shard: Location, key: str
 ) -> None:
@@ -176,30 +219,33 @@ def _load_whole(shard: Location, key: str, record: bytes, chunk: tuple[int, ...]
 
 
 class CompressedRecord:
-    """One compressed record and the requests it serves, run on a reading thread of
-    :func:`parallel_dcp.fast_read.read_requests` (same interface as its units)."""
+    """Compressed records (each a list of the requests it serves), run one after the other on a
+    reading thread of :func:`parallel_dcp.fast_read.read_requests` (same interface as its units)."""
 
-    def __init__(self, requests: list[Any]) -> None:
-        self.requests = requests  # fast_read.Request, all on one stored record
+    def __init__(self, records: list[list[Any]]) -> None:
+        self.records = records  # per stored record: its fast_read.Requests
 
     def work(self) -> int:
-        return sum(int(r.target.numel() * r.target.element_size()) for r in self.requests)
+        return sum(int(r.target.numel() * r.target.element_size()) for reqs in self.records for r in reqs)
 
     def run(self, where: Location, cancel: threading.Event) -> tuple[ReadStats, list[Any]]:
         stats = ReadStats()
-        if cancel.is_set():
-            return stats, []
-        first = self.requests[0]
-        assert first.dtype is not None
-        read_record(
-            where,
-            first.info,
-            first.item.storage_index.fqn,
-            first.chunk,
-            first.dtype,
-            [(r.item, r.target) for r in self.requests],
-        )
-        stats.compressed += sum(r.piece == 0 for r in self.requests)
+        decompressor = new_decompressor()  # one context for the unit: a small record costs less
+        for requests in self.records:
+            if cancel.is_set():
+                return stats, []
+            first = requests[0]
+            assert first.dtype is not None
+            read_record(
+                where,
+                first.info,
+                first.item.storage_index.fqn,
+                first.chunk,
+                first.dtype,
+                [(r.item, r.target) for r in requests],
+                decompressor,
+            )
+            stats.compressed += sum(r.piece == 0 for r in requests)
         stats.bytes += self.work()
         return stats, []
 

@@ -117,6 +117,26 @@ def _units(requests: list[Request], threads: int) -> list[Unit]:
     return sorted(units, key=lambda u: -sum(work[id(r)] for r in u.records))
 
 
+def _compressed_units(records: list[list[Request]], threads: int) -> list[CompressedRecord]:
+    """Compressed records in file and offset order, cut into about 4 shares per thread."""
+    if not records:
+        return []
+    records.sort(key=lambda reqs: (str(reqs[0].info.relative_path), int(reqs[0].info.offset)))
+    work = [CompressedRecord([reqs]).work() for reqs in records]
+    share = max(sum(work) // (4 * threads), 1)
+    units: list[CompressedRecord] = []
+    current: list[list[Request]] = []
+    size = 0
+    for reqs, cost in zip(records, work, strict=True):
+        if current and size + cost > share:
+            units.append(CompressedRecord(current))
+            current, size = [], 0
+        current.append(reqs)
+        size += cost
+    units.append(CompressedRecord(current))
+    return sorted(units, key=lambda u: -u.work())
+
+
 def _work(record: Record) -> int:
     """Bytes a record costs to read: all of a small one, the regions of a large one."""
     if record.length <= SMALL_RECORD:
@@ -164,9 +184,9 @@ def read_requests(
             continue
         (slow if req.item.type == LoadItemType.BYTE_IO or req.unfit else fast).append(req)
     stats = ReadStats()
-    # compressed records: decompressed on the same threads, largest first
-    records = sorted((CompressedRecord(reqs) for reqs in compressed.values()), key=lambda r: -r.work())
-    units: list[Unit | CompressedRecord] = [*records, *_units(fast, threads)]
+    # compressed records: decompressed on the same threads, in about 4 shares per thread, largest first
+    units: list[Unit | CompressedRecord] = [*_compressed_units(list(compressed.values()), threads)]
+    units += _units(fast, threads)
     cancel = threading.Event()
     if units:
         with cf.ThreadPoolExecutor(

@@ -39,7 +39,9 @@ __all__ = [
     "Compression",
     "CompressionUnavailableError",
     "RecordCompressor",
+    "decompress_small",
     "is_compressed",
+    "new_decompressor",
     "parse_compress",
 ]
 
@@ -162,8 +164,13 @@ class RecordCompressor:
         self._stream = stream
         self._compressor = self._zstd.ZstdCompressor(level=compression.level)
 
-    def record(self) -> _Record:
-        writer = self._compressor.stream_writer(_NoClose(self._stream), closefd=False, write_return_read=True)
+    def record(self, size: int | None = None) -> _Record:
+        """One frame; ``size``, when known, is the exact number of bytes the record will hold: zstd
+        then sizes its tables to the record (a small record costs a fraction of a full reset) and
+        writes the size into the frame header (a valid frame stock reads as any other)."""
+        writer = self._compressor.stream_writer(
+            _NoClose(self._stream), size=-1 if size is None else size, closefd=False, write_return_read=True
+        )
         return _Record(writer)
 
 
@@ -235,6 +242,45 @@ class _StoredRecord:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def new_decompressor() -> Any:
+    """A zstd decompression context (reusable, one thread at a time) for :func:`decompress_small`."""
+    return _zstandard().ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW_BYTES)
+
+
+def decompress_small(where: Any, offset: int, length: int, key: str, bound: int, decompressor: Any = None) -> bytes:
+    """A small stored record decompressed in one call: read whole (``length`` bytes), never more
+    than ``bound`` bytes out (a frame declaring more is refused before anything is allocated).
+
+    Raises:
+        CorruptCheckpointError: truncated, damaged, or more than ``bound`` (a bomb).
+    """
+    zstd = _zstandard()
+    source = _StoredRecord(where, offset, length, key)
+    try:
+        raw = bytearray()
+        while source.left:
+            raw += source.read(source.left)
+    finally:
+        source.close()
+    what = f"{where}: the compressed record of {key!r}"
+    try:
+        declared = zstd.frame_content_size(bytes(raw[:18]))
+    except zstd.ZstdError as exc:
+        raise CorruptCheckpointError(f"{what} is damaged: zstd says {exc}") from exc
+    if declared > bound:
+        raise CorruptCheckpointError(
+            f"{what} declares {declared} bytes, more than the {bound} .metadata allows (decompression bomb)"
+        )
+    if decompressor is None:
+        decompressor = new_decompressor()
+    try:
+        return bytes(decompressor.decompress(bytes(raw), max_output_size=bound))
+    except zstd.ZstdError as exc:
+        raise CorruptCheckpointError(
+            f"{what} is truncated, damaged or holds more than the {bound} bytes .metadata allows: zstd says {exc}"
+        ) from exc
 
 
 def _is_remote(where: Any) -> bool:

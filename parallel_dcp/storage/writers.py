@@ -219,7 +219,7 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
                 if compressor is None:
                     stream.write(value.getbuffer())
                 else:
-                    with compressor.record() as out:
+                    with compressor.record(value.getbuffer().nbytes) as out:
                         out.write(value.getbuffer())
                 placed.append((offset, stream.tell() - offset))
             for tensor in tensors:
@@ -227,20 +227,20 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
                 if tensor.untyped_storage().nbytes() != tensor.nbytes:
                     tensor = tensor.clone()  # never write more than the tensor's elements
                 offset = stream.tell()
+                template = records.template_for(tensor)
                 if compressor is None:
-                    _write_record(stream, tensor)
+                    _write_record(stream, tensor, template)
                 else:
-                    with compressor.record() as out:
-                        _write_record(out, tensor)
+                    with compressor.record(template.size() if template is not None else None) as out:
+                        _write_record(out, tensor, template)
                 placed.append((offset, stream.tell() - offset))
             if self.sync_files:
                 os.fsync(stream.fileno())
         return placed
 
 
-def _write_record(stream: Any, tensor: torch.Tensor) -> None:
+def _write_record(stream: Any, tensor: torch.Tensor, template: records.Template | None) -> None:
     """One tensor's torch.save record: from its class's template where there is one."""
-    template = records.template_for(tensor)
     if template is None:
         torch.save(tensor, _NoClose(stream))  # type: ignore[arg-type]
     else:
