@@ -295,8 +295,9 @@ def load(
 
     Each tensor's bytes are read straight from its shard into the tensor's memory (``preadv``
     by ``workers`` threads, reads sorted by offset and merged where adjacent), after its
-    ``torch.save`` record was checked against ``.metadata``; records that do not fit that path
-    (compressed, non-contiguous) go through DCP's own reader (``stats`` counts both).
+    ``torch.save`` record was checked against ``.metadata``; compressed (zstd) records are
+    decompressed by the same threads, bounded by what ``.metadata`` says they hold; records that
+    do not fit that path (non-contiguous) go through DCP's own reader (``stats`` counts each).
     ``.metadata`` is read with an allow-list unpickler, never plain pickle; every shard it names
     must be a plain file name inside ``path``.
 

@@ -367,8 +367,12 @@ def test_compress_suite_compares_levels_workers_and_stock(tmp_path: Path) -> Non
     target.mkdir()
     results.mkdir()
     run = _bench(
-        [*TINY, *("--suite", "compress", "--targets", "disk", "--disk-dir", str(target))]
-        + ["--json", str(results / "bench.json")],
+        [
+            *TINY,
+            *("--suite", "compress", "--targets", "disk", "--disk-dir", str(target)),
+            "--json",
+            str(results / "bench.json"),
+        ],
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr

@@ -42,6 +42,7 @@ __all__ = [
     "WORKER_MEMORY_BYTES",
     "ZSTD_DECOMPRESS_BYTES",
     "ZSTD_MAX_WINDOW_BYTES",
+    "ZSTD_SMALL_RECORD_BYTES",
     "ZSTD_VALUE_MAX_BYTES",
     "MemoryGovernor",
     "affordable_workers",
@@ -72,10 +73,13 @@ ITEM_MEMORY_BYTES = 16 * 1024
 # own estimate: 0.6 MiB at level 1, 1.3 MiB at 3, 11 MiB at 9, 85 MiB at 19), plus its output
 # block and the piece being fed (1 MiB each), per task writing a shard.
 _ZSTD_PIECE_BYTES = 2 * 1024 * 1024
-# Decompressing: the largest window a frame may ask for (larger ones are refused as corrupt; stock
-# writes 2-8 MiB windows up to level 19), the context, the input read and one output piece.
+# Decompressing one record at a time, the larger of: a streamed record's window (the largest a
+# frame may ask for; larger ones are refused as corrupt; stock writes 2-8 MiB windows up to level
+# 19), context, input read and output piece; a small record (decompressing to at most
+# ZSTD_SMALL_RECORD_BYTES) read whole: its stored bytes, its output and a staging copy.
 ZSTD_MAX_WINDOW_BYTES = 1 << 23
-ZSTD_DECOMPRESS_BYTES = ZSTD_MAX_WINDOW_BYTES + 3 * 1024 * 1024
+ZSTD_SMALL_RECORD_BYTES = 4 * 1024 * 1024
+ZSTD_DECOMPRESS_BYTES = max(ZSTD_MAX_WINDOW_BYTES + 3 * 1024 * 1024, 3 * ZSTD_SMALL_RECORD_BYTES + 256 * 1024)
 # A compressed pickled value has no size in .metadata: it may decompress to at most this much.
 ZSTD_VALUE_MAX_BYTES = 64 * 1024 * 1024
 

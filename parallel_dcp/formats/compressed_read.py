@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from parallel_dcp.engine import progress
-from parallel_dcp.engine.memory import ZSTD_VALUE_MAX_BYTES
+from parallel_dcp.engine.memory import ZSTD_SMALL_RECORD_BYTES, ZSTD_VALUE_MAX_BYTES
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats.dcp_records import HEAD_BYTES, RecordLayout, is_row_major, parse_head, parse_record
 from parallel_dcp.formats.read_units import ReadStats
@@ -58,7 +58,7 @@ __all__ = ["RECORD_OVERHEAD", "BoundedReader", "CompressedRecord", "bounded_read
 RECORD_OVERHEAD = 64 * 1024
 # A record that decompresses to at most this is read whole and decompressed in one call (the
 # per-record cost of a stream matters for small tensors); larger ones stream into their targets.
-SMALL_DECOMPRESSED = 4 << 20
+SMALL_DECOMPRESSED = ZSTD_SMALL_RECORD_BYTES
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
