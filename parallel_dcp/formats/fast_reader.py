@@ -7,9 +7,8 @@ a stored chunk is a ``ReadItem`` with storage offsets and lengths); this reader 
 with :mod:`parallel_dcp.fast_read`, straight into ``planner.resolve_tensor(item)`` (compressed
 records decompressed, bounded, on the same threads), and leaves to DCP's own reader what the fast
 path does not fit (non-contiguous stored layouts, a target of another dtype, which stock casts).
-``.metadata`` is read with the allow-list
-unpickler and its shard names checked; pickled values must pass ``weights_only=True`` before the
-planner sees them, unless ``trust_pickle``.
+``.metadata`` is read with the allow-list unpickler and its shard names checked; pickled values
+must pass ``weights_only=True`` before the planner sees them, unless ``trust_pickle``.
 """
 
 from __future__ import annotations
