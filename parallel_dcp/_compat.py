@@ -93,12 +93,6 @@ def check_transform_descriptors() -> None:
         )
 
 
-def zstd_extension() -> Any:
-    """A new instance of stock DCP's ``ZStandard`` stream extension (experimental in torch): what
-    ``FileSystemWriter(..., _extensions=[...])`` compresses with; the benchmark's stock baseline."""
-    return _private("torch.distributed.checkpoint._extension", "ZStandard")()
-
-
 def empty_state_dict_load_planner() -> Any:
     """The planner that loads every key of a metadata into an empty dict."""
     return _private("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner")()

@@ -22,12 +22,12 @@ import os
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import parallel_dcp
-from parallel_dcp import _compat
 from parallel_dcp.benchmark.measure import Case
 from parallel_dcp.synthetic import llm_like
 
@@ -69,7 +69,7 @@ def _logical(sd: dict[str, torch.Tensor]) -> int:
 
 def _stock_zstd(sd: dict[str, torch.Tensor], threads: int) -> Any:
     def run(out: str) -> dict[str, Any]:
-        writer = FileSystemWriter(out, thread_count=threads, _extensions=[_compat.zstd_extension()])
+        writer = FileSystemWriter(out, thread_count=threads, _extensions=[ZStandard()])
         dcp_save(sd, storage_writer=writer, no_dist=True)
         return {"stored_ratio": _stored(out) / _logical(sd)}
 
