@@ -20,6 +20,9 @@ bound is allocated. Pickled values have no size in ``.metadata``: they are bound
 :class:`BoundedReader` is DCP's ``FileSystemReader`` with these records served here (what
 ``partial_load`` uses: convert, verify, the process path of load); :mod:`parallel_dcp.fast_read`
 runs :class:`CompressedRecord` on its reading threads.
+
+Longer than 300 lines because both read paths (whole small records, streamed large ones), their
+checks against ``.metadata`` and the two readers that drive them share one set of rules.
 """
 
 from __future__ import annotations
