@@ -287,7 +287,7 @@ def _verify(
         for k in theirs - set(keys):
             key_problems[k] = (0, f"in {against} but missing here")
         keys = [k for k in keys if k in theirs]
-    report.keys_checked = len(keys)
+    report.keys_checked = len(keys) if deep else 0  # --no-deep reads no key back
     try:  # damaged shards are found before reading; unsafe values are refused by name
         source.check(keys)
     except CorruptCheckpointError as exc:
