@@ -24,6 +24,7 @@ from parallel_dcp import _compat
 from parallel_dcp._version import __version__ as __version__
 from parallel_dcp.errors import (
     CheckpointExistsError,
+    CompressionUnavailableError,
     CorruptCheckpointError,
     DestinationBusyError,
     DistributedJobError,
@@ -63,6 +64,7 @@ _compat.check_torch()  # a torch or fsspec without a private name we use fails h
 
 __all__ = [
     "CheckpointExistsError",
+    "CompressionUnavailableError",
     "CorruptCheckpointError",
     "DestinationBusyError",
     "DiffReport",

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parallel_dcp.engine.memory import ZSTD_MAX_WINDOW_BYTES, zstd_compress_bytes
-from parallel_dcp.errors import CorruptCheckpointError, ParallelDCPError
+from parallel_dcp.errors import CompressionUnavailableError, CorruptCheckpointError
 
 __all__ = [
     "DESCRIPTOR",
@@ -51,10 +51,6 @@ DEFAULT_LEVEL = 3  # zstd's own default, and what stock's ZStandard() uses
 PIECE_BYTES = 1 << 20
 # What a stored record is read in (local pread or ranged GET).
 _READ_BYTES = 1 << 20
-
-
-class CompressionUnavailableError(ParallelDCPError, ImportError):
-    """Compression was asked for (or a compressed checkpoint read) without the ``zstandard`` package."""
 
 
 def _zstandard() -> Any:
