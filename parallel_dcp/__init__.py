@@ -24,6 +24,7 @@ from parallel_dcp import _compat
 from parallel_dcp._version import __version__ as __version__
 from parallel_dcp.errors import (
     CheckpointExistsError,
+    CompressionUnavailableError,
     CorruptCheckpointError,
     DestinationBusyError,
     DistributedJobError,
@@ -64,6 +65,7 @@ _compat.check_torch()  # a torch or fsspec without a private name we use fails h
 
 __all__ = [
     "CheckpointExistsError",
+    "CompressionUnavailableError",
     "CorruptCheckpointError",
     "DestinationBusyError",
     "DiffReport",
@@ -131,6 +133,7 @@ def save(
     distributed: bool = False,
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
+    compress: str | None = None,
     options: Options | None = None,
     dry_run: Literal[False] = False,
 ) -> SaveResult: ...
@@ -155,6 +158,7 @@ def save(
     distributed: bool = False,
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
+    compress: str | None = None,
     options: Options | None = None,
     dry_run: Literal[True],
 ) -> DryRunPlan: ...
@@ -178,6 +182,7 @@ def save(
     distributed: bool = False,
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
+    compress: str | None = None,
     options: Options | None = None,
     dry_run: bool = False,
 ) -> SaveResult | DryRunPlan:
@@ -223,6 +228,10 @@ def save(
         storage_options: fsspec options for URLs (``{"endpoint_url": ...}``); credentials come
             from the standard AWS environment and config. On object storage ``.metadata`` is
             uploaded last, after every shard (see :mod:`parallel_dcp.storage.staging`).
+        compress: ``None``, ``"zstd"`` or ``"zstd:LEVEL"`` (1..22, default 3): each record is
+            compressed by the worker that writes it, as one zstd frame exactly as stock DCP's
+            ``ZStandard`` extension writes it (stock ``dcp.load`` reads it with ``zstandard``
+            installed); needs ``pip install 'parallel_dcp[zstd]'``. See the README's "Compression".
         options: all of the above as one :class:`Options` (what the CLI builds); the keyword
             arguments then stay at their defaults. The other functions take it too.
         dry_run: plan the save as a real one would (files, tasks, chunks, workers, predicted
@@ -261,6 +270,7 @@ def save(
             distributed=distributed,
             dist_timeout=dist_timeout,
             storage_options=storage_options,
+            compress=compress,
         ),
     )
     if dry_run:
@@ -289,8 +299,9 @@ def load(
 
     Each tensor's bytes are read straight from its shard into the tensor's memory (``preadv``
     by ``workers`` threads, reads sorted by offset and merged where adjacent), after its
-    ``torch.save`` record was checked against ``.metadata``; records that do not fit that path
-    (compressed, non-contiguous) go through DCP's own reader (``stats`` counts both).
+    ``torch.save`` record was checked against ``.metadata``; compressed (zstd) records are
+    decompressed by the same threads, bounded by what ``.metadata`` says they hold; records that
+    do not fit that path (non-contiguous) go through DCP's own reader (``stats`` counts each).
     ``.metadata`` is read with an allow-list unpickler, never plain pickle; every shard it names
     must be a plain file name inside ``path``.
 
@@ -365,6 +376,7 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     rename: RenameRules | None = None,
+    compress: str | None = None,
     dry_run: Literal[False] = False,
     resume: bool = False,
 ) -> SaveResult | list[SaveResult]: ...
@@ -394,6 +406,7 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     rename: RenameRules | None = None,
+    compress: str | None = None,
     dry_run: Literal[True],
     resume: bool = False,
 ) -> DryRunPlan | list[DryRunPlan]: ...
@@ -422,6 +435,7 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     rename: RenameRules | None = None,
+    compress: str | None = None,
     dry_run: bool = False,
     resume: bool = False,
 ) -> SaveResult | list[SaveResult] | DryRunPlan | list[DryRunPlan]:
@@ -442,6 +456,7 @@ def convert(
             chunk_size, distributed, dist_timeout, storage_options: as for :func:`save`. Sources and
             destinations may be URLs (``s3://...``): safetensors and DCP sources are read by byte
             ranges, torch.save sources through a local temporary copy.
+        compress: for a DCP output, as for :func:`save` (any other output refuses it).
         dtype: cast floating tensors to this dtype on the way (``"bfloat16"``, ``torch.float16``).
         keys: select keys: globs on flattened names (``"model.layers.*"``), or ``"re:<regex>"``
             matched against the whole name; several patterns select the union.
@@ -501,6 +516,7 @@ def convert(
             dist_timeout=dist_timeout,
             storage_options=storage_options,
             resume=resume,
+            compress=compress,
         ),
     )
     cast = _convert.parse_dtype(dtype)
@@ -545,6 +561,7 @@ def verify(
     storage_options: dict[str, Any] | None = None,
     options: Options | None = None,
     trust_pickle: bool = False,
+    deep: bool = True,
 ) -> VerifyReport:
     """Check a checkpoint: manifest sizes and checksums, every key read back, and bit-for-bit
     equality with ``against`` (any supported format) when given.
@@ -558,6 +575,10 @@ def verify(
     Args:
         dtype: compare against ``against`` cast the way ``convert(..., dtype=dtype)`` casts it
             (floating tensors only), exactly; for checking a conversion that changed the dtype.
+        deep: read every tensor back (the default; compressed records are decompressed and each
+            checked against ``.metadata``). False checks the manifest only (sizes and checksums of
+            the stored bytes: compressed records are not decompressed) and the shards' lengths;
+            ``against`` always reads both sides.
 
     Raises:
         FileNotFoundError / ValueError: ``path`` or ``against`` is missing or of no known format;
@@ -565,7 +586,7 @@ def verify(
         CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
     """
     options = _given_or(options, Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options))
-    return _verify.verify(path, against, options, _convert.parse_dtype(dtype), trust_pickle=trust_pickle)
+    return _verify.verify(path, against, options, _convert.parse_dtype(dtype), trust_pickle=trust_pickle, deep=deep)
 
 
 def inspect(

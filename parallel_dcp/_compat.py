@@ -70,9 +70,27 @@ def storage_info_class() -> Any:
     return _private("torch.distributed.checkpoint.filesystem", "_StorageInfo")
 
 
-def storage_info(relative_path: str, offset: int, length: int) -> Any:
-    """One ``_StorageInfo`` (see :func:`storage_info_class`)."""
-    return storage_info_class()(relative_path, offset, length)
+def storage_info(relative_path: str, offset: int, length: int, transform_descriptors: list[str] | None = None) -> Any:
+    """One ``_StorageInfo`` (see :func:`storage_info_class`); ``transform_descriptors`` (such as
+    ``["stream.zstd/1"]``, a compressed record) is left out when None, as stock leaves it out."""
+    cls = storage_info_class()
+    if transform_descriptors is None:
+        return cls(relative_path, offset, length)
+    return cls(relative_path, offset, length, transform_descriptors=transform_descriptors)
+
+
+def check_transform_descriptors() -> None:
+    """Compressed records need a ``_StorageInfo`` with ``transform_descriptors`` (torch >= 2.7).
+
+    Raises:
+        IncompatibleTorchError: this torch's DCP cannot record (or read) compressed records.
+    """
+    fields = getattr(storage_info_class(), "__dataclass_fields__", {})
+    if "transform_descriptors" not in fields:
+        raise IncompatibleTorchError(
+            f"compressed checkpoints need torch's DCP _StorageInfo.transform_descriptors, which torch "
+            f"{torch.__version__} does not have (tested on 2.13)"
+        )
 
 
 def empty_state_dict_load_planner() -> Any:

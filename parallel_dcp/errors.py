@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "CheckpointExistsError",
+    "CompressionUnavailableError",
     "CorruptCheckpointError",
     "DestinationBusyError",
     "DistributedJobError",
@@ -58,6 +59,11 @@ class ParallelDCPError(Exception):
 
 class IncompatibleTorchError(ParallelDCPError, ImportError):
     """The installed torch lacks a DCP internal that parallel_dcp relies on."""
+
+
+class CompressionUnavailableError(ParallelDCPError, ImportError):
+    """Compression was asked for, or a compressed checkpoint is read, without the ``zstandard``
+    package (``pip install 'parallel_dcp[zstd]'``)."""
 
 
 class InvalidStateDictError(ParallelDCPError, ValueError):

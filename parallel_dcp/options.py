@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parallel_dcp.engine.memory import default_limit, parse_size
+from parallel_dcp.storage.compression import Compression, parse_compress
 
 __all__ = ["Options", "usable_cores"]
 
@@ -52,6 +53,10 @@ class Options:
             destination with the same arguments: keep each finished task whose files still hash as
             recorded, redo the rest (see :mod:`parallel_dcp.jobs.resume`). Nothing to resume: a
             fresh run. Other arguments or a changed source: :class:`ResumeError`.
+        compress: ``None`` (stored as is), ``"zstd"`` or ``"zstd:LEVEL"`` (1..22; default 3): DCP
+            outputs store every record as one zstd frame, as stock DCP's ``ZStandard`` extension
+            does, each record in the worker that writes it (``executor="auto"`` then picks
+            processes); needs the ``zstandard`` package (``pip install 'parallel_dcp[zstd]'``).
         storage_options: fsspec options for paths that are URLs (``s3://...``), such as
             ``{"endpoint_url": "http://minio:9000", "client_kwargs": {"region_name": "eu-west-1"}}``;
             credentials come from the standard AWS environment and config unless given here.
@@ -72,6 +77,7 @@ class Options:
     dist_timeout: float = 1800.0
     storage_options: dict[str, Any] | None = None
     resume: bool = False
+    compress: str | None = None
 
     def __post_init__(self) -> None:
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)):
@@ -92,8 +98,14 @@ class Options:
             not isinstance(self.storage_options, dict) or not all(isinstance(k, str) for k in self.storage_options)
         ):
             raise TypeError(f"storage_options must be a dict with string keys, got {self.storage_options!r}")
+        if self.compress is not None:
+            parse_compress(self.compress)  # a bad spec, or no zstandard, fails before anything runs
         if self.task_timeout is not None and not self.task_timeout > 0:
             raise ValueError(f"task_timeout must be > 0 seconds, got {self.task_timeout!r}")
+
+    def compression(self) -> Compression | None:
+        """``compress`` parsed (None: uncompressed)."""
+        return parse_compress(self.compress)
 
     def memory_ceiling(self) -> int:
         """The memory limit in bytes, resolved now (the default depends on what is available)."""

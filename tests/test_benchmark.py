@@ -365,3 +365,33 @@ def test_load_suites_compare_every_reader_on_both_checkpoints(tmp_path: Path) ->
             assert scenario["summary"][source]["into_vs_stock"] > 0
     assert (results / "bench.png").read_bytes()[:8] == PNG_MAGIC
     assert list(target.iterdir()) == [], "the benchmark removes what it wrote"
+
+
+def test_compress_suite_compares_levels_workers_and_stock(tmp_path: Path) -> None:
+    target, results = tmp_path / "target", tmp_path / "results"
+    target.mkdir()
+    results.mkdir()
+    run = _bench(
+        [
+            *TINY,
+            *("--suite", "compress", "--targets", "disk", "--disk-dir", str(target)),
+            "--json",
+            str(results / "bench.json"),
+        ],
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "compressed save zstd:3 w=2 vs stock zstd t=2" in run.stdout and "zstd:3 save w=2 vs w=1" in run.stdout
+    data = _strict_json((results / "bench.json").read_text())
+    scenarios = {s["key"]: s for s in data["scenarios"]}
+    assert set(scenarios) == {"compress:minilm/disk/sync-on", "compress:llm/disk/sync-on"}
+    for scenario in scenarios.values():
+        rows = scenario["rows"]
+        saves = [f"save zstd:{level} w={n}" for level in (1, 3, 9) for n in (1, 2)]
+        for name in [*saves, "stock zstd t=2", "save plain w=2", "load zstd w=2 [pdcp]", "stock dcp.load zstd [stock]"]:
+            assert rows[name]["status"] == "ok", (name, rows[name]["error"])
+        for name in [*saves, "stock zstd t=2"]:  # every compressed save says what it stored
+            assert 0 < rows[name]["details"]["stored_ratio"] < 1.0, name
+        assert rows["save plain w=2"]["details"]["stored_ratio"] > 1.0  # records' headers beside the bytes
+        assert rows["load zstd w=2 [pdcp]"]["details"]["decompressed_items"] > 0
+        assert scenario["summary"]["save_vs_stock"] is not None

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader
 
 import parallel_dcp
 from parallel_dcp import ResumeError, WorkerError
@@ -151,6 +152,7 @@ CHANGES: dict[str, tuple[dict[str, Any], str]] = {
     "rename": ({"rename": [(r"w(\d+)", r"layer.\1")]}, r"the selected keys or their names \(keys, rename\) differ"),
     "keys": ({"keys": "w[0-5]"}, r"the selected keys or their names"),
     "format": ({"to": "torch"}, r"the output format was 'dcp', now 'torch'"),
+    "compress": ({"compress": "zstd"}, r"compress was None, now 'zstd:3'"),
 }
 
 
@@ -183,6 +185,20 @@ def test_failed_conversion_resumes_with_the_same_arguments(tmp_path: Path, monke
     assert result.resumed and 0 < result.bytes_kept < result.bytes
     expected = {f"layer.{i}": sd[f"w{i}"].to(torch.bfloat16) for i in range(7)}
     assert_same(_read_output(out, "dcp", expected), expected)
+
+
+def test_a_compressed_conversion_resumes_with_its_records_still_compressed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("zstandard")
+    src, sd = _source(tmp_path)
+    out = tmp_path / "out"
+    _fail_midway(monkeypatch, src, out, "dcp", compress="zstd:1")
+    result = parallel_dcp.convert(src, out, workers=2, resume=True, compress="zstd:1")
+    assert result.resumed and 0 < result.bytes_kept < result.bytes
+    infos = FileSystemReader(str(out)).read_metadata().storage_data.values()
+    assert all(info.transform_descriptors == ["stream.zstd/1"] for info in infos)  # kept tasks' too
+    assert_same(_read_output(out, "dcp", sd), sd)
 
 
 def _tamper_record(out: Path, edit: Any) -> None:

@@ -13,13 +13,22 @@ from parallel_dcp.options import usable_cores
 
 __all__ = ["SUITES", "BenchConfig", "Target", "default_gib"]
 
-SUITES = ("save", "small", "convert", "lopsided", "scaling", "load", "load-small")
+SUITES = ("save", "small", "convert", "lopsided", "scaling", "load", "load-small", "compress")
 _SHM = "/dev/shm"
 _MAX_DEFAULT_GIB = 2.0
 # Memory a run holds at once, in state-dict sizes: the state dict itself, plus (convert) the
 # stock path's full load of a source beside it. Outputs on /dev/shm are checked per target.
 # load: the state dict while the checkpoints are written, then the reused targets and one output.
-_HELD = {"save": 1.0, "small": 1.0, "convert": 2.0, "lopsided": 1.0, "scaling": 1.0, "load": 2.0, "load-small": 2.0}
+_HELD = {
+    "save": 1.0,
+    "small": 1.0,
+    "convert": 2.0,
+    "lopsided": 1.0,
+    "scaling": 1.0,
+    "load": 2.0,
+    "load-small": 2.0,
+    "compress": 2.0,
+}
 # A many-small tensor: 2,080 float32 on average, plus its Python and tensor objects.
 _SMALL_TENSOR_BYTES = 2080 * 4 + 1200
 # Never plan to use more than this share of the memory available.
@@ -50,6 +59,7 @@ def _check_fits(suites: tuple[str, ...], gib: float, small: int) -> None:
         "small": many,
         "load-small": many,
         "scaling": llm + many,  # both state dicts are kept
+        "compress": llm * 1.6,  # built as fp32+bf16, then cast to bf16
     }
     needed = max(sizes[suite] * _HELD[suite] for suite in suites)
     available = psutil.virtual_memory().available * _AVAILABLE_SHARE

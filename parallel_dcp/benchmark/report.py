@@ -55,6 +55,9 @@ def _row_line(name: str, row: dict[str, Any]) -> str:
     peak = row["peak_added_bytes"]
     note = row["note"]
     used = row["details"].get("workers_used")
+    stored = row["details"].get("stored_ratio")
+    if stored is not None:
+        note = "; ".join(filter(None, [f"stored/logical {stored:.3f}", note]))
     if used is not None and used != row["procs"]:
         note = "; ".join(filter(None, [f"ran {used} worker(s): memory limit or too few tasks", note]))
     return (
@@ -109,6 +112,16 @@ def _load_summary_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _compress_summary_lines(s: dict[str, Any]) -> list[str]:
+    n = s["workers"]
+    return [
+        f"compressed save zstd:3 w={n} vs stock zstd t={n}: {_num(s['save_vs_stock'], '.2f', 'x')} (target >= 1.5x)",
+        f"compressed load w={n} vs stock dcp.load: {_num(s['load_vs_stock_pdcp'], '.2f', 'x')} [pdcp-written],"
+        f" {_num(s['load_vs_stock_stock'], '.2f', 'x')} [stock-written] (target >= 1.5x)",
+        f"zstd:3 save w={n} vs w=1: {_num(s['scaling_level3'], '.2f', 'x')} (target >= 1.8x)",
+    ]
+
+
 def scenario_lines(scenario: Scenario) -> list[str]:
     """The table of one scenario, its summary lines and its notes."""
     rows = row_figures(scenario)
@@ -124,6 +137,8 @@ def scenario_lines(scenario: Scenario) -> list[str]:
         lines += _convert_summary_lines(s)
     elif scenario.suite in ("load", "load-small"):
         lines += _load_summary_lines(s)
+    elif scenario.suite.startswith("compress"):
+        lines += _compress_summary_lines(s)
     else:
         lines += _save_summary_lines(scenario, s)
     lines += [f"note: {note}" for note in scenario.notes]

@@ -135,6 +135,10 @@ def summary(scenario: Scenario, rows: dict[str, dict[str, Any]]) -> dict[str, An
     """The headline ratios of a scenario (None where a row they need did not run)."""
     if scenario.suite == "convert":
         return _convert_summary(scenario, rows)
+    if scenario.suite.startswith("compress"):
+        from parallel_dcp.benchmark.compression import compress_summary
+
+        return compress_summary(rows, scenario.compare_count)
     if scenario.suite in ("load", "load-small"):
         from parallel_dcp.benchmark.loading import load_summary
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from parallel_dcp.benchmark import peers
+from parallel_dcp.benchmark.compression import bf16_llm, compress_cases, minilm
 from parallel_dcp.benchmark.config import BenchConfig, Target
 from parallel_dcp.benchmark.conversion import build_sources, convert_cases, convert_memory_limit
 from parallel_dcp.benchmark.loading import load_cases, write_checkpoints
@@ -43,7 +44,11 @@ _SPACE_FACTOR = {
     "scaling:small": 1.5,
     "load": 2.4,
     "load-small": 3.0,
+    "compress:minilm": 6.0,
+    "compress:llm": 6.0,
 }
+# The compress suite: the real model, and the LLM-like state dict in bfloat16.
+_COMPRESS = ("compress:minilm", "compress:llm")
 # The scaling suite projects both shapes of state dict: a few large tensors, many small ones.
 _SCALING = ("scaling:llm", "scaling:small")
 
@@ -58,6 +63,13 @@ class StateDicts:
     def get(self, suite: str) -> Any:
         if suite in ("load", "load-small"):  # written to the target, then dropped: not kept
             return self.build(suite)
+        if suite in _COMPRESS:
+            if suite not in self._built:
+                if suite == "compress:minilm":
+                    self._built[suite], self._built["compress:minilm:what"] = minilm()
+                else:
+                    self._built[suite] = bf16_llm(self._config.gib)
+            return self._built[suite]
         suite = {"scaling:small": "small"}.get(suite, suite)
         kind = suite if suite in ("small", "lopsided") else "llm"
         if kind not in self._built:
@@ -74,6 +86,10 @@ class StateDicts:
         size = format_bytes(tensor_bytes(sd))
         if suite in ("small", "load-small"):
             return f"many-small: {len(flat_tensors(sd)):,} optimizer-like tensors, {size}"
+        if suite == "compress:minilm":
+            return f"{self._built['compress:minilm:what']}: {len(sd):,} tensors, {size}"
+        if suite == "compress:llm":
+            return f"LLM-like in bfloat16: {len(sd):,} tensors, {size}"
         if suite == "lopsided":
             return f"lopsided: one tensor of 60% of the bytes beside {len(sd) - 1:,} others, {size}"
         dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in flat_tensors(sd).values()})
@@ -105,6 +121,9 @@ def _cases(
             "the checkpoints were written just before the timed rounds, so they are read from the page cache",
         ]
         return load_cases(paths, n), notes, None
+    if suite in _COMPRESS:
+        cases, notes = compress_cases(sd, root, workers)
+        return cases, notes, None
     tensors = flat_tensors(sd)
     if suite in _SCALING:
         cases, samples = scaling_cases(sd, sorted({1, *workers}), sync)
@@ -168,7 +187,8 @@ def run_all(config: BenchConfig, on_scenario: Callable[[Scenario], None] | None 
     dicts = StateDicts(config)
     scenarios = []
     try:
-        for suite in (kind for name in config.suites for kind in (_SCALING if name == "scaling" else (name,))):
+        expand = {"scaling": _SCALING, "compress": _COMPRESS}
+        for suite in (kind for name in config.suites for kind in expand.get(name, (name,))):
             for target in config.targets:
                 for sync in config.syncs:
                     scenario = _scenario(suite, target, sync, dicts, config)

@@ -41,12 +41,17 @@ __all__ = [
     "LEAN_TASK_MEMORY_BYTES",
     "TASK_MEMORY_BYTES",
     "WORKER_MEMORY_BYTES",
+    "ZSTD_DECOMPRESS_BYTES",
+    "ZSTD_MAX_WINDOW_BYTES",
+    "ZSTD_SMALL_RECORD_BYTES",
+    "ZSTD_VALUE_MAX_BYTES",
     "MemoryGovernor",
     "affordable_workers",
     "default_limit",
     "format_bytes",
     "parse_size",
     "task_budget",
+    "zstd_compress_bytes",
 ]
 
 # What a worker's memory grows by while it runs a task, beyond the items' own buffers: the DCP
@@ -64,6 +69,20 @@ LEAN_TASK_MEMORY_BYTES = 4 * 1024 * 1024
 # What an idle forked worker adds (page tables, pages its start-up touches): ~6-8 MiB measured.
 WORKER_MEMORY_BYTES = 8 * 1024 * 1024
 ITEM_MEMORY_BYTES = 16 * 1024
+
+# Compressed records (storage/compression.py). Compressing: zstd's context at the level (zstd's
+# own estimate: 0.6 MiB at level 1, 1.3 MiB at 3, 11 MiB at 9, 85 MiB at 19), plus its output
+# block and the piece being fed (1 MiB each), per task writing a shard.
+_ZSTD_PIECE_BYTES = 2 * 1024 * 1024
+# Decompressing one record at a time, the larger of: a streamed record's window (the largest a
+# frame may ask for; larger ones are refused as corrupt; stock writes 2-8 MiB windows up to level
+# 19), context, input read and output piece; a small record (decompressing to at most
+# ZSTD_SMALL_RECORD_BYTES) read whole: its stored bytes, its output and a staging copy.
+ZSTD_MAX_WINDOW_BYTES = 1 << 23
+ZSTD_SMALL_RECORD_BYTES = 4 * 1024 * 1024
+ZSTD_DECOMPRESS_BYTES = max(ZSTD_MAX_WINDOW_BYTES + 3 * 1024 * 1024, 3 * ZSTD_SMALL_RECORD_BYTES + 256 * 1024)
+# A compressed pickled value has no size in .metadata: it may decompress to at most this much.
+ZSTD_VALUE_MAX_BYTES = 64 * 1024 * 1024
 
 # The watchdog spends at most about 1/_SAMPLING_SHARE of one core reading the tree.
 _SAMPLING_SHARE = 20
@@ -89,6 +108,17 @@ _UNITS = {
     "tib": 1024**4,
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def zstd_compress_bytes(level: int) -> int:
+    """What one zstd record writer at ``level`` holds (see :data:`ZSTD_DECOMPRESS_BYTES` above)."""
+    try:
+        import zstandard
+
+        context = int(zstandard.ZstdCompressionParameters.from_level(level).estimated_compression_context_size())
+    except ImportError:  # the caller reports the missing package; this figure is then never used
+        context = 96 * 1024 * 1024
+    return context + _ZSTD_PIECE_BYTES
 
 
 def parse_size(value: int | str) -> int:

@@ -28,9 +28,12 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from parallel_dcp.engine.chunks import Chunk
+from parallel_dcp.engine.memory import ZSTD_DECOMPRESS_BYTES
 from parallel_dcp.formats.base import Entry, Source
+from parallel_dcp.formats.compressed_read import bounded_reader
 from parallel_dcp.partial import extract_metadata, partial_load
-from parallel_dcp.storage.location import Location, dcp_reader
+from parallel_dcp.storage.compression import is_compressed
+from parallel_dcp.storage.location import Location
 from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading
 from parallel_dcp.storage.ownership import METADATA_FILE
 
@@ -51,7 +54,7 @@ def read_keys(
         flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True, trust_pickle=trust_pickle
     )
     with reading(path, keys):
-        return partial_load(extract_metadata(keys, metadata), dcp_reader(path), planner, state_dict=into)
+        return partial_load(extract_metadata(keys, metadata), bounded_reader(path), planner, state_dict=into)
 
 
 class _LazyValues(Mapping[str, Any]):
@@ -117,6 +120,9 @@ class DcpSource(Source):
                 byte_keys.append(key)
         self.values = _LazyValues(self, byte_keys)  # type: ignore[assignment]
         self.mapping = {k: tuple(planner_data.get(k, (k,))) for k in self.metadata.state_dict_metadata}
+        self._compressed = {
+            index.fqn for index, info in (self.metadata.storage_data or {}).items() if is_compressed(info)
+        }
 
     def check(self, keys: Iterable[str] | None = None) -> None:
         """Every shard the keys need exists and is as long as ``.metadata`` records."""
@@ -145,7 +151,7 @@ class DcpSource(Source):
         planner = _ChunkLoadPlanner(chunk, target)
         with reading(self.location, [chunk.key]):
             partial_load(
-                extract_metadata([chunk.key], self.metadata), dcp_reader(self.location), planner, state_dict={}
+                extract_metadata([chunk.key], self.metadata), bounded_reader(self.location), planner, state_dict={}
             )
         return target
 
@@ -167,7 +173,9 @@ class DcpSource(Source):
         meta = self.metadata.state_dict_metadata[key]
         assert isinstance(meta, TensorStorageMetadata)
         itemsize = meta.properties.dtype.itemsize
-        return 2 * max((math.prod(c.sizes) * itemsize for c in meta.chunks), default=0)
+        # a compressed record is decompressed one at a time, bounded (formats/compressed_read.py)
+        decompressing = ZSTD_DECOMPRESS_BYTES if key in self._compressed else 0
+        return 2 * max((math.prod(c.sizes) * itemsize for c in meta.chunks), default=0) + decompressing
 
 
 class _ChunkLoadPlanner(SafeLoadPlanner):

@@ -13,6 +13,9 @@ it accepts only the rebuild functions, storage types and dtypes a tensor record 
 returns plain numbers. Every offset is checked to lie inside the record; the caller checks the
 layout against ``.metadata``. A record that is a valid zip but not a plain tensor of one storage
 gives None (it goes through DCP's own reader); one that is not a valid zip raises.
+
+Longer than 300 lines because both parsers (a whole record; the head of a record still being
+decompressed) share one allow-list unpickler and the zip structures.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HEAD_BYTES", "TAIL_BYTES", "RecordLayout", "parse_record"]
+__all__ = ["HEAD_BYTES", "TAIL_BYTES", "RecordLayout", "parse_head", "parse_record"]
 
 # How much of a record's head (local headers and data.pkl) and tail (central directory) is
 # read to find its layout: a tensor record's pickle is ~200 bytes, its directory ~700.
@@ -247,6 +250,50 @@ def parse_record(head: memoryview, tail: memoryview, length: int) -> RecordLayou
     if storage.dtype is None and storage.nbytes_or_numel != usize:
         raise ValueError(f"storage of {storage.nbytes_or_numel} bytes but data/0 of {usize} bytes")
     return RecordLayout(rebuilt.dtype, rebuilt.size, rebuilt.stride, rebuilt.storage_offset, data, usize)
+
+
+def parse_head(head: memoryview) -> RecordLayout | None:
+    """The layout a record announces in its first bytes, for a record being decompressed whose end
+    is not known yet: ``data.pkl`` (the first entry; torch writes sizes in data descriptors, so
+    the pickle is read up to its STOP) and the local header of its storage's entry. This is only a
+    prediction: the caller checks it with :func:`parse_record` once the whole record has passed.
+    None: the head does not show a plain tensor record (the caller reads the record whole, bounded).
+
+    Raises:
+        ValueError: not a zip record.
+    """
+    try:
+        fields = _LOCAL.unpack_from(head, 0)
+        if fields[0] != b"PK\x03\x04":
+            raise ValueError("no zip local header at the start")
+        nlen, xlen = fields[9], fields[10]
+        name = bytes(head[_LOCAL.size : _LOCAL.size + nlen]).decode("utf-8", "replace")
+        if fields[3] != 0 or not (name.endswith("/data.pkl") and name.count("/") == 1):
+            raise _NotATensorRecord("data.pkl is not the first, stored entry")
+        rebuilt = _LayoutUnpickler(io.BytesIO(head[_LOCAL.size + nlen + xlen :])).load()
+        if not isinstance(rebuilt, _Rebuilt):
+            raise _NotATensorRecord("not one tensor")
+        wanted = f"{name[: -len('data.pkl')]}data/{rebuilt.storage.key}".encode()
+        raw = bytes(head)
+        at = raw.find(wanted)
+        while at >= 0:
+            local = at - _LOCAL.size
+            if local >= 0 and raw[local : local + 4] == b"PK\x03\x04":
+                entry = _LOCAL.unpack_from(head, local)
+                if entry[9] == len(wanted) and entry[3] == 0:
+                    start = at + len(wanted) + entry[10]
+                    break
+            at = raw.find(wanted, at + 1)
+        else:
+            raise _NotATensorRecord("the storage's header lies beyond the head")
+    except _NotATensorRecord:
+        return None
+    except (struct.error, pickle.UnpicklingError, EOFError, IndexError, TypeError) as exc:
+        raise ValueError(f"not a torch.save zip record: {type(exc).__name__}: {exc}") from exc
+    storage = rebuilt.storage
+    itemsize = rebuilt.dtype.itemsize
+    nbytes = storage.nbytes_or_numel * itemsize if storage.dtype is not None else storage.nbytes_or_numel
+    return RecordLayout(rebuilt.dtype, rebuilt.size, rebuilt.stride, rebuilt.storage_offset, start, nbytes)
 
 
 def contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.formats.compressed_read import CompressedRecord, bounded_reader
 from parallel_dcp.formats.read_units import (
     BATCH_BYTES,
     PIECE_BYTES,
@@ -40,7 +41,8 @@ from parallel_dcp.formats.read_units import (
     Unit,
     thread_memory,
 )
-from parallel_dcp.storage.location import Location, dcp_reader
+from parallel_dcp.storage.compression import is_compressed
+from parallel_dcp.storage.location import Location
 
 __all__ = [
     "BATCH_BYTES",
@@ -115,6 +117,26 @@ def _units(requests: list[Request], threads: int) -> list[Unit]:
     return sorted(units, key=lambda u: -sum(work[id(r)] for r in u.records))
 
 
+def _compressed_units(records: list[list[Request]], threads: int) -> list[CompressedRecord]:
+    """Compressed records in file and offset order, cut into about 4 shares per thread."""
+    if not records:
+        return []
+    records.sort(key=lambda reqs: (str(reqs[0].info.relative_path), int(reqs[0].info.offset)))
+    work = [CompressedRecord([reqs]).work() for reqs in records]
+    share = max(sum(work) // (4 * threads), 1)
+    units: list[CompressedRecord] = []
+    current: list[list[Request]] = []
+    size = 0
+    for reqs, cost in zip(records, work, strict=True):
+        if current and size + cost > share:
+            units.append(CompressedRecord(current))
+            current, size = [], 0
+        current.append(reqs)
+        size += cost
+    units.append(CompressedRecord(current))
+    return sorted(units, key=lambda u: -u.work())
+
+
 def _work(record: Record) -> int:
     """Bytes a record costs to read: all of a small one, the regions of a large one."""
     if record.length <= SMALL_RECORD:
@@ -155,11 +177,16 @@ def read_requests(
     """
     fast: list[Request] = []
     slow: list[Request] = []
+    compressed: dict[tuple[str, int], list[Request]] = {}
     for req in requests:
-        transformed = bool(getattr(req.info, "transform_descriptors", None))
-        (slow if req.item.type == LoadItemType.BYTE_IO or transformed or req.unfit else fast).append(req)
+        if is_compressed(req.info) and req.item.type != LoadItemType.BYTE_IO and req.target is not None:
+            compressed.setdefault((str(req.info.relative_path), int(req.info.offset)), []).append(req)
+            continue
+        (slow if req.item.type == LoadItemType.BYTE_IO or req.unfit else fast).append(req)
     stats = ReadStats()
-    units = _units(fast, threads)
+    # compressed records: decompressed on the same threads, in about 4 shares per thread, largest first
+    units: list[Unit | CompressedRecord] = [*_compressed_units(list(compressed.values()), threads)]
+    units += _units(fast, threads)
     cancel = threading.Event()
     if units:
         with cf.ThreadPoolExecutor(
@@ -194,13 +221,13 @@ def _fallback(
     """DCP's own reader for what the fast path does not serve, one record at a time."""
     if not slow:
         return
-    reader = dcp_reader(where)
+    reader = bounded_reader(where)
     reader.storage_data = {req.item.storage_index: req.info for req in slow}
     targets = {id(req.item): req.target for req in slow if req.target is not None}
     sink = _Sink(targets, on_bytes)
     for req in slow:
         if req.target is not None and budget is not None:
-            # DCP holds the whole stored chunk, and a decompressed copy of a transformed one
+            # DCP holds the whole stored chunk and its copy
             budget.check_item(req.item.storage_index.fqn, 2 * int(req.info.length) + 2 * req.target.nbytes)
         reader.read_data(LoadPlan([req.item]), sink).wait()  # type: ignore[arg-type]
         if req.target is None:

@@ -4,11 +4,11 @@
 
 DCP's planner still decides what each rank reads (any resharding: a DTensor shard reading part of
 a stored chunk is a ``ReadItem`` with storage offsets and lengths); this reader serves each item
-with :mod:`parallel_dcp.fast_read`, straight into ``planner.resolve_tensor(item)``, and leaves
-to DCP's own reader what the fast path does not fit (compressed records, non-contiguous stored
-layouts, a target of another dtype, which stock casts). ``.metadata`` is read with the allow-list
-unpickler and its shard names checked; pickled values must pass ``weights_only=True`` before the
-planner sees them, unless ``trust_pickle``.
+with :mod:`parallel_dcp.fast_read`, straight into ``planner.resolve_tensor(item)`` (compressed
+records decompressed, bounded, on the same threads), and leaves to DCP's own reader what the fast
+path does not fit (non-contiguous stored layouts, a target of another dtype, which stock casts).
+``.metadata`` is read with the allow-list unpickler and its shard names checked; pickled values
+must pass ``weights_only=True`` before the planner sees them, unless ``trust_pickle``.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ Values DCP plans specially (DTensor, ShardedTensor and other tensor subclasses, 
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ class LeanPart:
     values: list[tuple[str, int, int]] = field(default_factory=list)
     tensors: list[tuple[Any, ...]] = field(default_factory=list)
     digests: dict[str, FileDigest] = field(default_factory=dict)
+    descriptors: list[str] | None = None  # every record's transform (compressed), or None
     # After :func:`encode`: the whole keys' entries of .metadata, pickled, as (place of the first
     # key in the job, (``state_dict_metadata``, ``planner_data``, ``storage_data``)) per run of
     # neighbouring keys; ``values`` and ``tensors`` then hold only chunks.
@@ -124,6 +126,7 @@ def write_part(
             )
         )
     part.digests = writer.digests()
+    part.descriptors = writer.descriptors()
     return part
 
 
@@ -141,7 +144,7 @@ def encode(part: LeanPart, mapping: Mapping[str, tuple[Any, ...]], positions: Ma
 def _encode(part: LeanPart, mapping: Mapping[str, tuple[Any, ...]], positions: Mapping[str, int]) -> LeanPart:
     whole = [t for t in part.tensors if t[5] is None]
     chunks = [t for t in part.tensors if t[5] is not None]
-    metadata, (writes,) = build([LeanPart(part.file, part.values, whole)])
+    metadata, (writes,) = build([LeanPart(part.file, part.values, whole, descriptors=part.descriptors)])
     entries = metadata.state_dict_metadata
     stored = {w.index.fqn: w for w in writes}  # one record per whole key
     runs: list[tuple[int, tuple[bytes, bytes, bytes]]] = []
@@ -162,13 +165,17 @@ def _encode(part: LeanPart, mapping: Mapping[str, tuple[Any, ...]], positions: M
             )
         )
         start = end
-    return LeanPart(part.file, [], chunks, part.digests, runs)
+    return LeanPart(part.file, [], chunks, part.digests, descriptors=part.descriptors, runs=runs)
 
 
 def _pickled(value: Any) -> io.BytesIO:
     data = io.BytesIO()
     torch.save(value, data)  # what DCP's planner does with a value (DefaultSavePlanner.transform_object)
     return data
+
+
+def _compressed_info(descriptors: list[str], file: str, offset: int, length: int) -> Any:
+    return _compat.storage_info(file, offset, length, descriptors)
 
 
 def build(parts: Sequence[LeanPart]) -> tuple[Metadata, list[list[WriteResult]]]:
@@ -183,8 +190,12 @@ def build(parts: Sequence[LeanPart]) -> tuple[Metadata, list[list[WriteResult]]]
     state: dict[str, Any] = {}
     all_writes: list[list[WriteResult]] = []
     size_of = sizes.get
-    storage_info = _compat.storage_info_class()
+    plain_info = _compat.storage_info_class()
     for part in parts:
+        descriptors = part.descriptors
+        # a compressed part's records each carry its transform; plain ones leave the field out
+        storage_info = plain_info if descriptors is None else functools.partial(_compressed_info, descriptors)
+
         writes: list[WriteResult] = []
         for key, offset, length in part.values:
             if key in state:

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from parallel_dcp.engine import progress
+from parallel_dcp.engine.memory import ZSTD_DECOMPRESS_BYTES
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats.dcp_records import HEAD_BYTES, TAIL_BYTES, RecordLayout, is_row_major, parse_record
 from parallel_dcp.storage.location import Location, Remote
@@ -56,8 +57,9 @@ _TICK_S = 0.1
 
 
 def thread_memory() -> int:
-    """What one reading thread holds at most beside the targets."""
-    return BATCH_BYTES + GAP_BYTES + HEAD_BYTES + TAIL_BYTES
+    """What one reading thread holds at most beside the targets: a unit's buffers, or a
+    decompressor (a compressed record; formats/compressed_read.py), one at a time."""
+    return max(BATCH_BYTES + GAP_BYTES + HEAD_BYTES + TAIL_BYTES, ZSTD_DECOMPRESS_BYTES)
 
 
 @dataclass(slots=True)
@@ -79,7 +81,8 @@ class Request:
 class ReadStats:
     """Which path served a read: ``fast`` and ``fallback`` count read items (a tensor or a part of
     one); ``fallback_keys`` names the keys DCP's own reader served; ``values`` counts pickled
-    (non-tensor) values; ``reads`` the system calls (or ranged GETs) of the fast path."""
+    (non-tensor) values; ``reads`` the system calls (or ranged GETs) of the fast path;
+    ``compressed`` the read items decompressed (bounded, on the reading threads)."""
 
     fast: int = 0
     fallback: int = 0
@@ -87,6 +90,7 @@ class ReadStats:
     values: int = 0
     reads: int = 0
     bytes: int = 0
+    compressed: int = 0
 
     def add(self, other: ReadStats) -> None:
         self.fast += other.fast
@@ -95,6 +99,7 @@ class ReadStats:
         self.values += other.values
         self.reads += other.reads
         self.bytes += other.bytes
+        self.compressed += other.compressed
 
 
 class _File:

@@ -130,7 +130,9 @@ def convert_one(
 ) -> SaveResult | DryRunPlan:
     """Convert one source (or, with ``dry_run``, plan it); see :func:`parallel_dcp.convert`."""
     start = time.perf_counter()
-    target = target_for(dst, to, shard_size=shard_size, storage_options=options.storage_options)
+    target = target_for(
+        dst, to, shard_size=shard_size, storage_options=options.storage_options, compression=options.compression()
+    )
     locate(src, options.storage_options)  # a bad URL fails here; its filesystem's code is loaded
     governor = MemoryGovernor(options.memory_ceiling())
     source = open_source(src, trust_pickle=trust_pickle, storage_options=options.storage_options)

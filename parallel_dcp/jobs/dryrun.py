@@ -201,7 +201,7 @@ def plan_dry_run(job: Job, target: Target, options: Options, governor: MemoryGov
 
 def dry_run_save(state_dict: Any, path: str | os.PathLike[str], options: Options) -> DryRunPlan:
     """Plan :func:`parallel_dcp.save` of ``state_dict`` to ``path``; write nothing."""
-    target = DcpTarget(path, options.storage_options)
+    target = DcpTarget(path, options.storage_options, compression=options.compression())
     governor = MemoryGovernor(options.memory_ceiling())
     with gc_paused():
         source = MemorySource(str(path), state_dict=state_dict)

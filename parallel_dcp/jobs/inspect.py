@@ -87,8 +87,9 @@ def inspect_checkpoint(
     ]
     # A sharded directory's index is part of it (convert counts it among the files it wrote).
     files += [{"name": n, "size": _size(where / n)} for n in _INDEXES if names is not None and n in names]
+    storage = _stored(source)
     source.close()
-    return {
+    return storage | {
         "path": os.fspath(where),
         "format": source.kind,
         "committed": damaged is None and all(r["size"] is not None for r in files),
@@ -108,6 +109,27 @@ def inspect_checkpoint(
     }
 
 
+def _stored(source: Any) -> dict[str, Any]:
+    """A DCP checkpoint's stored bytes beside its logical ones, from ``.metadata`` alone:
+    ``stored_bytes`` (every record as stored), ``compressed`` (records stored through zstd),
+    ``ratio`` (tensors' stored bytes / their logical bytes; None without tensors)."""
+    metadata = getattr(source, "metadata", None)
+    infos = getattr(metadata, "storage_data", None) or {}
+    tensor_keys = set(source.entries)
+    stored = sum(int(info.length) for info in infos.values())
+    tensor_stored = sum(int(info.length) for index, info in infos.items() if index.fqn in tensor_keys)
+    logical = sum(e.nbytes for e in source.entries.values())
+    compressed = sum(1 for info in infos.values() if getattr(info, "transform_descriptors", None))
+    if metadata is None:
+        return {}
+    return {
+        "stored_bytes": stored,
+        "compressed_records": compressed,
+        "records": len(infos),
+        "ratio": round(tensor_stored / logical, 4) if logical else None,
+    }
+
+
 def describe(info: dict[str, Any]) -> str:
     """A short human-readable summary of :func:`inspect_checkpoint`'s result."""
     from parallel_dcp.engine.memory import format_bytes
@@ -117,6 +139,12 @@ def describe(info: dict[str, Any]) -> str:
         f"  {info['keys']} keys ({info['tensors']} tensors), {format_bytes(info['total_bytes'])}, "
         f"{len(info['files'])} files" + (", manifest" if info["manifest"] else ""),
     ]
+    if "stored_bytes" in info:
+        ratio = f", stored/logical {info['ratio']:.3f}" if info["ratio"] is not None else ""
+        zstd = f", {info['compressed_records']} of {info['records']} records zstd" if info["compressed_records"] else ""
+        lines.append(
+            f"  stored {format_bytes(info['stored_bytes'])} for {format_bytes(info['total_bytes'])}{ratio}{zstd}"
+        )
     if info.get("damaged"):
         lines.append(f"  DAMAGED: {info['damaged']}")
     for dtype, slot in sorted(info["dtypes"].items(), key=lambda kv: -kv[1]["bytes"]):

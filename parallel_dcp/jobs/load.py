@@ -19,6 +19,9 @@ partition by bytes ── WorkerPool (fork)
   │ (non-tensor values are read before the fork, unpickled with weights_only=True)
   ▼
 unflatten with planner_data → the original nesting
+
+Longer than 300 lines because the fast threaded path and the process path share one set of checks
+(keys, targets, memory) and one result.
 """
 
 from __future__ import annotations
@@ -42,11 +45,12 @@ from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool, gc_paused
 from parallel_dcp.errors import CorruptCheckpointError, InvalidStateDictError
 from parallel_dcp.formats import fast_read
+from parallel_dcp.formats.compressed_read import bounded_reader
 from parallel_dcp.formats.dcp_format import read_keys
 from parallel_dcp.formats.fast_read import ReadStats
 from parallel_dcp.options import Options, usable_cores
 from parallel_dcp.partial import extract_metadata, partial_load
-from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, dcp_reader, locate
+from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, locate
 from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading, unpickle_value
 
 __all__ = ["load"]
@@ -90,7 +94,7 @@ def _load_handler(
         keys = [key for key in task.keys if targets[key] is not None]  # values were read before the fork
         part = {key: targets[key] for key in keys}
         with reading(path, keys):
-            partial_load(extract_metadata(keys, metadata), dcp_reader(path), planner, state_dict=part)
+            partial_load(extract_metadata(keys, metadata), bounded_reader(path), planner, state_dict=part)
         progress.report(task.nbytes)
         progress.flush()
         return {}

@@ -367,6 +367,8 @@ def choose_executor(job: Job, options: Options) -> str:
         return options.executor
     if not isinstance(job.source, MemorySource) or options.retries or options.task_timeout is not None:
         return "processes"
+    if options.compress is not None:
+        return "processes"  # compression is CPU work: one process per worker scales whatever zstd does with the GIL
     if not all(plain_value(v) for v in job.source.values.values()):
         return "processes"  # pickling user objects runs their code: keep it out of the caller
     entries = job.source.entries

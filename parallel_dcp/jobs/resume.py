@@ -42,6 +42,7 @@ from parallel_dcp.formats import lean
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs.targets import DcpTarget, FileTarget, Job, ShardedTarget, Target, _items, _whole_file_memory
 from parallel_dcp.options import Options
+from parallel_dcp.storage.compression import DESCRIPTOR
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.manifest import FileDigest
 from parallel_dcp.storage.ownership import is_of_save, temp_name
@@ -113,6 +114,7 @@ def identity(job: Job, target: Target, options: Options) -> dict[str, Any]:
         "keys": {"count": len(names), "xxh3_64": xxhash.xxh3_64_hexdigest(_canonical(names))},
         "shard_size": getattr(target, "shard_size", None),
         "chunk_size": str(options.chunk_size) if options.chunk_size is not None else None,
+        "compress": str(compression) if (compression := getattr(target, "compression", None)) is not None else None,
     }
 
 
@@ -130,6 +132,7 @@ def check_identity(now: dict[str, Any]) -> IdentityCheck:
             "keys": "the selected keys or their names (keys, rename)",
             "shard_size": "shard_size",
             "chunk_size": "chunk_size",
+            "compress": "compress",
         }
         for name, label in labels.items():
             if then.get(name) != now[name]:
@@ -323,18 +326,22 @@ def _kept_result(job: Job, target: Target, task: Task, directory: Path, save_id:
         digests[expected[name]] = digest
     if isinstance(target, DcpTarget):
         name = lean.file_name(task.index, save_id)
-        return _rebuilt_part(job, task, name, digests[name], record.get("part"))
+        return _rebuilt_part(job, target, task, name, digests[name], record.get("part"))
     if isinstance(target, ShardedTarget):
         return digests
     return next(iter(digests.values()))
 
 
-def _rebuilt_part(job: Job, task: Task, name: str, digest: FileDigest, rows: object) -> lean.LeanPart | None:
+def _rebuilt_part(
+    job: Job, target: Target, task: Task, name: str, digest: FileDigest, rows: object
+) -> lean.LeanPart | None:
     """The task's :class:`~parallel_dcp.formats.lean.LeanPart` from the plan, with offsets and
     lengths from the record (each checked to lie inside the file)."""
     if not isinstance(rows, list) or len(rows) != len(task.keys):
         return None
-    part = lean.LeanPart(name, digests={name: digest})
+    # A compressed job's records are all zstd frames (the job record's identity says which).
+    compression = getattr(target, "compression", None)
+    part = lean.LeanPart(name, digests={name: digest}, descriptors=[DESCRIPTOR] if compression is not None else None)
     seen: set[str] = set()
     for row in rows:
         if not isinstance(row, list) or len(row) != 5:
@@ -344,7 +351,8 @@ def _rebuilt_part(job: Job, task: Task, name: str, digest: FileDigest, rows: obj
             return None
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (offset, length)):
             return None
-        if offset + length > digest.size or length < job.out_bytes(unit):
+        # (a compressed record may be shorter than its tensor; a plain one never is)
+        if offset + length > digest.size or (compression is None and length < job.out_bytes(unit)):
             return None
         seen.add(unit)
         chunk = job.chunks.get(unit)

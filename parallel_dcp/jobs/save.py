@@ -20,7 +20,7 @@ __all__ = ["save"]
 def save(state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult:
     """Save an in-memory state dict as DCP; see :func:`parallel_dcp.save` for the contract."""
     start = time.perf_counter()
-    target = DcpTarget(path, options.storage_options)
+    target = DcpTarget(path, options.storage_options, compression=options.compression())
     governor = MemoryGovernor(options.memory_ceiling())
     with gc_paused():  # flattening 50,000 keys; see gc_paused
         source = MemorySource(str(path), state_dict=state_dict)

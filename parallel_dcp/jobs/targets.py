@@ -32,6 +32,7 @@ from parallel_dcp.formats.base import FileFormat, Source, index_json
 from parallel_dcp.formats.dcp_format import ChunkSavePlanner
 from parallel_dcp.options import Options
 from parallel_dcp.partial import merge_metadata, partial_save
+from parallel_dcp.storage.compression import Compression
 from parallel_dcp.storage.location import Remote, locate, upload_memory
 from parallel_dcp.storage.manifest import FileDigest, Hasher, file_digest, manifest_bytes
 from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
@@ -228,11 +229,23 @@ class DcpTarget(Target):
     kind = "dcp"
     splits_tensors = True
 
-    def __init__(self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None = None,
+        *,
+        compression: Compression | None = None,
+    ) -> None:
         self.path = _where(path, storage_options)
+        self.compression = compression
 
     def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
         return stage_directory(self.path, overwrite=overwrite, layout=DCP_LAYOUT, protect=protect or [], resume=resume)
+
+    def io_memory(self, nbytes: int) -> int:
+        """The output stream's buffers, and the compressor's (one record at a time per task)."""
+        compressor = self.compression.memory() if self.compression is not None else 0
+        return super().io_memory(nbytes) + compressor
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)
@@ -240,7 +253,7 @@ class DcpTarget(Target):
         tasks = partition(items, workers, max_task_memory=max(1, budget - io))
         # A task on the lean path (plain tensors) holds no DCP planner: a smaller fixed cost. It was
         # measured for local files; an upload to object storage keeps the full figure.
-        local = self.io_memory(1) == 0
+        local = not isinstance(self.path, Remote)
         saved = TASK_MEMORY_BYTES - LEAN_TASK_MEMORY_BYTES if local and job.source.plain_tensors() else 0
         return [dataclasses.replace(t, memory=t.memory - saved + self.io_memory(t.nbytes)) for t in tasks]
 
@@ -250,6 +263,7 @@ class DcpTarget(Target):
             sync_files=options.sync_files,
             checksums=options.checksums,
             expected_bytes=task.nbytes,
+            compression=self.compression,
         )
         whole = {unit: value for unit, value in data.items() if unit not in job.chunks}
         chunks = [(job.chunks[u], v) for u, v in data.items() if u in job.chunks]
@@ -510,15 +524,17 @@ def target_for(
     *,
     shard_size: int = DEFAULT_SHARD_SIZE,
     storage_options: dict[str, Any] | None = None,
+    compression: Compression | None = None,
 ) -> Target:
-    """The target a destination path and ``to`` name.
+    """The target a destination path and ``to`` name (``compression``: DCP outputs only).
 
     ``to=None`` goes by the path: ``*.safetensors`` is one safetensors file, ``*.pt``/``*.pth``/
     ``*.bin`` one torch.save file, anything else a DCP directory. With ``to="safetensors"`` or
     ``"torch"``, a path without those suffixes is a sharded directory.
 
     Raises:
-        ValueError: an unknown ``to``, or a suffix that contradicts it.
+        ValueError: an unknown ``to``, a suffix that contradicts it, or compression for an output
+            that is not DCP.
     """
     name = os.fspath(path)
     by_suffix = next((kind for kind, f in FILE_FORMATS.items() if name.endswith(f.suffixes)), None)
@@ -528,8 +544,10 @@ def target_for(
         raise ValueError(f"unknown output format {to!r}: use {', '.join(FORMATS)}")
     if by_suffix is not None and by_suffix != to:
         raise ValueError(f"{name} names a {by_suffix} file but the output format is {to}")
+    if compression is not None and to != "dcp":
+        raise ValueError(f"compression applies to DCP outputs only; {name} is a {to} output")
     if to == "dcp":
-        return DcpTarget(path, storage_options)
+        return DcpTarget(path, storage_options, compression=compression)
     if by_suffix is not None:
         return FileTarget(path, to, storage_options)
     return ShardedTarget(path, to, shard_size, storage_options)

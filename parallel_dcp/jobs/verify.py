@@ -169,6 +169,7 @@ def verify(
     dtype: torch.dtype | None = None,
     *,
     trust_pickle: bool = False,
+    deep: bool = True,
 ) -> VerifyReport:
     """See :func:`parallel_dcp.verify`."""
     if dtype is not None and against is None:
@@ -187,7 +188,7 @@ def verify(
             else None
         )
         try:
-            return _verify(source, reference, options, governor, dtype)
+            return _verify(source, reference, options, governor, dtype, deep=deep or reference is not None)
         finally:
             if reference is not None:
                 reference.close()
@@ -258,6 +259,8 @@ def _verify(
     options: Options,
     governor: MemoryGovernor,
     dtype: torch.dtype | None,
+    *,
+    deep: bool = True,
 ) -> VerifyReport:
     against = reference.path if reference is not None else None
     report = VerifyReport(path=source.path, format=source.kind, against=against)
@@ -284,7 +287,7 @@ def _verify(
         for k in theirs - set(keys):
             key_problems[k] = (0, f"in {against} but missing here")
         keys = [k for k in keys if k in theirs]
-    report.keys_checked = len(keys)
+    report.keys_checked = len(keys) if deep else 0  # --no-deep reads no key back
     try:  # damaged shards are found before reading; unsafe values are refused by name
         source.check(keys)
     except CorruptCheckpointError as exc:
@@ -298,7 +301,7 @@ def _verify(
         for k in keys:
             if (problem := _header_problem(source, reference, k, dtype)) is not None:
                 key_problems[k] = (0, problem)
-    tensors = [k for k in keys if k in source.entries and k not in key_problems]
+    tensors = [k for k in keys if k in source.entries and k not in key_problems] if deep else []
 
     # As many workers as leave each task room for a row range of at least MIN_MEMORY_CHUNK_BYTES.
     while (

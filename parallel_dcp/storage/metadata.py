@@ -132,6 +132,7 @@ def check_metadata(metadata: Metadata, file: object) -> None:
     if not isinstance(storage, dict):
         raise CorruptCheckpointError(f"{file}: storage_data is not a mapping")
     stored: dict[str, int] = {}
+    compressed: set[str] = set()
     for index, info in storage.items():
         where = f"{file} (key {getattr(index, 'fqn', index)!r})"
         check_name(getattr(info, "relative_path", None), where)
@@ -141,6 +142,13 @@ def check_metadata(metadata: Metadata, file: object) -> None:
                 f"{getattr(info, 'length', None)!r}"
             )
         fqn = getattr(index, "fqn", None)
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors:
+            if not isinstance(descriptors, (list, tuple)) or not all(isinstance(d, str) for d in descriptors):
+                raise CorruptCheckpointError(f"{where}: impossible transform descriptors {descriptors!r}")
+            # a compressed record holds fewer bytes than its tensor; its reader bounds what it
+            # decompresses by the tensor's size instead (storage/compression.py)
+            compressed.add(str(fqn))
         stored[str(fqn)] = stored.get(str(fqn), 0) + int(info.length)
     # What a reader allocates is bounded by what is stored (and check_shards bounds that by the
     # files' real sizes): a tensor's chunks cover it, and each chunk's bytes are in its records.
@@ -149,7 +157,7 @@ def check_metadata(metadata: Metadata, file: object) -> None:
             continue
         itemsize = meta.properties.dtype.itemsize
         covered = sum(math.prod(chunk.sizes) for chunk in meta.chunks)
-        if math.prod(meta.size) > covered or covered * itemsize > stored.get(key, 0):
+        if math.prod(meta.size) > covered or (covered * itemsize > stored.get(key, 0) and key not in compressed):
             raise CorruptCheckpointError(
                 f"{file}: key {key!r} claims {math.prod(meta.size)} elements ({covered} in its chunks) but "
                 f"{stored.get(key, 0)} stored bytes: impossible sizes"

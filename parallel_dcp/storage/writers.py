@@ -1,6 +1,7 @@
 """The ``FileSystemWriter`` a save's workers use: one per task, writing the task's shard.
 
-It writes stock DCP files; it differs from ``FileSystemWriter`` only in what it reports.
+It writes stock DCP files (plain or compressed records); it differs from ``FileSystemWriter`` only in
+what it reports.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.futures import Future
 from parallel_dcp import _compat
 from parallel_dcp.engine import progress
 from parallel_dcp.storage import records
+from parallel_dcp.storage.compression import DESCRIPTOR, Compression, RecordCompressor
 from parallel_dcp.storage.location import Remote, RemoteFileSystem
 from parallel_dcp.storage.manifest import FileDigest, Hasher
 
@@ -133,6 +135,9 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
 
     On object storage (``path`` a :class:`Remote`) the shard is a multipart upload of parts sized
     for ``expected_bytes``; nothing is fsynced (an upload is durable once it completes).
+
+    With ``compression``, every record (values and tensors) is one zstd frame, as stock's
+    ``ZStandard`` extension writes it (see :mod:`parallel_dcp.storage.compression`).
     """
 
     def __init__(
@@ -142,8 +147,12 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
         sync_files: bool,
         checksums: bool = True,
         expected_bytes: int = 0,
+        compression: Compression | None = None,
     ) -> None:
         remote = isinstance(path, Remote)
+        self.compression = compression
+        if compression is not None:
+            _compat.check_transform_descriptors()
         super().__init__(str(path), sync_files=sync_files and not remote, thread_count=1)
         self._recording: _Recording
         if isinstance(path, Remote):
@@ -157,6 +166,10 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
 
     def original_error(self) -> OSError | None:
         return self._recording.error
+
+    def descriptors(self) -> list[str] | None:
+        """What each record's ``_StorageInfo.transform_descriptors`` says (None: uncompressed)."""
+        return [DESCRIPTOR] if self.compression is not None else None
 
     def digests(self) -> dict[str, FileDigest]:
         """Size and checksum of every file written, by file name."""
@@ -178,7 +191,10 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
             [planner.resolve_data(item) for item in tensors],  # type: ignore[misc]
         )
         future: Future[list[WriteResult]] = Future()
-        future.set_result([_result(item, name, *at) for item, at in zip(values + tensors, placed, strict=True)])
+        descriptors = self.descriptors()
+        future.set_result(
+            [_result(item, name, *at, descriptors) for item, at in zip(values + tensors, placed, strict=True)]
+        )
         return future
 
     def write_records(self, name: str, values: list[io.BytesIO], tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
@@ -187,12 +203,19 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
 
         A tensor whose storage holds more than its elements is cloned first, as DCP does; tensors of
         the cases :mod:`parallel_dcp.storage.records` knows are written from a cached record template.
+        With compression, each record goes through its own zstd frame, a piece at a time; offsets and
+        lengths are those of the stored (compressed) bytes.
         """
         placed: list[tuple[int, int]] = []
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+            compressor = RecordCompressor(stream, self.compression) if self.compression is not None else None
             for value in values:
                 offset = stream.tell()
-                stream.write(value.getbuffer())
+                if compressor is None:
+                    stream.write(value.getbuffer())
+                else:
+                    with compressor.record(value.getbuffer().nbytes) as out:
+                        out.write(value.getbuffer())
                 placed.append((offset, stream.tell() - offset))
             for tensor in tensors:
                 tensor = tensor.detach().cpu()
@@ -200,16 +223,25 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
                     tensor = tensor.clone()  # never write more than the tensor's elements
                 offset = stream.tell()
                 template = records.template_for(tensor)
-                if template is None:
-                    torch.save(tensor, _NoClose(stream))  # type: ignore[arg-type]
+                if compressor is None:
+                    _write_record(stream, tensor, template)
                 else:
-                    stream.write(template.prefix)
-                    stream.write(records.storage_bytes(tensor))
-                    stream.write(template.suffix)
+                    with compressor.record(template.size() if template is not None else None) as out:
+                        _write_record(out, tensor, template)
                 placed.append((offset, stream.tell() - offset))
             if self.sync_files:
                 os.fsync(stream.fileno())
         return placed
+
+
+def _write_record(stream: Any, tensor: torch.Tensor, template: records.Template | None) -> None:
+    """One tensor's torch.save record: from its class's template where there is one."""
+    if template is None:
+        torch.save(tensor, _NoClose(stream))  # type: ignore[arg-type]
+    else:
+        stream.write(template.prefix)
+        stream.write(records.storage_bytes(tensor))
+        stream.write(template.suffix)
 
 
 class _NoClose:
@@ -225,5 +257,6 @@ class _NoClose:
         """The shard's stream flushes when the shard is done."""
 
 
-def _result(item: WriteItem, name: str, offset: int, length: int) -> WriteResult:
-    return WriteResult(index=item.index, size_in_bytes=length, storage_data=_compat.storage_info(name, offset, length))
+def _result(item: WriteItem, name: str, offset: int, length: int, descriptors: list[str] | None) -> WriteResult:
+    info = _compat.storage_info(name, offset, length, descriptors)
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=info)
