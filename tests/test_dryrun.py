@@ -43,7 +43,10 @@ def llm_state(layers: int = 4, d: int = 512) -> dict[str, Any]:
     return {"model": model, "optimizer": {"state": optim, "lr": 3e-4}, "step": 10}
 
 
-RUNS = 5
+# The prediction is what both workers hold when their largest moments coincide; whether they
+# coincide in one run is timing: the highest of several runs finds it (5 missed it once in a
+# full-suite run: 27-58 MiB measured against 84 MiB in a run alone).
+RUNS = 8
 
 
 @pytest.fixture(autouse=True)
