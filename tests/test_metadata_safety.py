@@ -51,3 +51,18 @@ def test_loading_a_directory_without_a_commit(tmp_path: Path) -> None:
     (tmp_path / "ckpt" / "__0_0.distcp").write_bytes(b"x")
     with pytest.raises(FileNotFoundError, match=r"no \.metadata"):
         parallel_dcp.load(tmp_path / "ckpt")
+
+
+def test_allowed_classes_built_without_their_fields_are_a_clear_error(tmp_path: Path) -> None:
+    # A crafted (or fuzzed) .metadata may hold the right classes with fields missing: every
+    # reader says the checkpoint is corrupt, none fails with an AttributeError.
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    parallel_dcp.save({"w": torch.ones(4)}, tmp_path / "ckpt", workers=1)
+    metadata = FileSystemReader(str(tmp_path / "ckpt")).read_metadata()
+    metadata.state_dict_metadata["w"].chunks = [ChunkStorageMetadata.__new__(ChunkStorageMetadata)]
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(metadata))
+    for read in (parallel_dcp.load, parallel_dcp.inspect, parallel_dcp.verify):
+        with pytest.raises(CorruptCheckpointError, match="malformed metadata"):
+            read(tmp_path / "ckpt")

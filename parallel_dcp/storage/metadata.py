@@ -107,7 +107,21 @@ def _count(value: object) -> bool:
 
 
 def check_metadata(metadata: Metadata, file: object) -> None:
-    """Every name plain, every size and offset possible; before anything else is read."""
+    """Every name plain, every size and offset possible; before anything else is read.
+
+    Raises:
+        CorruptCheckpointError: anything impossible, including objects of the allowed classes
+            built without the fields they must have (a crafted or damaged pickle can do that).
+    """
+    try:
+        _check_metadata(metadata, file)
+    except CorruptCheckpointError:
+        raise
+    except (AttributeError, TypeError, ValueError, OverflowError) as exc:
+        raise CorruptCheckpointError(f"{file}: malformed metadata ({type(exc).__name__}: {exc})") from exc
+
+
+def _check_metadata(metadata: Metadata, file: object) -> None:
     if not isinstance(metadata.state_dict_metadata, dict):
         raise CorruptCheckpointError(f"{file}: state_dict_metadata is not a mapping")
     for key, meta in metadata.state_dict_metadata.items():
