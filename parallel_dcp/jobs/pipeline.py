@@ -367,10 +367,11 @@ def choose_executor(job: Job, options: Options) -> str:
         return options.executor
     if not isinstance(job.source, MemorySource) or options.retries or options.task_timeout is not None:
         return "processes"
-    if options.compress is not None:
-        return "processes"  # compression is CPU work: one process per worker scales whatever zstd does with the GIL
     if not all(plain_value(v) for v in job.source.values.values()):
         return "processes"  # pickling user objects runs their code: keep it out of the caller
+    # Large tensors go to threads, compressed or not: zstandard compresses without the GIL
+    # (measured, 582 MiB of bf16 at zstd:3: threads 1.27 s / 0.84 s at 1 / 2 workers, forked
+    # processes 1.47 s / 0.96 s, which also pay the fork and the first touch of inherited pages).
     entries = job.source.entries
     sizes = [nbytes for u, (nbytes, _) in job.sizes().items() if u in entries or u in job.chunks]
     return "threads" if sizes and sum(sizes) / len(sizes) >= THREAD_MIN_ITEM_BYTES else "processes"
