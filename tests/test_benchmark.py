@@ -324,7 +324,21 @@ def test_projection_model_arithmetic() -> None:
     forked = Samples(runs={w: [(1.0 if w == 1 else 0.7, 0.8, 2**30, phases | {"fork": 0.02 * w})] * 3 for w in (1, 2)})
     rows = {row["workers"]: row for row in project(forked, [plain], warmup=1, keys=1000)["rows"]}
     assert rows[1]["projected_seconds"] == pytest.approx(1.0)
-    assert rows[16]["projected_seconds"] == pytest.approx(0.2 - 0.02 + 16 * 0.02 + 0.8 / 16)
+    # 16 workers, each starting 20 ms after the one before: W with sum(max(0, W - 0.02 i)) = 0.8.
+    work = rows[16]["projected_seconds"] - (0.2 - 0.02)
+    assert sum(max(0.0, work - 0.02 * i) for i in range(16)) == pytest.approx(0.8, rel=1e-6)
+    assert 0.8 / 16 < work < 0.8 / 16 + 15 * 0.02
+
+
+def test_staggered_work() -> None:
+    from parallel_dcp.benchmark.scaling import staggered_work_seconds
+
+    assert staggered_work_seconds(1.0, 4, 0.0) == pytest.approx(0.25)
+    assert staggered_work_seconds(1.0, 1, 0.5) == pytest.approx(1.0)
+    # Two workers, the second 0.4 s late: W + (W - 0.4) = 1.0
+    assert staggered_work_seconds(1.0, 2, 0.4) == pytest.approx(0.7)
+    # Forks so slow that later workers never start before the work is done.
+    assert staggered_work_seconds(0.1, 8, 1.0) == pytest.approx(0.1)
 
 
 def test_load_suites_compare_every_reader_on_both_checkpoints(tmp_path: Path) -> None:

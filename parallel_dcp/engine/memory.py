@@ -301,6 +301,17 @@ class MemoryGovernor:
                 keys=[],
             )
 
+    def room_for_worker(self, need: int) -> bool:
+        """Whether a worker started now (its planned idle cost) and a task needing ``need`` on
+        it fit beside what is in flight."""
+        worker = WORKER_MEMORY_BYTES + self.worker_extra
+        return self.overhead + self.reserved + self._in_flight + worker + need <= self.limit
+
+    def add_worker(self) -> None:
+        """A worker started after :meth:`settle`: its idle cost, as planned, joins the overhead
+        (the watchdog still measures what it really adds)."""
+        self.overhead += WORKER_MEMORY_BYTES + self.worker_extra
+
     def admit(self, need: int) -> bool:
         """True (and the bytes are reserved) when a task needing ``need`` fits beside those in flight."""
         if self.overhead + self.reserved + self._in_flight + need > self.limit:

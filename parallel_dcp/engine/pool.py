@@ -168,7 +168,13 @@ class WorkerPool:
         handler: Callable[[Task], Any],
         *,
         initializer: Callable[[], None] | None = None,
+        start: int | None = None,
     ) -> None:
+        """``start``: how many workers to fork now (default: all); :meth:`run` forks the others
+        one at a time while the first ones work, when a task is waiting and no worker is free.
+        A fork copies the coordinator's page tables (~50 ms per GiB it holds), one after
+        another: forked as the work needs them, those forks overlap the work instead of all
+        preceding it."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self._ctx = mp.get_context("fork")
@@ -176,9 +182,10 @@ class WorkerPool:
         self._initializer = initializer
         self._conns: list[Any] = [None] * workers
         self._procs: list[Any] = [None] * workers
+        self._unstarted = deque(range(workers))
         try:
-            for i in range(workers):
-                self._start(i)
+            for _ in range(workers if start is None else max(1, min(start, workers))):
+                self._start(self._unstarted.popleft())
         except BaseException:
             self.kill()
             raise
@@ -239,7 +246,7 @@ class WorkerPool:
         pending = deque(tasks)
         running: dict[int, tuple[Task, float]] = {}
         attempts: dict[int, int] = {}
-        idle = deque(range(len(self._procs)))
+        idle = deque(w for w, proc in enumerate(self._procs) if proc is not None)
         tick = governor.interval if governor is not None else None
         if on_tick is not None:
             tick = min(tick or _PROGRESS_TICK_S, _PROGRESS_TICK_S)
@@ -250,6 +257,15 @@ class WorkerPool:
                 governor.settle(self.pids, planned=sum(task.memory for task in tasks))
             while pending or running:
                 self._dispatch(pending, idle, running, governor)
+                # A task waits and every started worker is busy: fork the next one for it (it
+                # is admitted, or refused, as any task is: by the governor, in _dispatch).
+                while pending and not idle and self._unstarted and self._admissible(pending[0], governor):
+                    worker = self._unstarted.popleft()
+                    self._start(worker)
+                    if governor is not None:
+                        governor.add_worker()
+                    idle.append(worker)
+                    self._dispatch(pending, idle, running, governor)
                 # Map what we wait on to workers now: a worker restarted below gets new ones.
                 owners: dict[Any, int] = {self._procs[w].sentinel: w for w in running}
                 owners.update({id(self._conns[w]): w for w in running})
@@ -287,6 +303,11 @@ class WorkerPool:
         except BaseException:
             self.kill()
             raise
+
+    @staticmethod
+    def _admissible(task: Task, governor: MemoryGovernor | None) -> bool:
+        """Whether one more worker, and ``task`` on it, would fit beside what is in flight."""
+        return governor is None or governor.room_for_worker(task.memory)
 
     def _dispatch(
         self,

@@ -412,7 +412,8 @@ def run_tasks(
                     results.append(result)
                     bar.refresh()
         else:
-            with WorkerPool(workers, handler, initializer=_worker_setup(options)) as pool:
+            # One worker forked before the first task; the others as the work needs them.
+            with WorkerPool(workers, handler, initializer=_worker_setup(options), start=1) as pool:
                 if phases is not None:
                     phases["fork"] = time.perf_counter() - began
                 for result in pool.run(
