@@ -321,11 +321,11 @@ def test_projection_model_arithmetic() -> None:
     lines = projection_lines(projection)
     assert "not a measurement" in lines[0] and any("S = 0.200 s serial" in line for line in lines)
     # Forking is serial and once per worker: 20 ms each (the fork phase over the worker count).
-    forked = Samples(runs={w: [(1.0 if w == 1 else 0.7, 0.8, 2**30, phases | {"fork": 0.02 * w})] * 3 for w in (1, 2)})
+    forked = Samples(runs={w: [(1.0 if w == 1 else 0.7, 0.8, 2**30, phases | {"fork": 0.02})] * 3 for w in (1, 2)})
     rows = {row["workers"]: row for row in project(forked, [plain], warmup=1, keys=1000)["rows"]}
     assert rows[1]["projected_seconds"] == pytest.approx(1.0)
     # 16 workers, each starting 20 ms after the one before: W with sum(max(0, W - 0.02 i)) = 0.8.
-    work = rows[16]["projected_seconds"] - (0.2 - 0.02)
+    work = rows[16]["projected_seconds"] - 0.2
     assert sum(max(0.0, work - 0.02 * i) for i in range(16)) == pytest.approx(0.8, rel=1e-6)
     assert 0.8 / 16 < work < 0.8 / 16 + 15 * 0.02
 

@@ -5,15 +5,15 @@
                (summed over workers: P) and the bytes written (B)
     model      S = T(1) - P(1)          what the coordinator does alone (plan, fork, dispatch,
                                         unpickling results, merge, .metadata, manifest, publish)
-               F = fork seconds per worker (median over the measured counts of the fork phase / w):
+               F = seconds to fork one worker (the median fork phase, which holds the first fork):
                    the coordinator forks its workers one after another (each fork copies the
                    page tables of everything it holds), the first before any task, each other
                    one when a task waits and every started worker is busy, so worker i starts
                    working i * F after the first
                W(N) = the time in which N such workers get P(1) worker-seconds done:
                       sum over i < N of max(0, W - i * F) = P(1)
-               T(N) = S - F + W(N)                                   (storage not the bottleneck)
-               T_capped(N) = S - F + max(W(N), B / plain-write rate)  (this machine's storage)
+               T(N) = S + W(N)       (S holds the first fork)     (storage not the bottleneck)
+               T_capped(N) = S + max(W(N), B / plain-write rate)      (this machine's storage)
     printed    the projected speedup T(1) / T(N) at 1, 2, 8, 16, 32, 64, 128 beside the measured
                T(1) / T(w): a projection, labelled as one, never a measurement.
 
@@ -99,13 +99,15 @@ def project(samples: Samples, measured: list[Measured], warmup: int, keys: int) 
     plain = {m.case.procs: _median(m.walls) for m in measured if m.case.family == "plain write" and m.walls}
     memcpy = [_median(m.walls) for m in measured if m.case.family == "memcpy" and m.walls]
     storage_rate = max((nbytes / s for s in plain.values() if s > 0), default=0.0)
-    fork = _median([phases[count]["fork"] / count for count in phases]) if phases and "fork" in runs[1][0][3] else 0.0
+    # The fork phase holds the first worker's fork and measuring it (the others fork during the
+    # write): an upper bound on one fork.
+    fork = _median([phases[count]["fork"] for count in phases]) if phases and "fork" in runs[1][0][3] else 0.0
     fork = min(fork, serial)
     rows = []
     for count in sorted(set(PROJECTED_COUNTS) | set(walls)):
         work = staggered_work_seconds(inside, count, fork)
-        model = serial - fork + work
-        capped = serial - fork + max(work, nbytes / storage_rate if storage_rate else 0.0)
+        model = serial + work
+        capped = serial + max(work, nbytes / storage_rate if storage_rate else 0.0)
         rows.append(
             {
                 "workers": count,
@@ -117,8 +119,8 @@ def project(samples: Samples, measured: list[Measured], warmup: int, keys: int) 
             }
         )
     return {
-        "model": "T(N) = S - F + W(N), W: sum over i<N of max(0, W - i*F) = P (worker i starts i*F late);"
-        " capped: S - F + max(W(N), B/plain-write rate); speedup = T(1) measured / T(N)",
+        "model": "T(N) = S + W(N), W: sum over i<N of max(0, W - i*F) = P (worker i starts i*F late);"
+        " capped: S + max(W(N), B/plain-write rate); speedup = T(1) measured / T(N)",
         "serial_seconds": serial,
         "fork_seconds_per_worker": fork,
         "keys": keys,
