@@ -70,6 +70,25 @@ def moto_server() -> Iterator[str]:
             os.kill(pid, signal.SIGTERM)
 
 
+@contextmanager
+def moto_endpoint() -> Iterator[str]:
+    """A moto server's URL, with its credentials in the environment (and no other endpoint or
+    profile) while it runs; the environment as it was afterwards."""
+    saved = {name: os.environ.get(name) for name in [*CREDENTIALS, "AWS_ENDPOINT_URL", "AWS_PROFILE"]}
+    os.environ.update(CREDENTIALS)
+    os.environ.pop("AWS_ENDPOINT_URL", None)  # the endpoint is given explicitly unless a test sets it
+    os.environ.pop("AWS_PROFILE", None)
+    try:
+        with moto_server() as url:
+            yield url
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _serve(port: int, owner: int) -> None:
     import psutil
     from moto.server import ThreadedMotoServer

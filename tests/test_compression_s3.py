@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -15,26 +14,15 @@ import parallel_dcp
 from parallel_dcp.storage.location import locate
 from parallel_dcp.storage.metadata import read_metadata
 from tests.conftest import assert_same, empty_like_state
-from tests.s3_server import CREDENTIALS, moto_server
+from tests.s3_server import moto_endpoint
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
 def options() -> Iterator[dict[str, Any]]:
-    saved = {name: os.environ.get(name) for name in [*CREDENTIALS, "AWS_ENDPOINT_URL", "AWS_PROFILE"]}
-    os.environ.update(CREDENTIALS)
-    os.environ.pop("AWS_ENDPOINT_URL", None)
-    os.environ.pop("AWS_PROFILE", None)
-    try:
-        with moto_server() as url:
-            yield {"endpoint_url": url}
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with moto_endpoint() as url:
+        yield {"endpoint_url": url}
 
 
 @pytest.fixture

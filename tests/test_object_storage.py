@@ -29,26 +29,15 @@ from parallel_dcp.errors import CheckpointExistsError, InvalidDestinationError, 
 from parallel_dcp.storage.location import locate
 from parallel_dcp.storage.metadata import read_metadata
 from tests.conftest import assert_same, empty_like_state
-from tests.s3_server import CREDENTIALS, moto_server
+from tests.s3_server import moto_endpoint
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
-    saved = {name: os.environ.get(name) for name in [*CREDENTIALS, "AWS_ENDPOINT_URL", "AWS_PROFILE"]}
-    os.environ.update(CREDENTIALS)
-    os.environ.pop("AWS_ENDPOINT_URL", None)  # the endpoint is given explicitly unless a test sets it
-    os.environ.pop("AWS_PROFILE", None)
-    try:
-        with moto_server() as url:
-            yield url
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with moto_endpoint() as url:
+        yield url
 
 
 @pytest.fixture
