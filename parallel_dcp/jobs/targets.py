@@ -281,11 +281,11 @@ class DcpTarget(Target):
 
     def outgoing(self, job: Job, result: Any) -> Any:
         # The worker pickles its keys' .metadata entries: the coordinator only splices them.
-        return lean.encode(result, job.source.mapping, job.positions()) if _unencoded(result) else result
+        return _encoded(job, result)
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         # Tasks a resume kept come back from their records as plain parts: encoded here.
-        results = [lean.encode(r, job.source.mapping, job.positions()) if _unencoded(r) else r for r in results]
+        results = [_encoded(job, r) for r in results]
         digests: dict[str, FileDigest] = {}
         for result in results:
             digests.update(result.digests if isinstance(result, lean.LeanPart) else result[2])
@@ -308,9 +308,10 @@ class DcpTarget(Target):
         return len(digests)  # the shards and .metadata, as inspect lists them
 
 
-def _unencoded(result: Any) -> bool:
-    """A lean part still holding whole keys as tuples (not yet pickled by :func:`lean.encode`)."""
-    return isinstance(result, lean.LeanPart) and (bool(result.values) or any(t[5] is None for t in result.tensors))
+def _encoded(job: Job, result: Any) -> Any:
+    """``result`` with a lean part's whole keys pickled (:func:`lean.encode`), unless they are already."""
+    plain = isinstance(result, lean.LeanPart) and (bool(result.values) or any(t[5] is None for t in result.tensors))
+    return lean.encode(result, job.source.mapping, job.positions()) if plain else result
 
 
 def _remaining_entries(job: Job, results: list[Any]) -> list[tuple[int, tuple[bytes, bytes, bytes]]]:
@@ -416,13 +417,7 @@ class ShardedTarget(Target):
         self.format.write(data, str(where), None)
         return {name: _finish_file(where, options)}
 
-    def outgoing(self, job: Job, result: Any) -> Any:
-        # The worker pickles its keys' .metadata entries: the coordinator only splices them.
-        return lean.encode(result, job.source.mapping, job.positions()) if _unencoded(result) else result
-
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
-        # Tasks a resume kept come back from their records as plain parts: encoded here.
-        results = [lean.encode(r, job.source.mapping, job.positions()) if _unencoded(r) else r for r in results]
         digests: dict[str, FileDigest] = {}
         for result in results:
             digests.update(result)
