@@ -1,0 +1,88 @@
+"""Opening files in a directory that someone else may also write.
+
+A checkpoint directory can be writable by other users (a shared scratch file system), so any name in
+it may be a planted symlink at any moment. Two rules make that harmless:
+
+- a file a job writes is always created new: ``O_CREAT | O_EXCL | O_NOFOLLOW``, by name relative to
+  an open descriptor of the directory. ``O_EXCL`` refuses any existing name, a symlink included, so
+  no write ever lands outside the directory or in a file the job did not create;
+- a file a job reads is opened with ``O_NOFOLLOW`` and checked to be a regular file, so a symlink
+  or a FIFO in place of a shard is refused instead of followed (or blocked on).
+
+Resolving names against a directory descriptor, not a path, also keeps a job in the directory it
+checked even if a parent directory is renamed or replaced while it runs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+from parallel_dcp.errors import UnsafeCheckpointError
+
+__all__ = ["create_new", "open_directory", "open_regular", "plain_name"]
+
+_CREATE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def plain_name(name: str) -> str:
+    """``name`` if it is a plain file name (no separator, not ``.``/``..``, no NUL); else raise."""
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise UnsafeCheckpointError(f"{name!r} is not a plain file name")
+    return name
+
+
+def open_directory(path: str | os.PathLike[str]) -> int:
+    """A read-only descriptor of the directory ``path`` (the caller closes it).
+
+    The path itself may go through symlinks (the user chose it); names opened relative to the
+    descriptor then cannot.
+    """
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def create_new(directory: int, name: str, *, flags: int = os.O_WRONLY, mode: int = 0o644) -> int:
+    """Create ``name`` in the directory open as ``directory``; return a descriptor open with ``flags``.
+
+    Raises FileExistsError if the name exists in any form (a file, a directory, a symlink to
+    anything), so a name planted before the call is never written through.
+    """
+    return os.open(plain_name(name), flags | _CREATE, mode, dir_fd=directory)
+
+
+def open_regular(directory: int | None, name: str | os.PathLike[str], *, flags: int = os.O_RDONLY) -> int:
+    """Open an existing regular file without following a symlink in its last component.
+
+    ``directory`` is a descriptor ``name`` is relative to (``name`` must then be a plain name), or
+    None for a path. Raises UnsafeCheckpointError if the name is a symlink, a directory, a FIFO or
+    anything else that is not a regular file; FileNotFoundError if it does not exist.
+    """
+    if directory is not None:
+        name = plain_name(os.fspath(name))
+    try:
+        # O_NONBLOCK: opening a planted FIFO must not hang before fstat can refuse it.
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=directory)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeCheckpointError(f"{_shown(directory, name)} is a symlink; refusing to follow it") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafeCheckpointError(f"{_shown(directory, name)} is not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _shown(directory: int | None, name: str | os.PathLike[str]) -> str:
+    if directory is None:
+        return os.fspath(name)
+    try:
+        return os.fspath(Path(os.readlink(f"/proc/self/fd/{directory}")) / os.fspath(name))
+    except OSError:
+        return os.fspath(name)
