@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -248,18 +247,32 @@ def test_json_document_is_strict_even_with_missing_figures() -> None:
 
 
 def test_peak_memory_counts_what_a_forked_child_adds() -> None:
-    """The sampler follows children: a child that fills 64 MiB of its own shows in the peak."""
+    """The sampler follows children: a child that fills 64 MiB of its own shows in the peak.
+
+    The child holds its memory until the sampler has completed a reading that started after the
+    memory was filled, so the test does not depend on how fast a loaded machine runs either side.
+    """
     size = 64 * 2**20
+    filled_r, filled_w = os.pipe()
+    release_r, release_w = os.pipe()
     with PeakMemory() as memory:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child leaves by os._exit only
             try:
                 block = b"\x01" * size  # every page written, so private to the child
-                time.sleep(0.5)
+                os.write(filled_w, b"1")
+                os.read(release_r, 1)
                 del block
             finally:
                 os._exit(0)
-        os.waitpid(pid, 0)
+        try:
+            assert os.read(filled_r, 1) == b"1"
+            memory.wait_for_reading()
+        finally:
+            os.write(release_w, b"1")
+            os.waitpid(pid, 0)
+            for fd in (filled_r, filled_w, release_r, release_w):
+                os.close(fd)
     assert memory.added >= size // 2
     assert memory.cpu_seconds >= 0
 

@@ -126,8 +126,9 @@ class PeakMemory:
     After the block, ``m.added`` is the highest reading minus the reading at entry (bytes, >= 0)
     and ``m.cpu_seconds`` what the sampling thread itself spent, to subtract from CPU figures.
     Page cache and tmpfs files are not process memory and are not counted. Readings torn by a
-    fork or an exit are dropped; a process that lives shorter than the sampling interval can be
-    missed.
+    fork or an exit are dropped; a process that lives shorter than the sampling interval (up to
+    20 times what one reading costs, so that sampling takes at most 1/20 of a core) can be missed:
+    code that must be seen holds its memory until :meth:`wait_for_reading` returns.
     """
 
     def __init__(self) -> None:
@@ -137,6 +138,10 @@ class PeakMemory:
         self._me = psutil.Process()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="bench-memory-sampler", daemon=True)
+        # Readings started and readings completed (untorn), numbered from 1: wait_for_reading's clock.
+        self._started = 0
+        self._completed = 0
+        self._progress = threading.Condition()
 
     @property
     def added(self) -> int:
@@ -154,13 +159,30 @@ class PeakMemory:
         self._stop.set()
         self._thread.join()
 
+    def wait_for_reading(self, timeout: float = 60.0) -> None:
+        """Block until a reading that started after this call has completed untorn.
+
+        Whatever the tree held from this call until then is in ``peak``. Raises TimeoutError if
+        no such reading completes within ``timeout`` seconds (the sampler is not running).
+        """
+        with self._progress:
+            wanted = self._started + 1
+            if not self._progress.wait_for(lambda: self._completed >= wanted, timeout):
+                raise TimeoutError(f"no memory reading completed within {timeout} s")
+
     def _sample(self) -> None:
         start = time.thread_time()
         while True:
             before = time.thread_time()
+            with self._progress:
+                self._started += 1
+                number = self._started
             reading = tree_pss(self._me)
             if reading is not None:
                 self.peak = max(self.peak, reading)
+                with self._progress:
+                    self._completed = number
+                    self._progress.notify_all()
             cost = time.thread_time() - before
             if self._stop.wait(max(_MIN_INTERVAL_S, cost * _SAMPLING_SHARE)):
                 break
