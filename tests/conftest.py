@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -11,6 +14,30 @@ import pytest
 import torch
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_tmpdir() -> Iterator[Path]:
+    """TMPDIR for the session (and every subprocess it starts), removed at its end.
+
+    Tests write under tmp_path, which pytest cleans (pyproject: retention "failed"); this catches
+    what library code or a subprocess writes to the temporary directory on its own
+    (``tempfile.mkdtemp`` for a torch.save source read from object storage, a stock save in a
+    CLI run), so a green run leaves nothing in /tmp.
+    """
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    path = Path(tempfile.mkdtemp(prefix="parallel_dcp-tests-"))
+    os.environ["TMPDIR"] = str(path)
+    tempfile.tempdir = None  # re-read TMPDIR
+    try:
+        yield path
+    finally:
+        if saved[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
