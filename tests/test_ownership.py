@@ -226,8 +226,8 @@ def _kill_holder(proc: subprocess.Popen[str], sig: int) -> int:
     workers = psutil.Process(proc.pid).children()
     time.sleep(0.3)
     proc.send_signal(sig)
-    code = proc.wait(timeout=30)
-    psutil.wait_procs(workers, timeout=10)
+    code = proc.wait(timeout=90)
+    psutil.wait_procs(workers, timeout=60)
     return code
 
 
