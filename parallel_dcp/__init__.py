@@ -14,13 +14,11 @@ lives here, with typed overloads for dry_run; the logic is in jobs/.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
-import torch
-
-from parallel_dcp import _compat
 from parallel_dcp._version import __version__ as __version__
 from parallel_dcp.errors import (
     CheckpointExistsError,
@@ -42,26 +40,67 @@ from parallel_dcp.errors import (
     WorkerCrashed,
     WorkerError,
 )
-from parallel_dcp.formats.fast_read import ReadStats
-from parallel_dcp.formats.fast_reader import FastReader
-from parallel_dcp.jobs import convert as _convert
-from parallel_dcp.jobs import diff as _diff
-from parallel_dcp.jobs import inspect as _inspection
-from parallel_dcp.jobs import load as _loader
-from parallel_dcp.jobs import rename as _rename
-from parallel_dcp.jobs import verify as _verify
-from parallel_dcp.jobs.diff import DiffReport
-from parallel_dcp.jobs.dryrun import DryRunPlan
-from parallel_dcp.jobs.pipeline import SaveResult, WorkerStats
-from parallel_dcp.jobs.rename import RenameRules
-from parallel_dcp.jobs.save import save as _save
-from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE
-from parallel_dcp.jobs.verify import VerifyReport
-from parallel_dcp.options import Options
-from parallel_dcp.partial import commit, extract_metadata, load_metadata, merge_metadata, partial_load, partial_save
-from parallel_dcp.storage.location import is_url
+from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 
-_compat.check_torch()  # a torch or fsspec without a private name we use fails here, naming it
+# torch and the jobs are imported on first use, not here: ``parallel-dcp --help`` and usage errors
+# then answer without the seconds torch takes to import. The names below are served by
+# ``__getattr__``; the public functions import their job modules when called.
+if TYPE_CHECKING:
+    import torch
+
+    from parallel_dcp.formats.fast_read import ReadStats
+    from parallel_dcp.formats.fast_reader import FastReader
+    from parallel_dcp.jobs.diff import DiffReport
+    from parallel_dcp.jobs.dryrun import DryRunPlan
+    from parallel_dcp.jobs.pipeline import SaveResult, WorkerStats
+    from parallel_dcp.jobs.rename import RenameRules
+    from parallel_dcp.jobs.verify import VerifyReport
+    from parallel_dcp.partial import (
+        commit,
+        extract_metadata,
+        load_metadata,
+        merge_metadata,
+        partial_load,
+        partial_save,
+    )
+
+_LAZY = {
+    "ReadStats": "parallel_dcp.formats.fast_read",
+    "FastReader": "parallel_dcp.formats.fast_reader",
+    "DiffReport": "parallel_dcp.jobs.diff",
+    "DryRunPlan": "parallel_dcp.jobs.dryrun",
+    "SaveResult": "parallel_dcp.jobs.pipeline",
+    "WorkerStats": "parallel_dcp.jobs.pipeline",
+    "RenameRules": "parallel_dcp.jobs.rename",
+    "VerifyReport": "parallel_dcp.jobs.verify",
+    **dict.fromkeys(
+        ("commit", "extract_metadata", "load_metadata", "merge_metadata", "partial_load", "partial_save"),
+        "parallel_dcp.partial",
+    ),
+}
+
+
+def _check_torch() -> None:
+    """A torch or fsspec without a private name we use fails here, naming it (once, on first use)."""
+    from parallel_dcp import _compat
+
+    _compat.check_torch()
+
+
+def __getattr__(name: str) -> Any:
+    """The exported classes and seed functions, imported (with torch) the first time one is asked for."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'parallel_dcp' has no attribute {name!r}")
+    _check_torch()
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "CheckpointExistsError",
@@ -276,7 +315,11 @@ def save(
     if dry_run:
         from parallel_dcp.jobs.dryrun import dry_run_save
 
+        _check_torch()
         return dry_run_save(state_dict, path, options)
+    from parallel_dcp.jobs.save import save as _save
+
+    _check_torch()
     return _save(state_dict, path, options)
 
 
@@ -349,6 +392,9 @@ def load(
             storage_options=storage_options,
         ),
     )
+    from parallel_dcp.jobs import load as _loader
+
+    _check_torch()
     return _loader.load(path, keys, options, into=into, trust_pickle=trust_pickle, stats=stats)
 
 
@@ -499,7 +545,13 @@ def convert(
             ``resume``.
     """
     from parallel_dcp.engine.memory import parse_size
+    from parallel_dcp.jobs import convert as _convert
+    from parallel_dcp.jobs import rename as _rename
+    from parallel_dcp.jobs.dryrun import DryRunPlan
+    from parallel_dcp.jobs.pipeline import SaveResult
+    from parallel_dcp.storage.location import is_url
 
+    _check_torch()
     options = _given_or(
         options,
         Options(
@@ -586,6 +638,10 @@ def verify(
         CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
     """
     options = _given_or(options, Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options))
+    from parallel_dcp.jobs import convert as _convert
+    from parallel_dcp.jobs import verify as _verify
+
+    _check_torch()
     return _verify.verify(path, against, options, _convert.parse_dtype(dtype), trust_pickle=trust_pickle, deep=deep)
 
 
@@ -598,6 +654,9 @@ def inspect(
     it is not loadable, or None) and ``leftovers`` (files of saves that did not finish).
     ``path`` may be a URL (``storage_options`` as for :func:`save`); ``trust_pickle`` lets a
     torch.save file that needs ``weights_only=False`` be listed (it runs its pickle code)."""
+    from parallel_dcp.jobs import inspect as _inspection
+
+    _check_torch()
     return _inspection.inspect_checkpoint(path, storage_options, trust_pickle=trust_pickle)
 
 
@@ -626,4 +685,7 @@ def diff(
         MemoryLimitExceeded: one tensor cannot be read under ``memory_limit``.
     """
     options = _given_or(options, Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options))
+    from parallel_dcp.jobs import diff as _diff
+
+    _check_torch()
     return _diff.diff(a, b, options, trust_pickle=trust_pickle)

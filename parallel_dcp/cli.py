@@ -17,15 +17,19 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import parallel_dcp
 from parallel_dcp.engine.memory import format_bytes, parse_size
-from parallel_dcp.formats import FORMATS
-from parallel_dcp.jobs.inspect import describe
-from parallel_dcp.jobs.pipeline import SaveResult
+
+# Nothing here imports torch (parallel_dcp's own imports are lazy): --help and usage errors answer
+# at once, and a command imports what it runs when it runs.
+if TYPE_CHECKING:
+    from parallel_dcp.jobs.pipeline import SaveResult
 
 __all__ = ["main"]
+
+FORMATS = ("dcp", "safetensors", "torch")  # parallel_dcp.formats.FORMATS (tests keep them equal)
 
 
 def _storage_options(text: str) -> dict[str, Any]:
@@ -380,6 +384,8 @@ def _inspect(args: argparse.Namespace) -> int:
         )
         print(json.dumps(report.as_dict(), indent=2) if args.json else describe_diff(report))
         return 0 if report.same else 1
+    from parallel_dcp.jobs.inspect import describe
+
     info = parallel_dcp.inspect(args.path, storage_options=args.storage_options, trust_pickle=args.trust_pickle)
     print(json.dumps(info, indent=2) if args.json else describe(info))
     return 0

@@ -9,7 +9,9 @@ from typing import Any
 from parallel_dcp.engine.memory import default_limit, parse_size
 from parallel_dcp.storage.compression import Compression, parse_compress
 
-__all__ = ["Options", "usable_cores"]
+__all__ = ["DEFAULT_SHARD_SIZE", "Options", "usable_cores"]
+
+DEFAULT_SHARD_SIZE = 5 * 10**9  # largest shard of a sharded output: what Hugging Face's save_pretrained uses
 
 
 def usable_cores() -> int:

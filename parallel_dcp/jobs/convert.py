@@ -25,8 +25,8 @@ from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
-from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE, Job, Target, target_for
-from parallel_dcp.options import Options
+from parallel_dcp.jobs.targets import Job, Target, target_for
+from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.storage.location import Location, Remote, is_url, locate
 
 __all__ = ["convert_one", "destinations", "parse_dtype", "select_keys"]

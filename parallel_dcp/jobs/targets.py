@@ -30,7 +30,7 @@ from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.formats import FILE_FORMATS, FORMATS, lean, metadata_pickle
 from parallel_dcp.formats.base import FileFormat, Source, index_json
 from parallel_dcp.formats.dcp_format import ChunkSavePlanner
-from parallel_dcp.options import Options
+from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.partial import merge_metadata, partial_save
 from parallel_dcp.storage.compression import Compression
 from parallel_dcp.storage.location import Remote, locate, upload_memory
@@ -44,8 +44,6 @@ from parallel_dcp.storage.writers import ShardWriter
 AnyStaging = Staging  # kept for callers that imported the old union
 
 __all__ = ["DcpTarget", "FileTarget", "ShardedTarget", "Target", "target_for"]
-
-DEFAULT_SHARD_SIZE = 5 * 10**9  # what Hugging Face's save_pretrained uses
 
 
 @dataclass(frozen=True, slots=True)
