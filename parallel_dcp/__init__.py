@@ -34,6 +34,7 @@ from parallel_dcp.errors import (
     ParallelDCPError,
     RemoteTraceback,
     RenameError,
+    RenameWarning,
     ResumeError,
     TaskTimeoutError,
     UnsafeCheckpointError,
@@ -121,6 +122,7 @@ __all__ = [
     "ReadStats",
     "RemoteTraceback",
     "RenameError",
+    "RenameWarning",
     "ResumeError",
     "SaveResult",
     "TaskTimeoutError",
@@ -646,18 +648,24 @@ def verify(
 
 
 def inspect(
-    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, trust_pickle: bool = False
+    path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    trust_pickle: bool = False,
+    keys: str | Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Describe a checkpoint from its headers only: ``format``, ``committed``, ``keys``,
     ``tensors``, ``total_bytes``, ``dtypes``, ``largest`` tensors, ``files``, ``manifest``,
-    ``values`` (non-tensor values by key and stored size, never unpickled), ``damaged`` (why
-    it is not loadable, or None) and ``leftovers`` (files of saves that did not finish).
+    ``values`` (non-tensor values by key and stored size, never unpickled), ``key_list`` (every
+    key with its ``kind``, ``dtype``, ``shape`` and ``bytes``; ``keys``: only those these
+    patterns select, as for :func:`convert`), ``damaged`` (why it is not loadable, or None) and
+    ``leftovers`` (files of saves that did not finish).
     ``path`` may be a URL (``storage_options`` as for :func:`save`); ``trust_pickle`` lets a
     torch.save file that needs ``weights_only=False`` be listed (it runs its pickle code)."""
     from parallel_dcp.jobs import inspect as _inspection
 
     _check_torch()
-    return _inspection.inspect_checkpoint(path, storage_options, trust_pickle=trust_pickle)
+    return _inspection.inspect_checkpoint(path, storage_options, trust_pickle=trust_pickle, keys=keys)
 
 
 def diff(
