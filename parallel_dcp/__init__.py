@@ -272,7 +272,7 @@ def save(
         compress: ``None``, ``"zstd"`` or ``"zstd:LEVEL"`` (1..22, default 3): each record is
             compressed by the worker that writes it, as one zstd frame exactly as stock DCP's
             ``ZStandard`` extension writes it (stock ``dcp.load`` reads it with ``zstandard``
-            installed); needs ``pip install 'parallel_dcp[zstd]'``. See the README's "Compression".
+            installed); needs ``pip install '.[zstd]'`` in a checkout. See the README's "Compression".
         options: all of the above as one :class:`Options` (what the CLI builds); the keyword
             arguments then stay at their defaults. The other functions take it too.
         dry_run: plan the save as a real one would (files, tasks, chunks, workers, predicted
@@ -427,6 +427,8 @@ def convert(
     compress: str | None = None,
     dry_run: Literal[False] = False,
     resume: bool = False,
+    copy_files: bool = True,
+    copy_files_from: str | os.PathLike[str] | None = None,
 ) -> SaveResult | list[SaveResult]: ...
 
 
@@ -457,6 +459,8 @@ def convert(
     compress: str | None = None,
     dry_run: Literal[True],
     resume: bool = False,
+    copy_files: bool = True,
+    copy_files_from: str | os.PathLike[str] | None = None,
 ) -> DryRunPlan | list[DryRunPlan]: ...
 
 
@@ -486,6 +490,8 @@ def convert(
     compress: str | None = None,
     dry_run: bool = False,
     resume: bool = False,
+    copy_files: bool = True,
+    copy_files_from: str | os.PathLike[str] | None = None,
 ) -> SaveResult | list[SaveResult] | DryRunPlan | list[DryRunPlan]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
 
@@ -527,6 +533,16 @@ def convert(
             Workers and memory limit may differ. With nothing to resume, a fresh run. Local
             destinations only. Without ``resume``, a dead conversion's files are removed (with a
             warning) and the conversion starts over. See :mod:`parallel_dcp.jobs.resume`.
+        copy_files: a Hugging Face directory converted to a sharded safetensors or torch
+            directory gets the source's other files too (``config.json``,
+            ``generation_config.json``, tokenizer files, ...: plain files at its top level that
+            are neither weights, nor indexes, nor hidden), so ``from_pretrained`` loads the
+            output. They are committed with the shards (written new under this save's temporary
+            names, renamed into place with the index, in the manifest, removed if the save
+            fails). False copies nothing. See :mod:`parallel_dcp.jobs.copy_files`.
+        copy_files_from: copy the files of this directory instead (any source, such as a DCP
+            checkpoint from training beside the model's original folder); needs a sharded
+            directory output.
 
     Returns:
         A :class:`SaveResult` (a list of them for several sources) with ``format``, ``keys``,
@@ -595,6 +611,8 @@ def convert(
             trust_pickle=trust_pickle,
             rename=rename,
             dry_run=dry_run,
+            copy_files=copy_files,
+            copy_files_from=copy_files_from,
         )
         for one, out in zip(sources, outputs, strict=True)
     ]

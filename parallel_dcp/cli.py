@@ -212,6 +212,18 @@ def _parser() -> argparse.ArgumentParser:
         "resume: convert from the start",
     )
     convert.add_argument(
+        "--no-copy-files",
+        action="store_true",
+        help="converting a Hugging Face directory to a sharded directory (--to safetensors|torch) copies its "
+        "other files (config.json, generation_config.json, tokenizer files, ...) beside the shards; this copies none",
+    )
+    convert.add_argument(
+        "--copy-files-from",
+        metavar="DIR",
+        help="copy the non-weight files of DIR (config.json, tokenizer files, ...) into the sharded output, for any "
+        "source (a DCP checkpoint from training plus the model's original folder)",
+    )
+    convert.add_argument(
         "--dry-run",
         action="store_true",
         help="plan only: files, keys, tasks per worker, chunks, predicted peak memory and space; write nothing",
@@ -325,6 +337,8 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
         rename=rename,
         resume=args.resume,
         compress=args.compress,
+        copy_files=not args.no_copy_files,
+        copy_files_from=args.copy_files_from,
     )
     assert isinstance(results, list)
     if args.distributed and os.environ.get("RANK", "0") != "0":
@@ -376,6 +390,8 @@ def _convert_plan(args: argparse.Namespace, sources: list[str], dst: str, rename
         rename=rename,
         compress=args.compress,
         dry_run=True,
+        copy_files=not args.no_copy_files,
+        copy_files_from=args.copy_files_from,
     )
     assert isinstance(plans, list)
     if args.json:
@@ -501,11 +517,11 @@ def _notes(exc: BaseException) -> None:
 
 # The library's messages name keyword arguments and flags together (``pass overwrite=True
 # (--overwrite)``, ``convert(..., resume=True)``); on the command line only the flag means anything.
-_KEYWORD_AND_FLAG = re.compile(r"(?:\w+\(\.\.\., )?\b(\w+)=(?:True|\.\.\.)?\)? ?\((--[\w-]+)\)")
+_KEYWORD_AND_FLAG = re.compile(r"(?:\w+\(\.\.\., )?\b(\w+)=(?:True|False|\.\.\.)?\)? ?\((--[\w-]+)\)")
 _FLAG_AND_KEYWORD = re.compile(r"(--[\w-]+) \((?:\w+\(\.\.\., )?\w+=\w*\)?\)")
 _WORD_AND_FLAG = re.compile(r"\b(\w+) \((--[\w-]+)\)")
 _KEYWORD_TRUE = re.compile(r"\b(\w+)=True\b")
-_FLAG_KEYWORDS = {"overwrite", "resume", "trust_pickle", "distributed", "dry_run", "copy_files"}
+_FLAG_KEYWORDS = {"overwrite", "resume", "trust_pickle", "distributed", "dry_run"}
 
 
 def _as_flags(text: str) -> str:

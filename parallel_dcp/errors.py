@@ -102,7 +102,7 @@ class IncompatibleTorchError(ParallelDCPError, ImportError):
 
 class CompressionUnavailableError(ParallelDCPError, ImportError):
     """Compression was asked for, or a compressed checkpoint is read, without the ``zstandard``
-    package (``pip install 'parallel_dcp[zstd]'``)."""
+    package (``pip install '.[zstd]'`` in a checkout)."""
 
 
 class InvalidStateDictError(ParallelDCPError, ValueError):

@@ -58,7 +58,7 @@ class Options:
         compress: ``None`` (stored as is), ``"zstd"`` or ``"zstd:LEVEL"`` (1..22; default 3): DCP
             outputs store every record as one zstd frame, as stock DCP's ``ZStandard`` extension
             does, each record in the worker (thread or process) that writes it; needs the
-            ``zstandard`` package (``pip install 'parallel_dcp[zstd]'``).
+            ``zstandard`` package (``pip install '.[zstd]'`` in a checkout).
         storage_options: fsspec options for paths that are URLs (``s3://...``), such as
             ``{"endpoint_url": "http://minio:9000", "client_kwargs": {"region_name": "eu-west-1"}}``;
             credentials come from the standard AWS environment and config unless given here.

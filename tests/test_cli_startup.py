@@ -22,7 +22,9 @@ def _fresh(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
-_REPORT = "import json, sys; print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))))"
+_REPORT = (
+    "import json, sys; print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))))"
+)
 
 
 def test_building_the_parser_imports_no_torch() -> None:

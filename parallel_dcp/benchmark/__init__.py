@@ -79,7 +79,7 @@ def _check_plotting(config: BenchConfig) -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise ValueError(
-            "--plot needs matplotlib, which is not installed: pip install 'parallel_dcp[bench]' "
+            "--plot needs matplotlib, which is not installed: pip install '.[bench]' in a checkout "
             "(or pip install matplotlib), or leave out --plot"
         ) from None
 

@@ -175,19 +175,21 @@ def _units(wanted: dict[str, tuple[str, ...]], sources: dict[str, Source], thres
 
 
 def _plan(wanted: dict[str, tuple[str, ...]], sources: dict[str, Source], room: int) -> dict[str, _Unit]:
-    """Units whose reads fit in ``room``: one split threshold, halved until every unit fits (or the
-    ranges reach ``MIN_MEMORY_CHUNK_BYTES``: the governor then refuses the unit, naming its key)."""
+    """Units whose reads fit in ``room``: one split threshold, halved until every unit fits. When
+    none fits (down to ranges of ``MIN_MEMORY_CHUNK_BYTES``, or a source whose range reads cost
+    as much as whole ones), the cheapest plan: the governor then refuses it, naming its key."""
     too_big = {
         key: sides for key, sides in wanted.items() if max(sources[side].copied_bytes(key) for side in sides) > room
     }
     if not too_big:
-        return _units(wanted, sources, threshold=sys.maxsize)
+        return _units(wanted, sources, sys.maxsize)
+    best = (max(_memory(sources, unit) for unit in _units(too_big, sources, sys.maxsize).values()), sys.maxsize)
     threshold = max(sources[sides[0]].entries[key].nbytes for key, sides in too_big.items())
-    while threshold > MIN_MEMORY_CHUNK_BYTES:
+    while threshold > MIN_MEMORY_CHUNK_BYTES and best[0] > room:
         threshold = max(MIN_MEMORY_CHUNK_BYTES, threshold // 2)
-        if all(_memory(sources, unit) <= room for unit in _units(too_big, sources, threshold).values()):
-            break
-    return _units(wanted, sources, threshold)
+        worst = max(_memory(sources, unit) for unit in _units(too_big, sources, threshold).values())
+        best = min(best, (worst, threshold), key=lambda pair: pair[0])
+    return _units(wanted, sources, best[1])
 
 
 def _hash(
