@@ -184,7 +184,8 @@ def describe(info: dict[str, Any]) -> str:
     for left in info.get("leftovers", []):
         state = {True: "still running", False: "gone", None: "on another host"}[left["running"]]
         lines.append(
-            f"  leftover of save {left['save_id']} (pid {left['pid']} on {left['host']}, {state}): "
+            f"  leftover of save {printable(str(left['save_id']))} (pid {left['pid']} on "
+            f"{printable(str(left['host']))}, {state}): "
             f"{plural(len(left['files']), 'file')}"
         )
     return "\n".join(lines)
