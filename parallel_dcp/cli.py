@@ -552,16 +552,25 @@ def _show_warning(
         print(f"parallel-dcp: warning: {printable(_as_flags(text))}", file=sys.stderr)
 
 
-def _log_to_stderr(quiet: bool) -> None:
-    """The library's notes (the ``parallel_dcp`` logger: rename summaries) as stderr lines."""
+class _Notes(logging.Handler):
+    """The library's notes (the ``parallel_dcp`` logger: rename summaries) as ``parallel-dcp: ...``
+    lines on the stderr of the moment (names escaped)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            print(f"parallel-dcp: {printable(_as_flags(record.getMessage()))}", file=sys.stderr)
+
+
+def _log_to_stderr(quiet: bool) -> logging.Handler | None:
+    """Show the library's notes for this command (none with ``-q``); returns the handler to remove."""
+    if quiet:
+        return None
     logger = logging.getLogger("parallel_dcp")
-    if quiet or any(getattr(h, "parallel_dcp_cli", False) for h in logger.handlers):
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("parallel-dcp: %(message)s"))
-    handler.parallel_dcp_cli = True  # type: ignore[attr-defined]
+    handler = _Notes(logging.INFO)
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    return handler
 
 
 def _stdout_closed() -> bool:
@@ -587,15 +596,28 @@ def _quiet_broken_pipe() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _silence_trainer_warnings()
+    """Run one command; warnings and the library's notes print as ``parallel-dcp:`` lines meanwhile."""
+    shown = warnings.showwarning
     warnings.showwarning = _show_warning
+    notes: list[logging.Handler] = []
+    try:
+        return _main(argv, notes)
+    finally:
+        warnings.showwarning = shown
+        for handler in notes:
+            logging.getLogger("parallel_dcp").removeHandler(handler)
+
+
+def _main(argv: Sequence[str] | None, notes: list[logging.Handler]) -> int:
+    _silence_trainer_warnings()
     parser = _parser()
     args, extras = parser.parse_known_args(argv)
     sub = _subparser(parser, getattr(args, "command", None))
     if extras:
         sub.error(_unknown(sub, extras))  # exits 2 with the subcommand's usage line
     show_progress = sys.stdout.isatty() and not getattr(args, "quiet", False) and not getattr(args, "json", False)
-    _log_to_stderr(getattr(args, "quiet", False))
+    handler = _log_to_stderr(getattr(args, "quiet", False))
+    notes.extend([handler] if handler is not None else [])
     try:
         code = _run(args, show_progress)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
