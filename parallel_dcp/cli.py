@@ -462,12 +462,12 @@ def _verify(args: argparse.Namespace) -> int:
     if not report.ok and args.quiet:
         for problem in report.problems:
             print(f"  {printable(problem)}", file=sys.stderr)
-    if report.suggested_dtype is not None and not args.json:
+    if report.suggested_dtype is not None and not args.json:  # beside the problems it explains
         print(
-            f"parallel-dcp: hint: every difference is a dtype that a cast to {report.suggested_dtype} explains "
-            f"(as convert --dtype {report.suggested_dtype} writes it): verify again with --dtype "
-            f"{report.suggested_dtype} to compare with the cast source, bit for bit",
-            file=sys.stderr,
+            f"  hint: every difference is a dtype that a cast to {report.suggested_dtype} explains (as convert "
+            f"--dtype {report.suggested_dtype} writes it): verify again with --dtype {report.suggested_dtype} to "
+            "compare with the cast source, bit for bit",
+            file=sys.stderr if args.quiet else sys.stdout,
         )
     return 0 if report.ok else 1
 

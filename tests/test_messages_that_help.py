@@ -92,8 +92,8 @@ def test_verify_after_a_cast_suggests_the_dtype(
     assert not report.ok and len(report.problems) == 3  # the int64 position_ids are not cast
     assert report.suggested_dtype == "bfloat16" and report.as_dict()["suggested_dtype"] == "bfloat16"
     assert cli.main(["verify", str(tmp_path / "bf16"), "--against", str(model), "--workers", "1"]) == 1
-    err = capsys.readouterr().err
-    assert "--dtype bfloat16" in err
+    out = capsys.readouterr().out
+    assert "hint:" in out and "--dtype bfloat16" in out
     assert parallel_dcp.verify(tmp_path / "bf16", against=model, dtype="bfloat16", workers=1).ok
 
     # another difference beside the casts: no suggestion (a cast would not explain it)
