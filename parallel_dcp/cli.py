@@ -31,7 +31,7 @@ from parallel_dcp.errors import plural, printable
 if TYPE_CHECKING:
     from parallel_dcp.jobs.pipeline import SaveResult
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 FORMATS = ("dcp", "safetensors", "torch")  # parallel_dcp.formats.FORMATS (tests keep them equal)
 
@@ -278,6 +278,11 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure write throughput against stock DCP and the storage's limit")
     benchmark.add_arguments(bench)
     return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``parallel-dcp`` argument parser (building it imports no torch)."""
+    return _parser()
 
 
 def _result_dict(result: SaveResult) -> dict[str, Any]:

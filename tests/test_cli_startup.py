@@ -28,7 +28,7 @@ _REPORT = (
 
 
 def test_building_the_parser_imports_no_torch() -> None:
-    done = _fresh(f"import parallel_dcp.cli as cli; cli._parser(); {_REPORT}")
+    done = _fresh(f"import parallel_dcp.cli as cli; cli.build_parser().format_help(); {_REPORT}")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == []
 
