@@ -14,13 +14,11 @@ lives here, with typed overloads for dry_run; the logic is in jobs/.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
-import torch
-
-from parallel_dcp import _compat
 from parallel_dcp._version import __version__ as __version__
 from parallel_dcp.errors import (
     CheckpointExistsError,
@@ -36,32 +34,74 @@ from parallel_dcp.errors import (
     ParallelDCPError,
     RemoteTraceback,
     RenameError,
+    RenameWarning,
     ResumeError,
     TaskTimeoutError,
     UnsafeCheckpointError,
     WorkerCrashed,
     WorkerError,
 )
-from parallel_dcp.formats.fast_read import ReadStats
-from parallel_dcp.formats.fast_reader import FastReader
-from parallel_dcp.jobs import convert as _convert
-from parallel_dcp.jobs import diff as _diff
-from parallel_dcp.jobs import inspect as _inspection
-from parallel_dcp.jobs import load as _loader
-from parallel_dcp.jobs import rename as _rename
-from parallel_dcp.jobs import verify as _verify
-from parallel_dcp.jobs.diff import DiffReport
-from parallel_dcp.jobs.dryrun import DryRunPlan
-from parallel_dcp.jobs.pipeline import SaveResult, WorkerStats
-from parallel_dcp.jobs.rename import RenameRules
-from parallel_dcp.jobs.save import save as _save
-from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE
-from parallel_dcp.jobs.verify import VerifyReport
-from parallel_dcp.options import Options
-from parallel_dcp.partial import commit, extract_metadata, load_metadata, merge_metadata, partial_load, partial_save
-from parallel_dcp.storage.location import is_url
+from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 
-_compat.check_torch()  # a torch or fsspec without a private name we use fails here, naming it
+# torch and the jobs are imported on first use, not here: ``parallel-dcp --help`` and usage errors
+# then answer without the seconds torch takes to import. The names below are served by
+# ``__getattr__``; the public functions import their job modules when called.
+if TYPE_CHECKING:
+    import torch
+
+    from parallel_dcp.formats.fast_read import ReadStats
+    from parallel_dcp.formats.fast_reader import FastReader
+    from parallel_dcp.jobs.diff import DiffReport
+    from parallel_dcp.jobs.dryrun import DryRunPlan
+    from parallel_dcp.jobs.pipeline import SaveResult, WorkerStats
+    from parallel_dcp.jobs.rename import RenameRules
+    from parallel_dcp.jobs.verify import VerifyReport
+    from parallel_dcp.partial import (
+        commit,
+        extract_metadata,
+        load_metadata,
+        merge_metadata,
+        partial_load,
+        partial_save,
+    )
+
+_LAZY = {
+    "ReadStats": "parallel_dcp.formats.fast_read",
+    "FastReader": "parallel_dcp.formats.fast_reader",
+    "DiffReport": "parallel_dcp.jobs.diff",
+    "DryRunPlan": "parallel_dcp.jobs.dryrun",
+    "SaveResult": "parallel_dcp.jobs.pipeline",
+    "WorkerStats": "parallel_dcp.jobs.pipeline",
+    "RenameRules": "parallel_dcp.jobs.rename",
+    "VerifyReport": "parallel_dcp.jobs.verify",
+    **dict.fromkeys(
+        ("commit", "extract_metadata", "load_metadata", "merge_metadata", "partial_load", "partial_save"),
+        "parallel_dcp.partial",
+    ),
+}
+
+
+def _check_torch() -> None:
+    """A torch or fsspec without a private name we use fails here, naming it (once, on first use)."""
+    from parallel_dcp import _compat
+
+    _compat.check_torch()
+
+
+def __getattr__(name: str) -> Any:
+    """The exported classes and seed functions, imported (with torch) the first time one is asked for."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'parallel_dcp' has no attribute {name!r}")
+    _check_torch()
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "CheckpointExistsError",
@@ -82,6 +122,7 @@ __all__ = [
     "ReadStats",
     "RemoteTraceback",
     "RenameError",
+    "RenameWarning",
     "ResumeError",
     "SaveResult",
     "TaskTimeoutError",
@@ -231,7 +272,7 @@ def save(
         compress: ``None``, ``"zstd"`` or ``"zstd:LEVEL"`` (1..22, default 3): each record is
             compressed by the worker that writes it, as one zstd frame exactly as stock DCP's
             ``ZStandard`` extension writes it (stock ``dcp.load`` reads it with ``zstandard``
-            installed); needs ``pip install 'parallel_dcp[zstd]'``. See the README's "Compression".
+            installed); needs ``pip install '.[zstd]'`` in a checkout. See the README's "Compression".
         options: all of the above as one :class:`Options` (what the CLI builds); the keyword
             arguments then stay at their defaults. The other functions take it too.
         dry_run: plan the save as a real one would (files, tasks, chunks, workers, predicted
@@ -276,7 +317,11 @@ def save(
     if dry_run:
         from parallel_dcp.jobs.dryrun import dry_run_save
 
+        _check_torch()
         return dry_run_save(state_dict, path, options)
+    from parallel_dcp.jobs.save import save as _save
+
+    _check_torch()
     return _save(state_dict, path, options)
 
 
@@ -349,6 +394,9 @@ def load(
             storage_options=storage_options,
         ),
     )
+    from parallel_dcp.jobs import load as _loader
+
+    _check_torch()
     return _loader.load(path, keys, options, into=into, trust_pickle=trust_pickle, stats=stats)
 
 
@@ -379,6 +427,8 @@ def convert(
     compress: str | None = None,
     dry_run: Literal[False] = False,
     resume: bool = False,
+    copy_files: bool = True,
+    copy_files_from: str | os.PathLike[str] | None = None,
 ) -> SaveResult | list[SaveResult]: ...
 
 
@@ -409,6 +459,8 @@ def convert(
     compress: str | None = None,
     dry_run: Literal[True],
     resume: bool = False,
+    copy_files: bool = True,
+    copy_files_from: str | os.PathLike[str] | None = None,
 ) -> DryRunPlan | list[DryRunPlan]: ...
 
 
@@ -438,6 +490,8 @@ def convert(
     compress: str | None = None,
     dry_run: bool = False,
     resume: bool = False,
+    copy_files: bool = True,
+    copy_files_from: str | os.PathLike[str] | None = None,
 ) -> SaveResult | list[SaveResult] | DryRunPlan | list[DryRunPlan]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
 
@@ -479,6 +533,16 @@ def convert(
             Workers and memory limit may differ. With nothing to resume, a fresh run. Local
             destinations only. Without ``resume``, a dead conversion's files are removed (with a
             warning) and the conversion starts over. See :mod:`parallel_dcp.jobs.resume`.
+        copy_files: a Hugging Face directory converted to a sharded safetensors or torch
+            directory gets the source's other files too (``config.json``,
+            ``generation_config.json``, tokenizer files, ...: plain files at its top level that
+            are neither weights, nor indexes, nor hidden), so ``from_pretrained`` loads the
+            output. They are committed with the shards (written new under this save's temporary
+            names, renamed into place with the index, in the manifest, removed if the save
+            fails). False copies nothing. See :mod:`parallel_dcp.jobs.copy_files`.
+        copy_files_from: copy the files of this directory instead (any source, such as a DCP
+            checkpoint from training beside the model's original folder); needs a sharded
+            directory output.
 
     Returns:
         A :class:`SaveResult` (a list of them for several sources) with ``format``, ``keys``,
@@ -499,7 +563,13 @@ def convert(
             ``resume``.
     """
     from parallel_dcp.engine.memory import parse_size
+    from parallel_dcp.jobs import convert as _convert
+    from parallel_dcp.jobs import rename as _rename
+    from parallel_dcp.jobs.dryrun import DryRunPlan
+    from parallel_dcp.jobs.pipeline import SaveResult
+    from parallel_dcp.storage.location import is_url
 
+    _check_torch()
     options = _given_or(
         options,
         Options(
@@ -541,6 +611,8 @@ def convert(
             trust_pickle=trust_pickle,
             rename=rename,
             dry_run=dry_run,
+            copy_files=copy_files,
+            copy_files_from=copy_files_from,
         )
         for one, out in zip(sources, outputs, strict=True)
     ]
@@ -586,19 +658,32 @@ def verify(
         CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
     """
     options = _given_or(options, Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options))
+    from parallel_dcp.jobs import convert as _convert
+    from parallel_dcp.jobs import verify as _verify
+
+    _check_torch()
     return _verify.verify(path, against, options, _convert.parse_dtype(dtype), trust_pickle=trust_pickle, deep=deep)
 
 
 def inspect(
-    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, trust_pickle: bool = False
+    path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    trust_pickle: bool = False,
+    keys: str | Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Describe a checkpoint from its headers only: ``format``, ``committed``, ``keys``,
     ``tensors``, ``total_bytes``, ``dtypes``, ``largest`` tensors, ``files``, ``manifest``,
-    ``values`` (non-tensor values by key and stored size, never unpickled), ``damaged`` (why
-    it is not loadable, or None) and ``leftovers`` (files of saves that did not finish).
+    ``values`` (non-tensor values by key and stored size, never unpickled), ``key_list`` (every
+    key with its ``kind``, ``dtype``, ``shape`` and ``bytes``; ``keys``: only those these
+    patterns select, as for :func:`convert`), ``damaged`` (why it is not loadable, or None) and
+    ``leftovers`` (files of saves that did not finish).
     ``path`` may be a URL (``storage_options`` as for :func:`save`); ``trust_pickle`` lets a
     torch.save file that needs ``weights_only=False`` be listed (it runs its pickle code)."""
-    return _inspection.inspect_checkpoint(path, storage_options, trust_pickle=trust_pickle)
+    from parallel_dcp.jobs import inspect as _inspection
+
+    _check_torch()
+    return _inspection.inspect_checkpoint(path, storage_options, trust_pickle=trust_pickle, keys=keys)
 
 
 def diff(
@@ -626,4 +711,7 @@ def diff(
         MemoryLimitExceeded: one tensor cannot be read under ``memory_limit``.
     """
     options = _given_or(options, Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options))
+    from parallel_dcp.jobs import diff as _diff
+
+    _check_torch()
     return _diff.diff(a, b, options, trust_pickle=trust_pickle)

@@ -11,21 +11,29 @@ onto the API; each command's body is a few lines.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
+import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import parallel_dcp
 from parallel_dcp.engine.memory import format_bytes, parse_size
-from parallel_dcp.formats import FORMATS
-from parallel_dcp.jobs.inspect import describe
-from parallel_dcp.jobs.pipeline import SaveResult
+from parallel_dcp.errors import plural, printable
 
-__all__ = ["main"]
+# Nothing here imports torch (parallel_dcp's own imports are lazy): --help and usage errors answer
+# at once, and a command imports what it runs when it runs.
+if TYPE_CHECKING:
+    from parallel_dcp.jobs.pipeline import SaveResult
+
+__all__ = ["build_parser", "main"]
+
+FORMATS = ("dcp", "safetensors", "torch")  # parallel_dcp.formats.FORMATS (tests keep them equal)
 
 
 def _storage_options(text: str) -> dict[str, Any]:
@@ -165,7 +173,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_compress,
         metavar="zstd[:LEVEL]",
         help="DCP output: store every record as one zstd frame, as stock DCP's ZStandard extension does (level "
-        "1..22, default 3; stock dcp.load reads it with zstandard installed). Needs pip install 'parallel_dcp[zstd]'",
+        "1..22, default 3; stock dcp.load reads it with zstandard installed). Needs the zstd extra: "
+        "pip install '.[zstd]' in a checkout (or pip install zstandard)",
     )
     convert.add_argument(
         "--distributed",
@@ -203,6 +212,18 @@ def _parser() -> argparse.ArgumentParser:
         "resume: convert from the start",
     )
     convert.add_argument(
+        "--no-copy-files",
+        action="store_true",
+        help="converting a Hugging Face directory to a sharded directory (--to safetensors|torch) copies its "
+        "other files (config.json, generation_config.json, tokenizer files, ...) beside the shards; this copies none",
+    )
+    convert.add_argument(
+        "--copy-files-from",
+        metavar="DIR",
+        help="copy the non-weight files of DIR (config.json, tokenizer files, ...) into the sharded output, for any "
+        "source (a DCP checkpoint from training plus the model's original folder)",
+    )
+    convert.add_argument(
         "--dry-run",
         action="store_true",
         help="plan only: files, keys, tasks per worker, chunks, predicted peak memory and space; write nothing",
@@ -213,6 +234,13 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", metavar="PATH")
     inspect.add_argument("--json", action="store_true", help="print JSON on stdout")
     inspect.add_argument("--trust-pickle", action="store_true", help=_TRUST_HELP)
+    inspect.add_argument(
+        "--keys",
+        nargs="*",
+        metavar="PATTERN",
+        help="list keys, one line each (name, dtype, shape, bytes): every key, or those the patterns select "
+        "(a glob, or re:<regex>, as convert --keys); --json always lists every key (key_list)",
+    )
     inspect.add_argument(
         "--diff",
         metavar="OTHER",
@@ -250,6 +278,11 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure write throughput against stock DCP and the storage's limit")
     benchmark.add_arguments(bench)
     return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``parallel-dcp`` argument parser (building it imports no torch)."""
+    return _parser()
 
 
 def _result_dict(result: SaveResult) -> dict[str, Any]:
@@ -309,6 +342,8 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
         rename=rename,
         resume=args.resume,
         compress=args.compress,
+        copy_files=not args.no_copy_files,
+        copy_files_from=args.copy_files_from,
     )
     assert isinstance(results, list)
     if args.distributed and os.environ.get("RANK", "0") != "0":
@@ -316,7 +351,9 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
     if args.resume and not args.quiet:
         for r in results:
             if not r.resumed:
-                print(f"parallel-dcp: nothing to resume in {r.path}: converted from the start", file=sys.stderr)
+                print(
+                    f"parallel-dcp: nothing to resume in {printable(r.path)}: converted from the start", file=sys.stderr
+                )
     if args.json:
         print(json.dumps([_result_dict(r) for r in results], indent=2))
     elif not args.quiet:
@@ -327,8 +364,9 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
                 else ""
             )
             print(
-                f"{src} -> {r.path} ({r.format}): {r.keys} keys, {format_bytes(r.bytes)} in {r.files} files, "
-                f"{r.seconds:.2f} s, {r.gib_per_s:.2f} GiB/s, {r.workers} workers, "
+                f"{printable(src)} -> {printable(r.path)} ({r.format}): {plural(r.keys, 'key')}, "
+                f"{format_bytes(r.bytes)} in {plural(r.files, 'file')}, "
+                f"{r.seconds:.2f} s, {r.gib_per_s:.2f} GiB/s, {plural(r.workers, 'worker')}, "
                 f"peak memory {format_bytes(r.peak_memory)} of {format_bytes(r.memory_limit)}{resumed}"
             )
     return 0
@@ -357,16 +395,20 @@ def _convert_plan(args: argparse.Namespace, sources: list[str], dst: str, rename
         rename=rename,
         compress=args.compress,
         dry_run=True,
+        copy_files=not args.no_copy_files,
+        copy_files_from=args.copy_files_from,
     )
     assert isinstance(plans, list)
     if args.json:
         print(json.dumps([p.as_dict() for p in plans], indent=2))
     else:
-        print("\n".join(describe_plan(p) for p in plans))
+        print(_as_flags("\n".join(describe_plan(p) for p in plans)))
     return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    if args.diff is not None and args.keys is not None:
+        raise _UsageError("--keys lists the keys of PATH; it does not go with --diff")
     if args.diff is not None:
         from parallel_dcp.jobs.diff import describe_diff
 
@@ -380,8 +422,19 @@ def _inspect(args: argparse.Namespace) -> int:
         )
         print(json.dumps(report.as_dict(), indent=2) if args.json else describe_diff(report))
         return 0 if report.same else 1
-    info = parallel_dcp.inspect(args.path, storage_options=args.storage_options, trust_pickle=args.trust_pickle)
-    print(json.dumps(info, indent=2) if args.json else describe(info))
+    from parallel_dcp.jobs.inspect import describe, describe_key_list
+
+    info = parallel_dcp.inspect(
+        args.path, storage_options=args.storage_options, trust_pickle=args.trust_pickle, keys=args.keys or None
+    )
+    if args.json:
+        print(json.dumps(info, indent=2))
+    elif args.keys is not None:
+        listing = describe_key_list(info)
+        if listing:
+            print(listing)
+    else:
+        print(describe(info))
     return 0
 
 
@@ -400,16 +453,27 @@ def _verify(args: argparse.Namespace) -> int:
         print(json.dumps(report.as_dict(), indent=2))
     elif not args.quiet:
         checked = (
-            (f"{report.files_checked} files against the manifest, " if report.manifest else "no manifest; ")
-            + (f"{report.keys_checked} keys read back" if args.deep or report.against else "keys not read back")
-            + (f" and compared with {report.against}" if report.against else "")
+            (f"{plural(report.files_checked, 'file')} against the manifest, " if report.manifest else "no manifest; ")
+            + (
+                f"{plural(report.keys_checked, 'key')} read back"
+                if args.deep or report.against
+                else "keys not read back"
+            )
+            + (f" and compared with {printable(report.against)}" if report.against else "")
         )
-        print(f"{report.path}: {'OK' if report.ok else 'FAILED'} ({checked})")
+        print(f"{printable(report.path)}: {'OK' if report.ok else 'FAILED'} ({checked})")
         for problem in report.problems:
-            print(f"  {problem}")
+            print(f"  {printable(problem)}")
     if not report.ok and args.quiet:
         for problem in report.problems:
-            print(f"  {problem}", file=sys.stderr)
+            print(f"  {printable(problem)}", file=sys.stderr)
+    if report.suggested_dtype is not None and not args.json:  # beside the problems it explains
+        print(
+            f"  hint: every difference is a dtype that a cast to {report.suggested_dtype} explains (as convert "
+            f"--dtype {report.suggested_dtype} writes it): verify again with --dtype {report.suggested_dtype} to "
+            "compare with the cast source, bit for bit",
+            file=sys.stderr if args.quiet else sys.stdout,
+        )
     return 0 if report.ok else 1
 
 
@@ -453,10 +517,103 @@ def _unknown(sub: argparse.ArgumentParser, extras: list[str]) -> str:
 def _notes(exc: BaseException) -> None:
     """What the job added to its error (a conversion's finished tasks kept for --resume)."""
     for note in getattr(exc, "__notes__", []):
-        print(f"parallel-dcp: {note}", file=sys.stderr)
+        print(f"parallel-dcp: {_message(str(note))}", file=sys.stderr)
+
+
+# The library's messages name keyword arguments and flags together (``pass overwrite=True
+# (--overwrite)``, ``convert(..., resume=True)``); on the command line only the flag means anything.
+_KEYWORD_AND_FLAG = re.compile(r"(?:\w+\(\.\.\., )?\b(\w+)=(?:True|False|\.\.\.)?\)? ?\((--[\w-]+)\)")
+_FLAG_AND_KEYWORD = re.compile(r"(--[\w-]+) \((?:\w+\(\.\.\., )?\w+=\w*\)?\)")
+_WORD_AND_FLAG = re.compile(r"\b(\w+) \((--[\w-]+)\)")
+_KEYWORD_TRUE = re.compile(r"\b(\w+)=True\b")
+_FLAG_KEYWORDS = {"overwrite", "resume", "trust_pickle", "distributed", "dry_run"}
+
+
+def _as_flags(text: str) -> str:
+    """``text`` with each keyword argument it names replaced by its command-line flag."""
+    text = _KEYWORD_AND_FLAG.sub(r"\2", text)
+    text = _FLAG_AND_KEYWORD.sub(r"\1", text)
+    text = _WORD_AND_FLAG.sub(lambda m: m[2] if m[2] == "--" + m[1].replace("_", "-") else m[0], text)
+    return _KEYWORD_TRUE.sub(lambda m: f"--{m[1].replace('_', '-')}" if m[1] in _FLAG_KEYWORDS else m[0], text)
+
+
+def _message(text: str) -> str:
+    """A library message as the command line shows it: flags for keywords, control characters
+    in names escaped (line breaks the message itself makes are kept)."""
+    return "\n".join(printable(line) for line in _as_flags(text).split("\n"))
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
+    """A warning as one line, ``parallel-dcp: warning: ...`` (no source path, no line of code)."""
+    text = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    with contextlib.suppress(OSError, ValueError):  # stderr is gone: nowhere to warn
+        print(f"parallel-dcp: warning: {printable(_as_flags(text))}", file=sys.stderr)
+
+
+class _Notes(logging.Handler):
+    """The library's notes (the ``parallel_dcp`` logger: rename summaries) as ``parallel-dcp: ...``
+    lines on the stderr of the moment (names escaped)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            print(f"parallel-dcp: {printable(_as_flags(record.getMessage()))}", file=sys.stderr)
+
+
+def _log_to_stderr(quiet: bool) -> logging.Handler | None:
+    """Show the library's notes for this command (none with ``-q``); returns the handler to remove."""
+    if quiet:
+        return None
+    logger = logging.getLogger("parallel_dcp")
+    handler = _Notes(logging.INFO)
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    return handler
+
+
+def _stdout_closed() -> bool:
+    """True when stdout's reader went away (``| head -1``): a pipe with no reader polls as an error."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)  # POLLERR and POLLHUP are always reported
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _quiet_broken_pipe() -> int:
+    """End quietly after the reader of stdout closed it, as git does: exit 141 (128 + SIGPIPE),
+    with stdout pointed at /dev/null so that the interpreter's last flush cannot fail again."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 141
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; warnings and the library's notes print as ``parallel-dcp:`` lines meanwhile."""
+    shown = warnings.showwarning
+    warnings.showwarning = _show_warning
+    notes: list[logging.Handler] = []
+    try:
+        return _main(argv, notes)
+    finally:
+        warnings.showwarning = shown
+        for handler in notes:
+            logging.getLogger("parallel_dcp").removeHandler(handler)
+
+
+def _main(argv: Sequence[str] | None, notes: list[logging.Handler]) -> int:
     _silence_trainer_warnings()
     parser = _parser()
     args, extras = parser.parse_known_args(argv)
@@ -464,16 +621,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extras:
         sub.error(_unknown(sub, extras))  # exits 2 with the subcommand's usage line
     show_progress = sys.stdout.isatty() and not getattr(args, "quiet", False) and not getattr(args, "json", False)
+    handler = _log_to_stderr(getattr(args, "quiet", False))
+    notes.extend([handler] if handler is not None else [])
     try:
-        if args.command == "convert":
-            return _convert(args, show_progress)
-        if args.command == "inspect":
-            return _inspect(args)
-        if args.command == "verify":
-            return _verify(args)
-        from parallel_dcp import benchmark
-
-        return benchmark.run(args)
+        code = _run(args, show_progress)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        if _stdout_closed():
+            return _quiet_broken_pipe()
+        print("parallel-dcp: error: broken pipe", file=sys.stderr)
+        return 1
     except _UsageError as exc:
         sub.error(str(exc))  # exits 2
     except KeyboardInterrupt as exc:
@@ -482,16 +640,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except (parallel_dcp.ParallelDCPError, OSError, ValueError, KeyError, TypeError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"parallel-dcp: error: {message}", file=sys.stderr)
+        print(f"parallel-dcp: error: {_message(str(message))}", file=sys.stderr)
         _notes(exc)
         return 1
     except Exception as exc:
         if not type(exc).__module__.startswith(_STORAGE_MODULES):
             raise
         # botocore's credential and endpoint errors are not OSErrors
-        print(f"parallel-dcp: error: object storage: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"parallel-dcp: error: object storage: {type(exc).__name__}: {printable(str(exc))}", file=sys.stderr)
         return 1
     return 0
+
+
+def _run(args: argparse.Namespace, show_progress: bool) -> int:
+    if args.command == "convert":
+        return _convert(args, show_progress)
+    if args.command == "inspect":
+        return _inspect(args)
+    if args.command == "verify":
+        return _verify(args)
+    from parallel_dcp import benchmark
+
+    return benchmark.run(args)
 
 
 if __name__ == "__main__":

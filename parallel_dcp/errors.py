@@ -7,7 +7,9 @@ worker's exit code or signal, and the worker's own traceback as ``__cause__``.
 
 from __future__ import annotations
 
+import re
 import signal
+import unicodedata
 from collections.abc import Sequence
 
 __all__ = [
@@ -31,11 +33,48 @@ __all__ = [
 ]
 
 _KEYS_SHOWN = 8
+# A row range of one tensor, as the planners name it: ``key[dim:start:stop]`` (a ``'`` is added
+# when a key already has that name).
+_CHUNK_UNIT = re.compile(r"(?P<key>.*)\[(?P<dim>\d+):(?P<start>\d+):(?P<stop>\d+)\]'*", re.DOTALL)
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` with every control or format character escaped (``\\x1b``, ``\\n``, ``\\u202e``), so
+    that a name read from a checkpoint can neither drive a terminal nor forge a line of output."""
+    if text.isprintable():
+        return text
+    out = []
+    for char in text:
+        if unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn") and char != " ":
+            code = ord(char)
+            out.append(_ESCAPES.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"))
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+def plural(count: int, singular: str, many: str | None = None) -> str:
+    """``"1 file"``, ``"2 files"``: ``count`` and the noun it takes."""
+    return f"{count} {singular if count == 1 else (many or singular + 's')}"
+
+
+def describe_unit(name: str, *, quote: bool = True) -> str:
+    """A unit of work as a user reads it: a key (quoted, control characters escaped) or, for a row
+    range ``key[dim:start:stop]``, which rows of which dimension it covers, in words. ``quote``:
+    ``repr`` the key (in messages); else only escape it (in listings)."""
+    match = _CHUNK_UNIT.fullmatch(name)
+    key = match["key"] if match is not None else name
+    shown = repr(key) if quote else printable(key)
+    if match is None:
+        return shown
+    dim, start, stop = int(match["dim"]), int(match["start"]), int(match["stop"])
+    return f"{shown} (one chunk: rows {start} to {stop - 1} along dimension {dim})"
 
 
 def describe_keys(keys: Sequence[str]) -> str:
     """Return a short, readable list of keys: the first few and a count of the rest."""
-    shown = ", ".join(repr(k) for k in keys[:_KEYS_SHOWN])
+    shown = ", ".join(describe_unit(k) for k in keys[:_KEYS_SHOWN])
     rest = len(keys) - _KEYS_SHOWN
     return f"[{shown}, ... and {rest} more]" if rest > 0 else f"[{shown}]"
 
@@ -63,7 +102,7 @@ class IncompatibleTorchError(ParallelDCPError, ImportError):
 
 class CompressionUnavailableError(ParallelDCPError, ImportError):
     """Compression was asked for, or a compressed checkpoint is read, without the ``zstandard``
-    package (``pip install 'parallel_dcp[zstd]'``)."""
+    package (``pip install '.[zstd]'`` in a checkout)."""
 
 
 class InvalidStateDictError(ParallelDCPError, ValueError):
@@ -180,3 +219,8 @@ class ResumeError(ParallelDCPError, ValueError):
     def __init__(self, message: str, *, reasons: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.reasons = list(reasons)
+
+
+class RenameWarning(UserWarning):
+    """A rename rule that matched no key of the source (it renamed nothing: a typo, or rules
+    written for another model); the conversion goes on. The CLI prints it as one line."""

@@ -9,7 +9,9 @@ from typing import Any
 from parallel_dcp.engine.memory import default_limit, parse_size
 from parallel_dcp.storage.compression import Compression, parse_compress
 
-__all__ = ["Options", "usable_cores"]
+__all__ = ["DEFAULT_SHARD_SIZE", "Options", "usable_cores"]
+
+DEFAULT_SHARD_SIZE = 5 * 10**9  # largest shard of a sharded output: what Hugging Face's save_pretrained uses
 
 
 def usable_cores() -> int:
@@ -56,7 +58,7 @@ class Options:
         compress: ``None`` (stored as is), ``"zstd"`` or ``"zstd:LEVEL"`` (1..22; default 3): DCP
             outputs store every record as one zstd frame, as stock DCP's ``ZStandard`` extension
             does, each record in the worker (thread or process) that writes it; needs the
-            ``zstandard`` package (``pip install 'parallel_dcp[zstd]'``).
+            ``zstandard`` package (``pip install '.[zstd]'`` in a checkout).
         storage_options: fsspec options for paths that are URLs (``s3://...``), such as
             ``{"endpoint_url": "http://minio:9000", "client_kwargs": {"region_name": "eu-west-1"}}``;
             credentials come from the standard AWS environment and config unless given here.

@@ -33,7 +33,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path: Path, monkeypa
     parser = argparse.ArgumentParser()
     benchmark.add_arguments(parser)
     args = parser.parse_args(["--gib", "0.001", "--targets", str(tmp_path), "--plot", str(tmp_path / "p.png")])
-    with pytest.raises(ValueError, match=r"pip install 'parallel_dcp\[bench\]'"):
+    with pytest.raises(ValueError, match=r"pip install '\.\[bench\]'"):
         benchmark.run(args)
     assert list(tmp_path.iterdir()) == [], "nothing was measured or written first"
     assert BenchConfig.from_args(args).plot_path is not None
@@ -100,8 +100,18 @@ def test_compat_checks_every_private_name_at_import() -> None:
     used = set(re.findall(r'_private\("[\w.]+", "(\w+)"\)', source))
     checked = inspect.getsource(_compat.check_torch)
     assert used and all(f'"{name}")' in checked for name in used), used
+    # Checked on first use (torch is imported lazily so that `parallel-dcp --help` is quick): by
+    # every public function and by the lazily served names, before any job module runs.
     init = (ROOT / "parallel_dcp" / "__init__.py").read_text()
-    assert re.search(r"^_compat\.check_torch\(\)", init, re.MULTILINE), "checked when parallel_dcp is imported"
+    assert re.search(r"^    _compat\.check_torch\(\)", init, re.MULTILINE), "checked on first use"
+    checking = {
+        node.name
+        for node in ast.parse(init).body
+        if isinstance(node, ast.FunctionDef)
+        and not any(isinstance(d, ast.Name) and d.id == "overload" for d in node.decorator_list)
+        and "_check_torch()" in (ast.get_source_segment(init, node) or "")
+    }
+    assert {"save", "load", "convert", "verify", "inspect", "diff", "__getattr__"} <= checking
 
 
 def test_dist_timeout_can_be_set_from_the_api_and_the_cli(tmp_path: Path) -> None:

@@ -32,12 +32,13 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from typing import TYPE_CHECKING
 
 from parallel_dcp.benchmark.config import BenchConfig
 from parallel_dcp.benchmark.config import add_arguments as _add_arguments
-from parallel_dcp.benchmark.report import NOTES, document, scenario_lines, write_json
-from parallel_dcp.benchmark.results import Scenario
-from parallel_dcp.benchmark.suites import run_all
+
+if TYPE_CHECKING:  # imported when a run starts (they import torch): `parallel-dcp --help` stays quick
+    from parallel_dcp.benchmark.results import Scenario
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -48,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _print_scenario(scenario: Scenario) -> None:
+    from parallel_dcp.benchmark.report import scenario_lines
+
     print("\n".join(scenario_lines(scenario)), flush=True)
 
 
@@ -76,12 +79,15 @@ def _check_plotting(config: BenchConfig) -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise ValueError(
-            "--plot needs matplotlib, which is not installed: pip install 'parallel_dcp[bench]' "
+            "--plot needs matplotlib, which is not installed: pip install '.[bench]' in a checkout "
             "(or pip install matplotlib), or leave out --plot"
         ) from None
 
 
 def _run(config: BenchConfig) -> int:
+    from parallel_dcp.benchmark.report import NOTES, document, write_json
+    from parallel_dcp.benchmark.suites import run_all
+
     _check_plotting(config)
     with warnings.catch_warnings():
         # dcp.save without a process group warns on every call; the table is the output here.

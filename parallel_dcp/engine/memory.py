@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from parallel_dcp.errors import MemoryLimitExceeded, describe_keys
+from parallel_dcp.errors import MemoryLimitExceeded, describe_keys, describe_unit
 
 __all__ = [
     "DEFAULT_FRACTION",
@@ -241,8 +241,9 @@ class MemoryGovernor:
         if self.reserved + need > self.limit:
             beside = f" beside the {format_bytes(self.reserved)} set aside" if self.reserved else ""
             raise MemoryLimitExceeded(
-                f"{key!r} needs {format_bytes(need)} in memory at once{beside}, more than the memory limit "
-                f"{format_bytes(self.limit)}: raise --memory-limit to at least {format_bytes(self.reserved + need)}",
+                f"{describe_unit(key)} needs {format_bytes(need)} in memory at once{beside}, more than the "
+                f"memory limit {format_bytes(self.limit)}: raise --memory-limit to at least "
+                f"{format_bytes(self.reserved + need)}",
                 limit=self.limit,
                 measured=self.reserved + need,
                 keys=[key],

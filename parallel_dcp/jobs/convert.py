@@ -10,6 +10,7 @@ with the whole pool, each into its own destination.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 import re
@@ -19,14 +20,16 @@ from collections.abc import Sequence
 import torch
 
 from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.errors import plural, printable
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
+from parallel_dcp.jobs.copy_files import files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
-from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE, Job, Target, target_for
-from parallel_dcp.options import Options
+from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for
+from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.storage.location import Location, Remote, is_url, locate
 
 __all__ = ["convert_one", "destinations", "parse_dtype", "select_keys"]
@@ -89,7 +92,7 @@ def select_keys(source: Source, patterns: str | Sequence[str] | None) -> tuple[s
             matchers.append(re.compile(fnmatch.translate(pattern)).match)
     selected = tuple(k for k in keys if any(m(k) for m in matchers))
     if not selected:
-        sample = ", ".join(keys[:5]) + (" ..." if len(keys) > 5 else "")
+        sample = ", ".join(printable(k) for k in keys[:5]) + (" ..." if len(keys) > 5 else "")
         raise ValueError(f"keys {patterns} select nothing in {source.path} (its keys: {sample})")
     return selected
 
@@ -127,6 +130,8 @@ def convert_one(
     trust_pickle: bool = False,
     rename: RenameRules | None = None,
     dry_run: bool = False,
+    copy_files: bool = True,
+    copy_files_from: str | os.PathLike[str] | None = None,
 ) -> SaveResult | DryRunPlan:
     """Convert one source (or, with ``dry_run``, plan it); see :func:`parallel_dcp.convert`."""
     start = time.perf_counter()
@@ -138,8 +143,23 @@ def convert_one(
     source = open_source(src, trust_pickle=trust_pickle, storage_options=options.storage_options)
     try:
         job = _convert_job(source, target, dtype, keys, rename)
+        copies = files_to_copy(
+            source,
+            directory_output=isinstance(target, ShardedTarget),
+            copy_files=copy_files,
+            copy_files_from=copy_files_from,
+            storage_options=options.storage_options,
+            limit=governor.limit,
+        )
+        if isinstance(target, ShardedTarget):
+            target.copies = copies
         if dry_run:
-            return plan_dry_run(job, target, options, governor)
+            plan = plan_dry_run(job, target, options, governor)
+            if copies:
+                names = ", ".join(printable(name) for name in copies)
+                note = f"copies {plural(len(copies), 'file')} beside the weights: {names}"
+                plan = dataclasses.replace(plan, notes=[*plan.notes, note])
+            return plan
         return run_job(job, target, options, governor, start=start)
     finally:
         source.close()
@@ -174,6 +194,6 @@ def _convert_job(
         if others:
             raise ValueError(
                 f"safetensors holds only tensors, and {src} selects {len(others)} other values "
-                f"({', '.join(others[:5])}); select tensors only with keys= (--keys)"
+                f"({', '.join(printable(k) for k in others[:5])}); select tensors only with keys= (--keys)"
             )
     return Job(source, selected, dtype)

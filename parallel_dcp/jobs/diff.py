@@ -9,27 +9,41 @@
 
 Only the tensors a comparison needs are hashed: keys in both with the same dtype and shape (is
 the content the same?) and keys in only one of them (was it renamed?). A key in both whose dtype
-or shape differs is reported as such without reading it. Non-tensor values are compared as values.
+or shape differs is reported as such without reading it. Non-tensor values are compared as values:
+containers element by element, tensors in them by dtype, shape and bits (a NaN equals the same NaN).
+
+A tensor whose read does not fit in what one task may use under the memory limit is hashed in row
+ranges, as ``verify`` compares it: one split threshold for the whole run (so both sides of a
+comparison, and both tensors of a possible rename, are cut the same way), and the tensor's digest
+is then the xxh3 of its ranges' digests. A unit of work is named by its key (both sides of a key
+in both are hashed by one unit, one side after the other), so every message names keys as they are.
+
+Longer than 300 lines because the memory-bounded hashing plan (row ranges, one threshold) and the
+comparison it serves form one job.
 """
 
 from __future__ import annotations
 
 import os
+import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import xxhash
 
-from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, split
+from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
+from parallel_dcp.errors import plural, printable
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.options import Options
 from parallel_dcp.storage.location import CLIENT_MEMORY, is_url, locate
 
-__all__ = ["DiffReport", "describe_diff", "diff", "tensor_checksum"]
+__all__ = ["DiffReport", "describe_diff", "diff", "tensor_checksum", "values_equal"]
 
 
 @dataclass
@@ -81,19 +95,101 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     return hasher.hexdigest()
 
 
-def _hash_handler(sources: dict[str, Source]) -> Any:
-    def run(task: Task) -> dict[str, str]:
-        digests = {}
-        for unit in task.keys:  # one key at a time: a worker holds the largest key, not the task
-            side, key = unit.split("\0", 1)
-            source = sources[side]
-            try:
-                digests[unit] = tensor_checksum(source.read([key])[key])
-            finally:
-                source.release()
+def values_equal(a: Any, b: Any) -> bool:
+    """Whether two non-tensor values are the same: containers element by element (same type and
+    length), tensors by dtype, shape and bits, floats by value or the same NaN bits; never raises."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if a.dtype != b.dtype or a.shape != b.shape or a.layout != b.layout or a.is_sparse or b.is_sparse:
+            return False
+        return _same_bits(a, b)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
+    if isinstance(a, float):
+        return a == b or struct.pack("<d", a) == struct.pack("<d", b)
+    try:
+        return bool(a == b)
+    except Exception:  # a type whose == raises or is not a truth value: compare what it shows
+        return repr(a) == repr(b)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0:
+        return True
+    return torch.equal(
+        a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Unit:
+    """What one unit of work hashes: ``key`` (or ``chunk`` of it) on each of ``sides``."""
+
+    key: str
+    sides: tuple[str, ...]
+    chunk: Chunk | None = None
+
+
+def _hash_handler(sources: dict[str, Source], units: dict[str, _Unit]) -> Any:
+    def run(task: Task) -> dict[str, dict[str, str]]:
+        digests: dict[str, dict[str, str]] = {}
+        for name in task.keys:  # one unit, one side at a time: a worker holds the largest read only
+            unit = units[name]
+            for side in unit.sides:
+                source = sources[side]
+                try:
+                    tensor = source.read_chunk(unit.chunk) if unit.chunk else source.read([unit.key])[unit.key]
+                    digests.setdefault(name, {})[side] = tensor_checksum(tensor)
+                    del tensor
+                finally:
+                    source.release()
         return digests
 
     return run
+
+
+def _memory(sources: dict[str, Source], unit: _Unit) -> int:
+    """What a worker allocates for ``unit``: the largest of its reads (the sides are read in turn)."""
+    return max(
+        sources[side].chunk_memory(unit.chunk) if unit.chunk else sources[side].copied_bytes(unit.key)
+        for side in unit.sides
+    )
+
+
+def _units(wanted: dict[str, tuple[str, ...]], sources: dict[str, Source], threshold: int) -> dict[str, _Unit]:
+    """Every wanted key as one unit, or (larger than ``threshold``) as its row ranges."""
+    units: dict[str, _Unit] = {}
+    for key, sides in wanted.items():
+        entry = sources[sides[0]].entries[key]
+        pieces = split(entry, threshold) if entry.nbytes > threshold else []
+        if not pieces:
+            units[key] = _Unit(key, sides)
+        for piece in pieces:
+            units[f"{key}[{piece.dim}:{piece.start}:{piece.stop}]"] = _Unit(key, sides, piece)
+    return units
+
+
+def _plan(wanted: dict[str, tuple[str, ...]], sources: dict[str, Source], room: int) -> dict[str, _Unit]:
+    """Units whose reads fit in ``room``: one split threshold, halved until every unit fits. When
+    none fits (down to ranges of ``MIN_MEMORY_CHUNK_BYTES``, or a source whose range reads cost
+    as much as whole ones), the cheapest plan: the governor then refuses it, naming its key."""
+    too_big = {
+        key: sides for key, sides in wanted.items() if max(sources[side].copied_bytes(key) for side in sides) > room
+    }
+    if not too_big:
+        return _units(wanted, sources, sys.maxsize)
+    best = (max(_memory(sources, unit) for unit in _units(too_big, sources, sys.maxsize).values()), sys.maxsize)
+    threshold = max(sources[sides[0]].entries[key].nbytes for key, sides in too_big.items())
+    while threshold > MIN_MEMORY_CHUNK_BYTES and best[0] > room:
+        threshold = max(MIN_MEMORY_CHUNK_BYTES, threshold // 2)
+        worst = max(_memory(sources, unit) for unit in _units(too_big, sources, threshold).values())
+        best = min(best, (worst, threshold), key=lambda pair: pair[0])
+    return _units(wanted, sources, best[1])
 
 
 def _hash(
@@ -102,25 +198,44 @@ def _hash(
     """xxh3 of each (side, key) in ``wanted``, computed by the pool under the memory limit."""
     if not wanted:
         return {}
-    items = [
-        Item(
-            f"{side}\0{key}",
-            sources[side].entries[key].nbytes,
-            sources[side].copied_bytes(key),
-            sources[side].transient_bytes(key),
-        )
-        for side, key in wanted
-    ]
-    workers = governor.workers_for(((it.key, it.memory) for it in items), options.worker_count(len(items)))
+    by_key: dict[str, tuple[str, ...]] = {}
+    for side, key in wanted:
+        by_key[key] = (*by_key.get(key, ()), side)
+    workers = options.worker_count(len(by_key))
+    # As many workers as leave each task room for a row range of at least MIN_MEMORY_CHUNK_BYTES.
+    while (
+        workers > 1
+        and governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES < 3 * MIN_MEMORY_CHUNK_BYTES
+    ):
+        workers -= 1
+    units = _plan(by_key, sources, governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES)
+    items = []
+    for name, unit in units.items():
+        first = sources[unit.sides[0]]
+        entry = first.entries[unit.key]
+        nbytes = unit.chunk.nbytes(entry.dtype.itemsize) if unit.chunk else entry.nbytes
+        transient = max(sources[side].transient_bytes(unit.key) for side in unit.sides)
+        items.append(Item(name, nbytes, _memory(sources, unit), transient))
+    workers = governor.workers_for(((it.key, it.memory) for it in items), workers)
     tasks = partition(items, workers, max_task_memory=governor.task_budget(workers), memory_adds_up=False)
-    digests: dict[tuple[str, str], str] = {}
+    hashed: dict[str, dict[str, str]] = {}
     with WorkerPool(
-        min(workers, len(tasks)), _hash_handler(sources), initializer=lambda: torch.set_num_threads(1)
+        min(workers, len(tasks)), _hash_handler(sources, units), initializer=lambda: torch.set_num_threads(1)
     ) as pool:
         for result in pool.run(tasks, governor=governor, task_timeout=options.task_timeout, retries=options.retries):
-            for unit, digest in result.value.items():
-                side, key = unit.split("\0", 1)
-                digests[(side, key)] = digest
+            hashed.update(result.value)
+    names_of: dict[str, list[str]] = {}
+    for name, unit in units.items():  # in the order of the ranges
+        names_of.setdefault(unit.key, []).append(name)
+    digests = {}
+    for key, sides in by_key.items():
+        names = names_of[key]
+        for side in sides:
+            if units[names[0]].chunk is None:
+                digests[(side, key)] = hashed[names[0]][side]
+            else:  # row ranges: the digest of their digests, in order
+                joined = "\n".join(hashed[name][side] for name in names)
+                digests[(side, key)] = xxhash.xxh3_64(joined.encode()).hexdigest()
     return digests
 
 
@@ -149,7 +264,7 @@ def _compare(a: Source, b: Source, options: Options, governor: MemoryGovernor) -
             kinds = ("tensor" if tensor_a else "value", "tensor" if tensor_b else "value")
             report.changed.append({"key": key, "change": "kind", "a": kinds[0], "b": kinds[1]})
         elif not tensor_a:
-            if a.values[key] != b.values[key]:
+            if not values_equal(a.values[key], b.values[key]):
                 report.changed.append(
                     {"key": key, "change": "value", "a": repr(a.values[key]), "b": repr(b.values[key])}
                 )
@@ -218,18 +333,18 @@ def diff(
 
 
 def describe_diff(report: DiffReport) -> str:
-    """A human-readable listing of a :class:`DiffReport`."""
-    lines = [f"{report.a} ({report.format_a}) -> {report.b} ({report.format_b})"]
+    """A human-readable listing of a :class:`DiffReport` (names and values escaped)."""
+    lines = [f"{printable(report.a)} ({report.format_a}) -> {printable(report.b)} ({report.format_b})"]
     if report.same:
-        lines.append(f"  the same: {report.unchanged} keys, same dtypes, shapes and content")
+        lines.append(f"  the same: {plural(report.unchanged, 'key')}, same dtypes, shapes and content")
         return "\n".join(lines)
     lines.append(
         f"  {len(report.added)} added, {len(report.removed)} removed, {len(report.renamed)} renamed, "
         f"{len(report.changed)} changed, {report.unchanged} unchanged"
     )
-    lines += [f"  + {k}" for k in report.added]
-    lines += [f"  - {k}" for k in report.removed]
-    lines += [f"  renamed {old} -> {new}" for old, new in report.renamed]
+    lines += [f"  + {printable(k)}" for k in report.added]
+    lines += [f"  - {printable(k)}" for k in report.removed]
+    lines += [f"  renamed {printable(old)} -> {printable(new)}" for old, new in report.renamed]
     for c in report.changed:
-        lines.append(f"  changed {c['key']}: {c['change']} {c['a']} -> {c['b']}")
+        lines.append(f"  changed {printable(c['key'])}: {c['change']} {printable(c['a'])} -> {printable(c['b'])}")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from parallel_dcp import _compat
 from parallel_dcp.engine.memory import WORKER_MEMORY_BYTES, MemoryGovernor, format_bytes
 from parallel_dcp.engine.partition import ITEM_OVERHEAD_BYTES, Task
 from parallel_dcp.engine.pool import gc_paused
+from parallel_dcp.errors import describe_unit, plural, printable
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs.pipeline import Plan, choose_executor, needed_space, plan_job
 from parallel_dcp.jobs.targets import DcpTarget, Job, ShardedTarget, Target
@@ -210,11 +211,12 @@ def dry_run_save(state_dict: Any, path: str | os.PathLike[str], options: Options
 
 
 def describe_plan(plan: DryRunPlan, *, files_shown: int = 20) -> str:
-    """A human-readable summary of a :class:`DryRunPlan`."""
+    """A human-readable summary of a :class:`DryRunPlan` (names escaped, chunks said in words)."""
     free = "unknown" if plan.space_free is None else format_bytes(plan.space_free)
     lines = [
-        f"dry run: {plan.source} -> {plan.path} ({plan.format}); nothing was written",
-        f"  {plan.keys} keys, {format_bytes(plan.bytes)} in {len(plan.files)} files, {plan.tasks} tasks",
+        f"dry run: {printable(plan.source)} -> {printable(plan.path)} ({plan.format}); nothing was written",
+        f"  {plural(plan.keys, 'key')}, {format_bytes(plan.bytes)} in {plural(len(plan.files), 'file')}, "
+        f"{plural(plan.tasks, 'task')}",
         f"  workers: {plan.workers} {plan.executor} (the memory limit allows {plan.workers_allowed} "
         f"of the {plan.workers_wanted} wanted)",
         f"  predicted peak memory {format_bytes(plan.predicted_peak_memory)} of the limit "
@@ -223,15 +225,17 @@ def describe_plan(plan: DryRunPlan, *, files_shown: int = 20) -> str:
     ]
     if plan.chunks:
         lines.append(
-            f"  {len(plan.chunks)} tensors split into {sum(plan.chunks.values())} chunks "
-            f"(threshold {format_bytes(plan.chunk_threshold)})"
+            f"  {plural(len(plan.chunks), 'tensor')} split into {plural(sum(plan.chunks.values()), 'chunk')} "
+            f"(threshold {format_bytes(plan.chunk_threshold)}): a chunk is a range of rows of one tensor "
+            "that one task writes; DCP records every chunk in that tensor's metadata"
         )
     for w in plan.per_worker:
-        lines.append(f"  worker {w['worker']}: {w['tasks']} tasks, {format_bytes(w['bytes'])}")
+        lines.append(f"  worker {w['worker']}: {plural(w['tasks'], 'task')}, {format_bytes(w['bytes'])}")
     for f in plan.files[:files_shown]:
-        keys = ", ".join(f["keys"][:3]) + (f" ... (+{len(f['keys']) - 3})" if len(f["keys"]) > 3 else "")
-        lines.append(f"  {f['name']}: {format_bytes(f['bytes'])}: {keys}")
+        units = [describe_unit(unit, quote=False) for unit in f["keys"][:3]]
+        keys = "; ".join(units) + (f" ... (+{len(f['keys']) - 3})" if len(f["keys"]) > 3 else "")
+        lines.append(f"  {printable(f['name'])}: {format_bytes(f['bytes'])}: {keys}")
     if len(plan.files) > files_shown:
-        lines.append(f"  ... and {len(plan.files) - files_shown} more files")
-    lines += [f"  note: {note}" for note in plan.notes]
+        lines.append(f"  ... and {plural(len(plan.files) - files_shown, 'more file')}")
+    lines += [f"  note: {printable(note)}" for note in plan.notes]
     return "\n".join(lines)

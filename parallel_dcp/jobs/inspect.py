@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
-from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, plural, printable
 from parallel_dcp.formats import detect_format, open_source, safetensors_format, torch_format
 from parallel_dcp.storage.location import Location, file_size, listdir, locate
 from parallel_dcp.storage.manifest import MANIFEST_FILE
 from parallel_dcp.storage.ownership import METADATA_FILE, find_leftovers
 
-__all__ = ["describe", "inspect_checkpoint"]
+__all__ = ["describe", "describe_key_list", "inspect_checkpoint"]
 
 _LARGEST = 10
 _INDEXES = (safetensors_format.INDEX_NAME, torch_format.INDEX_NAME)
@@ -37,6 +38,7 @@ def _uncommitted_dcp(path: Location, names: list[str] | None) -> dict[str, Any] 
                 "total_bytes": 0,
                 "dtypes": {},
                 "largest": [],
+                "key_list": [],
                 "files": [{"name": n, "size": _size(path / n)} for n in shards],
                 "manifest": MANIFEST_FILE in names,
             }
@@ -44,9 +46,17 @@ def _uncommitted_dcp(path: Location, names: list[str] | None) -> dict[str, Any] 
 
 
 def inspect_checkpoint(
-    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, trust_pickle: bool = False
+    path: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    trust_pickle: bool = False,
+    keys: str | Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Format, keys, bytes, dtypes, largest tensors, files and whether the checkpoint is committed.
+
+    ``key_list`` holds every key (``keys``: only those these patterns select, as convert's
+    ``keys`` select them) in the source's order, each ``{"key", "kind": "tensor"|"value",
+    "dtype", "shape", "bytes"}`` (a value's dtype and shape are None; its bytes are its stored size).
 
     A DCP directory with shards but no ``.metadata`` is reported as ``committed: False`` (a save
     that never finished) instead of raising; so is one whose shards are missing or shorter than
@@ -57,7 +67,10 @@ def inspect_checkpoint(
     Raises:
         FileNotFoundError / ValueError: nothing at ``path``, or not a known format.
         CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
+        ValueError: ``keys`` select nothing (the checkpoint's first keys are named).
     """
+    from parallel_dcp.jobs.convert import select_keys
+
     where = locate(path, storage_options)
     names = listdir(where) if where.is_dir() else None
     leftovers = find_leftovers(where, names) if names is not None else []
@@ -87,8 +100,11 @@ def inspect_checkpoint(
     ]
     # A sharded directory's index is part of it (convert counts it among the files it wrote).
     files += [{"name": n, "size": _size(where / n)} for n in _INDEXES if names is not None and n in names]
-    storage = _stored(source)
-    source.close()
+    try:
+        listed = select_keys(source, keys)
+    finally:
+        storage = _stored(source)
+        source.close()
     return storage | {
         "path": os.fspath(where),
         "format": source.kind,
@@ -105,8 +121,17 @@ def inspect_checkpoint(
         "files": files,
         "manifest": names is not None and MANIFEST_FILE in names,
         "values": [{"key": k, "bytes": source.value_bytes(k)} for k in source.values if k not in source.entries],
+        "key_list": [_listed(source, k) for k in listed],
         "leftovers": leftovers,
     }
+
+
+def _listed(source: Any, key: str) -> dict[str, Any]:
+    entry = source.entries.get(key)
+    if entry is None:
+        return {"key": key, "kind": "value", "dtype": None, "shape": None, "bytes": source.value_bytes(key)}
+    dtype = str(entry.dtype).removeprefix("torch.")
+    return {"key": key, "kind": "tensor", "dtype": dtype, "shape": list(entry.shape), "bytes": entry.nbytes}
 
 
 def _stored(source: Any) -> dict[str, Any]:
@@ -135,9 +160,9 @@ def describe(info: dict[str, Any]) -> str:
     from parallel_dcp.engine.memory import format_bytes
 
     lines = [
-        f"{info['path']}: {info['format']}, {'committed' if info['committed'] else 'NOT committed'}",
-        f"  {info['keys']} keys ({info['tensors']} tensors), {format_bytes(info['total_bytes'])}, "
-        f"{len(info['files'])} files" + (", manifest" if info["manifest"] else ""),
+        f"{printable(info['path'])}: {info['format']}, {'committed' if info['committed'] else 'NOT committed'}",
+        f"  {plural(info['keys'], 'key')} ({plural(info['tensors'], 'tensor')}), {format_bytes(info['total_bytes'])}, "
+        f"{plural(len(info['files']), 'file')}" + (", manifest" if info["manifest"] else ""),
     ]
     if "stored_bytes" in info:
         ratio = f", stored/logical {info['ratio']:.3f}" if info["ratio"] is not None else ""
@@ -146,19 +171,42 @@ def describe(info: dict[str, Any]) -> str:
             f"  stored {format_bytes(info['stored_bytes'])} for {format_bytes(info['total_bytes'])}{ratio}{zstd}"
         )
     if info.get("damaged"):
-        lines.append(f"  DAMAGED: {info['damaged']}")
+        lines.append(f"  DAMAGED: {printable(info['damaged'])}")
     for dtype, slot in sorted(info["dtypes"].items(), key=lambda kv: -kv[1]["bytes"]):
-        lines.append(f"  {dtype:<14}{slot['tensors']:>8} tensors {format_bytes(slot['bytes']):>12}")
+        tensors = "tensor " if slot["tensors"] == 1 else "tensors"
+        lines.append(f"  {dtype:<14}{slot['tensors']:>8} {tensors} {format_bytes(slot['bytes']):>12}")
     if info["largest"]:
         lines.append("  largest:")
         for e in info["largest"]:
-            lines.append(f"    {e['key']}  {e['dtype']} {tuple(e['shape'])}  {format_bytes(e['bytes'])}")
+            lines.append(f"    {printable(e['key'])}  {e['dtype']} {tuple(e['shape'])}  {format_bytes(e['bytes'])}")
     for value in info.get("values", [])[:_LARGEST]:
-        lines.append(f"  value {value['key']}: {format_bytes(value['bytes'])} (not unpickled)")
+        lines.append(f"  value {printable(value['key'])}: {format_bytes(value['bytes'])} (not unpickled)")
     for left in info.get("leftovers", []):
         state = {True: "still running", False: "gone", None: "on another host"}[left["running"]]
         lines.append(
-            f"  leftover of save {left['save_id']} (pid {left['pid']} on {left['host']}, {state}): "
-            f"{len(left['files'])} files"
+            f"  leftover of save {printable(str(left['save_id']))} (pid {left['pid']} on "
+            f"{printable(str(left['host']))}, {state}): "
+            f"{plural(len(left['files']), 'file')}"
         )
     return "\n".join(lines)
+
+
+def describe_key_list(info: dict[str, Any]) -> str:
+    """One line per key of :func:`inspect_checkpoint`'s ``key_list``: name, dtype, shape, bytes
+    (names escaped; a non-tensor value shows ``value`` and ``-``)."""
+    rows = [
+        (
+            printable(e["key"]),
+            e["dtype"] or "value",
+            str(list(e["shape"])) if e["shape"] is not None else "-",
+            str(e["bytes"]),
+        )
+        for e in info["key_list"]
+    ]
+    if not rows:
+        return ""
+    widths = [min(max(len(row[i]) for row in rows), 80) for i in range(3)]
+    return "\n".join(
+        f"{name:<{widths[0]}}  {dtype:<{widths[1]}}  {shape:<{widths[2]}}  {nbytes}"
+        for name, dtype, shape, nbytes in rows
+    )

@@ -15,6 +15,10 @@ dict (``model.state_dict()``) does. Dots are never split into new levels: a flat
 ``layers.0.attention.wq.weight`` could come from ``{"layers": {"0": ...}}`` or from a flat dict,
 and only the latter is what ``model.state_dict()`` gives.
 
+A rule that renames no key is most likely a typo or written for another model: each one is a
+:class:`~parallel_dcp.errors.RenameWarning` naming it, and the conversion logs a summary ("N keys
+renamed by M of K rules", logger ``parallel_dcp``; the CLI prints it on stderr).
+
 Everything is checked before any write: two source keys mapped to one name, an empty name, and
 one key's nesting path being a level of another's are refused, every offender listed.
 """
@@ -23,15 +27,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
-from parallel_dcp.errors import RenameError
+from parallel_dcp.errors import RenameError, RenameWarning, plural
 from parallel_dcp.formats.base import Source
 
 if TYPE_CHECKING:
@@ -42,6 +48,7 @@ __all__ = ["RenameRules", "RenamedSource", "compile_rules", "parse_rule", "read_
 RenameRules: TypeAlias = Sequence[tuple[str, str]] | Callable[[str], str | None]
 
 _SHOWN = 20  # collisions listed in an error message
+_log = logging.getLogger("parallel_dcp")
 
 
 def parse_rule(text: str) -> tuple[str, str]:
@@ -79,8 +86,11 @@ def read_rules_file(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
     return rules
 
 
-def compile_rules(rules: RenameRules) -> Callable[[str], str]:
+def compile_rules(rules: RenameRules, used: list[int] | None = None) -> Callable[[str], str]:
     """A function giving each flattened name its new name (unmatched names are returned as is).
+
+    ``used``: filled with the number of names each rule renamed (the first matching rule counts),
+    one entry per rule; left empty for a callable.
 
     Raises:
         RenameError: a rule that is not a (regex, template) pair of strings, or a bad regex
@@ -101,6 +111,7 @@ def compile_rules(rules: RenameRules) -> Callable[[str], str]:
     if isinstance(rules, (str, bytes)):
         raise RenameError("rename takes a list of (regex, template) pairs, not a single string")
     compiled: list[tuple[re.Pattern[str], str]] = []
+    counts = used if used is not None else []
     for i, rule in enumerate(rules):
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and all(isinstance(s, str) for s in rule)):
             raise RenameError(f"rename rule {i} is {rule!r}: expected a (regex, template) pair of strings")
@@ -108,11 +119,13 @@ def compile_rules(rules: RenameRules) -> Callable[[str], str]:
             compiled.append((re.compile(rule[0]), rule[1]))
         except re.error as exc:
             raise RenameError(f"rename rule {i}: bad regular expression {rule[0]!r}: {exc}") from exc
+    counts[:] = [0] * len(compiled)
 
     def by_rules(name: str) -> str:
         for i, (pattern, template) in enumerate(compiled):
             match = pattern.fullmatch(name)
             if match is not None:
+                counts[i] += 1
                 try:
                     return match.expand(template)
                 except (re.error, IndexError) as exc:
@@ -184,6 +197,29 @@ class RenamedSource(Source):
         return self._inner().fingerprint()
 
 
+def _report(path: str, keys: Sequence[str], rules: RenameRules, used: list[int], renamed: int) -> None:
+    """Warn about every rule that renamed nothing; log how many keys the rules renamed."""
+    if callable(rules):
+        _log.info("%s: %s renamed by the rename function", path, plural(renamed, "key"))
+        return
+    summary = f"{plural(renamed, 'key')} renamed by {sum(1 for n in used if n)} of {plural(len(used), 'rule')}"
+    for i, count in enumerate(used):
+        if count:
+            continue
+        regex, template = rules[i]
+        pattern = re.compile(regex)
+        why = (
+            "every key it matches was taken by an earlier rule"
+            if any(pattern.fullmatch(key) for key in keys)
+            else "it matches no key"
+        )
+        warnings.warn(
+            RenameWarning(f"rename rule {i} ({regex!r} -> {template!r}) renamed nothing in {path}: {why}; {summary}"),
+            stacklevel=4,
+        )
+    _log.info("%s: %s", path, summary)
+
+
 def rename_source(source: Source, keys: Sequence[str], rules: RenameRules) -> tuple[Source, tuple[str, ...]]:
     """``source`` seen under new names, restricted to ``keys``, and the new names in order.
 
@@ -191,8 +227,10 @@ def rename_source(source: Source, keys: Sequence[str], rules: RenameRules) -> tu
         RenameError: two keys renamed to one name, an empty or non-string name, or nesting
             paths that clash (one key's path a level of another's); all of them are listed.
     """
-    rename = compile_rules(rules)
+    used: list[int] = []
+    rename = compile_rules(rules, used)
     new_of = {key: rename(key) for key in keys}
+    _report(source.path, keys, rules, used, sum(1 for old, new in new_of.items() if old != new))
     empty = sorted(old for old, new in new_of.items() if not new)
     if empty:
         raise _collision_error("rename rules give empty names", {"": empty})

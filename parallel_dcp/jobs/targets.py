@@ -30,7 +30,8 @@ from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.formats import FILE_FORMATS, FORMATS, lean, metadata_pickle
 from parallel_dcp.formats.base import FileFormat, Source, index_json
 from parallel_dcp.formats.dcp_format import ChunkSavePlanner
-from parallel_dcp.options import Options
+from parallel_dcp.jobs.copy_files import read_copies
+from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.partial import merge_metadata, partial_save
 from parallel_dcp.storage.compression import Compression
 from parallel_dcp.storage.location import Remote, locate, upload_memory
@@ -44,8 +45,6 @@ from parallel_dcp.storage.writers import ShardWriter
 AnyStaging = Staging  # kept for callers that imported the old union
 
 __all__ = ["DcpTarget", "FileTarget", "ShardedTarget", "Target", "target_for"]
-
-DEFAULT_SHARD_SIZE = 5 * 10**9  # what Hugging Face's save_pretrained uses
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,6 +370,9 @@ class ShardedTarget(Target):
         single = self.format.shard_names(1)[0]
         self._count = 1
         self._layout = sharded_layout(kind, self._index_name, single)
+        # Files copied beside the shards (config.json, tokenizer files): name -> where to read it;
+        # set by the conversion before it runs (see parallel_dcp.jobs.copy_files).
+        self.copies: dict[str, Any] = {}
 
     def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
         return stage_directory(
@@ -378,7 +380,7 @@ class ShardedTarget(Target):
         )
 
     def output_names(self, tasks: list[Task]) -> list[str]:
-        return [*self._shard_names(len(tasks)), self._index_name, MANIFEST_FILE]
+        return [*self._shard_names(len(tasks)), self._index_name, *self.copies, MANIFEST_FILE]
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         """Shards filled up to ``shard_size`` bytes in the source's key order, as Hugging Face's own
@@ -428,14 +430,17 @@ class ShardedTarget(Target):
             index = index_json(weight_map, sum(job.out_bytes(k) for k in job.keys)).encode()
         if index:
             digests[self._index_name] = _digest_of(index, options)
+        shards = sorted(digests.keys() - {self._index_name})
+        copied = read_copies(self.copies)
+        digests.update((name, _digest_of(data, options)) for name, data in copied.items())
         manifest = manifest_bytes(digests, job.source.fingerprint(), save_id=staging.save_id)
-        # Shards are renamed into place, then the index (the commit), then the manifest. Shard
-        # names are fixed: between the first rename and the index's, new shards sit beside the old
-        # index (the documented window of an overwrite).
+        # Shards are renamed into place, then the index (the commit), then the copied files and
+        # the manifest. Shard names are fixed: between the first rename and the index's, new
+        # shards sit beside the old index (the documented window of an overwrite).
         staging.commit(
-            staged=sorted(digests.keys() - {self._index_name}),
+            staged=shards,
             marker=(self._index_name, index) if index else None,
-            extras={MANIFEST_FILE: manifest},
+            extras={**copied, MANIFEST_FILE: manifest},
         )
         return len(tasks) + bool(index)  # the shards and the index, as inspect lists them
 

@@ -30,6 +30,7 @@ from parallel_dcp.engine.pool import WorkerPool
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
+from parallel_dcp.jobs.diff import values_equal
 from parallel_dcp.options import Options
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, is_url, locate
 from parallel_dcp.storage.manifest import FileDigest, file_digest, read_manifest
@@ -49,6 +50,9 @@ class VerifyReport:
     manifest: bool = False
     against: str | None = None
     problems: list[str] = field(default_factory=list)
+    # Set when every problem is a floating dtype that a cast explains (the checkpoint holds the
+    # reference cast to this dtype, as ``convert --dtype`` writes it): verify again with it.
+    suggested_dtype: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -65,6 +69,7 @@ class VerifyReport:
             "keys_checked": self.keys_checked,
             "bytes_checked": self.bytes_checked,
             "problems": self.problems,
+            "suggested_dtype": self.suggested_dtype,
         }
 
 
@@ -204,7 +209,7 @@ def _header_problem(source: Source, reference: Source, key: str, dtype: torch.dt
         return f"one is a tensor, the other a {type(other).__name__}"
     if not mine:
         a, b = source.values[key], reference.values[key]
-        return None if a == b else f"value {a!r} != {b!r}"
+        return None if values_equal(a, b) else f"value {a!r} != {b!r}"
     entry, ref = source.entries[key], reference.entries[key]
     expected = dtype if dtype is not None and ref.dtype.is_floating_point else ref.dtype
     if entry.dtype != expected:
@@ -321,4 +326,20 @@ def _verify(
             key_problems[key] = (element, problem)
     report.bytes_checked = sum(it.nbytes for it in plan.items)
     report.problems = sorted(file_problems) + [f"{k}: {key_problems[k][1]}" for k in sorted(key_problems)]
+    if reference is not None and dtype is None and not file_problems:
+        report.suggested_dtype = _cast_explains(source, reference, list(key_problems))
     return report
+
+
+def _cast_explains(source: Source, reference: Source, differing: list[str]) -> str | None:
+    """The dtype that explains every difference when each differing key is a floating tensor
+    stored as one floating dtype in place of the reference's (same shape): a ``convert --dtype``."""
+    found = set()
+    for key in differing:
+        mine, theirs = source.entries.get(key), reference.entries.get(key)
+        if mine is None or theirs is None or mine.shape != theirs.shape or mine.dtype == theirs.dtype:
+            return None
+        if not (mine.dtype.is_floating_point and theirs.dtype.is_floating_point):
+            return None
+        found.add(mine.dtype)
+    return str(found.pop()).removeprefix("torch.") if len(found) == 1 else None

@@ -58,7 +58,7 @@ def _zstandard() -> Any:
         import zstandard
     except ImportError as exc:
         raise CompressionUnavailableError(
-            "zstd compression needs the 'zstandard' package: pip install 'parallel_dcp[zstd]' "
+            "zstd compression needs the 'zstandard' package: pip install '.[zstd]' in a checkout "
             "(or pip install zstandard)"
         ) from exc
     return zstandard

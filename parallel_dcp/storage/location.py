@@ -118,7 +118,7 @@ def _import_protocol(url: str) -> None:
     try:
         get_filesystem_class(protocol)
     except ImportError as exc:
-        hint = " (pip install 'parallel_dcp[s3]')" if protocol in ("s3", "s3a") else ""
+        hint = " (pip install '.[s3]' in a checkout, or pip install s3fs)" if protocol in ("s3", "s3a") else ""
         raise ValueError(f"cannot open {url}: the {protocol}:// filesystem is not installed{hint}: {exc}") from exc
     except ValueError as exc:
         raise ValueError(f"cannot open {url}: unknown protocol {protocol!r} ({exc})") from exc

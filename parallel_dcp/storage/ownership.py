@@ -24,6 +24,7 @@ from typing import Any
 from parallel_dcp.errors import (
     CorruptCheckpointError,
     InvalidDestinationError,
+    plural,
 )
 from parallel_dcp.storage.location import Location, Remote, check_name
 
@@ -249,10 +250,10 @@ def clean_leftovers(where: Location, keep: str | None = None) -> None:
             remove_path(where / name)
         remove_path(where / owner_name(leftover["save_id"]))
         warnings.warn(
-            f"{where}: removed {len(leftover['files'])} leftover files of save {leftover['save_id']} "
+            f"{where}: removed {plural(len(leftover['files']), 'leftover file')} of save {leftover['save_id']} "
             f"(pid {leftover['pid']} on {leftover['host']}, no longer running)"
             + (
-                f"; it was a conversion with {leftover['tasks_done']} finished tasks, which "
+                f"; it was a conversion with {plural(leftover['tasks_done'], 'finished task')}, which "
                 "convert(..., resume=True) (--resume) would have kept"
                 if leftover["resumable"] and leftover["tasks_done"]
                 else ""
