@@ -158,7 +158,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--overwrite", action="store_true", help="replace an existing output atomically")
     convert.add_argument(
-        "--shard-size", type=_size_of("the shard size"), default="5GB", help="largest shard of a sharded output (default 5GB)"
+        "--shard-size",
+        type=_size_of("the shard size"),
+        default="5GB",
+        help="largest shard of a sharded output (default 5GB)",
     )
     convert.add_argument(
         "--chunk-size",
@@ -227,7 +230,12 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--workers", type=_workers, default=None, help="worker processes hashing tensors (with --diff)"
     )
-    inspect.add_argument("--memory-limit", type=_size_of("the memory limit"), default=None, help="memory ceiling while hashing (with --diff)")
+    inspect.add_argument(
+        "--memory-limit",
+        type=_size_of("the memory limit"),
+        default=None,
+        help="memory ceiling while hashing (with --diff)",
+    )
     _storage(inspect)
 
     verify = sub.add_parser(

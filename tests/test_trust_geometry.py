@@ -171,7 +171,9 @@ def test_every_key_is_checked_against_its_own_record_even_past_the_metadata_chec
 def test_two_keys_on_one_compressed_record_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("zstandard")
     ckpt = tmp_path / "ckpt"
-    parallel_dcp.save({"a": torch.randn(16), "b": torch.arange(16, dtype=torch.int32)}, ckpt, workers=1, compress="zstd")
+    parallel_dcp.save(
+        {"a": torch.randn(16), "b": torch.arange(16, dtype=torch.int32)}, ckpt, workers=1, compress="zstd"
+    )
     _rewrite(ckpt, lambda m: _point(m, MetadataIndex("b", torch.Size([0])), MetadataIndex("a", torch.Size([0]))))
     with pytest.raises(CorruptCheckpointError, match=r"share bytes"):
         parallel_dcp.load(ckpt, workers=1)
@@ -372,9 +374,7 @@ def test_a_crafted_data_pkl_is_a_corrupt_checkpoint_everywhere(case: str, tmp_pa
         parallel_dcp.load(ckpt, workers=1, retries=1)
 
 
-@pytest.mark.parametrize(
-    ("flag", "name"), [("--shard-size", "the shard size"), ("--chunk-size", "the chunk size")]
-)
+@pytest.mark.parametrize(("flag", "name"), [("--shard-size", "the shard size"), ("--chunk-size", "the chunk size")])
 def test_a_zero_size_flag_names_the_flag(
     flag: str, name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -19,6 +19,7 @@ other layout; a layout too irregular to check within that bound is refused rathe
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -172,7 +173,7 @@ def check_records(storage: Mapping[Any, Any], where: object) -> None:
     for index, info in storage.items():
         spans.append((str(info.relative_path), int(info.offset), int(info.length), index))
     spans.sort(key=lambda s: (s[0], s[1], s[2]))
-    for (name, offset, length, index), (next_name, next_offset, _, next_index) in zip(spans, spans[1:]):
+    for (name, offset, length, index), (next_name, next_offset, _, next_index) in itertools.pairwise(spans):
         if name == next_name and (next_offset < offset + length or next_offset == offset):
             raise CorruptCheckpointError(
                 f"{where}: {_describe(index)} and {_describe(next_index)} share bytes of {name} "
@@ -248,6 +249,5 @@ def check_planner_data(planner_data: object, keys: Sequence[str], where: object)
     slots = sum(lists.values())
     if slots > 2 * len(paths) + 64:
         raise CorruptCheckpointError(
-            f"{where}: planner_data's list indices need {slots} list entries for {len(paths)} keys "
-            "(impossible nesting)"
+            f"{where}: planner_data's list indices need {slots} list entries for {len(paths)} keys (impossible nesting)"
         )
