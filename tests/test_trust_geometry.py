@@ -60,11 +60,11 @@ def _rewrite(ckpt: Path, change: Any) -> None:
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
-def _stock_load(ckpt: Path, state: dict[str, Any]) -> None:
+def _stock_load(ckpt: Path, state: dict[str, Any], **reader: Any) -> None:
     """Stock ``dcp.load`` through FastReader; the error our reader raised, unwrapped from the
     ``CheckpointException`` stock wraps every error in."""
     try:
-        dcp.load(state, storage_reader=parallel_dcp.FastReader(ckpt, workers=2), no_dist=True)
+        dcp.load(state, storage_reader=parallel_dcp.FastReader(ckpt, workers=2, **reader), no_dist=True)
     except CheckpointException as exc:
         (failure,) = exc.failures.values()
         raise failure[0] if isinstance(failure, tuple) else failure from None
@@ -266,6 +266,9 @@ def test_a_huge_value_record_is_refused_by_the_budget_before_reading(tmp_path: P
     _rewrite(ckpt, grow)
     with pytest.raises(MemoryLimitExceeded, match=r"'blob' needs 2\.0 GiB"):
         parallel_dcp.load(ckpt, workers=1, memory_limit="64MiB", retries=retries)
+    if not retries:  # stock dcp.load through FastReader, given a limit
+        with pytest.raises(MemoryLimitExceeded, match=r"'blob' needs 2\.0 GiB"):
+            _stock_load(ckpt, {"w": torch.zeros(4), "blob": b""}, memory_limit="64MiB")
 
 
 # --- item 16: into= targets load cannot fill -----------------------------------------------------

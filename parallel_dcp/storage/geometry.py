@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.storage.location import Location, check_name, file_size, listdir
 
-__all__ = ["MAX_PATH_DEPTH", "PairBudget", "check_chunks", "check_planner_data", "check_records"]
+__all__ = ["MAX_PATH_DEPTH", "PairBudget", "check_chunks", "check_planner_data", "check_records", "check_shards"]
 
 # A nesting deeper than this is not a model's state dict (torchtitan's deepest is about 8).
 MAX_PATH_DEPTH = 64
@@ -160,6 +161,31 @@ def _overlapping_pair(
             i, j = int(hits[0][0]) + first, int(hits[0][1])
             return boxes[i], boxes[j]
     return ()
+
+
+def check_shards(path: Location, metadata: Any, keys: list[str] | None = None) -> None:
+    """Refuse, before reading, a checkpoint whose shard files (for ``keys``, or all) are missing
+    or shorter than ``.metadata`` records.
+
+    Raises:
+        CorruptCheckpointError: naming the shard.
+    """
+    wanted = None if keys is None else set(keys)
+    needed: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if wanted is None or index.fqn in wanted:
+            name = check_name(info.relative_path, path)
+            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    present = set(listdir(path))
+    for name, end in needed.items():
+        if name not in present:
+            raise CorruptCheckpointError(f"{path} is damaged: shard {name} is missing")
+        size = file_size(path / name)
+        if size < end:
+            raise CorruptCheckpointError(
+                f"{path} is damaged: shard {name} has {size} bytes but the metadata records data up to byte {end} "
+                "(truncated file)"
+            )
 
 
 def check_records(storage: Mapping[Any, Any], where: object) -> None:

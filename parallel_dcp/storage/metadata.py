@@ -37,8 +37,8 @@ from parallel_dcp.errors import (
     UnsafeCheckpointError,
     describe_keys,
 )
-from parallel_dcp.storage.geometry import PairBudget, check_chunks, check_planner_data, check_records
-from parallel_dcp.storage.location import Location, Remote, check_name, file_size, listdir, locate
+from parallel_dcp.storage.geometry import PairBudget, check_chunks, check_planner_data, check_records, check_shards
+from parallel_dcp.storage.location import Remote, check_name, file_size, locate
 
 __all__ = [
     "METADATA_MEMORY_FACTOR",
@@ -55,6 +55,7 @@ __all__ = [
 # unpickling DCP metadata of 600 and 9,000 keys); its checks add a little.
 METADATA_MEMORY_FACTOR = 16
 _READ_PIECE = 1 << 20
+_SMALL = 64 << 20
 
 _ALLOWED: dict[str, set[str]] = {
     "torch.distributed.checkpoint.metadata": {
@@ -107,14 +108,14 @@ def read_metadata(path: str | os.PathLike[str] | Remote, *, memory_limit: int | 
     file = locate(path) / ".metadata"
     if not file.is_file():
         raise FileNotFoundError(f"{path} is not a DCP checkpoint: it has no .metadata (the commit marker)")
-    size = file_size(file)
-    limit = default_limit() if memory_limit is None else memory_limit
-    need = size * METADATA_MEMORY_FACTOR
+    need = file_size(file) * METADATA_MEMORY_FACTOR
+    # (a small file needs no look at the machine's memory: inspect reads only the checkpoint)
+    limit = memory_limit if memory_limit is not None else default_limit() if need > _SMALL else need
     if need > limit:
         raise MemoryLimitExceeded(
-            f"{file} has {format_bytes(size)}; unpickling it needs up to {format_bytes(need)}, more than the memory "
-            f"limit {format_bytes(limit)} (nothing of it was read): raise --memory-limit to at least "
-            f"{format_bytes(need)}",
+            f"{file} has {format_bytes(need // METADATA_MEMORY_FACTOR)}; unpickling it needs up to "
+            f"{format_bytes(need)}, more than the memory limit {format_bytes(limit)} (nothing of it was read): "
+            f"raise --memory-limit to at least {format_bytes(need)}",
             limit=limit,
             measured=need,
             keys=[],
@@ -203,31 +204,6 @@ def _check_metadata(metadata: Metadata, file: object) -> None:
                 "bytes: impossible sizes"
             )
     check_planner_data(metadata.planner_data, list(metadata.state_dict_metadata), file)
-
-
-def check_shards(path: Location, metadata: Metadata, keys: list[str] | None = None) -> None:
-    """Refuse, before reading, a checkpoint whose shard files (for ``keys``, or all) are missing
-    or shorter than ``.metadata`` records.
-
-    Raises:
-        CorruptCheckpointError: naming the shard.
-    """
-    wanted = None if keys is None else set(keys)
-    needed: dict[str, int] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        if wanted is None or index.fqn in wanted:
-            name = check_name(info.relative_path, path)
-            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
-    present = set(listdir(path))
-    for name, end in needed.items():
-        if name not in present:
-            raise CorruptCheckpointError(f"{path} is damaged: shard {name} is missing")
-        size = file_size(path / name)
-        if size < end:
-            raise CorruptCheckpointError(
-                f"{path} is damaged: shard {name} has {size} bytes but the metadata records data up to byte {end} "
-                "(truncated file)"
-            )
 
 
 @contextlib.contextmanager
