@@ -62,6 +62,8 @@ def check_chunks(
     """
     shape = tuple(size)
     ndim = len(shape)
+    if len(chunks) == 1 and _whole(chunks[0], shape):  # the common case, checked quickly
+        return
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for chunk in chunks:
         offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
@@ -99,6 +101,18 @@ def check_chunks(
             f"{where}: key {key!r} has overlapping chunks (offsets {list(o1)} sizes {list(s1)} and offsets "
             f"{list(o2)} sizes {list(s2)}), so part of the tensor is in no chunk"
         )
+
+
+def _whole(chunk: Any, shape: tuple[int, ...]) -> bool:
+    """True for one chunk that is the whole tensor (every offset 0, every size the tensor's)."""
+    offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+    return (
+        len(offsets) == len(shape)
+        and all(type(o) is int and o == 0 for o in offsets)
+        and all(type(n) is int for n in sizes)
+        and sizes == shape
+        and max(shape, default=0) < _MAX_COORD
+    )
 
 
 def _count(value: object) -> bool:
@@ -235,9 +249,8 @@ def check_planner_data(planner_data: object, keys: Sequence[str], where: object)
     if missing:
         raise CorruptCheckpointError(f"{where}: planner_data has no path for key {missing[0]!r}")
     paths: dict[tuple[Any, ...], str] = {}
-    levels: dict[tuple[Any, ...], str] = {}  # prefix -> the key that made it a level
-    kinds: dict[tuple[Any, ...], type] = {}  # prefix -> str (a dict) or int (a list)
-    lists: dict[tuple[Any, ...], int] = {}  # prefix of a list -> its length
+    levels: dict[tuple[Any, ...], tuple[type, str]] = {}  # prefix -> str (a dict) or int (a list), and
+    lists: dict[tuple[Any, ...], int] = {}  # the key that made it; prefix of a list -> its length
     for key, path in planner_data.items():
         if type(key) is not str:
             raise CorruptCheckpointError(f"{where}: planner_data has a key that is not a string ({key!r:.80})")
@@ -245,29 +258,28 @@ def check_planner_data(planner_data: object, keys: Sequence[str], where: object)
             raise CorruptCheckpointError(f"{where}: planner_data gives key {key!r} an impossible path {path!r:.200}")
         path = tuple(path)
         for depth, part in enumerate(path):
-            if not (type(part) is str or (type(part) is int and part >= 0 and depth > 0)):
+            kind = type(part)
+            if not (kind is str or (kind is int and part >= 0 and depth > 0)):
                 raise CorruptCheckpointError(
                     f"{where}: planner_data gives key {key!r} a path with {part!r:.80} at depth {depth} "
                     "(a path holds names, and after the first, non-negative list indices)"
                 )
-        other = paths.get(path)
-        if other is not None:
+            if depth:
+                prefix = path[:depth]
+                level = levels.setdefault(prefix, (kind, key))
+                if level[0] is not kind:
+                    raise CorruptCheckpointError(
+                        f"{where}: planner_data makes {list(prefix)!r:.200} both a dict and a list (key {key!r})"
+                    )
+                if kind is int:
+                    lists[prefix] = max(lists.get(prefix, 0), part + 1)
+        other = paths.setdefault(path, key)
+        if other != key:
             raise CorruptCheckpointError(f"{where}: planner_data gives keys {other!r} and {key!r} the same path")
-        paths[path] = key
-        for depth in range(1, len(path)):
-            prefix, part = path[:depth], path[depth]
-            levels.setdefault(prefix, key)
-            kind = kinds.setdefault(prefix, type(part))
-            if kind is not type(part):
-                raise CorruptCheckpointError(
-                    f"{where}: planner_data makes {list(prefix)!r:.200} both a dict and a list (key {key!r})"
-                )
-            if type(part) is int:
-                lists[prefix] = max(lists.get(prefix, 0), part + 1)
     for path, key in paths.items():
         if path in levels:
             raise CorruptCheckpointError(
-                f"{where}: planner_data puts key {key!r} at {list(path)!r:.200}, where key {levels[path]!r} "
+                f"{where}: planner_data puts key {key!r} at {list(path)!r:.200}, where key {levels[path][1]!r} "
                 "has a level of the nesting"
             )
     # A list's length comes from its largest index; entries (or whole empty levels) may be missing
