@@ -181,6 +181,9 @@ def test_two_keys_on_one_compressed_record_are_refused(tmp_path: Path, monkeypat
     monkeypatch.setattr("parallel_dcp.storage.metadata.check_records", lambda storage, where: None)
     with pytest.raises(CorruptCheckpointError, match=r"one record|holds torch.float32"):
         parallel_dcp.load(ckpt, workers=1)
+    # DCP's reader path (BoundedReader), in a worker: its CorruptCheckpointError, as the pool reports it
+    with pytest.raises(ParallelDCPError, match=r"CorruptCheckpointError.*(one record|holds torch.float32)"):
+        parallel_dcp.convert(ckpt, tmp_path / "out.safetensors", workers=1)
 
 
 # --- item 5: planner_data ---------------------------------------------------------------------
