@@ -590,7 +590,7 @@ def convert(
         ),
     )
     cast = _convert.parse_dtype(dtype)
-    shard_bytes = parse_size(shard_size)
+    shard_bytes = parse_size(shard_size, "shard_size")
     sources = [src] if isinstance(src, (str, os.PathLike)) else list(src)
     if not sources:
         raise ValueError("convert needs at least one source")

@@ -80,13 +80,18 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _size(text: str) -> str:
-    """``--memory-limit`` / ``--shard-size`` / ``--chunk-size``: checked here, passed on as given."""
-    try:
-        parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+def _size_of(what: str) -> Any:
+    """``--memory-limit`` / ``--shard-size`` / ``--chunk-size``: checked here (an error names
+    ``what`` the flag sets), passed on as given."""
+
+    def check(text: str) -> str:
+        try:
+            parse_size(text, what)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    return check
 
 
 def _compress(text: str) -> str:
@@ -116,7 +121,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=_workers, default=None, help="worker processes (default: every usable core)")
     parser.add_argument(
         "--memory-limit",
-        type=_size,
+        type=_size_of("the memory limit"),
         default=None,
         help="ceiling on the memory the job adds (e.g. 512MiB, 32GiB, 16GB; default: half of what is available)",
     )
@@ -161,11 +166,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--overwrite", action="store_true", help="replace an existing output atomically")
     convert.add_argument(
-        "--shard-size", type=_size, default="5GB", help="largest shard of a sharded output (default 5GB)"
+        "--shard-size",
+        type=_size_of("the shard size"),
+        default="5GB",
+        help="largest shard of a sharded output (default 5GB)",
     )
     convert.add_argument(
         "--chunk-size",
-        type=_size,
+        type=_size_of("the chunk size"),
         help="split tensors larger than this into DCP chunks (default: from workers and memory)",
     )
     convert.add_argument(
@@ -250,7 +258,12 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--workers", type=_workers, default=None, help="worker processes hashing tensors (with --diff)"
     )
-    inspect.add_argument("--memory-limit", type=_size, default=None, help="memory ceiling while hashing (with --diff)")
+    inspect.add_argument(
+        "--memory-limit",
+        type=_size_of("the memory limit"),
+        default=None,
+        help="memory ceiling while hashing (with --diff)",
+    )
     _storage(inspect)
 
     verify = sub.add_parser(

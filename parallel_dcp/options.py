@@ -89,7 +89,7 @@ class Options:
         if self.memory_limit is not None:
             parse_size(self.memory_limit)
         if self.chunk_size is not None:
-            parse_size(self.chunk_size)
+            parse_size(self.chunk_size, "chunk_size")
         if not self.dist_timeout > 0:
             raise ValueError(f"dist_timeout must be > 0 seconds, got {self.dist_timeout!r}")
         if self.executor not in ("auto", "processes", "threads"):

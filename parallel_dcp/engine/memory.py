@@ -121,10 +121,11 @@ def zstd_compress_bytes(level: int) -> int:
     return context + _ZSTD_PIECE_BYTES
 
 
-def parse_size(value: int | str) -> int:
+def parse_size(value: int | str, what: str = "a memory limit") -> int:
     """Bytes from an int or a string such as ``"512MiB"``, ``"32GiB"``, ``"16GB"``, ``"1.5G"``.
 
     Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) of 1024.
+    ``what`` names the size in the error ("a memory limit", "the shard size", ...).
 
     Raises:
         ValueError: not a positive size, or an unknown unit.
@@ -140,7 +141,7 @@ def parse_size(value: int | str) -> int:
             raise ValueError(f"not a size: {value!r} (use bytes or a unit: 512MiB, 32GiB, 16GB)")
         size = int(float(match.group(1)) * _UNITS[unit])
     if size <= 0:
-        raise ValueError(f"a memory limit must be positive, got {value!r}")
+        raise ValueError(f"{what} must be positive, got {value!r}")
     return size
 
 

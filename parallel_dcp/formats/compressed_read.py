@@ -284,6 +284,10 @@ class BoundedReader(FileSystemReader):
                 records.setdefault((str(info.relative_path), int(info.offset)), []).append(item)
         for items in records.values():
             first = items[0]
+            if any(item.storage_index != first.storage_index for item in items):  # one record, one chunk
+                raise CorruptCheckpointError(
+                    f"{self.where}: .metadata points {first.storage_index.fqn!r} and another key at one record"
+                )
             chunk, dtype = self._chunk(first)
             targets = [(item, planner.resolve_tensor(item).detach()) for item in items]
             read_record(

@@ -241,7 +241,7 @@ def parse_record(head: memoryview, tail: memoryview, length: int) -> RecordLayou
             raise ValueError("data/0 compressed or beyond the record")
     except _NotATensorRecord:
         return None
-    except (struct.error, pickle.UnpicklingError, EOFError, IndexError, TypeError) as exc:
+    except Exception as exc:  # a crafted data.pkl can raise anything (AttributeError, OverflowError, ...)
         raise ValueError(f"not a torch.save zip record: {type(exc).__name__}: {exc}") from exc
     storage = rebuilt.storage
     itemsize = rebuilt.dtype.itemsize
@@ -288,7 +288,7 @@ def parse_head(head: memoryview) -> RecordLayout | None:
             raise _NotATensorRecord("the storage's header lies beyond the head")
     except _NotATensorRecord:
         return None
-    except (struct.error, pickle.UnpicklingError, EOFError, IndexError, TypeError) as exc:
+    except Exception as exc:  # a crafted data.pkl can raise anything (AttributeError, OverflowError, ...)
         raise ValueError(f"not a torch.save zip record: {type(exc).__name__}: {exc}") from exc
     storage = rebuilt.storage
     itemsize = rebuilt.dtype.itemsize

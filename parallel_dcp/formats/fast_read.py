@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -30,7 +31,8 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from parallel_dcp.engine.memory import MemoryGovernor
-from parallel_dcp.formats.compressed_read import CompressedRecord, bounded_reader
+from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.formats.compressed_read import RECORD_OVERHEAD, CompressedRecord, bounded_reader
 from parallel_dcp.formats.read_units import (
     BATCH_BYTES,
     PIECE_BYTES,
@@ -43,6 +45,7 @@ from parallel_dcp.formats.read_units import (
 )
 from parallel_dcp.storage.compression import is_compressed
 from parallel_dcp.storage.location import Location
+from parallel_dcp.storage.metadata import reading
 
 __all__ = [
     "BATCH_BYTES",
@@ -98,6 +101,8 @@ def _units(requests: list[Request], threads: int) -> list[Unit]:
             record = records.get(key)
             if record is None:
                 record = records[key] = Record(int(req.info.offset), int(req.info.length), [])
+            else:
+                _check_shared(record.requests[0], req)
             record.requests.append(req)
     work = {id(r): _work(r) for records in files.values() for r in records.values()}
     share = max(sum(work.values()) // (4 * threads), SMALL_RECORD)
@@ -115,6 +120,38 @@ def _units(requests: list[Request], threads: int) -> list[Unit]:
         if current:
             units.append(Unit(name, current))
     return sorted(units, key=lambda u: -sum(work[id(r)] for r in u.records))
+
+
+def _check_shared(first: Request, req: Request) -> None:
+    """Two read items of one record must be regions of one stored chunk: the same key, chunk,
+    dtype and record length (a crafted ``.metadata`` could point two keys at one record; the
+    metadata check refuses that, and this holds whatever metadata the caller passed)."""
+    a, b = first.item.storage_index, req.item.storage_index
+    if (a.fqn, tuple(a.offset or ()), first.dtype, first.chunk, int(first.info.length)) != (
+        b.fqn,
+        tuple(b.offset or ()),
+        req.dtype,
+        req.chunk,
+        int(req.info.length),
+    ):
+        raise CorruptCheckpointError(
+            f"{req.info.relative_path}: .metadata points {a.fqn!r} and {b.fqn!r} at one record "
+            f"(byte {req.info.offset}): one record holds one chunk"
+        )
+
+
+def _admit_compressed(requests: list[Request], budget: MemoryGovernor) -> None:
+    """A compressed record decompressed anywhere but straight into one whole dense target (a
+    region of it, a record that is not a plain tensor) holds its whole decompressed frame and a
+    staging tensor: admitted under ``budget`` before any of it is read."""
+    first = requests[0]
+    assert first.dtype is not None and first.target is not None
+    nbytes = math.prod(first.chunk) * first.dtype.itemsize
+    target = first.target
+    whole = tuple(first.item.lengths) == first.chunk and not any(first.item.storage_offsets)
+    direct = len(requests) == 1 and whole and target.is_contiguous() and target.device.type == "cpu"
+    if not direct:
+        budget.check_item(first.item.storage_index.fqn, 2 * (nbytes + RECORD_OVERHEAD))
 
 
 def _compressed_units(records: list[list[Request]], threads: int) -> list[CompressedRecord]:
@@ -180,9 +217,15 @@ def read_requests(
     compressed: dict[tuple[str, int], list[Request]] = {}
     for req in requests:
         if is_compressed(req.info) and req.item.type != LoadItemType.BYTE_IO and req.target is not None:
-            compressed.setdefault((str(req.info.relative_path), int(req.info.offset)), []).append(req)
+            shared = compressed.setdefault((str(req.info.relative_path), int(req.info.offset)), [])
+            if shared:
+                _check_shared(shared[0], req)
+            shared.append(req)
             continue
         (slow if req.item.type == LoadItemType.BYTE_IO or req.unfit else fast).append(req)
+    if budget is not None:
+        for reqs in compressed.values():
+            _admit_compressed(reqs, budget)
     stats = ReadStats()
     # compressed records: decompressed on the same threads, in about 4 shares per thread, largest first
     units: list[Unit | CompressedRecord] = [*_compressed_units(list(compressed.values()), threads)]
@@ -226,10 +269,17 @@ def _fallback(
     targets = {id(req.item): req.target for req in slow if req.target is not None}
     sink = _Sink(targets, on_bytes)
     for req in slow:
+        key = req.item.storage_index.fqn
         if req.target is not None and budget is not None:
             # DCP holds the whole stored chunk and its copy
-            budget.check_item(req.item.storage_index.fqn, 2 * int(req.info.length) + 2 * req.target.nbytes)
-        reader.read_data(LoadPlan([req.item]), sink).wait()  # type: ignore[arg-type]
+            budget.check_item(key, 2 * int(req.info.length) + 2 * req.target.nbytes)
+        elif budget is not None:
+            # A value is read whole, then unpickled: admitted by its record's length before any
+            # byte is read (a crafted length is refused here, not allocated), and kept after.
+            budget.check_item(key, 2 * int(req.info.length))
+            budget.reserve(int(req.info.length), f"the value of {key!r}")
+        with reading(where, [key]):
+            reader.read_data(LoadPlan([req.item]), sink).wait()  # type: ignore[arg-type]
         if req.target is None:
             stats.values += 1
     tensors = [req for req in slow if req.target is not None and req.piece == 0]

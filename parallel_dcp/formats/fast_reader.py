@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from parallel_dcp.engine.memory import MemoryGovernor, parse_size
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import fast_read
@@ -42,6 +43,10 @@ class FastReader(FileSystemReader):
         workers: reading threads per process (per rank); None uses every usable core.
         trust_pickle: hand pickled values to the planner without first checking that
             ``weights_only=True`` loads them (stock DCP unpickles them fully).
+        memory_limit: bytes (or "64MiB") that ``.metadata`` and each record read whole (a
+            pickled value, a record left to DCP's reader) must fit under, checked before it is
+            read (MemoryLimitExceeded); None: ``.metadata`` under the default limit, records as
+            stock reads them. The caller's tensors are the caller's memory, not counted.
 
     ``stats`` (a :class:`parallel_dcp.ReadStats`) counts what the fast path and DCP's reader
     served across every ``read_data`` call.
@@ -54,6 +59,7 @@ class FastReader(FileSystemReader):
         workers: int | None = None,
         trust_pickle: bool = False,
         storage_options: dict[str, Any] | None = None,
+        memory_limit: int | str | None = None,
     ) -> None:
         self._where: Location = locate(path, storage_options)
         super().__init__(os.fspath(self._where))
@@ -64,6 +70,7 @@ class FastReader(FileSystemReader):
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers if workers is not None else usable_cores()
         self.trust_pickle = trust_pickle
+        self.memory_limit = None if memory_limit is None else parse_size(memory_limit)
         self.stats = fast_read.ReadStats()
         self._chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
         self._metadata: Metadata | None = None
@@ -81,7 +88,9 @@ class FastReader(FileSystemReader):
         if kwargs.get("rank") is not None:
             raise NotImplementedError("FastReader reads the global .metadata only, not per-rank metadata files")
         with gc_paused():
-            metadata = read_metadata(self._where)  # names, sizes and offsets checked as it is read
+            metadata = read_metadata(
+                self._where, memory_limit=self.memory_limit
+            )  # names, sizes and offsets checked as it is read
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None
@@ -138,7 +147,8 @@ class FastReader(FileSystemReader):
                 unpickle_value(item.storage_index.fqn, io.BytesIO(data), trust_pickle=False)
             planner.load_bytes(item, io.BytesIO(data))
 
-        self.stats.add(fast_read.read_requests(self._where, requests, self.workers, on_bytes))
+        budget = None if self.memory_limit is None else MemoryGovernor(self.memory_limit)
+        self.stats.add(fast_read.read_requests(self._where, requests, self.workers, on_bytes, budget))
         for item, target in committed:
             planner.commit_tensor(item, target)
         future: Future[None] = Future()

@@ -251,17 +251,20 @@ class Unit:
             ) from exc
         if layout is None:
             return None
-        key, dtype, chunk = first.item.storage_index.fqn, first.dtype, first.chunk
-        if layout.dtype != dtype or layout.size != chunk:
-            raise CorruptCheckpointError(
-                f"{file.where}: the record of {key!r} at byte {record.offset} holds {layout.dtype} {list(layout.size)} "
-                f"but .metadata says {dtype} {list(chunk)}"
-            )
-        itemsize = layout.dtype.itemsize
+        # Every request is checked, not only the first: each names its own key, dtype and chunk
+        # (check_records refuses two keys on one record; this holds even without it).
+        for req in record.requests:
+            key, dtype, chunk = req.item.storage_index.fqn, req.dtype, req.chunk
+            if layout.dtype != dtype or layout.size != chunk:
+                raise CorruptCheckpointError(
+                    f"{file.where}: the record of {key!r} at byte {record.offset} holds {layout.dtype} "
+                    f"{list(layout.size)} but .metadata says {dtype} {list(chunk)}"
+                )
+        itemsize, chunk = layout.dtype.itemsize, first.chunk
         if (layout.storage_offset + math.prod(chunk)) * itemsize > layout.data_bytes:
             raise CorruptCheckpointError(
-                f"{file.where}: the record of {key!r} at byte {record.offset} has {layout.data_bytes} data bytes, "
-                f"fewer than its {list(chunk)} {dtype} elements need"
+                f"{file.where}: the record of {first.item.storage_index.fqn!r} at byte {record.offset} has "
+                f"{layout.data_bytes} data bytes, fewer than its {list(chunk)} {layout.dtype} elements need"
             )
         return layout if is_row_major(layout.size, layout.stride) else None
 

@@ -128,7 +128,7 @@ def _load(
 ) -> dict[str, Any]:
     _compat.check_torch()
     location = locate(path, options.storage_options)
-    metadata = read_metadata(location)
+    metadata = read_metadata(location, memory_limit=options.memory_ceiling())
     if into is None and (options.retries or options.task_timeout is not None):
         return _load_with_processes(location, metadata, keys, options, trust_pickle)
     if into is not None and (options.retries or options.task_timeout is not None):
@@ -161,7 +161,8 @@ def _load(
     budget.reserve(threads * fast_read.thread_memory(), f"read buffers for {threads} threads")
     check_shards(location, metadata, selected)
     targets = {
-        k: flat_into[k] if into is not None else torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        # detached: the same memory, filled without autograd seeing an in-place write to a leaf
+        k: flat_into[k].detach() if into is not None else torch.empty(tuple(m.size), dtype=m.properties.dtype)
         for k, m in metas.items()
     }
     values: dict[str, Any] = {}
@@ -201,10 +202,38 @@ def _check_target(key: str, value: Any, meta: TensorStorageMetadata) -> None:
         raise InvalidStateDictError(
             f"into[{key!r}] has dtype {value.dtype} but the checkpoint holds {dtype} (load never casts)"
         )
+    if value.is_meta:
+        raise InvalidStateDictError(
+            f"into[{key!r}] is on the meta device: it has no memory to fill (allocate it first, e.g. "
+            "module.to_empty(device='cpu'))"
+        )
+    if _overlaps_itself(value):
+        raise InvalidStateDictError(
+            f"into[{key!r}] has elements that share memory (strides {list(value.stride())}, e.g. from expand()): "
+            "load cannot fill it; pass a tensor of its own (.clone() or .contiguous())"
+        )
+    if not value.is_contiguous() and (value.requires_grad or isinstance(value, torch.nn.Parameter)):
+        raise InvalidStateDictError(
+            f"into[{key!r}] is a non-contiguous tensor that requires grad: load fills tensors in place and "
+            "autograd forbids that here; pass a contiguous one (or load into its .data)"
+        )
     if tuple(value.shape) != shape:
         raise InvalidStateDictError(
             f"into[{key!r}] has shape {list(value.shape)} but the checkpoint holds {list(shape)}"
         )
+
+
+def _overlaps_itself(tensor: torch.Tensor) -> bool:
+    """True when two elements of ``tensor`` may share memory: a stride of 0 (``expand``), or a
+    stride smaller than the span of the dimensions inside it (``unfold``). Slices, transposes and
+    narrowed views pass; only a hand-made ``as_strided`` interleaving could be refused wrongly."""
+    dims = sorted((abs(s), n) for s, n in zip(tensor.stride(), tensor.shape, strict=True) if n > 1)
+    extent = 0  # the span, in elements, of the dims already placed
+    for stride, size in dims:
+        if stride <= extent:
+            return True
+        extent += stride * (size - 1)
+    return False
 
 
 def _requests(
@@ -268,6 +297,10 @@ def _load_with_processes(
     if isinstance(path, Remote):
         governor.worker_extra = CLIENT_MEMORY  # each worker's own connection
     governor.reserve(sum(item.nbytes for item in items), f"loading {len(items)} keys from {path}")
+    for key in selected:  # values are read in this process, one at a time, and kept
+        if key not in tensor_metas:
+            governor.check_item(key, 2 * values[key])
+            governor.reserve(values[key], f"the value of {key!r}")
     workers = governor.workers_for(((it.key, it.memory) for it in items), options.worker_count(len(items)))
     tasks = partition(items, workers, max_task_memory=governor.task_budget(workers), memory_adds_up=False)
     check_shards(path, metadata, selected)

@@ -335,9 +335,24 @@ def _kept_result(job: Job, target: Target, task: Task, directory: Path, save_id:
 def _rebuilt_part(
     job: Job, target: Target, task: Task, name: str, digest: FileDigest, rows: object
 ) -> lean.LeanPart | None:
-    """The task's :class:`~parallel_dcp.formats.lean.LeanPart` from the plan, with offsets and
-    lengths from the record (each checked to lie inside the file)."""
+    """The task's :class:`~parallel_dcp.formats.lean.LeanPart` from the plan, with lengths from the
+    record; its offsets must be exactly those the plan's layout gives: the units in the order the
+    part is written (values, whole tensors, then chunks, each in task order), back to back from
+    byte 0 to the end of the file. A record that says anything else (two same-shaped units with
+    their offsets swapped and the record re-sealed) is not trusted: the task runs again."""
     if not isinstance(rows, list) or len(rows) != len(task.keys):
+        return None
+    values = [u for u in task.keys if u not in job.chunks and u not in job.source.entries]
+    tensors = [u for u in task.keys if u not in job.chunks and u in job.source.entries]
+    order = values + tensors + [u for u in task.keys if u in job.chunks]
+    end = 0
+    for row, unit in zip(rows, order, strict=True):
+        if not isinstance(row, list) or len(row) != 5 or row[0] != unit or row[1] != end:
+            return None
+        if not isinstance(row[2], int) or isinstance(row[2], bool) or row[2] <= 0:
+            return None
+        end += row[2]
+    if end != digest.size:
         return None
     # A compressed job's records are all zstd frames (the job record's identity says which).
     compression = getattr(target, "compression", None)
