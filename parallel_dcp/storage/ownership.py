@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import time
 import uuid
@@ -36,6 +37,7 @@ __all__ = [
     "clean_leftovers",
     "find_leftovers",
     "is_checkpoint",
+    "is_dcp_shard_name",
     "is_of_save",
     "listing",
     "new_save_id",
@@ -103,28 +105,50 @@ class Layout:
         return {check_name(n, where) for n in self.owned_names(where, names)}
 
 
+# The names a checkpoint's shards can have, by layout. A name that ``.metadata`` or an index
+# mentions is the checkpoint's only if it also has such a name: what an overwrite deletes is decided
+# by the rule, never by a file in the destination alone (a damaged or crafted ``.metadata`` naming
+# ``train_state.json`` as a shard must not get it deleted).
+# DCP: ``__<rank>_<n>.distcp`` (FileSystemWriter) and ``__<task>_<save id>_<n>.distcp`` (ours).
+_DCP_SHARD = re.compile(r"__[0-9]+_[0-9A-Za-z_]+\.distcp")
+
+
+def is_dcp_shard_name(name: str) -> bool:
+    """True for a name a DCP writer gives its shard files."""
+    return _DCP_SHARD.fullmatch(name) is not None
+
+
+def _shard_name_rule(suffixes: tuple[str, ...]) -> Callable[[str], bool]:
+    """A Hugging Face shard name: visible, with the format's suffix."""
+    return lambda name: not name.startswith(".") and name.endswith(suffixes) and "/" not in name
+
+
 def _dcp_owned(where: Location, names: list[str]) -> set[str]:
     from parallel_dcp.storage.metadata import read_metadata  # metadata_io reads through this module's names
 
     metadata = read_metadata(where)
-    shards = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
+    mentioned = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
+    shards = {name for name in mentioned if is_dcp_shard_name(name)}
     return {METADATA_FILE, *shards, *([MANIFEST_FILE] if MANIFEST_FILE in names else [])}
 
 
 DCP_LAYOUT = Layout("DCP checkpoint", (METADATA_FILE,), _dcp_owned, fixed_names=False)
 
 
-def sharded_layout(kind: str, index_name: str, single: str) -> Layout:
-    """The layout of a Hugging Face style directory: ``index_name`` names its shards."""
+def sharded_layout(kind: str, index_name: str, single: str, suffixes: tuple[str, ...] | None = None) -> Layout:
+    """The layout of a Hugging Face style directory: ``index_name`` names its shards, and of those
+    only names with one of ``suffixes`` (default: ``single``'s) are the checkpoint's."""
+    is_shard = _shard_name_rule(suffixes or (os.path.splitext(single)[1],))
 
     def owned(where: Location, names: list[str]) -> set[str]:
         found = {n for n in (index_name, single, MANIFEST_FILE) if n in names}
         if index_name in names:
             try:
                 shards = json.loads((where / index_name).read_bytes())["weight_map"].values()
+                mentioned = {check_name(n, where / index_name) for n in shards}
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise CorruptCheckpointError(f"{where / index_name} is not a readable index: {exc}") from exc
-            found |= {check_name(n, where / index_name) for n in shards}
+            found |= {n for n in mentioned if is_shard(n)}
         return found
 
     return Layout(f"{kind} checkpoint directory", (index_name, single), owned, fixed_names=True)
@@ -211,7 +235,7 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
         replaces = record.get("replaces")
         if isinstance(replaces, list):  # a save killed after its commit: the old checkpoint's shards
             for old in replaces:
-                if isinstance(old, str) and old in names and old not in live and old not in files:
+                if isinstance(old, str) and _replaceable(old) and old in names and old not in live and old not in files:
                     with contextlib.suppress(CorruptCheckpointError):
                         files.append(check_name(old, where))
         if MANIFEST_FILE in names and MANIFEST_FILE not in live and _manifest_save_id(where) == save_id:
@@ -229,6 +253,17 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
             }
         )
     return found
+
+
+def _replaceable(name: str) -> bool:
+    """A name an owner record's ``replaces`` may list: one some layout gives a checkpoint's files.
+    An owner record is a file in the destination, so it may be crafted: ``replaces`` listing
+    ``train_state.json`` must not get it deleted."""
+    return (
+        name in (METADATA_FILE, MANIFEST_FILE)
+        or is_dcp_shard_name(name)
+        or _shard_name_rule((".safetensors", ".bin", ".pt", ".pth", ".index.json"))(name)
+    )
 
 
 def _manifest_save_id(where: Location) -> str | None:
