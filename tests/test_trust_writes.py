@@ -18,7 +18,6 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -86,7 +85,7 @@ def test_a_planted_lock_file_is_refused_and_what_it_points_to_is_untouched(
         lock.symlink_to(nowhere)
     else:
         os.link(victim, lock)
-    with pytest.raises(InvalidDestinationError, match="symbolic link|links") as caught:
+    with pytest.raises(InvalidDestinationError, match=r"symbolic link|links") as caught:
         _write(target, tmp_path)
     assert str(lock) in str(caught.value)
     assert victim.read_bytes() == VICTIM_BYTES, "the lock record was written through the planted name"
@@ -147,6 +146,25 @@ def test_records_are_written_new_and_never_through_a_planted_name(tmp_path: Path
     staging.discard_keeping({name})
     record = json.loads((dest / owner_name(save_id)).read_bytes())
     assert record["stopped"] is True and not (dest / owner_name(save_id)).is_symlink()
+    assert victim.read_bytes() == VICTIM_BYTES
+
+
+@pytest.mark.parametrize("plant", ["fifo", "symlink"])
+def test_a_planted_owner_record_never_blocks_nor_is_followed(
+    tmp_path: Path, victim: Path, plant: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    parallel_dcp.save(_state(1), ckpt, workers=1)
+    planted = [ckpt / owner_name("0123456789ab")]
+    for path in planted:
+        if plant == "fifo":
+            os.mkfifo(path)  # reading it would block forever
+        else:
+            path.symlink_to(victim)
+    assert cli.main(["inspect", str(ckpt), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["committed"] is True
+    parallel_dcp.save(_state(2), ckpt, workers=1, overwrite=True)
+    assert_same(parallel_dcp.load(ckpt, workers=1), _state(2))
     assert victim.read_bytes() == VICTIM_BYTES
 
 
@@ -386,12 +404,9 @@ def test_s3_overwrite_whose_metadata_upload_fails_keeps_the_old_checkpoint(endpo
 
     # The server refuses the new .metadata's upload (403 AccessDenied, over the wire); every other
     # request, the deletes of the clean-up included, reaches it.
-    with refusing_proxy(endpoint, lambda method, path: method == "PUT" and path.endswith("/.metadata")) as (
-        proxy,
-        refused,
-    ):
-        with pytest.raises((ParallelDCPError, OSError)):
-            parallel_dcp.save(_state(2), url, workers=1, overwrite=True, storage_options={"endpoint_url": proxy})
+    refuse_metadata = lambda method, path: method == "PUT" and path.endswith("/.metadata")  # noqa: E731
+    with refusing_proxy(endpoint, refuse_metadata) as (proxy, refused), pytest.raises((ParallelDCPError, OSError)):
+        parallel_dcp.save(_state(2), url, workers=1, overwrite=True, storage_options={"endpoint_url": proxy})
     assert refused, "the upload of .metadata was never attempted"
     s3.invalidate_cache()
     assert sorted(s3.ls(f"{bucket}/ckpt", detail=False)) == before, "the failed overwrite changed the prefix"

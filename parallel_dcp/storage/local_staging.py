@@ -47,6 +47,7 @@ from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck, read_job_record
 from parallel_dcp.storage.safe_files import (
     open_directory,
+    read_small,
     remove_name,
     rename_name,
     replace_new,
@@ -64,7 +65,7 @@ __all__ = [
 def _manifest_save_id(directory: Path) -> str | None:
     """The save id in the destination's manifest (that save committed: nothing to resume)."""
     try:
-        value = json.loads((directory / MANIFEST_FILE).read_bytes()).get("save_id")
+        value = json.loads(read_small(directory / MANIFEST_FILE, 64 * 2**20)).get("save_id")
     except (ValueError, OSError, AttributeError):
         return None
     return value if isinstance(value, str) else None

@@ -27,6 +27,7 @@ from parallel_dcp.errors import (
     InvalidDestinationError,
 )
 from parallel_dcp.storage.location import Location, Remote, check_name
+from parallel_dcp.storage.safe_files import read_small
 
 __all__ = [
     "DCP_LAYOUT",
@@ -226,10 +227,10 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
             continue
         save_id = name[len(_OWNER_PREFIX) :]
         try:
-            record = json.loads((where / name).read_bytes())
+            record = json.loads(_read_record(where / name))
             if not isinstance(record, dict):
                 raise ValueError("not an object")
-        except (ValueError, OSError):
+        except (ValueError, OSError):  # UnsafeCheckpointError (a planted symlink or FIFO) is a ValueError
             record = {"save_id": save_id}
         files = [n for n in names if is_of_save(n, save_id) and n not in live]
         replaces = record.get("replaces")
@@ -266,9 +267,17 @@ def _replaceable(name: str) -> bool:
     )
 
 
+def _read_record(path: Location) -> bytes:
+    """A small file a save wrote (owner record, manifest): local ones never through a symlink or
+    from a FIFO (which would block)."""
+    if isinstance(path, Remote):
+        return path.read_bytes()
+    return read_small(path, 64 * 2**20)
+
+
 def _manifest_save_id(where: Location) -> str | None:
     try:
-        value = json.loads((where / MANIFEST_FILE).read_bytes()).get("save_id")
+        value = json.loads(_read_record(where / MANIFEST_FILE)).get("save_id")
     except (ValueError, OSError, AttributeError):
         return None
     return value if isinstance(value, str) else None

@@ -31,6 +31,7 @@ __all__ = [
     "open_directory",
     "open_regular",
     "plain_name",
+    "read_small",
     "remove_name",
     "rename_name",
     "replace_new",
@@ -91,6 +92,26 @@ def open_regular(directory: int | None, name: str | os.PathLike[str], *, flags: 
         os.close(fd)
         raise
     return fd
+
+
+def read_small(path: str | os.PathLike[str], limit: int = 2**20) -> bytes:
+    """The bytes of the small regular file at ``path`` (a record, a manifest), never following a
+    symlink in its last component nor blocking on a FIFO someone planted there.
+
+    Raises:
+        FileNotFoundError: nothing there.
+        UnsafeCheckpointError: a symlink, or not a regular file.
+        ValueError: larger than ``limit`` bytes (not a file a save wrote).
+    """
+    fd = open_regular(None, path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise ValueError(f"{os.fspath(path)} has {size} bytes, more than the {limit} a record can have")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit + 1)[:limit]
+    finally:
+        os.close(fd)
 
 
 def write_new(directory: int, name: str, data: bytes, *, sync: bool = True) -> None:
