@@ -145,7 +145,7 @@ def sharded_layout(kind: str, index_name: str, single: str, suffixes: tuple[str,
         found = {n for n in (index_name, single, MANIFEST_FILE) if n in names}
         if index_name in names:
             try:
-                shards = json.loads((where / index_name).read_bytes())["weight_map"].values()
+                shards = json.loads(_read_record(where / index_name))["weight_map"].values()
                 mentioned = {check_name(n, where / index_name) for n in shards}
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise CorruptCheckpointError(f"{where / index_name} is not a readable index: {exc}") from exc
