@@ -308,10 +308,12 @@ def test_the_lock_survives_the_unlink_race(tmp_path: Path, monkeypatch: pytest.M
     """A holder that removes the lock file between our open and our flock: we retry on the new file."""
     import fcntl
 
-    from parallel_dcp.storage import local_staging as destination
+    from parallel_dcp.storage import lock as destination
     from parallel_dcp.storage.ownership import owner_record
+    from parallel_dcp.storage.safe_files import open_directory
 
     lock = tmp_path / ".parallel_dcp.lock"
+    directory = open_directory(tmp_path)
     real_flock = fcntl.flock
     raced: list[int] = []
 
@@ -322,11 +324,12 @@ def test_the_lock_survives_the_unlink_race(tmp_path: Path, monkeypatch: pytest.M
         real_flock(fd, op)
 
     monkeypatch.setattr(destination.fcntl, "flock", flock_after_unlink)
-    held = destination._Lock(lock, owner_record("race", tmp_path), tmp_path)
+    held = destination.DestinationLock(directory, lock, owner_record("race", tmp_path), tmp_path)
     assert raced and held.fd is not None
     assert os.stat(lock).st_ino == os.fstat(held.fd).st_ino, "the lock we hold is the file at the path"
     monkeypatch.setattr(destination.fcntl, "flock", real_flock)
     with pytest.raises(DestinationBusyError, match=f"pid {os.getpid()} on host {socket.gethostname()}, save race"):
-        destination._Lock(lock, owner_record("second", tmp_path), tmp_path)
+        destination.DestinationLock(directory, lock, owner_record("second", tmp_path), tmp_path)
     held.release()
+    os.close(directory)
     assert not lock.exists()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from parallel_dcp.errors import CorruptCheckpointError, plural, printable
@@ -25,24 +25,67 @@ def _size(path: Location) -> int | None:
         return None
 
 
-def _uncommitted_dcp(path: Location, names: list[str] | None) -> dict[str, Any] | None:
-    if names is not None and METADATA_FILE not in names:
-        shards = [n for n in names if n.endswith(".distcp")]
-        if shards:
-            return {
-                "path": str(path),
-                "format": "dcp",
-                "committed": False,
-                "keys": 0,
-                "tensors": 0,
-                "total_bytes": 0,
-                "dtypes": {},
-                "largest": [],
-                "key_list": [],
-                "files": [{"name": n, "size": _size(path / n)} for n in shards],
-                "manifest": MANIFEST_FILE in names,
-            }
-    return None
+def _uncommitted(path: Location, names: list[str] | None, leftovers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The report of a destination that holds no committed output, only what saves left: DCP shards
+    without ``.metadata``, or the files of an interrupted save of any kind (a sharded directory's
+    staged shards and resume records, a single file's hidden temporary); None when there is a
+    committed output to describe."""
+    if names is not None:  # a directory
+        if METADATA_FILE in names or (_committed_names(names) and not any(n.endswith(".distcp") for n in names)):
+            return None
+        files = [n for n in names if n.endswith(".distcp")]
+        if not files and not leftovers:
+            return None
+        kind = "dcp" if files else _kind_of(n for left in leftovers for n in left["files"])
+    else:  # a single file: nothing at its name, but the files of saves to it beside it
+        if path.exists() or not leftovers:
+            return None
+        files = []
+        kind = _kind_of([path.name])
+    return {
+        "path": str(path),
+        "format": kind,
+        "committed": False,
+        "keys": 0,
+        "tensors": 0,
+        "total_bytes": 0,
+        "dtypes": {},
+        "largest": [],
+        "key_list": [],
+        "files": [{"name": n, "size": _size(path / n)} for n in files],
+        "manifest": names is not None and MANIFEST_FILE in names,
+        "values": [],
+        "damaged": None,
+        "leftovers": leftovers,
+    }
+
+
+def _committed_names(names: list[str]) -> bool:
+    """A marker of a committed sharded or single-shard directory (an index, or a visible shard)."""
+    shard = (safetensors_format.shard_names(1)[0], torch_format.shard_names(1)[0])
+    return any(n in _INDEXES or n in shard or (not n.startswith(".") and n.endswith(".safetensors")) for n in names)
+
+
+def _kind_of(names: Iterable[str]) -> str:
+    """The output kind the (temporary) names of a save's files tell, or "unknown"."""
+    for name in names:
+        base = name.removesuffix(".tmp").rsplit(".", 1)[0] if name.endswith(".tmp") else name
+        if base.endswith(".distcp") or base.endswith(METADATA_FILE):
+            return "dcp"
+        if base.endswith(".safetensors") or base.endswith(".safetensors.index.json"):
+            return "safetensors"
+        if base.endswith(torch_format.SUFFIXES) or base.endswith(".bin.index.json"):
+            return "torch"
+    return "unknown"
+
+
+def _file_leftovers(path: Location) -> list[dict[str, Any]]:
+    """The leftovers beside a single-file output that are of saves to it (their files carry its name)."""
+    parent = path.parent
+    prefix = f".{path.name}."
+    return [
+        left for left in find_leftovers(parent, listdir(parent)) if any(n.startswith(prefix) for n in left["files"])
+    ]
 
 
 def inspect_checkpoint(
@@ -73,10 +116,10 @@ def inspect_checkpoint(
 
     where = locate(path, storage_options)
     names = listdir(where) if where.is_dir() else None
-    leftovers = find_leftovers(where, names) if names is not None else []
-    uncommitted = _uncommitted_dcp(where, names)
+    leftovers = find_leftovers(where, names) if names is not None else _file_leftovers(where)
+    uncommitted = _uncommitted(where, names, leftovers)
     if uncommitted is not None:
-        return uncommitted | {"values": [], "damaged": None, "leftovers": leftovers}
+        return uncommitted
     detect_format(path, storage_options)
     source = open_source(path, storage_options=storage_options, trust_pickle=trust_pickle)
     damaged = None

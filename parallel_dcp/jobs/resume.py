@@ -164,7 +164,14 @@ def plan_record(tasks: list[Task], threshold: int, target: Target) -> dict[str, 
 def start_record(staging: Staging, job_identity: dict[str, Any], plan: dict[str, Any]) -> None:
     """Before the first task: the job record a later resume matches against."""
     assert isinstance(staging.location.root, Path)
-    write_job_record(staging.location.root, staging.save_id, os.fspath(staging.destination), job_identity, plan)
+    write_job_record(
+        staging.location.root,
+        staging.save_id,
+        os.fspath(staging.destination),
+        job_identity,
+        plan,
+        destination_id=staging.destination_id(),
+    )
 
 
 @dataclass(frozen=True, slots=True)

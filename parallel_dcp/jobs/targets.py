@@ -35,10 +35,11 @@ from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.partial import merge_metadata, partial_save
 from parallel_dcp.storage.compression import Compression
 from parallel_dcp.storage.location import Remote, locate, upload_memory
-from parallel_dcp.storage.manifest import FileDigest, Hasher, file_digest, manifest_bytes
+from parallel_dcp.storage.manifest import FileDigest, Hasher, manifest_bytes
 from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
 from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck
+from parallel_dcp.storage.safe_files import create_new, open_directory
 from parallel_dcp.storage.staging import stage_directory, stage_file
 from parallel_dcp.storage.writers import ShardWriter
 
@@ -369,7 +370,7 @@ class ShardedTarget(Target):
         self._shard_names = self.format.shard_names
         single = self.format.shard_names(1)[0]
         self._count = 1
-        self._layout = sharded_layout(kind, self._index_name, single)
+        self._layout = sharded_layout(kind, self._index_name, single, self.format.suffixes)
         # Files copied beside the shards (config.json, tokenizer files): name -> where to read it;
         # set by the conversion before it runs (see parallel_dcp.jobs.copy_files).
         self.copies: dict[str, Any] = {}
@@ -416,8 +417,7 @@ class ShardedTarget(Target):
         where = staging.file(name)  # a hidden temporary name until the commit renames it (local)
         if isinstance(where, Remote):
             return {name: _write_remote(where, self.format, data, task.nbytes, options)}
-        self.format.write(data, str(where), None)
-        return {name: _finish_file(where, options)}
+        return {name: _write_local(where, self.format, data, options)}
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         digests: dict[str, FileDigest] = {}
@@ -469,8 +469,7 @@ class FileTarget(Target):
         where = staging.file(self.path.name)  # beside the destination, under a hidden name (local)
         if isinstance(where, Remote):
             return _write_remote(where, self.format, data, task.nbytes, options, mapping)
-        self.format.write(data, str(where), mapping)
-        return _finish_file(where, options)
+        return _write_local(where, self.format, data, options, mapping)
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         staging.commit(staged=[self.path.name])  # one atomic rename (local); the upload itself (remote)
@@ -508,14 +507,32 @@ def _write_remote(
     return hasher.result()
 
 
-def _finish_file(path: Path, options: Options) -> FileDigest:
-    if options.sync_files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return file_digest(path, checksum=options.checksums)
+def _write_local(
+    path: Path,
+    file_format: FileFormat,
+    data: dict[str, Any],
+    options: Options,
+    mapping: dict[str, tuple[Any, ...]] | None = None,
+) -> FileDigest:
+    """Write one file of ``file_format`` at ``path`` (a name carrying the save id); its digest.
+
+    The file is created new, relative to its directory's descriptor (never through a name someone
+    planted), and written by this process alone: a worker killed mid-write (Ctrl-C, the memory
+    governor) leaves only this save's own name, which its cleanup removes. Writing to a path
+    instead (``safetensors.save_file``) left a randomly named ``.tmpXXXXXX`` the cleanup could
+    not attribute, and the directory refused every later run."""
+    hasher = Hasher(checksum=options.checksums)
+    directory = open_directory(path.parent)
+    try:
+        fd = create_new(directory, path.name, mode=0o666)  # the mode any new file gets (umask)
+    finally:
+        os.close(directory)
+    with os.fdopen(fd, "wb") as stream:
+        file_format.write(data, _Hashing(stream, hasher), mapping)
+        stream.flush()
+        if options.sync_files:
+            os.fsync(stream.fileno())
+    return hasher.result()
 
 
 def target_for(

@@ -12,10 +12,7 @@ names.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
-import fcntl
 import json
 import os
 from abc import abstractmethod
@@ -25,11 +22,11 @@ from typing import Any
 
 from parallel_dcp.errors import (
     CheckpointExistsError,
-    DestinationBusyError,
     InsufficientSpaceError,
     InvalidDestinationError,
     ResumeError,
 )
+from parallel_dcp.storage.lock import DestinationLock
 from parallel_dcp.storage.ownership import (
     DCP_LAYOUT,
     DONE_PREFIX,
@@ -40,16 +37,23 @@ from parallel_dcp.storage.ownership import (
     clean_leftovers,
     find_leftovers,
     is_of_save,
-    listing,
     new_save_id,
     owner_name,
     owner_record,
     protect_sources,
-    remove_path,
     temp_name,
 )
 from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck, read_job_record
+from parallel_dcp.storage.safe_files import (
+    open_directory,
+    read_small,
+    remove_name,
+    rename_name,
+    replace_new,
+    sync_directory,
+    write_new,
+)
 
 __all__ = [
     "LocalDirStaging",
@@ -58,103 +62,10 @@ __all__ = [
 ]
 
 
-_RENAME_NOREPLACE = 1
-_AT_FDCWD = -100
-
-
-class _Lock:
-    """An exclusive ``flock`` on ``path``, held until :meth:`release`; the holder is recorded inside."""
-
-    def __init__(self, path: Path, record: dict[str, Any], destination: Path) -> None:
-        self.path = path
-        for _ in range(20):
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as exc:
-                raise InvalidDestinationError(f"cannot create the lock file {path}: {exc.strerror}") from exc
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _holder(fd)
-                os.close(fd)
-                raise DestinationBusyError(
-                    f"{destination} is being written by another save ({holder}); one writer at a time: "
-                    f"wait for it to finish (its lock is {path})"
-                ) from None
-            try:
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:  # the previous holder removed the file between our open and our lock
-                os.close(fd)
-                continue
-            os.ftruncate(fd, 0)
-            os.write(fd, (json.dumps(record) + "\n").encode())
-            self.fd: int | None = fd
-            return
-        raise DestinationBusyError(f"{destination}: could not take the lock {path} (it keeps being replaced)")
-
-    def release(self) -> None:
-        if self.fd is None:
-            return
-        with contextlib.suppress(OSError):
-            if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
-                os.unlink(self.path)  # while still locked: a waiter re-checks the inode and retries
-        os.close(self.fd)
-        self.fd = None
-
-
-def _holder(fd: int) -> str:
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        record = json.loads(os.pread(fd, 4096, 0))
-        return f"pid {record['pid']} on host {record['host']}, save {record['save_id']}, since {record['since']}"
-    return "a process that is still starting"
-
-
-def _renameat2(src: Path, dst: Path, *, replace: bool) -> None:
-    """Rename ``src`` to ``dst``; without ``replace`` never over an existing ``dst`` (atomically)."""
-    if replace:
-        os.replace(src, dst)
-        return
-    libc_name = ctypes.util.find_library("c")
-    renameat2 = getattr(ctypes.CDLL(libc_name, use_errno=True), "renameat2", None) if libc_name else None
-    if renameat2 is not None:
-        if renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
-            return
-        err = ctypes.get_errno()
-        if err == errno.EEXIST:
-            raise CheckpointExistsError(
-                f"{dst} appeared while this save ran; it was not replaced (pass overwrite=True to replace it)"
-            )
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise OSError(err, f"cannot rename {src} to {dst}: {os.strerror(err)}")
-    # No renameat2 here: link() also refuses an existing name, atomically.
-    try:
-        os.link(src, dst)
-    except FileExistsError:
-        raise CheckpointExistsError(f"{dst} appeared while this save ran; it was not replaced") from None
-    os.unlink(src)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _replace_synced(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")  # not an owner file's name: leftovers never read it
-    with contextlib.suppress(FileNotFoundError):
-        temporary.unlink()
-    _write_synced(temporary, data)
-    os.replace(temporary, path)
-
-
 def _manifest_save_id(directory: Path) -> str | None:
     """The save id in the destination's manifest (that save committed: nothing to resume)."""
     try:
-        value = json.loads((directory / MANIFEST_FILE).read_bytes()).get("save_id")
+        value = json.loads(read_small(directory / MANIFEST_FILE, 64 * 2**20)).get("save_id")
     except (ValueError, OSError, AttributeError):
         return None
     return value if isinstance(value, str) else None
@@ -182,22 +93,29 @@ class _LocalStaging(Staging):
         self.protect = list(protect)
         self.save_id = new_save_id()
         self._dir = directory
+        # Every file this save creates, renames or removes is named relative to this descriptor
+        # (see parallel_dcp.storage.safe_files): no name in the directory is ever followed.
+        self._fd: int | None = _open_destination(directory)
         self._committed = False
         self._created: list[str] = []  # names this save published with no-replace renames
         self._replaced: set[str] = set()
         self._record = owner_record(self.save_id, destination)
-        self._lock = _Lock(lock, self._record, destination)
+        try:
+            self._lock = DestinationLock(self._fd, lock, self._record, destination)
+        except BaseException:
+            self._close()
+            raise
 
     def _start(self) -> None:
         try:
             adopted = self._adopt() if self._resume is not None else None
             clean_leftovers(self._dir, keep=adopted)
             self._check()
-            owner = self._dir / owner_name(self.save_id)
+            owner = owner_name(self.save_id)
             if adopted is not None:  # the dead save's owner record becomes this process's
-                _replace_synced(owner, json.dumps(self._record).encode())
+                replace_new(self.fd, owner, json.dumps(self._record).encode())
             else:
-                _write_synced(owner, json.dumps(self._record).encode())
+                write_new(self.fd, owner, json.dumps(self._record).encode())
         except BaseException:
             self._release()
             raise
@@ -221,7 +139,7 @@ class _LocalStaging(Staging):
             if record is None:
                 refused.append((save_id, ["its job record is damaged (it fails its checksum)"]))
                 continue
-            if record.get("destination") != os.fspath(self.destination):
+            if not self._same_output(record):
                 continue  # a neighbouring single-file output in the same directory
             reasons = self._resume(record["identity"])
             if reasons:
@@ -251,8 +169,58 @@ class _LocalStaging(Staging):
     def _owned(self) -> set[str]:
         """The files of the checkpoint this save would replace."""
 
+    @property
+    def fd(self) -> int:
+        """The destination directory's descriptor (open from the start to the release)."""
+        if self._fd is None:
+            raise RuntimeError(f"{self.destination} was released already")
+        return self._fd
+
     def _release(self) -> None:
-        self._lock.release()
+        try:
+            self._lock.release()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _remove(self, name: str) -> None:
+        remove_name(self.fd, name)
+
+    def _names(self) -> list[str]:
+        """The names in the destination directory (the one this save holds open, whatever its path
+        now resolves to)."""
+        return sorted(os.listdir(self.fd))
+
+    def _output_name(self) -> str | None:
+        """The output's name in the directory (a single file's), or None for the directory itself."""
+        return None
+
+    def destination_id(self) -> dict[str, Any]:
+        """Which output this is, independent of how its path is spelled: the directory's device and
+        inode, and the output's name in it (None: the directory itself)."""
+        st = os.fstat(self.fd)
+        return {"device": st.st_dev, "inode": st.st_ino, "name": self._output_name()}
+
+    def _same_output(self, record: Mapping[str, Any]) -> bool:
+        """True when a job record found in this directory is of this output: by device, inode and
+        name when the record has them, else by where its destination path leads now (a symlinked
+        parent or another spelling is the same directory)."""
+        recorded = record.get("destination_id")
+        if isinstance(recorded, dict):
+            return recorded == self.destination_id()
+        spelled = record.get("destination")
+        if not isinstance(spelled, str):
+            return False
+        try:
+            if self._output_name() is None:
+                return os.path.samefile(spelled, self._dir)
+            return Path(spelled).name == self._output_name() and os.path.samefile(Path(spelled).parent, self._dir)
+        except OSError:
+            return False
 
     def check_space(self, nbytes: int) -> None:
         _check_space(self._dir, self.destination, nbytes)
@@ -270,15 +238,15 @@ class _LocalStaging(Staging):
         extras = dict(extras or {})
         small = ({marker[0]: marker[1]} if marker else {}) | extras
         for name, data in small.items():
-            _write_synced(self._dir / temp_name(name, self.save_id), data)
+            write_new(self.fd, temp_name(name, self.save_id), data)
         old = self._owned() if self.overwrite else set()
         new = {*staged, *small}
         protect_sources(self._dir, old | new, self.protect)
         if old:  # a save killed after its commit leaves these to the next save's cleanup
             record = self._record | {"replaces": sorted(old - new)}
-            owner = self._dir / owner_name(self.save_id)
-            _write_synced(self._dir / temp_name(owner.name, self.save_id), json.dumps(record).encode())
-            os.replace(self._dir / temp_name(owner.name, self.save_id), owner)
+            owner = owner_name(self.save_id)
+            write_new(self.fd, temp_name(owner, self.save_id), json.dumps(record).encode())
+            rename_name(self.fd, temp_name(owner, self.save_id), owner, replace=True)
         # The commit point: the marker's rename, or (no marker) the last staged file's.
         for name in [*staged, *([marker[0]] if marker else [])]:
             self._rename_into_place(name)
@@ -286,24 +254,26 @@ class _LocalStaging(Staging):
         for name in extras:
             self._rename_into_place(name)
         self._replaced = old - new
-        _fsync_dir(self._dir)
+        sync_directory(self.fd)
 
     def _rename_into_place(self, name: str) -> None:
-        _renameat2(self._dir / temp_name(name, self.save_id), self._dir / name, replace=self.overwrite)
+        rename_name(self.fd, temp_name(name, self.save_id), name, replace=self.overwrite)
         if not self.overwrite:
             self._created.append(name)
 
     def publish(self) -> None:
         if not self._committed:
             raise RuntimeError(f"nothing was committed to {self.destination}")
+        if self._fd is None:
+            return  # published already
         try:
             for name in sorted(self._replaced):
-                remove_path(self._dir / name)
-            for name in listing(self._dir):  # the records kept for resume, before the owner file
+                self._remove(name)
+            for name in self._names():  # the records kept for resume, before the owner file
                 if is_of_save(name, self.save_id) and name.startswith((JOB_PREFIX, DONE_PREFIX)):
-                    remove_path(self._dir / name)
-            remove_path(self._dir / owner_name(self.save_id))
-            _fsync_dir(self._dir)
+                    self._remove(name)
+            self._remove(owner_name(self.save_id))
+            sync_directory(self.fd)
         finally:
             self._release()
 
@@ -311,31 +281,35 @@ class _LocalStaging(Staging):
         if self._committed or not keep:
             self.discard()
             return
+        if self._fd is None:
+            return  # released already
         try:
             with contextlib.suppress(OSError):
                 keep = {*keep, owner_name(self.save_id)}
-                for name in listing(self._dir):
+                for name in self._names():
                     if (is_of_save(name, self.save_id) or name in self._created) and name not in keep:
-                        remove_path(self._dir / name)
+                        self._remove(name)
                 # Marked stopped (no pid): the next save to this destination resumes or removes them,
                 # also from this same process.
                 record = self._record | {"pid": None, "start": None, "stopped": True}
-                _replace_synced(self._dir / owner_name(self.save_id), json.dumps(record).encode())
+                replace_new(self.fd, owner_name(self.save_id), json.dumps(record).encode())
         finally:
             self._release()
 
     def discard(self) -> None:
+        if self._fd is None:
+            return  # released already
         try:
             if self._committed:
                 with contextlib.suppress(OSError):  # committed: only our temporary files can remain
-                    for name in listing(self._dir):
+                    for name in self._names():
                         if name.startswith(".") and name.endswith(f".{self.save_id}.tmp"):
-                            remove_path(self._dir / name)
+                            self._remove(name)
                 return
             with contextlib.suppress(OSError):
-                for name in listing(self._dir):
+                for name in self._names():
                     if is_of_save(name, self.save_id) or name in self._created:
-                        remove_path(self._dir / name)
+                        self._remove(name)
         finally:
             self._release()
             self._after_discard()
@@ -391,7 +365,7 @@ class LocalDirStaging(_LocalStaging):
 
     def _check(self) -> None:
         mine = self.save_id if self.resumed is not None else None  # an adopted save's files are ours
-        names = [n for n in listing(self._dir) if n != LOCK_FILE and not (mine and is_of_save(n, mine))]
+        names = [n for n in self._names() if n != LOCK_FILE and not (mine and is_of_save(n, mine))]
         if self.layout.holds_checkpoint(self._dir, names):
             if not self.overwrite:
                 raise CheckpointExistsError(
@@ -446,6 +420,9 @@ class LocalFileStaging(_LocalStaging):
     def _owned(self) -> set[str]:
         return {self.destination.name} if self.destination.exists() else set()
 
+    def _output_name(self) -> str | None:
+        return self.destination.name
+
     def commit(
         self,
         *,
@@ -485,14 +462,11 @@ def free_bytes(path: str | os.PathLike[str]) -> int | None:
     return stats.f_bavail * stats.f_frsize
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _open_destination(directory: Path) -> int:
     try:
-        # Some file systems cannot fsync a directory; the rename is atomic all the same.
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+        return open_directory(directory)
+    except OSError as exc:
+        raise InvalidDestinationError(f"cannot open the directory {directory}: {exc.strerror}") from exc
 
 
 # --- object storage ------------------------------------------------------------------------------

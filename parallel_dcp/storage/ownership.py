@@ -2,7 +2,8 @@
 
 Names: this save's id is in every file it creates (``__<task>_<save id>_0.distcp``, temporary
 names ``.<name>.<save id>.tmp``, its owner record ``.parallel_dcp.owner.<save id>``). A
-:class:`Layout` says which files a checkpoint of one kind owns (what an overwrite replaces); owner
+:class:`~parallel_dcp.storage.layout.Layout` says which files a checkpoint of one kind owns (what
+an overwrite replaces); owner
 records let the next save to a destination find and remove the files of a save whose process is
 gone (:func:`find_leftovers`). The protocol that uses them: :mod:`parallel_dcp.storage.staging`.
 """
@@ -16,8 +17,7 @@ import socket
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,17 @@ from parallel_dcp.errors import (
     CorruptCheckpointError,
     InvalidDestinationError,
     plural,
+)
+from parallel_dcp.storage.layout import (
+    DCP_LAYOUT,
+    MANIFEST_FILE,
+    METADATA_FILE,
+    Layout,
+    is_dcp_shard_name,
+    listing,
+    read_record,
+    replaceable_name,
+    sharded_layout,
 )
 from parallel_dcp.storage.location import Location, Remote, check_name
 
@@ -37,6 +48,7 @@ __all__ = [
     "clean_leftovers",
     "find_leftovers",
     "is_checkpoint",
+    "is_dcp_shard_name",
     "is_of_save",
     "listing",
     "new_save_id",
@@ -49,8 +61,6 @@ __all__ = [
 ]
 
 
-METADATA_FILE = ".metadata"
-MANIFEST_FILE = ".parallel_dcp.json"
 LOCK_FILE = ".parallel_dcp.lock"
 _OWNER_PREFIX = ".parallel_dcp.owner."
 # The records a conversion keeps for resume=True (see parallel_dcp.storage.resume).
@@ -83,66 +93,12 @@ def owner_name(save_id: str) -> str:
     return f"{_OWNER_PREFIX}{save_id}"
 
 
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """How a checkpoint directory of one format looks: what marks it, and what it owns."""
-
-    name: str
-    markers: tuple[str, ...]
-    owned_names: Callable[[Location, list[str]], set[str]]
-    fixed_names: bool
-
-    def holds_checkpoint(self, where: Location, names: list[str] | None = None) -> bool:
-        names = listing(where) if names is None else names
-        return any(marker in names for marker in self.markers)
-
-    def owned(self, where: Location) -> set[str]:
-        """The files the checkpoint at ``where`` owns (empty when there is none); each a plain name."""
-        names = listing(where)
-        if not self.holds_checkpoint(where, names):
-            return set()
-        return {check_name(n, where) for n in self.owned_names(where, names)}
-
-
-def _dcp_owned(where: Location, names: list[str]) -> set[str]:
-    from parallel_dcp.storage.metadata import read_metadata  # metadata_io reads through this module's names
-
-    metadata = read_metadata(where)
-    shards = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
-    return {METADATA_FILE, *shards, *([MANIFEST_FILE] if MANIFEST_FILE in names else [])}
-
-
-DCP_LAYOUT = Layout("DCP checkpoint", (METADATA_FILE,), _dcp_owned, fixed_names=False)
-
-
-def sharded_layout(kind: str, index_name: str, single: str) -> Layout:
-    """The layout of a Hugging Face style directory: ``index_name`` names its shards."""
-
-    def owned(where: Location, names: list[str]) -> set[str]:
-        found = {n for n in (index_name, single, MANIFEST_FILE) if n in names}
-        if index_name in names:
-            try:
-                shards = json.loads((where / index_name).read_bytes())["weight_map"].values()
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise CorruptCheckpointError(f"{where / index_name} is not a readable index: {exc}") from exc
-            found |= {check_name(n, where / index_name) for n in shards}
-        return found
-
-    return Layout(f"{kind} checkpoint directory", (index_name, single), owned, fixed_names=True)
-
-
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:
     """True when ``path`` is a directory holding a committed DCP checkpoint (``.metadata``)."""
     return Path(path, METADATA_FILE).is_file()
 
 
 # --- small helpers over a local Path or a Remote -------------------------------------------------
-
-
-def listing(where: Location) -> list[str]:
-    if isinstance(where, Remote):
-        return where.listdir()
-    return sorted(os.listdir(where)) if where.is_dir() else []
 
 
 def remove_path(where: Location) -> None:
@@ -203,16 +159,22 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
             continue
         save_id = name[len(_OWNER_PREFIX) :]
         try:
-            record = json.loads((where / name).read_bytes())
+            record = json.loads(read_record(where / name))
             if not isinstance(record, dict):
                 raise ValueError("not an object")
-        except (ValueError, OSError):
+        except (ValueError, OSError):  # UnsafeCheckpointError (a planted symlink or FIFO) is a ValueError
             record = {"save_id": save_id}
         files = [n for n in names if is_of_save(n, save_id) and n not in live]
         replaces = record.get("replaces")
         if isinstance(replaces, list):  # a save killed after its commit: the old checkpoint's shards
             for old in replaces:
-                if isinstance(old, str) and old in names and old not in live and old not in files:
+                if (
+                    isinstance(old, str)
+                    and replaceable_name(old)
+                    and old in names
+                    and old not in live
+                    and old not in files
+                ):
                     with contextlib.suppress(CorruptCheckpointError):
                         files.append(check_name(old, where))
         if MANIFEST_FILE in names and MANIFEST_FILE not in live and _manifest_save_id(where) == save_id:
@@ -234,7 +196,7 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
 
 def _manifest_save_id(where: Location) -> str | None:
     try:
-        value = json.loads((where / MANIFEST_FILE).read_bytes()).get("save_id")
+        value = json.loads(read_record(where / MANIFEST_FILE)).get("save_id")
     except (ValueError, OSError, AttributeError):
         return None
     return value if isinstance(value, str) else None

@@ -56,6 +56,11 @@ class Staging(ABC):
         """The directory (or file) workers write into."""
         return self.location.root
 
+    def destination_id(self) -> dict[str, Any] | None:
+        """What identifies the destination whatever its path's spelling (local: the directory's
+        device and inode, and the output's name in it); None where there is no such thing."""
+        return None
+
     @abstractmethod
     def check_space(self, nbytes: int) -> None:
         """Fail before writing if the destination cannot hold ``nbytes`` more."""

@@ -71,7 +71,8 @@ class RemoteStaging(Staging):
     DCP shards carry the save id, so a failed overwrite leaves the old checkpoint as it was;
     layouts with fixed shard names (Hugging Face directories) refuse to overwrite here instead.
     A failure deletes only names this save created: those carrying its id, the fixed names it
-    expected that did not exist when it started, and what it uploaded itself.
+    expected that did not exist when it started, and what it uploaded itself (recorded only once
+    the upload completed); never a name that was there when it started.
     """
 
     destination: Remote
@@ -115,8 +116,10 @@ class RemoteStaging(Staging):
         self._put(owner_name(self.save_id), json.dumps(record).encode())
 
     def _put(self, name: str, data: bytes) -> None:
-        self._uploaded.append(name)
         (self.destination / name).write_bytes(data)
+        # Recorded once the upload completed: an upload that failed replaced nothing (object
+        # storage keeps the old object), so a name that existed stays the old checkpoint's.
+        self._uploaded.append(name)
 
     def check_space(self, nbytes: int) -> None:
         """Object storage has no free-space figure to check."""
@@ -163,6 +166,8 @@ class RemoteStaging(Staging):
         _abort_uploads(self.destination, mine)
 
     def _mine(self, name: str) -> bool:
+        if name in self._existing and not is_of_save(name, self.save_id):
+            return False  # there before this save: the replaced checkpoint's, never this save's to delete
         return is_of_save(name, self.save_id) or name in self._expected or name in self._uploaded
 
 

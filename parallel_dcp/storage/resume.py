@@ -30,6 +30,7 @@ from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.location import check_name
 from parallel_dcp.storage.manifest import ALGORITHM, FileDigest
 from parallel_dcp.storage.ownership import DONE_PREFIX, JOB_PREFIX
+from parallel_dcp.storage.safe_files import open_directory, remove_name, rename_name, sync_directory, write_new
 
 __all__ = [
     "DONE_PREFIX",
@@ -72,23 +73,17 @@ def _seal(document: dict[str, Any]) -> str:
 
 
 def write_sealed(directory: Path, name: str, document: dict[str, Any]) -> None:
-    """Write ``document`` with its seal as ``directory/name``, durably: the file is fsynced before
-    its rename into place, the directory after (so a record is whole or absent after a crash)."""
+    """Write ``document`` with its seal as ``directory/name``, durably: the file is created new
+    (never written through a name someone planted), fsynced before its rename into place, the
+    directory after (so a record is whole or absent after a crash)."""
     data = _canonical(document | {"seal": _seal(document)})
-    temporary = directory / f"{name}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    fd = open_directory(directory)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temporary, directory / name)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        with contextlib.suppress(OSError):  # some file systems cannot fsync a directory
-            os.fsync(fd)
+        temporary = f"{name}.tmp"
+        remove_name(fd, temporary)  # a stale one (a task redone), or a planted symlink: unlinked itself
+        write_new(fd, temporary, data)
+        rename_name(fd, temporary, name, replace=True)
+        sync_directory(fd)
     finally:
         os.close(fd)
 
@@ -169,9 +164,17 @@ IdentityCheck = Callable[[dict[str, Any]], list[str]]
 
 
 def write_job_record(
-    directory: Path, save_id: str, destination: str, identity: dict[str, Any], plan: dict[str, Any]
+    directory: Path,
+    save_id: str,
+    destination: str,
+    identity: dict[str, Any],
+    plan: dict[str, Any],
+    destination_id: dict[str, Any] | None = None,
 ) -> None:
-    """Record the job a save runs (before its first task), for a later ``resume=True``."""
+    """Record the job a save runs (before its first task), for a later ``resume=True``.
+
+    ``destination_id`` (the staging's :meth:`~parallel_dcp.storage.protocol.Staging.destination_id`)
+    is how a resume finds its output again, however the path is spelled then."""
     document = {
         "version": RECORD_VERSION,
         "save_id": save_id,
@@ -179,6 +182,8 @@ def write_job_record(
         "identity": identity,
         "plan": plan,
     }
+    if destination_id is not None:
+        document["destination_id"] = destination_id
     write_sealed(directory, job_name(save_id), document)
 
 

@@ -15,14 +15,29 @@ checked even if a parent directory is renamed or replaced while it runs.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import errno
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
-from parallel_dcp.errors import UnsafeCheckpointError
+from parallel_dcp.errors import CheckpointExistsError, InvalidDestinationError, UnsafeCheckpointError
 
-__all__ = ["create_new", "open_directory", "open_regular", "plain_name"]
+__all__ = [
+    "create_new",
+    "open_directory",
+    "open_regular",
+    "plain_name",
+    "read_small",
+    "remove_name",
+    "rename_name",
+    "replace_new",
+    "sync_directory",
+    "write_new",
+]
 
 _CREATE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -77,6 +92,118 @@ def open_regular(directory: int | None, name: str | os.PathLike[str], *, flags: 
         os.close(fd)
         raise
     return fd
+
+
+def read_small(path: str | os.PathLike[str], limit: int = 2**20) -> bytes:
+    """The bytes of the small regular file at ``path`` (a record, a manifest), never following a
+    symlink in its last component nor blocking on a FIFO someone planted there.
+
+    Raises:
+        FileNotFoundError: nothing there.
+        UnsafeCheckpointError: a symlink, or not a regular file.
+        ValueError: larger than ``limit`` bytes (not a file a save wrote).
+    """
+    fd = open_regular(None, path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise ValueError(f"{os.fspath(path)} has {size} bytes, more than the {limit} a record can have")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit + 1)[:limit]
+    finally:
+        os.close(fd)
+
+
+def write_new(directory: int, name: str, data: bytes, *, sync: bool = True) -> None:
+    """Create ``name`` new in ``directory`` (see :func:`create_new`) holding ``data``, fsynced.
+
+    Raises:
+        InvalidDestinationError: the name exists already (a file, or a symlink someone planted):
+            nothing was written, and whatever the name points to is untouched.
+    """
+    try:
+        fd = create_new(directory, name)
+    except FileExistsError:
+        raise InvalidDestinationError(
+            f"{_shown(directory, name)} exists already (it was not written by this save: a planted file or "
+            "symlink?); refusing to write through it"
+        ) from None
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_new(directory: int, name: str, data: bytes) -> None:
+    """Replace ``name`` in ``directory`` with ``data`` atomically: written new under a temporary name,
+    fsynced, renamed over ``name`` (a rename replaces a symlink itself, never what it points to)."""
+    temporary = f".{name}.tmp"
+    remove_name(directory, temporary)  # a stale one, or a planted symlink: unlinking it is harmless
+    write_new(directory, temporary, data)
+    os.replace(temporary, plain_name(name), src_dir_fd=directory, dst_dir_fd=directory)
+
+
+def remove_name(directory: int, name: str) -> None:
+    """Unlink ``name`` in ``directory`` if it is there; a symlink is removed itself (never its
+    target), and a directory is left alone (a checkpoint's files are plain files)."""
+    with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+        try:
+            os.unlink(plain_name(name), dir_fd=directory)
+        except PermissionError:
+            if not stat.S_ISDIR(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode):
+                raise  # Linux says EISDIR for a directory; other systems EPERM
+
+
+_RENAME_NOREPLACE = 1
+
+
+def rename_name(directory: int, source: str, target: str, *, replace: bool) -> None:
+    """Rename ``source`` to ``target``, both in ``directory``; without ``replace`` never over an
+    existing ``target``, atomically (``renameat2(RENAME_NOREPLACE)``, else ``link`` + ``unlink``).
+
+    Raises:
+        CheckpointExistsError: ``target`` appeared meanwhile (without ``replace``); it was kept.
+    """
+    source, target = plain_name(source), plain_name(target)
+    if replace:
+        os.replace(source, target, src_dir_fd=directory, dst_dir_fd=directory)
+        return
+    renameat2 = _renameat2()
+    if renameat2 is not None:
+        if renameat2(directory, os.fsencode(source), directory, os.fsencode(target), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise CheckpointExistsError(
+                f"{_shown(directory, target)} appeared while this save ran; it was not replaced "
+                "(pass overwrite=True to replace it)"
+            )
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, f"cannot rename {source} to {target}: {os.strerror(err)}")
+    # No renameat2 here: link() also refuses an existing name, atomically.
+    try:
+        os.link(source, target, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=False)
+    except FileExistsError:
+        raise CheckpointExistsError(
+            f"{_shown(directory, target)} appeared while this save ran; it was not replaced"
+        ) from None
+    os.unlink(source, dir_fd=directory)
+
+
+def _renameat2() -> Any:
+    libc_name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(libc_name, use_errno=True), "renameat2", None) if libc_name else None
+
+
+def sync_directory(directory: int) -> None:
+    """fsync a directory (its renames and unlinks); some file systems cannot, and the renames are
+    atomic all the same."""
+    with contextlib.suppress(OSError):
+        os.fsync(directory)
 
 
 def _shown(directory: int | None, name: str | os.PathLike[str]) -> str:

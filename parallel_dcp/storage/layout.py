@@ -1,0 +1,129 @@
+"""Which files a checkpoint of one kind owns, by a naming rule (what an overwrite replaces).
+
+A :class:`Layout` says what marks a checkpoint directory and which of its files are the
+checkpoint's. The names a checkpoint's files mention (``.metadata``'s records, an index's
+``weight_map``) count only where they also follow the layout's naming rule: a crafted file in the
+destination never gets a name outside that rule deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.storage.location import Location, Remote, check_name
+from parallel_dcp.storage.safe_files import read_small
+
+__all__ = [
+    "DCP_LAYOUT",
+    "MANIFEST_FILE",
+    "METADATA_FILE",
+    "Layout",
+    "is_dcp_shard_name",
+    "listing",
+    "read_record",
+    "replaceable_name",
+    "sharded_layout",
+]
+
+METADATA_FILE = ".metadata"
+MANIFEST_FILE = ".parallel_dcp.json"
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How a checkpoint directory of one format looks: what marks it, and what it owns."""
+
+    name: str
+    markers: tuple[str, ...]
+    owned_names: Callable[[Location, list[str]], set[str]]
+    fixed_names: bool
+
+    def holds_checkpoint(self, where: Location, names: list[str] | None = None) -> bool:
+        names = listing(where) if names is None else names
+        return any(marker in names for marker in self.markers)
+
+    def owned(self, where: Location) -> set[str]:
+        """The files the checkpoint at ``where`` owns (empty when there is none); each a plain name."""
+        names = listing(where)
+        if not self.holds_checkpoint(where, names):
+            return set()
+        return {check_name(n, where) for n in self.owned_names(where, names)}
+
+
+# The names a checkpoint's shards can have, by layout. A name that ``.metadata`` or an index
+# mentions is the checkpoint's only if it also has such a name: what an overwrite deletes is decided
+# by the rule, never by a file in the destination alone (a damaged or crafted ``.metadata`` naming
+# ``train_state.json`` as a shard must not get it deleted).
+# DCP: ``__<rank>_<n>.distcp`` (FileSystemWriter) and ``__<task>_<save id>_<n>.distcp`` (ours).
+_DCP_SHARD = re.compile(r"__[0-9]+_[0-9A-Za-z_]+\.distcp")
+
+
+def is_dcp_shard_name(name: str) -> bool:
+    """True for a name a DCP writer gives its shard files."""
+    return _DCP_SHARD.fullmatch(name) is not None
+
+
+def _shard_name_rule(suffixes: tuple[str, ...]) -> Callable[[str], bool]:
+    """A Hugging Face shard name: visible, with the format's suffix."""
+    return lambda name: not name.startswith(".") and name.endswith(suffixes) and "/" not in name
+
+
+def _dcp_owned(where: Location, names: list[str]) -> set[str]:
+    from parallel_dcp.storage.metadata import read_metadata  # metadata_io reads through this module's names
+
+    metadata = read_metadata(where)
+    mentioned = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
+    shards = {name for name in mentioned if is_dcp_shard_name(name)}
+    return {METADATA_FILE, *shards, *([MANIFEST_FILE] if MANIFEST_FILE in names else [])}
+
+
+DCP_LAYOUT = Layout("DCP checkpoint", (METADATA_FILE,), _dcp_owned, fixed_names=False)
+
+
+def sharded_layout(kind: str, index_name: str, single: str, suffixes: tuple[str, ...] | None = None) -> Layout:
+    """The layout of a Hugging Face style directory: ``index_name`` names its shards, and of those
+    only names with one of ``suffixes`` (default: ``single``'s) are the checkpoint's."""
+    is_shard = _shard_name_rule(suffixes or (os.path.splitext(single)[1],))
+
+    def owned(where: Location, names: list[str]) -> set[str]:
+        found = {n for n in (index_name, single, MANIFEST_FILE) if n in names}
+        if index_name in names:
+            try:
+                shards = json.loads(read_record(where / index_name))["weight_map"].values()
+                mentioned = {check_name(n, where / index_name) for n in shards}
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise CorruptCheckpointError(f"{where / index_name} is not a readable index: {exc}") from exc
+            found |= {n for n in mentioned if is_shard(n)}
+        return found
+
+    return Layout(f"{kind} checkpoint directory", (index_name, single), owned, fixed_names=True)
+
+
+def listing(where: Location) -> list[str]:
+    if isinstance(where, Remote):
+        return where.listdir()
+    return sorted(os.listdir(where)) if where.is_dir() else []
+
+
+def replaceable_name(name: str) -> bool:
+    """A name an owner record's ``replaces`` may list: one some layout gives a checkpoint's files.
+    An owner record is a file in the destination, so it may be crafted: ``replaces`` listing
+    ``train_state.json`` must not get it deleted."""
+    return (
+        name in (METADATA_FILE, MANIFEST_FILE)
+        or is_dcp_shard_name(name)
+        or _shard_name_rule((".safetensors", ".bin", ".pt", ".pth", ".index.json"))(name)
+    )
+
+
+def read_record(path: Location) -> bytes:
+    """A small file a save wrote (owner record, manifest): local ones never through a symlink or
+    from a FIFO (which would block)."""
+    if isinstance(path, Remote):
+        return path.read_bytes()
+    return read_small(path, 64 * 2**20)
