@@ -127,14 +127,14 @@ def test_a_failed_conversion_leaves_no_copied_file(tmp_path: Path, monkeypatch: 
     _hf_folder(tmp_path / "hf")
     from parallel_dcp.storage import local_staging
 
-    real = local_staging._renameat2
+    real = local_staging.rename_name
 
-    def fail_at_the_index(src: Path, dst: Path, *, replace: bool) -> None:
-        if dst.name == "model.safetensors.index.json":
+    def fail_at_the_index(directory: int, source: str, target: str, *, replace: bool) -> None:
+        if target == "model.safetensors.index.json":
             raise OSError(28, "No space left on device (simulated)")
-        real(src, dst, replace=replace)
+        real(directory, source, target, replace=replace)
 
-    monkeypatch.setattr(local_staging, "_renameat2", fail_at_the_index)
+    monkeypatch.setattr(local_staging, "rename_name", fail_at_the_index)
     with pytest.raises(OSError, match="simulated"):
         parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", shard_size="20KB", workers=1)
     left = sorted(p.name for p in (tmp_path / "out").iterdir()) if (tmp_path / "out").exists() else []
