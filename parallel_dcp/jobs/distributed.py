@@ -89,7 +89,9 @@ def _from_slurm() -> None:
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise DistributedJobError("under srun, set MASTER_ADDR and MASTER_PORT (see docs/several-nodes.md)", failures={})
+        raise DistributedJobError(
+            "under srun, set MASTER_ADDR and MASTER_PORT (see docs/several-nodes.md)", failures={}
+        )
 
 
 def _fingerprint(job: Job) -> str:
