@@ -272,7 +272,7 @@ def save(
         compress: ``None``, ``"zstd"`` or ``"zstd:LEVEL"`` (1..22, default 3): each record is
             compressed by the worker that writes it, as one zstd frame exactly as stock DCP's
             ``ZStandard`` extension writes it (stock ``dcp.load`` reads it with ``zstandard``
-            installed); needs ``pip install '.[zstd]'`` in a checkout. See the README's "Compression".
+            installed); needs ``pip install '.[zstd]'`` in a checkout. See docs/compression.md.
         options: all of the above as one :class:`Options` (what the CLI builds); the keyword
             arguments then stay at their defaults. The other functions take it too.
         dry_run: plan the save as a real one would (files, tasks, chunks, workers, predicted

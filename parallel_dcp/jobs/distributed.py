@@ -64,7 +64,7 @@ def _group(options: Options) -> Any:
         if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
             raise DistributedJobError(
                 "distributed=True needs a torch.distributed launcher: run under torchrun (or srun with "
-                "MASTER_ADDR and MASTER_PORT set); see the README",
+                "MASTER_ADDR and MASTER_PORT set); see docs/several-nodes.md",
                 failures={},
             )
         _from_slurm()
@@ -89,7 +89,9 @@ def _from_slurm() -> None:
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise DistributedJobError("under srun, set MASTER_ADDR and MASTER_PORT (see the README)", failures={})
+        raise DistributedJobError(
+            "under srun, set MASTER_ADDR and MASTER_PORT (see docs/several-nodes.md)", failures={}
+        )
 
 
 def _fingerprint(job: Job) -> str:

@@ -16,7 +16,7 @@ it never yields more than the caller's bound (what ``.metadata`` says the record
 decompression bomb, a truncated record and a damaged frame are each a
 :class:`CorruptCheckpointError` naming the key, before any memory beyond the bound is touched.
 
-``zstandard`` was picked over ``pyzstd`` (README, "Compression"): it is the package stock DCP
+``zstandard`` was picked over ``pyzstd`` (docs/compression.md): it is the package stock DCP
 tries first, and its ``stream_reader.readinto`` decompresses straight into the caller's buffer.
 
 Longer than 300 lines because the spec parser, the frame writer and the bounded reader are one
