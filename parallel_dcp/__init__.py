@@ -34,6 +34,7 @@ from parallel_dcp.errors import (
     InvalidStateDictError,
     MemoryLimitExceeded,
     ParallelDCPError,
+    QuantizationError,
     RemoteTraceback,
     RenameError,
     ResumeError,
@@ -79,6 +80,7 @@ __all__ = [
     "MemoryLimitExceeded",
     "Options",
     "ParallelDCPError",
+    "QuantizationError",
     "ReadStats",
     "RemoteTraceback",
     "RenameError",
@@ -379,6 +381,10 @@ def convert(
     compress: str | None = None,
     dry_run: Literal[False] = False,
     resume: bool = False,
+    dequantize: bool = False,
+    quantize: str | None = None,
+    quantize_keys: str | Sequence[str] | None = None,
+    block_size: int | None = None,
 ) -> SaveResult | list[SaveResult]: ...
 
 
@@ -409,6 +415,10 @@ def convert(
     compress: str | None = None,
     dry_run: Literal[True],
     resume: bool = False,
+    dequantize: bool = False,
+    quantize: str | None = None,
+    quantize_keys: str | Sequence[str] | None = None,
+    block_size: int | None = None,
 ) -> DryRunPlan | list[DryRunPlan]: ...
 
 
@@ -438,6 +448,10 @@ def convert(
     compress: str | None = None,
     dry_run: bool = False,
     resume: bool = False,
+    dequantize: bool = False,
+    quantize: str | None = None,
+    quantize_keys: str | Sequence[str] | None = None,
+    block_size: int | None = None,
 ) -> SaveResult | list[SaveResult] | DryRunPlan | list[DryRunPlan]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
 
@@ -479,6 +493,18 @@ def convert(
             Workers and memory limit may differ. With nothing to resume, a fresh run. Local
             destinations only. Without ``resume``, a dead conversion's files are removed (with a
             warning) and the conversion starts over. See :mod:`parallel_dcp.jobs.resume`.
+        dequantize: dequantize FP8 block-scaled pairs (``X.weight`` float8_e4m3fn +
+            ``X.weight_scale_inv``) and MXFP4 pairs (``X_blocks`` + ``X_scales``, output ``X``) to
+            ``dtype`` (default bfloat16; float16 and float32 allowed); scales are dropped, other
+            tensors kept (cast only when ``dtype`` is given). Values equal stock
+            ``QuantizedHuggingFaceStorageReader``'s bit for bit. ``keys`` then names output tensors.
+        quantize: ``"fp8-block"`` or ``"fp8-block:BLOCK"``: write the weights ``quantize_keys``
+            selects (same patterns as ``keys``; default: 2-D floating ``*.weight`` tensors except
+            embeddings, norms, the output head and MoE routers) as float8_e4m3fn plus a float32
+            ``X.weight_scale_inv`` per block (DeepSeek layout); a Hugging Face output always gets
+            its index and the ``quantization_config`` in the copied ``config.json``.
+        block_size: the FP8 block of ``dequantize`` (default: ``config.json``'s
+            ``weight_block_size``, else 128) or of ``quantize="fp8-block"``.
 
     Returns:
         A :class:`SaveResult` (a list of them for several sources) with ``format``, ``keys``,
@@ -520,6 +546,7 @@ def convert(
         ),
     )
     cast = _convert.parse_dtype(dtype)
+    quantization = _quantization(cast, dequantize, quantize, quantize_keys, block_size)
     shard_bytes = parse_size(shard_size)
     sources = [src] if isinstance(src, (str, os.PathLike)) else list(src)
     if not sources:
@@ -541,6 +568,7 @@ def convert(
             trust_pickle=trust_pickle,
             rename=rename,
             dry_run=dry_run,
+            quantization=quantization,
         )
         for one, out in zip(sources, outputs, strict=True)
     ]
@@ -549,6 +577,30 @@ def convert(
     if dry_run:
         return [r for r in results if isinstance(r, DryRunPlan)]
     return [r for r in results if isinstance(r, SaveResult)]
+
+
+def _quantization(
+    cast: torch.dtype | None,
+    dequantize: bool,
+    quantize: str | None,
+    quantize_keys: str | Sequence[str] | None,
+    block_size: int | None,
+) -> Any:
+    """The conversion's :class:`~parallel_dcp.jobs.quantization.Quantization` (None: none asked for)."""
+    if not dequantize and quantize is None and quantize_keys is None and block_size is None:
+        return None
+    from parallel_dcp.jobs.quantization import Quantization
+
+    target = cast or torch.bfloat16
+    if dequantize and target not in (torch.bfloat16, torch.float16, torch.float32):
+        raise QuantizationError(f"dequantize writes bfloat16, float16 or float32, not {target}")
+    return Quantization(
+        dequantize=dequantize,
+        dequantize_dtype=target,
+        quantize=quantize,
+        quantize_keys=quantize_keys,
+        block_size=block_size,
+    )
 
 
 def verify(

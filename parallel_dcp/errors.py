@@ -22,6 +22,7 @@ __all__ = [
     "InvalidStateDictError",
     "MemoryLimitExceeded",
     "ParallelDCPError",
+    "QuantizationError",
     "RemoteTraceback",
     "ResumeError",
     "TaskTimeoutError",
@@ -180,3 +181,15 @@ class ResumeError(ParallelDCPError, ValueError):
     def __init__(self, message: str, *, reasons: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.reasons = list(reasons)
+
+
+class QuantizationError(ParallelDCPError, ValueError):
+    """A quantized checkpoint cannot be dequantized (or a tensor quantized) as asked: a weight
+    without its scale or a scale without its weight, a scale whose shape does not match the
+    weight's blocks, a non-FP8 weight beside a ``weight_scale_inv``, an E8M0 exponent of 255
+    (NaN), or a bad ``quantize`` spec. Raised before anything is written; ``keys`` names the
+    offending tensors."""
+
+    def __init__(self, message: str, *, keys: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.keys = list(keys)

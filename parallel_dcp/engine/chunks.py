@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -89,8 +90,12 @@ class Splittable(Protocol):
     def nbytes(self) -> int: ...
 
 
-def split(entry: Splittable, threshold: int) -> list[Chunk]:
-    """The chunks of ``entry`` (empty when it stays whole: small enough, 0-dim or one row)."""
+def split(entry: Splittable, threshold: int, align: Callable[[int], int] | None = None) -> list[Chunk]:
+    """The chunks of ``entry`` (empty when it stays whole: small enough, 0-dim or one row).
+
+    ``align(dim)``: chunk bounds along ``dim`` fall on multiples of it (a block-quantized weight's
+    block rows), the last chunk ending at the tensor's end.
+    """
     if entry.nbytes <= threshold or not entry.shape or entry.shape[0] <= 1:
         return []
     wanted = math.ceil(entry.nbytes / threshold)
@@ -102,4 +107,9 @@ def split(entry: Splittable, threshold: int) -> list[Chunk]:
         return []
     rows = entry.shape[dim]
     bounds = [i * rows // count for i in range(count + 1)]
-    return [Chunk(entry.key, dim, bounds[i], bounds[i + 1], entry.shape) for i in range(count)]
+    step = align(dim) if align is not None else 1
+    if step > 1:
+        bounds = sorted({min(rows, round(b / step) * step) for b in bounds} | {0, rows})
+        if len(bounds) < 3:
+            return []
+    return [Chunk(entry.key, dim, bounds[i], bounds[i + 1], entry.shape) for i in range(len(bounds) - 1)]

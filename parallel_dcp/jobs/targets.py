@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from functools import partial
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -86,7 +87,9 @@ class Job:
         entries = self.source.entries
         for key in self.keys:
             entry = entries.get(key)
-            pieces = split(entry, threshold) if entry is not None and entry.nbytes > threshold else []
+            pieces = []
+            if entry is not None and entry.nbytes > threshold:  # aligned to a quantized weight's blocks
+                pieces = split(entry, threshold, partial(self.source.split_alignment, key))
             if not pieces:
                 units.append(key)
             for piece in pieces:
@@ -371,6 +374,10 @@ class ShardedTarget(Target):
         single = self.format.shard_names(1)[0]
         self._count = 1
         self._layout = sharded_layout(kind, self._index_name, single)
+        # A quantized output always has its index (stock's quantized reader pairs weights and
+        # scales through it), and may carry files besides the shards (config.json).
+        self.always_index = False
+        self.extra_files: dict[str, bytes] = {}
 
     def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
         return stage_directory(
@@ -422,7 +429,7 @@ class ShardedTarget(Target):
         for result in results:
             digests.update(result)
         index = b""
-        if len(tasks) > 1:
+        if len(tasks) > 1 or self.always_index:
             names = self._shard_names(len(tasks))
             weight_map = {key: names[task.index] for task in tasks for key in task.keys}
             index = index_json(weight_map, sum(job.out_bytes(k) for k in job.keys)).encode()
@@ -435,7 +442,7 @@ class ShardedTarget(Target):
         staging.commit(
             staged=sorted(digests.keys() - {self._index_name}),
             marker=(self._index_name, index) if index else None,
-            extras={MANIFEST_FILE: manifest},
+            extras={**self.extra_files, MANIFEST_FILE: manifest},
         )
         return len(tasks) + bool(index)  # the shards and the index, as inspect lists them
 

@@ -1,0 +1,167 @@
+"""The arithmetic of quantized checkpoints: FP8 block-scaled and MXFP4, on CPU, vectorised.
+
+    FP8 (DeepSeek-V3/R1, Qwen3 FP8):  X.weight  float8_e4m3fn [R, C]
+                                      X.weight_scale_inv float32 [ceil(R/Br), ceil(C/Bc)]
+        value = bf16( float32(w) * float32(scale[r // Br, c // Bc]) )
+    MXFP4 (gpt-oss):                  X_blocks  uint8 [..., G, B]   two e2m1 values per byte (low nibble first)
+                                      X_scales  uint8 [..., G]      E8M0 exponent, biased by 127
+        value = ldexp(lut[nibble] in the target dtype, exponent - 127)  -> X [..., G * B * 2]
+
+Dequantizing repeats, operation for operation, what stock
+``torch.distributed.checkpoint.quantized_hf_storage.QuantizedHuggingFaceStorageReader`` computes
+(torch 2.13), so the values are equal bit for bit: for FP8 a float32 product of the upcast weight
+and the block's scale, rounded once to the target dtype; for MXFP4 the same lookup table in the
+target dtype and the same ``torch.ldexp``. Where stock loops over every 128 x 128 block in Python,
+these functions take a strip of whole row blocks at a time (broadcasting each block's scale over
+its columns), so the work is a handful of tensor operations per strip, with bounded temporaries.
+
+Quantizing writes the DeepSeek layout: one float32 scale per block, ``amax / 448`` (448 is
+e4m3's largest finite value), and ``w / scale`` rounded to e4m3. A block of zeros gets the
+scale 1.0 (its values are 0 whatever the scale; 0 would make ``w / scale`` a NaN).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "DEFAULT_BLOCK",
+    "E8M0_NAN",
+    "FP4_VALUES",
+    "FP8_DTYPES",
+    "FP8_MAX",
+    "dequantize_fp8",
+    "dequantize_mxfp4",
+    "fp8_scale_shape",
+    "quantize_fp8",
+]
+
+DEFAULT_BLOCK = 128
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+E8M0_NAN = 255  # the one E8M0 code that is not a power of two
+# e2m1 values by nibble, as stock and gpt-oss decode them.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# Elements of float32 temporaries per strip: 16 MiB, whatever the tensor's size.
+_STRIP_ELEMENTS = 4 * 1024 * 1024
+
+
+def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """The scale tensor's shape for a 2-D weight of ``shape``: one entry per (partial) block."""
+    return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+
+
+def _strip_rows(cols: int, block_rows: int) -> int:
+    """Rows per strip: whole row blocks, about ``_STRIP_ELEMENTS`` elements (at least one block)."""
+    return max(1, _STRIP_ELEMENTS // max(cols * block_rows, 1)) * block_rows
+
+
+def dequantize_fp8(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    block: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK),
+    *,
+    row0: int = 0,
+    col0: int = 0,
+) -> torch.Tensor:
+    """``weight`` (rows ``row0:`` and columns ``col0:`` of a block-scaled FP8 weight) dequantized
+    to ``dtype`` with ``scale``, the whole weight's scale tensor (global block coordinates).
+
+    The product is float32 (the weight upcast, the scale cast to float32, as stock's
+    ``float32 block * 0-dim scale`` promotes), rounded once to ``dtype``.
+    """
+    rows, cols = weight.shape
+    out = torch.empty((rows, cols), dtype=dtype)
+    if rows == 0 or cols == 0:
+        return out
+    br, bc = block
+    first_cb, end_cb = col0 // bc, (col0 + cols - 1) // bc + 1
+    first_rb, end_rb = row0 // br, (row0 + rows - 1) // br + 1
+    # Each row block's scale over this piece's columns: [row blocks, cols], small (1/Br of the piece).
+    per_column = scale[first_rb:end_rb, first_cb:end_cb].to(torch.float32).repeat_interleave(bc, dim=1)
+    skip = col0 - first_cb * bc
+    per_column = per_column[:, skip : skip + cols]
+    # Row ranges cut at block boundaries: a partial head (row0 not aligned), whole blocks in
+    # strips, and a partial tail (the last block of a dimension not a multiple of Br).
+    r = 0
+    head = min(rows, (first_rb + 1) * br - row0)
+    if row0 % br:
+        _scale_rows(weight, out, per_column, 0, head, 0)
+        r = head
+    step = _strip_rows(cols, br)
+    whole_end = r + (rows - r) // br * br
+    while r < whole_end:
+        stop = min(whole_end, r + step)
+        first = (row0 + r) // br - first_rb
+        n = (stop - r) // br
+        strip = weight[r:stop].to(torch.float32).view(n, br, cols)
+        strip.mul_(per_column[first : first + n].unsqueeze(1))
+        out[r:stop].copy_(strip.view(-1, cols))
+        r = stop
+    if r < rows:
+        _scale_rows(weight, out, per_column, r, rows, (row0 + r) // br - first_rb)
+    return out
+
+
+def _scale_rows(
+    weight: torch.Tensor, out: torch.Tensor, per_column: torch.Tensor, start: int, stop: int, block_row: int
+) -> None:
+    """Rows ``start:stop`` (inside one row block) of ``weight`` times that block's scales, into ``out``."""
+    strip = weight[start:stop].to(torch.float32)
+    strip.mul_(per_column[block_row])
+    out[start:stop].copy_(strip)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 ``blocks`` ``[..., G, B]`` (uint8) with E8M0 ``scales`` ``[..., G]`` as ``dtype``
+    ``[..., G * B * 2]``: stock's lookup table in ``dtype``, then ``torch.ldexp`` in place (so the
+    power of two is a float32 from ``pow(2, int32)`` and the product is rounded to ``dtype``)."""
+    *prefix, groups, width = blocks.shape
+    rows = math.prod(prefix) * groups
+    flat = blocks.reshape(rows, width)
+    exponents = scales.reshape(rows, 1)
+    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    out = torch.empty(rows, width * 2, dtype=dtype)
+    step = max(1, _STRIP_ELEMENTS // 4 // max(width, 1))  # int64 nibble indices: 8 bytes each
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        packed = flat[r0:r1]
+        sub = out[r0:r1]
+        sub[:, 0::2] = lut[(packed & 0x0F).to(torch.long)]
+        sub[:, 1::2] = lut[(packed >> 4).to(torch.long)]
+        torch.ldexp(sub, exponents[r0:r1].to(torch.int32) - 127, out=sub)
+    return out.view(*prefix, groups * width * 2)
+
+
+def quantize_fp8(
+    weight: torch.Tensor, block: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` (2-D, floating; whole row blocks: its first row starts a block) as
+    (float8_e4m3fn values, float32 scales ``[ceil(R/Br), ceil(C/Bc)]``) in the DeepSeek layout:
+    ``scale = amax(|block|) / 448`` (1.0 for an all-zero block), ``value = e4m3(w / scale)``."""
+    rows, cols = weight.shape
+    br, bc = block
+    scales = torch.empty(fp8_scale_shape((rows, cols), block), dtype=torch.float32)
+    values = torch.empty((rows, cols), dtype=torch.float8_e4m3fn)
+    if rows == 0 or cols == 0:
+        return values, scales
+    padded_cols = scales.shape[1] * bc
+    step = _strip_rows(padded_cols, br)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        strip = weight[r0:r1].to(torch.float32)
+        nrb = math.ceil((r1 - r0) / br)
+        # Zero padding to whole blocks leaves every block's amax as it is.
+        padded = torch.nn.functional.pad(strip.abs(), (0, padded_cols - cols, 0, nrb * br - (r1 - r0)))
+        amax = padded.view(nrb, br, scales.shape[1], bc).amax(dim=(1, 3))
+        del padded
+        scale = amax / FP8_MAX
+        scale[amax == 0] = 1.0
+        scales[r0 // br : r0 // br + nrb] = scale
+        per_column = scale.repeat_interleave(bc, dim=1)[:, :cols].repeat_interleave(br, dim=0)[: r1 - r0]
+        strip.div_(per_column).clamp_(-FP8_MAX, FP8_MAX)
+        values[r0:r1] = strip.to(torch.float8_e4m3fn)
+    return values, scales
