@@ -614,6 +614,8 @@ def verify(
     options: Options | None = None,
     trust_pickle: bool = False,
     deep: bool = True,
+    dequantize: bool = False,
+    block_size: int | None = None,
 ) -> VerifyReport:
     """Check a checkpoint: manifest sizes and checksums, every key read back, and bit-for-bit
     equality with ``against`` (any supported format) when given.
@@ -631,6 +633,8 @@ def verify(
             checked against ``.metadata``). False checks the manifest only (sizes and checksums of
             the stored bytes: compressed records are not decompressed) and the shards' lengths;
             ``against`` always reads both sides.
+        dequantize, block_size: compare with ``against`` dequantized as ``convert(...,
+            dequantize=True, dtype=dtype, block_size=block_size)`` writes it, exactly.
 
     Raises:
         FileNotFoundError / ValueError: ``path`` or ``against`` is missing or of no known format;
@@ -638,7 +642,16 @@ def verify(
         CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
     """
     options = _given_or(options, Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options))
-    return _verify.verify(path, against, options, _convert.parse_dtype(dtype), trust_pickle=trust_pickle, deep=deep)
+    return _verify.verify(
+        path,
+        against,
+        options,
+        _convert.parse_dtype(dtype),
+        trust_pickle=trust_pickle,
+        deep=deep,
+        dequantize=dequantize,
+        block_size=block_size,
+    )
 
 
 def inspect(

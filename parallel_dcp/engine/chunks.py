@@ -13,8 +13,8 @@ range, so stock ``dcp.load`` reassembles it into a plain tensor or any other sha
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch

@@ -206,7 +206,9 @@ class DequantizedSource(Source):
         self._inner().release()
 
     def fingerprint(self) -> dict[str, Any]:
-        return self._inner().fingerprint()
+        # What the output is made of includes the arithmetic: a resume must not mix dtypes.
+        dequantize = {"dtype": str(self.dtype).removeprefix("torch."), "block": list(self.block)}
+        return self._inner().fingerprint() | {"dequantize": dequantize}
 
 
 def _pairs(source: Source, block: tuple[int, int]) -> dict[str, _Pair]:

@@ -152,7 +152,7 @@ def quantize_fp8(
     step = _strip_rows(padded_cols, br)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        strip = weight[r0:r1].to(torch.float32)
+        strip = weight[r0:r1].to(torch.float32, copy=True)  # never the caller's tensor: it is divided in place
         nrb = math.ceil((r1 - r0) / br)
         # Zero padding to whole blocks leaves every block's amax as it is.
         padded = torch.nn.functional.pad(strip.abs(), (0, padded_cols - cols, 0, nrb * br - (r1 - r0)))

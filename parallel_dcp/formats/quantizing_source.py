@@ -150,8 +150,10 @@ class QuantizingSource(Source):
             return self._inner().copied_bytes(key) + cast
         entry = self._inner().entries[weight]
         # the weight read, its float32 strip, and both outputs
-        return self._inner().copied_bytes(weight) + entry.nbytes // entry.dtype.itemsize + min(
-            4 * entry.nbytes, _WORK_BYTES
+        return (
+            self._inner().copied_bytes(weight)
+            + entry.nbytes // entry.dtype.itemsize
+            + min(4 * entry.nbytes, _WORK_BYTES)
         )
 
     def chunk_memory(self, chunk: Chunk) -> int:
@@ -169,7 +171,9 @@ class QuantizingSource(Source):
         self._inner().release()
 
     def fingerprint(self) -> dict[str, Any]:
-        return self._inner().fingerprint()
+        # What the output is made of includes the arithmetic: a resume must not mix blocks or dtypes.
+        cast = str(self.dtype).removeprefix("torch.") if self.dtype is not None else None
+        return self._inner().fingerprint() | {"quantize": {"block": list(self.block), "dtype": cast}}
 
 
 def _rows(entry: Entry, start: int, stop: int) -> Chunk:

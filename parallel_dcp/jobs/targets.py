@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from functools import partial
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
