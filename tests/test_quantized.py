@@ -20,6 +20,7 @@ from parallel_dcp.formats.quantized import dequantize_fp8, quantize_fp8
 from tests.conftest import assert_same
 from tests.quantized_checkpoints import (
     FP8_WEIGHTS,
+    deepseek_config,
     fp8_checkpoint,
     fp8_weights,
     mxfp4_checkpoint,
@@ -102,6 +103,16 @@ def test_huge_weights_split_in_block_aligned_row_ranges(tmp_path: Path) -> None:
         assert all(c.offsets[0] % 128 == 0 for c in chunks)
         assert sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks)[-1][1] == rows
     assert_same(load_dcp(tmp_path / "out", expected), expected)
+
+
+def test_block_size_from_config_json(tmp_path: Path) -> None:
+    tensors = {"x.weight": (torch.randn(100, 70) * 30).to(torch.float8_e4m3fn), "x.weight_scale_inv": torch.rand(2, 2)}
+    src = write_hf(tmp_path / "src", tensors, [["x.weight"], ["x.weight_scale_inv"]], deepseek_config(block=64))
+    expected = stock_dequantized(src, torch.bfloat16, block=64)
+    parallel_dcp.convert(src, tmp_path / "out", dequantize=True, workers=1)
+    assert_same(load_dcp(tmp_path / "out", expected), expected)
+    with pytest.raises(QuantizationError, match="does not match the 128x128 blocks"):
+        parallel_dcp.convert(src, tmp_path / "bad", dequantize=True, block_size=128)
 
 
 def test_unaligned_pieces_dequantize_as_the_whole() -> None:

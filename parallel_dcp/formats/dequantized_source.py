@@ -18,9 +18,7 @@ a chunk reads only its own rows and their scales (:meth:`DequantizedSource.split
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,66 +27,22 @@ import torch
 
 from parallel_dcp.errors import QuantizationError, describe_keys
 from parallel_dcp.formats.base import Entry, Source
-from parallel_dcp.formats.quantized import (
-    DEFAULT_BLOCK,
-    E8M0_NAN,
-    FP8_DTYPES,
-    dequantize_fp8,
-    dequantize_mxfp4,
-    fp8_scale_shape,
+from parallel_dcp.formats.quantized import DEFAULT_BLOCK, E8M0_NAN, dequantize_fp8, dequantize_mxfp4
+from parallel_dcp.formats.quantized_pairs import (
+    BLOCKS_SUFFIX,
+    SCALE_SUFFIX,
+    Pair,
+    block_size_of,
+    find_pairs,
+    source_config,
 )
-from parallel_dcp.storage.location import Remote
 
 if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
 
-__all__ = ["SCALE_SUFFIX", "DequantizedSource", "block_size_of", "dequantized_source"]
+__all__ = ["SCALE_SUFFIX", "DequantizedSource", "block_size_of", "dequantized_source", "source_config"]
 
-SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
-_BLOCKS, _SCALES = "_blocks", "_scales"
 _WORK_BYTES = 32 * 1024 * 1024  # the arithmetic's float32 strip and its int64 nibble indices, at most
-
-
-def block_size_of(source: Source, override: int | None = None) -> tuple[int, int]:
-    """The FP8 block (rows, columns): ``override``, else ``quantization_config.weight_block_size``
-    from ``config.json`` beside the source (a local directory), else 128 x 128."""
-    if override is not None:
-        if override < 1:
-            raise QuantizationError(f"block size must be a positive number of elements, not {override}")
-        return (override, override)
-    config = source_config(source)
-    size = (config or {}).get("quantization_config", {}).get("weight_block_size")
-    if size is None:
-        return (DEFAULT_BLOCK, DEFAULT_BLOCK)
-    if isinstance(size, int):
-        size = [size, size]
-    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
-        raise QuantizationError(f"config.json of {source.path}: weight_block_size {size!r} is not [rows, columns]")
-    return (size[0], size[1])
-
-
-def source_config(source: Source) -> dict[str, Any] | None:
-    """``config.json`` in the source's directory (a local one), parsed; None when there is none."""
-    if isinstance(source.location, Remote) or not os.path.isdir(source.path):
-        return None
-    path = os.path.join(source.path, "config.json")
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except ValueError as exc:
-        raise QuantizationError(f"{path} is not JSON: {exc}") from exc
-    return config if isinstance(config, dict) else None
-
-
-@dataclass(frozen=True, slots=True)
-class _Pair:
-    """A quantized unit: its stored values, their scale, and how they decode."""
-
-    values: str
-    scale: str
-    kind: str  # "fp8" or "mxfp4"
 
 
 @dataclass
@@ -98,7 +52,7 @@ class DequantizedSource(Source):
     inner: Source | None = None
     dtype: torch.dtype = torch.bfloat16
     block: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)
-    pairs: dict[str, _Pair] = field(default_factory=dict)  # output key -> its pair
+    pairs: dict[str, Pair] = field(default_factory=dict)  # output key -> its pair
 
     def _inner(self) -> Source:
         assert self.inner is not None
@@ -211,75 +165,14 @@ class DequantizedSource(Source):
         return self._inner().fingerprint() | {"dequantize": dequantize}
 
 
-def _pairs(source: Source, block: tuple[int, int]) -> dict[str, _Pair]:
-    """The quantized pairs of ``source`` by output key, checked from headers.
-
-    Raises:
-        QuantizationError: every unpaired, mis-shaped or mis-typed tensor, listed.
-    """
-    entries = source.entries
-    pairs: dict[str, _Pair] = {}
-    problems: list[str] = []
-    offenders: list[str] = []
-
-    def refuse(key: str, why: str) -> None:
-        offenders.append(key)
-        problems.append(f"  {key!r}: {why}")
-
-    for key, entry in entries.items():
-        if key.endswith(SCALE_SUFFIX):
-            weight = key.removesuffix(SCALE_SUFFIX)
-            if weight not in entries:
-                refuse(key, f"a scale without its weight {weight!r}")
-                continue
-            stored = entries[weight]
-            if stored.dtype not in FP8_DTYPES:
-                refuse(weight, f"has a {key.rsplit('.', 1)[-1]} but is {stored.dtype}, not FP8")
-            elif len(stored.shape) != 2 or len(entry.shape) != 2:
-                refuse(weight, f"block-scaled FP8 needs a 2-D weight and scale, not {stored.shape} and {entry.shape}")
-            elif entry.shape != fp8_scale_shape(stored.shape, block):
-                refuse(
-                    key,
-                    f"shape {list(entry.shape)} does not match the {block[0]}x{block[1]} blocks of "
-                    f"{weight!r} {list(stored.shape)} (expected {list(fp8_scale_shape(stored.shape, block))})",
-                )
-            elif not entry.dtype.is_floating_point:
-                refuse(key, f"a scale must be floating, not {entry.dtype}")
-            else:
-                pairs[weight] = _Pair(weight, key, "fp8")
-        elif key.endswith(_SCALES) or key.endswith(_BLOCKS):
-            stem = key.removesuffix(_SCALES).removesuffix(_BLOCKS)
-            blocks, scales = stem + _BLOCKS, stem + _SCALES
-            if key == scales and blocks not in entries:
-                refuse(key, f"MXFP4 scales without their blocks {blocks!r}")
-            elif key == blocks and scales not in entries:
-                refuse(key, f"MXFP4 blocks without their scales {scales!r}")
-            elif key == blocks:
-                shape, scale_shape = entry.shape, entries[scales].shape
-                if entry.dtype != torch.uint8 or entries[scales].dtype != torch.uint8:
-                    refuse(key, f"MXFP4 blocks and scales are uint8, not {entry.dtype} and {entries[scales].dtype}")
-                elif len(shape) < 2 or scale_shape != shape[:-1]:
-                    refuse(scales, f"shape {list(scale_shape)} does not match the groups of {key!r} {list(shape)}")
-                elif stem in entries:
-                    refuse(key, f"dequantizes to {stem!r}, which the source also holds")
-                else:
-                    pairs[stem] = _Pair(key, scales, "mxfp4")
-        elif entry.dtype in FP8_DTYPES and key + SCALE_SUFFIX not in entries:
-            refuse(key, f"an FP8 weight without its scale {key + SCALE_SUFFIX!r}")
-    if problems:
-        shown = "\n".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise QuantizationError(f"{source.path} cannot be dequantized (nothing was written):\n{shown}", keys=offenders)
-    return pairs
-
-
 def dequantized_source(source: Source, dtype: torch.dtype, block: tuple[int, int] | None = None) -> DequantizedSource:
     """``source`` seen dequantized to ``dtype``: keys in the source's order, each pair at its weight's place.
 
     Raises:
-        QuantizationError: see :func:`_pairs`; also a source with no quantized pair at all.
+        QuantizationError: see :func:`find_pairs`; also a source with no quantized pair at all.
     """
     block = block or block_size_of(source)
-    pairs = _pairs(source, block)
+    pairs = find_pairs(source, block)
     if not pairs:
         raise QuantizationError(
             f"{source.path} holds no quantized tensors (X.weight + X.weight_scale_inv, or X_blocks + X_scales)"
@@ -310,7 +203,7 @@ def dequantized_source(source: Source, dtype: torch.dtype, block: tuple[int, int
         view.entries[out] = Entry(out, dtype, tuple(shape), entry.file)
         view.pairs[out] = pair
         path = source.mapping.get(key, (key,))
-        view.mapping[out] = (*path[:-1], str(path[-1]).removesuffix(_BLOCKS)) if pair.kind == "mxfp4" else path
+        view.mapping[out] = (*path[:-1], str(path[-1]).removesuffix(BLOCKS_SUFFIX)) if pair.kind == "mxfp4" else path
     for key, path in source.mapping.items():
         if key not in source.entries:
             view.mapping[key] = path
