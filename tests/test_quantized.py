@@ -339,3 +339,16 @@ def test_cli_both_directions(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert out["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
     assert main(["convert", str(src), str(tmp_path / "x"), "--dequantize", "--dtype", "float64"]) == 1
     assert "bfloat16, float16 or float32" in capsys.readouterr().err
+
+
+def test_inspect_diff_sees_both_directions(tmp_path: Path) -> None:
+    src = fp8_checkpoint(tmp_path / "fp8")
+    parallel_dcp.convert(src, tmp_path / "fp8-dcp", workers=1)
+    assert parallel_dcp.diff(str(src), str(tmp_path / "fp8-dcp")).same  # FP8 and scales hashed as stored
+    parallel_dcp.convert(src, tmp_path / "bf16", dequantize=True, to="safetensors", workers=1)
+    report = parallel_dcp.diff(str(src), str(tmp_path / "bf16"))
+    assert sorted(report.removed) == sorted(k + "_scale_inv" for k in FP8_WEIGHTS)
+    assert {c["key"] for c in report.changed} == set(FP8_WEIGHTS)  # dtype float8_e4m3fn -> bfloat16
+    parallel_dcp.convert(tmp_path / "bf16", tmp_path / "q", quantize="fp8-block", to="safetensors", workers=1)
+    again = parallel_dcp.diff(str(tmp_path / "bf16"), str(tmp_path / "q"))
+    assert sorted(again.added) == sorted(k + "_scale_inv" for k in FP8_WEIGHTS)

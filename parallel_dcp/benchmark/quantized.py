@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import parallel_dcp
 from parallel_dcp.benchmark.conversion import convert_memory_limit
 from parallel_dcp.benchmark.measure import Case
+from parallel_dcp.benchmark.writers import fsync_file
 
 __all__ = ["QUANTIZED", "quantized_cases", "quantized_state_dict"]
 
@@ -54,8 +55,10 @@ def quantized_state_dict(suite: str, gib: float) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     sd: dict[str, torch.Tensor] = {}
     if suite == "quantized:mxfp4":
-        experts, rows, groups = 8, 2880, 90  # gpt-oss-20b's expert shape, 8 experts a layer
-        layers = max(1, round(gib * 2**30 / (experts * rows * groups * 16 * 2)))
+        rows, groups = 2880, 90  # gpt-oss-20b's expert shape; up to 32 experts a layer
+        per_expert = 3 * rows * groups * 16  # gate_up (2 x rows) and down
+        experts = max(1, min(32, round(gib * 2**30 / per_expert)))
+        layers = max(1, round(gib * 2**30 / (experts * per_expert)))
         for i in range(layers):
             for proj, n in (("gate_up_proj", 2 * rows), ("down_proj", rows)):
                 stem = f"model.layers.{i}.mlp.experts.{proj}"
@@ -69,7 +72,8 @@ def quantized_state_dict(suite: str, gib: float) -> dict[str, torch.Tensor]:
         sd[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(_HIDDEN, dtype=torch.bfloat16)
         for proj in _PROJ:
             rows, cols = _proj_shape(proj)
-            name = f"model.layers.{i}.{'mlp' if 'p_proj' in proj or proj == 'down_proj' else 'self_attn'}.{proj}.weight"
+            block = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            name = f"model.layers.{i}.{block}.{proj}.weight"
             weight = torch.randn(rows, cols, generator=g)
             if suite == "quantized:quantize":
                 sd[name] = weight.to(torch.bfloat16)
@@ -88,10 +92,11 @@ def write_release(sd: dict[str, torch.Tensor], directory: str, quantized: bool) 
     """``sd`` as a Hugging Face release: a shard per layer, each scale in the next layer's shard."""
     os.makedirs(directory)
     layers = max(_layer_of(k) for k in sd) + 1
-    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(layers + 1)]
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(layers + 2)]
     for key, tensor in sd.items():
         scale = key.endswith(("_scale_inv", "_scales"))
         shards[_layer_of(key) + 1 + scale if _layer_of(key) >= 0 else 0][key] = tensor
+    shards = [shard for shard in shards if shard]
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -165,7 +170,7 @@ def _loop_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.to(torch.float8_e4m3fn), scale
 
 
-def _torch_loop(src: str) -> Case:
+def _torch_loop(src: str, sync: bool) -> Case:
     def run(out: str) -> None:
         os.makedirs(out)
         with open(os.path.join(src, _INDEX)) as f:
@@ -176,6 +181,8 @@ def _torch_loop(src: str) -> Case:
             for key in [k for k in shard if k.endswith("proj.weight")]:
                 shard[key], shard[key + "_scale_inv"] = _loop_quantize(shard[key])
             save_file({k: v.contiguous() for k, v in shard.items()}, os.path.join(out, name))
+            if sync:
+                fsync_file(os.path.join(out, name))
             weight_map |= dict.fromkeys(shard, name)
         with open(os.path.join(out, _INDEX), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f)
@@ -204,6 +211,11 @@ def quantized_cases(
         notes.append("stock: QuantizedHuggingFaceStorageReader with its chunk metadata corrected (torch 2.13 bug)")
         cases = [_ours("mxfp4->bf16", src, n, sync, limit, dequantize=True) for n in workers]
         return [*cases, _stock_dequantize("mxfp4->bf16", src, sync)], notes
-    kwargs: dict[str, Any] = {"quantize": "fp8-block", "to": "safetensors"}
+    # Shards of a quarter of a layer or so, as a large release has hundreds of 5 GB shards.
+    shard_size = max(2**20, out_bytes // (4 * max(1, max(_layer_of(k) for k in sd) + 1)))
+    notes.append(
+        f"ours write safetensors shards of at most {shard_size / 2**20:.0f} MiB; the loop one shard per source shard"
+    )
+    kwargs: dict[str, Any] = {"quantize": "fp8-block", "to": "safetensors", "shard_size": shard_size}
     cases = [_ours("bf16->fp8", src, n, sync, limit, **kwargs) for n in workers]
-    return [*cases, _torch_loop(src)], notes
+    return [*cases, _torch_loop(src, sync)], notes

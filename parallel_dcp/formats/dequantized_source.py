@@ -152,9 +152,9 @@ class DequantizedSource(Source):
 
     def transient_bytes(self, key: str) -> int:
         pair = self.pairs.get(key)
-        if pair is None:
-            return self._inner().transient_bytes(key)
-        return min(2 * self.entries[key].nbytes, _WORK_BYTES)
+        # Not the arithmetic's strip: freed strips stay in the worker's heap (glibc keeps them for
+        # the next allocation), so a task holding several units was measured to keep one per unit.
+        return self._inner().transient_bytes(pair.values if pair else key)
 
     def release(self) -> None:
         self._inner().release()
