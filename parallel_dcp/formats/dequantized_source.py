@@ -136,7 +136,7 @@ class DequantizedSource(Source):
             return self._inner().copied_bytes(key)
         inner = self._inner()
         out = self.entries[key].nbytes
-        return inner.copied_bytes(pair.values) + inner.copied_bytes(pair.scale) + out + min(2 * out, _WORK_BYTES)
+        return inner.copied_bytes(pair.values) + inner.copied_bytes(pair.scale) + out + min(4 * out, _WORK_BYTES)
 
     def chunk_memory(self, chunk: Chunk) -> int:
         pair = self.pairs.get(chunk.key)
@@ -148,7 +148,7 @@ class DequantizedSource(Source):
         stored = inner.entries[pair.values]
         read = inner.chunk_memory(dataclasses.replace(chunk, key=pair.values, shape=stored.shape))
         out = chunk.nbytes(self.dtype.itemsize)
-        return read + inner.copied_bytes(pair.scale) + out + min(2 * out, _WORK_BYTES)
+        return read + inner.copied_bytes(pair.scale) + out + min(4 * out, _WORK_BYTES)
 
     def transient_bytes(self, key: str) -> int:
         pair = self.pairs.get(key)

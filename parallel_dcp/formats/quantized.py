@@ -46,6 +46,7 @@ E8M0_NAN = 255  # the one E8M0 code that is not a power of two
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # Elements of float32 temporaries per strip: 16 MiB, whatever the tensor's size.
 _STRIP_ELEMENTS = 4 * 1024 * 1024
+_FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}  # FP8 code -> float32, made on first use
 
 
 def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
@@ -97,7 +98,7 @@ def dequantize_fp8(
         stop = min(whole_end, r + step)
         first = (row0 + r) // br - first_rb
         n = (stop - r) // br
-        strip = weight[r:stop].to(torch.float32).view(n, br, cols)
+        strip = _float32(weight[r:stop]).view(n, br, cols)
         strip.mul_(per_column[first : first + n].unsqueeze(1))
         out[r:stop].copy_(strip.view(-1, cols))
         r = stop
@@ -106,11 +107,24 @@ def dequantize_fp8(
     return out
 
 
+def _float32(piece: torch.Tensor) -> torch.Tensor:
+    """``piece`` as a new float32 tensor. For FP8, a lookup of its 256 codes: the same values as
+    ``piece.to(torch.float32)`` (the table is made by that very conversion), at about twice the
+    speed of torch's elementwise FP8 conversion on CPU."""
+    table = _FP8_TABLES.get(piece.dtype)
+    if table is None:
+        if piece.dtype not in FP8_DTYPES:
+            return piece.to(torch.float32, copy=True)
+        table = _FP8_TABLES[piece.dtype] = torch.arange(256, dtype=torch.uint8).view(piece.dtype).to(torch.float32)
+    codes = piece.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+    return table.index_select(0, codes).view(piece.shape)
+
+
 def _scale_rows(
     weight: torch.Tensor, out: torch.Tensor, per_column: torch.Tensor, start: int, stop: int, block_row: int
 ) -> None:
     """Rows ``start:stop`` (inside one row block) of ``weight`` times that block's scales, into ``out``."""
-    strip = weight[start:stop].to(torch.float32)
+    strip = _float32(weight[start:stop])
     strip.mul_(per_column[block_row])
     out[start:stop].copy_(strip)
 
