@@ -132,20 +132,24 @@ def _scale_rows(
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """MXFP4 ``blocks`` ``[..., G, B]`` (uint8) with E8M0 ``scales`` ``[..., G]`` as ``dtype``
     ``[..., G * B * 2]``: stock's lookup table in ``dtype``, then ``torch.ldexp`` in place (so the
-    power of two is a float32 from ``pow(2, int32)`` and the product is rounded to ``dtype``)."""
+    power of two is a float32 from ``pow(2, int32)`` and the product is rounded to ``dtype``),
+    exactly stock's operations on exactly stock's intermediate values."""
     *prefix, groups, width = blocks.shape
     rows = math.prod(prefix) * groups
     flat = blocks.reshape(rows, width)
     exponents = scales.reshape(rows, 1)
+    # Each byte's two values (low nibble first) at once: row b of the table is stock's
+    # (lut[b & 0x0F], lut[b >> 4]), so one gather writes the interleaved pair stock writes in two.
     lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    codes_256 = torch.arange(256, dtype=torch.int64)
+    pairs = torch.stack((lut[codes_256 & 0x0F], lut[codes_256 >> 4]), dim=1).contiguous()
     out = torch.empty(rows, width * 2, dtype=dtype)
-    step = max(1, _STRIP_ELEMENTS // 4 // max(width, 1))  # int64 nibble indices: 8 bytes each
+    step = max(1, _STRIP_ELEMENTS // 4 // max(width, 1))  # int32 codes, 4 bytes each
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        packed = flat[r0:r1]
         sub = out[r0:r1]
-        sub[:, 0::2] = lut[(packed & 0x0F).to(torch.long)]
-        sub[:, 1::2] = lut[(packed >> 4).to(torch.long)]
+        codes = flat[r0:r1].reshape(-1).to(torch.int32)
+        torch.index_select(pairs, 0, codes, out=sub.view(-1, 2))
         torch.ldexp(sub, exponents[r0:r1].to(torch.int32) - 127, out=sub)
     return out.view(*prefix, groups * width * 2)
 
