@@ -167,7 +167,9 @@ def quantize_fp8(
     if rows == 0 or cols == 0:
         return values, scales
     padded_cols = scales.shape[1] * bc
-    step = _strip_rows(padded_cols, br)
+    # Half the dequantizing strip: a quantizing strip has four float32 temporaries (the strip, its
+    # magnitudes, their padding, the scales spread over it).
+    step = max(1, _STRIP_ELEMENTS // 2 // max(padded_cols * br, 1)) * br
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         strip = weight[r0:r1].to(torch.float32, copy=True)  # never the caller's tensor: it is divided in place
