@@ -12,8 +12,9 @@ Dequantizing repeats, operation for operation, what stock
 (torch 2.13), so the values are equal bit for bit: for FP8 a float32 product of the upcast weight
 and the block's scale, rounded once to the target dtype; for MXFP4 the same lookup table in the
 target dtype and the same ``torch.ldexp``. Where stock loops over every 128 x 128 block in Python,
-these functions take a strip of whole row blocks at a time (broadcasting each block's scale over
-its columns), so the work is a handful of tensor operations per strip, with bounded temporaries.
+these functions take a strip of whole row blocks at a time: FP8 as one lookup per element in a
+table of every (block, code) product, MXFP4 as one gather of each byte's two values, then stock's
+``ldexp``; temporaries are bounded by the strip.
 
 Quantizing writes the DeepSeek layout: one float32 scale per block, ``amax / 448`` (448 is
 e4m3's largest finite value), and ``w / scale`` rounded to e4m3. A block of zeros gets the
@@ -71,9 +72,17 @@ def dequantize_fp8(
     """``weight`` (rows ``row0:`` and columns ``col0:`` of a block-scaled FP8 weight) dequantized
     to ``dtype`` with ``scale``, the whole weight's scale tensor (global block coordinates).
 
-    The product is float32 (the weight upcast, the scale cast to float32, as stock's
-    ``float32 block * 0-dim scale`` promotes), rounded once to ``dtype``.
+    Each value is ``dtype(float32(code) * float32(scale))``, the product stock computes (its
+    ``float32 block * 0-dim scale`` promotes the scale to float32), rounded once. A block has only
+    256 codes, so the products are made once per (block, code), by those very operations, and
+    each element is one lookup of its block's product for its code: one pass over the weight
+    instead of an upcast, a multiply and a rounding pass.
+
+    Raises:
+        ValueError: ``weight`` is not FP8.
     """
+    if weight.dtype not in FP8_DTYPES:
+        raise ValueError(f"block-scaled dequantization needs an FP8 weight, not {weight.dtype}")
     rows, cols = weight.shape
     out = torch.empty((rows, cols), dtype=dtype)
     if rows == 0 or cols == 0:
@@ -81,52 +90,35 @@ def dequantize_fp8(
     br, bc = block
     first_cb, end_cb = col0 // bc, (col0 + cols - 1) // bc + 1
     first_rb, end_rb = row0 // br, (row0 + rows - 1) // br + 1
-    # Each row block's scale over this piece's columns: [row blocks, cols], small (1/Br of the piece).
-    per_column = scale[first_rb:end_rb, first_cb:end_cb].to(torch.float32).repeat_interleave(bc, dim=1)
-    skip = col0 - first_cb * bc
-    per_column = per_column[:, skip : skip + cols]
-    # Row ranges cut at block boundaries: a partial head (row0 not aligned), whole blocks in
-    # strips, and a partial tail (the last block of a dimension not a multiple of Br).
-    r = 0
-    head = min(rows, (first_rb + 1) * br - row0)
-    if row0 % br:
-        _scale_rows(weight, out, per_column, 0, head, 0)
-        r = head
+    codes = _fp8_values(weight.dtype)
+    blocks = scale[first_rb:end_rb, first_cb:end_cb].to(torch.float32).reshape(-1, 1)
+    products = (blocks * codes).to(dtype).reshape(-1)  # [block][code], blocks in row-major order
+    per_row_block = (end_cb - first_cb) * 256
+    column_offsets = (((torch.arange(cols) + col0) // bc - first_cb) * 256).to(torch.int32)
     step = _strip_rows(cols, br)
-    whole_end = r + (rows - r) // br * br
-    while r < whole_end:
-        stop = min(whole_end, r + step)
-        first = (row0 + r) // br - first_rb
-        n = (stop - r) // br
-        strip = _float32(weight[r:stop]).view(n, br, cols)
-        strip.mul_(per_column[first : first + n].unsqueeze(1))
-        out[r:stop].copy_(strip.view(-1, cols))
+    r = 0
+    while r < rows:
+        g = row0 + r
+        if g % br or rows - r < br:  # a partial block: a head (row0 not aligned) or the last
+            stop, n = min(rows, (g // br + 1) * br - row0), 1
+        else:  # whole blocks
+            stop = r + min(step, (rows - r) // br * br)
+            n = (stop - r) // br
+        index = weight[r:stop].contiguous().view(torch.uint8).to(torch.int32).view(n, -1, cols)
+        first = g // br - first_rb
+        offsets = torch.arange(first, first + n, dtype=torch.int32)[:, None] * per_row_block + column_offsets
+        index.add_(offsets.unsqueeze(1))
+        torch.index_select(products, 0, index.view(-1), out=out[r:stop].view(-1))
         r = stop
-    if r < rows:
-        _scale_rows(weight, out, per_column, r, rows, (row0 + r) // br - first_rb)
     return out
 
 
-def _float32(piece: torch.Tensor) -> torch.Tensor:
-    """``piece`` as a new float32 tensor. For FP8, a lookup of its 256 codes: the same values as
-    ``piece.to(torch.float32)`` (the table is made by that very conversion), at about twice the
-    speed of torch's elementwise FP8 conversion on CPU."""
-    table = _FP8_TABLES.get(piece.dtype)
+def _fp8_values(dtype: torch.dtype) -> torch.Tensor:
+    """Every code of an FP8 ``dtype`` as float32, by torch's own conversion (made on first use)."""
+    table = _FP8_TABLES.get(dtype)
     if table is None:
-        if piece.dtype not in FP8_DTYPES:
-            return piece.to(torch.float32, copy=True)
-        table = _FP8_TABLES[piece.dtype] = torch.arange(256, dtype=torch.uint8).view(piece.dtype).to(torch.float32)
-    codes = piece.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
-    return table.index_select(0, codes).view(piece.shape)
-
-
-def _scale_rows(
-    weight: torch.Tensor, out: torch.Tensor, per_column: torch.Tensor, start: int, stop: int, block_row: int
-) -> None:
-    """Rows ``start:stop`` (inside one row block) of ``weight`` times that block's scales, into ``out``."""
-    strip = _float32(weight[start:stop])
-    strip.mul_(per_column[block_row])
-    out[start:stop].copy_(strip)
+        table = _FP8_TABLES[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32)
+    return table
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
