@@ -42,6 +42,11 @@ def fp8_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     for name, (rows, cols) in FP8_WEIGHTS.items():
         out[name] = (torch.randn(rows, cols, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
         out[name + "_scale_inv"] = torch.rand(math.ceil(rows / 128), math.ceil(cols / 128), generator=g) * 0.01 + 1e-4
+    # NaN (both signs), -0 and the largest codes, in the last (partial) block too
+    codes = torch.tensor([0x7F, 0xFF, 0x80, 0x7E, 0xFE], dtype=torch.uint8)
+    first = out[next(iter(FP8_WEIGHTS))].view(torch.uint8)
+    first[0, :5] = codes
+    first[-1, -5:] = codes
     return out
 
 
