@@ -198,9 +198,11 @@ def quantized_cases(
     src = write_release(sd, os.path.join(root, "source"), quantized)
     # A unit holds its input, its scale, its output and the arithmetic's strip; a DCP output splits
     # huge ones (block-aligned rows, or experts), so a dequantizing worker needs room for a chunk.
-    largest = max(t.nbytes for t in sd.values()) * (5 if quantized else 2)
-    if quantized:
-        largest = min(largest, 64 * 2**20)
+    # Quantizing: a weight and its scale (two units, each reading the weight, each with up to
+    # 64 MiB of float32 temporaries), written whole into a safetensors shard.
+    largest = min(max(t.nbytes for t in sd.values()) * 5, 64 * 2**20)
+    if not quantized:
+        largest = 2 * (max(t.nbytes for t in sd.values()) * 3 // 2 + 64 * 2**20)
     out_bytes = _output_bytes(sd) if quantized else sum(t.nbytes for t in sd.values()) // 2
     limit = convert_memory_limit(out_bytes, largest, max(workers))
     notes = [
