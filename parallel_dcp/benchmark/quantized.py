@@ -196,10 +196,9 @@ def quantized_cases(
     """The rows of one quantized scenario; its source is written here (untimed)."""
     quantized = suite != "quantized:quantize"
     src = write_release(sd, os.path.join(root, "source"), quantized)
-    # A unit holds its input, its scale, its output and the arithmetic's strip; a DCP output splits
-    # huge ones (block-aligned rows, or experts), so a dequantizing worker needs room for a chunk.
-    # Quantizing: a weight and its scale (two units, each reading the weight, each with up to
-    # 64 MiB of float32 temporaries), written whole into a safetensors shard.
+    # A dequantizing unit holds its input, scale, output and strip, and a DCP output splits huge
+    # ones: a worker needs room for a chunk. Quantizing: a weight and its scale (two units, each
+    # reading the weight, each with up to 64 MiB of float32 temporaries), written whole.
     largest = min(max(t.nbytes for t in sd.values()) * 5, 64 * 2**20)
     if not quantized:
         largest = 2 * (max(t.nbytes for t in sd.values()) * 3 // 2 + 64 * 2**20)
