@@ -352,3 +352,37 @@ def test_inspect_diff_sees_both_directions(tmp_path: Path) -> None:
     parallel_dcp.convert(tmp_path / "bf16", tmp_path / "q", quantize="fp8-block", to="safetensors", workers=1)
     again = parallel_dcp.diff(str(tmp_path / "bf16"), str(tmp_path / "q"))
     assert sorted(again.added) == sorted(k + "_scale_inv" for k in FP8_WEIGHTS)
+
+
+def test_bench_quantized_suite(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    target = tmp_path / "target"
+    target.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    args = ["--suite", "quantized", "--gib", "0.002", "--reps", "1", "--warmup", "0", "--workers", "1", "2"]
+    args += ["--targets", "disk", "--disk-dir", str(target), "--sync", "off", "--json", str(tmp_path / "b.json")]
+    run = subprocess.run(
+        [sys.executable, "-m", "parallel_dcp", "bench", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    scenarios = {s["key"]: s for s in json.loads((tmp_path / "b.json").read_text())["scenarios"]}
+    expected = {
+        "quantized:fp8/disk/sync-off": ["fp8->bf16 parallel_dcp w=1", "fp8->bf16 parallel_dcp w=2", "fp8->bf16 stock"],
+        "quantized:mxfp4/disk/sync-off": ["mxfp4->bf16 parallel_dcp w=2", "mxfp4->bf16 stock"],
+        "quantized:quantize/disk/sync-off": ["bf16->fp8 parallel_dcp w=2", "bf16->fp8 torch loop"],
+    }
+    assert set(scenarios) == set(expected)
+    for key, rows in expected.items():
+        for name in rows:
+            row = scenarios[key]["rows"][name]
+            assert row["status"] == "ok", (key, name, row["error"])
+        assert scenarios[key]["rows"][rows[-2]]["speedup"] > 0  # ours against the stock path or the loop
+    assert list(target.iterdir()) == [], "the benchmark removes what it wrote"

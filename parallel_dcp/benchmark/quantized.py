@@ -44,9 +44,10 @@ _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 _INDEX = "model.safetensors.index.json"
 
 
-def _proj_shape(name: str) -> tuple[int, int]:
-    return {"gate_proj": (_FFN, _HIDDEN), "up_proj": (_FFN, _HIDDEN), "down_proj": (_HIDDEN, _FFN)}.get(
-        name, (_HIDDEN, _HIDDEN)
+def _proj_shape(name: str, shrink: int = 1) -> tuple[int, int]:
+    hidden, ffn = _HIDDEN // shrink, _FFN // shrink  # / 8: 256 and 688 (5.4 blocks: a partial one)
+    return {"gate_proj": (ffn, hidden), "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}.get(
+        name, (hidden, hidden)
     )
 
 
@@ -56,6 +57,8 @@ def quantized_state_dict(suite: str, gib: float) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     if suite == "quantized:mxfp4":
         rows, groups = 2880, 90  # gpt-oss-20b's expert shape; up to 32 experts a layer
+        if gib * 2**30 < 3 * rows * groups * 16:  # smaller than one expert (tests): a smaller expert
+            rows, groups = 360, 12
         per_expert = 3 * rows * groups * 16  # gate_up (2 x rows) and down
         experts = max(1, min(32, round(gib * 2**30 / per_expert)))
         layers = max(1, round(gib * 2**30 / (experts * per_expert)))
@@ -65,13 +68,14 @@ def quantized_state_dict(suite: str, gib: float) -> dict[str, torch.Tensor]:
                 sd[stem + "_blocks"] = torch.randint(0, 256, (experts, n, groups, 16), dtype=torch.uint8, generator=g)
                 sd[stem + "_scales"] = torch.randint(118, 130, (experts, n, groups), dtype=torch.uint8, generator=g)
         return sd
-    per_layer = sum(math.prod(_proj_shape(p)) for p in _PROJ)
+    shrink = 1 if gib * 2**30 >= sum(math.prod(_proj_shape(p)) for p in _PROJ) else 8  # tests: tiny layers
+    per_layer = sum(math.prod(_proj_shape(p, shrink)) for p in _PROJ)
     layers = max(1, round(gib * 2**30 / per_layer))
-    sd["model.embed_tokens.weight"] = torch.randn(32001, 256, generator=g).to(torch.bfloat16)
+    sd["model.embed_tokens.weight"] = torch.randn(32001 // shrink, 256, generator=g).to(torch.bfloat16)
     for i in range(layers):
-        sd[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(_HIDDEN, dtype=torch.bfloat16)
+        sd[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(_HIDDEN // shrink, dtype=torch.bfloat16)
         for proj in _PROJ:
-            rows, cols = _proj_shape(proj)
+            rows, cols = _proj_shape(proj, shrink)
             block = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             name = f"model.layers.{i}.{block}.{proj}.weight"
             weight = torch.randn(rows, cols, generator=g)
