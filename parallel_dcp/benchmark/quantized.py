@@ -203,7 +203,9 @@ def quantized_cases(
     # A dequantizing unit holds its input, scale, output and strip, and a DCP output splits huge
     # ones: a worker needs room for a chunk. Quantizing: a weight and its scale (two units, each
     # reading the weight, each with up to 64 MiB of float32 temporaries), written whole.
-    largest = min(max(t.nbytes for t in sd.values()) * 5, 64 * 2**20)
+    # (MXFP4 splits by experts, so a chunk is whole experts: more room.)
+    chunk = 128 * 2**20 if suite == "quantized:mxfp4" else 64 * 2**20
+    largest = min(max(t.nbytes for t in sd.values()) * 5, chunk)
     if not quantized:
         largest = 2 * (max(t.nbytes for t in sd.values()) * 3 // 2 + 64 * 2**20)
     out_bytes = _output_bytes(sd) if quantized else sum(t.nbytes for t in sd.values()) // 2
