@@ -516,6 +516,10 @@ def convert(
         RenameError: bad rename rules, several keys renamed to one name, an empty name, or
             clashing nesting (all listed; nothing is written).
         UnsafeCheckpointError: a torch.save file that needs ``trust_pickle``.
+        QuantizationError: ``dequantize`` of a source with a weight without its scale (or the
+            reverse), a scale not shaped as the weight's blocks, a non-FP8 weight beside a
+            ``weight_scale_inv``, an E8M0 exponent 255; a bad ``quantize`` spec or a rule that
+            selects nothing (all before anything is written; ``.keys`` names the tensors).
         ResumeError: ``resume`` found a dead conversion to ``dst`` made with other arguments
             (sources, keys, rename, dtype, format, shard or chunk size) or from a source that
             changed since; its files are left as they were. Also for object storage and
