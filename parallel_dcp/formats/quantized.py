@@ -13,8 +13,9 @@ Dequantizing repeats, operation for operation, what stock
 and the block's scale, rounded once to the target dtype; for MXFP4 the same lookup table in the
 target dtype and the same ``torch.ldexp``. Where stock loops over every 128 x 128 block in Python,
 these functions take a strip of whole row blocks at a time: FP8 as one lookup per element in a
-table of every (block, code) product, MXFP4 as one gather of each byte's two values, then stock's
-``ldexp``; temporaries are bounded by the strip.
+table of every (block, code) product, MXFP4 as one lookup per byte in a table of every
+(exponent, byte) pair's two values; the tables are made by stock's own operations, and
+temporaries are bounded by the strip.
 
 Quantizing writes the DeepSeek layout: one float32 scale per block, ``amax / 448`` (448 is
 e4m3's largest finite value), and ``w / scale`` rounded to e4m3. A block of zeros gets the
@@ -48,6 +49,7 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 # Elements of float32 temporaries per strip: 16 MiB, whatever the tensor's size.
 _STRIP_ELEMENTS = 4 * 1024 * 1024
 _FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}  # FP8 code -> float32, made on first use
+_MXFP4_TABLES: dict[torch.dtype, torch.Tensor] = {}  # (exponent, byte) -> two values, made on first use
 
 
 def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
@@ -123,27 +125,41 @@ def _fp8_values(dtype: torch.dtype) -> torch.Tensor:
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """MXFP4 ``blocks`` ``[..., G, B]`` (uint8) with E8M0 ``scales`` ``[..., G]`` as ``dtype``
-    ``[..., G * B * 2]``: stock's lookup table in ``dtype``, then ``torch.ldexp`` in place (so the
-    power of two is a float32 from ``pow(2, int32)`` and the product is rounded to ``dtype``),
-    exactly stock's operations on exactly stock's intermediate values."""
+    ``[..., G * B * 2]``, equal to stock's: its e2m1 table in ``dtype``, then
+    ``torch.ldexp(values, exponent - 127, out=values)``.
+
+    A byte and an exponent have 256 values each, so every (exponent, byte) pair's two outputs
+    are made once, by exactly those operations, into a table of 256 x 256 x 2; each byte of the
+    input is then one lookup of its pair (instead of two gathers, interleaved stores and an
+    ``ldexp`` that converts each element twice).
+    """
     *prefix, groups, width = blocks.shape
     rows = math.prod(prefix) * groups
     flat = blocks.reshape(rows, width)
     exponents = scales.reshape(rows, 1)
-    # Each byte's two values (low nibble first) at once: row b of the table is stock's
-    # (lut[b & 0x0F], lut[b >> 4]), so one gather writes the interleaved pair stock writes in two.
-    lut = torch.tensor(FP4_VALUES, dtype=dtype)
-    codes_256 = torch.arange(256, dtype=torch.int64)
-    pairs = torch.stack((lut[codes_256 & 0x0F], lut[codes_256 >> 4]), dim=1).contiguous()
+    table = _mxfp4_table(dtype).view(-1, 2)
     out = torch.empty(rows, width * 2, dtype=dtype)
-    step = max(1, _STRIP_ELEMENTS // 4 // max(width, 1))  # int32 codes, 4 bytes each
+    step = max(1, _STRIP_ELEMENTS // max(width, 1))  # int32 indices, 4 bytes a byte
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        sub = out[r0:r1]
-        codes = flat[r0:r1].reshape(-1).to(torch.int32)
-        torch.index_select(pairs, 0, codes, out=sub.view(-1, 2))
-        torch.ldexp(sub, exponents[r0:r1].to(torch.int32) - 127, out=sub)
+        index = flat[r0:r1].to(torch.int32)
+        index.add_(exponents[r0:r1].to(torch.int32) * 256)
+        torch.index_select(table, 0, index.view(-1), out=out[r0:r1].view(-1, 2))
     return out.view(*prefix, groups * width * 2)
+
+
+def _mxfp4_table(dtype: torch.dtype) -> torch.Tensor:
+    """``[exponent code, byte, nibble]``: stock's ``ldexp(lut[nibble], exponent - 127)`` in ``dtype``."""
+    table = _MXFP4_TABLES.get(dtype)
+    if table is None:
+        lut = torch.tensor(FP4_VALUES, dtype=dtype)
+        byte = torch.arange(256, dtype=torch.int64)
+        pairs = torch.stack((lut[byte & 0x0F], lut[byte >> 4]), dim=1)  # low nibble first
+        table = pairs.unsqueeze(0).expand(256, 256, 2).contiguous()
+        exponent = (torch.arange(256, dtype=torch.int32) - 127).view(256, 1, 1)
+        torch.ldexp(table, exponent, out=table)
+        _MXFP4_TABLES[dtype] = table
+    return table
 
 
 def quantize_fp8(
