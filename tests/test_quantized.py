@@ -386,3 +386,21 @@ def test_bench_quantized_suite(tmp_path: Path) -> None:
             assert row["status"] == "ok", (key, name, row["error"])
         assert scenarios[key]["rows"][rows[-2]]["speedup"] > 0  # ours against the stock path or the loop
     assert list(target.iterdir()) == [], "the benchmark removes what it wrote"
+
+
+def test_coarse_rows_split_so_the_largest_chunk_fits() -> None:
+    from parallel_dcp.engine.chunks import split
+    from parallel_dcp.formats.base import Entry
+
+    experts = Entry("experts", torch.bfloat16, (4, 500, 64))  # 64,000 bytes an expert
+    pieces = split(experts, threshold=96_000)  # 1.5 experts: ceil(4 / 2) = 2 would overshoot
+    assert len(pieces) == 4 and all(p.dim == 0 and p.stop - p.start == 1 for p in pieces)
+
+
+def test_mxfp4_split_into_chunks_equals_stock(tmp_path: Path) -> None:
+    src = mxfp4_checkpoint(tmp_path / "mx")
+    expected = stock_dequantized(src, torch.bfloat16)
+    parallel_dcp.convert(src, tmp_path / "out", dequantize=True, chunk_size=3000, workers=2)
+    metadata = FileSystemReader(str(tmp_path / "out")).read_metadata()
+    assert len(metadata.state_dict_metadata["model.layers.0.mlp.experts.gate_up_proj"].chunks) > 1  # type: ignore[union-attr]
+    assert_same(load_dcp(tmp_path / "out", expected), expected)

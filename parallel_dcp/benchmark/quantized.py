@@ -36,7 +36,15 @@ from parallel_dcp.benchmark.conversion import convert_memory_limit
 from parallel_dcp.benchmark.measure import Case
 from parallel_dcp.benchmark.writers import fsync_file
 
-__all__ = ["QUANTIZED", "quantized_cases", "quantized_state_dict"]
+__all__ = [
+    "QUANTIZED",
+    "ours_case",
+    "output_bytes",
+    "quantized_cases",
+    "quantized_state_dict",
+    "stock_dequantize_case",
+    "write_release",
+]
 
 QUANTIZED = ("quantized:fp8", "quantized:mxfp4", "quantized:quantize")
 _HIDDEN, _FFN, _BLOCK = 2048, 5504, 128  # 5504 = 43 blocks; the vocabulary (32001) is not a multiple of 128
@@ -117,7 +125,7 @@ def write_release(sd: dict[str, torch.Tensor], directory: str, quantized: bool) 
     return directory
 
 
-def _output_bytes(sd: dict[str, torch.Tensor]) -> int:
+def output_bytes(sd: dict[str, torch.Tensor]) -> int:
     out = 0
     for key, t in sd.items():
         if key.endswith("_blocks"):
@@ -129,7 +137,7 @@ def _output_bytes(sd: dict[str, torch.Tensor]) -> int:
     return out
 
 
-def _ours(label: str, src: str, workers: int, sync: bool, limit: int, **kwargs: Any) -> Case:
+def ours_case(label: str, src: str, workers: int, sync: bool, limit: int, **kwargs: Any) -> Case:
     def run(out: str) -> dict[str, Any]:
         result = parallel_dcp.convert(src, out, workers=workers, memory_limit=limit, sync_files=sync, **kwargs)
         assert isinstance(result, parallel_dcp.SaveResult)
@@ -141,7 +149,7 @@ def _ours(label: str, src: str, workers: int, sync: bool, limit: int, **kwargs: 
     )
 
 
-def _stock_dequantize(label: str, src: str, sync: bool) -> Case:
+def stock_dequantize_case(label: str, src: str, sync: bool) -> Case:
     def run(out: str) -> None:
         reader = QuantizedHuggingFaceStorageReader(src, target_dtype=torch.bfloat16)
         metadata = reader.read_metadata()
@@ -208,7 +216,7 @@ def quantized_cases(
     largest = min(max(t.nbytes for t in sd.values()) * 5, chunk)
     if not quantized:
         largest = 2 * (max(t.nbytes for t in sd.values()) * 3 // 2 + 64 * 2**20)
-    out_bytes = _output_bytes(sd) if quantized else sum(t.nbytes for t in sd.values()) // 2
+    out_bytes = output_bytes(sd) if quantized else sum(t.nbytes for t in sd.values()) // 2
     limit = convert_memory_limit(out_bytes, largest, max(workers))
     notes = [
         f"our conversions ran with memory_limit={limit / 2**20:.0f} MiB ({limit / out_bytes:.0%} of the "
@@ -216,17 +224,17 @@ def quantized_cases(
         "the sources were written just before the timed rounds, so they are read from the page cache",
     ]
     if suite == "quantized:fp8":
-        cases = [_ours("fp8->bf16", src, n, sync, limit, dequantize=True) for n in workers]
-        return [*cases, _stock_dequantize("fp8->bf16", src, sync)], notes
+        cases = [ours_case("fp8->bf16", src, n, sync, limit, dequantize=True) for n in workers]
+        return [*cases, stock_dequantize_case("fp8->bf16", src, sync)], notes
     if suite == "quantized:mxfp4":
         notes.append("stock: QuantizedHuggingFaceStorageReader with its chunk metadata corrected (torch 2.13 bug)")
-        cases = [_ours("mxfp4->bf16", src, n, sync, limit, dequantize=True) for n in workers]
-        return [*cases, _stock_dequantize("mxfp4->bf16", src, sync)], notes
+        cases = [ours_case("mxfp4->bf16", src, n, sync, limit, dequantize=True) for n in workers]
+        return [*cases, stock_dequantize_case("mxfp4->bf16", src, sync)], notes
     # Shards of a quarter of a layer or so, as a large release has hundreds of 5 GB shards.
     shard_size = max(2**20, out_bytes // (4 * max(1, max(_layer_of(k) for k in sd) + 1)))
     notes.append(
         f"ours write safetensors shards of at most {shard_size / 2**20:.0f} MiB; the loop one shard per source shard"
     )
     kwargs: dict[str, Any] = {"quantize": "fp8-block", "to": "safetensors", "shard_size": shard_size}
-    cases = [_ours("bf16->fp8", src, n, sync, limit, **kwargs) for n in workers]
+    cases = [ours_case("bf16->fp8", src, n, sync, limit, **kwargs) for n in workers]
     return [*cases, _torch_loop(src, sync)], notes

@@ -102,10 +102,15 @@ def split(entry: Splittable, threshold: int, align: Callable[[int], int] | None 
     dim = next((d for d, n in enumerate(entry.shape) if n >= wanted), None)
     if dim is None:  # no dimension has that many rows: split the longest as far as it goes
         dim = max(range(len(entry.shape)), key=lambda d: entry.shape[d])
-    count = min(wanted, entry.shape[dim])
+    rows = entry.shape[dim]
+    count = min(wanted, rows)
+    row_bytes = entry.nbytes // rows
+    if row_bytes > threshold // 8:
+        # Rows are coarse (4 experts of an MoE weight): the largest chunk, a whole number of
+        # rows, can overshoot by up to a row; take enough chunks that it fits.
+        count = min(max(count, math.ceil(rows / max(1, threshold // max(1, row_bytes)))), rows)
     if count < 2:
         return []
-    rows = entry.shape[dim]
     bounds = [i * rows // count for i in range(count + 1)]
     step = align(dim) if align is not None else 1
     if step > 1:
