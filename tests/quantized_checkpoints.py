@@ -99,7 +99,7 @@ def fp8_checkpoint(directory: Path) -> Path:
 
 
 def mxfp4_tensors(seed: int = 2) -> dict[str, torch.Tensor]:
-    """gpt-oss-shaped MXFP4 pairs (exponents around the bias, none 255) and a plain bias."""
+    """gpt-oss-shaped MXFP4 pairs (every exponent but 255, so overflow and subnormals too) and a plain bias."""
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, (experts, rows, groups) in {
@@ -107,7 +107,7 @@ def mxfp4_tensors(seed: int = 2) -> dict[str, torch.Tensor]:
         "model.layers.0.mlp.experts.down_proj": (3, 6, 3),
     }.items():
         out[name + "_blocks"] = torch.randint(0, 256, (experts, rows, groups, 16), dtype=torch.uint8, generator=g)
-        out[name + "_scales"] = torch.randint(110, 140, (experts, rows, groups), dtype=torch.uint8, generator=g)
+        out[name + "_scales"] = torch.randint(0, 255, (experts, rows, groups), dtype=torch.uint8, generator=g)
         out[name + "_bias"] = torch.randn(experts, rows, generator=g).to(torch.bfloat16)
     return out
 
