@@ -21,7 +21,7 @@ from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_s
 from parallel_dcp.formats.quantizing_source import DEFAULT_RULE, parse_quantize, quantizing_source
 from parallel_dcp.jobs.targets import ShardedTarget, Target
 
-__all__ = ["Quantization", "dequantize_step", "quantize_step"]
+__all__ = ["Quantization", "dequantize_step", "prepare_target", "quantize_step"]
 
 
 @dataclass(frozen=True, slots=True)
