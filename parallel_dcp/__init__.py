@@ -32,6 +32,7 @@ from parallel_dcp.errors import (
     InvalidStateDictError,
     MemoryLimitExceeded,
     ParallelDCPError,
+    QuantizationError,
     RemoteTraceback,
     RenameError,
     RenameWarning,
@@ -119,6 +120,7 @@ __all__ = [
     "MemoryLimitExceeded",
     "Options",
     "ParallelDCPError",
+    "QuantizationError",
     "ReadStats",
     "RemoteTraceback",
     "RenameError",
@@ -429,6 +431,10 @@ def convert(
     resume: bool = False,
     copy_files: bool = True,
     copy_files_from: str | os.PathLike[str] | None = None,
+    dequantize: bool = False,
+    quantize: str | None = None,
+    quantize_keys: str | Sequence[str] | None = None,
+    block_size: int | None = None,
 ) -> SaveResult | list[SaveResult]: ...
 
 
@@ -461,6 +467,10 @@ def convert(
     resume: bool = False,
     copy_files: bool = True,
     copy_files_from: str | os.PathLike[str] | None = None,
+    dequantize: bool = False,
+    quantize: str | None = None,
+    quantize_keys: str | Sequence[str] | None = None,
+    block_size: int | None = None,
 ) -> DryRunPlan | list[DryRunPlan]: ...
 
 
@@ -492,6 +502,10 @@ def convert(
     resume: bool = False,
     copy_files: bool = True,
     copy_files_from: str | os.PathLike[str] | None = None,
+    dequantize: bool = False,
+    quantize: str | None = None,
+    quantize_keys: str | Sequence[str] | None = None,
+    block_size: int | None = None,
 ) -> SaveResult | list[SaveResult] | DryRunPlan | list[DryRunPlan]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
 
@@ -543,6 +557,18 @@ def convert(
         copy_files_from: copy the files of this directory instead (any source, such as a DCP
             checkpoint from training beside the model's original folder); needs a sharded
             directory output.
+        dequantize: dequantize FP8 block-scaled pairs (``X.weight`` float8_e4m3fn +
+            ``X.weight_scale_inv``) and MXFP4 pairs (``X_blocks`` + ``X_scales``, output ``X``) to
+            ``dtype`` (default bfloat16; float16 and float32 allowed); scales are dropped, other
+            tensors kept (cast only when ``dtype`` is given). Values equal stock
+            ``QuantizedHuggingFaceStorageReader``'s bit for bit. ``keys`` then names output tensors.
+        quantize: ``"fp8-block"`` or ``"fp8-block:BLOCK"``: write the weights ``quantize_keys``
+            selects (same patterns as ``keys``; default: 2-D floating ``*.weight`` tensors except
+            embeddings, norms, the output head and MoE routers) as float8_e4m3fn plus a float32
+            ``X.weight_scale_inv`` per block (DeepSeek layout); a Hugging Face output always gets
+            its index and the ``quantization_config`` in the copied ``config.json``.
+        block_size: the FP8 block of ``dequantize`` (default: ``config.json``'s
+            ``weight_block_size``, else 128) or of ``quantize="fp8-block"``.
 
     Returns:
         A :class:`SaveResult` (a list of them for several sources) with ``format``, ``keys``,
@@ -554,6 +580,10 @@ def convert(
         RenameError: bad rename rules, several keys renamed to one name, an empty name, or
             clashing nesting (all listed; nothing is written).
         UnsafeCheckpointError: a torch.save file that needs ``trust_pickle``.
+        QuantizationError: ``dequantize`` of a source with a weight without its scale (or the
+            reverse), a scale not shaped as the weight's blocks, a non-FP8 weight beside a
+            ``weight_scale_inv``, an E8M0 exponent 255; a bad ``quantize`` spec or a rule that
+            selects nothing (all before anything is written; ``.keys`` names the tensors).
         ResumeError: ``resume`` found a dead conversion to ``dst`` made with other arguments
             (sources, keys, rename, dtype, format, shard or chunk size) or from a source that
             changed since; its files are left as they were. Also for object storage and
@@ -590,6 +620,7 @@ def convert(
         ),
     )
     cast = _convert.parse_dtype(dtype)
+    quantization = _quantization(cast, dequantize, quantize, quantize_keys, block_size)
     shard_bytes = parse_size(shard_size, "shard_size")
     sources = [src] if isinstance(src, (str, os.PathLike)) else list(src)
     if not sources:
@@ -613,6 +644,7 @@ def convert(
             dry_run=dry_run,
             copy_files=copy_files,
             copy_files_from=copy_files_from,
+            quantization=quantization,
         )
         for one, out in zip(sources, outputs, strict=True)
     ]
@@ -621,6 +653,32 @@ def convert(
     if dry_run:
         return [r for r in results if isinstance(r, DryRunPlan)]
     return [r for r in results if isinstance(r, SaveResult)]
+
+
+def _quantization(
+    cast: torch.dtype | None,
+    dequantize: bool,
+    quantize: str | None,
+    quantize_keys: str | Sequence[str] | None,
+    block_size: int | None,
+) -> Any:
+    """The conversion's :class:`~parallel_dcp.jobs.quantization.Quantization` (None: none asked for)."""
+    if not dequantize and quantize is None and quantize_keys is None and block_size is None:
+        return None
+    import torch
+
+    from parallel_dcp.jobs.quantization import Quantization
+
+    target = cast or torch.bfloat16
+    if dequantize and target not in (torch.bfloat16, torch.float16, torch.float32):
+        raise QuantizationError(f"dequantize writes bfloat16, float16 or float32, not {target}")
+    return Quantization(
+        dequantize=dequantize,
+        dequantize_dtype=target,
+        quantize=quantize,
+        quantize_keys=quantize_keys,
+        block_size=block_size,
+    )
 
 
 def verify(
@@ -634,6 +692,8 @@ def verify(
     options: Options | None = None,
     trust_pickle: bool = False,
     deep: bool = True,
+    dequantize: bool = False,
+    block_size: int | None = None,
 ) -> VerifyReport:
     """Check a checkpoint: manifest sizes and checksums, every key read back, and bit-for-bit
     equality with ``against`` (any supported format) when given.
@@ -651,6 +711,8 @@ def verify(
             checked against ``.metadata``). False checks the manifest only (sizes and checksums of
             the stored bytes: compressed records are not decompressed) and the shards' lengths;
             ``against`` always reads both sides.
+        dequantize, block_size: compare with ``against`` dequantized as ``convert(...,
+            dequantize=True, dtype=dtype, block_size=block_size)`` writes it, exactly.
 
     Raises:
         FileNotFoundError / ValueError: ``path`` or ``against`` is missing or of no known format;
@@ -662,7 +724,16 @@ def verify(
     from parallel_dcp.jobs import verify as _verify
 
     _check_torch()
-    return _verify.verify(path, against, options, _convert.parse_dtype(dtype), trust_pickle=trust_pickle, deep=deep)
+    return _verify.verify(
+        path,
+        against,
+        options,
+        _convert.parse_dtype(dtype),
+        trust_pickle=trust_pickle,
+        deep=deep,
+        dequantize=dequantize,
+        block_size=block_size,
+    )
 
 
 def inspect(

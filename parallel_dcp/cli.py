@@ -236,6 +236,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="plan only: files, keys, tasks per worker, chunks, predicted peak memory and space; write nothing",
     )
+    _quantize_flags(convert)
     _common(convert)
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint from its headers")
@@ -284,6 +285,12 @@ def _parser() -> argparse.ArgumentParser:
         help="read every tensor back (compressed records decompressed and checked against .metadata); "
         "--no-deep checks only the manifest's sizes and checksums of the stored bytes (default: --deep)",
     )
+    verify.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="compare against SRC dequantized as convert --dequantize writes it (--dtype, default bfloat16), exactly",
+    )
+    verify.add_argument("--block-size", type=int, metavar="N", help="with --dequantize: SRC's FP8 block")
     _common(verify)
 
     from parallel_dcp import benchmark
@@ -328,6 +335,43 @@ def _rename_rules(args: argparse.Namespace) -> list[tuple[str, str]] | None:
     return rules + [parse_rule(text) for text in args.rename or []]
 
 
+def _quantize_flags(convert: argparse.ArgumentParser) -> None:
+    convert.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="dequantize FP8 block-scaled (X.weight + X.weight_scale_inv) and MXFP4 (X_blocks + X_scales) pairs "
+        "to --dtype (default bfloat16), bit for bit as stock QuantizedHuggingFaceStorageReader; scales dropped",
+    )
+    convert.add_argument(
+        "--quantize",
+        metavar="fp8-block[:BLOCK]",
+        help="write the weights --quantize-keys selects as float8_e4m3fn with a float32 X.weight_scale_inv per "
+        "BLOCK x BLOCK block (default 128; the DeepSeek layout)",
+    )
+    convert.add_argument(
+        "--quantize-keys",
+        action="append",
+        metavar="PATTERN",
+        help="weights to quantize (glob or re:<regex>, as --keys; repeat for more); default: 2-D floating "
+        "*.weight tensors except embeddings, norms, the output head and MoE routers (--dry-run shows the rule)",
+    )
+    convert.add_argument(
+        "--block-size",
+        type=int,
+        metavar="N",
+        help="FP8 block of --dequantize (default: config.json's weight_block_size, else 128) or --quantize",
+    )
+
+
+def _quantize_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "dequantize": args.dequantize,
+        "quantize": args.quantize,
+        "quantize_keys": args.quantize_keys,
+        "block_size": args.block_size,
+    }
+
+
 def _convert(args: argparse.Namespace, show_progress: bool) -> int:
     if len(args.paths) < 2:
         raise _UsageError("convert needs at least one SRC and a DST")  # exits 2 with convert's usage
@@ -357,6 +401,7 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
         compress=args.compress,
         copy_files=not args.no_copy_files,
         copy_files_from=args.copy_files_from,
+        **_quantize_args(args),
     )
     assert isinstance(results, list)
     if args.distributed and os.environ.get("RANK", "0") != "0":
@@ -410,6 +455,7 @@ def _convert_plan(args: argparse.Namespace, sources: list[str], dst: str, rename
         dry_run=True,
         copy_files=not args.no_copy_files,
         copy_files_from=args.copy_files_from,
+        **_quantize_args(args),
     )
     assert isinstance(plans, list)
     if args.json:
@@ -461,6 +507,8 @@ def _verify(args: argparse.Namespace) -> int:
         storage_options=args.storage_options,
         trust_pickle=args.trust_pickle,
         deep=args.deep,
+        dequantize=args.dequantize,
+        block_size=args.block_size,
     )
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))

@@ -24,6 +24,7 @@ __all__ = [
     "InvalidStateDictError",
     "MemoryLimitExceeded",
     "ParallelDCPError",
+    "QuantizationError",
     "RemoteTraceback",
     "ResumeError",
     "TaskTimeoutError",
@@ -224,3 +225,15 @@ class ResumeError(ParallelDCPError, ValueError):
 class RenameWarning(UserWarning):
     """A rename rule that matched no key of the source (it renamed nothing: a typo, or rules
     written for another model); the conversion goes on. The CLI prints it as one line."""
+
+
+class QuantizationError(ParallelDCPError, ValueError):
+    """A quantized checkpoint cannot be dequantized (or a tensor quantized) as asked: a weight
+    without its scale or a scale without its weight, a scale whose shape does not match the
+    weight's blocks, a non-FP8 weight beside a ``weight_scale_inv``, an E8M0 exponent of 255
+    (NaN), or a bad ``quantize`` spec. Raised before anything is written; ``keys`` names the
+    offending tensors."""
+
+    def __init__(self, message: str, *, keys: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.keys = list(keys)

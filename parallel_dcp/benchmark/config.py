@@ -13,7 +13,7 @@ from parallel_dcp.options import usable_cores
 
 __all__ = ["SUITES", "BenchConfig", "Target", "default_gib"]
 
-SUITES = ("save", "small", "convert", "lopsided", "scaling", "load", "load-small", "compress")
+SUITES = ("save", "small", "convert", "lopsided", "scaling", "load", "load-small", "compress", "quantized")
 _SHM = "/dev/shm"
 _MAX_DEFAULT_GIB = 2.0
 # Memory a run holds at once, in state-dict sizes: the state dict itself, plus (convert) the
@@ -28,6 +28,7 @@ _HELD = {
     "load": 2.0,
     "load-small": 2.0,
     "compress": 2.0,
+    "quantized": 6.0,  # the source, and the stock path's whole bf16 output (MXFP4: 4x) with its temporaries
 }
 # A many-small tensor: 2,080 float32 on average, plus its Python and tensor objects.
 _SMALL_TENSOR_BYTES = 2080 * 4 + 1200
@@ -60,6 +61,7 @@ def _check_fits(suites: tuple[str, ...], gib: float, small: int) -> None:
         "load-small": many,
         "scaling": llm + many,  # both state dicts are kept
         "compress": llm * 1.6,  # built as fp32+bf16, then cast to bf16
+        "quantized": llm,
     }
     needed = max(sizes[suite] * _HELD[suite] for suite in suites)
     available = psutil.virtual_memory().available * _AVAILABLE_SHARE

@@ -25,6 +25,7 @@ from parallel_dcp.benchmark.config import BenchConfig, Target
 from parallel_dcp.benchmark.conversion import build_sources, convert_cases, convert_memory_limit
 from parallel_dcp.benchmark.loading import load_cases, write_checkpoints
 from parallel_dcp.benchmark.measure import Case, run_interleaved
+from parallel_dcp.benchmark.quantized import QUANTIZED, quantized_cases, quantized_state_dict
 from parallel_dcp.benchmark.results import Scenario
 from parallel_dcp.benchmark.scaling import Samples, project, scaling_cases
 from parallel_dcp.benchmark.writers import CRC_NOTE, flat_tensors, limit_cases, save_cases, unsplit_case
@@ -46,6 +47,10 @@ _SPACE_FACTOR = {
     "load-small": 3.0,
     "compress:minilm": 6.0,
     "compress:llm": 6.0,
+    # the quantized source, our bf16 output and stock's (x2 for FP8 -> bf16, x4 for MXFP4)
+    "quantized:fp8": 5.5,
+    "quantized:mxfp4": 9.5,
+    "quantized:quantize": 2.5,
 }
 # The compress suite: the real model, and the LLM-like state dict in bfloat16.
 _COMPRESS = ("compress:minilm", "compress:llm")
@@ -63,6 +68,8 @@ class StateDicts:
     def get(self, suite: str) -> Any:
         if suite in ("load", "load-small"):  # written to the target, then dropped: not kept
             return self.build(suite)
+        if suite in QUANTIZED:  # written as a release, then dropped: not kept
+            return quantized_state_dict(suite, self._config.gib)
         if suite in _COMPRESS:
             if suite not in self._built:
                 if suite == "compress:minilm":
@@ -90,6 +97,9 @@ class StateDicts:
             return f"{self._built['compress:minilm:what']}: {len(sd):,} tensors, {size}"
         if suite == "compress:llm":
             return f"LLM-like in bfloat16: {len(sd):,} tensors, {size}"
+        if suite in QUANTIZED:
+            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in sd.values()})
+            return f"{suite.split(':')[1]} release: {len(sd):,} tensors ({'+'.join(dtypes)}), {size}"
         if suite == "lopsided":
             return f"lopsided: one tensor of 60% of the bytes beside {len(sd) - 1:,} others, {size}"
         dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in flat_tensors(sd).values()})
@@ -123,6 +133,10 @@ def _cases(
         return load_cases(paths, n), notes, None
     if suite in _COMPRESS:
         cases, notes = compress_cases(sd, root, workers)
+        return cases, notes, None
+    if suite in QUANTIZED:
+        cases, notes = quantized_cases(suite, sd, root, workers, sync)
+        sd.clear()  # the release on the target holds it now; the rows need the memory
         return cases, notes, None
     tensors = flat_tensors(sd)
     if suite in _SCALING:
@@ -187,7 +201,7 @@ def run_all(config: BenchConfig, on_scenario: Callable[[Scenario], None] | None 
     dicts = StateDicts(config)
     scenarios = []
     try:
-        expand = {"scaling": _SCALING, "compress": _COMPRESS}
+        expand = {"scaling": _SCALING, "compress": _COMPRESS, "quantized": QUANTIZED}
         for suite in (kind for name in config.suites for kind in expand.get(name, (name,))):
             for target in config.targets:
                 for sync in config.syncs:

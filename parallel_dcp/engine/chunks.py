@@ -13,6 +13,7 @@ range, so stock ``dcp.load`` reassembles it into a plain tensor or any other sha
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -89,17 +90,31 @@ class Splittable(Protocol):
     def nbytes(self) -> int: ...
 
 
-def split(entry: Splittable, threshold: int) -> list[Chunk]:
-    """The chunks of ``entry`` (empty when it stays whole: small enough, 0-dim or one row)."""
+def split(entry: Splittable, threshold: int, align: Callable[[int], int] | None = None) -> list[Chunk]:
+    """The chunks of ``entry`` (empty when it stays whole: small enough, 0-dim or one row).
+
+    ``align(dim)``: chunk bounds along ``dim`` fall on multiples of it (a block-quantized weight's
+    block rows), the last chunk ending at the tensor's end.
+    """
     if entry.nbytes <= threshold or not entry.shape or entry.shape[0] <= 1:
         return []
     wanted = math.ceil(entry.nbytes / threshold)
     dim = next((d for d, n in enumerate(entry.shape) if n >= wanted), None)
     if dim is None:  # no dimension has that many rows: split the longest as far as it goes
         dim = max(range(len(entry.shape)), key=lambda d: entry.shape[d])
-    count = min(wanted, entry.shape[dim])
+    rows = entry.shape[dim]
+    count = min(wanted, rows)
+    row_bytes = entry.nbytes // rows
+    if row_bytes > threshold // 8:
+        # Rows are coarse (4 experts of an MoE weight): the largest chunk, a whole number of
+        # rows, can overshoot by up to a row; take enough chunks that it fits.
+        count = min(max(count, math.ceil(rows / max(1, threshold // max(1, row_bytes)))), rows)
     if count < 2:
         return []
-    rows = entry.shape[dim]
     bounds = [i * rows // count for i in range(count + 1)]
-    return [Chunk(entry.key, dim, bounds[i], bounds[i + 1], entry.shape) for i in range(count)]
+    step = align(dim) if align is not None else 1
+    if step > 1:
+        bounds = sorted({min(rows, round(b / step) * step) for b in bounds} | {0, rows})
+        if len(bounds) < 3:
+            return []
+    return [Chunk(entry.key, dim, bounds[i], bounds[i + 1], entry.shape) for i in range(len(bounds) - 1)]

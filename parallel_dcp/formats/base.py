@@ -135,6 +135,11 @@ class Source(ABC):
         """
         return chunk.of(self.read([chunk.key])[chunk.key])
 
+    def split_alignment(self, key: str, dim: int) -> int:
+        """Chunks of ``key`` split along ``dim`` start at multiples of this (1: anywhere; a
+        block-quantized weight: its block size, so each chunk reads only its own blocks)."""
+        return 1
+
     def chunk_memory(self, chunk: Chunk) -> int:
         """Memory a worker allocates to read and write ``chunk`` (the fallback: the whole tensor,
         plus the chunk's copy, which DCP makes of any view)."""

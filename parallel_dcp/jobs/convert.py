@@ -26,6 +26,7 @@ from parallel_dcp.formats.base import Source
 from parallel_dcp.jobs.copy_files import files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.pipeline import SaveResult
+from parallel_dcp.jobs.quantization import Quantization, dequantize_step, prepare_target, quantize_step
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
 from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for
@@ -132,6 +133,7 @@ def convert_one(
     dry_run: bool = False,
     copy_files: bool = True,
     copy_files_from: str | os.PathLike[str] | None = None,
+    quantization: Quantization | None = None,
 ) -> SaveResult | DryRunPlan:
     """Convert one source (or, with ``dry_run``, plan it); see :func:`parallel_dcp.convert`."""
     start = time.perf_counter()
@@ -142,7 +144,7 @@ def convert_one(
     governor = MemoryGovernor(options.memory_ceiling())
     source = open_source(src, trust_pickle=trust_pickle, storage_options=options.storage_options)
     try:
-        job = _convert_job(source, target, dtype, keys, rename)
+        job = _convert_job(source, target, dtype, keys, rename, quantization)
         copies = files_to_copy(
             source,
             directory_output=isinstance(target, ShardedTarget),
@@ -153,12 +155,16 @@ def convert_one(
         )
         if isinstance(target, ShardedTarget):
             target.copies = copies
+        if quantization is not None and quantization.active:
+            prepare_target(target, source, quantization)
         if dry_run:
             plan = plan_dry_run(job, target, options, governor)
             if copies:
                 names = ", ".join(printable(name) for name in copies)
                 note = f"copies {plural(len(copies), 'file')} beside the weights: {names}"
                 plan = dataclasses.replace(plan, notes=[*plan.notes, note])
+            if quantization is not None and quantization.active:
+                plan.notes.append(quantization.describe())
             return plan
         return run_job(job, target, options, governor, start=start)
     finally:
@@ -177,16 +183,23 @@ def _convert_job(
     dtype: torch.dtype | None,
     keys: str | Sequence[str] | None,
     rename: RenameRules | None,
+    quantization: Quantization | None = None,
 ) -> Job:
-    """The job converting ``source``: keys selected, then renamed (checked before any write)."""
+    """The job converting ``source``: dequantized, keys selected, quantized, then renamed
+    (checked before any write)."""
     src = source.path
     if _same_place(source.location, target.path):
         raise ValueError(f"{src} is both the source and the destination")
+    if quantization is not None and quantization.dequantize:
+        source = dequantize_step(source, quantization)
     selected = select_keys(source, keys)
     # Before any write: the files the selection needs are all there and long enough, and its
     # non-tensor values unpickle safely (an unsafe one is refused here, by name).
     source.check(k for k in selected if k in source.entries or k in source.values)
     source.load_values(k for k in selected if k not in source.entries)
+    if quantization is not None and quantization.quantize is not None:
+        source, selected = quantize_step(source, selected, quantization, dtype)
+        dtype = None  # the quantizing view casts the other tensors itself
     if rename is not None:
         source, selected = rename_source(source, selected, rename)
     if target.tensors_only:

@@ -190,6 +190,9 @@ class RenamedSource(Source):
     def chunk_memory(self, chunk: Chunk) -> int:
         return self._inner().chunk_memory(dataclasses.replace(chunk, key=self.old_names[chunk.key]))
 
+    def split_alignment(self, key: str, dim: int) -> int:
+        return self._inner().split_alignment(self.old_names[key], dim)
+
     def release(self) -> None:
         self._inner().release()
 

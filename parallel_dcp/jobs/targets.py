@@ -16,6 +16,7 @@ import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,9 @@ class Job:
         entries = self.source.entries
         for key in self.keys:
             entry = entries.get(key)
-            pieces = split(entry, threshold) if entry is not None and entry.nbytes > threshold else []
+            pieces = []
+            if entry is not None and entry.nbytes > threshold:  # aligned to a quantized weight's blocks
+                pieces = split(entry, threshold, partial(self.source.split_alignment, key))
             if not pieces:
                 units.append(key)
             for piece in pieces:
@@ -374,6 +377,10 @@ class ShardedTarget(Target):
         # Files copied beside the shards (config.json, tokenizer files): name -> where to read it;
         # set by the conversion before it runs (see parallel_dcp.jobs.copy_files).
         self.copies: dict[str, Any] = {}
+        # A quantized output always has its index (stock's quantized reader pairs weights and
+        # scales through it), and may carry files besides the shards (config.json).
+        self.always_index = False
+        self.extra_files: dict[str, bytes] = {}
 
     def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
         return stage_directory(
@@ -424,14 +431,15 @@ class ShardedTarget(Target):
         for result in results:
             digests.update(result)
         index = b""
-        if len(tasks) > 1:
+        if len(tasks) > 1 or self.always_index:
             names = self._shard_names(len(tasks))
             weight_map = {key: names[task.index] for task in tasks for key in task.keys}
             index = index_json(weight_map, sum(job.out_bytes(k) for k in job.keys)).encode()
         if index:
             digests[self._index_name] = _digest_of(index, options)
         shards = sorted(digests.keys() - {self._index_name})
-        copied = read_copies(self.copies)
+        # Files the conversion made (a quantized config.json) win over the source's copies.
+        copied = read_copies(self.copies) | self.extra_files
         digests.update((name, _digest_of(data, options)) for name, data in copied.items())
         manifest = manifest_bytes(digests, job.source.fingerprint(), save_id=staging.save_id)
         # Shards are renamed into place, then the index (the commit), then the copied files and

@@ -175,8 +175,12 @@ def verify(
     *,
     trust_pickle: bool = False,
     deep: bool = True,
+    dequantize: bool = False,
+    block_size: int | None = None,
 ) -> VerifyReport:
     """See :func:`parallel_dcp.verify`."""
+    if dequantize and against is None:
+        raise ValueError("dequantize= dequantizes the reference (against=) before comparing: it needs against")
     if dtype is not None and against is None:
         raise ValueError("dtype= casts the reference (against=) before comparing: it needs against")
     for where in (path, against):
@@ -192,6 +196,11 @@ def verify(
             if against is not None
             else None
         )
+        if reference is not None and dequantize:  # compared with what convert(dequantize=True) writes
+            from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_source
+
+            target = dtype or torch.bfloat16  # other tensors are cast only when dtype is given, as convert does
+            reference = dequantized_source(reference, target, block_size_of(reference, block_size))
         try:
             return _verify(source, reference, options, governor, dtype, deep=deep or reference is not None)
         finally:

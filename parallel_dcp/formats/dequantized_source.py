@@ -1,0 +1,210 @@
+"""A quantized checkpoint seen as the dequantized one: each weight and its scale are one unit.
+
+    inner source (HF directory or DCP)                     DequantizedSource (what the job plans)
+      X.weight            float8_e4m3fn [R, C]   ─┐
+      X.weight_scale_inv  float32 [R/128, C/128] ─┴──▶  X.weight  dtype [R, C]
+      Y_blocks            uint8 [..., G, B]      ─┐
+      Y_scales            uint8 [..., G]         ─┴──▶  Y         dtype [..., G * B * 2]
+      anything else                               ───▶  as it is (the job casts it with ``dtype``)
+
+Pairs are found by name over the whole source (a Hugging Face index's ``weight_map`` may put a
+weight and its scale in different shards: each unit's read opens both), and checked from headers
+before anything is written; E8M0 scales are also read once, in the coordinator, to refuse the
+NaN exponent. A unit's memory counts the quantized input, the scale, the output and the float32
+strip the arithmetic works in. Huge weights split into row ranges aligned to the block size, so
+a chunk reads only its own rows and their scales (:meth:`DequantizedSource.split_alignment`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from parallel_dcp.errors import QuantizationError, describe_keys
+from parallel_dcp.formats.base import Entry, Source
+from parallel_dcp.formats.quantized import DEFAULT_BLOCK, E8M0_NAN, dequantize_fp8, dequantize_mxfp4
+from parallel_dcp.formats.quantized_pairs import (
+    BLOCKS_SUFFIX,
+    SCALE_SUFFIX,
+    Pair,
+    block_size_of,
+    find_pairs,
+    source_config,
+)
+
+if TYPE_CHECKING:
+    from parallel_dcp.engine.chunks import Chunk
+
+__all__ = ["SCALE_SUFFIX", "DequantizedSource", "block_size_of", "dequantized_source", "source_config"]
+
+_WORK_BYTES = 32 * 1024 * 1024  # the arithmetic's int32 index strips (the heap keeps freed ones): measured
+
+
+@dataclass
+class DequantizedSource(Source):
+    """``inner`` with every quantized pair replaced by its dequantized tensor (``dtype``)."""
+
+    inner: Source | None = None
+    dtype: torch.dtype = torch.bfloat16
+    block: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)
+    pairs: dict[str, Pair] = field(default_factory=dict)  # output key -> its pair
+
+    def _inner(self) -> Source:
+        assert self.inner is not None
+        return self.inner
+
+    def _stored(self, keys: Iterable[str]) -> list[str]:
+        """The inner keys that ``keys`` read."""
+        out: list[str] = []
+        for key in keys:
+            pair = self.pairs.get(key)
+            out += [pair.values, pair.scale] if pair else [key]
+        return out
+
+    def close(self) -> None:
+        self._inner().close()
+
+    def check(self, keys: Iterable[str] | None = None) -> None:
+        """The inner files are there, and no selected E8M0 scale holds the NaN exponent (255)."""
+        keys = list(self.entries) + list(self.values) if keys is None else list(keys)
+        self._inner().check(self._stored(keys))
+        bad = []
+        for key in keys:
+            pair = self.pairs.get(key)
+            if pair is not None and pair.kind == "mxfp4":
+                scales = self._inner().read([pair.scale])[pair.scale]
+                if bool((scales == E8M0_NAN).any()):
+                    bad.append(pair.scale)
+                del scales
+                self._inner().release()
+        if bad:
+            raise QuantizationError(
+                f"{self.path}: E8M0 scales hold the exponent 255, which means NaN: {describe_keys(bad)} "
+                "(nothing was written)",
+                keys=bad,
+            )
+
+    def load_values(self, keys: Iterable[str]) -> None:
+        self._inner().load_values(keys)
+
+    def value_bytes(self, key: str) -> int:
+        return self._inner().value_bytes(key)
+
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        keys = list(keys)
+        data = self._inner().read(self._stored(keys))
+        out: dict[str, torch.Tensor] = {}
+        for key in keys:
+            pair = self.pairs.get(key)
+            if pair is None:
+                out[key] = data[key]
+            elif pair.kind == "fp8":
+                out[key] = dequantize_fp8(data.pop(pair.values), data.pop(pair.scale), self.dtype, self.block)
+            else:
+                out[key] = dequantize_mxfp4(data.pop(pair.values), data.pop(pair.scale), self.dtype)
+        return out
+
+    def read_chunk(self, chunk: Chunk) -> torch.Tensor:
+        pair = self.pairs.get(chunk.key)
+        inner = self._inner()
+        if pair is None:
+            return inner.read_chunk(chunk)
+        stored = inner.entries[pair.values]
+        if pair.kind == "mxfp4" and chunk.dim == len(chunk.shape) - 1:
+            return chunk.of(self.read([chunk.key])[chunk.key]).contiguous()  # split inside the packed groups
+        piece = inner.read_chunk(dataclasses.replace(chunk, key=pair.values, shape=stored.shape))
+        scale = inner.read([pair.scale])[pair.scale]
+        if pair.kind == "fp8":
+            row0, col0 = (chunk.start, 0) if chunk.dim == 0 else (0, chunk.start)
+            return dequantize_fp8(piece, scale, self.dtype, self.block, row0=row0, col0=col0)
+        return dequantize_mxfp4(piece, scale.narrow(chunk.dim, chunk.start, chunk.stop - chunk.start), self.dtype)
+
+    def split_alignment(self, key: str, dim: int) -> int:
+        pair = self.pairs.get(key)
+        if pair is not None and pair.kind == "fp8" and dim < 2:
+            return self.block[dim]
+        return 1
+
+    def copied_bytes(self, key: str) -> int:
+        pair = self.pairs.get(key)
+        if pair is None:
+            return self._inner().copied_bytes(key)
+        inner = self._inner()
+        out = self.entries[key].nbytes
+        return inner.copied_bytes(pair.values) + inner.copied_bytes(pair.scale) + out + min(4 * out, _WORK_BYTES)
+
+    def chunk_memory(self, chunk: Chunk) -> int:
+        pair = self.pairs.get(chunk.key)
+        inner = self._inner()
+        if pair is None:
+            return inner.chunk_memory(chunk)
+        if pair.kind == "mxfp4" and chunk.dim == len(chunk.shape) - 1:
+            return self.copied_bytes(chunk.key) + chunk.nbytes(self.dtype.itemsize)
+        stored = inner.entries[pair.values]
+        read = inner.chunk_memory(dataclasses.replace(chunk, key=pair.values, shape=stored.shape))
+        out = chunk.nbytes(self.dtype.itemsize)
+        return read + inner.copied_bytes(pair.scale) + out + min(4 * out, _WORK_BYTES)
+
+    def transient_bytes(self, key: str) -> int:
+        pair = self.pairs.get(key)
+        # Not the arithmetic's strip: freed strips stay in the worker's heap (glibc keeps them for
+        # the next allocation), so a task holding several units was measured to keep one per unit.
+        return self._inner().transient_bytes(pair.values if pair else key)
+
+    def release(self) -> None:
+        self._inner().release()
+
+    def fingerprint(self) -> dict[str, Any]:
+        # What the output is made of includes the arithmetic: a resume must not mix dtypes.
+        dequantize = {"dtype": str(self.dtype).removeprefix("torch."), "block": list(self.block)}
+        return self._inner().fingerprint() | {"dequantize": dequantize}
+
+
+def dequantized_source(source: Source, dtype: torch.dtype, block: tuple[int, int] | None = None) -> DequantizedSource:
+    """``source`` seen dequantized to ``dtype``: keys in the source's order, each pair at its weight's place.
+
+    Raises:
+        QuantizationError: see :func:`find_pairs`; also a source with no quantized pair at all.
+    """
+    block = block or block_size_of(source)
+    pairs = find_pairs(source, block)
+    if not pairs:
+        raise QuantizationError(
+            f"{source.path} holds no quantized tensors (X.weight + X.weight_scale_inv, or X_blocks + X_scales)"
+        )
+    view = DequantizedSource(
+        path=source.path,
+        kind=source.kind,
+        values=source.values,
+        files=list(source.files),
+        storage_options=source.storage_options,
+        trust_pickle=source.trust_pickle,
+        inner=source,
+        dtype=dtype,
+        block=block,
+    )
+    scales = {p.scale for p in pairs.values()}
+    by_values = {p.values: out for out, p in pairs.items()}
+    for key, entry in source.entries.items():
+        if key in scales:
+            continue
+        out = by_values.get(key)
+        if out is None:
+            view.entries[key] = entry
+            view.mapping[key] = source.mapping.get(key, (key,))
+            continue
+        pair = pairs[out]
+        shape = entry.shape if pair.kind == "fp8" else (*entry.shape[:-2], math.prod(entry.shape[-2:]) * 2)
+        view.entries[out] = Entry(out, dtype, tuple(shape), entry.file)
+        view.pairs[out] = pair
+        path = source.mapping.get(key, (key,))
+        view.mapping[out] = (*path[:-1], str(path[-1]).removesuffix(BLOCKS_SUFFIX)) if pair.kind == "mxfp4" else path
+    for key, path in source.mapping.items():
+        if key not in source.entries:
+            view.mapping[key] = path
+    return view

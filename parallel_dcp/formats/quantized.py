@@ -1,0 +1,195 @@
+"""The arithmetic of quantized checkpoints: FP8 block-scaled and MXFP4, on CPU, vectorised.
+
+    FP8 (DeepSeek-V3/R1, Qwen3 FP8):  X.weight  float8_e4m3fn [R, C]
+                                      X.weight_scale_inv float32 [ceil(R/Br), ceil(C/Bc)]
+        value = bf16( float32(w) * float32(scale[r // Br, c // Bc]) )
+    MXFP4 (gpt-oss):                  X_blocks  uint8 [..., G, B]   two e2m1 values per byte (low nibble first)
+                                      X_scales  uint8 [..., G]      E8M0 exponent, biased by 127
+        value = ldexp(lut[nibble] in the target dtype, exponent - 127)  -> X [..., G * B * 2]
+
+Dequantizing repeats, operation for operation, what stock
+``torch.distributed.checkpoint.quantized_hf_storage.QuantizedHuggingFaceStorageReader`` computes
+(torch 2.13), so the values are equal bit for bit: for FP8 a float32 product of the upcast weight
+and the block's scale, rounded once to the target dtype; for MXFP4 the same lookup table in the
+target dtype and the same ``torch.ldexp``. Where stock loops over every 128 x 128 block in Python,
+these functions take a strip of whole row blocks at a time: FP8 as one lookup per element in a
+table of every (block, code) product, MXFP4 as one lookup per byte in a table of every
+(exponent, byte) pair's two values; the tables are made by stock's own operations, and
+temporaries are bounded by the strip.
+
+Quantizing writes the DeepSeek layout: one float32 scale per block, ``amax / 448`` (448 is
+e4m3's largest finite value), and ``w / scale`` rounded to e4m3. A block of zeros gets the
+scale 1.0 (its values are 0 whatever the scale; 0 would make ``w / scale`` a NaN).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "DEFAULT_BLOCK",
+    "E8M0_NAN",
+    "FP4_VALUES",
+    "FP8_DTYPES",
+    "FP8_MAX",
+    "dequantize_fp8",
+    "dequantize_mxfp4",
+    "fp8_scale_shape",
+    "quantize_fp8",
+]
+
+DEFAULT_BLOCK = 128
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+E8M0_NAN = 255  # the one E8M0 code that is not a power of two
+# e2m1 values by nibble, as stock and gpt-oss decode them.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# Elements of float32 temporaries per strip: 16 MiB, whatever the tensor's size.
+_STRIP_ELEMENTS = 4 * 1024 * 1024
+_FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}  # FP8 code -> float32, made on first use
+_MXFP4_TABLES: dict[torch.dtype, torch.Tensor] = {}  # (exponent, byte) -> two values, made on first use
+
+
+def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """The scale tensor's shape for a 2-D weight of ``shape``: one entry per (partial) block."""
+    return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+
+
+def _strip_rows(cols: int, block_rows: int) -> int:
+    """Rows per strip: whole row blocks, about ``_STRIP_ELEMENTS`` elements (at least one block)."""
+    return max(1, _STRIP_ELEMENTS // max(cols * block_rows, 1)) * block_rows
+
+
+def dequantize_fp8(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    block: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK),
+    *,
+    row0: int = 0,
+    col0: int = 0,
+) -> torch.Tensor:
+    """``weight`` (rows ``row0:`` and columns ``col0:`` of a block-scaled FP8 weight) dequantized
+    to ``dtype`` with ``scale``, the whole weight's scale tensor (global block coordinates).
+
+    Each value is ``dtype(float32(code) * float32(scale))``, the product stock computes (its
+    ``float32 block * 0-dim scale`` promotes the scale to float32), rounded once. A block has only
+    256 codes, so the products are made once per (block, code), by those very operations, and
+    each element is one lookup of its block's product for its code: one pass over the weight
+    instead of an upcast, a multiply and a rounding pass.
+
+    Raises:
+        ValueError: ``weight`` is not FP8.
+    """
+    if weight.dtype not in FP8_DTYPES:
+        raise ValueError(f"block-scaled dequantization needs an FP8 weight, not {weight.dtype}")
+    rows, cols = weight.shape
+    out = torch.empty((rows, cols), dtype=dtype)
+    if rows == 0 or cols == 0:
+        return out
+    br, bc = block
+    first_cb, end_cb = col0 // bc, (col0 + cols - 1) // bc + 1
+    first_rb, end_rb = row0 // br, (row0 + rows - 1) // br + 1
+    codes = _fp8_values(weight.dtype)
+    blocks = scale[first_rb:end_rb, first_cb:end_cb].to(torch.float32).reshape(-1, 1)
+    products = (blocks * codes).to(dtype).reshape(-1)  # [block][code], blocks in row-major order
+    per_row_block = (end_cb - first_cb) * 256
+    column_offsets = (((torch.arange(cols) + col0) // bc - first_cb) * 256).to(torch.int32)
+    step = _strip_rows(cols, br)
+    r = 0
+    while r < rows:
+        g = row0 + r
+        if g % br or rows - r < br:  # a partial block: a head (row0 not aligned) or the last
+            stop, n = min(rows, (g // br + 1) * br - row0), 1
+        else:  # whole blocks
+            stop = r + min(step, (rows - r) // br * br)
+            n = (stop - r) // br
+        index = weight[r:stop].contiguous().view(torch.uint8).to(torch.int32).view(n, -1, cols)
+        first = g // br - first_rb
+        offsets = torch.arange(first, first + n, dtype=torch.int32)[:, None] * per_row_block + column_offsets
+        index.add_(offsets.unsqueeze(1))
+        torch.index_select(products, 0, index.view(-1), out=out[r:stop].view(-1))
+        r = stop
+    return out
+
+
+def _fp8_values(dtype: torch.dtype) -> torch.Tensor:
+    """Every code of an FP8 ``dtype`` as float32, by torch's own conversion (made on first use)."""
+    table = _FP8_TABLES.get(dtype)
+    if table is None:
+        table = _FP8_TABLES[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32)
+    return table
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 ``blocks`` ``[..., G, B]`` (uint8) with E8M0 ``scales`` ``[..., G]`` as ``dtype``
+    ``[..., G * B * 2]``, equal to stock's: its e2m1 table in ``dtype``, then
+    ``torch.ldexp(values, exponent - 127, out=values)``.
+
+    A byte and an exponent have 256 values each, so every (exponent, byte) pair's two outputs
+    are made once, by exactly those operations, into a table of 256 x 256 x 2; each byte of the
+    input is then one lookup of its pair (instead of two gathers, interleaved stores and an
+    ``ldexp`` that converts each element twice).
+    """
+    *prefix, groups, width = blocks.shape
+    rows = math.prod(prefix) * groups
+    flat = blocks.reshape(rows, width)
+    exponents = scales.reshape(rows, 1)
+    table = _mxfp4_table(dtype).view(-1, 2)
+    out = torch.empty(rows, width * 2, dtype=dtype)
+    step = max(1, _STRIP_ELEMENTS // max(width, 1))  # int32 indices, 4 bytes a byte
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        index = flat[r0:r1].to(torch.int32)
+        index.add_(exponents[r0:r1].to(torch.int32) * 256)
+        torch.index_select(table, 0, index.view(-1), out=out[r0:r1].view(-1, 2))
+    return out.view(*prefix, groups * width * 2)
+
+
+def _mxfp4_table(dtype: torch.dtype) -> torch.Tensor:
+    """``[exponent code, byte, nibble]``: stock's ``ldexp(lut[nibble], exponent - 127)`` in ``dtype``."""
+    table = _MXFP4_TABLES.get(dtype)
+    if table is None:
+        lut = torch.tensor(FP4_VALUES, dtype=dtype)
+        byte = torch.arange(256, dtype=torch.int64)
+        pairs = torch.stack((lut[byte & 0x0F], lut[byte >> 4]), dim=1)  # low nibble first
+        table = pairs.unsqueeze(0).expand(256, 256, 2).contiguous()
+        exponent = (torch.arange(256, dtype=torch.int32) - 127).view(256, 1, 1)
+        torch.ldexp(table, exponent, out=table)
+        _MXFP4_TABLES[dtype] = table
+    return table
+
+
+def quantize_fp8(
+    weight: torch.Tensor, block: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` (2-D, floating; whole row blocks: its first row starts a block) as
+    (float8_e4m3fn values, float32 scales ``[ceil(R/Br), ceil(C/Bc)]``) in the DeepSeek layout:
+    ``scale = amax(|block|) / 448`` (1.0 for an all-zero block), ``value = e4m3(w / scale)``."""
+    rows, cols = weight.shape
+    br, bc = block
+    scales = torch.empty(fp8_scale_shape((rows, cols), block), dtype=torch.float32)
+    values = torch.empty((rows, cols), dtype=torch.float8_e4m3fn)
+    if rows == 0 or cols == 0:
+        return values, scales
+    padded_cols = scales.shape[1] * bc
+    # Half the dequantizing strip: a quantizing strip has four float32 temporaries (the strip, its
+    # magnitudes, their padding, the scales spread over it).
+    step = max(1, _STRIP_ELEMENTS // 2 // max(padded_cols * br, 1)) * br
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        strip = weight[r0:r1].to(torch.float32, copy=True)  # never the caller's tensor: it is divided in place
+        nrb = math.ceil((r1 - r0) / br)
+        # Zero padding to whole blocks leaves every block's amax as it is.
+        padded = torch.nn.functional.pad(strip.abs(), (0, padded_cols - cols, 0, nrb * br - (r1 - r0)))
+        amax = padded.view(nrb, br, scales.shape[1], bc).amax(dim=(1, 3))
+        del padded
+        scale = amax / FP8_MAX
+        scale[amax == 0] = 1.0
+        scales[r0 // br : r0 // br + nrb] = scale
+        per_column = scale.repeat_interleave(bc, dim=1)[:, :cols].repeat_interleave(br, dim=0)[: r1 - r0]
+        strip.div_(per_column).clamp_(-FP8_MAX, FP8_MAX)
+        values[r0:r1] = strip.to(torch.float8_e4m3fn)
+    return values, scales

@@ -1,0 +1,131 @@
+"""Find and check the quantized pairs of a checkpoint, from headers alone (before any write).
+
+    FP8 block-scaled:  X.weight (float8) + X.weight_scale_inv (float, [ceil(R/Br), ceil(C/Bc)])
+    MXFP4:             X_blocks (uint8 [..., G, B]) + X_scales (uint8 [..., G])  -> X
+
+The FP8 block comes from ``--block-size``, else ``config.json``'s
+``quantization_config.weight_block_size``, else 128 x 128.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from parallel_dcp.errors import QuantizationError
+from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, fp8_scale_shape
+from parallel_dcp.storage.location import Remote
+
+__all__ = ["BLOCKS_SUFFIX", "SCALES_SUFFIX", "SCALE_SUFFIX", "Pair", "block_size_of", "find_pairs", "source_config"]
+
+SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
+
+
+def block_size_of(source: Source, override: int | None = None) -> tuple[int, int]:
+    """The FP8 block (rows, columns): ``override``, else ``quantization_config.weight_block_size``
+    from ``config.json`` beside the source (a local directory), else 128 x 128."""
+    if override is not None:
+        if override < 1:
+            raise QuantizationError(f"block size must be a positive number of elements, not {override}")
+        return (override, override)
+    config = source_config(source)
+    quantization = (config or {}).get("quantization_config")
+    size = quantization.get("weight_block_size") if isinstance(quantization, dict) else None
+    if size is None:
+        return (DEFAULT_BLOCK, DEFAULT_BLOCK)
+    if isinstance(size, int):
+        size = [size, size]
+    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
+        raise QuantizationError(f"config.json of {source.path}: weight_block_size {size!r} is not [rows, columns]")
+    return (size[0], size[1])
+
+
+def source_config(source: Source) -> dict[str, Any] | None:
+    """``config.json`` in the source's directory (a local one), parsed; None when there is none."""
+    if isinstance(source.location, Remote) or not os.path.isdir(source.path):
+        return None
+    path = os.path.join(source.path, "config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except ValueError as exc:
+        raise QuantizationError(f"{path} is not JSON: {exc}") from exc
+    return config if isinstance(config, dict) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """A quantized unit: its stored values, their scale, and how they decode."""
+
+    values: str
+    scale: str
+    kind: str  # "fp8" or "mxfp4"
+
+
+def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
+    """The quantized pairs of ``source`` by output key, checked from headers.
+
+    Raises:
+        QuantizationError: every unpaired, mis-shaped or mis-typed tensor, listed.
+    """
+    entries = source.entries
+    pairs: dict[str, Pair] = {}
+    problems: list[str] = []
+    offenders: list[str] = []
+
+    def refuse(key: str, why: str) -> None:
+        offenders.append(key)
+        problems.append(f"  {key!r}: {why}")
+
+    for key, entry in entries.items():
+        if key.endswith(SCALE_SUFFIX):
+            weight = key.removesuffix(SCALE_SUFFIX)
+            if weight not in entries:
+                refuse(key, f"a scale without its weight {weight!r}")
+                continue
+            stored = entries[weight]
+            if stored.dtype not in FP8_DTYPES:
+                refuse(weight, f"has a {key.rsplit('.', 1)[-1]} but is {stored.dtype}, not FP8")
+            elif len(stored.shape) != 2 or len(entry.shape) != 2:
+                refuse(weight, f"block-scaled FP8 needs a 2-D weight and scale, not {stored.shape} and {entry.shape}")
+            elif entry.shape != fp8_scale_shape(stored.shape, block):
+                refuse(
+                    key,
+                    f"shape {list(entry.shape)} does not match the {block[0]}x{block[1]} blocks of "
+                    f"{weight!r} {list(stored.shape)} (expected {list(fp8_scale_shape(stored.shape, block))})",
+                )
+            elif not entry.dtype.is_floating_point:
+                refuse(key, f"a scale must be floating, not {entry.dtype}")
+            else:
+                pairs[weight] = Pair(weight, key, "fp8")
+        elif key.endswith(SCALES_SUFFIX) or key.endswith(BLOCKS_SUFFIX):
+            stem = key.removesuffix(SCALES_SUFFIX).removesuffix(BLOCKS_SUFFIX)
+            blocks, scales = stem + BLOCKS_SUFFIX, stem + SCALES_SUFFIX
+            if key == scales and blocks not in entries:
+                refuse(key, f"MXFP4 scales without their blocks {blocks!r}")
+            elif key == blocks and scales not in entries:
+                refuse(key, f"MXFP4 blocks without their scales {scales!r}")
+            elif key == blocks:
+                shape, scale_shape = entry.shape, entries[scales].shape
+                if entry.dtype != torch.uint8 or entries[scales].dtype != torch.uint8:
+                    refuse(key, f"MXFP4 blocks and scales are uint8, not {entry.dtype} and {entries[scales].dtype}")
+                elif len(shape) < 2 or scale_shape != shape[:-1]:
+                    refuse(scales, f"shape {list(scale_shape)} does not match the groups of {key!r} {list(shape)}")
+                elif stem in entries:
+                    refuse(key, f"dequantizes to {stem!r}, which the source also holds")
+                else:
+                    pairs[stem] = Pair(key, scales, "mxfp4")
+        elif entry.dtype in FP8_DTYPES and key + SCALE_SUFFIX not in entries:
+            refuse(key, f"an FP8 weight without its scale {key + SCALE_SUFFIX!r}")
+    if problems:
+        shown = "\n".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise QuantizationError(f"{source.path} cannot be dequantized (nothing was written):\n{shown}", keys=offenders)
+    return pairs

@@ -1,0 +1,245 @@
+"""A checkpoint seen as its FP8 block-quantized form (the DeepSeek layout).
+
+    inner source                         QuantizingSource (what the job plans)
+      X.weight  bf16 [R, C]   ──┬──▶  X.weight            float8_e4m3fn [R, C]
+                                └──▶  X.weight_scale_inv  float32 [ceil(R/B), ceil(C/B)]
+      anything else            ───▶  as it is (cast to ``dtype`` when one is given)
+
+Which weights are quantized: those the ``quantize_keys`` patterns select (the ``keys`` pattern
+language), or by default :data:`DEFAULT_RULE`: 2-D floating tensors whose names end in
+``.weight``, except embeddings, norms, the output head and MoE routers. Both output units of a
+weight read the weight: when one task holds both, it is quantized once; a huge weight splits into
+row ranges of whole blocks (:meth:`QuantizingSource.split_alignment`), each quantized on its own
+(every block's scale depends on its rows only, so the pieces equal the whole).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from parallel_dcp.errors import QuantizationError
+from parallel_dcp.formats.base import Entry, Source
+from parallel_dcp.formats.dequantized_source import SCALE_SUFFIX
+from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, fp8_scale_shape, quantize_fp8
+
+if TYPE_CHECKING:
+    from parallel_dcp.engine.chunks import Chunk
+
+__all__ = ["DEFAULT_RULE", "QuantizingSource", "default_quantize_rule", "parse_quantize", "quantizing_source"]
+
+DEFAULT_RULE = (
+    "2-D floating tensors whose names end in '.weight', except embeddings ('embed', 'wte', 'wpe'), "
+    "norms ('norm'), the output head ('lm_head', 'output.weight') and MoE routers ('.gate.weight')"
+)
+_EXCLUDED = re.compile(r"embed|norm|lm_head|(^|\.)(wte|wpe)\.|(^|\.)output\.weight$|(^|\.)gate\.weight$")
+# The float32 temporaries of quantizing (four of an 8 MiB strip), and what the heap keeps of them
+# (measured: about 44 MiB at the peak, 68 MiB still held after a 5504 x 2048 weight).
+_WORK_BYTES = 64 * 1024 * 1024
+
+
+def parse_quantize(spec: str) -> tuple[int, int]:
+    """The block of ``"fp8-block"`` (128 x 128) or ``"fp8-block:BLOCK"``.
+
+    Raises:
+        QuantizationError: any other spec.
+    """
+    name, _, size = spec.partition(":")
+    if name != "fp8-block":
+        raise QuantizationError(f"unknown quantization {spec!r}: use 'fp8-block' or 'fp8-block:BLOCK'")
+    if not size:
+        return (DEFAULT_BLOCK, DEFAULT_BLOCK)
+    if not size.isdigit() or int(size) < 1:
+        raise QuantizationError(f"the block of {spec!r} must be a positive integer")
+    return (int(size), int(size))
+
+
+def default_quantize_rule(entry: Entry) -> bool:
+    """:data:`DEFAULT_RULE` for one tensor."""
+    return _quantizable(entry) and not _EXCLUDED.search(entry.key)
+
+
+def _quantizable(entry: Entry) -> bool:
+    floating = entry.dtype.is_floating_point and entry.dtype not in FP8_DTYPES
+    return floating and len(entry.shape) == 2 and entry.key.endswith(".weight")
+
+
+def _matcher(patterns: str | Sequence[str]) -> Any:
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    compiled = []
+    for pattern in patterns:
+        try:
+            compiled.append(re.compile(pattern[3:] if pattern.startswith("re:") else fnmatch.translate(pattern)))
+        except re.error as exc:
+            raise QuantizationError(f"bad regular expression in quantize_keys {pattern!r}: {exc}") from exc
+    return lambda key: any(p.fullmatch(key) for p in compiled)
+
+
+@dataclass
+class QuantizingSource(Source):
+    """``inner`` with the weights in ``weights`` quantized to FP8 blocks, and other floats cast to ``dtype``."""
+
+    inner: Source | None = None
+    block: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)
+    dtype: torch.dtype | None = None
+    weights: dict[str, str] = field(default_factory=dict)  # output key -> inner weight (both units)
+
+    def _inner(self) -> Source:
+        assert self.inner is not None
+        return self.inner
+
+    def close(self) -> None:
+        self._inner().close()
+
+    def check(self, keys: Iterable[str] | None = None) -> None:
+        keys = None if keys is None else list(dict.fromkeys(self.weights.get(k, k) for k in keys))
+        self._inner().check(keys)
+
+    def load_values(self, keys: Iterable[str]) -> None:
+        self._inner().load_values(keys)
+
+    def value_bytes(self, key: str) -> int:
+        return self._inner().value_bytes(key)
+
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        keys = list(keys)
+        plain = [k for k in keys if k not in self.weights]
+        out = self._cast(self._inner().read(plain))
+        for weight in dict.fromkeys(self.weights[k] for k in keys if k in self.weights):
+            values, scales = quantize_fp8(self._inner().read([weight])[weight], self.block)
+            out |= {weight: values, weight + SCALE_SUFFIX: scales}
+        return {k: out[k] for k in keys}
+
+    def _cast(self, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.dtype is None:
+            return data
+        return {k: v.to(self.dtype) if v.dtype.is_floating_point else v for k, v in data.items()}
+
+    def read_chunk(self, chunk: Chunk) -> torch.Tensor:
+        weight = self.weights.get(chunk.key)
+        if weight is None:
+            return self._cast({chunk.key: self._inner().read_chunk(chunk)})[chunk.key]
+        if chunk.dim != 0:  # only row ranges of whole blocks quantize on their own
+            return chunk.of(self.read([chunk.key])[chunk.key]).contiguous()
+        rows = self._inner().entries[weight].shape[0]
+        br = self.block[0]
+        scale_rows = chunk.key != weight
+        # The rows of whole blocks holding the chunk (a scale chunk's rows are blocks).
+        first = chunk.start * br if scale_rows else chunk.start // br * br
+        stop = min(rows, (chunk.stop * br if scale_rows else math.ceil(chunk.stop / br) * br))
+        inner = self._inner()
+        piece = inner.read_chunk(_rows(inner.entries[weight], first, stop))
+        values, scales = quantize_fp8(piece, self.block)
+        if scale_rows:
+            return scales
+        return values[chunk.start - first : chunk.stop - first].contiguous()
+
+    def split_alignment(self, key: str, dim: int) -> int:
+        weight = self.weights.get(key)
+        return self.block[dim] if weight == key and dim < 2 else 1
+
+    def copied_bytes(self, key: str) -> int:
+        weight = self.weights.get(key)
+        if weight is None:
+            entry = self._inner().entries.get(key)
+            cast = entry.nbytes // entry.dtype.itemsize * self.dtype.itemsize if entry and self.dtype else 0
+            return self._inner().copied_bytes(key) + cast
+        entry = self._inner().entries[weight]
+        # the weight read, its float32 temporaries, and both outputs
+        elements = entry.nbytes // entry.dtype.itemsize
+        return self._inner().copied_bytes(weight) + elements + min(16 * elements, _WORK_BYTES)
+
+    def chunk_memory(self, chunk: Chunk) -> int:
+        weight = self.weights.get(chunk.key)
+        if weight is None:
+            return self._inner().chunk_memory(chunk)
+        if chunk.dim != 0:
+            return self.copied_bytes(chunk.key) + chunk.nbytes(self.entries[chunk.key].dtype.itemsize)
+        entry = self._inner().entries[weight]
+        rows = chunk.stop - chunk.start + self.block[0]
+        read = self._inner().chunk_memory(_rows(entry, 0, min(entry.shape[0], rows)))
+        elements = read // entry.dtype.itemsize
+        return read + elements + min(16 * elements, _WORK_BYTES)
+
+    def release(self) -> None:
+        self._inner().release()
+
+    def fingerprint(self) -> dict[str, Any]:
+        # What the output is made of includes the arithmetic: a resume must not mix blocks or dtypes.
+        cast = str(self.dtype).removeprefix("torch.") if self.dtype is not None else None
+        return self._inner().fingerprint() | {"quantize": {"block": list(self.block), "dtype": cast}}
+
+
+def _rows(entry: Entry, start: int, stop: int) -> Chunk:
+    from parallel_dcp.engine.chunks import Chunk
+
+    return Chunk(entry.key, 0, start, stop, entry.shape)
+
+
+def quantizing_source(
+    source: Source,
+    keys: Sequence[str],
+    block: tuple[int, int],
+    quantize_keys: str | Sequence[str] | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[QuantizingSource, tuple[str, ...]]:
+    """``source`` restricted to ``keys`` with the weights the rule selects quantized; the output
+    keys in order (each weight followed by its scale).
+
+    Raises:
+        QuantizationError: the rule selects no weight, or a weight's scale name is taken.
+    """
+    rule = default_quantize_rule
+    if quantize_keys is not None:
+        match = _matcher(quantize_keys)
+
+        def rule(entry: Entry) -> bool:
+            return _quantizable(entry) and bool(match(entry.key))
+
+    chosen = [k for k in keys if k in source.entries and rule(source.entries[k])]
+    if not chosen:
+        what = f"quantize_keys {quantize_keys!r}" if quantize_keys is not None else f"the default rule ({DEFAULT_RULE})"
+        raise QuantizationError(f"{what} selects no weight to quantize in {source.path}")
+    taken = [k + SCALE_SUFFIX for k in chosen if k + SCALE_SUFFIX in source.entries or k + SCALE_SUFFIX in keys]
+    if taken:
+        raise QuantizationError(f"{source.path} already holds the scales {taken[:5]}: is it quantized already?")
+    view = QuantizingSource(
+        path=source.path,
+        kind=source.kind,
+        files=list(source.files),
+        storage_options=source.storage_options,
+        trust_pickle=source.trust_pickle,
+        inner=source,
+        block=block,
+        dtype=dtype,
+    )
+    chosen_set = set(chosen)
+    out: list[str] = []
+    for key in keys:
+        path = source.mapping.get(key, (key,))
+        entry = source.entries.get(key)
+        if entry is None:
+            view.values[key] = source.values[key]
+            view.mapping[key] = path
+            out.append(key)
+            continue
+        if key not in chosen_set:
+            cast = dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
+            view.entries[key] = Entry(key, cast, entry.shape, entry.file)
+            view.mapping[key] = path
+            out.append(key)
+            continue
+        scale = key + SCALE_SUFFIX
+        view.entries[key] = Entry(key, torch.float8_e4m3fn, entry.shape, entry.file)
+        view.entries[scale] = Entry(scale, torch.float32, fp8_scale_shape(entry.shape, block), entry.file)
+        view.weights[key] = view.weights[scale] = key
+        view.mapping[key] = path
+        view.mapping[scale] = (*path[:-1], f"{path[-1]}{SCALE_SUFFIX}")
+        out += [key, scale]
+    return view, tuple(out)

@@ -1,0 +1,100 @@
+"""Dequantize and quantize as steps of a conversion (see :mod:`parallel_dcp.formats.quantized`).
+
+    source ── dequantize: DequantizedSource (pairs found and checked) ── select keys ── ...
+    source ── select keys ── quantize: QuantizingSource (weights the rule picks) ── rename ── ...
+
+A Hugging Face output gets the source's ``config.json`` with ``quantization_config`` removed
+(dequantize) or set to the FP8 block layout (quantize); a quantized one always has its index.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from parallel_dcp.errors import QuantizationError
+from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_source, source_config
+from parallel_dcp.formats.quantizing_source import DEFAULT_RULE, parse_quantize, quantizing_source
+from parallel_dcp.jobs.targets import ShardedTarget, Target
+
+__all__ = ["Quantization", "dequantize_step", "prepare_target", "quantize_step"]
+
+
+@dataclass(frozen=True, slots=True)
+class Quantization:
+    """What a conversion does to quantized tensors: ``dequantize`` to ``dequantize_dtype``
+    (block from ``block_size``, else config.json, else 128), or ``quantize`` (``"fp8-block[:B]"``)
+    the weights ``quantize_keys`` select (None: :data:`DEFAULT_RULE`)."""
+
+    dequantize: bool = False
+    dequantize_dtype: torch.dtype = torch.bfloat16
+    quantize: str | None = None
+    quantize_keys: str | Sequence[str] | None = None
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dequantize and self.quantize is not None:
+            raise QuantizationError("dequantize and quantize exclude each other: convert in two steps")
+        if self.quantize is not None:
+            parse_quantize(self.quantize)
+        if self.quantize_keys is not None and self.quantize is None:
+            raise QuantizationError("quantize_keys selects weights for quantize=; give quantize='fp8-block' too")
+        if self.block_size is not None and self.block_size < 1:
+            raise QuantizationError(f"block_size must be positive, not {self.block_size}")
+
+    @property
+    def active(self) -> bool:
+        return self.dequantize or self.quantize is not None
+
+    def block(self) -> tuple[int, int]:
+        """The quantize block (``fp8-block:B``, else ``block_size``, else 128)."""
+        assert self.quantize is not None
+        if ":" not in self.quantize and self.block_size is not None:
+            return (self.block_size, self.block_size)
+        return parse_quantize(self.quantize)
+
+    def describe(self) -> str:
+        """One line for a dry run: what happens to quantized tensors, and which rule picks them."""
+        if self.dequantize:
+            return f"dequantize FP8 block / MXFP4 pairs to {self.dequantize_dtype} (scales dropped)"
+        rule = f"keys matching {self.quantize_keys!r}" if self.quantize_keys is not None else DEFAULT_RULE
+        size = self.block()
+        return f"quantize to float8_e4m3fn in {size[0]}x{size[1]} blocks: {rule}"
+
+
+def dequantize_step(source: Source, quantization: Quantization) -> Source:
+    """``source`` seen dequantized (before keys are selected: ``keys`` names output tensors)."""
+    return dequantized_source(source, quantization.dequantize_dtype, block_size_of(source, quantization.block_size))
+
+
+def quantize_step(
+    source: Source, selected: tuple[str, ...], quantization: Quantization, dtype: torch.dtype | None
+) -> tuple[Source, tuple[str, ...]]:
+    """``source`` restricted to ``selected`` with its weights quantized; other floats cast to ``dtype``."""
+    return quantizing_source(source, selected, quantization.block(), quantization.quantize_keys, dtype)
+
+
+def prepare_target(target: Target, source: Source, quantization: Quantization) -> None:
+    """A Hugging Face output of a (de)quantizing conversion: its index always (quantize) and the
+    source's config.json with ``quantization_config`` updated, when the source has one."""
+    if not isinstance(target, ShardedTarget) or target.kind != "safetensors":
+        return
+    target.always_index = quantization.quantize is not None
+    config = source_config(source)
+    if config is None:
+        return
+    if quantization.dequantize:
+        config.pop("quantization_config", None)
+        config["torch_dtype"] = str(quantization.dequantize_dtype).removeprefix("torch.")
+    else:
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(quantization.block()),
+        }
+    target.extra_files["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
