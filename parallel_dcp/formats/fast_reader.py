@@ -27,6 +27,7 @@ from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import fast_read
 from parallel_dcp.options import usable_cores
+from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import Location, Remote, RemoteFileSystem, locate
 from parallel_dcp.storage.metadata import check_metadata, read_metadata, unpickle_value
 
@@ -42,6 +43,7 @@ class FastReader(FileSystemReader):
         workers: reading threads per process (per rank); None uses every usable core.
         trust_pickle: hand pickled values to the planner without first checking that
             ``weights_only=True`` loads them (stock DCP unpickles them fully).
+        io: ``"auto"``, ``"direct"`` or ``"buffered"``, as for :func:`parallel_dcp.load`.
 
     ``stats`` (a :class:`parallel_dcp.ReadStats`) counts what the fast path and DCP's reader
     served across every ``read_data`` call.
@@ -54,8 +56,10 @@ class FastReader(FileSystemReader):
         workers: int | None = None,
         trust_pickle: bool = False,
         storage_options: dict[str, Any] | None = None,
+        io: str = "auto",
     ) -> None:
         self._where: Location = locate(path, storage_options)
+        self.io = resolve_io(io, self._where, writing=False)
         super().__init__(os.fspath(self._where))
         if isinstance(self._where, Remote):
             self.fs = RemoteFileSystem(self._where.options)  # type: ignore[assignment]
@@ -138,7 +142,7 @@ class FastReader(FileSystemReader):
                 unpickle_value(item.storage_index.fqn, io.BytesIO(data), trust_pickle=False)
             planner.load_bytes(item, io.BytesIO(data))
 
-        self.stats.add(fast_read.read_requests(self._where, requests, self.workers, on_bytes))
+        self.stats.add(fast_read.read_requests(self._where, requests, self.workers, on_bytes, io=self.io))
         for item, target in committed:
             planner.commit_tensor(item, target)
         future: Future[None] = Future()

@@ -33,6 +33,8 @@ from parallel_dcp.formats.dcp_format import ChunkSavePlanner
 from parallel_dcp.options import Options
 from parallel_dcp.partial import merge_metadata, partial_save
 from parallel_dcp.storage.compression import Compression
+from parallel_dcp.storage.direct_write import direct_write_memory
+from parallel_dcp.storage.io_mode import resolve_io, uses_direct
 from parallel_dcp.storage.location import Remote, locate, upload_memory
 from parallel_dcp.storage.manifest import FileDigest, Hasher, file_digest, manifest_bytes
 from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
@@ -43,7 +45,7 @@ from parallel_dcp.storage.writers import ShardWriter
 
 AnyStaging = Staging  # kept for callers that imported the old union
 
-__all__ = ["DcpTarget", "FileTarget", "ShardedTarget", "Target", "target_for"]
+__all__ = ["DcpTarget", "FileTarget", "ShardedTarget", "Target", "prepare_io", "target_for"]
 
 DEFAULT_SHARD_SIZE = 5 * 10**9  # what Hugging Face's save_pretrained uses
 
@@ -165,6 +167,14 @@ class Target(ABC):
     tensors_only = False
     splits_tensors = False
     merge_seconds: float = 0.0  # of the last commit: joining the tasks' results (SaveResult.phases)
+    # The destination's resolved I/O mode (see prepare_io); ``direct_capable``: this kind of output
+    # writes its files through storage.direct_write when the mode says so.
+    io: str = "buffered"
+    direct_capable = False
+
+    def uses_direct(self, nbytes: int) -> bool:
+        """Whether a file of about ``nbytes`` this target writes goes through O_DIRECT."""
+        return self.direct_capable and not isinstance(self.path, Remote) and uses_direct(self.io, nbytes)
 
     @abstractmethod
     def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
@@ -178,8 +188,10 @@ class Target(ABC):
 
     def io_memory(self, nbytes: int) -> int:
         """Memory one task's output stream holds for a file of ``nbytes``: upload buffers on
-        object storage, nothing for a local file."""
-        return upload_memory(nbytes) if isinstance(self.path, Remote) else 0
+        object storage, the aligned buffers of a direct write, nothing for a buffered local file."""
+        if isinstance(self.path, Remote):
+            return upload_memory(nbytes)
+        return direct_write_memory() if self.uses_direct(nbytes) else 0
 
     @abstractmethod
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
@@ -198,6 +210,18 @@ class Target(ABC):
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         """In the coordinator, after every task: finish the output; returns the number of files it
         consists of (what ``inspect`` lists: shards and ``.metadata`` or the index; not the manifest)."""
+
+
+def prepare_io(target: Target, options: Options, *, probe: bool = True) -> Options:
+    """Resolve ``options.io`` for ``target``'s destination (probing O_DIRECT there once, unless
+    not ``probe``: a dry run writes nothing) and note it on the target; the options with the
+    resolved mode.
+
+    Raises:
+        InvalidDestinationError: ``io="direct"`` where the destination cannot take O_DIRECT.
+    """
+    target.io = resolve_io(options.io, target.path, writing=True, probe=probe)
+    return dataclasses.replace(options, io=target.io)
 
 
 def _items(job: Job) -> list[Item]:
@@ -228,6 +252,7 @@ class DcpTarget(Target):
 
     kind = "dcp"
     splits_tensors = True
+    direct_capable = True
 
     def __init__(
         self,
@@ -264,6 +289,7 @@ class DcpTarget(Target):
             checksums=options.checksums,
             expected_bytes=task.nbytes,
             compression=self.compression,
+            direct=self.uses_direct(task.nbytes),
         )
         whole = {unit: value for unit, value in data.items() if unit not in job.chunks}
         chunks = [(job.chunks[u], v) for u, v in data.items() if u in job.chunks]
