@@ -52,7 +52,9 @@ class DirectFile:
     (it may be called again after more writes: the partial buffer stays and is rewritten).
     """
 
-    def __init__(self, fd: int, *, buffer_bytes: int = BUFFER_BYTES, depth: int = DEPTH) -> None:
+    def __init__(self, fd: int, *, buffer_bytes: int | None = None, depth: int | None = None) -> None:
+        buffer_bytes = BUFFER_BYTES if buffer_bytes is None else buffer_bytes
+        depth = DEPTH if depth is None else depth
         if buffer_bytes % ALIGN or depth < 2:
             raise ValueError("buffer_bytes must be a multiple of 4096 and depth >= 2")
         self._fd = fd
