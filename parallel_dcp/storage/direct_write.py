@@ -13,15 +13,19 @@ of the file stays in the cache. A failed write (ENOSPC, EIO, EFBIG) is raised by
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from parallel_dcp.storage.io_mode import ALIGN
+from parallel_dcp.storage.safe_files import create_new, open_directory
 
-__all__ = ["BUFFER_BYTES", "DEPTH", "DirectFile", "direct_write_memory"]
+__all__ = ["BUFFER_BYTES", "DEPTH", "DirectFile", "direct_write_memory", "new_file"]
 
 # Large enough that the device sees big requests, small enough that DEPTH of them stay cheap.
 BUFFER_BYTES = 8 << 20
@@ -133,7 +137,10 @@ class DirectFile:
         for view in self._views:
             view.release()
         for buffer in self._buffers:
-            buffer.close()
+            # A failed write's traceback may still hold a slice of its buffer: that buffer is
+            # then unmapped when the traceback goes, not here.
+            with contextlib.suppress(BufferError):
+                buffer.close()
 
     # -- the queue --
 
@@ -161,3 +168,27 @@ class DirectFile:
             self._wait_oldest()
         if self._error is not None:
             raise self._error
+
+
+@contextmanager
+def new_file(path: str | os.PathLike[str], *, direct: bool, buffering: int = -1) -> Iterator[Any]:
+    """A stream writing the new file ``path`` (created with O_EXCL|O_NOFOLLOW relative to its
+    directory: a name planted there, a symlink included, is FileExistsError, never written
+    through): a :class:`DirectFile` when ``direct``, else a buffered binary file. Everything
+    written is on the file system when the block ends without an exception."""
+    directory = open_directory(os.path.dirname(os.path.abspath(path)))
+    try:
+        fd = create_new(directory, os.path.basename(path), flags=os.O_WRONLY | (os.O_DIRECT if direct else 0))
+    finally:
+        os.close(directory)
+    if not direct:
+        with open(fd, "wb", buffering=buffering) as stream:
+            yield stream
+        return
+    stream = DirectFile(fd)
+    try:
+        yield stream
+        stream.flush()
+    finally:
+        stream.abort()
+        os.close(fd)

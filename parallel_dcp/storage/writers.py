@@ -26,10 +26,9 @@ from parallel_dcp import _compat
 from parallel_dcp.engine import progress
 from parallel_dcp.storage import records
 from parallel_dcp.storage.compression import DESCRIPTOR, Compression, RecordCompressor
-from parallel_dcp.storage.direct_write import DirectFile
+from parallel_dcp.storage.direct_write import new_file
 from parallel_dcp.storage.location import Remote, RemoteFileSystem
 from parallel_dcp.storage.manifest import FileDigest, Hasher
-from parallel_dcp.storage.safe_files import create_new, open_directory
 
 __all__ = ["ShardWriter"]
 
@@ -133,30 +132,13 @@ class _LocalRecording(_Recording, FileSystem):
             raise ValueError(f"a shard writer only writes new files, not mode {mode!r}")
         hasher = self.hashers[os.path.basename(path)] = Hasher(checksum=self.checksums)
         try:
-            directory = open_directory(os.path.dirname(os.path.abspath(path)))
-            try:
-                flags = os.O_WRONLY | (os.O_DIRECT if self.direct else 0)
-                fd = create_new(directory, os.path.basename(path), flags=flags)
-            finally:
-                os.close(directory)
-        except OSError as exc:
-            self.error = exc
-            raise
-        stream: Any = DirectFile(fd) if self.direct else open(fd, "wb", buffering=_GATHER_BYTES)  # noqa: SIM115
-        try:
-            recording = _RecordingStream(stream, self, hasher)
-            yield recording  # type: ignore[misc]
-            recording.write_gathered()
-            stream.flush()
+            with new_file(path, direct=self.direct, buffering=_GATHER_BYTES) as stream:
+                recording = _RecordingStream(stream, self, hasher)
+                yield recording  # type: ignore[misc]
+                recording.write_gathered()
         except OSError as exc:
             self.error = self.error or exc
             raise
-        finally:
-            if self.direct:
-                stream.abort()
-                os.close(fd)
-            else:
-                stream.close()
 
 
 class _RemoteRecording(_Recording, RemoteFileSystem):
