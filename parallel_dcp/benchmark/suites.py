@@ -23,6 +23,7 @@ from parallel_dcp.benchmark import peers
 from parallel_dcp.benchmark.compression import bf16_llm, compress_cases, minilm
 from parallel_dcp.benchmark.config import BenchConfig, Target
 from parallel_dcp.benchmark.conversion import build_sources, convert_cases, convert_memory_limit
+from parallel_dcp.benchmark.disk import disk_cases
 from parallel_dcp.benchmark.loading import load_cases, write_checkpoints
 from parallel_dcp.benchmark.measure import Case, run_interleaved
 from parallel_dcp.benchmark.results import Scenario
@@ -46,6 +47,7 @@ _SPACE_FACTOR = {
     "load-small": 3.0,
     "compress:minilm": 6.0,
     "compress:llm": 6.0,
+    "disk": 4.5,  # the checkpoint, the safetensors source, one output, the probe's files
 }
 # The compress suite: the real model, and the LLM-like state dict in bfloat16.
 _COMPRESS = ("compress:minilm", "compress:llm")
@@ -123,6 +125,9 @@ def _cases(
         return load_cases(paths, n), notes, None
     if suite in _COMPRESS:
         cases, notes = compress_cases(sd, root, workers)
+        return cases, notes, None
+    if suite == "disk":
+        cases, notes = disk_cases(sd, root, max(workers), sync)
         return cases, notes, None
     tensors = flat_tensors(sd)
     if suite in _SCALING:
