@@ -13,10 +13,12 @@ than ``.metadata`` says are :class:`~parallel_dcp.errors.CorruptCheckpointError`
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import errno
 import fcntl
 import mmap
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from parallel_dcp.errors import CorruptCheckpointError
@@ -26,7 +28,17 @@ from parallel_dcp.storage.safe_files import open_regular
 __all__ = ["PIECE_BYTES", "ShardFile", "direct_read_memory", "vanished"]
 
 PIECE_BYTES = 4 << 20
-_prefetch = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="pdcp-direct-read")
+_pools: dict[int, cf.ThreadPoolExecutor] = {}
+
+
+def _prefetcher() -> cf.ThreadPoolExecutor:
+    """This process's read-ahead threads (a forked worker gets its own: the parent's threads do
+    not exist in it, and an executor inherited through fork would wait on them forever)."""
+    pid = os.getpid()
+    if pid not in _pools:
+        _pools.clear()
+        _pools[pid] = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="pdcp-direct-read")
+    return _pools[pid]
 
 
 def direct_read_memory() -> int:
@@ -49,6 +61,8 @@ class ShardFile:
         ``"auto"`` reads files of at least ``DIRECT_MIN_BYTES`` with O_DIRECT."""
         self.path = Path(path)
         self._buffers: list[mmap.mmap] = []
+        self._pending: cf.Future[int] | None = None
+        self.fd = -1
         try:
             self.fd = open_regular(None, self.path)
         except FileNotFoundError:
@@ -65,6 +79,10 @@ class ShardFile:
                 self.direct = False  # this file system refuses O_DIRECT after all: read it buffered
 
     def close(self) -> None:
+        if self._pending is not None:
+            with contextlib.suppress(Exception):
+                self._pending.result()
+            self._pending = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -91,6 +109,41 @@ class ShardFile:
             if views and got:
                 views = [views[0][got:], *views[1:]]
 
+    def stream(self) -> Iterator[memoryview]:
+        """The whole file, in order, in pieces of up to :data:`PIECE_BYTES` (direct: straight from
+        the aligned buffers, the next piece read meanwhile). Each view is valid until the next.
+
+        Raises:
+            CorruptCheckpointError: the file ends before the size it had when it was opened.
+        """
+        if not self.direct:
+            buffer = memoryview(bytearray(min(PIECE_BYTES, max(self.size, 1))))
+            at = 0
+            while at < self.size:
+                got = os.preadv(self.fd, [buffer[: min(buffer.nbytes, self.size - at)]], at)
+                if got <= 0:
+                    raise self._truncated(at)
+                yield buffer[:got]
+                at += got
+            return
+        if not self._buffers:
+            self._buffers = [mmap.mmap(-1, PIECE_BYTES) for _ in range(2)]
+        at, index = 0, 0
+        pending = _prefetcher().submit(self._pread, 0, 0, PIECE_BYTES) if self.size else None
+        while pending is not None:
+            got = pending.result()
+            if got <= 0 or (got < PIECE_BYTES and at + got < self.size):
+                raise self._truncated(at + max(got, 0))
+            following = at + got < self.size
+            pending = _prefetcher().submit(self._pread, 1 - index, at + got, PIECE_BYTES) if following else None
+            self._pending = pending  # close() waits for it: its buffer cannot go while it is read into
+            view = memoryview(self._buffers[index])[: min(got, self.size - at)]
+            try:
+                yield view
+            finally:
+                view.release()
+            at, index = at + got, 1 - index
+
     def _read_direct(self, offset: int, views: list[memoryview]) -> None:
         views = [v for v in views if v.nbytes]
         total = sum(v.nbytes for v in views)
@@ -103,11 +156,11 @@ class ShardFile:
         pieces = [(at, min(PIECE_BYTES, -(-(end - at) // ALIGN) * ALIGN)) for at in range(start, end, PIECE_BYTES)]
         position = offset  # the next byte the views want
         target = 0
-        pending = _prefetch.submit(self._pread, 0, *pieces[0])
+        pending = _prefetcher().submit(self._pread, 0, *pieces[0])
         for i, (at, _length) in enumerate(pieces):
             got = pending.result()
             if i + 1 < len(pieces):
-                pending = _prefetch.submit(self._pread, (i + 1) % 2, *pieces[i + 1])
+                pending = _prefetcher().submit(self._pread, (i + 1) % 2, *pieces[i + 1])
             buffer = memoryview(self._buffers[i % 2])
             try:
                 available = at + got  # the file's bytes this piece holds end here
