@@ -299,3 +299,27 @@ def test_sigkill_mid_direct_write_leaves_what_the_next_save_cleans(disk: Path) -
     assert len([n for n in names if n.endswith(".distcp")]) == 1, names
     assert not any(".owner." in n for n in names), names
     assert_same(parallel_dcp.load(disk / "ckpt"), new)
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_sharded_and_single_file_outputs_go_through_the_layer(disk: Path, small_buffers: None, to: str) -> None:
+    from safetensors.torch import load_file
+
+    sd = {f"w{i}": torch.randn(200 + i, 129) for i in range(5)} | {"b": torch.arange(33, dtype=torch.int16)}
+    parallel_dcp.save(sd, disk / "src", workers=2)
+    suffix = ".safetensors" if to == "safetensors" else ".pt"
+    outputs = {}
+    for io in ("direct", "buffered"):
+        sharded = parallel_dcp.convert(disk / "src", disk / f"sharded-{io}", to=to, shard_size="200KiB", io=io)
+        single = parallel_dcp.convert(disk / "src", disk / f"one-{io}{suffix}", io=io)
+        assert isinstance(sharded, parallel_dcp.SaveResult) and isinstance(single, parallel_dcp.SaveResult)
+        assert (sharded.io, single.io) == (io, io)
+        shards = [p for p in (disk / f"sharded-{io}").iterdir() if not p.name.startswith(".")]  # not the manifest
+        assert len(shards) > 2
+        outputs[io] = sorted((p.name, p.read_bytes()) for p in shards)
+        outputs[io].append(("one", (disk / f"one-{io}{suffix}").read_bytes()))
+    assert outputs["direct"] == outputs["buffered"]
+    one = disk / f"one-direct{suffix}"
+    loaded = load_file(one) if to == "safetensors" else torch.load(one, weights_only=True)
+    assert_same(loaded, sd)
+    assert parallel_dcp.verify(disk / "sharded-direct", against=disk / "src").ok

@@ -33,10 +33,10 @@ from parallel_dcp.formats.dcp_format import ChunkSavePlanner
 from parallel_dcp.options import Options
 from parallel_dcp.partial import merge_metadata, partial_save
 from parallel_dcp.storage.compression import Compression
-from parallel_dcp.storage.direct_write import direct_write_memory
+from parallel_dcp.storage.direct_write import direct_write_memory, new_file
 from parallel_dcp.storage.io_mode import resolve_io, uses_direct
 from parallel_dcp.storage.location import Remote, locate, upload_memory
-from parallel_dcp.storage.manifest import FileDigest, Hasher, file_digest, manifest_bytes
+from parallel_dcp.storage.manifest import FileDigest, Hasher, manifest_bytes
 from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
 from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck
@@ -380,6 +380,8 @@ class ShardedTarget(Target):
     the memory each worker may use (``memory_limit / workers``).
     """
 
+    direct_capable = True
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -440,8 +442,7 @@ class ShardedTarget(Target):
         where = staging.file(name)  # a hidden temporary name until the commit renames it (local)
         if isinstance(where, Remote):
             return {name: _write_remote(where, self.format, data, task.nbytes, options)}
-        self.format.write(data, str(where), None)
-        return {name: _finish_file(where, options)}
+        return {name: _write_local(self, where, data, None, task.nbytes, options)}
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         digests: dict[str, FileDigest] = {}
@@ -469,6 +470,8 @@ class ShardedTarget(Target):
 class FileTarget(Target):
     """One file written by one worker (``torch.save`` or ``save_file`` need the whole dict at once)."""
 
+    direct_capable = True
+
     def __init__(self, path: str | os.PathLike[str], kind: str, storage_options: dict[str, Any] | None = None) -> None:
         self.path = _where(path, storage_options)
         self.format = FILE_FORMATS[kind]
@@ -490,8 +493,7 @@ class FileTarget(Target):
         where = staging.file(self.path.name)  # beside the destination, under a hidden name (local)
         if isinstance(where, Remote):
             return _write_remote(where, self.format, data, task.nbytes, options, mapping)
-        self.format.write(data, str(where), mapping)
-        return _finish_file(where, options)
+        return _write_local(self, where, data, mapping, task.nbytes, options)
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         staging.commit(staged=[self.path.name])  # one atomic rename (local); the upload itself (remote)
@@ -529,14 +531,24 @@ def _write_remote(
     return hasher.result()
 
 
-def _finish_file(path: Path, options: Options) -> FileDigest:
-    if options.sync_files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return file_digest(path, checksum=options.checksums)
+def _write_local(
+    target: ShardedTarget | FileTarget,
+    where: Path,
+    data: dict[str, Any],
+    mapping: dict[str, tuple[Any, ...]] | None,
+    nbytes: int,
+    options: Options,
+) -> FileDigest:
+    """One file through the I/O layer: created new (a name planted there, a symlink included, is
+    refused, never written through), with O_DIRECT where the target's io says, hashed while it
+    is written (no second read)."""
+    hasher = Hasher(checksum=options.checksums)
+    with new_file(where, direct=target.uses_direct(nbytes)) as stream:
+        target.format.write(data, _Hashing(stream, hasher), mapping)
+        stream.flush()
+        if options.sync_files:
+            os.fsync(stream.fileno())
+    return hasher.result()
 
 
 def target_for(

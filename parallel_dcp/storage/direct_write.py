@@ -196,7 +196,8 @@ def new_file(path: str | os.PathLike[str], *, direct: bool, buffering: int = -1)
     written is on the file system when the block ends without an exception."""
     directory = open_directory(os.path.dirname(os.path.abspath(path)))
     try:
-        fd = create_new(directory, os.path.basename(path), flags=os.O_WRONLY | (os.O_DIRECT if direct else 0))
+        flags = os.O_WRONLY | (os.O_DIRECT if direct else 0)
+        fd = create_new(directory, os.path.basename(path), flags=flags, mode=0o666)  # the umask applies
     finally:
         os.close(directory)
     if not direct:
