@@ -323,3 +323,14 @@ def test_sharded_and_single_file_outputs_go_through_the_layer(disk: Path, small_
     loaded = load_file(one) if to == "safetensors" else torch.load(one, weights_only=True)
     assert_same(loaded, sd)
     assert parallel_dcp.verify(disk / "sharded-direct", against=disk / "src").ok
+
+
+def test_the_memory_model_counts_the_direct_buffers(disk: Path) -> None:
+    sd = {f"w{i}": torch.randn(256, 1024) for i in range(4)}
+    plans = {
+        io: parallel_dcp.save(sd, disk / io, workers=2, io=io, dry_run=True, memory_limit="2GiB")
+        for io in ("direct", "buffered")
+    }
+    assert not (disk / "direct").exists() and not (disk / "buffered").exists(), "a dry run writes nothing"
+    added = plans["direct"].predicted_peak_memory - plans["buffered"].predicted_peak_memory
+    assert added >= direct_write.direct_write_memory()  # each writing task holds its aligned buffers
