@@ -303,9 +303,9 @@ def _verify(
             sizes = [Item(name, d.size, held) for name, d in recorded.items()]
             handler = one_pass_handler(os.fspath(directory), recorded, records, io)
             tasks = partition(sizes, workers, memory_adds_up=False)
-            for files, keys in _run_pairs(tasks, handler, options, governor, workers):
+            for files, bad_keys in _run_pairs(tasks, handler, options, governor, workers):
                 file_problems += files
-                one_pass += keys
+                one_pass += bad_keys
         else:
             sizes = [Item(name, d.size, 0) for name, d in recorded.items()]
             tasks = partition(sizes, workers, memory_adds_up=False)
@@ -314,8 +314,8 @@ def _verify(
 
     keys = list(source.entries) + [k for k in source.values if k not in source.entries]
     key_problems: dict[str, tuple[int, str]] = {}
-    for key, problem in one_pass:
-        key_problems.setdefault(key, (0, problem))
+    for key, found in one_pass:
+        key_problems.setdefault(key, (0, found))
     if reference is not None:
         theirs = set(reference.entries) | set(reference.values)
         for k in keys:

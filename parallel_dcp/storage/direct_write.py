@@ -204,10 +204,10 @@ def new_file(path: str | os.PathLike[str], *, direct: bool, buffering: int = -1)
         with open(fd, "wb", buffering=buffering) as stream:
             yield stream
         return
-    stream = DirectFile(fd)
+    direct_file = DirectFile(fd)
     try:
-        yield stream
-        stream.flush()
+        yield direct_file
+        direct_file.flush()
     finally:
-        stream.abort()
+        direct_file.abort()
         os.close(fd)
