@@ -12,7 +12,8 @@ The ``auto`` rule, decided once per destination (or source) directory:
   *is* the storage, so O_DIRECT only adds a copy; recent kernels accept it there anyway, which is
   why the type is checked and not only the flag;
 - anywhere else, a probe file is created with ``O_DIRECT`` and one aligned block written: a file
-  system that refuses (EINVAL) gets buffered I/O;
+  system that refuses (EINVAL) gets buffered I/O (readers do not probe: each shard is switched to
+  O_DIRECT with ``fcntl`` and read buffered if the file system refuses);
 - then per file: direct only for files of at least :data:`DIRECT_MIN_BYTES` (a small file is
   written faster through the cache than through a queue of aligned writes).
 
@@ -149,7 +150,9 @@ def resolve_io(io: str, path: str | os.PathLike[str] | Remote, *, writing: bool,
     io = check_io(io)
     if io == "buffered":
         return io
-    refusal = direct_refusal(path, probe=probe)
+    # A reader never writes a probe into the checkpoint: a file that refuses O_DIRECT after all is
+    # read buffered (storage.direct_read).
+    refusal = direct_refusal(path, probe=probe and writing)
     if refusal is None:
         return io
     if io == "direct":
