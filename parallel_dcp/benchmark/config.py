@@ -146,7 +146,7 @@ class BenchConfig:
         Raises:
             ValueError: a flag's value is out of range or names no usable target.
         """
-        specs = args.targets
+        specs = [args.dir] if args.dir else (args.targets or ["disk"])
         workers = args.workers or list(range(1, usable_cores() + 1))
         return cls(
             suites=_suites(args),
@@ -178,17 +178,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--targets",
         nargs="+",
-        default=["disk"],
+        default=None,
         metavar="TARGET",
-        help="shm, disk or a directory (default: disk, that is --dir)",
+        help="shm, disk or a directory (default: disk, the current directory: where checkpoints live)",
     )
     parser.add_argument(
-        "--dir",
-        "--disk-dir",
-        dest="disk_dir",
-        metavar="DIR",
-        help="where the disk target writes: where checkpoints live (default: the current directory)",
+        "--disk-dir", metavar="DIR", help="where the disk target writes (default: the current directory)"
     )
+    parser.add_argument("--dir", metavar="DIR", help="benchmark this one directory (instead of --targets)")
     parser.add_argument("--sync", nargs="+", choices=["on", "off"], default=["on"], help="fsync files (default: on)")
     parser.add_argument("--no-peers", action="store_true", help="skip torch.save, safetensors and nvrx rows")
     parser.add_argument(
