@@ -28,7 +28,7 @@ import numpy
 from parallel_dcp.storage.io_mode import ALIGN
 from parallel_dcp.storage.safe_files import create_new, open_directory
 
-__all__ = ["BUFFER_BYTES", "DEPTH", "DirectFile", "direct_write_memory", "new_file"]
+__all__ = ["BUFFER_BYTES", "DEPTH", "MEMMOVE_BYTES", "DirectFile", "address", "direct_write_memory", "new_file"]
 
 # Large enough that the device sees big requests, small enough that DEPTH of them stay cheap.
 BUFFER_BYTES = 8 << 20
@@ -41,10 +41,11 @@ def direct_write_memory() -> int:
     return BUFFER_BYTES * DEPTH
 
 
-_MEMMOVE_BYTES = 256 << 10
+# Copies at least this large go through memmove (no GIL); smaller ones through the buffer protocol.
+MEMMOVE_BYTES = 256 << 10
 
 
-def _address(view: memoryview) -> int:
+def address(view: memoryview) -> int:
     """The address of a contiguous buffer's first byte (read-only buffers too)."""
     return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
 
@@ -76,7 +77,7 @@ class DirectFile:
         self._size = buffer_bytes
         self._buffers = [mmap.mmap(-1, buffer_bytes) for _ in range(depth)]
         self._views = [memoryview(b) for b in self._buffers]
-        self._addresses = [_address(v) for v in self._views]
+        self._addresses = [address(v) for v in self._views]
         self._free: deque[int] = deque(range(1, depth))
         self._pending: deque[tuple[Future[None], int]] = deque()
         self._pool = ThreadPoolExecutor(depth - 1, thread_name_prefix="pdcp-direct")
@@ -96,7 +97,7 @@ class DirectFile:
             raise self._error
         # Large pieces are copied by memmove, which runs without the GIL: the writer threads of a
         # save (engine/threads.py) then copy in parallel.
-        source = _address(view) if total >= _MEMMOVE_BYTES else None
+        source = address(view) if total >= MEMMOVE_BYTES else None
         done = 0
         while done < total:
             n = min(self._size - self._fill, total - done)
