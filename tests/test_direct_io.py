@@ -334,3 +334,26 @@ def test_the_memory_model_counts_the_direct_buffers(disk: Path) -> None:
     assert not (disk / "direct").exists() and not (disk / "buffered").exists(), "a dry run writes nothing"
     added = plans["direct"].predicted_peak_memory - plans["buffered"].predicted_peak_memory
     assert added >= direct_write.direct_write_memory()  # each writing task holds its aligned buffers
+
+
+def test_a_safetensors_source_is_read_with_direct_io(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors.torch import save_file
+
+    from parallel_dcp.formats import open_source
+
+    sd = {f"w{i}": torch.randn(333 + i, 1031) for i in range(4)} | {"b": torch.arange(10, dtype=torch.int8)}
+    save_file(sd, disk / "m.safetensors")
+    source = open_source(disk / "m.safetensors")
+    source.use_direct_reads("direct")  # type: ignore[attr-defined]
+    assert set(source._direct) == set(sd)  # type: ignore[attr-defined]
+    source.close()
+    results = {io: parallel_dcp.convert(disk / "m.safetensors", disk / io, io=io, chunk_size="512KiB") for io in
+               ("direct", "buffered")}  # fmt: skip
+    assert {io: r.io for io, r in results.items()} == {"direct": "direct", "buffered": "buffered"}  # type: ignore[union-attr]
+    assert _shards(disk / "direct") == _shards(disk / "buffered")
+    assert_same(parallel_dcp.load(disk / "direct"), sd)
+    data = (disk / "m.safetensors").read_bytes()
+    (disk / "m.safetensors").write_bytes(data[: len(data) - 5000])
+    with pytest.raises(Exception) as raised:
+        parallel_dcp.convert(disk / "m.safetensors", disk / "again", io="direct")
+    assert isinstance(raised.value, parallel_dcp.ParallelDCPError), raised.value

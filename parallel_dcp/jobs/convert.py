@@ -21,12 +21,14 @@ import torch
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
 from parallel_dcp.jobs.targets import DEFAULT_SHARD_SIZE, Job, Target, target_for
 from parallel_dcp.options import Options
+from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import Location, Remote, is_url, locate
 
 __all__ = ["convert_one", "destinations", "parse_dtype", "select_keys"]
@@ -136,6 +138,8 @@ def convert_one(
     locate(src, options.storage_options)  # a bad URL fails here; its filesystem's code is loaded
     governor = MemoryGovernor(options.memory_ceiling())
     source = open_source(src, trust_pickle=trust_pickle, storage_options=options.storage_options)
+    if isinstance(source, SafetensorsSource):  # a cold source streams through O_DIRECT where io says
+        source.use_direct_reads(resolve_io(options.io, source.location, writing=False))
     try:
         job = _convert_job(source, target, dtype, keys, rename)
         if dry_run:
