@@ -159,9 +159,14 @@ def _load(
     if isinstance(location, Remote):  # this process's connection to object storage, shared by the threads
         budget.reserve(CLIENT_MEMORY, f"the object storage client for {location}")
     io_mode = resolve_io(options.io, location, writing=False)
+    wanted = options.workers if options.workers is not None else usable_cores()
+    room = budget.limit - budget.reserved
+    if io_mode == "auto" and room // (fast_read.thread_memory() + direct_read_memory()) < min(
+        wanted, room // fast_read.thread_memory()
+    ):
+        io_mode = "buffered"  # under a tight limit, more reading threads beat aligned buffers
     per_thread = fast_read.thread_memory() + (direct_read_memory() if io_mode != "buffered" else 0)
-    threads = options.workers if options.workers is not None else usable_cores()
-    threads = max(1, min(threads, (budget.limit - budget.reserved) // per_thread))
+    threads = max(1, min(wanted, room // per_thread))
     budget.reserve(threads * per_thread, f"read buffers for {threads} threads")
     check_shards(location, metadata, selected)
     targets = {

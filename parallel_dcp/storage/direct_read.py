@@ -1,7 +1,7 @@
 """A shard opened for reading: never through a symlink, regular files only, O_DIRECT when asked.
 
 Buffered: ``preadv`` straight into the destination buffers. Direct: the span is read in aligned
-pieces (:data:`PIECE_BYTES`, 8 MiB, the next piece already being read by a helper thread while the last
+pieces (:data:`PIECE_BYTES`, 4 MiB, the next piece already being read by a helper thread while the last
 is copied out) into a page-aligned bounce buffer, then copied into the destination buffers: no
 page of the shard enters the page cache, and the device sees two requests in flight per reading
 thread (the readers of :mod:`parallel_dcp.formats.fast_read` run several such threads).
@@ -29,7 +29,7 @@ from parallel_dcp.storage.safe_files import open_regular
 
 __all__ = ["PIECE_BYTES", "ShardFile", "direct_read_memory", "vanished"]
 
-PIECE_BYTES = 8 << 20
+PIECE_BYTES = 4 << 20
 _pools: dict[int, cf.ThreadPoolExecutor] = {}
 
 
