@@ -95,7 +95,7 @@ def _race(state_dict: Any, root: str, workers: int | None, rounds: int) -> tuple
 def _direct_limit(root: str, nbytes: int, writers: int) -> float | None:
     """Seconds a plain O_DIRECT write of ``nbytes`` by ``writers`` threads takes here (None where
     the file system refuses O_DIRECT)."""
-    from parallel_dcp.benchmark.disk import _direct_write_probe
+    from parallel_dcp.benchmark.device import direct_write_probe
     from parallel_dcp.storage.io_mode import direct_refusal
 
     if direct_refusal(root) is not None:
@@ -103,7 +103,7 @@ def _direct_limit(root: str, nbytes: int, writers: int) -> float | None:
     out = f"{root}/limit"
     start = time.perf_counter()
     try:
-        _direct_write_probe(nbytes, max(1, writers), out)
+        direct_write_probe(nbytes, max(1, writers), out)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     return time.perf_counter() - start

@@ -14,11 +14,8 @@ rows (one worker count N, the largest asked for; interleaved like every suite):
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import mmap
 import os
 import shutil
-import subprocess
 from collections.abc import Callable
 from typing import Any
 
@@ -29,10 +26,11 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import parallel_dcp
+from parallel_dcp.benchmark.device import direct_write_probe, fio_write, plain_read
 from parallel_dcp.benchmark.measure import Case
 from parallel_dcp.benchmark.writers import flat_tensors
 
-__all__ = ["disk_cases", "disk_summary", "disk_summary_lines", "drop_caches", "page_cache_bytes"]
+__all__ = ["disk_cases", "drop_caches", "page_cache_bytes"]
 
 _BLOCK = 8 << 20
 
@@ -68,73 +66,6 @@ def _cache_growth(run: Callable[[str], Any]) -> Callable[[str], dict[str, Any]]:
     return measured
 
 
-def _direct_write_probe(nbytes: int, writers: int, out: str) -> dict[str, Any]:
-    """``writers`` threads of aligned 8 MiB O_DIRECT pwrites, ``nbytes`` in all, fsynced."""
-    os.makedirs(out)
-    share = -(-nbytes // writers // _BLOCK) * _BLOCK
-
-    def write(index: int) -> None:
-        block = mmap.mmap(-1, _BLOCK)
-        block.write(os.urandom(4096) * (_BLOCK // 4096))
-        fd = os.open(os.path.join(out, f"probe{index}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT)
-        try:
-            for offset in range(0, share, _BLOCK):
-                os.pwrite(fd, block, offset)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            block.close()
-
-    with cf.ThreadPoolExecutor(writers) as pool:
-        list(pool.map(write, range(writers)))
-    return {"tool": "built-in O_DIRECT probe"}
-
-
-def _fio_write(nbytes: int, writers: int, out: str) -> dict[str, Any]:
-    os.makedirs(out)
-    size = max(1, nbytes // writers >> 20)
-    subprocess.run(
-        [
-            "fio",
-            "--name=limit",
-            f"--directory={out}",
-            "--rw=write",
-            "--bs=8m",
-            "--direct=1",
-            "--ioengine=libaio",
-            "--iodepth=8",
-            f"--numjobs={writers}",
-            f"--size={size}m",
-            "--end_fsync=1",
-            "--group_reporting",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return {"tool": "fio (direct, libaio, iodepth 8)"}
-
-
-def _plain_read(paths: list[str], readers: int, direct: bool) -> Callable[[str], None]:
-    """``readers`` threads read the shard files whole into aligned buffers (8 MiB pieces)."""
-
-    def read(path: str) -> None:
-        buffer = mmap.mmap(-1, _BLOCK)
-        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-        try:
-            offset = 0
-            while (got := os.preadv(fd, [buffer], offset)) > 0:
-                offset += got
-        finally:
-            os.close(fd)
-            buffer.close()
-
-    def run(out: str) -> None:
-        with cf.ThreadPoolExecutor(readers) as pool:
-            list(pool.map(read, paths))
-
-    return run
-
-
 def disk_cases(state_dict: Any, root: str, workers: int, sync: bool) -> tuple[list[Case], list[str]]:
     """Every row of the disk suite at ``workers`` (see the module docstring); writes the
     checkpoint and the safetensors source it reads under ``root`` first (untimed)."""
@@ -159,7 +90,7 @@ def disk_cases(state_dict: Any, root: str, workers: int, sync: bool) -> tuple[li
     fio = shutil.which("fio") is not None
 
     def limit(out: str) -> dict[str, Any]:
-        return (_fio_write if fio else _direct_write_probe)(nbytes, n, out)
+        return (fio_write if fio else direct_write_probe)(nbytes, n, out)
 
     cases = [
         Case(name=f"save w={n} io=auto", family="save", procs=n, run=save(), baseline=stock_save, limit=limit_name),
@@ -243,13 +174,13 @@ def disk_cases(state_dict: Any, root: str, workers: int, sync: bool) -> tuple[li
             limit=read_limit,
         ),
         Case(
-            name=read_limit, family="plain read direct", procs=n, run=_plain_read(shards, n, True), prepare=drop_caches
+            name=read_limit, family="plain read direct", procs=n, run=plain_read(shards, n, True), prepare=drop_caches
         ),
         Case(
             name=f"plain read x{n} buffered{cold}",
             family="plain read buffered",
             procs=n,
-            run=_plain_read(shards, n, False),
+            run=plain_read(shards, n, False),
             prepare=drop_caches,
             limit=read_limit,
         ),
@@ -304,61 +235,3 @@ def disk_cases(state_dict: Any, root: str, workers: int, sync: bool) -> tuple[li
         else "not root: the page cache cannot be dropped, every read row is warm",
     ]
     return cases, notes
-
-
-def disk_summary(rows: dict[str, dict[str, Any]], nbytes: int) -> dict[str, Any]:
-    """The issue's targets from one disk scenario (None where a row did not run)."""
-
-    def median(prefix: str) -> float | None:
-        for name, row in rows.items():
-            if name.startswith(prefix) and row.get("median_s"):
-                return float(row["median_s"])
-        return None
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return a / b if a and b else None
-
-    save = next((float(r["median_s"]) for n, r in rows.items() if "io=auto" in n and r["median_s"]), None)
-    buffered = next((float(r["median_s"]) for n, r in rows.items() if "io=buffered" in n and r["median_s"]), None)
-    unchecked = next((float(r["median_s"]) for n, r in rows.items() if "no-checksums" in n and r["median_s"]), None)
-    reads = [float(r["median_s"]) for n, r in rows.items() if n.startswith("plain read") and r["median_s"]]
-    best_read = min(reads) if reads else None
-    growth = next((r["details"].get("page_cache_growth") for n, r in rows.items() if "io=auto" in n), None)
-    return {
-        "save_of_direct_limit": ratio(median("device direct write"), save),
-        "save_vs_stock": ratio(median("stock dcp t="), save),
-        "save_io": next((r["details"].get("io") for n, r in rows.items() if "io=auto" in n), None),
-        "save_buffered_vs_auto": ratio(buffered, save),
-        "checksums_share": (save - unchecked) / save if save and unchecked else None,
-        "convert_vs_stock": ratio(median("stock load_file"), median("convert safetensors")),
-        "load_into_of_best_read": ratio(best_read, median("load into")),
-        "fast_reader_of_best_read": ratio(best_read, median("FastReader")),
-        "load_into_vs_stock": ratio(median("stock dcp.load"), median("load into")),
-        "verify_vs_stock": ratio(median("stock dcp.load + torch.equal"), median("verify")),
-        "page_cache_growth_of_checkpoint": growth / nbytes if growth is not None and nbytes else None,
-        "page_cache_growth_by_writer": {
-            n: r["details"]["page_cache_growth"] for n, r in rows.items() if "page_cache_growth" in r["details"]
-        },
-    }
-
-
-def disk_summary_lines(s: dict[str, Any]) -> list[str]:
-    def num(value: float | None, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
-    return [
-        f"save (io=auto -> {s['save_io']}) of the device's direct-write limit: "
-        f"{num(s['save_of_direct_limit'], '.0%')} (target >= 85%)",
-        f"save vs stock dcp.save: {num(s['save_vs_stock'], '.2f')}x (target >= 2.5x); io=buffered takes "
-        f"{num(s['save_buffered_vs_auto'], '.2f')}x the time of io=auto",
-        f"checksums' share of the save time: {num(s['checksums_share'], '.0%')} (target <= 5%)",
-        f"safetensors -> DCP vs load_file + dcp.save: {num(s['convert_vs_stock'], '.2f')}x (target >= 2.5x)",
-        f"load(into=) / FastReader of the best plain read: {num(s['load_into_of_best_read'], '.0%')} / "
-        f"{num(s['fast_reader_of_best_read'], '.0%')} (target >= 90%)",
-        f"load(into=) vs stock dcp.load: {num(s['load_into_vs_stock'], '.2f')}x (target >= 2.5x)",
-        f"verify vs stock dcp.load + torch.equal: {num(s['verify_vs_stock'], '.2f')}x (target >= 1.2x)",
-        f"page-cache growth after a save with io=auto: {num(s['page_cache_growth_of_checkpoint'], '.1%')} of the "
-        "checkpoint (target < 5%)",
-        "page-cache growth (Dirty + Cached) per writer: "
-        + ", ".join(f"{n}: {g / 2**20:+.0f} MiB" for n, g in s["page_cache_growth_by_writer"].items()),
-    ]

@@ -140,7 +140,7 @@ def scenario_lines(scenario: Scenario) -> list[str]:
     elif scenario.suite.startswith("compress"):
         lines += _compress_summary_lines(s)
     elif scenario.suite == "disk":
-        from parallel_dcp.benchmark.disk import disk_summary_lines
+        from parallel_dcp.benchmark.disk_report import disk_summary_lines
 
         lines += disk_summary_lines(s)
     else:

@@ -140,7 +140,7 @@ def summary(scenario: Scenario, rows: dict[str, dict[str, Any]]) -> dict[str, An
 
         return compress_summary(rows, scenario.compare_count)
     if scenario.suite == "disk":
-        from parallel_dcp.benchmark.disk import disk_summary
+        from parallel_dcp.benchmark.disk_report import disk_summary
 
         return disk_summary(rows, scenario.nbytes)
     if scenario.suite in ("load", "load-small"):
