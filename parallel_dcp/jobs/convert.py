@@ -138,7 +138,10 @@ def convert_one(
     locate(src, options.storage_options)  # a bad URL fails here; its filesystem's code is loaded
     governor = MemoryGovernor(options.memory_ceiling())
     source = open_source(src, trust_pickle=trust_pickle, storage_options=options.storage_options)
-    if isinstance(source, SafetensorsSource):  # a cold source streams through O_DIRECT where io says
+    if isinstance(source, SafetensorsSource) and options.io == "direct":
+        # Only when asked: under auto the library's mmap is kept, since a direct read adds a copy
+        # (bounce buffer -> a fresh tensor, its pages faulted in) that costs more than it saves
+        # (measured on ext4: 2.05 s vs 1.73 s and 1.65 vs 0.91 CPU s for a cold 1 GiB conversion).
         source.use_direct_reads(resolve_io(options.io, source.location, writing=False))
     try:
         job = _convert_job(source, target, dtype, keys, rename)
