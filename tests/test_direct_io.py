@@ -357,3 +357,15 @@ def test_a_safetensors_source_is_read_with_direct_io(disk: Path, monkeypatch: py
     with pytest.raises(Exception) as raised:
         parallel_dcp.convert(disk / "m.safetensors", disk / "again", io="direct")
     assert isinstance(raised.value, parallel_dcp.ParallelDCPError), raised.value
+
+
+def test_the_cli_takes_io_and_reports_it(disk: Path, shm: Path) -> None:
+    from tests.test_cli import cli
+
+    parallel_dcp.save({"w": torch.randn(64, 64)}, disk / "src", workers=1)
+    done = cli("convert", disk / "src", disk / "out", "--io", "direct", "--json")
+    assert json.loads(done.stdout)[0]["io"] == "direct"
+    assert "OK" in cli("verify", disk / "out", "--io", "direct").stdout
+    failed = cli("convert", disk / "src", shm / "out", "--io", "direct", check_code=1)
+    assert "io='direct'" in failed.stderr and "tmpfs" in failed.stderr
+    assert not (shm / "out").exists()
