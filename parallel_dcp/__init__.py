@@ -177,6 +177,7 @@ def save(
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
     compress: str | None = None,
+    io: str = "auto",
     options: Options | None = None,
     dry_run: Literal[False] = False,
 ) -> SaveResult: ...
@@ -202,6 +203,7 @@ def save(
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
     compress: str | None = None,
+    io: str = "auto",
     options: Options | None = None,
     dry_run: Literal[True],
 ) -> DryRunPlan: ...
@@ -226,6 +228,7 @@ def save(
     dist_timeout: float = 1800.0,
     storage_options: dict[str, Any] | None = None,
     compress: str | None = None,
+    io: str = "auto",
     options: Options | None = None,
     dry_run: bool = False,
 ) -> SaveResult | DryRunPlan:
@@ -271,6 +274,11 @@ def save(
         storage_options: fsspec options for URLs (``{"endpoint_url": ...}``); credentials come
             from the standard AWS environment and config. On object storage ``.metadata`` is
             uploaded last, after every shard (see :mod:`parallel_dcp.storage.staging`).
+        io: ``"auto"`` (default), ``"direct"`` or ``"buffered"``: how shards reach local files
+            (O_DIRECT through aligned buffers, or the page cache); auto uses O_DIRECT on block
+            file systems that accept it, for shards of at least 16 MiB, and buffered I/O on
+            tmpfs, FUSE, network file systems and object storage. ``SaveResult.io`` says which
+            was used. ``"direct"`` where O_DIRECT cannot be used raises InvalidDestinationError.
         compress: ``None``, ``"zstd"`` or ``"zstd:LEVEL"`` (1..22, default 3): each record is
             compressed by the worker that writes it, as one zstd frame exactly as stock DCP's
             ``ZStandard`` extension writes it (stock ``dcp.load`` reads it with ``zstandard``
@@ -314,6 +322,7 @@ def save(
             dist_timeout=dist_timeout,
             storage_options=storage_options,
             compress=compress,
+            io=io,
         ),
     )
     if dry_run:
@@ -337,6 +346,7 @@ def load(
     retries: int = 0,
     task_timeout: float | None = None,
     storage_options: dict[str, Any] | None = None,
+    io: str = "auto",
     options: Options | None = None,
     into: dict[str, Any] | None = None,
     trust_pickle: bool = False,
@@ -364,6 +374,9 @@ def load(
         retries, task_timeout: as for :func:`save`; they make the load run on killable worker
             processes (without ``into``).
         storage_options: as for :func:`save`.
+        io: as for :func:`save`: shards of at least 16 MiB are read with O_DIRECT (aligned
+            reads, two in flight per thread, then copied into the tensors) where the file
+            system takes it; ``"buffered"`` reads through the page cache.
         into: a state dict (nested as it was saved) of preallocated CPU tensors, filled in place,
             and returned; non-tensor values in it are replaced by the loaded ones. Every tensor
             must have the stored dtype and shape: a mismatch raises before any read, load never
@@ -394,6 +407,7 @@ def load(
             retries=retries,
             task_timeout=task_timeout,
             storage_options=storage_options,
+            io=io,
         ),
     )
     from parallel_dcp.jobs import load as _loader
@@ -435,6 +449,7 @@ def convert(
     quantize: str | None = None,
     quantize_keys: str | Sequence[str] | None = None,
     block_size: int | None = None,
+    io: str = "auto",
 ) -> SaveResult | list[SaveResult]: ...
 
 
@@ -471,6 +486,7 @@ def convert(
     quantize: str | None = None,
     quantize_keys: str | Sequence[str] | None = None,
     block_size: int | None = None,
+    io: str = "auto",
 ) -> DryRunPlan | list[DryRunPlan]: ...
 
 
@@ -506,6 +522,7 @@ def convert(
     quantize: str | None = None,
     quantize_keys: str | Sequence[str] | None = None,
     block_size: int | None = None,
+    io: str = "auto",
 ) -> SaveResult | list[SaveResult] | DryRunPlan | list[DryRunPlan]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
 
@@ -525,6 +542,7 @@ def convert(
             destinations may be URLs (``s3://...``): safetensors and DCP sources are read by byte
             ranges, torch.save sources through a local temporary copy.
         compress: for a DCP output, as for :func:`save` (any other output refuses it).
+        io: as for :func:`save`, for the shards written (DCP outputs) and the DCP shards read.
         dtype: cast floating tensors to this dtype on the way (``"bfloat16"``, ``torch.float16``).
         keys: select keys: globs on flattened names (``"model.layers.*"``), or ``"re:<regex>"``
             matched against the whole name; several patterns select the union.
@@ -617,6 +635,7 @@ def convert(
             storage_options=storage_options,
             resume=resume,
             compress=compress,
+            io=io,
         ),
     )
     cast = _convert.parse_dtype(dtype)
@@ -689,6 +708,7 @@ def verify(
     memory_limit: int | str | None = None,
     dtype: str | torch.dtype | None = None,
     storage_options: dict[str, Any] | None = None,
+    io: str = "auto",
     options: Options | None = None,
     trust_pickle: bool = False,
     deep: bool = True,
@@ -719,7 +739,9 @@ def verify(
             ``dtype`` without ``against``, or not a floating dtype.
         CorruptCheckpointError / UnsafeCheckpointError: a damaged or malicious ``.metadata``.
     """
-    options = _given_or(options, Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options))
+    options = _given_or(
+        options, Options(workers=workers, memory_limit=memory_limit, storage_options=storage_options, io=io)
+    )
     from parallel_dcp.jobs import convert as _convert
     from parallel_dcp.jobs import verify as _verify
 

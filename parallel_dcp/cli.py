@@ -125,6 +125,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="ceiling on the memory the job adds (e.g. 512MiB, 32GiB, 16GB; default: half of what is available)",
     )
+    parser.add_argument(
+        "--io",
+        choices=("auto", "direct", "buffered"),
+        default="auto",
+        help="how shards reach local files: direct (O_DIRECT, aligned buffers, no page cache), buffered (the page "
+        "cache) or auto: direct on block file systems that accept it for shards of 16 MiB or more, buffered on "
+        "tmpfs, FUSE, network file systems and object storage (default: auto)",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary text")
 
@@ -322,6 +330,7 @@ def _result_dict(result: SaveResult) -> dict[str, Any]:
         "resumed": result.resumed,
         "bytes_kept": result.bytes_kept,
         "bytes_rewritten": result.bytes_rewritten,
+        "io": result.io,
     }
 
 
@@ -402,6 +411,7 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
         copy_files=not args.no_copy_files,
         copy_files_from=args.copy_files_from,
         **_quantize_args(args),
+        io=args.io,
     )
     assert isinstance(results, list)
     if args.distributed and os.environ.get("RANK", "0") != "0":
@@ -452,6 +462,7 @@ def _convert_plan(args: argparse.Namespace, sources: list[str], dst: str, rename
         storage_options=args.storage_options,
         rename=rename,
         compress=args.compress,
+        io=args.io,
         dry_run=True,
         copy_files=not args.no_copy_files,
         copy_files_from=args.copy_files_from,
@@ -509,6 +520,7 @@ def _verify(args: argparse.Namespace) -> int:
         deep=args.deep,
         dequantize=args.dequantize,
         block_size=args.block_size,
+        io=args.io,
     )
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))

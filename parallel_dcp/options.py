@@ -8,6 +8,7 @@ from typing import Any
 
 from parallel_dcp.engine.memory import default_limit, parse_size
 from parallel_dcp.storage.compression import Compression, parse_compress
+from parallel_dcp.storage.io_mode import check_io
 
 __all__ = ["DEFAULT_SHARD_SIZE", "Options", "usable_cores"]
 
@@ -62,6 +63,11 @@ class Options:
         storage_options: fsspec options for paths that are URLs (``s3://...``), such as
             ``{"endpoint_url": "http://minio:9000", "client_kwargs": {"region_name": "eu-west-1"}}``;
             credentials come from the standard AWS environment and config unless given here.
+        io: how shard bytes reach local files: ``"direct"`` (O_DIRECT through aligned buffers,
+            several writes in flight, no page cache), ``"buffered"`` (the page cache) or
+            ``"auto"``: direct where the file system accepts O_DIRECT and is a real device, for
+            files of at least 16 MiB; buffered on tmpfs, FUSE, network file systems and object
+            storage (see :mod:`parallel_dcp.storage.io_mode`).
     """
 
     workers: int | None = None
@@ -80,8 +86,10 @@ class Options:
     storage_options: dict[str, Any] | None = None
     resume: bool = False
     compress: str | None = None
+    io: str = "auto"
 
     def __post_init__(self) -> None:
+        check_io(self.io)
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)):
             raise TypeError(f"workers must be an int or None, got {self.workers!r}")
         if self.workers is not None and self.workers < 1:

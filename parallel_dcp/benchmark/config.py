@@ -13,7 +13,7 @@ from parallel_dcp.options import usable_cores
 
 __all__ = ["SUITES", "BenchConfig", "Target", "default_gib"]
 
-SUITES = ("save", "small", "convert", "lopsided", "scaling", "load", "load-small", "compress", "quantized")
+SUITES = ("save", "small", "convert", "lopsided", "scaling", "load", "load-small", "compress", "quantized", "disk")
 _SHM = "/dev/shm"
 _MAX_DEFAULT_GIB = 2.0
 # Memory a run holds at once, in state-dict sizes: the state dict itself, plus (convert) the
@@ -29,6 +29,7 @@ _HELD = {
     "load-small": 2.0,
     "compress": 2.0,
     "quantized": 6.0,  # the source, and the stock path's whole bf16 output (MXFP4: 4x) with its temporaries
+    "disk": 3.0,  # the state dict, the reused read targets, and a stock conversion's full load
 }
 # A many-small tensor: 2,080 float32 on average, plus its Python and tensor objects.
 _SMALL_TENSOR_BYTES = 2080 * 4 + 1200
@@ -62,6 +63,7 @@ def _check_fits(suites: tuple[str, ...], gib: float, small: int) -> None:
         "scaling": llm + many,  # both state dicts are kept
         "compress": llm * 1.6,  # built as fp32+bf16, then cast to bf16
         "quantized": llm,
+        "disk": llm,
     }
     needed = max(sizes[suite] * _HELD[suite] for suite in suites)
     available = psutil.virtual_memory().available * _AVAILABLE_SHARE
@@ -146,7 +148,7 @@ class BenchConfig:
         Raises:
             ValueError: a flag's value is out of range or names no usable target.
         """
-        specs = [args.dir] if args.dir else args.targets
+        specs = [args.dir] if args.dir else (args.targets or ["disk"])
         workers = args.workers or list(range(1, usable_cores() + 1))
         return cls(
             suites=_suites(args),
@@ -176,12 +178,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per configuration (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     parser.add_argument(
-        "--targets", nargs="+", default=["shm"], metavar="TARGET", help="shm, disk or a directory (default: shm)"
+        "--targets",
+        nargs="+",
+        default=None,
+        metavar="TARGET",
+        help="shm, disk or a directory (default: disk, the current directory: where checkpoints live)",
     )
     parser.add_argument(
         "--disk-dir", metavar="DIR", help="where the disk target writes (default: the current directory)"
     )
-    parser.add_argument("--dir", help=argparse.SUPPRESS)  # the first benchmark's flag: one target directory
+    parser.add_argument("--dir", metavar="DIR", help="benchmark this one directory (instead of --targets)")
     parser.add_argument("--sync", nargs="+", choices=["on", "off"], default=["on"], help="fsync files (default: on)")
     parser.add_argument("--no-peers", action="store_true", help="skip torch.save, safetensors and nvrx rows")
     parser.add_argument(

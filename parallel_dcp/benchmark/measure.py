@@ -55,6 +55,7 @@ class Case:
         note: a caveat printed beside the row.
         core: whether a failure fails the whole benchmark (False for optional peers).
         unavailable: set when the case cannot run here at all; says why. ``run`` is not called.
+        prepare: called before each run, outside the clocks (dropping the page cache for a cold read).
     """
 
     name: str
@@ -66,6 +67,7 @@ class Case:
     note: str = ""
     core: bool = True
     unavailable: str | None = None
+    prepare: Callable[[], Any] | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -220,6 +222,8 @@ def _describe(exc: BaseException) -> str:
 
 def _run_once(measured: Measured, out: str, keep: bool) -> None:
     release_free_memory()
+    if measured.case.prepare is not None:
+        measured.case.prepare()
     try:
         with PeakMemory() as memory:
             cpu0, wall0 = cpu_seconds(), time.perf_counter()

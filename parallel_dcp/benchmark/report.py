@@ -139,6 +139,10 @@ def scenario_lines(scenario: Scenario) -> list[str]:
         lines += _load_summary_lines(s)
     elif scenario.suite.startswith("compress"):
         lines += _compress_summary_lines(s)
+    elif scenario.suite == "disk":
+        from parallel_dcp.benchmark.disk_report import disk_summary_lines
+
+        lines += disk_summary_lines(s)
     else:
         lines += _save_summary_lines(scenario, s)
     lines += [f"note: {note}" for note in scenario.notes]

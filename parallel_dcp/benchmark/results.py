@@ -139,6 +139,10 @@ def summary(scenario: Scenario, rows: dict[str, dict[str, Any]]) -> dict[str, An
         from parallel_dcp.benchmark.compression import compress_summary
 
         return compress_summary(rows, scenario.compare_count)
+    if scenario.suite == "disk":
+        from parallel_dcp.benchmark.disk_report import disk_summary
+
+        return disk_summary(rows, scenario.nbytes)
     if scenario.suite in ("load", "load-small"):
         from parallel_dcp.benchmark.loading import load_summary
 

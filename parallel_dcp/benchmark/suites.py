@@ -23,6 +23,7 @@ from parallel_dcp.benchmark import peers
 from parallel_dcp.benchmark.compression import bf16_llm, compress_cases, minilm
 from parallel_dcp.benchmark.config import BenchConfig, Target
 from parallel_dcp.benchmark.conversion import build_sources, convert_cases, convert_memory_limit
+from parallel_dcp.benchmark.disk import disk_cases
 from parallel_dcp.benchmark.loading import load_cases, write_checkpoints
 from parallel_dcp.benchmark.measure import Case, run_interleaved
 from parallel_dcp.benchmark.quantized import QUANTIZED, quantized_cases, quantized_state_dict
@@ -51,6 +52,7 @@ _SPACE_FACTOR = {
     "quantized:fp8": 5.5,
     "quantized:mxfp4": 9.5,
     "quantized:quantize": 2.5,
+    "disk": 4.5,  # the checkpoint, the safetensors source, one output, the probe's files
 }
 # The compress suite: the real model, and the LLM-like state dict in bfloat16.
 _COMPRESS = ("compress:minilm", "compress:llm")
@@ -137,6 +139,9 @@ def _cases(
     if suite in QUANTIZED:
         cases, notes = quantized_cases(suite, sd, root, workers, sync)
         sd.clear()  # the release on the target holds it now; the rows need the memory
+        return cases, notes, None
+    if suite == "disk":
+        cases, notes = disk_cases(sd, root, max(workers), sync)
         return cases, notes, None
     tensors = flat_tensors(sd)
     if suite in _SCALING:

@@ -44,6 +44,7 @@ from parallel_dcp.formats.read_units import (
     thread_memory,
 )
 from parallel_dcp.storage.compression import is_compressed
+from parallel_dcp.storage.direct_read import vanished
 from parallel_dcp.storage.location import Location
 from parallel_dcp.storage.metadata import reading
 
@@ -205,8 +206,10 @@ def read_requests(
     on_bytes: Callable[[ReadItem, bytes], None],
     budget: MemoryGovernor | None = None,
     on_tick: Callable[[], None] | None = None,
+    io: str = "buffered",
 ) -> ReadStats:
-    """Read every request into its target; pickled values go to ``on_bytes(item, raw bytes)``.
+    """Read every request into its target; pickled values go to ``on_bytes(item, raw bytes)``;
+    ``io``: how local shards are read (resolved: see storage.io_mode).
 
     Raises:
         CorruptCheckpointError: a shard is missing bytes, or a record contradicts ``.metadata``.
@@ -235,7 +238,12 @@ def read_requests(
         with cf.ThreadPoolExecutor(
             max_workers=min(threads, len(units)), thread_name_prefix="parallel_dcp-read"
         ) as pool:
-            pending = {pool.submit(unit.run, where, cancel) for unit in units}
+            pending = {
+                pool.submit(unit.run, where, cancel, io)
+                if isinstance(unit, Unit)
+                else pool.submit(unit.run, where, cancel)
+                for unit in units
+            }
             try:
                 while pending:
                     done, pending = cf.wait(pending, timeout=_TICK_S, return_when=cf.FIRST_EXCEPTION)
@@ -250,7 +258,10 @@ def read_requests(
                 for future in pending:
                     future.cancel()
                 raise
-    _fallback(where, slow, stats, on_bytes, budget)
+    try:
+        _fallback(where, slow, stats, on_bytes, budget)
+    except FileNotFoundError as exc:  # DCP's reader opens shards by name: one vanished meanwhile
+        raise vanished(exc.filename or where) from None
     return stats
 
 

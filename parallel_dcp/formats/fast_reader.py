@@ -28,6 +28,7 @@ from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import fast_read
 from parallel_dcp.options import usable_cores
+from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import Location, Remote, RemoteFileSystem, locate
 from parallel_dcp.storage.metadata import check_metadata, read_metadata, unpickle_value
 
@@ -47,6 +48,7 @@ class FastReader(FileSystemReader):
             pickled value, a record left to DCP's reader) must fit under, checked before it is
             read (MemoryLimitExceeded); None: ``.metadata`` under the default limit, records as
             stock reads them. The caller's tensors are the caller's memory, not counted.
+        io: ``"auto"``, ``"direct"`` or ``"buffered"``, as for :func:`parallel_dcp.load`.
 
     ``stats`` (a :class:`parallel_dcp.ReadStats`) counts what the fast path and DCP's reader
     served across every ``read_data`` call.
@@ -60,8 +62,10 @@ class FastReader(FileSystemReader):
         trust_pickle: bool = False,
         storage_options: dict[str, Any] | None = None,
         memory_limit: int | str | None = None,
+        io: str = "auto",
     ) -> None:
         self._where: Location = locate(path, storage_options)
+        self.io = resolve_io(io, self._where, writing=False)
         super().__init__(os.fspath(self._where))
         if isinstance(self._where, Remote):
             self.fs = RemoteFileSystem(self._where.options)  # type: ignore[assignment]
@@ -148,7 +152,7 @@ class FastReader(FileSystemReader):
             planner.load_bytes(item, io.BytesIO(data))
 
         budget = None if self.memory_limit is None else MemoryGovernor(self.memory_limit)
-        self.stats.add(fast_read.read_requests(self._where, requests, self.workers, on_bytes, budget))
+        self.stats.add(fast_read.read_requests(self._where, requests, self.workers, on_bytes, budget, io=self.io))
         for item, target in committed:
             planner.commit_tensor(item, target)
         future: Future[None] = Future()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from parallel_dcp.engine import progress
 from parallel_dcp.engine.memory import ZSTD_DECOMPRESS_BYTES
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats.dcp_records import HEAD_BYTES, TAIL_BYTES, RecordLayout, is_row_major, parse_record
+from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.location import Location, Remote
 
 __all__ = [
@@ -103,39 +103,32 @@ class ReadStats:
 
 
 class _File:
-    """One shard, read by offset into lists of buffers (local: preadv; remote: ranged GETs)."""
+    """One shard, read by offset into lists of buffers (local: preadv, or O_DIRECT reads through
+    aligned buffers, see storage.direct_read; remote: ranged GETs)."""
 
-    def __init__(self, where: Location, name: str) -> None:
+    def __init__(self, where: Location, name: str, io: str = "buffered") -> None:
         self.where = where / name
-        self.fd = -1
+        self.local: ShardFile | None = None
         if isinstance(self.where, Remote):
             self.size = self.where.size()
         else:
-            self.fd = os.open(self.where, os.O_RDONLY)
-            self.size = os.fstat(self.fd).st_size
+            self.local = ShardFile(self.where, io=io)
+            self.size = self.local.size
         self.reads = 0
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
+        if self.local is not None:
+            self.local.close()
 
     def read(self, offset: int, views: list[memoryview]) -> None:
         self.reads += 1
-        if isinstance(self.where, Remote):
-            for view in views:
-                self.where.read_into(offset, view)
-                offset += view.nbytes
+        if self.local is not None:
+            self.local.read(offset, views)
             return
-        while views:
-            got = os.preadv(self.fd, views, offset)
-            if got <= 0:
-                raise CorruptCheckpointError(f"{self.where} ends at byte {offset}: the shard is truncated")
-            offset += got
-            while views and got >= views[0].nbytes:
-                got -= views[0].nbytes
-                views = views[1:]
-            if views and got:
-                views = [views[0][got:], *views[1:]]
+        assert isinstance(self.where, Remote)
+        for view in views:
+            self.where.read_into(offset, view)
+            offset += view.nbytes
 
 
 def _memory(tensor: torch.Tensor, element: int, nbytes: int) -> memoryview:
@@ -177,9 +170,9 @@ class Unit:
         self.name = name
         self.records = records
 
-    def run(self, where: Location, cancel: threading.Event) -> tuple[ReadStats, list[Request]]:
+    def run(self, where: Location, cancel: threading.Event, io: str = "buffered") -> tuple[ReadStats, list[Request]]:
         stats, fallback = ReadStats(), []
-        file = _File(where, self.name)
+        file = _File(where, self.name, io)
         try:
             end = max(r.offset + r.length for r in self.records)
             if end > file.size:

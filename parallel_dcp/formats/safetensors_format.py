@@ -1,11 +1,14 @@
 """safetensors: one file, or a Hugging Face directory (``model.safetensors.index.json`` + shards).
 
-Read through the safetensors library (headers for listing, ``safe_open`` mmap for data); written
-with ``safetensors.torch.save_file``, one shard per task, in the layout Hugging Face tools expect:
-``model-00001-of-00003.safetensors`` ... plus the index's ``weight_map`` and ``total_size``.
+Read through the safetensors library (headers for listing, ``safe_open`` mmap for data), or, for
+a conversion with io direct/auto, large local files with O_DIRECT ranged reads straight into the
+tensors (``use_direct_reads``); written one shard per task (a stream through the job's I/O layer,
+or ``save_file``), in the layout Hugging Face tools expect: ``model-00001-of-00003.safetensors``
+... plus the index's ``weight_map`` and ``total_size``.
 
-Longer than 300 lines because it reads safetensors two ways (the library's mmap, ranged reads
-from object storage), checks untrusted headers, and writes it two ways (a file, a stream).
+Longer than 300 lines because it reads safetensors three ways (the library's mmap, O_DIRECT
+ranged reads, ranged reads from object storage), checks untrusted headers, and writes it two
+ways (a file, a stream).
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from safetensors.torch import save_file
 from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats.base import Entry, FileFormat, Source, shard_files
+from parallel_dcp.storage.direct_read import ShardFile, direct_read_memory
+from parallel_dcp.storage.io_mode import uses_direct
 from parallel_dcp.storage.location import MIN_PART_BYTES, Location, Remote, listdir, new_file_mode
+from parallel_dcp.storage.safe_files import open_regular
 
 __all__ = [
     "FORMAT",
@@ -67,6 +73,28 @@ def is_safetensors(path: Location) -> bool:
     return path.name.endswith(_SUFFIX)
 
 
+def _local_header(path: str) -> tuple[int, dict[str, Any]]:
+    """As :func:`_remote_header`, for a local file (two small reads)."""
+    fd = open_regular(None, path)
+    try:
+        return _remote_header(_LocalBytes(path, fd))  # type: ignore[arg-type]
+    finally:
+        os.close(fd)
+
+
+class _LocalBytes:
+    """The ``read_bytes(start, stop)`` of a local file, and its name, as a Remote gives them."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path, self.fd = path, fd
+
+    def read_bytes(self, start: int, stop: int) -> bytes:
+        return os.pread(self.fd, stop - start, start)
+
+    def __str__(self) -> str:
+        return self.path
+
+
 def _remote_header(remote: Remote) -> tuple[int, dict[str, Any]]:
     """Where the data starts, and the JSON header: two ranged reads, no tensor bytes."""
     head = remote.read_bytes(0, 8)
@@ -92,6 +120,9 @@ class SafetensorsSource(Source):
     _handles: dict[str, Any] = field(default_factory=dict, repr=False)
     # On object storage: key -> (first, end) byte of its data in its file.
     _ranges: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    # Local keys read with O_DIRECT (use_direct_reads): the same, and the resolved io mode.
+    _direct: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    _io: str = field(default="buffered", repr=False)
 
     def __post_init__(self) -> None:
         self.kind = "safetensors"
@@ -156,6 +187,37 @@ class SafetensorsSource(Source):
             Remote(entry.file, self.storage_options or {}).read_into(self._ranges[key][0] + first, buffer)
         return out
 
+    def use_direct_reads(self, io: str) -> None:
+        """Read local files of at least DIRECT_MIN_BYTES (any size with ``io="direct"``) with
+        O_DIRECT into the tensors (storage.direct_read) instead of through their mmap: a cold
+        source then streams at the device's speed and leaves no pages in the page cache. ``io``
+        as resolved by storage.io_mode.resolve_io; "buffered" changes nothing."""
+        if io == "buffered" or isinstance(self.location, Remote):
+            return
+        for file in self.files:
+            if not uses_direct(io, os.path.getsize(file)):
+                continue
+            start, header = _local_header(file)
+            for key, info in header.items():
+                entry = self.entries.get(key)
+                first, end = (int(n) for n in info["data_offsets"])
+                if entry is None or entry.file != file or end - first != entry.nbytes:
+                    raise CorruptCheckpointError(f"{file}: the header of {key!r} changed while opening")
+                self._direct[key] = (start + first, start + end)
+        self._io = io
+
+    def _read_direct(self, key: str, first: int, shape: tuple[int, ...]) -> torch.Tensor:
+        entry = self.entries[key]
+        out = torch.empty(shape, dtype=entry.dtype)
+        if out.nbytes:
+            buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy().data).cast("B")
+            shard = ShardFile(entry.file, io=self._io)
+            try:
+                shard.read(self._direct[key][0] + first, [buffer])
+            finally:
+                shard.close()
+        return out
+
     def release(self) -> None:
         self._handles.clear()
 
@@ -167,12 +229,19 @@ class SafetensorsSource(Source):
         return handle
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        if self._direct:
+            keys = list(keys)
+            direct = {key: self._read_direct(key, 0, self.entries[key].shape) for key in keys if key in self._direct}
+            return direct | {key: self._handle(key).get_tensor(key) for key in keys if key not in direct}
         if self._ranges:
             return {key: self._read_range(key, 0, self.entries[key].shape) for key in keys}
         return {key: self._handle(key).get_tensor(key) for key in keys}
 
     def read_chunk(self, chunk: Chunk) -> torch.Tensor:
         """Only the chunk's rows are read (``get_slice``, or one ranged read), into their own tensor."""
+        if chunk.key in self._direct and chunk.dim == 0:
+            row = chunk.nbytes(self.entries[chunk.key].dtype.itemsize) // max(1, chunk.stop - chunk.start)
+            return self._read_direct(chunk.key, chunk.start * row, tuple(chunk.sizes))
         if self._ranges:
             if chunk.dim != 0:
                 return chunk.of(self.read([chunk.key])[chunk.key]).contiguous()
@@ -188,12 +257,16 @@ class SafetensorsSource(Source):
     # From object storage, bytes arrive in 8 MiB ranges straight into the tensor.
     def copied_bytes(self, key: str) -> int:
         nbytes = self.entries[key].nbytes
+        if key in self._direct:  # the tensor, and the reading thread's aligned buffers
+            return nbytes + direct_read_memory()
         if self._ranges:
             return nbytes + _in_flight(nbytes)
         return nbytes if _reads_are_mapped(self.entries[key].file) else 2 * nbytes
 
     def chunk_memory(self, chunk: Chunk) -> int:
         nbytes = chunk.nbytes(self.entries[chunk.key].dtype.itemsize)
+        if chunk.key in self._direct and chunk.dim == 0:
+            return nbytes + direct_read_memory()
         if not self._ranges:
             return 2 * nbytes
         if chunk.dim != 0:  # the whole tensor is read, then the chunk copied out

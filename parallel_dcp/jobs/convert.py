@@ -23,6 +23,7 @@ from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.errors import plural, printable
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.jobs.copy_files import files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.pipeline import SaveResult
@@ -31,6 +32,7 @@ from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
 from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
+from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import Location, Remote, is_url, locate
 
 __all__ = ["convert_one", "destinations", "parse_dtype", "select_keys"]
@@ -143,6 +145,11 @@ def convert_one(
     locate(src, options.storage_options)  # a bad URL fails here; its filesystem's code is loaded
     governor = MemoryGovernor(options.memory_ceiling())
     source = open_source(src, trust_pickle=trust_pickle, storage_options=options.storage_options)
+    if isinstance(source, SafetensorsSource) and options.io == "direct":
+        # Only when asked: under auto the library's mmap is kept, since a direct read adds a copy
+        # (bounce buffer -> a fresh tensor, its pages faulted in) that costs more than it saves
+        # (measured on ext4: 2.05 s vs 1.73 s and 1.65 vs 0.91 CPU s for a cold 1 GiB conversion).
+        source.use_direct_reads(resolve_io(options.io, source.location, writing=False))
     try:
         job = _convert_job(source, target, dtype, keys, rename, quantization)
         copies = files_to_copy(

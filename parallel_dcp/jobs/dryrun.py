@@ -29,7 +29,7 @@ from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import describe_unit, plural, printable
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs.pipeline import Plan, choose_executor, needed_space, plan_job
-from parallel_dcp.jobs.targets import DcpTarget, Job, ShardedTarget, Target
+from parallel_dcp.jobs.targets import DcpTarget, Job, ShardedTarget, Target, prepare_io
 from parallel_dcp.options import Options
 from parallel_dcp.storage.local_staging import free_bytes
 from parallel_dcp.storage.location import Remote
@@ -162,6 +162,7 @@ def plan_dry_run(job: Job, target: Target, options: Options, governor: MemoryGov
     _compat.check_torch()
     if options.distributed:
         raise ValueError("a dry run plans the job of one process: run it without distributed (--distributed)")
+    options = prepare_io(target, options, probe=False)  # direct writes' buffers count
     with gc_paused():
         plan: Plan = plan_job(job, target, options, governor)
     tasks = plan.tasks

@@ -50,6 +50,8 @@ from parallel_dcp.formats.dcp_format import read_keys
 from parallel_dcp.formats.fast_read import ReadStats
 from parallel_dcp.options import Options, usable_cores
 from parallel_dcp.partial import extract_metadata, partial_load
+from parallel_dcp.storage.direct_read import direct_read_memory
+from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, locate
 from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading, unpickle_value
 
@@ -156,9 +158,16 @@ def _load(
         budget.reserve(sum(_nbytes(m) for m in metas.values()), f"loading {len(selected)} keys from {location}")
     if isinstance(location, Remote):  # this process's connection to object storage, shared by the threads
         budget.reserve(CLIENT_MEMORY, f"the object storage client for {location}")
-    threads = options.workers if options.workers is not None else usable_cores()
-    threads = max(1, min(threads, (budget.limit - budget.reserved) // fast_read.thread_memory()))
-    budget.reserve(threads * fast_read.thread_memory(), f"read buffers for {threads} threads")
+    io_mode = resolve_io(options.io, location, writing=False)
+    wanted = options.workers if options.workers is not None else usable_cores()
+    room = budget.limit - budget.reserved
+    if io_mode == "auto" and room // (fast_read.thread_memory() + direct_read_memory()) < min(
+        wanted, room // fast_read.thread_memory()
+    ):
+        io_mode = "buffered"  # under a tight limit, more reading threads beat aligned buffers
+    per_thread = fast_read.thread_memory() + (direct_read_memory() if io_mode != "buffered" else 0)
+    threads = max(1, min(wanted, room // per_thread))
+    budget.reserve(threads * per_thread, f"read buffers for {threads} threads")
     check_shards(location, metadata, selected)
     targets = {
         # detached: the same memory, filled without autograd seeing an in-place write to a leaf
@@ -172,7 +181,7 @@ def _load(
 
     requests = _requests(metadata, selected, targets, location)
     with progress.Progress(total=sum(_nbytes(m) for m in metas.values()), enabled=options.progress, desc="load") as bar:
-        done = fast_read.read_requests(location, requests, threads, on_bytes, budget, on_tick=bar.refresh)
+        done = fast_read.read_requests(location, requests, threads, on_bytes, budget, on_tick=bar.refresh, io=io_mode)
     if stats is not None:
         stats.add(done)
     if into is not None:

@@ -108,6 +108,8 @@ class SaveResult:
     bytes_kept: int = 0
     bytes_rewritten: int = 0
     resumed: bool = False
+    # How the shards reached local files: "direct" (O_DIRECT, at least one file) or "buffered".
+    io: str = "buffered"
 
     @property
     def gib_per_s(self) -> float:
@@ -346,6 +348,7 @@ def result_of(
         format=target.kind,
         executor=executor or choose_executor(job, options),
         phases={"plan": 0.0, "fork": 0.0, "write": 0.0, "merge": 0.0, "commit": 0.0} | (phases or {}),
+        io="direct" if any(target.uses_direct(t.nbytes) for t in tasks) else "buffered",
     )
 
 

@@ -11,7 +11,7 @@ import time
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.jobs import distributed, pipeline, resume
 from parallel_dcp.jobs.pipeline import SaveResult, terminate_as_interrupt
-from parallel_dcp.jobs.targets import Job, Target
+from parallel_dcp.jobs.targets import Job, Target, prepare_io
 from parallel_dcp.options import Options
 
 __all__ = ["run_job"]
@@ -23,6 +23,7 @@ def run_job(
     """See :func:`parallel_dcp.jobs.pipeline.run_job`; with ``options.distributed``, as one rank."""
     if options.resume:
         resume.refuse_unsupported(job, target, options)  # before anything is written
+    options = prepare_io(target, options)  # io="direct" where O_DIRECT cannot be used fails here
     if options.distributed:
         with terminate_as_interrupt():
             return distributed.run_job(

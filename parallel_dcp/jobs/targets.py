@@ -35,18 +35,19 @@ from parallel_dcp.jobs.copy_files import read_copies
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.partial import merge_metadata, partial_save
 from parallel_dcp.storage.compression import Compression
+from parallel_dcp.storage.direct_write import direct_write_memory, new_file
+from parallel_dcp.storage.io_mode import resolve_io, uses_direct
 from parallel_dcp.storage.location import Remote, locate, upload_memory
 from parallel_dcp.storage.manifest import FileDigest, Hasher, manifest_bytes
 from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
 from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck
-from parallel_dcp.storage.safe_files import create_new, open_directory
 from parallel_dcp.storage.staging import stage_directory, stage_file
 from parallel_dcp.storage.writers import ShardWriter
 
 AnyStaging = Staging  # kept for callers that imported the old union
 
-__all__ = ["DcpTarget", "FileTarget", "ShardedTarget", "Target", "target_for"]
+__all__ = ["DcpTarget", "FileTarget", "ShardedTarget", "Target", "prepare_io", "target_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +169,14 @@ class Target(ABC):
     tensors_only = False
     splits_tensors = False
     merge_seconds: float = 0.0  # of the last commit: joining the tasks' results (SaveResult.phases)
+    # The destination's resolved I/O mode (see prepare_io); ``direct_capable``: this kind of output
+    # writes its files through storage.direct_write when the mode says so.
+    io: str = "buffered"
+    direct_capable = False
+
+    def uses_direct(self, nbytes: int) -> bool:
+        """Whether a file of about ``nbytes`` this target writes goes through O_DIRECT."""
+        return self.direct_capable and not isinstance(self.path, Remote) and uses_direct(self.io, nbytes)
 
     @abstractmethod
     def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
@@ -181,8 +190,10 @@ class Target(ABC):
 
     def io_memory(self, nbytes: int) -> int:
         """Memory one task's output stream holds for a file of ``nbytes``: upload buffers on
-        object storage, nothing for a local file."""
-        return upload_memory(nbytes) if isinstance(self.path, Remote) else 0
+        object storage, the aligned buffers of a direct write, nothing for a buffered local file."""
+        if isinstance(self.path, Remote):
+            return upload_memory(nbytes)
+        return direct_write_memory() if self.uses_direct(nbytes) else 0
 
     @abstractmethod
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
@@ -201,6 +212,18 @@ class Target(ABC):
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         """In the coordinator, after every task: finish the output; returns the number of files it
         consists of (what ``inspect`` lists: shards and ``.metadata`` or the index; not the manifest)."""
+
+
+def prepare_io(target: Target, options: Options, *, probe: bool = True) -> Options:
+    """Resolve ``options.io`` for ``target``'s destination (probing O_DIRECT there once, unless
+    not ``probe``: a dry run writes nothing) and note it on the target; the options with the
+    resolved mode.
+
+    Raises:
+        InvalidDestinationError: ``io="direct"`` where the destination cannot take O_DIRECT.
+    """
+    target.io = resolve_io(options.io, target.path, writing=True, probe=probe)
+    return dataclasses.replace(options, io=target.io)
 
 
 def _items(job: Job) -> list[Item]:
@@ -231,6 +254,7 @@ class DcpTarget(Target):
 
     kind = "dcp"
     splits_tensors = True
+    direct_capable = True
 
     def __init__(
         self,
@@ -267,6 +291,7 @@ class DcpTarget(Target):
             checksums=options.checksums,
             expected_bytes=task.nbytes,
             compression=self.compression,
+            direct=self.uses_direct(task.nbytes),
         )
         whole = {unit: value for unit, value in data.items() if unit not in job.chunks}
         chunks = [(job.chunks[u], v) for u, v in data.items() if u in job.chunks]
@@ -357,6 +382,8 @@ class ShardedTarget(Target):
     the memory each worker may use (``memory_limit / workers``).
     """
 
+    direct_capable = True
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -424,7 +451,7 @@ class ShardedTarget(Target):
         where = staging.file(name)  # a hidden temporary name until the commit renames it (local)
         if isinstance(where, Remote):
             return {name: _write_remote(where, self.format, data, task.nbytes, options)}
-        return {name: _write_local(where, self.format, data, options)}
+        return {name: _write_local(self, where, data, None, task.nbytes, options)}
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         digests: dict[str, FileDigest] = {}
@@ -456,6 +483,8 @@ class ShardedTarget(Target):
 class FileTarget(Target):
     """One file written by one worker (``torch.save`` or ``save_file`` need the whole dict at once)."""
 
+    direct_capable = True
+
     def __init__(self, path: str | os.PathLike[str], kind: str, storage_options: dict[str, Any] | None = None) -> None:
         self.path = _where(path, storage_options)
         self.format = FILE_FORMATS[kind]
@@ -477,7 +506,7 @@ class FileTarget(Target):
         where = staging.file(self.path.name)  # beside the destination, under a hidden name (local)
         if isinstance(where, Remote):
             return _write_remote(where, self.format, data, task.nbytes, options, mapping)
-        return _write_local(where, self.format, data, options, mapping)
+        return _write_local(self, where, data, mapping, task.nbytes, options)
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         staging.commit(staged=[self.path.name])  # one atomic rename (local); the upload itself (remote)
@@ -516,27 +545,22 @@ def _write_remote(
 
 
 def _write_local(
-    path: Path,
-    file_format: FileFormat,
+    target: ShardedTarget | FileTarget,
+    where: Path,
     data: dict[str, Any],
+    mapping: dict[str, tuple[Any, ...]] | None,
+    nbytes: int,
     options: Options,
-    mapping: dict[str, tuple[Any, ...]] | None = None,
 ) -> FileDigest:
-    """Write one file of ``file_format`` at ``path`` (a name carrying the save id); its digest.
-
-    The file is created new, relative to its directory's descriptor (never through a name someone
-    planted), and written by this process alone: a worker killed mid-write (Ctrl-C, the memory
-    governor) leaves only this save's own name, which its cleanup removes. Writing to a path
-    instead (``safetensors.save_file``) left a randomly named ``.tmpXXXXXX`` the cleanup could
-    not attribute, and the directory refused every later run."""
+    """One file through the I/O layer: created new (a name planted there, a symlink included, is
+    refused, never written through), with O_DIRECT where the target's io says, hashed while it
+    is written (no second read). Written by this process alone: a worker killed mid-write
+    (Ctrl-C, the memory governor) leaves only this save's own name, which its cleanup removes
+    (``safetensors.save_file`` left a randomly named ``.tmpXXXXXX`` the cleanup could not
+    attribute, and the directory refused every later run)."""
     hasher = Hasher(checksum=options.checksums)
-    directory = open_directory(path.parent)
-    try:
-        fd = create_new(directory, path.name, mode=0o666)  # the mode any new file gets (umask)
-    finally:
-        os.close(directory)
-    with os.fdopen(fd, "wb") as stream:
-        file_format.write(data, _Hashing(stream, hasher), mapping)
+    with new_file(where, direct=target.uses_direct(nbytes)) as stream:
+        target.format.write(data, _Hashing(stream, hasher), mapping)
         stream.flush()
         if options.sync_files:
             os.fsync(stream.fileno())

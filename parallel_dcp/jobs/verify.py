@@ -30,9 +30,13 @@ from parallel_dcp.engine.pool import WorkerPool
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.dcp_format import DcpSource
 from parallel_dcp.jobs.diff import values_equal
+from parallel_dcp.jobs.verify_pass import one_pass_handler, records_by_file
 from parallel_dcp.options import Options
-from parallel_dcp.storage.location import CLIENT_MEMORY, Location, is_url, locate
+from parallel_dcp.storage.direct_read import PIECE_BYTES, direct_read_memory
+from parallel_dcp.storage.io_mode import resolve_io
+from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, is_url, locate
 from parallel_dcp.storage.manifest import FileDigest, file_digest, read_manifest
 
 __all__ = ["VerifyReport", "verify"]
@@ -167,6 +171,19 @@ def _run(tasks: list[Task], handler: Any, options: Options, governor: MemoryGove
     return problems
 
 
+def _run_pairs(
+    tasks: list[Task], handler: Any, options: Options, governor: MemoryGovernor, workers: int
+) -> list[tuple[list[str], list[tuple[str, str]]]]:
+    """As :func:`_run`, for handlers that return one (files, keys) pair per task."""
+    if not tasks:
+        return []
+    with WorkerPool(min(workers, len(tasks)), handler, initializer=lambda: torch.set_num_threads(1)) as pool:
+        return [
+            r.value
+            for r in pool.run(tasks, governor=governor, task_timeout=options.task_timeout, retries=options.retries)
+        ]
+
+
 def verify(
     path: str | os.PathLike[str],
     against: str | os.PathLike[str] | None,
@@ -283,16 +300,36 @@ def _verify(
     workers = options.worker_count(max(1, len(source.entries)))
     file_problems: list[str] = []
 
+    # One pass (verify_pass.py): each shard read once, hashed and its records checked on the way.
+    records = (
+        records_by_file(source.metadata)
+        if recorded is not None and deep and reference is None and isinstance(source, DcpSource)
+        and source.metadata is not None and not isinstance(directory, Remote)
+        else None
+    )  # fmt: skip
+    one_pass: list[tuple[str, str]] = []
     if recorded is not None:
         assert directory is not None
         report.manifest = True
-        sizes = [Item(name, d.size, 0) for name, d in recorded.items()]
-        tasks = partition(sizes, workers, memory_adds_up=False)
-        file_problems += _run(tasks, _hash_handler(directory, recorded), options, governor, workers)
+        if records is not None:
+            io = resolve_io(options.io, directory, writing=False)
+            held = direct_read_memory() if io != "buffered" else PIECE_BYTES
+            sizes = [Item(name, d.size, held) for name, d in recorded.items()]
+            handler = one_pass_handler(os.fspath(directory), recorded, records, io)
+            tasks = partition(sizes, workers, memory_adds_up=False)
+            for files, bad_keys in _run_pairs(tasks, handler, options, governor, workers):
+                file_problems += files
+                one_pass += bad_keys
+        else:
+            sizes = [Item(name, d.size, 0) for name, d in recorded.items()]
+            tasks = partition(sizes, workers, memory_adds_up=False)
+            file_problems += _run(tasks, _hash_handler(directory, recorded), options, governor, workers)
         report.files_checked = len(recorded)
 
     keys = list(source.entries) + [k for k in source.values if k not in source.entries]
     key_problems: dict[str, tuple[int, str]] = {}
+    for key, found in one_pass:
+        key_problems.setdefault(key, (0, found))
     if reference is not None:
         theirs = set(reference.entries) | set(reference.values)
         for k in keys:
@@ -316,6 +353,9 @@ def _verify(
             if (problem := _header_problem(source, reference, k, dtype)) is not None:
                 key_problems[k] = (0, problem)
     tensors = [k for k in keys if k in source.entries and k not in key_problems] if deep else []
+    if records is not None:  # read back in the one pass already
+        report.bytes_checked = sum(source.entries[k].nbytes for k in tensors)
+        tensors = []
 
     # As many workers as leave each task room for a row range of at least MIN_MEMORY_CHUNK_BYTES.
     while (
@@ -333,7 +373,7 @@ def _verify(
     ):
         if key not in key_problems or element < key_problems[key][0]:
             key_problems[key] = (element, problem)
-    report.bytes_checked = sum(it.nbytes for it in plan.items)
+    report.bytes_checked += sum(it.nbytes for it in plan.items)
     report.problems = sorted(file_problems) + [f"{k}: {key_problems[k][1]}" for k in sorted(key_problems)]
     if reference is not None and dtype is None and not file_problems:
         report.suggested_dtype = _cast_explains(source, reference, list(key_problems))

@@ -31,6 +31,8 @@ from typing import Any
 
 from parallel_dcp.engine.memory import ZSTD_MAX_WINDOW_BYTES, zstd_compress_bytes
 from parallel_dcp.errors import CompressionUnavailableError, CorruptCheckpointError
+from parallel_dcp.storage.direct_read import vanished
+from parallel_dcp.storage.safe_files import open_regular
 
 __all__ = [
     "DESCRIPTOR",
@@ -204,7 +206,10 @@ class _StoredRecord:
         self._fd = -1
         self.consumed = 0
         if not _is_remote(where):
-            self._fd = os.open(os.fspath(where), os.O_RDONLY)
+            try:  # never through a symlink; a shard gone meanwhile is a checkpoint that changed
+                self._fd = open_regular(None, os.fspath(where))
+            except FileNotFoundError:
+                raise vanished(where) from None
 
     def read(self, size: int = -1) -> bytes:
         size = self._left if size is None or size < 0 else min(size, self._left, _READ_BYTES)

@@ -26,6 +26,7 @@ from parallel_dcp import _compat
 from parallel_dcp.engine import progress
 from parallel_dcp.storage import records
 from parallel_dcp.storage.compression import DESCRIPTOR, Compression, RecordCompressor
+from parallel_dcp.storage.direct_write import new_file
 from parallel_dcp.storage.location import Remote, RemoteFileSystem
 from parallel_dcp.storage.manifest import FileDigest, Hasher
 
@@ -120,7 +121,24 @@ class _Recording:
 
 
 class _LocalRecording(_Recording, FileSystem):
-    """Local files, recorded."""
+    """Local files, recorded; each created new (never through a planted name: see
+    :mod:`parallel_dcp.storage.safe_files`), with O_DIRECT when ``direct``."""
+
+    direct = False
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        if "w" not in mode:
+            raise ValueError(f"a shard writer only writes new files, not mode {mode!r}")
+        hasher = self.hashers[os.path.basename(path)] = Hasher(checksum=self.checksums)
+        try:
+            with new_file(path, direct=self.direct, buffering=_GATHER_BYTES) as stream:
+                recording = _RecordingStream(stream, self, hasher)
+                yield recording  # type: ignore[misc]
+                recording.write_gathered()
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
 
 
 class _RemoteRecording(_Recording, RemoteFileSystem):
@@ -138,6 +156,9 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
 
     With ``compression``, every record (values and tensors) is one zstd frame, as stock's
     ``ZStandard`` extension writes it (see :mod:`parallel_dcp.storage.compression`).
+
+    With ``direct`` (local files), the shard is written with O_DIRECT through aligned buffers
+    (:class:`~parallel_dcp.storage.direct_write.DirectFile`): the same bytes, no page cache.
     """
 
     def __init__(
@@ -148,6 +169,7 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
         checksums: bool = True,
         expected_bytes: int = 0,
         compression: Compression | None = None,
+        direct: bool = False,
     ) -> None:
         remote = isinstance(path, Remote)
         self.compression = compression
@@ -160,6 +182,7 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
             self.path = path.url
         else:
             recording = _LocalRecording()  # type: ignore[assignment]
+            recording.direct = direct  # type: ignore[attr-defined]
         recording.start_recording(checksums)
         self._recording = recording
         self.fs = recording  # type: ignore[assignment]

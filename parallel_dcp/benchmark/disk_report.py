@@ -1,0 +1,65 @@
+"""The ``disk`` suite's summary: each target of issue 23 from one scenario's rows (see disk.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["disk_summary", "disk_summary_lines"]
+
+
+def disk_summary(rows: dict[str, dict[str, Any]], nbytes: int) -> dict[str, Any]:
+    """The issue's targets from one disk scenario (None where a row did not run)."""
+
+    def median(prefix: str) -> float | None:
+        for name, row in rows.items():
+            if name.startswith(prefix) and row.get("median_s"):
+                return float(row["median_s"])
+        return None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    save = next((float(r["median_s"]) for n, r in rows.items() if "io=auto" in n and r["median_s"]), None)
+    buffered = next((float(r["median_s"]) for n, r in rows.items() if "io=buffered" in n and r["median_s"]), None)
+    unchecked = next((float(r["median_s"]) for n, r in rows.items() if "no-checksums" in n and r["median_s"]), None)
+    reads = [float(r["median_s"]) for n, r in rows.items() if n.startswith("plain read") and r["median_s"]]
+    best_read = min(reads) if reads else None
+    growth = next((r["details"].get("page_cache_growth") for n, r in rows.items() if "io=auto" in n), None)
+    return {
+        "save_of_direct_limit": ratio(median("device direct write"), save),
+        "save_vs_stock": ratio(median("stock dcp t="), save),
+        "save_io": next((r["details"].get("io") for n, r in rows.items() if "io=auto" in n), None),
+        "save_buffered_vs_auto": ratio(buffered, save),
+        "checksums_share": (save - unchecked) / save if save and unchecked else None,
+        "convert_vs_stock": ratio(median("stock load_file"), median("convert safetensors")),
+        "load_into_of_best_read": ratio(best_read, median("load into")),
+        "fast_reader_of_best_read": ratio(best_read, median("FastReader")),
+        "load_into_vs_stock": ratio(median("stock dcp.load"), median("load into")),
+        "verify_vs_stock": ratio(median("stock dcp.load + torch.equal"), median("verify")),
+        "page_cache_growth_of_checkpoint": growth / nbytes if growth is not None and nbytes else None,
+        "page_cache_growth_by_writer": {
+            n: r["details"]["page_cache_growth"] for n, r in rows.items() if "page_cache_growth" in r["details"]
+        },
+    }
+
+
+def disk_summary_lines(s: dict[str, Any]) -> list[str]:
+    def num(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    return [
+        f"save (io=auto -> {s['save_io']}) of the device's direct-write limit: "
+        f"{num(s['save_of_direct_limit'], '.0%')} (target >= 85%)",
+        f"save vs stock dcp.save: {num(s['save_vs_stock'], '.2f')}x (target >= 2.5x); io=buffered takes "
+        f"{num(s['save_buffered_vs_auto'], '.2f')}x the time of io=auto",
+        f"checksums' share of the save time: {num(s['checksums_share'], '.0%')} (target <= 5%)",
+        f"safetensors -> DCP vs load_file + dcp.save: {num(s['convert_vs_stock'], '.2f')}x (target >= 2.5x)",
+        f"load(into=) / FastReader of the best plain read: {num(s['load_into_of_best_read'], '.0%')} / "
+        f"{num(s['fast_reader_of_best_read'], '.0%')} (target >= 90%)",
+        f"load(into=) vs stock dcp.load: {num(s['load_into_vs_stock'], '.2f')}x (target >= 2.5x)",
+        f"verify vs stock dcp.load + torch.equal: {num(s['verify_vs_stock'], '.2f')}x (target >= 1.2x)",
+        f"page-cache growth after a save with io=auto: {num(s['page_cache_growth_of_checkpoint'], '.1%')} of the "
+        "checkpoint (target < 5%)",
+        "page-cache growth (Dirty + Cached) per writer: "
+        + ", ".join(f"{n}: {g / 2**20:+.0f} MiB" for n, g in s["page_cache_growth_by_writer"].items()),
+    ]

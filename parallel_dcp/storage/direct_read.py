@@ -1,0 +1,200 @@
+"""A shard opened for reading: never through a symlink, regular files only, O_DIRECT when asked.
+
+Buffered: ``preadv`` straight into the destination buffers. Direct: the span is read in aligned
+pieces (:data:`PIECE_BYTES`, 4 MiB, the next piece already being read by a helper thread while the last
+is copied out) into a page-aligned bounce buffer, then copied into the destination buffers: no
+page of the shard enters the page cache, and the device sees two requests in flight per reading
+thread (the readers of :mod:`parallel_dcp.formats.fast_read` run several such threads).
+
+A file that vanished (the checkpoint was replaced or removed while it was read) and a file shorter
+than ``.metadata`` says are :class:`~parallel_dcp.errors.CorruptCheckpointError`, never a raw OSError.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.storage.direct_write import MEMMOVE_BYTES, address
+from parallel_dcp.storage.io_mode import ALIGN, uses_direct
+from parallel_dcp.storage.safe_files import open_regular
+
+__all__ = ["PIECE_BYTES", "ShardFile", "direct_read_memory", "vanished"]
+
+PIECE_BYTES = 4 << 20
+_pools: dict[int, cf.ThreadPoolExecutor] = {}
+
+
+def _prefetcher() -> cf.ThreadPoolExecutor:
+    """This process's read-ahead threads (a forked worker gets its own: the parent's threads do
+    not exist in it, and an executor inherited through fork would wait on them forever)."""
+    pid = os.getpid()
+    if pid not in _pools:
+        _pools.clear()
+        _pools[pid] = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="pdcp-direct-read")
+    return _pools[pid]
+
+
+def direct_read_memory() -> int:
+    """The aligned buffers one reading thread holds for direct reads."""
+    return 2 * PIECE_BYTES
+
+
+def vanished(path: object) -> CorruptCheckpointError:
+    """The error for a shard that disappeared between the check and the read."""
+    return CorruptCheckpointError(
+        f"{path} vanished: the checkpoint changed while reading (replaced or removed by another process)"
+    )
+
+
+class ShardFile:
+    """One shard file open for reading (local files only)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, io: str = "buffered") -> None:
+        """``io`` as resolved by :func:`~parallel_dcp.storage.io_mode.resolve_io` for the source:
+        ``"auto"`` reads files of at least ``DIRECT_MIN_BYTES`` with O_DIRECT."""
+        self.path = Path(path)
+        self._buffers: list[mmap.mmap] = []
+        self._pending: cf.Future[int] | None = None
+        self.fd = -1
+        try:
+            self.fd = open_regular(None, self.path)
+        except FileNotFoundError:
+            raise vanished(self.path) from None
+        self.size = os.fstat(self.fd).st_size
+        self.direct = uses_direct(io, self.size)
+        if self.direct:
+            try:
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    os.close(self.fd)
+                    raise
+                self.direct = False  # this file system refuses O_DIRECT after all: read it buffered
+
+    def close(self) -> None:
+        if self._pending is not None:
+            with contextlib.suppress(Exception):
+                self._pending.result()
+            self._pending = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        for buffer in self._buffers:
+            buffer.close()
+        self._buffers = []
+
+    def _truncated(self, offset: int) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self.path} ends at byte {offset}: the shard is truncated")
+
+    def read(self, offset: int, views: list[memoryview]) -> None:
+        """Fill ``views``, one after the other, from the file's bytes at ``offset``."""
+        if self.direct:
+            self._read_direct(offset, views)
+            return
+        while views:
+            got = os.preadv(self.fd, views, offset)
+            if got <= 0:
+                raise self._truncated(offset)
+            offset += got
+            while views and got >= views[0].nbytes:
+                got -= views[0].nbytes
+                views = views[1:]
+            if views and got:
+                views = [views[0][got:], *views[1:]]
+
+    def stream(self) -> Iterator[memoryview]:
+        """The whole file, in order, in pieces of up to :data:`PIECE_BYTES` (direct: straight from
+        the aligned buffers, the next piece read meanwhile). Each view is valid until the next.
+
+        Raises:
+            CorruptCheckpointError: the file ends before the size it had when it was opened.
+        """
+        if not self.direct:
+            buffer = memoryview(bytearray(min(PIECE_BYTES, max(self.size, 1))))
+            at = 0
+            while at < self.size:
+                got = os.preadv(self.fd, [buffer[: min(buffer.nbytes, self.size - at)]], at)
+                if got <= 0:
+                    raise self._truncated(at)
+                yield buffer[:got]
+                at += got
+            return
+        if not self._buffers:
+            self._buffers = [mmap.mmap(-1, PIECE_BYTES) for _ in range(2)]
+        at, index = 0, 0
+        pending = _prefetcher().submit(self._pread, 0, 0, PIECE_BYTES) if self.size else None
+        while pending is not None:
+            got = pending.result()
+            if got <= 0 or (got < PIECE_BYTES and at + got < self.size):
+                raise self._truncated(at + max(got, 0))
+            following = at + got < self.size
+            pending = _prefetcher().submit(self._pread, 1 - index, at + got, PIECE_BYTES) if following else None
+            self._pending = pending  # close() waits for it: its buffer cannot go while it is read into
+            view = memoryview(self._buffers[index])[: min(got, self.size - at)]
+            try:
+                yield view
+            finally:
+                view.release()
+            at, index = at + got, 1 - index
+
+    def _read_direct(self, offset: int, views: list[memoryview]) -> None:
+        views = [v for v in views if v.nbytes]
+        total = sum(v.nbytes for v in views)
+        if not total:
+            return
+        if not self._buffers:
+            self._buffers = [mmap.mmap(-1, PIECE_BYTES) for _ in range(2)]
+        end = offset + total
+        start = offset - offset % ALIGN
+        pieces = [(at, min(PIECE_BYTES, -(-(end - at) // ALIGN) * ALIGN)) for at in range(start, end, PIECE_BYTES)]
+        position = offset  # the next byte the views want
+        target = 0
+        pending = _prefetcher().submit(self._pread, 0, *pieces[0])
+        for i, (at, _length) in enumerate(pieces):
+            got = pending.result()
+            if i + 1 < len(pieces):
+                pending = _prefetcher().submit(self._pread, (i + 1) % 2, *pieces[i + 1])
+            buffer = memoryview(self._buffers[i % 2])
+            base = address(buffer)
+            try:
+                available = at + got  # the file's bytes this piece holds end here
+                while target < len(views) and position < available:
+                    view = views[target]
+                    n = min(view.nbytes, available - position)
+                    if n >= MEMMOVE_BYTES:  # without the GIL: the reading threads copy in parallel
+                        ctypes.memmove(address(view), base + position - at, n)
+                    else:
+                        view[:n] = buffer[position - at : position - at + n]
+                    position += n
+                    if n == view.nbytes:
+                        target += 1
+                    else:
+                        views[target] = view[n:]
+            finally:
+                buffer.release()
+            if position < end and got < _length:
+                if i + 1 < len(pieces):
+                    pending.result()  # the read ahead must finish before its buffer is released
+                raise self._truncated(available)
+
+    def _pread(self, index: int, at: int, length: int) -> int:
+        view = memoryview(self._buffers[index])
+        try:
+            got = 0
+            while got < length:
+                n = os.preadv(self.fd, [view[got:length]], at + got)
+                got += max(n, 0)
+                if n <= 0 or n % ALIGN:  # the end of the file
+                    break
+            return got
+        finally:
+            view.release()
