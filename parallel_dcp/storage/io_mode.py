@@ -29,10 +29,13 @@ import mmap
 import os
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from parallel_dcp.errors import InvalidDestinationError
-from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.safe_files import create_new, open_directory
+
+if TYPE_CHECKING:  # location imports torch; the CLI checks --io before torch is loaded
+    from parallel_dcp.storage.location import Remote
 
 __all__ = [
     "ALIGN",
@@ -87,6 +90,8 @@ def direct_refusal(path: str | os.PathLike[str] | Remote, *, probe: bool = True)
     """None when files under ``path`` (a directory, or its nearest existing ancestor) can be
     written and read with O_DIRECT; else why not. Probed once per file system and type (without
     ``probe``, as a dry run asks: from the file system's type alone)."""
+    from parallel_dcp.storage.location import Remote
+
     if isinstance(path, Remote):
         return "object storage has no O_DIRECT"
     where = Path(os.path.abspath(path))
