@@ -21,7 +21,7 @@ import math
 import os
 import pickle
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -39,6 +39,7 @@ from parallel_dcp.errors import (
 )
 from parallel_dcp.storage.geometry import PairBudget, check_chunks, check_planner_data, check_records, check_shards
 from parallel_dcp.storage.location import Remote, check_name, file_size, locate
+from parallel_dcp.storage.safe_files import open_regular
 
 __all__ = [
     "METADATA_MEMORY_FACTOR",
@@ -120,7 +121,7 @@ def read_metadata(path: str | os.PathLike[str] | Remote, *, memory_limit: int | 
             measured=need,
             keys=[],
         )
-    with file.open_read() if isinstance(file, Remote) else open(file, "rb", buffering=_READ_PIECE) as f:
+    with _open_metadata(file) as f:
         try:
             metadata = _SafeUnpickler(f).load()
         except UnsafeCheckpointError:
@@ -133,6 +134,19 @@ def read_metadata(path: str | os.PathLike[str] | Remote, *, memory_limit: int | 
         raise CorruptCheckpointError(f"{file} does not hold DCP Metadata but {type(metadata).__name__}")
     check_metadata(metadata, file)
     return metadata
+
+
+@contextlib.contextmanager
+def _open_metadata(file: Any) -> Iterator[BinaryIO]:
+    """``.metadata`` for reading in pieces of ``_READ_PIECE``: the unpickler asks for a few bytes at
+    a time, and on object storage each unbuffered ask would be a ranged request (thousands for
+    one file). A local file is opened without following a symlink, regular files only."""
+    if isinstance(file, Remote):
+        with file.open_read() as raw, io.BufferedReader(raw, buffer_size=_READ_PIECE) as f:
+            yield f
+        return
+    with os.fdopen(open_regular(None, file), "rb", buffering=_READ_PIECE) as f:
+        yield f
 
 
 def _count(value: object) -> bool:
