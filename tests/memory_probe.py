@@ -10,16 +10,25 @@ import time
 import psutil
 
 
+def _charged(proc: psutil.Process) -> int:
+    """PSS without the file pages of program code (what the memory governor charges, computed
+    here independently through psutil): a shared library's pages are shared with every torch
+    process on the machine, so their share moves whenever another test's process starts or exits."""
+    maps = proc.memory_maps(grouped=False)
+    code = {m.path for m in maps if m.path.startswith("/") and "x" in m.perms}
+    return sum(m.private_dirty if m.path in code else m.pss for m in maps)
+
+
 def tree_pss() -> int | None:
-    """The PSS of this process and its children, or None when a process started or ended while
-    they were being read: a fork or an exit between two readings moves shared pages from one
+    """The charged PSS of this process and its children, or None when a process started or ended
+    while they were being read: a fork or an exit between two readings moves shared pages from one
     process's share to another's, and the sum would count them twice or not at all."""
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     total = 0
     for proc in [me, *me.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
-            total += proc.memory_full_info().pss
+            total += _charged(proc)
     after = {p.pid for p in me.children(recursive=True)}
     return total if before == after else None
 

@@ -265,7 +265,7 @@ KILL_SCRIPT = textwrap.dedent(
     write = direct_write._pwrite_all
     def stall(fd, view, offset):
         write(fd, view, offset)
-        print("written", flush=True)
+        os.write(1, b"written\\n")  # one write: both workers' lines never interleave
         time.sleep(120)
     direct_write._pwrite_all = stall
     sd = {"w%d" % i: torch.randn(1024, 1024) for i in range(4)}

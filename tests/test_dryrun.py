@@ -23,8 +23,13 @@ from tests.test_convert import write_hf_safetensors
 from tests.test_rename import snapshot
 
 MiB = 2**20
-# The README quotes the errors this test measures (run with -s to see them).
-TOLERANCE = 0.25
+# docs/performance.md quotes the errors this test measures (run with -s to see them). The
+# prediction is what admission reserves: the measured peak may not pass it by more than sampling
+# noise. It is reached when both workers' largest moments coincide, which is timing: on a loaded
+# machine (slower tasks overlap longer) the highest of 8 runs came within 0-6% of it, on a quiet
+# one 13-29% under it.
+UNDER = -0.10
+OVER = 0.35
 
 
 def llm_state(layers: int = 4, d: int = 512) -> dict[str, Any]:
@@ -103,7 +108,7 @@ def test_llm_like_save(tmp_path: Path) -> None:
         lambda: parallel_dcp.save(sd, tmp_path / "ckpt", dry_run=True, **kwargs),
         lambda: parallel_dcp.save(sd, tmp_path / "ckpt", **kwargs),
     )
-    assert abs(error) <= TOLERANCE
+    assert UNDER <= error <= OVER
     assert plan.executor == "processes" and plan.workers == 2 and plan.format == "dcp"
 
 
@@ -116,7 +121,7 @@ def test_sharded_safetensors_to_dcp_under_a_limit(tmp_path: Path) -> None:
         lambda: parallel_dcp.convert(tmp_path / "hf", tmp_path / "dcp", dry_run=True, **kwargs),
         lambda: parallel_dcp.convert(tmp_path / "hf", tmp_path / "dcp", **kwargs),
     )
-    assert abs(error) <= TOLERANCE
+    assert UNDER <= error <= OVER
     assert plan.predicted_peak_memory <= plan.memory_limit == 160 * MiB
     assert plan.chunks, "under this limit the largest tensors are split into chunks"
 
@@ -128,7 +133,7 @@ def test_dcp_to_a_single_file(tmp_path: Path) -> None:
         lambda: parallel_dcp.convert(tmp_path / "dcp", tmp_path / "model.pt", dry_run=True, **kwargs),
         lambda: parallel_dcp.convert(tmp_path / "dcp", tmp_path / "model.pt", **kwargs),
     )
-    assert abs(error) <= TOLERANCE
+    assert UNDER <= error <= OVER
     assert plan.tasks == 1 and plan.files[0]["name"] == "model.pt"
 
 

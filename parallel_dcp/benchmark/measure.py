@@ -8,8 +8,9 @@
 Interleaving puts every configuration under the same drift of a noisy machine, so ratios of
 their medians compare like with like. Each run reports wall seconds, user+sys CPU seconds of this
 process and its reaped children (``getrusage`` SELF + CHILDREN, less the memory sampler's own
-thread), and the peak memory the process tree added (PSS, so pages shared after ``fork`` count
-once) above what it held when the run started.
+thread), and the peak memory the process tree added (PSS without program code, as the memory
+governor counts it, so pages shared after ``fork`` count once) above what it held when the run
+started.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Any
 
 import psutil
 from torch.distributed.checkpoint.api import CheckpointException
+
+from parallel_dcp.engine.process_memory import charged_memory
 
 __all__ = ["Case", "Measured", "PeakMemory", "cpu_seconds", "run_interleaved", "tree_pss"]
 
@@ -89,18 +92,6 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _pss(proc: psutil.Process) -> int:
-    try:
-        return int(proc.memory_full_info().pss)
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return 0  # it ended between listing and reading: it holds nothing any more
-    except (psutil.AccessDenied, AttributeError):  # no smaps: RSS over-counts, never under-counts
-        try:
-            return int(proc.memory_info().rss)
-        except psutil.NoSuchProcess:
-            return 0
-
-
 def _pids(me: psutil.Process) -> tuple[list[psutil.Process], set[int]]:
     try:
         children = me.children(recursive=True)
@@ -110,7 +101,8 @@ def _pids(me: psutil.Process) -> tuple[list[psutil.Process], set[int]]:
 
 
 def tree_pss(me: psutil.Process | None = None) -> int | None:
-    """PSS of this process plus all its descendants, in bytes; None for a torn reading.
+    """PSS of this process plus all its descendants (without program code, as the memory
+    governor counts it: ``engine.process_memory``), in bytes; None for a torn reading.
 
     A fork or an exit between two processes' readings moves shared pages from one share to
     another, so that the sum counts them twice (or not at all): a reading during which the set
@@ -118,7 +110,7 @@ def tree_pss(me: psutil.Process | None = None) -> int | None:
     """
     me = me or psutil.Process()
     children, before = _pids(me)
-    total = sum(_pss(proc) for proc in (me, *children))
+    total = sum(charged_memory(proc.pid)[0] for proc in (me, *children))
     return total if _pids(me)[1] == before else None
 
 

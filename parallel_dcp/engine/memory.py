@@ -1,11 +1,13 @@
 """The memory governor: a hard ceiling on what a job adds to its process tree's physical memory.
 
 What is counted: the proportional set size (PSS) of the coordinator plus every worker, minus the
-coordinator's PSS when the job started. PSS splits each shared page among the processes that map
-it, so the pages workers inherit from the coordinator by ``fork`` (an in-memory state dict) are
-counted once, as they occupy RAM once, and what a worker copies, buffers or maps in on its own is
-counted in full. Page cache and files written to tmpfs are not process memory and are not counted:
-they are the output, and the kernel accounts for them separately.
+coordinator's when the job started, without program code (``process_memory``: shared libraries
+are shared with every other torch process on the node, so their share moves when a neighbour
+starts or exits). PSS splits each shared page among the processes that map it, so the pages
+workers inherit from the coordinator by ``fork`` (an in-memory state dict) are counted once, as
+they occupy RAM once, and what a worker copies, buffers or maps in on its own is counted in full.
+Page cache and files written to tmpfs are not process memory and are not counted: they are the
+output, and the kernel accounts for them separately.
 
 Two mechanisms enforce the ceiling:
 
@@ -13,11 +15,11 @@ Two mechanisms enforce the ceiling:
   only when its estimate fits beside those in flight under the ceiling, less what the idle workers
   were measured to cost; an item that can never fit fails at once, naming the key.
 - a watchdog (while workers run): every 50 ms the resident sizes (cheap) are summed; while that
-  upper bound is under the ceiling, PSS is read only about once a second, for the reported peak.
-  Otherwise PSS is read every 50 ms, or less often where reading a large tree costs more than 5%
-  of a core; a reading over the
-  ceiling is measured again before acting, and then the worker with the most private memory is
-  killed and the job fails with :class:`MemoryLimitExceeded` naming it, its keys and the figures.
+  upper bound is under the ceiling, the tree's smaps are read only about once a second, for the
+  reported peak. Otherwise they are read every 50 ms, or less often where reading a large tree
+  costs more than 5% of a core; a reading over the ceiling is measured again before acting, and
+  then the worker with the most private memory is killed and the job fails with
+  :class:`MemoryLimitExceeded` naming it, its keys and the figures.
 
 Longer than 300 lines because the whole memory model sits together on purpose: cost constants,
 worker arithmetic, admission and the watchdog.
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from parallel_dcp.engine.process_memory import charged_memory
 from parallel_dcp.errors import MemoryLimitExceeded, describe_keys, describe_unit
 
 __all__ = [
@@ -56,18 +59,19 @@ __all__ = [
 
 # What a worker's memory grows by while it runs a task, beyond the items' own buffers: the DCP
 # planner, writer and zip buffers, and ~9-13 KiB per item for its plan, metadata and write result.
-# With an idle worker's cost below, a worker running a task was measured at 11-17 MiB (torch 2.x,
-# 2 workers, 16 MiB tensors). These figures are both admission's and a dry run's prediction
-# (tests/test_dryrun.py compares the latter with the measured peak): rounding them far up would
-# make the prediction a fiction, rounding them down would let admission overcommit; the watchdog
-# measures twice before it acts on a breach.
-TASK_MEMORY_BYTES = 10 * 1024 * 1024
+# Measured as the governor counts (process_memory: without program code; torch 2.13): a worker
+# running a task of small tensors at 7-8 MiB with its idle cost below (2 and 4 workers), and a
+# one-worker DCP -> torch.save conversion 98-107 MiB against 107 MiB predicted. These figures are
+# both admission's and a dry run's prediction (tests/test_dryrun.py compares the latter with the
+# measured peak): rounding them far up would make the prediction a fiction, rounding them down
+# would let admission overcommit; the watchdog measures twice before it acts on a breach.
+TASK_MEMORY_BYTES = 8 * 1024 * 1024
 # The same for a DCP task on the lean path (formats/lean.py: no DCP planner, records written from
-# templates): a 2-worker save of contiguous tensors peaked at 15-21 MiB, two idle workers
-# included, so 0-3 MiB a task; rounded up.
-LEAN_TASK_MEMORY_BYTES = 4 * 1024 * 1024
-# What an idle forked worker adds (page tables, pages its start-up touches): ~6-8 MiB measured.
-WORKER_MEMORY_BYTES = 8 * 1024 * 1024
+# templates): a 1-worker save of small contiguous tensors peaked at 4-6 MiB, its worker included.
+LEAN_TASK_MEMORY_BYTES = 3 * 1024 * 1024
+# What an idle forked worker adds (pages its start-up touches and copies; page tables are not
+# counted): 0.1 MiB right after the fork, a few MiB once it has run Python code.
+WORKER_MEMORY_BYTES = 4 * 1024 * 1024
 ITEM_MEMORY_BYTES = 16 * 1024
 
 # Compressed records (storage/compression.py). Compressing: zstd's context at the level (zstd's
@@ -86,7 +90,7 @@ ZSTD_VALUE_MAX_BYTES = 64 * 1024 * 1024
 
 # The watchdog spends at most about 1/_SAMPLING_SHARE of one core reading the tree.
 _SAMPLING_SHARE = 20
-# While the tree's resident size alone proves it under the ceiling, PSS is read only this often
+# While the tree's resident size alone proves it under the ceiling, smaps are read only this often
 # (for the reported peak), since reading it walks every page table.
 _RELAXED_INTERVAL = 1.0
 # The default ceiling: this fraction of the memory available when the job starts.
@@ -159,28 +163,6 @@ def default_limit() -> int:
     return int(psutil.virtual_memory().available * DEFAULT_FRACTION)
 
 
-def _pss_uss(proc: psutil.Process) -> tuple[int, int]:
-    """(PSS, USS) of one process from one read of smaps_rollup; (0, 0) once it is gone."""
-    try:
-        info = proc.memory_full_info()
-        return int(info.pss), int(info.uss)
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return 0, 0
-    except (psutil.AccessDenied, AttributeError):  # no smaps: RSS over-counts, never under-counts
-        try:
-            rss = int(proc.memory_info().rss)
-            return rss, rss
-        except psutil.NoSuchProcess:
-            return 0, 0
-
-
-def _pss_uss_of(pid: int) -> tuple[int, int]:
-    try:
-        return _pss_uss(psutil.Process(pid))
-    except psutil.NoSuchProcess:
-        return 0, 0
-
-
 def _rss(proc: psutil.Process) -> int:
     try:
         return int(proc.memory_info().rss)
@@ -211,7 +193,7 @@ class MemoryGovernor:
         self.limit = limit
         self.interval = interval
         self._me = psutil.Process()
-        self.baseline = _pss_uss(self._me)[0]
+        self.baseline = charged_memory(self._me.pid)[0]
         self._rss_baseline = _rss(self._me)
         self.peak = 0
         # What each worker keeps for the whole job beside its idle cost, such as its connection
@@ -275,7 +257,7 @@ class MemoryGovernor:
 
         ``planned`` is the memory of every task of the job. When the tree's resident size (an
         upper bound, read cheaply) leaves room for all of it at once, that bound is used as is;
-        otherwise PSS is read (tens of milliseconds for a large tree) for the exact figure.
+        otherwise smaps are read (tens of milliseconds for a large tree) for the exact figure.
         """
         started = time.perf_counter()
         try:
@@ -348,7 +330,7 @@ class MemoryGovernor:
     def _bounded_under_limit(self, worker_pids: Iterable[int]) -> bool:
         """True when resident sizes (cheap: /proc/<pid>/statm) prove the tree under the ceiling.
 
-        A process's PSS never exceeds its RSS, so the coordinator's growth in RSS plus every
+        What a process is charged never exceeds its RSS, so the coordinator's growth in RSS plus every
         worker's whole RSS bounds what the job added from above.
         """
         return self._rss_bound(worker_pids) <= self.limit
@@ -368,12 +350,12 @@ class MemoryGovernor:
         # Each read walks a process's page tables in the kernel (the GIL is released meanwhile):
         # one thread per process, so reading 64 workers costs about one read, not 64.
         with ThreadPoolExecutor(max_workers=max(1, min(len(pids), _READ_THREADS))) as threads:
-            found = list(threads.map(_pss_uss_of, pids))
-            total = _pss_uss(self._me)[0]
-        private = {pid: uss for pid, (pss, uss) in zip(pids, found, strict=True) if pss or uss}
-        total += sum(pss for pss, _ in found)
+            found = list(threads.map(charged_memory, pids))
+            total = charged_memory(self._me.pid)[0]
+        private = {pid: uss for pid, (charged, uss) in zip(pids, found, strict=True) if charged or uss}
+        total += sum(charged for charged, _ in found)
         added = total - self.baseline
-        # Reading smaps walks page tables: ~7 ms for a process that maps a few GiB. Keep the
+        # Reading smaps walks page tables: ~11 ms for a process that has imported torch. Keep the
         # watchdog's share of one core near 1/_SAMPLING_SHARE however large the tree.
         self._read_cost = time.monotonic() - started
         self.peak = max(self.peak, added)
