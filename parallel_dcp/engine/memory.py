@@ -61,7 +61,7 @@ __all__ = [
 # planner, writer and zip buffers, and ~9-13 KiB per item for its plan, metadata and write result.
 # Measured as the governor counts (process_memory: without program code; torch 2.13): a worker
 # running a task of small tensors at 7-8 MiB with its idle cost below (2 and 4 workers), and a
-# one-worker DCP -> torch.save conversion 98-107 MiB against 107 MiB predicted. These figures are
+# one-worker DCP -> torch.save conversion 75-110 MiB sampled against 107 MiB predicted. These figures are
 # both admission's and a dry run's prediction (tests/test_dryrun.py compares the latter with the
 # measured peak): rounding them far up would make the prediction a fiction, rounding them down
 # would let admission overcommit; the watchdog measures twice before it acts on a breach.
@@ -355,8 +355,9 @@ class MemoryGovernor:
         private = {pid: uss for pid, (charged, uss) in zip(pids, found, strict=True) if charged or uss}
         total += sum(charged for charged, _ in found)
         added = total - self.baseline
-        # Reading smaps walks page tables: ~11 ms for a process that has imported torch. Keep the
-        # watchdog's share of one core near 1/_SAMPLING_SHARE however large the tree.
+        # Reading smaps walks page tables: ~9 ms for a process that has imported torch (7.5 ms in the
+        # kernel, GIL released; 1.8 ms parsing, GIL held). Keep the watchdog's share of one core
+        # near 1/_SAMPLING_SHARE however large the tree.
         self._read_cost = time.monotonic() - started
         self.peak = max(self.peak, added)
         return Reading(added=added, private=private)
