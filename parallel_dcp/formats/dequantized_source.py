@@ -36,6 +36,7 @@ from parallel_dcp.formats.quantized_pairs import (
     find_pairs,
     source_config,
 )
+from parallel_dcp.formats.wrapped_source import WrappedSource
 
 if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
@@ -46,17 +47,12 @@ _WORK_BYTES = 32 * 1024 * 1024  # the arithmetic's int32 index strips (the heap 
 
 
 @dataclass
-class DequantizedSource(Source):
+class DequantizedSource(WrappedSource):
     """``inner`` with every quantized pair replaced by its dequantized tensor (``dtype``)."""
 
-    inner: Source | None = None
     dtype: torch.dtype = torch.bfloat16
     block: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)
     pairs: dict[str, Pair] = field(default_factory=dict)  # output key -> its pair
-
-    def _inner(self) -> Source:
-        assert self.inner is not None
-        return self.inner
 
     def _stored(self, keys: Iterable[str]) -> list[str]:
         """The inner keys that ``keys`` read."""
@@ -65,9 +61,6 @@ class DequantizedSource(Source):
             pair = self.pairs.get(key)
             out += [pair.values, pair.scale] if pair else [key]
         return out
-
-    def close(self) -> None:
-        self._inner().close()
 
     def check(self, keys: Iterable[str] | None = None) -> None:
         """The inner files are there, and no selected E8M0 scale holds the NaN exponent (255)."""
@@ -88,12 +81,6 @@ class DequantizedSource(Source):
                 "(nothing was written)",
                 keys=bad,
             )
-
-    def load_values(self, keys: Iterable[str]) -> None:
-        self._inner().load_values(keys)
-
-    def value_bytes(self, key: str) -> int:
-        return self._inner().value_bytes(key)
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         keys = list(keys)
@@ -177,17 +164,7 @@ def dequantized_source(source: Source, dtype: torch.dtype, block: tuple[int, int
         raise QuantizationError(
             f"{source.path} holds no quantized tensors (X.weight + X.weight_scale_inv, or X_blocks + X_scales)"
         )
-    view = DequantizedSource(
-        path=source.path,
-        kind=source.kind,
-        values=source.values,
-        files=list(source.files),
-        storage_options=source.storage_options,
-        trust_pickle=source.trust_pickle,
-        inner=source,
-        dtype=dtype,
-        block=block,
-    )
+    view = DequantizedSource.around(source, values=source.values, dtype=dtype, block=block)
     scales = {p.scale for p in pairs.values()}
     by_values = {p.values: out for out, p in pairs.items()}
     for key, entry in source.entries.items():

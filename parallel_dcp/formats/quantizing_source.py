@@ -28,6 +28,7 @@ from parallel_dcp.errors import QuantizationError
 from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.dequantized_source import SCALE_SUFFIX
 from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, fp8_scale_shape, quantize_fp8
+from parallel_dcp.formats.wrapped_source import WrappedSource
 
 if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
@@ -82,30 +83,16 @@ def _matcher(patterns: str | Sequence[str]) -> Any:
 
 
 @dataclass
-class QuantizingSource(Source):
+class QuantizingSource(WrappedSource):
     """``inner`` with the weights in ``weights`` quantized to FP8 blocks, and other floats cast to ``dtype``."""
 
-    inner: Source | None = None
     block: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)
     dtype: torch.dtype | None = None
     weights: dict[str, str] = field(default_factory=dict)  # output key -> inner weight (both units)
 
-    def _inner(self) -> Source:
-        assert self.inner is not None
-        return self.inner
-
-    def close(self) -> None:
-        self._inner().close()
-
     def check(self, keys: Iterable[str] | None = None) -> None:
         keys = None if keys is None else list(dict.fromkeys(self.weights.get(k, k) for k in keys))
         self._inner().check(keys)
-
-    def load_values(self, keys: Iterable[str]) -> None:
-        self._inner().load_values(keys)
-
-    def value_bytes(self, key: str) -> int:
-        return self._inner().value_bytes(key)
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         keys = list(keys)
@@ -209,16 +196,7 @@ def quantizing_source(
     taken = [k + SCALE_SUFFIX for k in chosen if k + SCALE_SUFFIX in source.entries or k + SCALE_SUFFIX in keys]
     if taken:
         raise QuantizationError(f"{source.path} already holds the scales {taken[:5]}: is it quantized already?")
-    view = QuantizingSource(
-        path=source.path,
-        kind=source.kind,
-        files=list(source.files),
-        storage_options=source.storage_options,
-        trust_pickle=source.trust_pickle,
-        inner=source,
-        block=block,
-        dtype=dtype,
-    )
+    view = QuantizingSource.around(source, block=block, dtype=dtype)
     chosen_set = set(chosen)
     out: list[str] = []
     for key in keys:
