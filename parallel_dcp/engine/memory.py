@@ -60,11 +60,12 @@ __all__ = [
 # What a worker's memory grows by while it runs a task, beyond the items' own buffers: the DCP
 # planner, writer and zip buffers, and ~9-13 KiB per item for its plan, metadata and write result.
 # Measured as the governor counts (process_memory: without program code; torch 2.13): a worker
-# running a task of small tensors at 7-8 MiB with its idle cost below (2 and 4 workers), and a
-# one-worker DCP -> torch.save conversion 75-110 MiB sampled against 107 MiB predicted. These figures are
-# both admission's and a dry run's prediction (tests/test_dryrun.py compares the latter with the
-# measured peak): rounding them far up would make the prediction a fiction, rounding them down
-# would let admission overcommit; the watchdog measures twice before it acts on a breach.
+# running a task of small tensors at 7-8 MiB with its idle cost below (2 and 4 workers); two-worker
+# save and conversion peaks within 2% of their dry-run prediction (142 MiB), a one-worker DCP ->
+# torch.save conversion at 91-110 MiB against 107 MiB. These figures are both admission's and a
+# dry run's prediction (tests/test_dryrun.py compares the latter with the measured peak):
+# rounding them far up would make the prediction a fiction, rounding them down would let
+# admission overcommit; the watchdog measures twice before it acts on a breach.
 TASK_MEMORY_BYTES = 8 * 1024 * 1024
 # The same for a DCP task on the lean path (formats/lean.py: no DCP planner, records written from
 # templates): a 1-worker save of small contiguous tensors peaked at 4-6 MiB, its worker included.
