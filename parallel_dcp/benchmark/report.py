@@ -32,8 +32,9 @@ NOTES = [
     "x stock: the stock baseline's median time over this row's (above 1: faster). Save rows: stock dcp.save"
     " (defaults) at the same thread count; torch.save and safetensors: stock t=1; conversions: the stock path.",
     "of limit: the plain write of ready buffers by as many processes, in time over this row's time.",
-    "peak +MiB: highest PSS of this process and all its children (sampled every >=5 ms, at most 5% of a"
-    " core) above its level when the row started; page cache and tmpfs files are not counted.",
+    "peak +MiB: highest PSS of this process and all its children, without program code, as the memory"
+    " governor counts it (sampled every >=5 ms, at most 5% of a core) above its level when the row"
+    " started; page cache and tmpfs files are not counted.",
 ]
 _HEADER = (
     f"{'writer':<28}{'n':>3}{'GiB/s':>8}{'median s':>10}{'min s':>8}{'max s':>8}{'cpu s':>8}"
