@@ -73,7 +73,7 @@ def file_system_type(path: str | os.PathLike[str]) -> str:
     where = Path(os.path.abspath(path))
     while not where.exists() and where != where.parent:
         where = where.parent
-    try:
+    with contextlib.suppress(OSError):  # no stat or no /proc: the type cannot be told
         dev = os.stat(where).st_dev
         wanted = f"{os.major(dev)}:{os.minor(dev)}"
         with open("/proc/self/mountinfo", encoding="utf-8") as mounts:
@@ -81,8 +81,6 @@ def file_system_type(path: str | os.PathLike[str]) -> str:
                 fields = line.split()
                 if len(fields) > 2 and fields[2] == wanted and " - " in line:
                     return line.split(" - ", 1)[1].split()[0]
-    except OSError:
-        pass
     return ""
 
 
