@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,7 @@ from parallel_dcp.storage import records
 from tests.test_roundtrip import DTYPES, nested_state, odd_shapes, random_tensor
 
 ID_RECORD = ".data/serialization_id"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -92,6 +95,30 @@ def test_records_of_one_class_share_the_template(crc_off: None) -> None:
     assert records.template_for(a) is records.template_for(b)
     assert lean_record(a) != lean_record(b)
     assert torch.equal(torch.load(io.BytesIO(lean_record(b)), weights_only=True), b)
+
+
+BUILD_ELSEWHERE = (
+    "import sys, torch; from parallel_dcp.storage import records; "
+    "torch.serialization.set_crc32_options(False); "
+    "t = records.template_for(torch.empty(3, 4, dtype=torch.bfloat16)); "
+    "sys.stdout.write((t.prefix + t.suffix).hex())"
+)
+
+
+def test_a_class_gets_the_same_record_in_every_process(crc_off: None) -> None:
+    """torch.save draws a random serialization id; a template built in one worker and not in
+    another once made two saves of one state dict differ by it (a flaky byte comparison)."""
+    built = [
+        subprocess.run(
+            [sys.executable, "-c", BUILD_ELSEWHERE], capture_output=True, text=True, check=True, cwd=ROOT
+        ).stdout
+        for _ in range(2)
+    ]
+    template = records.template_for(torch.empty(3, 4, dtype=torch.bfloat16))
+    assert template is not None
+    assert built[0] == built[1] == (template.prefix + template.suffix).hex()
+    ours = serialization_id(lean_record(torch.ones(3, 4, dtype=torch.bfloat16)))
+    assert ours.isdigit() and len(ours) == len(serialization_id(torch_save_bytes(torch.ones(1), len(ours))))
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,10 @@ so the record of a *class* is made once, by torch.save itself, from an uninitial
 same dtype, shape and strides, and split around its storage's bytes; every tensor of the class is
 then written as ``prefix``, its storage's bytes (straight from the tensor, no copy) and ``suffix``.
 The only difference from a fresh torch.save is the serialization id, a random number every
-torch.save draws and no reader checks: records of one class share their template's.
+torch.save draws and no reader checks (torch.load only logs it): a template's id is replaced by
+digits derived from the rest of its record, so a record's bytes depend on the tensor alone, not on
+which process first wrote its class (a template built in one worker and not in another made two
+saves of one state dict differ by that id).
 
 Only what ``tests/test_records.py`` compares bit for bit against torch.save takes this path (the
 dtypes of :data:`LEAN_DTYPES`, strided CPU tensors whose storage is exactly their bytes, at
@@ -21,6 +24,7 @@ CRC is off; anything else is written by torch.save as before (:func:`template_fo
 
 from __future__ import annotations
 
+import hashlib
 import io
 import struct
 import zipfile
@@ -142,21 +146,50 @@ def _build(tensor: torch.Tensor) -> Template | None:
     end = start + tensor.nbytes
     if record[start:end] != storage_bytes(dummy).tobytes():
         return None  # not the layout this module knows: torch.save writes this class
+    record = _fixed_serialization_id(record, start, end)
     return Template(record[:start], record[end:], tensor.nbytes)
+
+
+def _members(record: bytes) -> list[zipfile.ZipInfo] | None:
+    try:
+        with zipfile.ZipFile(io.BytesIO(record)) as archive:
+            return archive.infolist()
+    except zipfile.BadZipFile:
+        return None
+
+
+def _payload_offset(record: bytes, info: zipfile.ZipInfo) -> int | None:
+    """Where the bytes of the zip member ``info`` start in ``record`` (after its local header)."""
+    signature, *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(record, info.header_offset)
+    if signature != b"PK\x03\x04":
+        return None
+    return int(info.header_offset + _LOCAL_HEADER.size + name_length + extra_length)
 
 
 def _data_offset(record: bytes) -> int | None:
     """Where the bytes of the one storage record (``<archive>/data/0``) start in ``record``."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(record)) as archive:
-            infos = [i for i in archive.infolist() if i.filename.endswith("/data/0")]
-            names = [i.filename for i in archive.infolist() if "/data/" in i.filename]
-    except zipfile.BadZipFile:
-        return None
+    members = _members(record) or []
+    infos = [i for i in members if i.filename.endswith("/data/0")]
+    names = [i.filename for i in members if "/data/" in i.filename]
     if len(infos) != 1 or len(names) != 1:
         return None
-    offset = infos[0].header_offset
-    signature, *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(record, offset)
-    if signature != b"PK\x03\x04":
-        return None
-    return int(offset + _LOCAL_HEADER.size + name_length + extra_length)
+    return _payload_offset(record, infos[0])
+
+
+def _fixed_serialization_id(record: bytes, data_start: int, data_end: int) -> bytes:
+    """``record`` with its serialization id (random digits, after the tensor's bytes at
+    ``data_start:data_end``) replaced by as many digits taken from a hash of the record without
+    the id and the tensor's bytes; as it is where there is no such member or its CRC is set (it
+    would no longer match)."""
+    ids = [i for i in _members(record) or [] if i.filename.endswith("/.data/serialization_id")]
+    if len(ids) != 1 or ids[0].CRC != 0 or ids[0].compress_type != zipfile.ZIP_STORED:
+        return record
+    start = _payload_offset(record, ids[0])
+    if start is None or start < data_end:
+        return record
+    end = start + ids[0].file_size
+    hashed = record[:data_start] + record[data_end:start] + record[end:]
+    digits = "".join(str(b % 10) for b in hashlib.blake2b(hashed, digest_size=64).digest())
+    if end - start > len(digits) or end > len(record):
+        return record
+    return record[:start] + digits[: end - start].encode() + record[end:]
