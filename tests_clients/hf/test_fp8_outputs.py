@@ -145,3 +145,43 @@ def test_quantized_fp8_is_what_transformers_holds_and_dequantizes_as_ours(
         got = expected.state_dict()[name].float()
         bound = weight.float().abs().max() * 2**-3  # e4m3: 3 mantissa bits, scale from the block's max
         assert (got - weight.float()).abs().max() <= bound, name
+
+
+def test_quantized_gpt_oss_keeps_its_router(run_cli: Callable[..., object], tmp_path: Path) -> None:
+    """gpt-oss's release and transformers keep the MoE router unquantized: the default rule must too.
+
+    transformers cannot build gpt-oss with FP8 experts (its FP8Experts has no bias), so the check is
+    its CPU load, which dequantizes what is quantized: the router must come back bit for bit, and
+    ``modules_to_not_convert`` must name it.
+    """
+    from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(3)
+    config = GptOssConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    GptOssForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    run_cli("convert", tmp_path / "bf16", tmp_path / "fp8", "--to", "safetensors", "--quantize", f"fp8-block:{BLOCK}")
+
+    skipped = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"].get(
+        "modules_to_not_convert"
+    )
+    assert skipped and any("router" in name for name in skipped), f"modules_to_not_convert: {skipped!r}"
+    original = load_checked(AutoModelForCausalLM, tmp_path / "bf16").state_dict()
+    loaded = load_checked(AutoModelForCausalLM, tmp_path / "fp8").state_dict()
+    quantized = [k for k in loaded if k.endswith("proj.weight") and "experts" not in k]
+    assert quantized and all(not torch.equal(loaded[k], original[k]) for k in quantized), "nothing was quantized"
+    for name in original:
+        if name not in quantized:
+            assert_tensor_equal(loaded[name], original[name], name)
