@@ -75,7 +75,7 @@ def test_every_output_format(tmp_path: Path) -> None:
     parallel_dcp.convert(src, tmp_path / "hf", dequantize=True, to="safetensors", shard_size="200KB", workers=2)
     assert_same(load_safetensors_dir(tmp_path / "hf"), expected)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
+    assert "quantization_config" not in config and config["dtype"] == config["torch_dtype"] == "bfloat16"
     parallel_dcp.convert(src, tmp_path / "one.safetensors", dequantize=True, workers=1)
     assert_same(load_file(str(tmp_path / "one.safetensors")), expected)
     parallel_dcp.convert(src, tmp_path / "model.pt", dequantize=True, workers=1)
@@ -212,6 +212,7 @@ def test_quantize_deepseek_layout_read_by_stock(tmp_path: Path) -> None:
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head", "model.embed_tokens", "model.layers.1.mlp.gate"],
     }
     out = load_safetensors_dir(tmp_path / "q")
     for name, (rows, cols) in FP8_WEIGHTS.items():
