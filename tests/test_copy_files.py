@@ -290,3 +290,33 @@ def test_a_failed_commit_leaves_no_copied_folder(tmp_path: Path, monkeypatch: py
         parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", workers=1)
     left = [p.name for p in (tmp_path / "out").iterdir()] if (tmp_path / "out").exists() else []
     assert not [name for name in left if name.endswith(".tmp")], left
+
+
+def test_a_dead_saves_temporary_folders_are_removed_by_the_next_save(tmp_path: Path) -> None:
+    """A conversion killed (os._exit) after its commit point, between two folder renames, leaves
+    its temporary folders; the next conversion to that destination removes them."""
+    import subprocess
+    import sys
+
+    _st_folder(tmp_path / "hf")
+    code = f"""
+import os
+import parallel_dcp
+from parallel_dcp.storage import local_staging
+real = local_staging.rename_name
+def die_at_a_folder(directory, source, target, *, replace):
+    if target == "3_Deep":
+        os._exit(9)
+    real(directory, source, target, replace=replace)
+local_staging.rename_name = die_at_a_folder
+parallel_dcp.convert({str(tmp_path / "hf")!r}, {str(tmp_path / "out")!r}, to="safetensors", workers=1)
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 9, run.stdout + run.stderr
+    assert [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".3_Deep.") and p.is_dir()]
+    with pytest.warns(UserWarning, match="leftover"):
+        parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", overwrite=True, workers=1)
+    assert not [p.name for p in (tmp_path / "out").iterdir() if p.name.endswith(".tmp")]
+    assert (tmp_path / "out" / "3_Deep" / "a" / "b" / "notes.txt").read_bytes() == b"nested"
