@@ -320,3 +320,19 @@ parallel_dcp.convert({str(tmp_path / "hf")!r}, {str(tmp_path / "out")!r}, to="sa
         parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", overwrite=True, workers=1)
     assert not [p.name for p in (tmp_path / "out").iterdir() if p.name.endswith(".tmp")]
     assert (tmp_path / "out" / "3_Deep" / "a" / "b" / "notes.txt").read_bytes() == b"nested"
+
+
+def test_a_hugging_face_cache_snapshot_with_folders(tmp_path: Path) -> None:
+    """huggingface_hub's cache: snapshots/<rev>/ holds real folders of links into ../../blobs/;
+    those links stay inside the repository's cache folder, so they are followed."""
+    repo = tmp_path / "hub" / "models--org--minilm"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    (snapshot / "1_Pooling").mkdir(parents=True)
+    st.save_file({"w": torch.ones(2, 2)}, repo / "blobs" / "b1")
+    (repo / "blobs" / "b2").write_bytes(b'{"pooling_mode_mean_tokens": true}')
+    (snapshot / "model.safetensors").symlink_to("../../blobs/b1")
+    (snapshot / "1_Pooling" / "config.json").symlink_to("../../../blobs/b2")
+    parallel_dcp.convert(snapshot, tmp_path / "out", to="safetensors", workers=1)
+    assert (tmp_path / "out" / "1_Pooling" / "config.json").read_bytes() == b'{"pooling_mode_mean_tokens": true}'
+    assert not (tmp_path / "out" / "1_Pooling" / "config.json").is_symlink()

@@ -8,11 +8,13 @@ without them a converted folder does not load. The rules are those of the files 
 weights (:mod:`parallel_dcp.jobs.copy_files`): hidden names and weight files (of any framework)
 are never copied; a symlink is followed only when it stays inside the source's tree, and a
 symlink out of it, or anything that is not a regular file or a folder (a FIFO, a device), is
-refused before anything is written. A link to a folder inside the tree is not walked (its folder
-is copied where it is). The files are read at the commit by :func:`~parallel_dcp.jobs.copy_files.read_copies`
-(the one rule for reading them) and written new below the destination by
-:mod:`parallel_dcp.storage.side_trees`. Local sources only: object storage has no folders to walk
-safely here, so a remote source's folders are not copied.
+refused before anything is written (the tree is the source folder, or for a snapshot of a
+Hugging Face cache its repository folder, whose ``blobs/`` the snapshot's files link into). A
+link to a folder inside the tree is not walked (its folder is copied where it is). The files
+are read at the commit by :func:`~parallel_dcp.jobs.copy_files.read_copies` (the one rule for
+reading them) and written new below the destination by :mod:`parallel_dcp.storage.side_trees`.
+Local sources only: object storage has no folders to walk safely here, so a remote source's
+folders are not copied.
 """
 
 from __future__ import annotations
@@ -28,6 +30,20 @@ __all__ = ["MAX_DEPTH", "MAX_FILES", "folder_files"]
 
 MAX_DEPTH = 8  # folders below the source: deeper is not a model's side folder
 MAX_FILES = 10_000  # files in all of them
+
+
+# The folders of a Hugging Face cache repository: ``models--org--name/snapshots/<revision>/`` holds
+# links into ``models--org--name/blobs/``, which are the repository's own files.
+_HF_CACHE_REPOS = ("models--", "datasets--", "spaces--")
+
+
+def _source_tree(where: Path) -> str:
+    """The tree the source's links may lead within: the folder itself, or for a snapshot in a
+    Hugging Face cache, its repository's folder (the snapshot's files link into ``../../blobs``)."""
+    real = Path(os.path.realpath(where))
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(_HF_CACHE_REPOS):
+        return str(real.parent.parent)
+    return str(real)
 
 
 def _resolve(path: Path, tree: str) -> Path | None:
@@ -58,7 +74,7 @@ def folder_files(where: str | os.PathLike[str], copyable: Callable[[str], bool])
         ValueError: more than :data:`MAX_FILES` files, or folders deeper than :data:`MAX_DEPTH`.
     """
     root = Path(where)
-    tree = os.path.realpath(root)
+    tree = _source_tree(root)
     found: dict[str, Path] = {}
 
     def walk(folder: Path, prefix: str, depth: int) -> None:
