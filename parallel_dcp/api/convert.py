@@ -195,10 +195,11 @@ def convert(
         copy_files: a Hugging Face directory converted to a sharded safetensors or torch
             directory gets the source's other files too (``config.json``,
             ``generation_config.json``, tokenizer files, ...: plain files at its top level that
-            are neither weights, nor indexes, nor hidden), so ``from_pretrained`` loads the
-            output. They are committed with the shards (written new under this save's temporary
-            names, renamed into place with the index, in the manifest, removed if the save
-            fails). False copies nothing. See :mod:`parallel_dcp.jobs.copy_files`.
+            are neither weights, nor indexes, nor hidden; and the non-weight files of its
+            folders, such as sentence-transformers' ``1_Pooling/``), so ``from_pretrained`` and
+            ``SentenceTransformer`` load the output. They are committed with the shards
+            (written new under this save's temporary names, renamed into place with the index,
+            in the manifest, removed if the save fails). False copies nothing. See :mod:`parallel_dcp.jobs.copy_files`.
         copy_files_from: copy the files of this directory instead (any source, such as a DCP
             checkpoint from training beside the model's original folder); needs a sharded
             directory output.

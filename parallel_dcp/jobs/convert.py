@@ -26,6 +26,7 @@ from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.jobs.copy_files import files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
+from parallel_dcp.jobs.hf_config import prepare_config
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.quantization import Quantization, dequantize_step, prepare_target, quantize_step
 from parallel_dcp.jobs.rename import RenameRules, rename_source
@@ -163,7 +164,8 @@ def convert_one(
         if isinstance(target, ShardedTarget):
             target.copies = copies
         if quantization is not None and quantization.active:
-            prepare_target(target, source, quantization)
+            prepare_target(target, quantization)
+        prepare_config(target, source, job, dtype, quantization)  # config.json says what the shards hold
         if dry_run:
             plan = plan_dry_run(job, target, options, governor)
             if copies:

@@ -7,6 +7,8 @@
     each written new under this save's temporary name, renamed into place with the index and the
     manifest (which records their sizes and checksums), removed with the rest if the save fails
 
+The files of its non-weight folders (``1_Pooling/config.json``, ...) come too, by the same rules
+(:mod:`parallel_dcp.jobs.side_folders`), so a sentence-transformers folder loads as well.
 So ``convert hf_dir out --to safetensors`` gives a folder ``from_pretrained`` loads. Chosen before
 anything is written; a name the output writes itself (a shard, the index) is never copied over.
 Files are held in memory at the commit (they are small); all of them must fit under the memory
@@ -16,11 +18,13 @@ limit, or the conversion is refused before it starts.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from parallel_dcp.engine.memory import format_bytes
 from parallel_dcp.errors import InvalidDestinationError, plural, printable
 from parallel_dcp.formats.base import Source
+from parallel_dcp.jobs.side_folders import folder_files
 from parallel_dcp.storage.location import Location, file_size, listdir, locate
 
 __all__ = ["WEIGHT_SUFFIXES", "files_to_copy", "read_copies"]
@@ -80,6 +84,8 @@ def files_to_copy(
     else:
         return {}
     copies = {name: where / name for name in sorted(listdir(where)) if _copyable(name) and (where / name).is_file()}
+    if isinstance(where, Path):  # and the files of its non-weight folders (1_Pooling/, ...): issue 29
+        copies |= folder_files(where, _copyable)
     total = sum(file_size(path) for path in copies.values())
     if total > limit:
         raise ValueError(

@@ -38,6 +38,7 @@ from parallel_dcp.storage.layout import (
     sharded_layout,
 )
 from parallel_dcp.storage.location import Location, Remote, check_name
+from parallel_dcp.storage.side_trees import remove_tree
 
 __all__ = [
     "DCP_LAYOUT",
@@ -107,8 +108,20 @@ def remove_path(where: Location) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             if where.is_dir() and not where.is_symlink():
-                return  # never a directory: a checkpoint's files are plain files
+                if where.name.startswith(".") and where.name.endswith(".tmp"):
+                    _remove_temporary_folder(where)  # a copied folder a dead save left (side_trees)
+                return  # never another directory: a checkpoint's files are plain files
             where.unlink()
+
+
+def _remove_temporary_folder(where: Path) -> None:
+    """Remove a save's temporary folder, following no link (a swap meanwhile is left alone)."""
+    with contextlib.suppress(OSError):
+        parent = os.open(where.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            remove_tree(parent, where.name)
+        finally:
+            os.close(parent)
 
 
 def _process_start(pid: int) -> float | None:
