@@ -32,6 +32,7 @@ from parallel_dcp.errors import (
     InvalidStateDictError,
     MemoryLimitExceeded,
     ParallelDCPError,
+    PresetError,
     QuantizationError,
     RemoteTraceback,
     RenameError,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from parallel_dcp.jobs.diff import DiffReport
     from parallel_dcp.jobs.dryrun import DryRunPlan
     from parallel_dcp.jobs.pipeline import SaveResult, WorkerStats
+    from parallel_dcp.jobs.presets import PRESETS, Preset
     from parallel_dcp.jobs.rename import RenameRules
     from parallel_dcp.jobs.verify import VerifyReport
     from parallel_dcp.partial import (
@@ -74,6 +76,8 @@ _LAZY = {
     "SaveResult": "parallel_dcp.jobs.pipeline",
     "WorkerStats": "parallel_dcp.jobs.pipeline",
     "RenameRules": "parallel_dcp.jobs.rename",
+    "PRESETS": "parallel_dcp.jobs.presets",
+    "Preset": "parallel_dcp.jobs.presets",
     "VerifyReport": "parallel_dcp.jobs.verify",
     **dict.fromkeys(
         ("commit", "extract_metadata", "load_metadata", "merge_metadata", "partial_load", "partial_save"),
@@ -105,6 +109,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "PRESETS",
     "CheckpointExistsError",
     "CompressionUnavailableError",
     "CorruptCheckpointError",
@@ -120,6 +125,8 @@ __all__ = [
     "MemoryLimitExceeded",
     "Options",
     "ParallelDCPError",
+    "Preset",
+    "PresetError",
     "QuantizationError",
     "ReadStats",
     "RemoteTraceback",
@@ -143,6 +150,7 @@ __all__ = [
     "merge_metadata",
     "partial_load",
     "partial_save",
+    "presets",
     "save",
     "verify",
 ]
@@ -450,6 +458,9 @@ def convert(
     quantize_keys: str | Sequence[str] | None = None,
     block_size: int | None = None,
     io: str = "auto",
+    preset: str | Preset | None = None,
+    model_config: str | os.PathLike[str] | None = None,
+    rename_strict: bool = False,
 ) -> SaveResult | list[SaveResult]: ...
 
 
@@ -487,6 +498,9 @@ def convert(
     quantize_keys: str | Sequence[str] | None = None,
     block_size: int | None = None,
     io: str = "auto",
+    preset: str | Preset | None = None,
+    model_config: str | os.PathLike[str] | None = None,
+    rename_strict: bool = False,
 ) -> DryRunPlan | list[DryRunPlan]: ...
 
 
@@ -523,6 +537,9 @@ def convert(
     quantize_keys: str | Sequence[str] | None = None,
     block_size: int | None = None,
     io: str = "auto",
+    preset: str | Preset | None = None,
+    model_config: str | os.PathLike[str] | None = None,
+    rename_strict: bool = False,
 ) -> SaveResult | list[SaveResult] | DryRunPlan | list[DryRunPlan]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
 
@@ -587,6 +604,18 @@ def convert(
             its index and the ``quantization_config`` in the copied ``config.json``.
         block_size: the FP8 block of ``dequantize`` (default: ``config.json``'s
             ``weight_block_size``, else 128) or of ``quantize="fp8-block"``.
+        preset: a named conversion for a client (see :func:`presets`), such as
+            ``"hf-llama3-to-torchtitan"`` (torchtitan 0.3.0): its rename rules, the tensor
+            transforms the client needs (q/k rows permuted per head, in the workers, under the
+            memory limit) and the keys it promises. Every selected source key must match one of
+            its rules, and without ``keys`` the output must hold every key the client's model
+            holds; otherwise :class:`PresetError` before anything is written. ``rename`` rules
+            apply after the preset's, to its names. See :mod:`parallel_dcp.jobs.presets`.
+        model_config: the model's ``config.json`` (or a directory holding it) that a preset reads
+            head counts from; default: the source's directory, else ``copy_files_from``.
+        rename_strict: every selected key must match a ``rename`` rule (else
+            :class:`RenameError`, nothing written); without it the keys no rule matched are
+            named in a :class:`RenameWarning`.
 
     Returns:
         A :class:`SaveResult` (a list of them for several sources) with ``format``, ``keys``,
@@ -612,6 +641,7 @@ def convert(
     """
     from parallel_dcp.engine.memory import parse_size
     from parallel_dcp.jobs import convert as _convert
+    from parallel_dcp.jobs import presets as _presets
     from parallel_dcp.jobs import rename as _rename
     from parallel_dcp.jobs.dryrun import DryRunPlan
     from parallel_dcp.jobs.pipeline import SaveResult
@@ -649,6 +679,7 @@ def convert(
         os.makedirs(dst, exist_ok=True)
     if rename is not None:
         _rename.compile_rules(rename)  # bad rules fail before any source is opened
+    chosen = _presets.get_preset(preset) if preset is not None else None
     results = [
         _convert.convert_one(
             one,
@@ -664,6 +695,9 @@ def convert(
             copy_files=copy_files,
             copy_files_from=copy_files_from,
             quantization=quantization,
+            preset=chosen,
+            model_config=model_config,
+            rename_strict=rename_strict,
         )
         for one, out in zip(sources, outputs, strict=True)
     ]
@@ -672,6 +706,15 @@ def convert(
     if dry_run:
         return [r for r in results if isinstance(r, DryRunPlan)]
     return [r for r in results if isinstance(r, SaveResult)]
+
+
+def presets() -> list[Preset]:
+    """Every preset ``convert(..., preset=NAME)`` knows, by name: each names the client and the
+    version its layout follows (``p.client``, ``p.client_version``; ``p.describe()`` in one line).
+    ``PRESETS`` maps the names to them."""
+    from parallel_dcp.jobs.presets import PRESETS
+
+    return [PRESETS[name] for name in sorted(PRESETS)]
 
 
 def _quantization(

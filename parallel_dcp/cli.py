@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import parallel_dcp
+from parallel_dcp import cli_presets
 from parallel_dcp.engine.memory import format_bytes, parse_size
 from parallel_dcp.errors import plural, printable
 
@@ -245,6 +246,7 @@ def _parser() -> argparse.ArgumentParser:
         help="plan only: files, keys, tasks per worker, chunks, predicted peak memory and space; write nothing",
     )
     _quantize_flags(convert)
+    cli_presets.add_preset_flags(convert)
     _common(convert)
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint from its headers")
@@ -303,6 +305,7 @@ def _parser() -> argparse.ArgumentParser:
 
     from parallel_dcp import benchmark
 
+    cli_presets.add_presets_command(sub)
     bench = sub.add_parser("bench", help="measure write throughput against stock DCP and the storage's limit")
     benchmark.add_arguments(bench)
     return parser
@@ -411,6 +414,7 @@ def _convert(args: argparse.Namespace, show_progress: bool) -> int:
         copy_files=not args.no_copy_files,
         copy_files_from=args.copy_files_from,
         **_quantize_args(args),
+        **cli_presets.preset_args(args),
         io=args.io,
     )
     assert isinstance(results, list)
@@ -467,6 +471,7 @@ def _convert_plan(args: argparse.Namespace, sources: list[str], dst: str, rename
         copy_files=not args.no_copy_files,
         copy_files_from=args.copy_files_from,
         **_quantize_args(args),
+        **cli_presets.preset_args(args),
     )
     assert isinstance(plans, list)
     if args.json:
@@ -732,6 +737,8 @@ def _run(args: argparse.Namespace, show_progress: bool) -> int:
         return _inspect(args)
     if args.command == "verify":
         return _verify(args)
+    if args.command == "presets":
+        return cli_presets.run_presets(args)
     from parallel_dcp import benchmark
 
     return benchmark.run(args)

@@ -1,0 +1,350 @@
+"""Presets: named, versioned conversions for a client (``convert(..., preset="NAME")``).
+
+    source keys ── select (--keys) ── preset: drop what the client does not hold (rotary buffers)
+                                         ├ every other key must match one of its rules (else: error)
+                                         ├ q/k rows permuted per head (PermutedSource, in the workers)
+                                         └ renamed by its rules; the output holds every key the client's
+                                           model holds (checked when no --keys narrows the selection)
+                                      ── user rename rules (--rename), applied to the preset's names ──▶ job
+
+A preset is rename rules, the tensor transforms the client needs, and the key coverage it
+promises. The head counts of a permutation come from the model's ``config.json``
+(``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``num_hidden_layers``): from
+``model_config=`` (``--model-config``) when given, else the source's directory (or the directory
+a single-file source lies in), else ``copy_files_from`` (a DCP checkpoint from training beside
+its original Hugging Face folder). No config found: a clear error, before anything is written.
+
+Each preset names the client and the version its layout was read from (``parallel-dcp
+presets``); its names and shapes are pinned by tests against that client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from parallel_dcp.errors import PresetError, describe_keys, plural
+from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.permuted_source import RowPermutation, permuted_source
+from parallel_dcp.jobs.rename import rename_source
+from parallel_dcp.storage.location import Remote
+
+__all__ = ["PRESETS", "Permute", "Preset", "PresetStep", "apply_preset", "find_config", "get_preset"]
+
+_log = logging.getLogger("parallel_dcp")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Permute:
+    """Rows of the source tensors matching ``key`` (a whole-name regex) permuted per head; the
+    number of heads is ``config.json``'s ``heads`` field."""
+
+    key: str
+    heads: str
+    to_interleaved: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Preset:
+    """A named conversion for a client.
+
+    Attributes:
+        name: what users pass (``preset="hf-llama3-to-torchtitan"``).
+        client, client_version: the library and version whose layout the output follows.
+        reads, writes: the source and output layouts, in words.
+        rules: rename rules (regex, template); every source key must match one, or be dropped.
+        drop: whole-name regexes of source keys the client does not hold (left out of the output).
+        permute: the row permutations applied (to source keys) before renaming.
+        model_keys, layer_keys: every name the client's model holds (``{}`` in a layer key: the
+            layer index, ``num_hidden_layers`` of them).
+        writes_hf: the output is a Hugging Face layout (a sharded directory gets ``config.json``).
+    """
+
+    name: str
+    client: str
+    client_version: str
+    reads: str
+    writes: str
+    rules: tuple[tuple[str, str], ...]
+    drop: tuple[str, ...] = ()
+    permute: tuple[Permute, ...] = ()
+    model_keys: tuple[str, ...] = ()
+    layer_keys: tuple[str, ...] = ()
+    writes_hf: bool = False
+
+    def describe(self) -> str:
+        """One line: the name, the client and version, and what it converts."""
+        return f"{self.name}: {self.reads} -> {self.writes} ({self.client} {self.client_version})"
+
+    def expected_keys(self, layers: int) -> list[str]:
+        """Every name the client's model holds, for a model of ``layers`` layers."""
+        per_layer = [template.format(i) for i in range(layers) for template in self.layer_keys]
+        return [*self.model_keys[:1], *per_layer, *self.model_keys[1:]]
+
+
+_HF_LAYER = r"model\.layers\.(\d+)\."
+_TT_LAYER = r"layers\.(\d+)\."
+# (Hugging Face Llama name, torchtitan 0.3.0 Llama 3 name): per layer, then per model.
+_LLAMA3_LAYER_NAMES = (
+    ("self_attn.q_proj.weight", "attention.qkv_linear.wq.weight"),
+    ("self_attn.k_proj.weight", "attention.qkv_linear.wk.weight"),
+    ("self_attn.v_proj.weight", "attention.qkv_linear.wv.weight"),
+    ("self_attn.o_proj.weight", "attention.wo.weight"),
+    ("mlp.gate_proj.weight", "feed_forward.w1.weight"),
+    ("mlp.down_proj.weight", "feed_forward.w2.weight"),
+    ("mlp.up_proj.weight", "feed_forward.w3.weight"),
+    ("input_layernorm.weight", "attention_norm.weight"),
+    ("post_attention_layernorm.weight", "ffn_norm.weight"),
+)
+_LLAMA3_MODEL_NAMES = (
+    ("model.embed_tokens.weight", "tok_embeddings.weight"),
+    ("model.norm.weight", "norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+)
+
+
+def _llama3_pair() -> tuple[Preset, Preset]:
+    hf_to_tt = tuple((_HF_LAYER + re.escape(hf), r"layers.\1." + tt) for hf, tt in _LLAMA3_LAYER_NAMES) + tuple(
+        (re.escape(hf), tt) for hf, tt in _LLAMA3_MODEL_NAMES
+    )
+    tt_to_hf = tuple((_TT_LAYER + re.escape(tt), r"model.layers.\1." + hf) for hf, tt in _LLAMA3_LAYER_NAMES) + tuple(
+        (re.escape(tt), hf) for hf, tt in _LLAMA3_MODEL_NAMES
+    )
+    client, version = "torchtitan", "0.3.0"
+    to_titan = Preset(
+        name="hf-llama3-to-torchtitan",
+        client=client,
+        client_version=version,
+        reads="Hugging Face Llama 3 (LlamaForCausalLM safetensors + config.json)",
+        writes="torchtitan Llama 3 model state dict (fused qkv_linear, q/k rows interleaved for its RoPE)",
+        rules=hf_to_tt,
+        # Rotary frequencies are recomputed by both models: old transformers checkpoints still hold them.
+        drop=(_HF_LAYER + r"self_attn\.rotary_emb\.inv_freq",),
+        permute=(
+            Permute(key=_HF_LAYER + r"self_attn\.q_proj\.weight", heads="num_attention_heads", to_interleaved=True),
+            Permute(key=_HF_LAYER + r"self_attn\.k_proj\.weight", heads="num_key_value_heads", to_interleaved=True),
+        ),
+        model_keys=("tok_embeddings.weight", "norm.weight", "lm_head.weight"),
+        layer_keys=tuple(f"layers.{{}}.{tt}" for _, tt in _LLAMA3_LAYER_NAMES),
+    )
+    to_hf = Preset(
+        name="torchtitan-to-hf-llama3",
+        client="transformers",
+        client_version="5.25.0",
+        reads=f"torchtitan {version} Llama 3 model state dict (DCP)",
+        writes="Hugging Face Llama 3 (LlamaForCausalLM; q/k rows in halves, as transformers holds them)",
+        rules=tt_to_hf,
+        permute=(
+            Permute(
+                key=_TT_LAYER + r"attention\.qkv_linear\.wq\.weight", heads="num_attention_heads", to_interleaved=False
+            ),
+            Permute(
+                key=_TT_LAYER + r"attention\.qkv_linear\.wk\.weight", heads="num_key_value_heads", to_interleaved=False
+            ),
+        ),
+        model_keys=("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"),
+        layer_keys=tuple(f"model.layers.{{}}.{hf}" for hf, _ in _LLAMA3_LAYER_NAMES),
+        writes_hf=True,
+    )
+    return to_titan, to_hf
+
+
+PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in _llama3_pair()})
+
+
+def get_preset(name: str | Preset) -> Preset:
+    """The preset called ``name`` (a :class:`Preset` is returned as it is).
+
+    Raises:
+        PresetError: no preset of that name (the known ones are listed).
+    """
+    if isinstance(name, Preset):
+        return name
+    if name not in PRESETS:
+        raise PresetError(f"no preset {name!r}: known presets are {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+
+def find_config(
+    source: Source, model_config: str | os.PathLike[str] | None, copy_files_from: str | os.PathLike[str] | None
+) -> tuple[dict[str, Any], str] | None:
+    """The model's ``config.json`` (parsed) and where it was found; None when there is none.
+
+    Looked for in ``model_config`` (a file, or a directory holding config.json), else in the
+    source's directory (or the one a single-file source lies in), else in ``copy_files_from``.
+
+    Raises:
+        PresetError: ``model_config`` names no config.json, or a config that is not a JSON object.
+    """
+    candidates: list[str] = []
+    if model_config is not None:
+        path = os.fspath(model_config)
+        path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.isfile(path):
+            raise PresetError(f"model config {path} does not exist")
+        candidates.append(path)
+    else:
+        if not isinstance(source.location, Remote):
+            folder = source.path if os.path.isdir(source.path) else os.path.dirname(os.path.abspath(source.path))
+            candidates.append(os.path.join(folder, "config.json"))
+        if copy_files_from is not None and "://" not in os.fspath(copy_files_from):
+            candidates.append(os.path.join(os.fspath(copy_files_from), "config.json"))
+    for path in candidates:
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    config = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise PresetError(f"{path} is not a readable JSON config: {exc}") from exc
+            if not isinstance(config, dict):
+                raise PresetError(f"{path} holds {type(config).__name__}, not a JSON object")
+            return config, path
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class PresetStep:
+    """What a preset did to one source: the view to convert, its output names, and for the
+    output, the config it read (a Hugging Face output gets it as its config.json)."""
+
+    source: Source
+    keys: tuple[str, ...]
+    config: dict[str, Any]
+    config_path: str
+    note: str
+
+
+def _positive(config: Mapping[str, Any], field: str, path: str, preset: Preset) -> int:
+    value = config.get(field)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        found = "missing" if value is None else f"{value!r}"
+        raise PresetError(f"preset {preset.name} needs a positive integer {field} in {path}, found {found}")
+    return value
+
+
+def _head_dim(config: Mapping[str, Any], path: str, preset: Preset) -> int:
+    if config.get("head_dim") is not None:
+        return _positive(config, "head_dim", path, preset)
+    hidden = _positive(config, "hidden_size", path, preset)
+    heads = _positive(config, "num_attention_heads", path, preset)
+    if hidden % heads:
+        raise PresetError(f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    return hidden // heads
+
+
+def apply_preset(
+    source: Source,
+    selected: Sequence[str],
+    preset: Preset,
+    *,
+    narrowed: bool,
+    model_config: str | os.PathLike[str] | None = None,
+    copy_files_from: str | os.PathLike[str] | None = None,
+) -> PresetStep:
+    """``source`` restricted to ``selected`` as ``preset``'s client holds it.
+
+    ``narrowed``: the user selected keys (``--keys``), so the output need not hold the whole model.
+
+    Raises:
+        PresetError: no config.json, or one without the head counts; selected keys no rule
+            covers; an output that misses keys of the client's model (each list: the first 10
+            and the count). All before anything is written.
+    """
+    found = find_config(source, model_config, copy_files_from)
+    if found is None:
+        where = [source.path] + ([os.fspath(copy_files_from)] if copy_files_from is not None else [])
+        raise PresetError(
+            f"preset {preset.name} reads the model's head counts from its config.json, and none was found in "
+            f"{' or '.join(where)}: give model_config= (--model-config PATH), the Hugging Face config.json of the "
+            "model (nothing was written)"
+        )
+    config, path = found
+    drops = [re.compile(d) for d in preset.drop]
+    kept = [k for k in selected if not any(d.fullmatch(k) for d in drops)]
+    dropped = len(selected) - len(kept)
+    rules = [re.compile(regex) for regex, _ in preset.rules]
+    uncovered = [k for k in kept if not any(r.fullmatch(k) for r in rules)]
+    if uncovered:
+        raise PresetError(
+            f"preset {preset.name} ({preset.client} {preset.client_version}) has no rule for "
+            f"{plural(len(uncovered), 'key')} of {source.path} (nothing was written): {describe_keys(uncovered)}; "
+            f"select the keys it covers with keys= (--keys), or convert without the preset",
+            keys=uncovered,
+        )
+    permutations = _permutations(source, kept, preset, config, path)
+    view: Source = permuted_source(source, permutations) if permutations else source
+    renamed, names = rename_source(view, kept, list(preset.rules), strict=True, report=False)
+    if not narrowed:
+        _check_complete(preset, names, config, path)
+    note = f"preset {preset.describe()}; config {path}"
+    if permutations:
+        some = next(iter(permutations.values()))
+        note += f"; {plural(len(permutations), 'q/k weight')} rows permuted per head ({some.describe()}, ...)"
+    if dropped:
+        note += f"; {plural(dropped, 'key')} the client does not hold left out"
+    _log.info("%s: %s", source.path, note)
+    return PresetStep(renamed, names, config, path, note)
+
+
+def _permutations(
+    source: Source, keys: Sequence[str], preset: Preset, config: Mapping[str, Any], path: str
+) -> dict[str, RowPermutation]:
+    if not preset.permute:
+        return {}
+    head_dim = _head_dim(config, path, preset)
+    out: dict[str, RowPermutation] = {}
+    for rule in preset.permute:
+        pattern = re.compile(rule.key)
+        if rule.heads == "num_key_value_heads" and config.get("num_key_value_heads") is None:
+            heads = _positive(config, "num_attention_heads", path, preset)  # no grouping: one kv head per head
+        else:
+            heads = _positive(config, rule.heads, path, preset)
+        for key in keys:
+            if key in source.entries and pattern.fullmatch(key):
+                out[key] = RowPermutation(heads, head_dim, rule.to_interleaved)
+    bad = [k for k, p in out.items() if source.entries[k].shape[:1] != (p.heads * p.head_dim,)]
+    if bad:
+        shapes = ", ".join(f"{k} {list(source.entries[k].shape)}" for k in bad[:10])
+        raise PresetError(
+            f"preset {preset.name}: {plural(len(bad), 'attention weight')} do not have the rows {path} gives "
+            f"(heads x head_dim {head_dim}): {shapes}{' ...' if len(bad) > 10 else ''} ({len(bad)} in all); is "
+            "the config this model's? (nothing was written)",
+            keys=bad,
+        )
+    if head_dim % 2:
+        raise PresetError(f"preset {preset.name}: head_dim {head_dim} in {path} is odd; rotary layouts need it even")
+    return out
+
+
+def _check_complete(preset: Preset, names: Sequence[str], config: Mapping[str, Any], path: str) -> None:
+    """The output holds every key the client's model holds, and no layer beyond it."""
+    if not preset.layer_keys and not preset.model_keys:
+        return
+    layers = _positive(config, "num_hidden_layers", path, preset)
+    expected = preset.expected_keys(layers)
+    have = set(names)
+    missing = [k for k in expected if k not in have]
+    extra = sorted(set(names) - set(expected))
+    problems = []
+    if missing:
+        hint = (
+            " (the config ties the embeddings: tie_word_embeddings is true and the source has no lm_head.weight; "
+            f"{preset.client} {preset.client_version} holds lm_head.weight, which this preset does not make)"
+            if config.get("tie_word_embeddings") and any(k.endswith("lm_head.weight") for k in missing)
+            else ""
+        )
+        problems.append(f"misses {plural(len(missing), 'key')} the model holds: {describe_keys(missing)}{hint}")
+    if extra:
+        problems.append(f"holds {plural(len(extra), 'key')} beyond num_hidden_layers={layers}: {describe_keys(extra)}")
+    if problems:
+        raise PresetError(
+            f"preset {preset.name}: the output " + "; and ".join(problems) + f" (config {path}; nothing was written; "
+            "convert a part of a model with keys= / --keys)",
+            keys=missing + extra,
+        )
