@@ -17,7 +17,8 @@ and only the latter is what ``model.state_dict()`` gives.
 
 A rule that renames no key is most likely a typo or written for another model: each one is a
 :class:`~parallel_dcp.errors.RenameWarning` naming it, and the conversion logs a summary ("N keys
-renamed by M of K rules", logger ``parallel_dcp``; the CLI prints it on stderr).
+renamed by M of K rules", logger ``parallel_dcp``; the CLI prints it on stderr). Keys that no rule
+matched are one more warning (their count and first names); ``strict`` makes them an error.
 
 Everything is checked before any write: two source keys mapped to one name, an empty name, and
 one key's nesting path being a level of another's are refused, every offender listed.
@@ -31,17 +32,15 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
-
-import torch
 
 from parallel_dcp.errors import RenameError, RenameWarning, describe_keys, plural
 from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.renamed_source import RenamedSource
 
 if TYPE_CHECKING:
-    from parallel_dcp.engine.chunks import Chunk
+    pass
 
 __all__ = ["RenameRules", "RenamedSource", "compile_rules", "parse_rule", "read_rules_file", "rename_source"]
 
@@ -164,47 +163,6 @@ def _collision_error(title: str, collisions: dict[str, list[str]]) -> RenameErro
     lines = [f"  {new!r} <- {', '.join(map(repr, olds))}" for new, olds in list(collisions.items())[:_SHOWN]]
     more = f"\n  ... and {len(collisions) - _SHOWN} more" if len(collisions) > _SHOWN else ""
     return RenameError(f"{title} (nothing was written):\n" + "\n".join(lines) + more, collisions=collisions)
-
-
-@dataclass
-class RenamedSource(Source):
-    """A view of ``inner`` under new names: only the selected keys, renamed; reads go to the old names."""
-
-    inner: Source | None = None
-    old_names: dict[str, str] = field(default_factory=dict)  # new name -> source name
-
-    def _inner(self) -> Source:
-        assert self.inner is not None
-        return self.inner
-
-    def close(self) -> None:
-        self._inner().close()
-
-    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        keys = list(keys)
-        data = self._inner().read([self.old_names[k] for k in keys])
-        return {k: data[self.old_names[k]] for k in keys}
-
-    def copied_bytes(self, key: str) -> int:
-        return self._inner().copied_bytes(self.old_names[key])
-
-    def transient_bytes(self, key: str) -> int:
-        return self._inner().transient_bytes(self.old_names[key])
-
-    def read_chunk(self, chunk: Chunk) -> torch.Tensor:
-        return self._inner().read_chunk(dataclasses.replace(chunk, key=self.old_names[chunk.key]))
-
-    def chunk_memory(self, chunk: Chunk) -> int:
-        return self._inner().chunk_memory(dataclasses.replace(chunk, key=self.old_names[chunk.key]))
-
-    def split_alignment(self, key: str, dim: int) -> int:
-        return self._inner().split_alignment(self.old_names[key], dim)
-
-    def release(self) -> None:
-        self._inner().release()
-
-    def fingerprint(self) -> dict[str, Any]:
-        return self._inner().fingerprint()
 
 
 def _report(
