@@ -363,3 +363,23 @@ def test_distributed_conversion_with_a_preset(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert_same(dcp_tensors(tmp_path / "titan"), titan_expected(hf))
+
+
+def test_dequantize_then_preset_splits_on_whole_heads_and_whole_blocks(tmp_path: Path) -> None:
+    """An FP8 Llama: dequantized, then permuted; row ranges fall on multiples of lcm(head_dim 16, block 32)."""
+    from parallel_dcp.formats.quantized import quantize_fp8
+
+    tensors = hf_llama()
+    for name in [k for k in tensors if k.endswith(("q_proj.weight", "k_proj.weight"))]:
+        tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(tensors[name], (32, 32))
+    config = CONFIG | {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32]}}
+    write_hf_safetensors(tensors, tmp_path / "fp8", shards=2)
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    parallel_dcp.convert(tmp_path / "fp8", tmp_path / "bf16.safetensors", dequantize=True, workers=1)
+    dequantized = st.load_file(tmp_path / "bf16.safetensors")
+    parallel_dcp.convert(
+        tmp_path / "fp8", tmp_path / "titan", preset=TO_TITAN, dequantize=True, workers=2, chunk_size="2KB"
+    )
+    assert_same(dcp_tensors(tmp_path / "titan"), titan_expected(dequantized))
+    chunks = read_metadata(tmp_path / "titan").state_dict_metadata["layers.0.attention.qkv_linear.wq.weight"].chunks
+    assert len(chunks) > 1 and all(c.offsets[0] % 32 == 0 for c in chunks)

@@ -19,6 +19,7 @@ and needs one more buffer of the unit's size (the permuted copy): :meth:`copied_
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -97,9 +98,10 @@ class PermutedSource(WrappedSource):
 
     def split_alignment(self, key: str, dim: int) -> int:
         permutation = self.permutations.get(key)
+        inner = self._inner().split_alignment(key, dim)
         if permutation is not None and dim == 0:
-            return permutation.head_dim
-        return self._inner().split_alignment(key, dim)
+            return math.lcm(permutation.head_dim, inner)  # whole heads, and whole blocks of a dequantized weight
+        return inner
 
     def copied_bytes(self, key: str) -> int:
         extra = self.entries[key].nbytes if key in self.permutations else 0  # the permuted copy
