@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-__all__ = ["add_preset_flags", "add_presets_command", "preset_args", "run_presets"]
+__all__ = ["add_parser", "add_preset_flags", "preset_args", "run"]
 
 
 def add_preset_flags(convert: argparse.ArgumentParser) -> None:
@@ -40,7 +40,7 @@ def preset_args(args: argparse.Namespace) -> dict[str, Any]:
     return {"preset": args.preset, "model_config": args.model_config, "rename_strict": args.rename_strict}
 
 
-def add_presets_command(sub: Any) -> None:
+def add_parser(sub: Any) -> None:
     """The ``presets`` command."""
     presets = sub.add_parser(
         "presets",
@@ -51,7 +51,7 @@ def add_presets_command(sub: Any) -> None:
     presets.add_argument("--json", action="store_true", help="print JSON on stdout")
 
 
-def run_presets(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Print every preset: name, client and version, what it reads and writes."""
     import parallel_dcp
 
