@@ -247,7 +247,7 @@ def test_inv_freq_buffers_are_dropped_and_a_key_without_a_rule_is_refused(tmp_pa
         ("no-config", "none was found"),
         ("no-heads", "num_attention_heads"),
         ("wrong-heads", "do not have the rows"),
-        ("tied", "tie_word_embeddings"),
+        ("no-head", "misses 1 key"),
         ("a-layer-missing", "misses 9 keys"),
     ],
 )
@@ -257,8 +257,7 @@ def test_bad_configs_and_incomplete_models_fail_before_writing(tmp_path: Path, c
         del config["num_attention_heads"]
     if change == "wrong-heads":
         config["num_attention_heads"] = 3
-    if change == "tied":
-        config["tie_word_embeddings"] = True
+    if change == "no-head":  # untied, so the model holds a head of its own
         del hf["lm_head.weight"]
     if change == "a-layer-missing":
         config["num_hidden_layers"] = 3
@@ -268,6 +267,22 @@ def test_bad_configs_and_incomplete_models_fail_before_writing(tmp_path: Path, c
     with pytest.raises(PresetError, match=message):
         parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", preset=TO_TITAN, workers=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_tied_embeddings_give_torchtitan_its_head_and_hf_none(tmp_path: Path) -> None:
+    """tie_word_embeddings (Llama 3.2 1B/3B): torchtitan's tied model holds lm_head.weight (its from_hf
+    copies the embedding), a tied Hugging Face model holds none (its to_hf drops it)."""
+    config = CONFIG | {"tie_word_embeddings": True}
+    hf = hf_llama(config)
+    del hf["lm_head.weight"]
+    hf_folder(tmp_path / "hf", hf, config)
+    parallel_dcp.convert(tmp_path / "hf", tmp_path / "titan", preset=TO_TITAN, workers=1)
+    expected = titan_expected(hf | {"lm_head.weight": hf["model.embed_tokens.weight"]})
+    assert_same(dcp_tensors(tmp_path / "titan"), expected)
+    parallel_dcp.convert(
+        tmp_path / "titan", tmp_path / "back", to="safetensors", preset=TO_HF, copy_files_from=tmp_path / "hf"
+    )
+    assert_same(hf_tensors(tmp_path / "back"), hf)
 
 
 def test_reverse_preset_finds_its_config_beside_the_source_or_in_copy_files_from(tmp_path: Path) -> None:

@@ -39,6 +39,11 @@ class Preset:
         permute: the row permutations applied (to source keys) before renaming.
         model_keys, layer_keys: every name the client's model holds (``{}`` in a layer key: the
             layer index, ``num_hidden_layers`` of them).
+        tied_copy: with ``tie_word_embeddings`` in the config, (output name, source key) pairs:
+            the output holds the name as a copy of the source key (a tied Hugging Face model has
+            no ``lm_head.weight``; torchtitan's tied model holds both).
+        tied_drop: with ``tie_word_embeddings``, whole-name regexes of source keys left out, and
+            model keys the output does not hold (a tied Hugging Face model has no head of its own).
         writes_hf: the output is a Hugging Face layout (a sharded directory gets ``config.json``).
     """
 
@@ -52,16 +57,20 @@ class Preset:
     permute: tuple[Permute, ...] = ()
     model_keys: tuple[str, ...] = ()
     layer_keys: tuple[str, ...] = ()
+    tied_copy: tuple[tuple[str, str], ...] = ()
+    tied_drop: tuple[str, ...] = ()
     writes_hf: bool = False
 
     def describe(self) -> str:
         """One line: the name, the client and version, and what it converts."""
         return f"{self.name}: {self.reads} -> {self.writes} ({self.client} {self.client_version})"
 
-    def expected_keys(self, layers: int) -> list[str]:
-        """Every name the client's model holds, for a model of ``layers`` layers."""
+    def expected_keys(self, layers: int, tied: bool = False) -> list[str]:
+        """Every name the client's model holds, for a model of ``layers`` layers (``tied``: its
+        embeddings tied to its output head)."""
         per_layer = [template.format(i) for i in range(layers) for template in self.layer_keys]
-        return [*self.model_keys[:1], *per_layer, *self.model_keys[1:]]
+        keys = [*self.model_keys[:1], *per_layer, *self.model_keys[1:]]
+        return [k for k in keys if not (tied and any(re.fullmatch(d, k) for d in self.tied_drop))]
 
 
 _HF_LAYER = r"model\.layers\.(\d+)\."
@@ -108,6 +117,7 @@ def _llama3_pair() -> tuple[Preset, Preset]:
         ),
         model_keys=("tok_embeddings.weight", "norm.weight", "lm_head.weight"),
         layer_keys=tuple(f"layers.{{}}.{tt}" for _, tt in _LLAMA3_LAYER_NAMES),
+        tied_copy=(("lm_head.weight", "model.embed_tokens.weight"),),  # as its from_hf does
     )
     to_hf = Preset(
         name="torchtitan-to-hf-llama3",
@@ -126,6 +136,7 @@ def _llama3_pair() -> tuple[Preset, Preset]:
         ),
         model_keys=("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"),
         layer_keys=tuple(f"model.layers.{{}}.{hf}" for hf, _ in _LLAMA3_LAYER_NAMES),
+        tied_drop=(r"lm_head\.weight",),  # as its to_hf does
         writes_hf=True,
     )
     return to_titan, to_hf

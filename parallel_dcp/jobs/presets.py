@@ -20,6 +20,7 @@ presets``); its names and shapes are pinned by tests against that client.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from typing import Any
 from parallel_dcp.errors import PresetError, describe_keys, plural
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.permuted_source import RowPermutation, permuted_source
+from parallel_dcp.formats.renamed_source import RenamedSource
 from parallel_dcp.jobs.preset_defs import PRESETS, Permute, Preset, get_preset
 from parallel_dcp.jobs.rename import rename_source
 from parallel_dcp.storage.location import Remote
@@ -134,7 +136,8 @@ def apply_preset(
             "model (nothing was written)"
         )
     config, path = found
-    drops = [re.compile(d) for d in preset.drop]
+    tied = bool(config.get("tie_word_embeddings"))
+    drops = [re.compile(d) for d in preset.drop + (preset.tied_drop if tied else ())]
     kept = [k for k in selected if not any(d.fullmatch(k) for d in drops)]
     dropped = len(selected) - len(kept)
     rules = [re.compile(regex) for regex, _ in preset.rules]
@@ -149,8 +152,10 @@ def apply_preset(
     permutations = _permutations(source, kept, preset, config, path)
     view: Source = permuted_source(source, permutations) if permutations else source
     renamed, names = rename_source(view, kept, list(preset.rules), strict=True, report=False)
+    if tied:
+        names = _tied_copies(renamed, names, preset)
     if not narrowed:
-        _check_complete(preset, names, config, path)
+        _check_complete(preset, names, config, path, tied)
     note = f"preset {preset.describe()}; config {path}"
     if permutations:
         some = next(iter(permutations.values()))
@@ -191,26 +196,39 @@ def _permutations(
     return out
 
 
-def _check_complete(preset: Preset, names: Sequence[str], config: Mapping[str, Any], path: str) -> None:
+def _tied_copies(view: Source, names: tuple[str, ...], preset: Preset) -> tuple[str, ...]:
+    """``names`` with each output name of ``preset.tied_copy`` the view lacks, read from its source key."""
+    assert isinstance(view, RenamedSource)
+    new_of = {old: new for new, old in view.old_names.items()}
+    added = []
+    for name, source_key in preset.tied_copy:
+        copied = new_of.get(source_key)
+        if name in view.old_names or copied is None or copied not in view.entries:
+            continue
+        view.old_names[name] = source_key
+        view.entries[name] = dataclasses.replace(view.entries[copied], key=name)
+        view.mapping[name] = (name,)
+        added.append(name)
+    return (*names, *added)
+
+
+def _check_complete(preset: Preset, names: Sequence[str], config: Mapping[str, Any], path: str, tied: bool) -> None:
     """The output holds every key the client's model holds, and no layer beyond it."""
     if not preset.layer_keys and not preset.model_keys:
         return
     layers = _positive(config, "num_hidden_layers", path, preset)
-    expected = preset.expected_keys(layers)
+    expected = preset.expected_keys(layers, tied)
     have = set(names)
     missing = [k for k in expected if k not in have]
     extra = sorted(set(names) - set(expected))
     problems = []
     if missing:
-        hint = (
-            " (the config ties the embeddings: tie_word_embeddings is true and the source has no lm_head.weight; "
-            f"{preset.client} {preset.client_version} holds lm_head.weight, which this preset does not make)"
-            if config.get("tie_word_embeddings") and any(k.endswith("lm_head.weight") for k in missing)
-            else ""
-        )
-        problems.append(f"misses {plural(len(missing), 'key')} the model holds: {describe_keys(missing)}{hint}")
+        problems.append(f"misses {plural(len(missing), 'key')} the model holds: {describe_keys(missing)}")
     if extra:
-        problems.append(f"holds {plural(len(extra), 'key')} beyond num_hidden_layers={layers}: {describe_keys(extra)}")
+        problems.append(
+            f"holds {plural(len(extra), 'key')} the model does not (num_hidden_layers={layers}, "
+            f"tie_word_embeddings={tied}): {describe_keys(extra)}"
+        )
     if problems:
         raise PresetError(
             f"preset {preset.name}: the output " + "; and ".join(problems) + f" (config {path}; nothing was written; "

@@ -36,8 +36,9 @@ FIXTURE = REPO / "tests" / "fixtures" / "clients" / "torchtitan_llama3_keys.json
 TINY = json.loads(FIXTURE.read_text())["config"]  # the Hugging Face config.json of the tiny model
 
 
-def titan_model() -> tuple[torch.nn.Module, Any]:
-    """torchtitan 0.3.0's Llama 3 for ``TINY``, built on the meta device, then materialized on CPU."""
+def titan_model(tied: bool = False) -> tuple[torch.nn.Module, Any]:
+    """torchtitan 0.3.0's Llama 3 for ``TINY`` (``tied``: embeddings tied to the output head, as its
+    Llama 3.2 1B), built on the meta device, then materialized on CPU."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.llama3 import (
         _EMBEDDING_INIT,
@@ -51,6 +52,7 @@ def titan_model() -> tuple[torch.nn.Module, Any]:
     config = Llama3Model.Config(
         dim=dim,
         vocab_size=vocab,
+        enable_weight_tying=tied,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=_EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=_output_linear_init(dim)),
@@ -74,8 +76,9 @@ def titan_model() -> tuple[torch.nn.Module, Any]:
     return model, config
 
 
-def write_hf_llama(folder: Path) -> dict[str, torch.Tensor]:
-    """A Hugging Face Llama folder of ``TINY`` (two shards, index, config.json); its tensors."""
+def write_hf_llama(folder: Path, tied: bool = False) -> dict[str, torch.Tensor]:
+    """A Hugging Face Llama folder of ``TINY`` (two shards, index, config.json); its tensors.
+    ``tied``: ``tie_word_embeddings`` and no ``lm_head.weight``, as Hugging Face saves a tied model."""
     g = torch.Generator().manual_seed(29)
     dim, inter, vocab = TINY["hidden_size"], TINY["intermediate_size"], TINY["vocab_size"]
     q_rows = TINY["num_attention_heads"] * TINY["head_dim"]
@@ -94,7 +97,7 @@ def write_hf_llama(folder: Path) -> dict[str, torch.Tensor]:
             p + "input_layernorm.weight": (dim,),
             p + "post_attention_layernorm.weight": (dim,),
         }
-    shapes |= {"model.norm.weight": (dim,), "lm_head.weight": (vocab, dim)}
+    shapes |= {"model.norm.weight": (dim,)} | ({} if tied else {"lm_head.weight": (vocab, dim)})
     tensors = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
     folder.mkdir()
     names = list(tensors)
@@ -107,7 +110,7 @@ def write_hf_llama(folder: Path) -> dict[str, torch.Tensor]:
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    (folder / "config.json").write_text(json.dumps(TINY, indent=2))
+    (folder / "config.json").write_text(json.dumps(TINY | {"tie_word_embeddings": tied}, indent=2))
     return tensors
 
 
@@ -118,11 +121,11 @@ def parallel_dcp(*args: str | Path) -> None:
     assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout}\n{run.stderr}"
 
 
-def titan_model_only_load(checkpoint: Path) -> dict[str, torch.Tensor]:
+def titan_model_only_load(checkpoint: Path, tied: bool = False) -> dict[str, torch.Tensor]:
     """torchtitan's model-only load of a DCP checkpoint (CheckpointManager.dcp_load, from_hf=False)."""
     from torchtitan.components.checkpointer.base import ModelWrapper
 
-    model, _ = titan_model()
+    model, _ = titan_model(tied)
     wrapper = ModelWrapper(model)
     state_dict = wrapper.state_dict()
     dcp.load(state_dict, checkpoint_id=str(checkpoint))
@@ -130,12 +133,12 @@ def titan_model_only_load(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def titan_hf_load(folder: Path) -> dict[str, torch.Tensor]:
+def titan_hf_load(folder: Path, tied: bool = False) -> dict[str, torch.Tensor]:
     """torchtitan's own HF load of the same folder (CheckpointManager.dcp_load, from_hf=True)."""
     from torchtitan.components.checkpointer.base import ModelWrapper
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
-    model, config = titan_model()
+    model, config = titan_model(tied)
     adapter = Llama3StateDictAdapter(config, str(folder))
     wrapper = ModelWrapper(model)
     hf_state_dict = adapter.to_hf(wrapper.state_dict())
@@ -158,13 +161,15 @@ def test_fixture_holds_torchtitans_names_and_shapes() -> None:
     assert json.loads(FIXTURE.read_text())["keys"] == held
 
 
-@pytest.mark.parametrize("chunk_size", [None, "4KB"], ids=["whole", "row-ranges"])
-def test_hf_to_torchtitan_loads_as_torchtitans_own_hf_path(tmp_path: Path, chunk_size: str | None) -> None:
-    write_hf_llama(tmp_path / "hf")
+@pytest.mark.parametrize(
+    ("chunk_size", "tied"), [(None, False), ("4KB", False), (None, True)], ids=["whole", "row-ranges", "tied"]
+)
+def test_hf_to_torchtitan_loads_as_torchtitans_own_hf_path(tmp_path: Path, chunk_size: str | None, tied: bool) -> None:
+    write_hf_llama(tmp_path / "hf", tied)
     chunks = ["--chunk-size", chunk_size] if chunk_size else []
     parallel_dcp("convert", tmp_path / "hf", tmp_path / "titan", "--preset", "hf-llama3-to-torchtitan", *chunks)
-    ours = titan_model_only_load(tmp_path / "titan")
-    theirs = titan_hf_load(tmp_path / "hf")
+    ours = titan_model_only_load(tmp_path / "titan", tied)
+    theirs = titan_hf_load(tmp_path / "hf", tied)
     assert not any(t.isnan().any() for t in theirs.values())
     assert_bitwise_equal(ours, theirs)
     if chunk_size:  # the q/k weights were written as several row ranges
@@ -174,10 +179,11 @@ def test_hf_to_torchtitan_loads_as_torchtitans_own_hf_path(tmp_path: Path, chunk
         assert len(metadata.state_dict_metadata["layers.0.attention.qkv_linear.wq.weight"].chunks) > 1
 
 
-def test_torchtitan_to_hf_equals_torchtitans_to_hf(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_torchtitan_to_hf_equals_torchtitans_to_hf(tmp_path: Path, tied: bool) -> None:
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
-    original = write_hf_llama(tmp_path / "hf")
+    original = write_hf_llama(tmp_path / "hf", tied)
     parallel_dcp("convert", tmp_path / "hf", tmp_path / "titan", "--preset", "hf-llama3-to-torchtitan")
     parallel_dcp(
         "convert",
@@ -193,9 +199,9 @@ def test_torchtitan_to_hf_equals_torchtitans_to_hf(tmp_path: Path) -> None:
     ours: dict[str, torch.Tensor] = {}
     for file in sorted((tmp_path / "back").glob("*.safetensors")):
         ours |= st.load_file(file)
-    _, config = titan_model()
-    expected = Llama3StateDictAdapter(config, None).to_hf(titan_model_only_load(tmp_path / "titan"))
+    _, config = titan_model(tied)
+    expected = Llama3StateDictAdapter(config, None).to_hf(titan_model_only_load(tmp_path / "titan", tied))
     assert sorted(ours) == sorted(expected)
     assert_bitwise_equal({k: ours[k] for k in expected}, {k: v.contiguous() for k, v in expected.items()})
     assert_bitwise_equal({k: ours[k] for k in original}, original)
-    assert json.loads((tmp_path / "back" / "config.json").read_text()) == TINY
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == TINY | {"tie_word_embeddings": tied}
