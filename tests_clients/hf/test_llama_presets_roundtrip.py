@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 REPO = Path(__file__).resolve().parents[2]
 
 
-def make_llama(dest: Path, dtype: torch.dtype) -> Path:
+def make_llama(dest: Path, dtype: torch.dtype, tied: bool = False) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(29)
@@ -38,7 +38,7 @@ def make_llama(dest: Path, dtype: torch.dtype) -> Path:
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     LlamaForCausalLM(config).to(dtype).eval().save_pretrained(dest)
     return dest
@@ -51,12 +51,23 @@ def convert(*args: str | Path) -> None:
     assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout}\n{run.stderr}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("chunk_size", [None, "4KB"], ids=["whole", "row-ranges"])
-def test_llama_round_trip_through_torchtitan_layout(tmp_path: Path, dtype: torch.dtype, chunk_size: str | None) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "chunk_size", "tied"),
+    [
+        (torch.float32, None, False),
+        (torch.float32, "4KB", False),
+        (torch.bfloat16, None, False),
+        (torch.bfloat16, "4KB", False),
+        (torch.float32, None, True),
+    ],
+    ids=["float32-whole", "float32-row-ranges", "bfloat16-whole", "bfloat16-row-ranges", "tied-embeddings"],
+)
+def test_llama_round_trip_through_torchtitan_layout(
+    tmp_path: Path, dtype: torch.dtype, chunk_size: str | None, tied: bool
+) -> None:
     from transformers import LlamaForCausalLM
 
-    original_dir = make_llama(tmp_path / "hf", dtype)
+    original_dir = make_llama(tmp_path / "hf", dtype, tied)
     chunks = ["--chunk-size", chunk_size] if chunk_size else []
     convert(original_dir, tmp_path / "titan", "--preset", "hf-llama3-to-torchtitan", *chunks)
     convert(
