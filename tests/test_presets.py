@@ -14,6 +14,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch as st
@@ -398,3 +399,36 @@ def test_dequantize_then_preset_splits_on_whole_heads_and_whole_blocks(tmp_path:
     assert_same(dcp_tensors(tmp_path / "titan"), titan_expected(dequantized))
     chunks = read_metadata(tmp_path / "titan").state_dict_metadata["layers.0.attention.qkv_linear.wq.weight"].chunks
     assert len(chunks) > 1 and all(c.offsets[0] % 32 == 0 for c in chunks)
+
+
+def test_a_failed_preset_conversion_resumes_only_with_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Task 0 finishes, the others fail (as out of space would): resume keeps task 0's files, redoes the
+    rest, and the output equals a fresh one; resuming it without the preset is refused."""
+    import time
+
+    from parallel_dcp import ResumeError, WorkerError
+    from parallel_dcp.jobs import targets
+
+    hf = hf_folder(tmp_path / "hf")
+    out = tmp_path / "titan"
+    original = targets.DcpTarget.write
+
+    def write(self: object, job: object, task: Any, data: object, staging: object, options: object) -> object:
+        if task.index >= 1:
+            deadline = time.monotonic() + 60
+            while not [n for n in os.listdir(out) if n.startswith(".parallel_dcp.done.")]:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+            raise OSError(28, "No space left on device (injected)")
+        return original(self, job, task, data, staging, options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(targets.DcpTarget, "write", write)
+    with pytest.raises(WorkerError, match="No space left"):
+        parallel_dcp.convert(tmp_path / "hf", out, preset=TO_TITAN, workers=2, chunk_size="4KB")
+    monkeypatch.undo()
+    with pytest.raises(ResumeError):
+        parallel_dcp.convert(tmp_path / "hf", out, workers=2, chunk_size="4KB", resume=True)
+    result = parallel_dcp.convert(tmp_path / "hf", out, preset=TO_TITAN, workers=2, chunk_size="4KB", resume=True)
+    assert isinstance(result, parallel_dcp.SaveResult) and result.resumed and 0 < result.bytes_kept < result.bytes
+    assert_same(dcp_tensors(out), titan_expected(hf))

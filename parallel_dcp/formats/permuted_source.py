@@ -126,7 +126,8 @@ class PermutedSource(WrappedSource):
 
     def fingerprint(self) -> dict[str, Any]:
         # The permutation is part of what the output is made of: a resume must not mix layouts.
-        permuted = {key: dataclasses.astuple(p) for key, p in sorted(self.permutations.items())}
+        # JSON values (lists, not tuples): a resume compares this with the record it read back.
+        permuted = {key: [p.heads, p.head_dim, p.to_interleaved] for key, p in sorted(self.permutations.items())}
         return self._inner().fingerprint() | {"permute_rows": permuted}
 
 
