@@ -237,3 +237,13 @@ class QuantizationError(ParallelDCPError, ValueError):
     def __init__(self, message: str, *, keys: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.keys = list(keys)
+
+
+class PresetError(RenameError):
+    """A preset cannot convert this source as its client needs: a source key its rules do not
+    cover, an output that would miss keys the client's model holds, or a missing or incomplete
+    ``config.json``. Raised before anything is written; ``keys`` names the offending tensors."""
+
+    def __init__(self, message: str, *, keys: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.keys = list(keys)

@@ -99,7 +99,10 @@ def prepare_config(
     if dtype is None and active is None:
         return
     copied = target.copies.get(CONFIG_FILE)
-    if copied is not None:
+    given = target.extra_files.get(CONFIG_FILE)  # a preset's model config, written as the output's
+    if given is not None:
+        config = json.loads(given)
+    elif copied is not None:
         raw = read_copies({CONFIG_FILE: copied})[CONFIG_FILE]
         try:
             config = json.loads(raw)
