@@ -24,7 +24,12 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from parallel_dcp.errors import CheckpointExistsError, InvalidDestinationError, UnsafeCheckpointError
+from parallel_dcp.errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    InvalidDestinationError,
+    UnsafeCheckpointError,
+)
 
 __all__ = [
     "create_new",
@@ -32,10 +37,12 @@ __all__ = [
     "open_regular",
     "plain_name",
     "read_small",
+    "regular_size",
     "remove_name",
     "rename_name",
     "replace_new",
     "sync_directory",
+    "vanished",
     "write_new",
 ]
 
@@ -92,6 +99,24 @@ def open_regular(directory: int | None, name: str | os.PathLike[str], *, flags: 
         os.close(fd)
         raise
     return fd
+
+
+def regular_size(path: str | os.PathLike[str]) -> int:
+    """The size of the regular file at ``path``, looked at by the same rule a read opens it by
+    (:func:`open_regular`): a symlink or a FIFO in its place is refused by name, not measured
+    through. Raises FileNotFoundError when nothing is there."""
+    fd = open_regular(None, path)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def vanished(path: object) -> CorruptCheckpointError:
+    """The error for a file of a checkpoint that disappeared between the check and the read."""
+    return CorruptCheckpointError(
+        f"{path} vanished: the checkpoint changed while reading (replaced or removed by another process)"
+    )
 
 
 def read_small(path: str | os.PathLike[str], limit: int = 2**20) -> bytes:
