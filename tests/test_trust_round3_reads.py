@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,8 @@ from parallel_dcp.partial import partial_load
 from parallel_dcp.storage.location import dcp_reader
 
 pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parent.parent
+ENV = os.environ | {"PYTHONPATH": str(ROOT)}
 
 
 def _stock(path: Path, state: dict[str, Any]) -> Path:
@@ -165,3 +170,50 @@ def test_a_shard_gone_before_a_load_is_named(tmp_path: Path) -> None:
     for retries in (0, 1):
         with pytest.raises(ParallelDCPError, match=shard.name):
             parallel_dcp.load(ckpt, workers=1, retries=retries)
+
+
+OVERWRITER = textwrap.dedent(
+    """
+    import sys, torch, parallel_dcp
+    # every overwrite gives new shard names: the old .metadata's shards vanish at each publish
+    states = [{"w": torch.full((64, 64), float(i)), "v": torch.full((300,), float(i))} for i in range(2)]
+    for i in range(int(sys.argv[2])):
+        parallel_dcp.save(states[i % 2], sys.argv[1], workers=2, overwrite=True)
+    """
+)
+
+
+def _one_save(loaded: dict[str, Any]) -> bool:
+    """Both keys from one save (the saves differ in every value)."""
+    value = float(loaded["w"].flatten()[0])
+    return bool((loaded["w"] == value).all()) and bool((loaded["v"] == value).all())
+
+
+@pytest.mark.timeout(300)
+def test_a_load_during_overwrites_returns_one_save_or_names_the_overwrite(tmp_path: Path) -> None:
+    """Two processes: one overwrites the checkpoint 80 times (new shard names each time), this one
+    loads it over and over until the writer ends (bounded by the writer's count). Every load
+    returns the values of one save, or raises a ParallelDCPError that names the concurrent change;
+    never a raw OSError."""
+    dest = tmp_path / "ckpt"
+    parallel_dcp.save({"w": torch.full((64, 64), 1.0), "v": torch.full((300,), 1.0)}, dest, workers=1)
+    writer = subprocess.Popen([sys.executable, "-c", OVERWRITER, str(dest), "80"], cwd=ROOT, env=ENV)
+    loads = changed = 0
+    try:
+        while writer.poll() is None:
+            for retries in (0, 1):
+                try:
+                    loaded = parallel_dcp.load(dest, workers=2, retries=retries)
+                except ParallelDCPError as exc:
+                    assert re.search(r"changed while|another process|vanished|overwrit", str(exc)), exc
+                    changed += 1
+                    continue
+                assert _one_save(loaded), {k: v.flatten()[:3] for k, v in loaded.items()}
+                loads += 1
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        writer.wait(timeout=120)
+    assert writer.returncode == 0
+    assert loads + changed >= 1
+    assert _one_save(parallel_dcp.load(dest, workers=1))

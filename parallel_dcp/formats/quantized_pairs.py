@@ -126,6 +126,8 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
         elif entry.dtype in FP8_DTYPES and key + SCALE_SUFFIX not in entries:
             refuse(key, f"an FP8 weight without its scale {key + SCALE_SUFFIX!r}")
     if problems:
-        shown = "\n".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise QuantizationError(f"{source.path} cannot be dequantized (nothing was written):\n{shown}", keys=offenders)
+        shown = problems[:20] + ([f"  ... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise QuantizationError(
+            f"{source.path} cannot be dequantized (nothing was written):", keys=offenders, lines=shown
+        )
     return pairs
