@@ -132,3 +132,35 @@ def test_a_cache_snapshot_link_leaving_its_repository_is_refused_in_every_io_mod
     with pytest.raises(UnsafeCheckpointError, match=r"model\.safetensors is a symlink leading out"):
         parallel_dcp.convert(snapshot, tmp_path / "out", workers=1, io=io)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_config_json_linking_out_of_a_quantized_folder_is_never_read(tmp_path: Path) -> None:
+    """Dequantizing reads the source's config.json (its block size) and writes it, edited, into
+    the output: one linking out of the folder (another user's JSON secrets) is refused by name."""
+    from tests.quantized_checkpoints import fp8_checkpoint
+
+    src = fp8_checkpoint(tmp_path / "fp8")
+    secret = tmp_path / "secrets.json"
+    secret.write_text('{"token": "hunter2", "quantization_config": {"weight_block_size": [128, 128]}}')
+    (src / "config.json").unlink()
+    (src / "config.json").symlink_to(secret)
+    with pytest.raises(UnsafeCheckpointError, match=r"config\.json is a symlink leading out"):
+        parallel_dcp.convert(src, tmp_path / "out", to="safetensors", dequantize=True, workers=1, copy_files=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_verify_with_a_manifest_names_a_shard_replaced_by_a_link_or_a_fifo(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    parallel_dcp.save({"w": torch.zeros(64), "v": torch.ones(64)}, ckpt, workers=2)
+    twin = tmp_path / "twin"
+    shards = sorted(ckpt.glob("*.distcp"))
+    twin.write_bytes(shards[0].read_bytes())  # the same bytes: only the rule can tell
+    shards[0].unlink()
+    shards[0].symlink_to(twin)
+    shards[1].unlink()
+    os.mkfifo(shards[1])
+    report = parallel_dcp.verify(ckpt, workers=1)
+    assert report.manifest and not report.ok
+    shown = "\n".join(report.problems)
+    assert f"{shards[0].name}" in shown and "symlink" in shown, shown
+    assert f"{shards[1].name}" in shown and "not a regular file" in shown, shown

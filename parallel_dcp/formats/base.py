@@ -21,7 +21,7 @@ import torch
 from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
 from parallel_dcp.storage.location import Location, Remote, check_name, listdir, locate
 from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, source_tree
-from parallel_dcp.storage.safe_reader import open_bounded
+from parallel_dcp.storage.safe_reader import read_in_tree
 
 # An index lists one line per tensor: 64 MiB is far beyond any real one (a crafted one is refused).
 _INDEX_MAX_BYTES = 64 * 2**20
@@ -259,9 +259,4 @@ def _read_index(index: Location) -> bytes:
     if isinstance(index, Remote):
         return index.read_bytes()
     assert isinstance(index, Path)
-    with open_bounded(resolve_in_tree(index, source_tree(index.parent))) as stream:
-        if stream.raw.size > _INDEX_MAX_BYTES:  # type: ignore[attr-defined]
-            raise CorruptCheckpointError(
-                f"{index} has {stream.raw.size} bytes, more than an index can have ({_INDEX_MAX_BYTES})"  # type: ignore[attr-defined]
-            )
-        return stream.read()
+    return read_in_tree(index, source_tree(index.parent), limit=_INDEX_MAX_BYTES)

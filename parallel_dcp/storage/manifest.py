@@ -27,6 +27,7 @@ from parallel_dcp._version import __version__
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.location import Location, Remote, check_name, locate
 from parallel_dcp.storage.ownership import MANIFEST_FILE, METADATA_FILE
+from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "manifest_bytes", "read_manifest"]
 
@@ -68,10 +69,12 @@ def file_digest(path: str | os.PathLike[str] | Remote, *, checksum: bool = True)
         for piece in path.chunks():
             hasher.update(piece)
         return hasher.result()
-    if not checksum:
-        return FileDigest(os.path.getsize(path), None)
-    hasher = Hasher()
-    with open(path, "rb", buffering=0) as f:
+    # by the one rule for reading (storage.safe_reader): never through a symlink, never a FIFO,
+    # no further than the size the open file has
+    with open_bounded(path) as f:
+        if not checksum:
+            return FileDigest(f.raw.size, None)  # type: ignore[attr-defined]
+        hasher = Hasher()
         buffer = bytearray(_CHUNK)
         while n := f.readinto(buffer):
             hasher.update(memoryview(buffer)[:n])

@@ -28,9 +28,9 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.storage.safe_files import open_regular, vanished
+from parallel_dcp.storage.safe_files import open_regular, resolve_in_tree, vanished
 
-__all__ = ["BoundedFile", "SafeFileSystem", "open_bounded", "vanished"]
+__all__ = ["BoundedFile", "SafeFileSystem", "open_bounded", "read_in_tree", "vanished"]
 
 
 class BoundedFile(io.RawIOBase):
@@ -107,6 +107,24 @@ def open_bounded(path: str | os.PathLike[str], *, buffering: int = io.DEFAULT_BU
         os.close(fd)
         raise
     return io.BufferedReader(raw, buffer_size=buffering)
+
+
+def read_in_tree(path: str | os.PathLike[str], tree: str | os.PathLike[str], *, limit: int) -> bytes:
+    """The bytes of a small source file (an index, ``config.json``) by the one rule: a link only
+    within ``tree`` (:func:`~parallel_dcp.storage.safe_files.resolve_in_tree`), a regular file, at
+    most ``limit`` bytes by its fstat size.
+
+    Raises:
+        UnsafeCheckpointError: a link out of ``tree``, or not a regular file.
+        CorruptCheckpointError: larger than ``limit``, or gone.
+    """
+    with open_bounded(resolve_in_tree(path, tree)) as stream:
+        size = stream.raw.size  # type: ignore[attr-defined]
+        if size > limit:
+            raise CorruptCheckpointError(
+                f"{os.fspath(path)} has {size} bytes, more than the {limit} such a file can have"
+            )
+        return stream.read()
 
 
 class SafeFileSystem(FileSystem):
