@@ -66,3 +66,31 @@ def test_listed_lines_stay_lines() -> None:
     error = RenameError("2 names collide (nothing was written):", lines=["  'a' <- 'x'", "  'b' <- 'y'"])
     assert str(error).splitlines() == ["2 names collide (nothing was written):", "  'a' <- 'x'", "  'b' <- 'y'"]
     assert isinstance(InsufficientSpaceError(28, "full"), OSError) and InsufficientSpaceError(28, "full").errno == 28
+
+
+def test_a_line_break_in_a_planted_lock_record_stays_inside_the_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A lock held (here by this test) whose record someone rewrote with a forged line."""
+    import fcntl
+    import json
+    import os
+
+    src = tmp_path / "src"
+    dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(src), no_dist=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    fd = os.open(out / ".parallel_dcp.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        record = {"pid": 1, "host": f"vm{FORGED}", "save_id": "0123456789ab", "since": "now"}
+        os.write(fd, json.dumps(record).encode())
+        code = cli.main(["convert", str(src), str(out)])
+    finally:
+        os.close(fd)
+    captured = capsys.readouterr()
+    assert code == 1
+    output = captured.out + captured.err
+    assert "pid 1 on host vm\\nparallel-dcp: OK" in output, output
+    assert not any(line.startswith("parallel-dcp: OK") for line in output.splitlines()), output
+    assert "\x1b" not in output
