@@ -217,3 +217,14 @@ def test_a_load_during_overwrites_returns_one_save_or_names_the_overwrite(tmp_pa
     assert writer.returncode == 0
     assert loads + changed >= 1
     assert _one_save(parallel_dcp.load(dest, workers=1))
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_planted_as_a_resume_record_is_refused_not_blocked_on(tmp_path: Path) -> None:
+    from parallel_dcp.storage.manifest import FileDigest
+    from parallel_dcp.storage.resume import read_sealed, verify_file
+
+    os.mkfifo(tmp_path / ".parallel_dcp.done.0123456789ab.0")
+    os.mkfifo(tmp_path / "__0_0123456789ab_0.distcp")
+    assert read_sealed(tmp_path, ".parallel_dcp.done.0123456789ab.0") is None
+    assert verify_file(tmp_path, "__0_0123456789ab_0.distcp", FileDigest(0, "0" * 16)) is False
