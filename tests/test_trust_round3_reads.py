@@ -228,3 +228,19 @@ def test_a_fifo_planted_as_a_resume_record_is_refused_not_blocked_on(tmp_path: P
     os.mkfifo(tmp_path / "__0_0123456789ab_0.distcp")
     assert read_sealed(tmp_path, ".parallel_dcp.done.0123456789ab.0") is None
     assert verify_file(tmp_path, "__0_0123456789ab_0.distcp", FileDigest(0, "0" * 16)) is False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("plant", ["symlink", "fifo"])
+def test_a_manifest_replaced_by_a_link_or_a_fifo_is_refused_by_name(plant: str, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    parallel_dcp.save({"w": torch.zeros(64)}, ckpt, workers=1)
+    forged = tmp_path / "forged.json"
+    forged.write_bytes((ckpt / ".parallel_dcp.json").read_bytes())
+    (ckpt / ".parallel_dcp.json").unlink()
+    if plant == "symlink":
+        (ckpt / ".parallel_dcp.json").symlink_to(forged)
+    else:
+        os.mkfifo(ckpt / ".parallel_dcp.json")
+    with pytest.raises(UnsafeCheckpointError, match=r"\.parallel_dcp\.json"):
+        parallel_dcp.verify(ckpt, workers=1)
