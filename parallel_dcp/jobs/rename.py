@@ -161,8 +161,8 @@ def _nesting(old: str, new: str, path: tuple[Any, ...]) -> tuple[Any, ...]:
 
 def _collision_error(title: str, collisions: dict[str, list[str]]) -> RenameError:
     lines = [f"  {new!r} <- {', '.join(map(repr, olds))}" for new, olds in list(collisions.items())[:_SHOWN]]
-    more = f"\n  ... and {len(collisions) - _SHOWN} more" if len(collisions) > _SHOWN else ""
-    return RenameError(f"{title} (nothing was written):\n" + "\n".join(lines) + more, collisions=collisions)
+    more = [f"  ... and {len(collisions) - _SHOWN} more"] if len(collisions) > _SHOWN else []
+    return RenameError(f"{title} (nothing was written):", collisions=collisions, lines=[*lines, *more])
 
 
 def _report(

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from parallel_dcp.errors import UnsafeCheckpointError, printable
+from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
 
 __all__ = ["MAX_DEPTH", "MAX_FILES", "folder_files"]
 
@@ -32,36 +33,18 @@ MAX_DEPTH = 8  # folders below the source: deeper is not a model's side folder
 MAX_FILES = 10_000  # files in all of them
 
 
-# The folders of a Hugging Face cache repository: ``models--org--name/snapshots/<revision>/`` holds
-# links into ``models--org--name/blobs/``, which are the repository's own files.
-_HF_CACHE_REPOS = ("models--", "datasets--", "spaces--")
-
-
-def _source_tree(where: Path) -> str:
-    """The tree the source's links may lead within: the folder itself, or for a snapshot in a
-    Hugging Face cache, its repository's folder (the snapshot's files link into ``../../blobs``)."""
-    real = Path(os.path.realpath(where))
-    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(_HF_CACHE_REPOS):
-        return str(real.parent.parent)
-    return str(real)
-
-
-def _resolve(path: Path, tree: str) -> Path | None:
-    """``path`` itself, or where a symlink leads when that is inside ``tree``; None for a link to a
-    folder inside the tree (not walked twice).
+def _resolve(path: Path, tree: Path) -> Path | None:
+    """``path`` itself, or where a symlink leads inside ``tree`` (the one rule of
+    :func:`~parallel_dcp.storage.safe_files.resolve_in_tree`); None for a link to a folder inside
+    the tree (not walked twice).
 
     Raises:
         UnsafeCheckpointError: a symlink leading out of the tree, or a loop.
     """
     if not path.is_symlink():
         return path
-    real = os.path.realpath(path)
-    if os.path.commonpath([tree, real]) != tree or os.path.islink(real):
-        raise UnsafeCheckpointError(
-            f"{printable(str(path))} is a symlink leading out of {printable(tree)} (to {printable(real)}); "
-            "refusing to follow it (nothing was written)"
-        )
-    return None if os.path.isdir(real) else Path(real)
+    real = resolve_in_tree(path, tree)
+    return None if real.is_dir() else real
 
 
 def folder_files(where: str | os.PathLike[str], copyable: Callable[[str], bool]) -> dict[str, Path]:
@@ -74,7 +57,7 @@ def folder_files(where: str | os.PathLike[str], copyable: Callable[[str], bool])
         ValueError: more than :data:`MAX_FILES` files, or folders deeper than :data:`MAX_DEPTH`.
     """
     root = Path(where)
-    tree = _source_tree(root)
+    tree = source_tree(root)
     found: dict[str, Path] = {}
 
     def walk(folder: Path, prefix: str, depth: int) -> None:
