@@ -27,7 +27,13 @@ import torch
 
 from parallel_dcp.errors import QuantizationError, describe_keys
 from parallel_dcp.formats.base import Entry, Source
-from parallel_dcp.formats.quantized import DEFAULT_BLOCK, E8M0_NAN, dequantize_fp8, dequantize_mxfp4
+from parallel_dcp.formats.quantized import (
+    DEFAULT_BLOCK,
+    DEQUANTIZE_WORK_BYTES,
+    E8M0_NAN,
+    dequantize_fp8,
+    dequantize_mxfp4,
+)
 from parallel_dcp.formats.quantized_pairs import (
     BLOCKS_SUFFIX,
     SCALE_SUFFIX,
@@ -43,7 +49,9 @@ if TYPE_CHECKING:
 
 __all__ = ["SCALE_SUFFIX", "DequantizedSource", "block_size_of", "dequantized_source", "source_config"]
 
-_WORK_BYTES = 32 * 1024 * 1024  # the arithmetic's int32 index strips (the heap keeps freed ones): measured
+# The arithmetic's strips (the heap keeps freed ones), whatever the block size: at most the
+# bound quantized.py states, and at most 4 B an output element (a strip never exceeds the unit).
+_WORK_BYTES = DEQUANTIZE_WORK_BYTES
 
 
 @dataclass

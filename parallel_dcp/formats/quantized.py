@@ -30,10 +30,12 @@ import torch
 
 __all__ = [
     "DEFAULT_BLOCK",
+    "DEQUANTIZE_WORK_BYTES",
     "E8M0_NAN",
     "FP4_VALUES",
     "FP8_DTYPES",
     "FP8_MAX",
+    "STRIP_ELEMENTS",
     "dequantize_fp8",
     "dequantize_mxfp4",
     "fp8_scale_shape",
@@ -46,8 +48,15 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 E8M0_NAN = 255  # the one E8M0 code that is not a power of two
 # e2m1 values by nibble, as stock and gpt-oss decode them.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-# Elements of float32 temporaries per strip: 16 MiB, whatever the tensor's size.
-_STRIP_ELEMENTS = 4 * 1024 * 1024
+# Elements of a strip: its float32 / int32 temporaries are 16 MiB each, whatever the tensor's size.
+STRIP_ELEMENTS = 4 * 1024 * 1024
+# Columns of a strip at most: a strip's per-column block numbers stay small beside it.
+_STRIP_COLUMNS = STRIP_ELEMENTS // 16
+# What dequantizing an FP8 weight holds beside its input and output, at most (4 B an element of
+# the strip for the int32 indices or the upcast strip, 4 B for the gathered products or the spread
+# scales, and a (block, code) table of at most a quarter of the strip's elements, float32 and
+# the output dtype): whatever the weight's shape or block size.
+DEQUANTIZE_WORK_BYTES = 10 * STRIP_ELEMENTS
 _FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}  # FP8 code -> float32, made on first use
 _MXFP4_TABLES: dict[torch.dtype, torch.Tensor] = {}  # (exponent, byte) -> two values, made on first use
 
@@ -55,11 +64,6 @@ _MXFP4_TABLES: dict[torch.dtype, torch.Tensor] = {}  # (exponent, byte) -> two v
 def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
     """The scale tensor's shape for a 2-D weight of ``shape``: one entry per (partial) block."""
     return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
-
-
-def _strip_rows(cols: int, block_rows: int) -> int:
-    """Rows per strip: whole row blocks, about ``_STRIP_ELEMENTS`` elements (at least one block)."""
-    return max(1, _STRIP_ELEMENTS // max(cols * block_rows, 1)) * block_rows
 
 
 def dequantize_fp8(
@@ -75,10 +79,15 @@ def dequantize_fp8(
     to ``dtype`` with ``scale``, the whole weight's scale tensor (global block coordinates).
 
     Each value is ``dtype(float32(code) * float32(scale))``, the product stock computes (its
-    ``float32 block * 0-dim scale`` promotes the scale to float32), rounded once. A block has only
-    256 codes, so the products are made once per (block, code), by those very operations, and
-    each element is one lookup of its block's product for its code: one pass over the weight
-    instead of an upcast, a multiply and a rounding pass.
+    ``float32 block * 0-dim scale`` promotes the scale to float32), rounded once. Where a strip
+    has far fewer (block, code) pairs than elements (128 x 128 blocks), the products are made
+    once per (block, code) of the strip, by those very operations, and each element is one
+    lookup of its block's product for its code; where small blocks (a legal ``[2, 2]``) would
+    make that table larger than the strip, the strip is upcast and multiplied by its blocks'
+    scales directly (the same two operations, element by element).
+
+    Temporaries are bounded by the strip (:data:`STRIP_ELEMENTS` elements, whatever the
+    weight's shape or block size): at most :data:`DEQUANTIZE_WORK_BYTES`.
 
     Raises:
         ValueError: ``weight`` is not FP8.
@@ -90,28 +99,37 @@ def dequantize_fp8(
     if rows == 0 or cols == 0:
         return out
     br, bc = block
-    first_cb, end_cb = col0 // bc, (col0 + cols - 1) // bc + 1
-    first_rb, end_rb = row0 // br, (row0 + rows - 1) // br + 1
     codes = _fp8_values(weight.dtype)
-    blocks = scale[first_rb:end_rb, first_cb:end_cb].to(torch.float32).reshape(-1, 1)
-    products = (blocks * codes).to(dtype).reshape(-1)  # [block][code], blocks in row-major order
-    per_row_block = (end_cb - first_cb) * 256
-    column_offsets = (((torch.arange(cols) + col0) // bc - first_cb) * 256).to(torch.int32)
-    step = _strip_rows(cols, br)
-    r = 0
-    while r < rows:
-        g = row0 + r
-        if g % br or rows - r < br:  # a partial block: a head (row0 not aligned) or the last
-            stop, n = min(rows, (g // br + 1) * br - row0), 1
-        else:  # whole blocks
-            stop = r + min(step, (rows - r) // br * br)
-            n = (stop - r) // br
-        index = weight[r:stop].contiguous().view(torch.uint8).to(torch.int32).view(n, -1, cols)
-        first = g // br - first_rb
-        offsets = torch.arange(first, first + n, dtype=torch.int32)[:, None] * per_row_block + column_offsets
-        index.add_(offsets.unsqueeze(1))
-        torch.index_select(products, 0, index.view(-1), out=out[r:stop].view(-1))
-        r = stop
+    col_step = min(cols, _STRIP_COLUMNS)
+    row_step = max(1, STRIP_ELEMENTS // col_step)
+    for c in range(0, cols, col_step):
+        c_end = min(cols, c + col_step)
+        # each column's block, relative to the strip's first block column
+        first_cb = (col0 + c) // bc
+        col_blocks = ((torch.arange(col0 + c, col0 + c_end) // bc) - first_cb).to(torch.int32)
+        ncb = int(col_blocks[-1]) + 1
+        for r in range(0, rows, row_step):
+            r_end = min(rows, r + row_step)
+            first_rb = (row0 + r) // br
+            row_blocks = ((torch.arange(row0 + r, row0 + r_end) // br) - first_rb).to(torch.int32)
+            nrb = int(row_blocks[-1]) + 1
+            blocks = scale[first_rb : first_rb + nrb, first_cb : first_cb + ncb].to(torch.float32)
+            piece = weight[r:r_end, c:c_end]
+            target = out[r:r_end, c:c_end]
+            if nrb * ncb * 256 * 4 <= piece.numel():
+                products = (blocks.reshape(-1, 1) * codes).to(dtype).reshape(-1)  # [block][code]
+                index = piece.contiguous().view(torch.uint8).to(torch.int32)
+                index.add_((row_blocks[:, None] * ncb + col_blocks) * 256)
+                if target.is_contiguous():
+                    torch.index_select(products, 0, index.view(-1), out=target.view(-1))
+                else:
+                    target.copy_(products[index])
+                del products, index
+            else:
+                upcast = piece.to(torch.float32)
+                upcast.mul_(blocks[row_blocks.long()][:, col_blocks.long()])
+                target.copy_(upcast)  # rounds once to dtype, as .to(dtype) does
+                del upcast
     return out
 
 
@@ -139,7 +157,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     exponents = scales.reshape(rows, 1)
     table = _mxfp4_table(dtype).view(-1, 2)
     out = torch.empty(rows, width * 2, dtype=dtype)
-    step = max(1, _STRIP_ELEMENTS // max(width, 1))  # int32 indices, 4 bytes a byte
+    step = max(1, STRIP_ELEMENTS // max(width, 1))  # int32 indices, 4 bytes a byte
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         index = flat[r0:r1].to(torch.int32)
@@ -177,7 +195,7 @@ def quantize_fp8(
     padded_cols = scales.shape[1] * bc
     # Half the dequantizing strip: a quantizing strip has four float32 temporaries (the strip, its
     # magnitudes, their padding, the scales spread over it).
-    step = max(1, _STRIP_ELEMENTS // 2 // max(padded_cols * br, 1)) * br
+    step = max(1, STRIP_ELEMENTS // 2 // max(padded_cols * br, 1)) * br
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         strip = weight[r0:r1].to(torch.float32, copy=True)  # never the caller's tensor: it is divided in place

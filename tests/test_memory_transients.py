@@ -1,0 +1,86 @@
+"""Every temporary a task makes is bounded and counted before it exists (issue 31, items 1 and 6).
+
+Each test here reproduces one way a job's memory went past what admission counted, measured
+from outside by an independent sampler of the process tree (tests/memory_probe.py).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import parallel_dcp
+from parallel_dcp.formats.quantized import DEQUANTIZE_WORK_BYTES, STRIP_ELEMENTS, dequantize_fp8
+from tests.conftest import assert_same
+from tests.memory_probe import PeakSampler
+from tests.quantized_checkpoints import deepseek_config, write_hf
+
+MiB = 1024 * 1024
+
+
+def reference_fp8(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: tuple[int, int]
+) -> torch.Tensor:
+    """Stock's arithmetic, written out: float32(code) * float32(scale of its block), rounded once."""
+    rows, cols = weight.shape
+    spread = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return (weight.to(torch.float32) * spread.to(torch.float32)).to(dtype)
+
+
+def fp8_pair(rows: int, cols: int, block: tuple[int, int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    scale = torch.rand(math.ceil(rows / block[0]), math.ceil(cols / block[1]), generator=g) * 0.01 + 1e-4
+    return weight, scale
+
+
+@pytest.mark.parametrize("block", [(2, 2), (3, 5), (1, 128), (128, 128), (64, 3)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_dequantize_equals_the_reference_for_any_block(block: tuple[int, int], dtype: torch.dtype) -> None:
+    weight, scale = fp8_pair(203, 261, block)
+    expected = reference_fp8(weight, scale, dtype, block)
+    assert_same(dequantize_fp8(weight, scale, dtype, block), expected)
+    piece = dequantize_fp8(weight[7:150, 33:250], scale, dtype, block, row0=7, col0=33)
+    assert_same(piece, expected[7:150, 33:250].contiguous())
+
+
+def test_fp8_dequantize_with_small_blocks_holds_no_table_larger_than_its_strip() -> None:
+    """A legal ``weight_block_size: [2, 2]`` made a table of 256 products per block: 96 MiB for
+    a 512 x 512 weight (0.5 MiB of output). The temporaries are bounded by the strip."""
+    weight, scale = fp8_pair(512, 512, (2, 2))
+    dequantize_fp8(weight[:4], scale, torch.bfloat16, (2, 2))  # torch's own first-use allocations
+    with PeakSampler(interval=0.0005) as sampler:
+        out = dequantize_fp8(weight, scale, torch.bfloat16, (2, 2))
+    assert sampler.peak <= 8 * weight.numel() + 4 * MiB, sampler.peak / MiB
+    assert_same(out, reference_fp8(weight, scale, torch.bfloat16, (2, 2)))
+
+
+def test_fp8_dequantize_of_a_wide_weight_bounds_its_strip_in_columns() -> None:
+    """One row block of a weight wider than the strip made an int32 index of the whole block row
+    (128 x cols x 4 B) beside the output: the strip is cut in columns too."""
+    weight, scale = fp8_pair(128, STRIP_ELEMENTS // 16 + 1000, (128, 128))
+    out = dequantize_fp8(weight, scale, torch.bfloat16)
+    assert_same(out, reference_fp8(weight, scale, torch.bfloat16, (128, 128)))
+    assert DEQUANTIZE_WORK_BYTES >= 8 * STRIP_ELEMENTS
+
+
+@pytest.mark.slow
+def test_fp8_small_block_conversion_stays_under_its_limit(tmp_path: Path) -> None:
+    """The review's reproducer, smaller: FP8 with ``weight_block_size: [2, 2]`` dequantized
+    under a tight limit stayed 'successful' at 102 MiB under 64 MiB."""
+    weight, scale = fp8_pair(1024, 1024, (2, 2))
+    src = write_hf(
+        tmp_path / "src",
+        {"w.weight": weight, "w.weight_scale_inv": scale},
+        [["w.weight"], ["w.weight_scale_inv"]],
+        deepseek_config(block=2),
+    )
+    limit = 48 * MiB
+    with PeakSampler() as sampler:
+        result = parallel_dcp.convert(src, tmp_path / "out", dequantize=True, workers=1, memory_limit=limit)
+    assert isinstance(result, parallel_dcp.SaveResult)
+    assert result.peak_memory <= limit
+    assert sampler.peak <= limit, f"{sampler.peak / MiB:.1f} MiB under a limit of {limit / MiB:.0f} MiB"
