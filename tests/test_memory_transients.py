@@ -6,13 +6,17 @@ from outside by an independent sampler of the process tree (tests/memory_probe.p
 
 from __future__ import annotations
 
+import json
 import math
+import struct
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import parallel_dcp
+from parallel_dcp.errors import QuantizationError
 from parallel_dcp.formats.quantized import DEQUANTIZE_WORK_BYTES, STRIP_ELEMENTS, dequantize_fp8
 from tests.conftest import assert_same
 from tests.memory_probe import PeakSampler
@@ -84,3 +88,36 @@ def test_fp8_small_block_conversion_stays_under_its_limit(tmp_path: Path) -> Non
     assert isinstance(result, parallel_dcp.SaveResult)
     assert result.peak_memory <= limit
     assert sampler.peak <= limit, f"{sampler.peak / MiB:.1f} MiB under a limit of {limit / MiB:.0f} MiB"
+
+
+def sparse_safetensors(path: Path, name: str, shape: tuple[int, ...]) -> None:
+    """A uint8 tensor of ``shape`` in a safetensors file whose data is a hole (no disk, no RAM)."""
+    nbytes = math.prod(shape)
+    header = json.dumps({name: {"dtype": "U8", "shape": list(shape), "data_offsets": [0, nbytes]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + nbytes)
+
+
+def test_mxfp4_scale_check_reads_scales_in_bounded_pieces(tmp_path: Path) -> None:
+    """The coordinator's NaN-exponent check read each whole E8M0 scale tensor before any
+    admission (152 MiB under a 32 MiB limit in the review): it reads bounded pieces."""
+    src = tmp_path / "mx"
+    src.mkdir()
+    shape = (8, 1024, 4096)  # 32 MiB of scales; 512 MiB of blocks, a hole on disk
+    sparse_safetensors(src / "model-00001-of-00002.safetensors", "e.gate_up_proj_blocks", (*shape, 16))
+    g = torch.Generator().manual_seed(0)
+    scales = torch.randint(0, 255, shape, dtype=torch.uint8, generator=g)
+    scales[-1, -1, -1] = 255  # the NaN exponent, in the last piece
+    save_file({"e.gate_up_proj_scales": scales}, str(src / "model-00002-of-00002.safetensors"))
+    del scales
+    weight_map = {
+        "e.gate_up_proj_blocks": "model-00001-of-00002.safetensors",
+        "e.gate_up_proj_scales": "model-00002-of-00002.safetensors",
+    }
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (src / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "mxfp4"}}))
+    with PeakSampler(interval=0.0005) as sampler, pytest.raises(QuantizationError, match="exponent 255"):
+        parallel_dcp.convert(src, tmp_path / "out", dequantize=True, dry_run=True, memory_limit="32MiB")
+    assert sampler.peak <= 16 * MiB, f"{sampler.peak / MiB:.1f} MiB to check 32 MiB of scales"

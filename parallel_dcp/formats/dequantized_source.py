@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from parallel_dcp.engine.chunks import split
 from parallel_dcp.errors import QuantizationError, describe_keys
 from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.quantized import (
@@ -52,6 +53,8 @@ __all__ = ["SCALE_SUFFIX", "DequantizedSource", "block_size_of", "dequantized_so
 # The arithmetic's strips (the heap keeps freed ones), whatever the block size: at most the
 # bound quantized.py states, and at most 4 B an output element (a strip never exceeds the unit).
 _WORK_BYTES = DEQUANTIZE_WORK_BYTES
+# The coordinator checks E8M0 scales for the NaN exponent in pieces of at most this much.
+CHECK_PIECE_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -77,18 +80,29 @@ class DequantizedSource(WrappedSource):
         bad = []
         for key in keys:
             pair = self.pairs.get(key)
-            if pair is not None and pair.kind == "mxfp4":
-                scales = self._inner().read([pair.scale])[pair.scale]
-                if bool((scales == E8M0_NAN).any()):
-                    bad.append(pair.scale)
-                del scales
-                self._inner().release()
+            if pair is not None and pair.kind == "mxfp4" and self._holds_nan(pair.scale):
+                bad.append(pair.scale)
         if bad:
             raise QuantizationError(
                 f"{self.path}: E8M0 scales hold the exponent 255, which means NaN: {describe_keys(bad)} "
                 "(nothing was written)",
                 keys=bad,
             )
+
+    def _holds_nan(self, scale: str) -> bool:
+        """Whether E8M0 ``scale`` holds the exponent 255, read in pieces of at most
+        :data:`CHECK_PIECE_BYTES` (this runs in the coordinator, before any task is admitted: a
+        whole scale tensor of a large MoE would be read beside nothing that counts it)."""
+        inner = self._inner()
+        entry = inner.entries[scale]
+        for piece in split(entry, CHECK_PIECE_BYTES) or [None]:
+            values = inner.read([scale])[scale] if piece is None else inner.read_chunk(piece)
+            found = bool((values == E8M0_NAN).any())
+            del values
+            inner.release()
+            if found:
+                return True
+        return False
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         keys = list(keys)
