@@ -95,7 +95,8 @@ class DequantizedSource(WrappedSource):
         whole scale tensor of a large MoE would be read beside nothing that counts it)."""
         inner = self._inner()
         entry = inner.entries[scale]
-        for piece in split(entry, CHECK_PIECE_BYTES) or [None]:
+        pieces: list[Chunk | None] = [*split(entry, CHECK_PIECE_BYTES)] or [None]
+        for piece in pieces:
             values = inner.read([scale])[scale] if piece is None else inner.read_chunk(piece)
             found = bool((values == E8M0_NAN).any())
             del values
