@@ -17,7 +17,14 @@ from safetensors.torch import save_file
 
 import parallel_dcp
 from parallel_dcp.errors import QuantizationError
-from parallel_dcp.formats.quantized import DEQUANTIZE_WORK_BYTES, STRIP_ELEMENTS, dequantize_fp8
+from parallel_dcp.formats.quantized import (
+    DEQUANTIZE_WORK_BYTES,
+    MAX_BLOCK,
+    STRIP_ELEMENTS,
+    dequantize_fp8,
+    quantize_fp8,
+    quantize_work_bytes,
+)
 from tests.conftest import assert_same
 from tests.memory_probe import PeakSampler
 from tests.quantized_checkpoints import deepseek_config, write_hf
@@ -121,3 +128,45 @@ def test_mxfp4_scale_check_reads_scales_in_bounded_pieces(tmp_path: Path) -> Non
     with PeakSampler(interval=0.0005) as sampler, pytest.raises(QuantizationError, match="exponent 255"):
         parallel_dcp.convert(src, tmp_path / "out", dequantize=True, dry_run=True, memory_limit="32MiB")
     assert sampler.peak <= 16 * MiB, f"{sampler.peak / MiB:.1f} MiB to check 32 MiB of scales"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"quantize": "fp8-block:" + "9" * 20},
+        {"quantize": f"fp8-block:{MAX_BLOCK + 1}"},
+        {"dequantize": True, "block_size": 10**20},
+    ],
+)
+def test_an_absurd_block_size_is_refused_before_any_write(tmp_path: Path, kwargs: dict[str, object]) -> None:
+    """``quantize="fp8-block:<20 digits>"`` failed in a worker with a TypeError."""
+    src = tmp_path / "src.safetensors"
+    save_file({"layers.0.w.weight": torch.randn(64, 64)}, str(src))
+    with pytest.raises(QuantizationError, match=f"from 1 to {MAX_BLOCK}"):
+        parallel_dcp.convert(src, tmp_path / "out", workers=1, **kwargs)  # type: ignore[arg-type]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_with_an_absurd_block_size_is_refused(tmp_path: Path) -> None:
+    weight, scale = fp8_pair(64, 64, (64, 64))
+    config = deepseek_config() | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [10**20] * 2}}
+    src = write_hf(
+        tmp_path / "src",
+        {"w.weight": weight, "w.weight_scale_inv": scale},
+        [["w.weight", "w.weight_scale_inv"]],
+        config,
+    )
+    with pytest.raises(QuantizationError, match="weight_block_size"):
+        parallel_dcp.convert(src, tmp_path / "out", dequantize=True, workers=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_block_larger_than_the_weight_quantizes_as_one_block_without_padding_to_it() -> None:
+    """Padding to whole blocks allocated the whole block: a 1M x 1M float32 strip for a 50 x 70 weight."""
+    weight = torch.randn(50, 70)
+    values, scales = quantize_fp8(weight, (MAX_BLOCK, MAX_BLOCK))
+    same_values, same_scales = quantize_fp8(weight, (50, 70))
+    assert scales.shape == (1, 1)
+    assert_same(values, same_values)
+    assert_same(scales, same_scales)
+    assert quantize_work_bytes(50, 70, (MAX_BLOCK, MAX_BLOCK)) == 4 * 4 * 50 * 70

@@ -35,14 +35,20 @@ __all__ = [
     "FP4_VALUES",
     "FP8_DTYPES",
     "FP8_MAX",
+    "MAX_BLOCK",
     "STRIP_ELEMENTS",
     "dequantize_fp8",
     "dequantize_mxfp4",
     "fp8_scale_shape",
     "quantize_fp8",
+    "quantize_work_bytes",
 ]
 
 DEFAULT_BLOCK = 128
+# The largest block size accepted (from quantize="fp8-block:B", block_size= or a config's
+# weight_block_size): a block as large as a tensor is one block, and block arithmetic stays
+# far inside torch's int64 (a 20-digit block failed in a worker with a TypeError).
+MAX_BLOCK = 1 << 20
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 E8M0_NAN = 255  # the one E8M0 code that is not a power of two
@@ -187,15 +193,13 @@ def quantize_fp8(
     (float8_e4m3fn values, float32 scales ``[ceil(R/Br), ceil(C/Bc)]``) in the DeepSeek layout:
     ``scale = amax(|block|) / 448`` (1.0 for an all-zero block), ``value = e4m3(w / scale)``."""
     rows, cols = weight.shape
-    br, bc = block
     scales = torch.empty(fp8_scale_shape((rows, cols), block), dtype=torch.float32)
     values = torch.empty((rows, cols), dtype=torch.float8_e4m3fn)
     if rows == 0 or cols == 0:
         return values, scales
+    br, bc = _effective_block(rows, cols, block)
     padded_cols = scales.shape[1] * bc
-    # Half the dequantizing strip: a quantizing strip has four float32 temporaries (the strip, its
-    # magnitudes, their padding, the scales spread over it).
-    step = max(1, STRIP_ELEMENTS // 2 // max(padded_cols * br, 1)) * br
+    step = _quantize_step(padded_cols, br)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         strip = weight[r0:r1].to(torch.float32, copy=True)  # never the caller's tensor: it is divided in place
@@ -211,3 +215,28 @@ def quantize_fp8(
         strip.div_(per_column).clamp_(-FP8_MAX, FP8_MAX)
         values[r0:r1] = strip.to(torch.float8_e4m3fn)
     return values, scales
+
+
+def _effective_block(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    """``block`` cut to the weight: a block larger than the weight is one block either way, and
+    padding to it would allocate the whole block."""
+    return max(1, min(block[0], rows)), max(1, min(block[1], cols))
+
+
+def _quantize_step(padded_cols: int, block_rows: int) -> int:
+    """Rows a quantizing strip takes: whole row blocks, half the dequantizing strip's elements (a
+    quantizing strip has four float32 temporaries: the strip, its magnitudes, their padding, the
+    scales spread over it), at least one row block."""
+    return max(1, STRIP_ELEMENTS // 2 // max(padded_cols * block_rows, 1)) * block_rows
+
+
+def quantize_work_bytes(rows: int, cols: int, block: tuple[int, int]) -> int:
+    """The float32 temporaries :func:`quantize_fp8` holds at once for a ``rows`` x ``cols``
+    weight (the strip, its magnitudes, their padding to whole blocks, the spread scales)."""
+    if rows == 0 or cols == 0:
+        return 0
+    br, bc = _effective_block(rows, cols, block)
+    padded_cols = math.ceil(cols / bc) * bc
+    strip_rows = min(rows, _quantize_step(padded_cols, br))
+    padded_rows = math.ceil(strip_rows / br) * br
+    return 4 * (3 * strip_rows * cols + padded_rows * padded_cols)
