@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_FRACTION",
     "ITEM_MEMORY_BYTES",
     "LEAN_TASK_MEMORY_BYTES",
+    "PLAN_UNIT_BYTES",
     "TASK_MEMORY_BYTES",
     "WORKER_MEMORY_BYTES",
     "ZSTD_DECOMPRESS_BYTES",
@@ -74,6 +75,9 @@ LEAN_TASK_MEMORY_BYTES = 3 * 1024 * 1024
 # counted): 0.1 MiB right after the fork, a few MiB once it has run Python code.
 WORKER_MEMORY_BYTES = 4 * 1024 * 1024
 ITEM_MEMORY_BYTES = 16 * 1024
+# What the coordinator holds per planned unit (a chunk, its name, its item, its place in a task and
+# in the results): ~300 B measured for the plan alone, rounded up for what follows it.
+PLAN_UNIT_BYTES = 1024
 
 # Compressed records (storage/compression.py). Compressing: zstd's context at the level (zstd's
 # own estimate: 0.6 MiB at level 1, 1.3 MiB at 3, 11 MiB at 9, 85 MiB at 19), plus its output
@@ -202,6 +206,7 @@ class MemoryGovernor:
         self.worker_extra = 0
         self.overhead = 0
         self.reserved = 0
+        self.planned_units = 0  # admitted by admit_units
         self._in_flight = 0
         self._next_sample = 0.0
         self._next_relaxed = 0.0
@@ -219,6 +224,29 @@ class MemoryGovernor:
                 keys=[],
             )
         self.reserved += nbytes
+
+    def admit_units(self, key: str, count: int, nbytes: int, *, keep: bool = True) -> None:
+        """Admit ``count`` more planned units for ``key`` (``nbytes`` claimed) before they are built:
+        every size a source claims is admitted before planning, so a claimed shape far beyond what
+        is stored fails here instead of filling the coordinator with chunks. ``keep=False`` only
+        checks (a planner trying thresholds keeps the units of the one it picks).
+
+        Raises:
+            MemoryLimitExceeded: the plan alone would not fit under the ceiling.
+        """
+        need = (self.planned_units + count) * PLAN_UNIT_BYTES
+        if self.reserved + need > self.limit:
+            raise MemoryLimitExceeded(
+                f"{describe_unit(key)} claims {format_bytes(nbytes)}: split into pieces that fit, the plan alone "
+                f"({self.planned_units + count} pieces) needs {format_bytes(need)} in this process, more than the "
+                f"memory limit {format_bytes(self.limit)}; nothing was read or written. A checkpoint that claims "
+                "more than it stores is damaged; otherwise raise --memory-limit",
+                limit=self.limit,
+                measured=self.reserved + need,
+                keys=[key],
+            )
+        if keep:
+            self.planned_units += count
 
     def check_item(self, key: str, need: int) -> None:
         """Fail before anything is written if one item can never fit under the ceiling."""

@@ -301,7 +301,7 @@ def plan_job(job: Job, target: Target, options: Options, governor: MemoryGoverno
         while most > 1 and _chunk_room(governor.task_budget(most) - io) < MIN_MEMORY_CHUNK_BYTES:
             most -= 1
         threshold = _chunk_threshold(total, options, most * scale, governor.task_budget(most) - io)
-        job = job.split(threshold)
+        job = job.split(threshold, governor.admit_units)
     needs = ((key, memory) for key, (_, memory) in job.sizes().items())
     workers = governor.workers_for(needs, options.worker_count(len(job.keys)))
     tasks = target.plan(job, workers * scale, governor.task_budget(workers))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, split
+from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, chunk_count, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
@@ -259,8 +259,16 @@ def _cost(source: Source, reference: Source | None, key: str, chunk: Chunk | Non
     return cost
 
 
-def _plan(source: Source, reference: Source | None, keys: list[str], dtype: torch.dtype | None, room: int) -> _Plan:
-    """Each key whole when its comparison fits in ``room`` bytes, else in row ranges that do."""
+def _plan(
+    source: Source,
+    reference: Source | None,
+    keys: list[str],
+    dtype: torch.dtype | None,
+    room: int,
+    governor: MemoryGovernor,
+) -> _Plan:
+    """Each key whole when its comparison fits in ``room`` bytes, else in row ranges that do
+    (each tensor's ranges admitted by the governor before they are built)."""
     items: list[Item] = []
     chunks: dict[str, Chunk] = {}
     for key in keys:
@@ -270,6 +278,7 @@ def _plan(source: Source, reference: Source | None, keys: list[str], dtype: torc
         pieces: list[Chunk] = []
         while cost > room and threshold > MIN_MEMORY_CHUNK_BYTES:
             threshold = max(MIN_MEMORY_CHUNK_BYTES, threshold // 2)
+            governor.admit_units(key, chunk_count(entry, threshold), entry.nbytes, keep=False)
             pieces = split(entry, threshold)
             if not pieces:
                 break
@@ -277,6 +286,7 @@ def _plan(source: Source, reference: Source | None, keys: list[str], dtype: torc
         if not pieces:
             items.append(Item(key, entry.nbytes, _cost(source, reference, key, None, dtype)))
             continue
+        governor.admit_units(key, len(pieces), entry.nbytes)
         for piece in pieces:
             unit = f"{key}[{piece.dim}:{piece.start}:{piece.stop}]"
             chunks[unit] = piece
@@ -364,7 +374,12 @@ def _verify(
     ):
         workers -= 1
     plan = _plan(
-        source, reference, tensors, dtype, governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES
+        source,
+        reference,
+        tensors,
+        dtype,
+        governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES,
+        governor,
     )
     workers = governor.workers_for(((it.key, it.memory) for it in plan.items), workers)
     tasks = partition(plan.items, workers, max_task_memory=governor.task_budget(workers), memory_adds_up=False)
