@@ -23,6 +23,7 @@ from parallel_dcp.engine.memory import PLAN_UNIT_BYTES
 from parallel_dcp.errors import CorruptCheckpointError, MemoryLimitExceeded
 from parallel_dcp.formats.base import Entry
 from parallel_dcp.jobs import diff as diff_job
+from parallel_dcp.jobs import load as load_job
 from parallel_dcp.jobs import targets
 from parallel_dcp.jobs import verify as verify_job
 
@@ -134,3 +135,34 @@ def test_chunk_count_is_what_split_makes_at_most(shape: tuple[int, ...], thresho
     pieces = chunks.split(entry, threshold)
     assert count == (len(pieces) + 1 if pieces else 1)  # tight: one more for an aligned last bound
     assert len(chunks.split(entry, threshold, lambda dim: 3)) <= count
+
+
+class _CountingStorage(dict):  # type: ignore[type-arg]
+    """``storage_data`` that counts the entries every walk over it yields."""
+
+    walked = 0
+
+    def items(self) -> Any:
+        for pair in super().items():
+            _CountingStorage.walked += 1
+            yield pair
+
+
+def test_load_with_retries_plans_in_linear_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load(retries=)`` summed each key's records by walking all of storage_data once per key
+    (16,000 keys: 16 s instead of 1 s). Counted, not timed: the walks stay a few per entry."""
+    ckpt = tmp_path / "ckpt"
+    keys = 1500
+    parallel_dcp.save({f"k{i}": torch.full((2,), float(i)) for i in range(keys)}, ckpt, workers=1)
+    real = load_job.read_metadata
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        metadata = real(*args, **kwargs)
+        metadata.storage_data = _CountingStorage(metadata.storage_data)
+        return metadata
+
+    monkeypatch.setattr(load_job, "read_metadata", counting)
+    _CountingStorage.walked = 0
+    loaded = parallel_dcp.load(ckpt, workers=1, retries=1)
+    assert loaded["k1499"].tolist() == [1499.0, 1499.0]
+    assert _CountingStorage.walked <= 8 * keys, _CountingStorage.walked  # quadratic: 1500 x 1500
