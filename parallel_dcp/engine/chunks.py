@@ -19,7 +19,16 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["MIN_CHUNK_BYTES", "Chunk", "Splittable", "chunk_count", "chunk_threshold", "exact_storage", "split"]
+__all__ = [
+    "MIN_CHUNK_BYTES",
+    "Chunk",
+    "ChunkUnit",
+    "Splittable",
+    "chunk_count",
+    "chunk_threshold",
+    "exact_storage",
+    "split",
+]
 
 # Below this, splitting costs more in per-item overhead than it gains in balance.
 MIN_CHUNK_BYTES = 32 * 1024 * 1024
@@ -51,6 +60,31 @@ class Chunk:
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         """This chunk of the whole tensor (a view)."""
         return tensor.narrow(self.dim, self.start, self.stop - self.start)
+
+
+class ChunkUnit(str):
+    """The identity of a chunk's unit of work: it reads as ``key[dim:start:stop]`` (in messages and
+    listings) but is equal only to the unit of the same chunk, never to a plain string, so a key
+    literally named ``a[0:0:16]`` cannot take the place of a range of ``a`` in any mapping."""
+
+    chunk: Chunk
+
+    def __new__(cls, chunk: Chunk) -> ChunkUnit:
+        unit = super().__new__(cls, f"{chunk.key}[{chunk.dim}:{chunk.start}:{chunk.stop}]")
+        unit.chunk = chunk
+        return unit
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is ChunkUnit and self.chunk == other.chunk
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((ChunkUnit, self.chunk))
+
+    def __reduce__(self) -> tuple[type[ChunkUnit], tuple[Chunk]]:
+        return (ChunkUnit, (self.chunk,))
 
 
 def exact_storage(tensor: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import xxhash
 
-from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, chunk_count, split
+from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, ChunkUnit, chunk_count, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
@@ -181,7 +181,7 @@ def _units(
         if not pieces:
             units[key] = _Unit(key, sides)
         for piece in pieces:
-            units[f"{key}[{piece.dim}:{piece.start}:{piece.stop}]"] = _Unit(key, sides, piece)
+            units[ChunkUnit(piece)] = _Unit(key, sides, piece)  # equal to no key, whatever its name
     return units
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, chunk_count, split
+from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, ChunkUnit, chunk_count, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
@@ -288,7 +288,7 @@ def _plan(
             continue
         governor.admit_units(key, len(pieces), entry.nbytes)
         for piece in pieces:
-            unit = f"{key}[{piece.dim}:{piece.start}:{piece.stop}]"
+            unit = ChunkUnit(piece)  # equal to no key, whatever its name
             chunks[unit] = piece
             items.append(Item(unit, piece.nbytes(entry.dtype.itemsize), _cost(source, reference, key, piece, dtype)))
     return _Plan(items, chunks)
