@@ -74,3 +74,14 @@ def test_an_explicit_chunk_size_is_kept_and_the_advice_says_what_fits_with_it(mi
     plan = parallel_dcp.convert(minilm, out, memory_limit=least, chunk_size="64MiB", dry_run=True)
     assert isinstance(plan, parallel_dcp.DryRunPlan)
     assert plan.chunks == {}  # the chunk size given (larger than any tensor) was kept
+
+
+def test_verify_memory_errors_call_files_files_and_name_the_phase(tmp_path: Path) -> None:
+    """``verify`` said "task 0 with keys ['__0_0.distcp', ...]" for its shard-file pass."""
+    parallel_dcp.save({"w": torch.randn(256, 256), "b": torch.randn(10)}, tmp_path / "ckpt", workers=1)
+    with pytest.raises(MemoryLimitExceeded) as refused:
+        parallel_dcp.verify(tmp_path / "ckpt", memory_limit="2MiB", workers=1)
+    message = str(refused.value)
+    assert message.startswith("checking the shard files' checksums"), message
+    assert re.search(r"task 0 with files \['__0_\w+\.distcp'", message), message
+    assert "with keys" not in message

@@ -27,9 +27,10 @@ worker arithmetic, admission and the watchdog.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -207,6 +208,9 @@ class MemoryGovernor:
         self.overhead = 0
         self.reserved = 0
         self.planned_units = 0  # admitted by admit_units
+        # What the tasks are doing and what their units are, for messages (see :meth:`during`).
+        self.phase = "writing"
+        self.units = "keys"
         self._in_flight = 0
         self._next_sample = 0.0
         self._next_relaxed = 0.0
@@ -224,6 +228,17 @@ class MemoryGovernor:
                 keys=[],
             )
         self.reserved += nbytes
+
+    @contextlib.contextmanager
+    def during(self, phase: str, units: str = "keys") -> Iterator[None]:
+        """Tasks run while this holds are doing ``phase`` ("checking the shard files' checksums")
+        on ``units`` ("files"): what a memory error says they were doing."""
+        previous = self.phase, self.units
+        self.phase, self.units = phase, units
+        try:
+            yield
+        finally:
+            self.phase, self.units = previous
 
     def admit_units(self, key: str, count: int, nbytes: int, *, keep: bool = True) -> None:
         """Admit ``count`` more planned units for ``key`` (``nbytes`` claimed) before they are built:
@@ -345,7 +360,7 @@ class MemoryGovernor:
             return False
         held = self.overhead + self.reserved
         raise MemoryLimitExceeded(
-            f"task {index} with keys {describe_keys(keys)} needs {format_bytes(need)} beside the "
+            f"{self.phase}: task {index} with {self.units} {describe_keys(keys)} needs {format_bytes(need)} beside the "
             f"{format_bytes(held)} the job already holds, over the memory limit {format_bytes(self.limit)}: "
             "raise --memory-limit or lower --workers",
             limit=self.limit,
@@ -432,7 +447,7 @@ class MemoryGovernor:
         worker, keys = workers[pid]
         raise MemoryLimitExceeded(
             f"worker {worker} (pid {pid}) pushed the job to {format_bytes(second.added)}, over the memory limit "
-            f"{format_bytes(self.limit)}, while writing {describe_keys(keys)} (its private memory: "
+            f"{format_bytes(self.limit)}, while {self.phase} {self.units} {describe_keys(keys)} (its private memory: "
             f"{format_bytes(second.private[pid])}); it was stopped and nothing was committed. "
             "Raise --memory-limit or lower --workers",
             limit=self.limit,

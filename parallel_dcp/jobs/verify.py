@@ -327,13 +327,15 @@ def _verify(
             sizes = [Item(name, d.size, held) for name, d in recorded.items()]
             handler = one_pass_handler(os.fspath(directory), recorded, records, io)
             tasks = partition(sizes, workers, memory_adds_up=False)
-            for files, bad_keys in _run_pairs(tasks, handler, options, governor, workers):
-                file_problems += files
-                one_pass += bad_keys
+            with governor.during("checking the shard files' checksums and records", "files"):
+                for files, bad_keys in _run_pairs(tasks, handler, options, governor, workers):
+                    file_problems += files
+                    one_pass += bad_keys
         else:
             sizes = [Item(name, d.size, 0) for name, d in recorded.items()]
             tasks = partition(sizes, workers, memory_adds_up=False)
-            file_problems += _run(tasks, _hash_handler(directory, recorded), options, governor, workers)
+            with governor.during("checking the shard files' checksums", "files"):
+                file_problems += _run(tasks, _hash_handler(directory, recorded), options, governor, workers)
         report.files_checked = len(recorded)
 
     keys = list(source.entries) + [k for k in source.values if k not in source.entries]
@@ -383,9 +385,10 @@ def _verify(
     )
     workers = governor.workers_for(((it.key, it.memory) for it in plan.items), workers)
     tasks = partition(plan.items, workers, max_task_memory=governor.task_budget(workers), memory_adds_up=False)
-    for key, element, problem in _run(
-        tasks, _Checker(source, reference, dtype, plan.chunks), options, governor, workers
-    ):
+    reading = "comparing keys with the reference" if reference is not None else "reading keys back"
+    with governor.during(reading):
+        checked = _run(tasks, _Checker(source, reference, dtype, plan.chunks), options, governor, workers)
+    for key, element, problem in checked:
         if key not in key_problems or element < key_problems[key][0]:
             key_problems[key] = (element, problem)
     report.bytes_checked += sum(it.nbytes for it in plan.items)
