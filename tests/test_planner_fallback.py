@@ -9,8 +9,10 @@ with the limit given.
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -85,3 +87,20 @@ def test_verify_memory_errors_call_files_files_and_name_the_phase(tmp_path: Path
     assert message.startswith("checking the shard files' checksums"), message
     assert re.search(r"task 0 with files \['__0_\w+\.distcp'", message), message
     assert "with keys" not in message
+
+
+def test_a_memory_limit_above_the_machines_memory_warns_once(
+    minilm: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--memory-limit 10TiB`` on a 23 GiB machine was accepted without a word."""
+    from parallel_dcp import cli
+
+    limit = psutil.virtual_memory().total * 2 + 12345  # a value no other test uses: warned once per value
+    assert cli.main(["convert", str(minilm), str(tmp_path / "out"), "--memory-limit", str(limit)]) in (0, None)
+    err = capsys.readouterr().err
+    assert err.count("is more than this machine's memory") == 1, err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallel_dcp.convert(minilm, tmp_path / "again", memory_limit=limit + 1, dry_run=True)
+        parallel_dcp.convert(minilm, tmp_path / "again", memory_limit=limit + 1, dry_run=True)
+    assert sum("more than this machine's memory" in str(w.message) for w in caught) == 1

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ __all__ = [
     "format_bytes",
     "parse_size",
     "task_budget",
+    "warn_over_machine",
     "zstd_compress_bytes",
 ]
 
@@ -162,6 +164,23 @@ def format_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+_WARNED_OVER_MACHINE: set[int] = set()
+
+
+def warn_over_machine(limit: int) -> None:
+    """Warn (once per limit in a process) when ``limit`` is more than this machine's memory: such
+    a ceiling admits tasks the machine cannot hold, so it protects nothing."""
+    total = int(psutil.virtual_memory().total)
+    if limit > total and limit not in _WARNED_OVER_MACHINE:
+        _WARNED_OVER_MACHINE.add(limit)
+        warnings.warn(
+            f"the memory limit {format_bytes(limit)} is more than this machine's memory ({format_bytes(total)}): "
+            "it cannot keep the job from exhausting the machine; give a lower --memory-limit",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def default_limit() -> int:
