@@ -37,7 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fsspec.core  # noqa: F401  (see below)
+import numpy.ctypeslib  # noqa: F401
 import torch
+import torch.utils.serialization.config
 
 from parallel_dcp import _compat
 from parallel_dcp.engine import progress
@@ -134,6 +137,12 @@ def _handler(
             progress.flush()
 
     return run
+
+
+# The modules imported above are ones every worker otherwise imports at its first task (the
+# location layer, numpy's ctypes bridge for aligned buffers, torch's record serialization):
+# imported here, before any job measures its baseline and forks, they are shared by the workers
+# instead of costing each of them private memory the governor's idle cost did not plan for.
 
 
 def _worker_setup(options: Options) -> Any:
