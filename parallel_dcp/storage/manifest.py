@@ -25,8 +25,10 @@ import xxhash
 
 from parallel_dcp._version import __version__
 from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.storage.layout import read_record
 from parallel_dcp.storage.location import Location, Remote, check_name, locate
 from parallel_dcp.storage.ownership import MANIFEST_FILE, METADATA_FILE
+from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "manifest_bytes", "read_manifest"]
 
@@ -68,10 +70,12 @@ def file_digest(path: str | os.PathLike[str] | Remote, *, checksum: bool = True)
         for piece in path.chunks():
             hasher.update(piece)
         return hasher.result()
-    if not checksum:
-        return FileDigest(os.path.getsize(path), None)
-    hasher = Hasher()
-    with open(path, "rb", buffering=0) as f:
+    # by the one rule for reading (storage.safe_reader): never through a symlink, never a FIFO,
+    # no further than the size the open file has
+    with open_bounded(path) as f:
+        if not checksum:
+            return FileDigest(f.raw.size, None)  # type: ignore[attr-defined]
+        hasher = Hasher()
         buffer = bytearray(_CHUNK)
         while n := f.readinto(buffer):
             hasher.update(memoryview(buffer)[:n])
@@ -114,10 +118,10 @@ def read_manifest(
             the checkpoint.
     """
     path = locate(directory) / MANIFEST_FILE
-    if not path.is_file():
+    if not (path.is_file() if isinstance(path, Remote) else os.path.lexists(path)):
         return None
-    try:
-        document = json.loads(path.read_bytes())
+    try:  # by the one rule: a symlink or a FIFO planted as the manifest is refused, never followed
+        document = json.loads(read_record(path))
         if document.get("checksum") != ALGORITHM:
             raise ValueError(f"unknown checksum {document.get('checksum')!r}")
         files = {
