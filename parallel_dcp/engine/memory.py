@@ -12,8 +12,9 @@ output, and the kernel accounts for them separately.
 Two mechanisms enforce the ceiling:
 
 - admission (before any write): every task has an estimated peak (``Task.memory``); a task runs
-  only when its estimate fits beside those in flight under the ceiling, less what the idle workers
-  were measured to cost; an item that can never fit fails at once, naming the key.
+  only when its estimate fits beside those in flight under the ceiling, less what the workers
+  keep between tasks (planned from each fork on, ``WORKER_MEMORY_BYTES``); an item that can
+  never fit fails at once, naming the key.
 - a watchdog (while workers run): every 50 ms the resident sizes (cheap) are summed; while that
   upper bound is under the ceiling, the tree's smaps are read only about once a second, for the
   reported peak. Otherwise they are read every 50 ms, or less often where reading a large tree
@@ -74,9 +75,15 @@ TASK_MEMORY_BYTES = 8 * 1024 * 1024
 # The same for a DCP task on the lean path (formats/lean.py: no DCP planner, records written from
 # templates): a 1-worker save of small contiguous tensors peaked at 4-6 MiB, its worker included.
 LEAN_TASK_MEMORY_BYTES = 3 * 1024 * 1024
-# What an idle forked worker adds (pages its start-up touches and copies; page tables are not
-# counted): 0.1 MiB right after the fork, a few MiB once it has run Python code.
-WORKER_MEMORY_BYTES = 4 * 1024 * 1024
+# What a worker adds for the whole job, planned from its fork on: its resting cost once it has run
+# a task (the pages its start-up and first task copy from the coordinator or allocate and keep: the
+# interpreter's and torch's heaps, the DCP modules' state; page tables are not counted). Right after
+# the fork a worker adds ~0.1 MiB, so a figure measured then (see MemoryGovernor.settle) would
+# under-count every later task by what the worker keeps. Measured as the governor counts, at rest
+# after a job, the tree's growth per worker (coordinator's own included): FP8 dequantize 5.3-6.6
+# MiB, DCP -> safetensors 5.4-5.6, save and lean save 6.3-6.7, safetensors -> DCP 6.7-7.2, verify
+# 2.8-3.0 (tests/test_memory_transients.py measures it for each kind against this figure).
+WORKER_MEMORY_BYTES = 8 * 1024 * 1024
 ITEM_MEMORY_BYTES = 16 * 1024
 # What the coordinator holds per planned unit (a chunk, its name, its item, its place in a task and
 # in the results): ~300 B measured for the plan alone, rounded up for what follows it.
@@ -316,7 +323,8 @@ class MemoryGovernor:
         return task_budget(self.limit - self.reserved, workers, WORKER_MEMORY_BYTES + self.worker_extra)
 
     def settle(self, worker_pids: Iterable[int], planned: int = 0) -> None:
-        """Measure what the started, idle workers cost; tasks are admitted into what is left.
+        """Measure what the tree holds once the first workers started, and plan each worker's
+        resting cost (``WORKER_MEMORY_BYTES``) beside it; tasks are admitted into what is left.
 
         ``planned`` is the memory of every task of the job. When the tree's resident size (an
         upper bound, read cheaply) leaves room for all of it at once, that bound is used as is;
@@ -333,15 +341,19 @@ class MemoryGovernor:
 
     def _settle(self, pids: list[int], planned: int) -> None:
         extra = self.worker_extra * len(pids)
-        bound = self._rss_bound(pids) + extra
+        # Each worker is charged from now on what it will keep once it has run a task, beside what
+        # the tree holds now (the coordinator's plan, the ~0.1 MiB a fresh fork adds): measured now,
+        # a worker looks nearly free, and every later admission would under-count what it keeps.
+        resting = WORKER_MEMORY_BYTES * len(pids) + extra
+        bound = self._rss_bound(pids) + resting
         if bound + self.reserved + planned <= self.limit:
             self.overhead = bound
             return
         reading = self.read(pids)
-        self.overhead = max(0, reading.added) + extra
+        self.overhead = max(0, reading.added) + resting
         if self.overhead + self.reserved >= self.limit:
             raise MemoryLimitExceeded(
-                f"the idle workers alone add {format_bytes(self.overhead)}, at or over the memory limit "
+                f"the workers alone add {format_bytes(self.overhead)}, at or over the memory limit "
                 f"{format_bytes(self.limit)}: raise --memory-limit or lower --workers",
                 limit=self.limit,
                 measured=self.overhead,
