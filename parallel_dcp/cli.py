@@ -505,7 +505,7 @@ def _inspect(args: argparse.Namespace) -> int:
             print(listing)
     else:
         print(describe(info))
-    return 0
+    return 1 if info.get("damaged") else 0  # a damaged checkpoint is a failure, committed or not
 
 
 def _verify(args: argparse.Namespace) -> int:
