@@ -22,6 +22,8 @@ __all__ = [
     "InsufficientSpaceError",
     "InvalidDestinationError",
     "InvalidStateDictError",
+    "KeyNotFoundError",
+    "KeyPatternError",
     "MemoryLimitExceeded",
     "ParallelDCPError",
     "QuantizationError",
@@ -108,6 +110,23 @@ class CompressionUnavailableError(ParallelDCPError, ImportError):
 
 class InvalidStateDictError(ParallelDCPError, ValueError):
     """The input cannot be saved as given; raised before anything is written."""
+
+
+class KeyNotFoundError(ParallelDCPError, KeyError):
+    """Keys asked for are not there: names the checkpoint (or ``into``) lacks, or patterns that
+    select nothing; ``keys`` lists them. A ``KeyError`` too, so callers that caught the bare one
+    still do; its message reads as a sentence (a ``KeyError`` would quote it)."""
+
+    def __init__(self, message: str, *, keys: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.keys = list(keys)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class KeyPatternError(ParallelDCPError, ValueError):
+    """A key pattern that cannot be used: a ``re:`` pattern that is not a regular expression."""
 
 
 class CheckpointExistsError(ParallelDCPError, FileExistsError):

@@ -52,3 +52,48 @@ def test_inspect_of_a_sound_checkpoint_exits_0(tmp_path: Path, capsys: pytest.Ca
     assert cli.main(["inspect", str(tmp_path / "ckpt")]) == 0
     out = capsys.readouterr().out
     assert ": dcp, committed\n" in out and "DAMAGED" not in out
+
+
+def _layers(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    sd = {f"model.layers.{i}.{p}": torch.full((4, 4), float(i)) for i in range(3) for p in ("q.weight", "k.weight")}
+    sd["model.layers.0.mlp[0].weight"] = torch.ones(2)  # glob characters in a real key name
+    parallel_dcp.save(sd, tmp_path / "ckpt", workers=1)
+    return tmp_path / "ckpt", sd
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_load_keys_take_the_patterns_of_dash_dash_keys(tmp_path: Path, retries: int) -> None:
+    """Friction 8: load(keys=["model.layers.0.*"]) took no globs (convert and inspect do)."""
+    ckpt, sd = _layers(tmp_path)
+    got = parallel_dcp.load(ckpt, keys=["model.layers.0.*"], workers=1, retries=retries)
+    assert sorted(got) == sorted(k for k in sd if k.startswith("model.layers.0."))
+    got = parallel_dcp.load(ckpt, keys=[r"re:model\.layers\.[12]\.q\.weight"], workers=1, retries=retries)
+    assert sorted(got) == ["model.layers.1.q.weight", "model.layers.2.q.weight"]
+    got = parallel_dcp.load(ckpt, keys="model.layers.0.mlp[0].weight", workers=1, retries=retries)
+    assert list(got) == ["model.layers.0.mlp[0].weight"]  # an exact name is itself, glob characters and all
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_load_of_a_missing_key_is_a_parallel_dcp_error_and_a_key_error(tmp_path: Path, retries: int) -> None:
+    ckpt, _ = _layers(tmp_path)
+    with pytest.raises(parallel_dcp.KeyNotFoundError, match=r"model\.layers\.9\.q\.weight") as caught:
+        parallel_dcp.load(ckpt, keys=["model.layers.0.q.weight", "model.layers.9.q.weight"], workers=1, retries=retries)
+    assert isinstance(caught.value, parallel_dcp.ParallelDCPError) and isinstance(caught.value, KeyError)
+    assert "model.layers.9.q.weight" in str(caught.value) and not str(caught.value).startswith(("'", '"'))
+    with pytest.raises(parallel_dcp.KeyNotFoundError, match="select nothing"):
+        parallel_dcp.load(ckpt, keys=["model.layers.7.*"], workers=1, retries=retries)
+    with pytest.raises(parallel_dcp.ParallelDCPError, match="regular expression"):
+        parallel_dcp.load(ckpt, keys=["re:(["], workers=1, retries=retries)
+
+
+def test_load_into_with_a_key_the_checkpoint_lacks_is_a_parallel_dcp_error(tmp_path: Path) -> None:
+    ckpt, sd = _layers(tmp_path)
+    into = {k: torch.empty_like(v) for k, v in sd.items()} | {"extra.bias": torch.empty(3)}
+    with pytest.raises(parallel_dcp.KeyNotFoundError, match=r"extra\.bias") as caught:
+        parallel_dcp.load(ckpt, into=into, workers=1)
+    assert isinstance(caught.value, KeyError)
+    into = {k: torch.empty_like(v) for k, v in sd.items()}
+    with pytest.raises(parallel_dcp.KeyNotFoundError, match=r"not in into"):
+        parallel_dcp.load(ckpt, keys=["model.layers.1.q.weight", "nope"], into=into, workers=1)
+    got = parallel_dcp.load(ckpt, keys=["model.layers.1.*"], into=into, workers=1)
+    assert got is into and torch.equal(into["model.layers.1.q.weight"], sd["model.layers.1.q.weight"])
