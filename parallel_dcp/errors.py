@@ -57,6 +57,11 @@ def printable(text: str) -> str:
     return "".join(out)
 
 
+def dtype_name(dtype: object) -> str:
+    """A dtype as the CLI spells it (``bfloat16``, not ``torch.bfloat16``), in every message."""
+    return str(dtype).removeprefix("torch.")
+
+
 def plural(count: int, singular: str, many: str | None = None) -> str:
     """``"1 file"``, ``"2 files"``: ``count`` and the noun it takes."""
     return f"{count} {singular if count == 1 else (many or singular + 's')}"

@@ -97,3 +97,18 @@ def test_load_into_with_a_key_the_checkpoint_lacks_is_a_parallel_dcp_error(tmp_p
         parallel_dcp.load(ckpt, keys=["model.layers.1.q.weight", "nope"], into=into, workers=1)
     got = parallel_dcp.load(ckpt, keys=["model.layers.1.*"], into=into, workers=1)
     assert got is into and torch.equal(into["model.layers.1.q.weight"], sd["model.layers.1.q.weight"])
+
+
+def test_dtypes_are_spelled_as_the_cli_spells_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Friction 9: verify printed ``torch.bfloat16`` where inspect --diff prints ``bfloat16``."""
+    parallel_dcp.save({"w": torch.randn(8, 8).bfloat16(), "n": torch.arange(4)}, tmp_path / "a", workers=1)
+    parallel_dcp.save({"w": torch.randn(8, 8), "n": torch.arange(4)}, tmp_path / "b", workers=1)
+    report = parallel_dcp.verify(tmp_path / "a", against=tmp_path / "b", workers=1)
+    assert report.problems == ["w: dtype bfloat16 != float32"], report.problems
+    report = parallel_dcp.verify(tmp_path / "a", against=tmp_path / "b", workers=1, dtype="float16")
+    assert report.problems == ["w: dtype bfloat16 != float16 (float32 cast to float16)"], report.problems
+    with pytest.raises(parallel_dcp.InvalidStateDictError, match="has dtype float32 but the checkpoint holds bfloat16"):
+        parallel_dcp.load(tmp_path / "a", into={"w": torch.empty(8, 8), "n": torch.empty(4, dtype=torch.int64)})
+    assert cli.main(["inspect", str(tmp_path / "a"), "--diff", str(tmp_path / "b"), "--workers", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "torch." not in out and "bfloat16" in out

@@ -43,7 +43,13 @@ from parallel_dcp.engine import progress
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool, gc_paused
-from parallel_dcp.errors import CorruptCheckpointError, InvalidStateDictError, KeyNotFoundError, describe_keys
+from parallel_dcp.errors import (
+    CorruptCheckpointError,
+    InvalidStateDictError,
+    KeyNotFoundError,
+    describe_keys,
+    dtype_name,
+)
 from parallel_dcp.formats import fast_read
 from parallel_dcp.formats.compressed_read import bounded_reader
 from parallel_dcp.formats.dcp_format import read_keys
@@ -196,7 +202,8 @@ def _check_target(key: str, value: Any, meta: TensorStorageMetadata) -> None:
     dtype, shape = meta.properties.dtype, tuple(meta.size)
     if not isinstance(value, torch.Tensor):
         raise InvalidStateDictError(
-            f"into[{key!r}] is a {type(value).__name__}, but the checkpoint holds a {dtype} tensor {list(shape)}"
+            f"into[{key!r}] is a {type(value).__name__}, but the checkpoint holds a {dtype_name(dtype)} "
+            f"tensor {list(shape)}"
         )
     if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
         raise InvalidStateDictError(
@@ -205,7 +212,8 @@ def _check_target(key: str, value: Any, meta: TensorStorageMetadata) -> None:
         )
     if value.dtype != dtype:
         raise InvalidStateDictError(
-            f"into[{key!r}] has dtype {value.dtype} but the checkpoint holds {dtype} (load never casts)"
+            f"into[{key!r}] has dtype {dtype_name(value.dtype)} but the checkpoint holds {dtype_name(dtype)} "
+            "(load never casts)"
         )
     if value.is_meta:
         raise InvalidStateDictError(

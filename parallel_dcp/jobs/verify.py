@@ -27,7 +27,7 @@ from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
-from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, dtype_name
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dcp_format import DcpSource
@@ -247,8 +247,8 @@ def _header_problem(source: Source, reference: Source, key: str, dtype: torch.dt
     entry, ref = source.entries[key], reference.entries[key]
     expected = dtype if dtype is not None and ref.dtype.is_floating_point else ref.dtype
     if entry.dtype != expected:
-        return f"dtype {entry.dtype} != {expected}" + (
-            f" ({ref.dtype} cast to {dtype})" if expected != ref.dtype else ""
+        return f"dtype {dtype_name(entry.dtype)} != {dtype_name(expected)}" + (
+            f" ({dtype_name(ref.dtype)} cast to {dtype_name(dtype)})" if expected != ref.dtype else ""
         )
     if entry.shape != ref.shape:
         return f"shape {entry.shape} != {ref.shape}"
