@@ -112,3 +112,37 @@ def test_dtypes_are_spelled_as_the_cli_spells_them(tmp_path: Path, capsys: pytes
     assert cli.main(["inspect", str(tmp_path / "a"), "--diff", str(tmp_path / "b"), "--workers", "1"]) == 1
     out = capsys.readouterr().out
     assert "torch." not in out and "bfloat16" in out
+
+
+def test_a_truncated_safetensors_file_is_called_truncated_in_our_words(tmp_path: Path) -> None:
+    """Friction 10: the library's "incomplete metadata, file not fully covered"."""
+    from safetensors.torch import save_file
+
+    whole = tmp_path / "whole.safetensors"
+    save_file({"a": torch.randn(100, 100)}, whole)
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:5000])
+    needed = len(data)
+    for call in (parallel_dcp.inspect, lambda p: parallel_dcp.verify(p, workers=1)):
+        with pytest.raises(parallel_dcp.CorruptCheckpointError) as caught:
+            call(cut)
+        message = str(caught.value)
+        assert f"truncated: its header says {needed} bytes, the file has 5000" in message, message
+        assert "not fully covered" not in message
+    longer = tmp_path / "longer.safetensors"
+    longer.write_bytes(data + b"\0" * 24)
+    with pytest.raises(parallel_dcp.CorruptCheckpointError, match=f"24 bytes after the {needed} its header covers"):
+        parallel_dcp.inspect(longer)
+
+
+def test_an_empty_directory_is_called_empty(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    for call in (
+        parallel_dcp.inspect,
+        lambda p: parallel_dcp.load(p, workers=1),
+        lambda p: parallel_dcp.convert(p, tmp_path / "out.pt", workers=1),
+        lambda p: parallel_dcp.verify(p, workers=1),
+    ):
+        with pytest.raises((ValueError, FileNotFoundError), match="the directory is empty"):
+            call(tmp_path / "empty")

@@ -97,6 +97,23 @@ class _LocalBytes:
         return self.path
 
 
+def _coverage(file: str) -> str | None:
+    """Why ``file`` is not covered by its header: shorter (truncated) or longer than the bytes its
+    tensors' offsets end at; None when it is not that (or its header cannot be read at all)."""
+    try:
+        start, header = _local_header(file)
+        size = os.path.getsize(file)
+        end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+    except (CorruptCheckpointError, OSError, KeyError, IndexError, TypeError, ValueError):
+        return None
+    needed = start + end
+    if size < needed:
+        return f"{file} is truncated: its header says {needed} bytes, the file has {size}"
+    if size > needed:
+        return f"{file} has {size - needed} bytes after the {needed} its header covers (not a safetensors file)"
+    return None
+
+
 def _remote_header(remote: Remote, *, keep_metadata: bool = False) -> tuple[int, dict[str, Any]]:
     """Where the data starts, and the JSON header (without ``__metadata__`` unless
     ``keep_metadata``): two ranged reads, no tensor bytes."""
@@ -140,7 +157,8 @@ class SafetensorsSource(Source):
             except FileNotFoundError:
                 raise
             except Exception as exc:  # SafetensorError and friends: the header is not valid
-                raise CorruptCheckpointError(f"{file} is not a readable safetensors file: {exc}") from exc
+                said = _coverage(file)  # the library's "file not fully covered", in our words
+                raise CorruptCheckpointError(said or f"{file} is not a readable safetensors file: {exc}") from exc
             with handle as f:
                 for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                     piece = f.get_slice(key)

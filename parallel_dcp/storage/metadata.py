@@ -38,7 +38,7 @@ from parallel_dcp.errors import (
     describe_keys,
 )
 from parallel_dcp.storage.geometry import PairBudget, check_chunks, check_planner_data, check_records, check_shards
-from parallel_dcp.storage.location import Remote, check_name, file_size, locate
+from parallel_dcp.storage.location import Remote, check_name, file_size, listdir, locate
 from parallel_dcp.storage.safe_files import open_regular
 
 __all__ = [
@@ -108,7 +108,11 @@ def read_metadata(path: str | os.PathLike[str] | Remote, *, memory_limit: int | 
     """
     file = locate(path) / ".metadata"
     if not file.is_file():
-        raise FileNotFoundError(f"{path} is not a DCP checkpoint: it has no .metadata (the commit marker)")
+        empty = locate(path).is_dir() and not listdir(locate(path))
+        raise FileNotFoundError(
+            f"{path} is not a DCP checkpoint: "
+            + ("the directory is empty" if empty else "it has no .metadata (the commit marker)")
+        )
     need = file_size(file) * METADATA_MEMORY_FACTOR
     # (a small file needs no look at the machine's memory: inspect reads only the checkpoint)
     limit = memory_limit if memory_limit is not None else default_limit() if need > _SMALL else need
