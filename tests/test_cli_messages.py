@@ -19,6 +19,7 @@ import torch
 
 import parallel_dcp
 from parallel_dcp import cli
+from parallel_dcp.cli import messages
 
 ROOT = Path(__file__).resolve().parent.parent
 EVIL = "w\x1b]0;pwned\x07\x1b[2J\nparallel-dcp: OK"
@@ -95,11 +96,12 @@ def test_messages_name_flags_not_keywords(evil: Path, tmp_path: Path, capsys: py
     ],
 )
 def test_keywords_become_flags(library: str, command_line: str) -> None:
-    assert command_line in cli._as_flags(library)
+    assert command_line in messages.as_flags(library)
 
 
 def test_warnings_print_as_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    cli._show_warning(UserWarning("first line\n  second line: overwrite=True (--overwrite)"), UserWarning, "x.py", 3)
+    warning = UserWarning("first line\n  second line: overwrite=True (--overwrite)")
+    messages.show_warning(warning, UserWarning, "x.py", 3)
     err = capsys.readouterr().err
     assert err == "parallel-dcp: warning: first line second line: --overwrite\n"
 
