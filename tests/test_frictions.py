@@ -146,3 +146,40 @@ def test_an_empty_directory_is_called_empty(tmp_path: Path) -> None:
     ):
         with pytest.raises((ValueError, FileNotFoundError), match="the directory is empty"):
             call(tmp_path / "empty")
+
+
+@pytest.mark.parametrize(
+    ("record", "said"),
+    [
+        (lambda host: {"host": host, "pid": None, "start": None, "stopped": True}, "stopped on {host}"),
+        (lambda host: "not json", "owner unknown: its record cannot be read"),
+        (lambda host: {"host": host, "pid": 2**22 + 17}, "pid 4194321 on {host}"),
+    ],
+)
+def test_leftover_messages_say_what_is_known_of_the_owner(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], record: object, said: str
+) -> None:
+    """Friction 4: leftover messages said ``pid None on vm``."""
+    import socket
+    import warnings
+
+    from parallel_dcp.storage.ownership import owner_name
+
+    host = socket.gethostname()
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    save_id = "0123456789ab"
+    (out / f"__0_{save_id}_0.distcp").write_bytes(b"half a shard")
+    content = record(host)  # type: ignore[operator]
+    (out / owner_name(save_id)).write_text(content if isinstance(content, str) else json.dumps(content))
+    expected = said.format(host=host)
+    assert cli.main(["inspect", str(out)]) == 0
+    listed = capsys.readouterr().out
+    assert expected in listed and "None" not in listed, listed
+    if isinstance(content, str):
+        return  # an unreadable record is never taken for a dead save: its files stay
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallel_dcp.save({"w": torch.ones(2)}, out, workers=1)
+    removed = [str(w.message) for w in caught if "leftover" in str(w.message)]
+    assert removed and expected in removed[0] and "None" not in removed[0], removed

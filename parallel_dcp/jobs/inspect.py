@@ -10,7 +10,7 @@ from parallel_dcp.errors import CorruptCheckpointError, plural, printable
 from parallel_dcp.formats import detect_format, open_source, safetensors_format, torch_format
 from parallel_dcp.storage.location import Location, file_size, listdir, locate
 from parallel_dcp.storage.manifest import MANIFEST_FILE
-from parallel_dcp.storage.ownership import METADATA_FILE, find_leftovers
+from parallel_dcp.storage.ownership import METADATA_FILE, describe_owner, find_leftovers
 
 __all__ = ["describe", "describe_key_list", "inspect_checkpoint"]
 
@@ -228,10 +228,8 @@ def describe(info: dict[str, Any]) -> str:
     for value in info.get("values", [])[:_LARGEST]:
         lines.append(f"  value {printable(value['key'])}: {format_bytes(value['bytes'])} (not unpickled)")
     for left in info.get("leftovers", []):
-        state = {True: "still running", False: "gone", None: "on another host"}[left["running"]]
         lines.append(
-            f"  leftover of save {printable(str(left['save_id']))} (pid {left['pid']} on "
-            f"{printable(str(left['host']))}, {state}): "
+            f"  leftover of save {printable(str(left['save_id']))} ({describe_owner(left)}): "
             f"{plural(len(left['files']), 'file')}"
         )
     return "\n".join(lines)
