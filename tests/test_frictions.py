@@ -183,3 +183,50 @@ def test_leftover_messages_say_what_is_known_of_the_owner(
         parallel_dcp.save({"w": torch.ones(2)}, out, workers=1)
     removed = [str(w.message) for w in caught if "leftover" in str(w.message)]
     assert removed and expected in removed[0] and "None" not in removed[0], removed
+
+
+@pytest.mark.parametrize(("out", "extra"), [("dcp", []), ("st", ["--to", "safetensors", "--shard-size", "3000"])])
+def test_the_dry_run_counts_the_files_the_run_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], out: str, extra: list[str]
+) -> None:
+    """Friction 6: the dry run counted one file fewer than the run (``.metadata``, the index)."""
+    parallel_dcp.save({f"w{i}": torch.randn(32, 32) for i in range(4)}, tmp_path / "src", workers=1)
+    args = ["convert", str(tmp_path / "src"), str(tmp_path / out), "--workers", "2", *extra]
+    assert cli.main([*args, "--dry-run"]) == 0
+    planned = capsys.readouterr().out
+    plan = parallel_dcp.convert(tmp_path / "src", tmp_path / out, workers=2, dry_run=True, **_kwargs(extra))
+    result = parallel_dcp.convert(tmp_path / "src", tmp_path / out, workers=2, **_kwargs(extra))
+    assert plan.file_count == result.files
+    assert f"in {result.files} files" in planned
+
+
+def _kwargs(extra: list[str]) -> dict[str, object]:
+    return {"to": "safetensors", "shard_size": 3000} if extra else {}
+
+
+def test_the_dry_run_says_one_process_not_1_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parallel_dcp.save({"w": torch.randn(8, 8)}, tmp_path / "src", workers=1)
+    args = ["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--workers", "1", "--dry-run"]
+    assert cli.main(args) == 0
+    planned = capsys.readouterr().out
+    assert "1 processes" not in planned and "1 threads" not in planned, planned
+
+
+def test_the_summary_of_a_small_job_has_a_rate_and_a_normalised_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Friction 6: ``0.00 GiB/s`` on small jobs; ``.../model/../copy.safetensors`` in the summary."""
+    parallel_dcp.save({"w": torch.randn(8, 8)}, tmp_path / "model", workers=1)
+    assert cli.main(["convert", str(tmp_path / "model"), str(tmp_path / "model" / ".." / "copy.safetensors")]) == 0
+    summary = capsys.readouterr().out
+    assert "0.00 GiB/s" not in summary and "/s," in summary, summary
+    assert f"-> {tmp_path / 'copy.safetensors'} " in summary and "/../" not in summary.split("->")[1], summary
+
+
+def test_inspect_prints_no_stored_ratio_for_an_uncompressed_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parallel_dcp.save({"w": torch.randn(8, 8)}, tmp_path / "ckpt", workers=1)
+    assert cli.main(["inspect", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "stored/logical" not in out and "stored " not in out, out

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import parallel_dcp
 from parallel_dcp.cli import flags
 from parallel_dcp.cli.messages import as_flags
-from parallel_dcp.engine.memory import format_bytes
+from parallel_dcp.engine.memory import format_bytes, format_rate
 from parallel_dcp.errors import plural, printable
 
 if TYPE_CHECKING:
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace, show_progress: bool) -> int:
             print(
                 f"{printable(src)} -> {printable(r.path)} ({r.format}): {plural(r.keys, 'key')}, "
                 f"{format_bytes(r.bytes)} in {plural(r.files, 'file')}, "
-                f"{r.seconds:.2f} s, {r.gib_per_s:.2f} GiB/s, {plural(r.workers, 'worker')}, "
+                f"{r.seconds:.2f} s, {format_rate(r.bytes, r.seconds)}, {plural(r.workers, 'worker')}, "
                 f"peak memory {format_bytes(r.peak_memory)} of {format_bytes(r.memory_limit)}{resumed}"
             )
     return 0

@@ -212,7 +212,7 @@ def describe(info: dict[str, Any]) -> str:
         f"  {plural(info['keys'], 'key')} ({plural(info['tensors'], 'tensor')}), {format_bytes(info['total_bytes'])}, "
         f"{plural(len(info['files']), 'file')}" + (", manifest" if info["manifest"] else ""),
     ]
-    if "stored_bytes" in info:
+    if info.get("compressed_records"):  # an uncompressed checkpoint stores what it holds: nothing to say
         ratio = f", stored/logical {info['ratio']:.3f}" if info["ratio"] is not None else ""
         zstd = f", {info['compressed_records']} of {info['records']} records zstd" if info["compressed_records"] else ""
         lines.append(

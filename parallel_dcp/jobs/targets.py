@@ -240,7 +240,9 @@ def _whole_file_memory(items: list[Item]) -> int:
 
 def _where(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Path | Remote:
     found = locate(path, storage_options)
-    return found if isinstance(found, Remote) else found.absolute()
+    # Normalised as the staging normalises it (os.path.abspath): results name the file it writes,
+    # ``a/copy.safetensors`` rather than ``a/model/../copy.safetensors``.
+    return found if isinstance(found, Remote) else Path(os.path.abspath(found))
 
 
 def _digest_of(data: bytes, options: Options) -> FileDigest:
