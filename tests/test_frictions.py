@@ -230,3 +230,15 @@ def test_inspect_prints_no_stored_ratio_for_an_uncompressed_checkpoint(
     assert cli.main(["inspect", str(tmp_path / "ckpt")]) == 0
     out = capsys.readouterr().out
     assert "stored/logical" not in out and "stored " not in out, out
+
+
+def test_no_document_opens_a_code_block_with_two_backticks() -> None:
+    """Friction 11: docs/architecture.md's data-flow diagram opened and closed with ``."""
+    root = Path(__file__).resolve().parent.parent
+    broken = [
+        f"{doc.relative_to(root)}:{number}"
+        for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+        for number, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1)
+        if line.strip() == "``"
+    ]
+    assert not broken, broken
