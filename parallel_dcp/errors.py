@@ -35,7 +35,7 @@ __all__ = [
     "WorkerError",
 ]
 
-_KEYS_SHOWN = 8
+_KEYS_SHOWN = 10  # names an error lists before '... and N more' (describe_keys)
 # A row range of one tensor, as the planners name it: ``key[dim:start:stop]`` (a ``'`` is added
 # when a key already has that name).
 _CHUNK_UNIT = re.compile(r"(?P<key>.*)\[(?P<dim>\d+):(?P<start>\d+):(?P<stop>\d+)\]'*", re.DOTALL)

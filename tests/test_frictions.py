@@ -242,3 +242,62 @@ def test_no_document_opens_a_code_block_with_two_backticks() -> None:
         if line.strip() == "``"
     ]
     assert not broken, broken
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["convert", "SRC", "DST", "--rename", "abc"], "argument --rename: a rename rule is REGEX=TEMPLATE, got 'abc'"),
+        (["convert", "SRC", "DST", "--rename", "(=x"], "argument --rename: bad regular expression '('"),
+        (["convert", "SRC", "DST", "--keys", "re:(["], "argument --keys: bad regular expression in 're:(['"),
+        (["convert", "SRC", "DST", "--quantize-keys", "re:(["], "argument --quantize-keys: bad regular expression"),
+        (["inspect", "SRC", "--keys", "re:(["], "argument --keys: bad regular expression in 're:(['"),
+        (
+            ["convert", "SRC", "DST", "--rename-file", "/nonexistent/rules.json"],
+            "argument --rename-file: cannot read /nonexistent/rules.json: no such file or directory",
+        ),
+        (["convert", "SRC", "DST", "--dtype", "int4"], "argument --dtype: unknown dtype 'int4'"),
+    ],
+)
+def test_bad_flag_values_exit_2_and_name_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    """Friction 1: they exited 1 without naming the flag (or printed a raw ``[Errno 2] ...``)."""
+    parallel_dcp.save({"w": torch.ones(2)}, tmp_path / "src", workers=1)
+    argv = [str(tmp_path / "src") if a == "SRC" else str(tmp_path / "dst") if a == "DST" else a for a in argv]
+    with pytest.raises(SystemExit) as caught:
+        cli.main(argv)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err, err
+    assert "Errno" not in err and not (tmp_path / "dst").exists()
+
+
+def test_a_rules_file_that_is_not_rules_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rules = tmp_path / "rules.json"
+    rules.write_text('{"a": "b"}')
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--rename-file", str(rules)])
+    assert caught.value.code == 2
+    assert "argument --rename-file: " in capsys.readouterr().err
+
+
+def test_a_rename_collision_lists_ten_names_and_a_count(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Friction 2: a collision printed all 96 names on one ~5,000-character line."""
+    parallel_dcp.save({f"model.layers.{i}.weight": torch.ones(1) for i in range(96)}, tmp_path / "src", workers=1)
+    code = cli.main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--rename", r".*=x", "-q"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "... and 86 more" in err, err
+    assert max(len(line) for line in err.splitlines()) < 500, err
+    with pytest.raises(parallel_dcp.RenameError) as caught:
+        parallel_dcp.convert(tmp_path / "src", tmp_path / "dst", rename=[(r".*", "x")], workers=1)
+    assert len(caught.value.collisions["x"]) == 96  # the error object keeps them all
+
+
+def test_the_cli_knows_the_dtype_names_the_library_takes() -> None:
+    """Friction 5: --dtype is checked without importing torch, against the same names."""
+    from parallel_dcp.cli.flags import DTYPE_NAMES
+    from parallel_dcp.jobs.convert import _DTYPES
+
+    assert sorted(DTYPE_NAMES) == sorted(_DTYPES)

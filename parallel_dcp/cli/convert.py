@@ -38,7 +38,11 @@ def add_parser(sub: Any) -> None:
     )
     convert.add_argument("--dtype", type=flags.dtype, help="cast floating tensors (bfloat16, float16, float32, ...)")
     convert.add_argument(
-        "--keys", action="append", metavar="PATTERN", help="select keys: a glob, or re:<regex>; repeat for more"
+        "--keys",
+        action="append",
+        type=flags.key_pattern,
+        metavar="PATTERN",
+        help="select keys: a glob, or re:<regex>; repeat for more",
     )
     convert.add_argument("--overwrite", action="store_true", help="replace an existing output atomically")
     convert.add_argument(
@@ -81,12 +85,16 @@ def add_parser(sub: Any) -> None:
     convert.add_argument(
         "--rename",
         action="append",
+        type=flags.rename_rule,
         metavar="REGEX=TEMPLATE",
         help="rename keys matching REGEX (whole name, Python re) to TEMPLATE (\\1, \\g<name>); repeat for more "
         "rules, the first match wins; applied after --keys",
     )
     convert.add_argument(
-        "--rename-file", metavar="RULES.json", help="rename rules from a JSON list of [regex, template] pairs"
+        "--rename-file",
+        type=flags.rules_file,
+        metavar="RULES.json",
+        help="rename rules from a JSON list of [regex, template] pairs",
     )
     convert.add_argument(
         "--resume",
@@ -132,6 +140,7 @@ def _quantize_flags(convert: argparse.ArgumentParser) -> None:
     convert.add_argument(
         "--quantize-keys",
         action="append",
+        type=flags.key_pattern,
         metavar="PATTERN",
         help="weights to quantize (glob or re:<regex>, as --keys; repeat for more); default: 2-D floating "
         "*.weight tensors except embeddings, norms, the output head and MoE routers (--dry-run shows the rule)",

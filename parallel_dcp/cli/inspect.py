@@ -22,6 +22,7 @@ def add_parser(sub: Any) -> None:
     inspect.add_argument(
         "--keys",
         nargs="*",
+        type=flags.key_pattern,
         metavar="PATTERN",
         help="list keys, one line each (name, dtype, shape, bytes): every key, or those the patterns select "
         "(a glob, or re:<regex>, as convert --keys); --json always lists every key (key_list)",
