@@ -10,7 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import parallel_dcp
-from parallel_dcp.cli import flags
+from parallel_dcp.cli import flags, interrupt
 from parallel_dcp.cli.messages import as_flags
 from parallel_dcp.engine.memory import format_bytes, format_rate
 from parallel_dcp.errors import plural, printable
@@ -226,6 +226,7 @@ def run(args: argparse.Namespace, show_progress: bool) -> int:
         io=args.io,
     )
     assert isinstance(results, list)
+    interrupt.finished()  # committed: a Ctrl-C while the summary prints changes nothing
     if args.distributed and os.environ.get("RANK", "0") != "0":
         return 0  # every rank has the same result: rank 0 reports it
     if args.resume and not args.quiet:
