@@ -11,11 +11,10 @@ Every record is read by :mod:`parallel_dcp.storage.manifest` (one algorithm, one
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import embedded_checksums
-from parallel_dcp.storage.location import Location, Remote
+from parallel_dcp.storage.location import Location
 from parallel_dcp.storage.manifest import FileDigest, read_manifest, sidecar_name
 
 __all__ = ["Recorded", "no_checksums_problem", "recorded_checksums"]
@@ -61,8 +60,6 @@ def recorded_checksums(source: Source) -> Recorded | None:
                 f"checksum was taken of: {index_now.digest} != {index.digest} recorded (corrupted header)"
             )
         return recorded
-    if isinstance(location, Remote) or not isinstance(location, Path):
-        return None  # single files on object storage carry no sidecar
     files = read_manifest(location.parent, of_file=location.name)
     return Recorded(location.parent, files) if files is not None else None
 

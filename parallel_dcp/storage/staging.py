@@ -84,11 +84,10 @@ def stage_file(
     """Take hold of a single-file output (a local path or an object).
 
     ``companions``: names beside it that belong to it (its sidecar manifest): refused like the
-    file itself when they exist and ``overwrite`` is False, replaced with it otherwise (local
-    destinations; on object storage only the file is written)."""
+    file itself when they exist and ``overwrite`` is False, replaced with it otherwise."""
     if isinstance(where, Remote):
         _no_remote_resume(where, resume)
-        return RemoteFileStaging(where, overwrite=overwrite, protect=protect)
+        return RemoteFileStaging(where, overwrite=overwrite, protect=protect, companions=companions)
     return LocalFileStaging(where, overwrite=overwrite, protect=protect, resume=resume, companions=companions)
 
 
