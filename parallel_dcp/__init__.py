@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from parallel_dcp._version import __version__ as __version__
 from parallel_dcp.api import _check_torch
 from parallel_dcp.api.convert import convert as convert
+from parallel_dcp.api.convert import presets as presets
 from parallel_dcp.api.inspect import diff as diff
 from parallel_dcp.api.inspect import inspect as inspect
 from parallel_dcp.api.load import load as load
@@ -40,6 +41,7 @@ from parallel_dcp.errors import (
     KeyPatternError,
     MemoryLimitExceeded,
     ParallelDCPError,
+    PresetError,
     QuantizationError,
     RemoteTraceback,
     RenameError,
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from parallel_dcp.jobs.diff import DiffReport
     from parallel_dcp.jobs.dryrun import DryRunPlan
     from parallel_dcp.jobs.pipeline import SaveResult, WorkerStats
+    from parallel_dcp.jobs.preset_defs import PRESETS, Preset
     from parallel_dcp.jobs.rename import RenameRules as RenameRules
     from parallel_dcp.jobs.verify import VerifyReport
     from parallel_dcp.partial import (
@@ -80,6 +83,8 @@ _LAZY = {
     "SaveResult": "parallel_dcp.jobs.pipeline",
     "WorkerStats": "parallel_dcp.jobs.pipeline",
     "RenameRules": "parallel_dcp.jobs.rename",
+    "PRESETS": "parallel_dcp.jobs.preset_defs",
+    "Preset": "parallel_dcp.jobs.preset_defs",
     "VerifyReport": "parallel_dcp.jobs.verify",
     **dict.fromkeys(
         ("commit", "extract_metadata", "load_metadata", "merge_metadata", "partial_load", "partial_save"),
@@ -104,6 +109,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "PRESETS",
     "CheckpointExistsError",
     "CompressionUnavailableError",
     "CorruptCheckpointError",
@@ -121,6 +127,8 @@ __all__ = [
     "MemoryLimitExceeded",
     "Options",
     "ParallelDCPError",
+    "Preset",
+    "PresetError",
     "QuantizationError",
     "ReadStats",
     "RemoteTraceback",
@@ -144,6 +152,7 @@ __all__ = [
     "merge_metadata",
     "partial_load",
     "partial_save",
+    "presets",
     "save",
     "verify",
 ]

@@ -11,6 +11,7 @@ import re
 import signal
 import unicodedata
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "CheckpointExistsError",
@@ -101,7 +102,31 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 class ParallelDCPError(Exception):
-    """Base class of every error parallel_dcp raises."""
+    """Base class of every error parallel_dcp raises.
+
+    Every message is built here, once: control and format characters in it are escaped
+    (:func:`printable`), so a name read from disk (a shard name with a line break, a planted lock
+    record) can never forge a line of output nor drive a terminal. A message that lists things
+    passes them as ``lines``: each shown on a line of its own, escaped the same way.
+    """
+
+    def __init__(self, *args: Any, lines: Sequence[str] = ()) -> None:
+        escaped = tuple(printable(arg) if isinstance(arg, str) else arg for arg in args)
+        if lines:
+            first = escaped[0] if escaped else ""
+            escaped = (str(first) + "".join("\n" + printable(line) for line in lines), *escaped[1:])
+        super().__init__(*escaped)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from the message as built (its lines kept), not by escaping it again.
+        return (_restore, (type(self), self.args, self.__dict__))
+
+
+def _restore(cls: type[ParallelDCPError], args: tuple[Any, ...], state: dict[str, Any]) -> ParallelDCPError:
+    error = cls.__new__(cls, *args)
+    super(ParallelDCPError, error).__init__(*args)
+    error.__dict__.update(state)
+    return error
 
 
 class IncompatibleTorchError(ParallelDCPError, ImportError):
@@ -230,8 +255,10 @@ class RenameError(ParallelDCPError, ValueError):
     source names that produced it (or to why it is invalid).
     """
 
-    def __init__(self, message: str, *, collisions: dict[str, list[str]] | None = None) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, *, collisions: dict[str, list[str]] | None = None, lines: Sequence[str] = ()
+    ) -> None:
+        super().__init__(message, lines=lines)
         self.collisions = dict(collisions or {})
 
 
@@ -257,6 +284,16 @@ class QuantizationError(ParallelDCPError, ValueError):
     weight's blocks, a non-FP8 weight beside a ``weight_scale_inv``, an E8M0 exponent of 255
     (NaN), or a bad ``quantize`` spec. Raised before anything is written; ``keys`` names the
     offending tensors."""
+
+    def __init__(self, message: str, *, keys: Sequence[str] = (), lines: Sequence[str] = ()) -> None:
+        super().__init__(message, lines=lines)
+        self.keys = list(keys)
+
+
+class PresetError(RenameError):
+    """A preset cannot convert this source as its client needs: a source key its rules do not
+    cover, an output that would miss keys the client's model holds, or a missing or incomplete
+    ``config.json``. Raised before anything is written; ``keys`` names the offending tensors."""
 
     def __init__(self, message: str, *, keys: Sequence[str] = ()) -> None:
         super().__init__(message)

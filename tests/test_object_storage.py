@@ -401,3 +401,20 @@ def test_single_file_outputs_on_object_storage_are_verifiable(
     assert s3.exists(f"{bucket}/single/m.pt.manifest.json")
     with pytest.raises(CheckpointExistsError):
         parallel_dcp.convert(tmp_path / "src", f"s3://{bucket}/single/m.pt", workers=1, storage_options=options)
+
+
+def test_a_folders_side_folders_go_to_object_storage(
+    tmp_path: Path, s3: Any, bucket: str, options: dict[str, Any]
+) -> None:
+    """A local Hugging Face folder with sentence-transformers' 1_Pooling/ converted to sharded
+    safetensors on S3: the folder's files are objects under the same prefix (issue 29, item 5)."""
+    src = tmp_path / "hf"
+    (src / "1_Pooling").mkdir(parents=True)
+    save_file({"w": torch.ones(4, 4)}, str(src / "model.safetensors"))
+    (src / "config.json").write_bytes(b'{"model_type": "bert"}')
+    (src / "1_Pooling" / "config.json").write_bytes(b'{"pooling_mode_mean_tokens": true}')
+    (src / "1_Pooling" / "weights.safetensors").write_bytes(b"never copied")
+    parallel_dcp.convert(str(src), f"s3://{bucket}/st", to="safetensors", workers=1, storage_options=options)
+    assert _names(s3, f"{bucket}/st/1_Pooling") == ["config.json"]
+    assert s3.cat(f"{bucket}/st/1_Pooling/config.json") == b'{"pooling_mode_mean_tokens": true}'
+    assert parallel_dcp.verify(f"s3://{bucket}/st", storage_options=options).ok

@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Sequence
 
 import parallel_dcp
-from parallel_dcp.cli import bench, convert, inspect, interrupt, verify
+from parallel_dcp.cli import bench, convert, inspect, interrupt, presets, verify
 from parallel_dcp.cli.flags import FORMATS as FORMATS
 from parallel_dcp.cli.flags import UsageError
 from parallel_dcp.cli.messages import log_to_stderr, message, print_notes, show_warning
@@ -141,4 +141,6 @@ def _run(args: argparse.Namespace, show_progress: bool) -> int:
         return inspect.run(args)
     if args.command == "verify":
         return verify.run(args)
+    if args.command == "presets":
+        return presets.run(args)
     return bench.run(args)

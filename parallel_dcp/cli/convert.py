@@ -10,7 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import parallel_dcp
-from parallel_dcp.cli import flags, interrupt
+from parallel_dcp.cli import flags, interrupt, presets
 from parallel_dcp.cli.messages import as_flags
 from parallel_dcp.engine.memory import format_bytes, format_rate
 from parallel_dcp.errors import plural, printable
@@ -121,6 +121,7 @@ def add_parser(sub: Any) -> None:
         help="plan only: files, keys, tasks per worker, chunks, predicted peak memory and space; write nothing",
     )
     _quantize_flags(convert)
+    presets.add_preset_flags(convert)
     flags.common(convert)
 
 
@@ -223,6 +224,7 @@ def run(args: argparse.Namespace, show_progress: bool) -> int:
         copy_files=not args.no_copy_files,
         copy_files_from=args.copy_files_from,
         **_quantize_args(args),
+        **presets.preset_args(args),
         io=args.io,
     )
     assert isinstance(results, list)
@@ -280,6 +282,7 @@ def _convert_plan(args: argparse.Namespace, sources: list[str], dst: str, rename
         copy_files=not args.no_copy_files,
         copy_files_from=args.copy_files_from,
         **_quantize_args(args),
+        **presets.preset_args(args),
     )
     assert isinstance(plans, list)
     if args.json:

@@ -13,12 +13,18 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
 from parallel_dcp.storage.location import Location, Remote, check_name, listdir, locate
+from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, source_tree
+from parallel_dcp.storage.safe_reader import read_in_tree
+
+# An index lists one line per tensor: 64 MiB is far beyond any real one (a crafted one is refused).
+_INDEX_MAX_BYTES = 64 * 2**20
 
 if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
@@ -205,7 +211,7 @@ def index_names(index: Location) -> list[str]:
         CorruptCheckpointError: the index is not readable, or names a file outside its directory.
     """
     try:
-        names = list(dict.fromkeys(json.loads(index.read_bytes())["weight_map"].values()))
+        names = list(dict.fromkeys(json.loads(_read_index(index))["weight_map"].values()))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{index} is not a readable index: {type(exc).__name__}: {exc}") from exc
     return [check_name(n, index) for n in names]
@@ -219,8 +225,8 @@ def shard_files(path: Location, index_name: str, suffix: str | None = None) -> l
         FileNotFoundError: the index names a shard that does not exist.
         CorruptCheckpointError: the index is unreadable or names a file outside the directory.
     """
-    if not path.is_dir():
-        return [os.fspath(path)]
+    if not path.is_dir():  # the file the user named (through any link: the user chose it)
+        return [os.fspath(path) if isinstance(path, Remote) else os.path.realpath(path)]
     listing = listdir(path)
     if index_name in listing or suffix is None:
         names = index_names(path / index_name)
@@ -229,4 +235,32 @@ def shard_files(path: Location, index_name: str, suffix: str | None = None) -> l
     missing = [n for n in names if n not in listing]
     if missing:
         raise FileNotFoundError(f"{path}: the index names shards that do not exist: {', '.join(missing)}")
-    return [os.fspath(path / n) for n in names]
+    if isinstance(path, Remote):
+        return [os.fspath(path / n) for n in names]
+    return [os.fspath(_in_tree(path / n, source_tree(path))) for n in names]
+
+
+def _in_tree(file: Path, tree: Path) -> Path:
+    """A shard of a local directory by the one rule for reading: a link only within the source's
+    tree (a Hugging Face cache snapshot's links into ``blobs/``), given as where it leads, so every
+    reader (the library's mmap, O_DIRECT, torch.load) opens a regular file that is no link, the
+    same way in every io mode.
+
+    Raises:
+        UnsafeCheckpointError: a link leading out of the tree, or not a regular file (a FIFO).
+    """
+    target = resolve_in_tree(file, tree)
+    try:
+        regular_size(target)
+    except UnsafeCheckpointError:
+        if target == file:
+            raise
+        raise UnsafeCheckpointError(f"{file} leads to {target}, which is not a regular file") from None
+    return target
+
+
+def _read_index(index: Location) -> bytes:
+    if isinstance(index, Remote):
+        return index.read_bytes()
+    assert isinstance(index, Path)
+    return read_in_tree(index, source_tree(index.parent), limit=_INDEX_MAX_BYTES)

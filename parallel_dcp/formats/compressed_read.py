@@ -53,6 +53,7 @@ from parallel_dcp.storage.compression import (
     new_decompressor,
 )
 from parallel_dcp.storage.location import Location, Remote, RemoteFileSystem
+from parallel_dcp.storage.safe_reader import SafeFileSystem
 
 __all__ = ["RECORD_OVERHEAD", "BoundedReader", "CompressedRecord", "bounded_reader", "read_value"]
 
@@ -274,6 +275,8 @@ class BoundedReader(FileSystemReader):
         if isinstance(location, Remote):
             self.fs = RemoteFileSystem(location.options)  # type: ignore[assignment]
             self.path = location.url
+        else:  # shards opened by the one rule (stock: Path.open, through any planted symlink)
+            self.fs = SafeFileSystem()
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)

@@ -6,6 +6,7 @@
     MXFP4 (gpt-oss):                  X_blocks  uint8 [..., G, B]   two e2m1 values per byte (low nibble first)
                                       X_scales  uint8 [..., G]      E8M0 exponent, biased by 127
         value = ldexp(lut[nibble] in the target dtype, exponent - 127)  -> X [..., G * B * 2]
+        experts (X_blocks [E, N, G, B]): X [E, G * B * 2, N], transformers' layout (see below)
 
 Dequantizing repeats, operation for operation, what stock
 ``torch.distributed.checkpoint.quantized_hf_storage.QuantizedHuggingFaceStorageReader`` computes
@@ -16,6 +17,13 @@ these functions take a strip of whole row blocks at a time: FP8 as one lookup pe
 table of every (block, code) product, MXFP4 as one lookup per byte in a table of every
 (exponent, byte) pair's two values; the tables are made by stock's own operations, and
 temporaries are bounded by the strip.
+
+MXFP4 expert tensors are written in the layout transformers' ``GptOssExperts`` holds and its
+bf16 gpt-oss checkpoints store: ``gate_up_proj [E, hidden, 2 * intermediate]`` and ``down_proj
+[E, intermediate, hidden]``, the transpose of the packed rows (``N`` is a row of the output, the
+groups run along the input): the same values as transformers' own ``convert_moe_packed_tensors``.
+The gpt-oss reference loader's ``[E, N, G * B * 2]`` loads into transformers transposed, and
+silently so where hidden = intermediate (every released gpt-oss).
 
 Quantizing writes the DeepSeek layout: one float32 scale per block, ``amax / 448`` (448 is
 e4m3's largest finite value), and ``w / scale`` rounded to e4m3. A block of zeros gets the
@@ -38,7 +46,10 @@ __all__ = [
     "FP8_MAX",
     "dequantize_fp8",
     "dequantize_mxfp4",
+    "dequantize_mxfp4_experts",
     "fp8_scale_shape",
+    "mxfp4_is_experts",
+    "mxfp4_shape",
     "quantize_fp8",
 ]
 
@@ -148,6 +159,51 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         index.add_(exponents[r0:r1].to(torch.int32) * 256)
         torch.index_select(table, 0, index.view(-1), out=out[r0:r1].view(-1, 2))
     return out.view(*prefix, groups * width * 2)
+
+
+def mxfp4_is_experts(blocks_shape: tuple[int, ...]) -> bool:
+    """Whether MXFP4 blocks of ``blocks_shape`` are stacked experts (``[E, N, G, B]``), which
+    dequantize to transformers' ``[E, G * B * 2, N]``; other ranks keep ``[..., N, G * B * 2]``
+    (a 2-D one is already ``nn.Linear``'s ``[out, in]``)."""
+    return len(blocks_shape) == 4
+
+
+def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The dequantized shape of MXFP4 blocks ``blocks_shape`` (see :func:`mxfp4_is_experts`)."""
+    *prefix, rows, groups, width = blocks_shape
+    if mxfp4_is_experts(blocks_shape):
+        return (*prefix, groups * width * 2, rows)
+    return (*prefix, rows, groups * width * 2)
+
+
+def dequantize_mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Expert MXFP4 ``blocks`` ``[E, N, G, B]`` with ``scales`` ``[E, N, G]`` as ``dtype``
+    ``[E, G * B * 2, N]``: :func:`dequantize_mxfp4`'s values, transposed per expert.
+
+    Rows are dequantized a strip at a time (about ``_STRIP_ELEMENTS`` values, whole experts when
+    they fit) and each strip is copied into the output transposed, so the temporaries are bounded
+    by the strip, not by the tensor.
+    """
+    experts, rows, groups, width = blocks.shape
+    cols = groups * width * 2
+    out = torch.empty((experts, cols, rows), dtype=dtype)
+    if out.numel() == 0:
+        return out
+    per_expert = rows * cols
+    if per_expert <= _STRIP_ELEMENTS:  # whole experts a strip
+        step = _STRIP_ELEMENTS // per_expert
+        for e0 in range(0, experts, step):
+            e1 = min(experts, e0 + step)
+            strip = dequantize_mxfp4(blocks[e0:e1], scales[e0:e1], dtype)
+            out[e0:e1].copy_(strip.transpose(1, 2))
+        return out
+    step = max(1, _STRIP_ELEMENTS // cols)
+    for e in range(experts):
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            strip = dequantize_mxfp4(blocks[e, r0:r1], scales[e, r0:r1], dtype)
+            out[e, :, r0:r1].copy_(strip.t())
+    return out
 
 
 def _mxfp4_table(dtype: torch.dtype) -> torch.Tensor:

@@ -16,10 +16,15 @@ from typing import Any
 
 import torch
 
-from parallel_dcp.errors import QuantizationError, dtype_name
+from parallel_dcp.errors import CorruptCheckpointError, QuantizationError, dtype_name
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, fp8_scale_shape
 from parallel_dcp.storage.location import Remote
+from parallel_dcp.storage.safe_files import source_tree
+from parallel_dcp.storage.safe_reader import read_in_tree
+
+# A model's config.json is a few KiB; anything near this is not one.
+_CONFIG_MAX_BYTES = 16 * 2**20
 
 __all__ = ["BLOCKS_SUFFIX", "SCALES_SUFFIX", "SCALE_SUFFIX", "Pair", "block_size_of", "find_pairs", "source_config"]
 
@@ -51,11 +56,12 @@ def source_config(source: Source) -> dict[str, Any] | None:
     if isinstance(source.location, Remote) or not os.path.isdir(source.path):
         return None
     path = os.path.join(source.path, "config.json")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path) or os.path.isdir(path):
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
+    try:  # by the one rule: a config.json linking out of the folder is refused, never read
+        config = json.loads(read_in_tree(path, source_tree(source.path), limit=_CONFIG_MAX_BYTES))
+    except CorruptCheckpointError:  # (a ValueError too) a link out of the folder, a FIFO, a huge file
+        raise
     except ValueError as exc:
         raise QuantizationError(f"{path} is not JSON: {exc}") from exc
     return config if isinstance(config, dict) else None
@@ -130,6 +136,8 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
         elif entry.dtype in FP8_DTYPES and key + SCALE_SUFFIX not in entries:
             refuse(key, f"an FP8 weight without its scale {key + SCALE_SUFFIX!r}")
     if problems:
-        shown = "\n".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise QuantizationError(f"{source.path} cannot be dequantized (nothing was written):\n{shown}", keys=offenders)
+        shown = problems[:20] + ([f"  ... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise QuantizationError(
+            f"{source.path} cannot be dequantized (nothing was written):", keys=offenders, lines=shown
+        )
     return pairs

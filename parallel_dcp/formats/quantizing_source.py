@@ -7,7 +7,9 @@
 
 Which weights are quantized: those the ``quantize_keys`` patterns select (the ``keys`` pattern
 language), or by default :data:`DEFAULT_RULE`: 2-D floating tensors whose names end in
-``.weight``, except embeddings, norms, the output head and MoE routers. Both output units of a
+``.weight``, except embeddings, norms, the output head and MoE routers (``*.gate.weight``, as
+Mixtral, Qwen and DeepSeek name them; ``*.router.weight``, as gpt-oss does), which the releases
+and transformers' ``modules_to_not_convert`` keep in bf16. Both output units of a
 weight read the weight: when one task holds both, it is quantized once; a huge weight splits into
 row ranges of whole blocks (:meth:`QuantizingSource.split_alignment`), each quantized on its own
 (every block's scale depends on its rows only, so the pieces equal the whole).
@@ -37,9 +39,10 @@ __all__ = ["DEFAULT_RULE", "QuantizingSource", "default_quantize_rule", "parse_q
 
 DEFAULT_RULE = (
     "2-D floating tensors whose names end in '.weight', except embeddings ('embed', 'wte', 'wpe'), "
-    "norms ('norm'), the output head ('lm_head', 'output.weight') and MoE routers ('.gate.weight')"
+    "norms ('norm'), the output head ('lm_head', 'output.weight') and MoE routers ('*.gate.weight', "
+    "'*.router.weight')"
 )
-_EXCLUDED = re.compile(r"embed|norm|lm_head|(^|\.)(wte|wpe)\.|(^|\.)output\.weight$|(^|\.)gate\.weight$")
+_EXCLUDED = re.compile(r"embed|norm|lm_head|(^|\.)(wte|wpe)\.|(^|\.)output\.weight$|(^|\.)(gate|router)\.weight$")
 # The float32 temporaries of quantizing (four of an 8 MiB strip), and what the heap keeps of them
 # (measured: about 44 MiB at the peak, 68 MiB still held after a 5504 x 2048 weight).
 _WORK_BYTES = 64 * 1024 * 1024

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.storage.location import Location, check_name, file_size, listdir
+from parallel_dcp.storage.location import Location, Remote, check_name, file_size, listdir
+from parallel_dcp.storage.safe_files import regular_size, vanished
 
 __all__ = ["MAX_PATH_DEPTH", "PairBudget", "check_chunks", "check_planner_data", "check_records", "check_shards"]
 
@@ -194,7 +195,10 @@ def check_shards(path: Location, metadata: Any, keys: list[str] | None = None) -
     for name, end in needed.items():
         if name not in present:
             raise CorruptCheckpointError(f"{path} is damaged: shard {name} is missing")
-        size = file_size(path / name)
+        try:  # a local shard by the one rule: a symlink or a FIFO planted there is refused by name
+            size = file_size(path / name) if isinstance(path, Remote) else regular_size(path / name)
+        except FileNotFoundError:
+            raise vanished(path / name) from None
         if size < end:
             raise CorruptCheckpointError(
                 f"{path} is damaged: shard {name} has {size} bytes but the metadata records data up to byte {end} "

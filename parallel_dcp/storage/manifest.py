@@ -31,8 +31,10 @@ import xxhash
 
 from parallel_dcp._version import __version__
 from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.storage.layout import read_record
 from parallel_dcp.storage.location import Location, Remote, check_name, locate
 from parallel_dcp.storage.ownership import MANIFEST_FILE, METADATA_FILE
+from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = [
     "EMBEDDED_KEY",
@@ -101,10 +103,12 @@ def file_digest(path: str | os.PathLike[str] | Remote, *, checksum: bool = True,
         for piece in pieces:
             hasher.update(piece)
         return hasher.result()
-    if not checksum:
-        return FileDigest(max(0, os.path.getsize(path) - start), None)
-    hasher = Hasher()
-    with open(path, "rb", buffering=0) as f:
+    # by the one rule for reading (storage.safe_reader): never through a symlink, never a FIFO,
+    # no further than the size the open file has
+    with open_bounded(path) as f:
+        if not checksum:
+            return FileDigest(max(0, f.raw.size - start), None)  # type: ignore[attr-defined]
+        hasher = Hasher()
         f.seek(start)
         buffer = bytearray(_CHUNK)
         while n := f.readinto(buffer):
@@ -188,10 +192,10 @@ def read_manifest(
             the checkpoint.
     """
     path = locate(directory) / (sidecar_name(of_file) if of_file is not None else MANIFEST_FILE)
-    if not path.is_file():
+    if not (path.is_file() if isinstance(path, Remote) else os.path.lexists(path)):
         return None
-    try:
-        document = json.loads(path.read_bytes())
+    try:  # by the one rule: a symlink or a FIFO planted as the manifest is refused, never followed
+        document = json.loads(read_record(path))
         if document.get("checksum") != ALGORITHM:
             raise ValueError(f"unknown checksum {document.get('checksum')!r}")
         files = {check_name(name, path): _parse_digest(v) for name, v in document["files"].items()}

@@ -6,6 +6,9 @@ names ``.<name>.<save id>.tmp``, its owner record ``.parallel_dcp.owner.<save id
 an overwrite replaces); owner
 records let the next save to a destination find and remove the files of a save whose process is
 gone (:func:`find_leftovers`). The protocol that uses them: :mod:`parallel_dcp.storage.staging`.
+
+Longer than 300 lines because owner records, the leftovers they find, and how a leftover's owner
+is described (in inspect and in the cleanup's warning) are one job.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import time
 import uuid
@@ -32,6 +36,7 @@ from parallel_dcp.storage.layout import (
     MANIFEST_FILE,
     METADATA_FILE,
     Layout,
+    committed_names,
     is_dcp_shard_name,
     listing,
     read_record,
@@ -39,6 +44,7 @@ from parallel_dcp.storage.layout import (
     sharded_layout,
 )
 from parallel_dcp.storage.location import Location, Remote, check_name
+from parallel_dcp.storage.side_trees import remove_tree
 
 __all__ = [
     "DCP_LAYOUT",
@@ -51,6 +57,7 @@ __all__ = [
     "is_checkpoint",
     "is_dcp_shard_name",
     "is_of_save",
+    "is_save_id",
     "listing",
     "new_save_id",
     "owner_name",
@@ -73,6 +80,16 @@ def new_save_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+# The only ids a save has (new_save_id): a record naming anything else was not written by a save,
+# and acts on nothing (an empty or short id would otherwise match other saves' names).
+_SAVE_ID = re.compile(r"[0-9a-f]{12}")
+
+
+def is_save_id(save_id: object) -> bool:
+    """True for an id :func:`new_save_id` can give."""
+    return isinstance(save_id, str) and _SAVE_ID.fullmatch(save_id) is not None
+
+
 def temp_name(name: str, save_id: str) -> str:
     """The hidden name a file of this save is written under before its rename into ``name``."""
     return f".{name}.{save_id}.tmp"
@@ -80,10 +97,13 @@ def temp_name(name: str, save_id: str) -> str:
 
 def is_of_save(name: str, save_id: str) -> bool:
     """True for the names a save with this id writes (shards, temporary files, its owner file,
-    the records kept for resume)."""
+    the records kept for resume): exactly the shapes our writer gives, for a full save id, never a
+    substring of another name."""
+    if not is_save_id(save_id):
+        return False
     return (
-        (name.startswith("__") and f"_{save_id}_" in name and name.endswith(".distcp"))
-        or (name.startswith(".") and name.endswith(f".{save_id}.tmp"))
+        re.fullmatch(rf"__[0-9]+_{save_id}_[0-9]+\.distcp", name) is not None
+        or (name.startswith(".") and name.endswith(f".{save_id}.tmp") and len(name) > len(save_id) + 6)
         or name == owner_name(save_id)
         or name in (f"{JOB_PREFIX}{save_id}", f"{JOB_PREFIX}{save_id}.tmp")
         or name.startswith(f"{DONE_PREFIX}{save_id}.")
@@ -108,8 +128,20 @@ def remove_path(where: Location) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             if where.is_dir() and not where.is_symlink():
-                return  # never a directory: a checkpoint's files are plain files
+                if where.name.startswith(".") and where.name.endswith(".tmp"):
+                    _remove_temporary_folder(where)  # a copied folder a dead save left (side_trees)
+                return  # never another directory: a checkpoint's files are plain files
             where.unlink()
+
+
+def _remove_temporary_folder(where: Path) -> None:
+    """Remove a save's temporary folder, following no link (a swap meanwhile is left alone)."""
+    with contextlib.suppress(OSError):
+        parent = os.open(where.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            remove_tree(parent, where.name)
+        finally:
+            os.close(parent)
 
 
 def _process_start(pid: int) -> float | None:
@@ -164,15 +196,14 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
     Files named by the committed checkpoint are never listed, whatever their name.
     """
     names = listing(where) if names is None else names
-    live: set[str] = set()
-    if METADATA_FILE in names:
-        with contextlib.suppress(Exception):  # a damaged .metadata protects nothing, and is reported elsewhere
-            live = DCP_LAYOUT.owned(where)
+    live = committed_names(where, names)
     found = []
     for name in names:
         if not name.startswith(_OWNER_PREFIX):
             continue
         save_id = name[len(_OWNER_PREFIX) :]
+        if not is_save_id(save_id):
+            continue  # not a record a save writes: it acts on nothing
         try:
             record = json.loads(read_record(where / name))
             if not isinstance(record, dict):
@@ -181,7 +212,9 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
             record = {"save_id": save_id}
         files = [n for n in names if is_of_save(n, save_id) and n not in live]
         replaces = record.get("replaces")
-        if isinstance(replaces, list):  # a save killed after its commit: the old checkpoint's shards
+        if isinstance(replaces, list) and _written_by_us(where / name):
+            # a save killed after its commit: the old checkpoint's shards, none that a committed
+            # checkpoint (of any layout) names
             for old in replaces:
                 if (
                     isinstance(old, str)
@@ -208,6 +241,17 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
             }
         )
     return found
+
+
+def _written_by_us(record: Location) -> bool:
+    """A local record's ``replaces`` counts only in a file this user wrote: another user's record
+    (a shared directory) never gets this user's files deleted."""
+    if isinstance(record, Remote):
+        return True
+    try:
+        return os.lstat(record).st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 def _manifest_save_id(where: Location) -> str | None:
