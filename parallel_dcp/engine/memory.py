@@ -65,9 +65,11 @@ __all__ = [
 # What a worker's memory grows by while it runs a task, beyond the items' own buffers: the DCP
 # planner, writer and zip buffers, and ~9-13 KiB per item for its plan, metadata and write result.
 # Measured as the governor counts (process_memory: without program code; torch 2.13): a worker
-# running a task of small tensors at 7-8 MiB with its idle cost below (2 and 4 workers); two-worker
-# save and conversion peaks within 2% of their dry-run prediction (142 MiB), a one-worker DCP ->
-# torch.save conversion at 91-110 MiB against 107 MiB. These figures are both admission's and a
+# running a task of small tensors at 7-8 MiB with its resting cost below (2 and 4 workers). With
+# workers planned at their resting cost (WORKER_MEMORY_BYTES, 10 MiB), the dry-run prediction is
+# an upper bound of the measured peak: a two-worker save 154 MiB against 109-146 measured (+6%), a
+# safetensors -> DCP conversion under 160 MiB 149 against 115-129 (+16%), a one-worker DCP ->
+# torch.save conversion 113 against 73-105 (+8%). These figures are both admission's and a
 # dry run's prediction (tests/test_dryrun.py compares the latter with the measured peak):
 # rounding them far up would make the prediction a fiction, rounding them down would let
 # admission overcommit; the watchdog measures twice before it acts on a breach.
