@@ -83,8 +83,9 @@ LEAN_TASK_MEMORY_BYTES = 3 * 1024 * 1024
 # the fork a worker adds ~0.1 MiB, so a figure measured then (see MemoryGovernor.settle) would
 # under-count every later task by what the worker keeps. Measured as the governor counts, at rest
 # after a job on two workers, the tree's growth per worker (the coordinator's own included): save
-# 6.0 MiB, lean save 5.5, safetensors -> DCP 5.8, DCP -> DCP 7.6-8.3, FP8 dequantize 5.2, verify
-# 2.1 (tests/test_worker_resting_memory.py measures every kind against this figure).
+# 4.8-6.0 MiB, lean save 4.0-5.5, safetensors -> DCP 4.7-5.8, DCP -> DCP 6.3-8.3, DCP ->
+# safetensors 5.5-5.8 (one worker), FP8 dequantize 4.7-5.2, verify 1.9-2.3
+# (tests/test_worker_resting_memory.py measures every kind against this figure).
 WORKER_MEMORY_BYTES = 10 * 1024 * 1024
 ITEM_MEMORY_BYTES = 16 * 1024
 # What the coordinator holds per planned unit (a chunk, its name, its item, its place in a task and
