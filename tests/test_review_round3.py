@@ -15,10 +15,14 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 import parallel_dcp
 from parallel_dcp import PresetError
 from parallel_dcp.errors import UnsafeCheckpointError
+from parallel_dcp.formats import open_source
+from parallel_dcp.jobs.copy_files import files_to_copy, read_copies
+from tests.test_convert import write_hf_safetensors
 from tests.test_presets import CONFIG, TO_HF, TO_TITAN, hf_folder
 
 
@@ -111,3 +115,41 @@ def test_hostile_head_counts_fail_before_writing(tmp_path: Path, change: dict, m
     with pytest.raises(PresetError, match=message):
         parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", preset=TO_TITAN, workers=1)
     assert not (tmp_path / "out").exists()
+
+
+def _hf_with_pooling(where: Path) -> Path:
+    write_hf_safetensors({"a": torch.randn(4, 4), "b": torch.randn(3)}, where, shards=2)
+    (where / "config.json").write_text("{}")
+    (where / "1_Pooling").mkdir()
+    (where / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    return where
+
+
+def test_a_side_folder_swapped_for_a_symlink_after_it_was_chosen_is_refused_at_the_read(tmp_path: Path) -> None:
+    """Someone who can write the source folder swaps ``1_Pooling/`` for a link out between the choice
+    of the files (which checked it) and their read at the commit: the read walks the chosen path
+    without following any link, so it refuses instead of copying the other folder's file."""
+    src = _hf_with_pooling(tmp_path / "src")
+    source = open_source(src)
+    try:
+        copies = files_to_copy(
+            source, directory_output=True, copy_files=True, copy_files_from=None, storage_options=None, limit=2**30
+        )
+    finally:
+        source.close()
+    assert set(copies) == {"config.json", "1_Pooling/config.json"}
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "config.json").write_text('{"secret": 1}')
+    os.rename(src / "1_Pooling", tmp_path / "moved")
+    os.symlink(tmp_path / "private", src / "1_Pooling")
+    with pytest.raises(UnsafeCheckpointError, match="symlink"):
+        read_copies(copies)
+    assert read_copies({"config.json": copies["config.json"]}) == {"config.json": b"{}"}
+
+
+def test_side_files_are_read_through_a_symlinked_parent_the_user_chose(tmp_path: Path) -> None:
+    """The path *to* the source may go through links (the user's choice): only a change below it is refused."""
+    _hf_with_pooling(tmp_path / "real")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    parallel_dcp.convert(tmp_path / "link", tmp_path / "out", to="safetensors", workers=1)
+    assert (tmp_path / "out" / "1_Pooling" / "config.json").read_text() == '{"pooling_mode_mean_tokens": true}'

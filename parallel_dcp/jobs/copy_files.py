@@ -27,7 +27,7 @@ from parallel_dcp.formats.base import Source
 from parallel_dcp.jobs.side_folders import folder_files
 from parallel_dcp.storage.location import Location, Remote, file_size, listdir, locate
 from parallel_dcp.storage.ownership import new_save_id, temp_name
-from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, source_tree
+from parallel_dcp.storage.safe_files import pinned_path, regular_size, resolve_in_tree, source_tree
 from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = ["WEIGHT_SUFFIXES", "files_to_copy", "read_copies"]
@@ -130,11 +130,12 @@ def _side_file(path: Location, tree: Path | None) -> tuple[Location, int] | None
     if target.is_dir():
         return None
     try:
-        return target, regular_size(target)
+        size = regular_size(target)
     except UnsafeCheckpointError:
         if target == path:
             raise
         raise UnsafeCheckpointError(f"{path} leads to {target}, which is not a regular file") from None
+    return pinned_path(target, tree), size  # read at the commit with no link on its way
 
 
 def _check_name_length(name: str) -> None:
@@ -153,12 +154,14 @@ def read_copies(copies: dict[str, Location]) -> dict[str, bytes]:
     """The bytes of every file in ``copies``, read at the commit (their total was checked).
 
     Local files are opened by the one rule again (a file swapped for a symlink or a FIFO since it
-    was chosen is refused) and read no further than their fstat size."""
+    was chosen is refused, and so is a folder on its way swapped for a link: each local path is
+    the realpath taken when it was chosen, walked without following any link) and read no further
+    than their fstat size."""
     found = {}
     for name, path in copies.items():
         if isinstance(path, Remote):
             found[name] = path.read_bytes()
             continue
-        with open_bounded(path) as stream:
+        with open_bounded(path, no_links=True) as stream:  # chosen as a realpath: a link now is a swap
             found[name] = stream.read()
     return found
