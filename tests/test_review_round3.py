@@ -19,7 +19,7 @@ import torch
 
 import parallel_dcp
 from parallel_dcp import PresetError
-from parallel_dcp.errors import UnsafeCheckpointError
+from parallel_dcp.errors import InvalidDestinationError, UnsafeCheckpointError
 from parallel_dcp.formats import open_source
 from parallel_dcp.jobs.copy_files import files_to_copy, read_copies
 from tests.test_convert import write_hf_safetensors
@@ -153,3 +153,27 @@ def test_side_files_are_read_through_a_symlinked_parent_the_user_chose(tmp_path:
     os.symlink(tmp_path / "real", tmp_path / "link")
     parallel_dcp.convert(tmp_path / "link", tmp_path / "out", to="safetensors", workers=1)
     assert (tmp_path / "out" / "1_Pooling" / "config.json").read_text() == '{"pooling_mode_mean_tokens": true}'
+
+
+def test_a_side_folder_named_like_the_config_json_the_output_writes_is_refused_before_writing(tmp_path: Path) -> None:
+    """copy_files_from holds a folder ``config.json/`` and the preset writes the model's config.json:
+    refused up front by name (was: shards written, then a refusal naming a temporary file)."""
+    hf_folder(tmp_path / "hf")
+    parallel_dcp.convert(tmp_path / "hf", tmp_path / "titan", preset=TO_TITAN, workers=1)
+    side = tmp_path / "side"
+    (side / "config.json").mkdir(parents=True)
+    (side / "config.json" / "notes.txt").write_text("x")
+    (tmp_path / "cfg.json").write_text(json.dumps(CONFIG))
+    for dry_run in (True, False):
+        with pytest.raises(InvalidDestinationError, match=r"folder 'config\.json'"):
+            parallel_dcp.convert(
+                tmp_path / "titan",
+                tmp_path / "back",
+                to="safetensors",
+                preset=TO_HF,
+                workers=1,
+                copy_files_from=side,
+                model_config=tmp_path / "cfg.json",
+                dry_run=dry_run,
+            )
+        assert not (tmp_path / "back").exists()

@@ -26,7 +26,7 @@ from parallel_dcp.errors import plural, printable
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
-from parallel_dcp.jobs.copy_files import files_to_copy
+from parallel_dcp.jobs.copy_files import check_no_clash, files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.hf_config import prepare_config
 from parallel_dcp.jobs.pipeline import SaveResult
@@ -175,6 +175,8 @@ def convert_one(
         if steps.done is not None and preset is not None and preset.writes_hf:
             _give_config(target, steps.done)
         prepare_config(target, source, job, dtype, quantization)  # config.json says what the shards hold
+        if isinstance(target, ShardedTarget):
+            check_no_clash(copies, target.extra_files)
         if dry_run:
             plan = plan_dry_run(job, target, options, governor)
             if copies:

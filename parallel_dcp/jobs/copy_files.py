@@ -18,6 +18,7 @@ limit, or the conversion is refused before it starts.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from parallel_dcp.storage.ownership import new_save_id, temp_name
 from parallel_dcp.storage.safe_files import pinned_path, regular_size, resolve_in_tree, source_tree
 from parallel_dcp.storage.safe_reader import open_bounded
 
-__all__ = ["WEIGHT_SUFFIXES", "files_to_copy", "read_copies"]
+__all__ = ["WEIGHT_SUFFIXES", "check_no_clash", "files_to_copy", "read_copies"]
 
 _NAME_MAX = 255  # bytes in a file name (Linux, and most file systems)
 
@@ -165,3 +166,19 @@ def read_copies(copies: dict[str, Location]) -> dict[str, bytes]:
         with open_bounded(path, no_links=True) as stream:  # chosen as a realpath: a link now is a swap
             found[name] = stream.read()
     return found
+
+
+def check_no_clash(copies: dict[str, Location], written: Iterable[str]) -> None:
+    """Refuse a copied folder named like a file the output writes itself (``config.json/`` beside a
+    preset's or a quantized output's config.json), before anything is written: both would take one
+    name in the destination.
+
+    Raises:
+        InvalidDestinationError: naming the folder and the file.
+    """
+    folders = {name.split("/")[0] for name in copies if "/" in name}
+    for name in sorted(folders & set(written)):
+        raise InvalidDestinationError(
+            f"the folder {printable(name)!r} to copy beside the weights has the name of a file the output writes "
+            f"({printable(name)}); rename it, or convert with copy_files=False (--no-copy-files) (nothing was written)"
+        )
