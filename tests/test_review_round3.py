@@ -19,7 +19,7 @@ import torch
 
 import parallel_dcp
 from parallel_dcp import PresetError
-from parallel_dcp.errors import InvalidDestinationError, UnsafeCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, InvalidDestinationError, UnsafeCheckpointError
 from parallel_dcp.formats import open_source
 from parallel_dcp.jobs.copy_files import files_to_copy, read_copies
 from tests.test_convert import write_hf_safetensors
@@ -177,3 +177,38 @@ def test_a_side_folder_named_like_the_config_json_the_output_writes_is_refused_b
                 dry_run=dry_run,
             )
         assert not (tmp_path / "back").exists()
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # 200 KB of JSON nested deeper than json.loads can recurse
+
+
+def test_a_deeply_nested_config_json_is_a_clear_error_not_a_recursion_traceback(tmp_path: Path) -> None:
+    src = _hf_with_pooling(tmp_path / "src")
+    (src / "config.json").write_text('{"x": ' + DEEP + "}")
+    with pytest.raises(ValueError, match="nested too deeply"):
+        parallel_dcp.convert(src, tmp_path / "out", to="safetensors", dtype="bfloat16", workers=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_deeply_nested_model_config_is_a_preset_error(tmp_path: Path) -> None:
+    hf_folder(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(DEEP)
+    with pytest.raises(PresetError, match="nested too deeply"):
+        parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", preset=TO_TITAN, workers=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_deeply_nested_index_json_is_a_corrupt_checkpoint(tmp_path: Path) -> None:
+    src = _hf_with_pooling(tmp_path / "src")
+    (src / "model.safetensors.index.json").write_text('{"weight_map": ' + DEEP + "}")
+    with pytest.raises(CorruptCheckpointError, match="nested too deeply"):
+        parallel_dcp.convert(src, tmp_path / "out", to="safetensors", workers=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_deeply_nested_manifest_is_reported_by_verify(tmp_path: Path) -> None:
+    src = _hf_with_pooling(tmp_path / "src")
+    parallel_dcp.convert(src, tmp_path / "out", to="safetensors", workers=1)
+    (tmp_path / "out" / ".parallel_dcp.json").write_text(DEEP)
+    with pytest.raises(CorruptCheckpointError, match="nested too deeply"):
+        parallel_dcp.verify(tmp_path / "out")

@@ -28,7 +28,8 @@ from parallel_dcp.formats.base import Source
 from parallel_dcp.jobs.side_folders import folder_files
 from parallel_dcp.storage.location import Location, Remote, file_size, listdir, locate
 from parallel_dcp.storage.ownership import new_save_id, temp_name
-from parallel_dcp.storage.safe_files import pinned_path, regular_size, resolve_in_tree, source_tree
+from parallel_dcp.storage.pinned_paths import pinned_path
+from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, source_tree
 from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = ["WEIGHT_SUFFIXES", "check_no_clash", "files_to_copy", "read_copies"]

@@ -21,7 +21,6 @@ presets``); its names and shapes are pinned by tests against that client.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -29,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import (
     CorruptCheckpointError,
     PresetError,
@@ -96,7 +96,7 @@ def find_config(
         except CorruptCheckpointError as exc:  # larger than the bound, or gone since listed
             raise PresetError(f"{printable(path)} is not a model config: {exc}") from exc
         try:
-            config = json.loads(raw)
+            config = loads_json(raw)
         except ValueError as exc:
             raise PresetError(f"{printable(path)} is not a readable JSON config: {exc}") from exc
         if not isinstance(config, dict):

@@ -27,7 +27,6 @@ one key's nesting path being a level of another's are refused, every offender li
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -35,6 +34,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import RenameError, RenameWarning, describe_keys, plural
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.renamed_source import RenamedSource
@@ -72,7 +72,7 @@ def read_rules_file(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
     """
     try:
         with open(path, encoding="utf-8") as f:
-            value = json.load(f)
+            value = loads_json(f.read())
     except ValueError as exc:
         raise RenameError(f"rename rules file {os.fspath(path)} is not JSON: {exc}") from exc
     if not isinstance(value, list):

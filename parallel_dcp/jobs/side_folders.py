@@ -25,7 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from parallel_dcp.errors import UnsafeCheckpointError, printable
-from parallel_dcp.storage.safe_files import pinned_path, resolve_in_tree, source_tree
+from parallel_dcp.storage.pinned_paths import pinned_path
+from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
 
 __all__ = ["MAX_DEPTH", "MAX_FILES", "folder_files"]
 

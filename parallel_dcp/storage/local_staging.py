@@ -20,6 +20,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import (
     CheckpointExistsError,
     InsufficientSpaceError,
@@ -66,7 +67,7 @@ __all__ = [
 def _manifest_save_id(directory: Path) -> str | None:
     """The save id in the destination's manifest (that save committed: nothing to resume)."""
     try:
-        value = json.loads(read_small(directory / MANIFEST_FILE, 64 * 2**20)).get("save_id")
+        value = loads_json(read_small(directory / MANIFEST_FILE, 64 * 2**20)).get("save_id")
     except (ValueError, OSError, AttributeError):
         return None
     return value if isinstance(value, str) else None

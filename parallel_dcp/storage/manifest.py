@@ -23,6 +23,7 @@ from typing import Any
 
 import xxhash
 
+from parallel_dcp._json import loads_json
 from parallel_dcp._version import __version__
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.layout import read_record
@@ -121,7 +122,7 @@ def read_manifest(
     if not (path.is_file() if isinstance(path, Remote) else os.path.lexists(path)):
         return None
     try:  # by the one rule: a symlink or a FIFO planted as the manifest is refused, never followed
-        document = json.loads(read_record(path))
+        document = loads_json(read_record(path))
         if document.get("checksum") != ALGORITHM:
             raise ValueError(f"unknown checksum {document.get('checksum')!r}")
         files = {

@@ -28,7 +28,8 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.storage.safe_files import open_regular, open_without_links, resolve_in_tree, vanished
+from parallel_dcp.storage.pinned_paths import open_without_links
+from parallel_dcp.storage.safe_files import open_regular, resolve_in_tree, vanished
 
 __all__ = ["BoundedFile", "SafeFileSystem", "open_bounded", "read_in_tree", "vanished"]
 
@@ -95,7 +96,7 @@ def open_bounded(
     """``path`` for reading by the one rule: a regular file, never through a symlink in its last
     component, never blocking on a FIFO, bounded by its fstat size. ``no_links``: ``path`` is a
     realpath taken earlier, and no component of it may be a symlink now
-    (:func:`~parallel_dcp.storage.safe_files.open_without_links`).
+    (:func:`~parallel_dcp.storage.pinned_paths.open_without_links`).
 
     Raises:
         UnsafeCheckpointError: a symlink, a FIFO, a directory, anything not a regular file.
