@@ -23,6 +23,7 @@ from parallel_dcp.errors import CorruptCheckpointError, InvalidDestinationError,
 from parallel_dcp.formats import open_source
 from parallel_dcp.jobs.copy_files import files_to_copy, read_copies
 from tests.test_convert import write_hf_safetensors
+from tests.test_hf_config import _folder
 from tests.test_presets import CONFIG, TO_HF, TO_TITAN, hf_folder
 
 
@@ -212,3 +213,28 @@ def test_a_deeply_nested_manifest_is_reported_by_verify(tmp_path: Path) -> None:
     (tmp_path / "out" / ".parallel_dcp.json").write_text(DEEP)
     with pytest.raises(CorruptCheckpointError, match="nested too deeply"):
         parallel_dcp.verify(tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        (r"(.*)\.weight", r"\1.w"),  # the weights renamed, their scales not: scales without a weight
+        (r"(.*)_scale_inv", r"\1_s"),  # the scales renamed: FP8 weights without a scale, called unquantized
+    ],
+)
+def test_a_rename_that_parts_a_quantized_weight_from_its_scale_is_refused(tmp_path: Path, rule: tuple) -> None:
+    """--quantize then --rename: transformers pairs ``X.weight`` with ``X.weight_scale_inv`` by name; a
+    rename that breaks a pair gave a config listing the FP8 weights in modules_to_not_convert (loaded
+    as plain weights without their scales: wrong values, no error)."""
+    src = _folder(tmp_path / "src", {"model_type": "x", "dtype": "bfloat16"})
+    with pytest.raises(parallel_dcp.QuantizationError, match=r"weight_scale_inv"):
+        parallel_dcp.convert(src, tmp_path / "q", to="safetensors", quantize="fp8-block", rename=[rule], workers=1)
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_rename_that_keeps_the_pairs_is_fine(tmp_path: Path) -> None:
+    src = _folder(tmp_path / "src", {"model_type": "x", "dtype": "bfloat16"})
+    rule = (r"model\.(.*)", r"m.\1")
+    parallel_dcp.convert(src, tmp_path / "q", to="safetensors", quantize="fp8-block", rename=[rule], workers=1)
+    index = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())
+    assert "m.layers.0.mlp.down_proj.weight_scale_inv" in index["weight_map"]

@@ -31,7 +31,13 @@ from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.hf_config import prepare_config
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.presets import Preset, PresetStep, apply_preset
-from parallel_dcp.jobs.quantization import Quantization, dequantize_step, prepare_target, quantize_step
+from parallel_dcp.jobs.quantization import (
+    Quantization,
+    check_pairs_named,
+    dequantize_step,
+    prepare_target,
+    quantize_step,
+)
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
 from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for
@@ -253,6 +259,8 @@ def _convert_job(
         dtype = None  # the quantizing view casts the other tensors itself
     if rename is not None:
         source, selected = rename_source(source, selected, rename, strict=steps.rename_strict)
+        if quantization is not None and quantization.quantize is not None:
+            check_pairs_named(source, selected)
     if target.tensors_only:
         others = [k for k in selected if k not in source.entries]
         if others:
