@@ -202,6 +202,9 @@ class FileFormat:
         write: writes a flat dict of tensors (and, for formats that keep nesting, values nested
             again by the mapping) to a path or a write stream.
         tensors_only: the format holds tensors only (no ints, strings, ...).
+        write_verifiable: for a format whose file can hold its own checksums (safetensors: in its
+            header), writes a single-file output with them (``checksums=False``: sizes only);
+            None: a single file of this format gets a sidecar manifest instead.
     """
 
     kind: str
@@ -210,6 +213,7 @@ class FileFormat:
     shard_names: Callable[[int], list[str]]
     write: Callable[[dict[str, Any], Any, dict[str, tuple[Any, ...]] | None], None]
     tensors_only: bool = False
+    write_verifiable: Callable[..., None] | None = None
 
 
 def index_json(weight_map: dict[str, str], total_size: int) -> str:
