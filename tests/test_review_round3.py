@@ -238,3 +238,15 @@ def test_a_rename_that_keeps_the_pairs_is_fine(tmp_path: Path) -> None:
     parallel_dcp.convert(src, tmp_path / "q", to="safetensors", quantize="fp8-block", rename=[rule], workers=1)
     index = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())
     assert "m.layers.0.mlp.down_proj.weight_scale_inv" in index["weight_map"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any folder: the permission is not checked")
+def test_side_files_under_a_folder_others_can_only_search_are_read(tmp_path: Path) -> None:
+    """A folder on the way of mode 0o311 (search, no read: like a home directory of mode 0711)."""
+    _hf_with_pooling(tmp_path / "home" / "src")
+    os.chmod(tmp_path / "home", 0o311)
+    try:
+        parallel_dcp.convert(tmp_path / "home" / "src", tmp_path / "out", to="safetensors", workers=1)
+    finally:
+        os.chmod(tmp_path / "home", 0o755)
+    assert (tmp_path / "out" / "1_Pooling" / "config.json").is_file()

@@ -21,6 +21,10 @@ from parallel_dcp.storage.safe_files import open_regular
 
 __all__ = ["open_without_links", "pinned_path"]
 
+# O_PATH: a folder on the way needs only search permission (x), as for any path, not read (r):
+# a home directory of mode 0711 is walked as the kernel would walk it.
+_WALK = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
+
 
 def pinned_path(path: str | os.PathLike[str], tree: str | os.PathLike[str]) -> Path:
     """The path with no link on its way to the file ``path`` of ``tree`` (its folder's realpath and
@@ -51,11 +55,11 @@ def open_without_links(path: str | os.PathLike[str]) -> int:
     if not os.path.isabs(path):
         raise ValueError(f"{path!r} is not an absolute path")
     *folders, leaf = [part for part in path.split("/") if part]
-    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open("/", _WALK)
     try:
         for at, folder in enumerate(folders):
             try:
-                below = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                below = os.open(folder, _WALK | os.O_NOFOLLOW, dir_fd=fd)
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     shown = "/" + "/".join(folders[: at + 1])
