@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -250,3 +253,36 @@ def test_side_files_under_a_folder_others_can_only_search_are_read(tmp_path: Pat
     finally:
         os.chmod(tmp_path / "home", 0o755)
     assert (tmp_path / "out" / "1_Pooling" / "config.json").is_file()
+
+
+def test_a_conversion_killed_during_its_commit_resumes(tmp_path: Path) -> None:
+    """SIGKILL after the commit wrote its temporaries (index, config.json, the side folder) and before
+    it renamed them: the resume takes them over as its own (was: refused, its own temporary index
+    called 'a planted file or symlink?')."""
+    src = _hf_with_pooling(tmp_path / "src")
+    out = tmp_path / "out"
+    child = (
+        "import os, signal, sys\n"
+        "import parallel_dcp\n"
+        "from parallel_dcp.storage import local_staging\n"
+        "real = local_staging.write_tree\n"
+        "def write_tree(*a, **k):\n"
+        "    real(*a, **k)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "local_staging.write_tree = write_tree\n"
+        f"parallel_dcp.convert({str(src)!r}, {str(out)!r}, to='safetensors', workers=1, shard_size='32B')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert any(n.startswith(".1_Pooling.") for n in os.listdir(out))  # killed inside the commit
+    result = parallel_dcp.convert(src, out, to="safetensors", workers=1, shard_size="32B", resume=True)
+    assert isinstance(result, parallel_dcp.SaveResult) and result.resumed
+    assert sorted(n for n in os.listdir(out) if not n.startswith(".")) == [
+        "1_Pooling",
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert (out / "1_Pooling" / "config.json").read_text() == '{"pooling_mode_mean_tokens": true}'
+    assert parallel_dcp.verify(out).ok

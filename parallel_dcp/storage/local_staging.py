@@ -245,6 +245,9 @@ class _LocalStaging(Staging):
         # name and renamed into place with the other extras (see storage.side_trees).
         extras, trees = split_trees(extras or {})
         small = ({marker[0]: marker[1]} if marker else {}) | extras
+        if self.resumed is not None:  # a save killed inside its commit left these (its own id): made anew
+            for name in [*small, *trees]:
+                self._remove(temp_name(name, self.save_id))
         for name, data in small.items():
             write_new(self.fd, temp_name(name, self.save_id), data)
         for name, files in trees.items():
