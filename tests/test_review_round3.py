@@ -286,3 +286,26 @@ def test_a_conversion_killed_during_its_commit_resumes(tmp_path: Path) -> None:
     ]
     assert (out / "1_Pooling" / "config.json").read_text() == '{"pooling_mode_mean_tokens": true}'
     assert parallel_dcp.verify(out).ok
+
+
+def test_the_manifest_is_renamed_after_the_side_folders(tmp_path: Path) -> None:
+    """SIGKILL at the rename of ``1_Pooling/``: no manifest may say the output is whole (was: the manifest
+    was renamed first, so a verified output silently lacked its side folder)."""
+    src = _hf_with_pooling(tmp_path / "src")
+    out = tmp_path / "out"
+    child = (
+        "import os, signal, sys\n"
+        "import parallel_dcp\n"
+        "from parallel_dcp.storage import local_staging\n"
+        "real = local_staging.rename_name\n"
+        "def rename_name(fd, source, target, replace):\n"
+        "    if target == '1_Pooling':\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return real(fd, source, target, replace=replace)\n"
+        "local_staging.rename_name = rename_name\n"
+        f"parallel_dcp.convert({str(src)!r}, {str(out)!r}, to='safetensors', workers=1, shard_size='32B')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert not (out / "1_Pooling").exists()
+    assert not (out / ".parallel_dcp.json").exists()

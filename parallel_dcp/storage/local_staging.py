@@ -264,9 +264,14 @@ class _LocalStaging(Staging):
         for name in [*staged, *([marker[0]] if marker else [])]:
             self._rename_into_place(name)
         self._committed = True
+        # The manifest last: a save killed before its rename has no manifest saying it is whole
+        # (so a manifest present means the copied folders are in place too).
         for name in extras:
-            self._rename_into_place(name)
+            if name != MANIFEST_FILE:
+                self._rename_into_place(name)
         aside = [self._tree_into_place(name) for name in trees]
+        if MANIFEST_FILE in extras:
+            self._rename_into_place(MANIFEST_FILE)
         self._replaced = (old - new) | {name for name in aside if name is not None}
         sync_directory(self.fd)
 
