@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from parallel_dcp.errors import UnsafeCheckpointError, printable
+from parallel_dcp.storage.pinned_paths import pinned_path
 from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
 
 __all__ = ["MAX_DEPTH", "MAX_FILES", "folder_files"]
@@ -77,7 +78,7 @@ def folder_files(where: str | os.PathLike[str], copyable: Callable[[str], bool])
             if stat.S_ISDIR(mode):
                 walk(path, relative, depth + 1)
             elif stat.S_ISREG(mode):
-                found[relative] = path
+                found[relative] = pinned_path(path, tree)  # read at the commit with no link on its way
                 if len(found) > MAX_FILES:
                     raise ValueError(
                         f"the folders of {printable(str(root))} hold more than {MAX_FILES} files: convert with "
