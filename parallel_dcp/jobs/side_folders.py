@@ -34,6 +34,14 @@ MAX_DEPTH = 8  # folders below the source: deeper is not a model's side folder
 MAX_FILES = 10_000  # files in all of them
 
 
+# Top-level folders that are a training run's by-products, not the model's: the Hugging Face
+# Trainer's intermediate checkpoints (``checkpoint-500/``, whole models of their own) and its
+# TensorBoard logs (``runs/``). Copying them would bloat every converted model, or refuse the
+# conversion on the copy limits.
+def _run_folder(name: str) -> bool:
+    return name == "runs" or (name.startswith("checkpoint-") and name[len("checkpoint-") :].isdigit())
+
+
 def _resolve(path: Path, tree: Path) -> Path | None:
     """``path`` itself, or where a symlink leads inside ``tree`` (the one rule of
     :func:`~parallel_dcp.storage.safe_files.resolve_in_tree`); None for a link to a folder inside
@@ -70,6 +78,8 @@ def folder_files(where: str | os.PathLike[str], copyable: Callable[[str], bool])
         for name in sorted(os.listdir(folder)):
             if not copyable(name) or (not prefix and not os.path.isdir(folder / name)):
                 continue  # a top-level file: parallel_dcp.jobs.copy_files chooses those
+            if not prefix and _run_folder(name):
+                continue  # a training run's checkpoint or logs, not a module of the model
             path = _resolve(folder / name, tree)
             if path is None:
                 continue
