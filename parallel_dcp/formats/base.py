@@ -29,7 +29,7 @@ _INDEX_MAX_BYTES = 64 * 2**20
 if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
 
-__all__ = ["Entry", "FileFormat", "Source", "entry_of", "index_json", "index_names", "shard_files"]
+__all__ = ["Entry", "FileFormat", "RawRange", "Source", "entry_of", "index_json", "index_names", "shard_files"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +50,15 @@ class Entry:
         for dim in self.shape:
             n *= dim
         return n
+
+
+@dataclass(frozen=True, slots=True)
+class RawRange:
+    """Where a tensor's bytes lie, row-major and uncompressed, in a local file: ``entry.nbytes``
+    bytes from ``offset`` of ``file`` (a path opened by the one rule, see :func:`shard_files`)."""
+
+    file: str
+    offset: int
 
 
 def entry_of(key: str, tensor: torch.Tensor, file: str = "") -> Entry:
@@ -95,6 +104,11 @@ class Source(ABC):
     @abstractmethod
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """Read the tensors of ``keys`` (called in a worker; each result owns or maps its bytes)."""
+
+    def raw_ranges(self) -> dict[str, RawRange]:
+        """The tensors whose stored bytes are the tensor itself, with where they lie (read straight
+        into their destination by ``load``); the others are read with :meth:`read`. Headers only."""
+        return {}
 
     def check(self, keys: Iterable[str] | None = None) -> None:  # noqa: B027 (formats that check on open)
         """Before reading: raise CorruptCheckpointError when the files ``keys`` (or all) need are

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from parallel_dcp.errors import QuantizationError, describe_keys
-from parallel_dcp.formats.base import Entry, Source
+from parallel_dcp.formats.base import Entry, RawRange, Source
 from parallel_dcp.formats.quantized import (
     DEFAULT_BLOCK,
     E8M0_NAN,
@@ -90,6 +90,10 @@ class DequantizedSource(WrappedSource):
                 "(nothing was written)",
                 keys=bad,
             )
+
+    def raw_ranges(self) -> dict[str, RawRange]:
+        """The inner source's, for the tensors kept as they are (a pair is computed)."""
+        return {k: r for k, r in self._inner().raw_ranges().items() if k in self.entries and k not in self.pairs}
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         keys = list(keys)
