@@ -372,3 +372,17 @@ def test_fast_reader_reads_regions_of_stored_tensors(tmp_path: Path, region: str
     assert planner.committed == [key] * len(items)
     # a row range is one byte range of the file: read in place; columns are not
     assert (reader.stats.fast, reader.stats.fallback) == ((1, 0) if region == "rows" else (0, 1))
+
+
+def test_a_dcp_copy_of_a_fp8_release_with_dequantize_equals_convert(tmp_path: Path) -> None:
+    src = fp8_checkpoint(tmp_path / "fp8")
+    parallel_dcp.convert(src, tmp_path / "fp8-dcp", workers=1)  # FP8 and scales as they are
+    parallel_dcp.convert(src, tmp_path / "one.safetensors", dequantize=True, workers=1)
+    got = parallel_dcp.load(tmp_path / "fp8-dcp", dequantize=True, workers=2)
+    assert_same(got, load_file(str(tmp_path / "one.safetensors")))
+
+
+def test_worker_process_options_are_refused_for_file_formats(tmp_path: Path) -> None:
+    save_file({"w": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="read by threads"):
+        parallel_dcp.load(tmp_path / "model.safetensors", retries=1)

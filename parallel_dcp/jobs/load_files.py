@@ -65,6 +65,11 @@ def load_any(
         if dtype is None:
             return dcp_load.load(path, keys, options, into=into, trust_pickle=trust_pickle, stats=stats)
         return _dcp_cast(path, keys, options, into, trust_pickle, stats, dtype)
+    if options.retries or options.task_timeout is not None:
+        raise ValueError(
+            f"retries and task_timeout run a DCP load on worker processes; {path} is a {kind} source, "
+            "read by threads in this process: leave them out"
+        )
     with gc_paused():  # per-key objects for 50,000 keys would otherwise walk the caller's heap
         source = open_source(path, trust_pickle=trust_pickle, storage_options=options.storage_options)
         try:
