@@ -29,7 +29,21 @@ _INDEX_MAX_BYTES = 64 * 2**20
 if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
 
-__all__ = ["Entry", "FileFormat", "RawRange", "Source", "entry_of", "index_json", "index_names", "shard_files"]
+__all__ = [
+    "MAX_ELEMENTS",
+    "Entry",
+    "FileFormat",
+    "RawRange",
+    "Source",
+    "entry_of",
+    "index_json",
+    "index_names",
+    "shard_files",
+]
+
+
+# Dimensions (zero ones counted as one) multiply to less than this in any tensor torch can make.
+MAX_ELEMENTS = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +58,18 @@ class Entry:
     shape: tuple[int, ...]
     file: str = ""
 
+    def __post_init__(self) -> None:
+        # A zero-size tensor passes every byte-count check whatever its other dimensions; torch
+        # cannot make one whose strides overflow int64 (it raised a bare RuntimeError in load).
+        strides = 1
+        for dim in self.shape:
+            strides *= max(dim, 1)
+        if strides >= MAX_ELEMENTS:
+            raise CorruptCheckpointError(
+                f"{self.file or 'the source'}: tensor {self.key!r} has the impossible shape {list(self.shape)} "
+                "(its dimensions multiply past what torch can index; nothing was read or written)"
+            )
+
     @property
     def nbytes(self) -> int:
         n = self.dtype.itemsize
@@ -54,8 +80,7 @@ class Entry:
 
 @dataclass(frozen=True, slots=True)
 class RawRange:
-    """Where a tensor's bytes lie, row-major and uncompressed, in a local file: ``entry.nbytes``
-    bytes from ``offset`` of ``file`` (a path opened by the one rule, see :func:`shard_files`)."""
+    """A tensor's row-major bytes: ``entry.nbytes`` from ``offset`` of the local ``file``."""
 
     file: str
     offset: int
@@ -106,8 +131,8 @@ class Source(ABC):
         """Read the tensors of ``keys`` (called in a worker; each result owns or maps its bytes)."""
 
     def raw_ranges(self) -> dict[str, RawRange]:
-        """The tensors whose stored bytes are the tensor itself, with where they lie (read straight
-        into their destination by ``load``); the others are read with :meth:`read`. Headers only."""
+        """Where the tensors whose stored bytes are the tensor itself lie (``load`` reads them
+        straight into their destination; the others through :meth:`read`)."""
         return {}
 
     def check(self, keys: Iterable[str] | None = None) -> None:  # noqa: B027 (formats that check on open)
