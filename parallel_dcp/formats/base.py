@@ -131,8 +131,7 @@ class Source(ABC):
         """Read the tensors of ``keys`` (called in a worker; each result owns or maps its bytes)."""
 
     def raw_ranges(self) -> dict[str, RawRange]:
-        """Where the tensors whose stored bytes are the tensor itself lie (``load`` reads them
-        straight into their destination; the others through :meth:`read`)."""
+        """Tensors stored as their own row-major bytes, and where (others: :meth:`read`)."""
         return {}
 
     def check(self, keys: Iterable[str] | None = None) -> None:  # noqa: B027 (formats that check on open)
