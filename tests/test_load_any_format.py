@@ -386,24 +386,3 @@ def test_worker_process_options_are_refused_for_file_formats(tmp_path: Path) -> 
     save_file({"w": torch.ones(3)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="read by threads"):
         parallel_dcp.load(tmp_path / "model.safetensors", retries=1)
-
-
-def test_large_outputs_live_in_memory_advised_for_huge_pages(tmp_path: Path) -> None:
-    save_file({"big": torch.randn(2 * MiB), "small": torch.randn(10)}, str(tmp_path / "model.safetensors"))
-    got = parallel_dcp.load(tmp_path / "model.safetensors")
-    assert_same(got, load_file(str(tmp_path / "model.safetensors")))
-
-    def flags(address: int) -> list[str]:
-        with open("/proc/self/smaps", encoding="ascii") as smaps:
-            inside = False
-            for line in smaps:
-                head = line.split()[0]
-                if "-" in head and not head.endswith(":"):
-                    start, end = (int(x, 16) for x in head.split("-"))
-                    inside = start <= address < end
-                elif inside and head == "VmFlags:":
-                    return line.split()[1:]
-        return []
-
-    assert "hg" in flags(got["big"].data_ptr())  # MADV_HUGEPAGE: page faults in 2 MiB steps
-    del got

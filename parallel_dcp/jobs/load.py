@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from parallel_dcp import _compat
-from parallel_dcp.engine import hugepages, progress
+from parallel_dcp.engine import progress
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool, gc_paused
@@ -171,7 +171,7 @@ def _load(
     check_shards(location, metadata, selected)
     targets = {
         # detached: the same memory, filled without autograd seeing an in-place write to a leaf
-        k: flat_into[k].detach() if into is not None else hugepages.empty(tuple(m.size), m.properties.dtype)
+        k: flat_into[k].detach() if into is not None else torch.empty(tuple(m.size), dtype=m.properties.dtype)
         for k, m in metas.items()
     }
     values: dict[str, Any] = {}

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from parallel_dcp import _compat
-from parallel_dcp.engine import hugepages, progress
+from parallel_dcp.engine import progress
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.formats import detect_format, open_source
@@ -164,7 +164,7 @@ def _load(
         budget.reserve(source.value_bytes(key), f"the value of {key!r}")
     targets = {
         # detached: the same memory, filled without autograd seeing an in-place write to a leaf
-        k: flat_into[k].detach() if flat_into is not None else hugepages.empty(source.entries[k].shape, out_dtype[k])
+        k: flat_into[k].detach() if flat_into is not None else torch.empty(source.entries[k].shape, dtype=out_dtype[k])
         for k in tensors
     }
     pieces: list[Piece] = []
