@@ -386,3 +386,15 @@ def test_worker_process_options_are_refused_for_file_formats(tmp_path: Path) -> 
     save_file({"w": torch.ones(3)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="read by threads"):
         parallel_dcp.load(tmp_path / "model.safetensors", retries=1)
+
+
+def test_fast_reader_follows_a_checkpoint_id_of_another_format(tmp_path: Path) -> None:
+    state = {"w": torch.randn(6, 5), "b": torch.arange(3)}
+    parallel_dcp.save(state, tmp_path / "ckpt", workers=1)
+    save_file({k: v + 1 for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    reader = parallel_dcp.FastReader(tmp_path / "ckpt")
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(target, storage_reader=reader, checkpoint_id=tmp_path / "model.safetensors", no_dist=True)
+    assert_same(target, {k: v + 1 for k, v in state.items()})
+    dcp.load(target, storage_reader=reader, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    assert_same(target, state)

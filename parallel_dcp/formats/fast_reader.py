@@ -107,6 +107,7 @@ class FastReader(FileSystemReader):
         if checkpoint_id:
             options = self._where.options if isinstance(self._where, Remote) else None
             self._where = locate(checkpoint_id, options)
+            self._source, self._ranges = open_other_format(self._where, options, self.trust_pickle), None
         super().reset(checkpoint_id)
         if isinstance(self._where, Remote):
             self.path = self._where.url
