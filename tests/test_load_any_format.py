@@ -398,3 +398,13 @@ def test_fast_reader_follows_a_checkpoint_id_of_another_format(tmp_path: Path) -
     assert_same(target, {k: v + 1 for k, v in state.items()})
     dcp.load(target, storage_reader=reader, checkpoint_id=tmp_path / "ckpt", no_dist=True)
     assert_same(target, state)
+
+
+def test_keys_take_patterns_as_for_a_dcp_checkpoint(tmp_path: Path) -> None:
+    state = tensors()
+    src = hf_folder(tmp_path / "hf", state, 2, index=True)
+    got = parallel_dcp.load(src, keys=["model.layers.*", "re:lm_head\\..*"])
+    expected = [k for k in state if k.startswith("model.layers.")] + ["lm_head.weight"]
+    assert_same(got, {k: state[k] for k in expected})
+    with pytest.raises(parallel_dcp.KeyNotFoundError, match="nothing"):
+        parallel_dcp.load(src, keys=["decoder.*"])

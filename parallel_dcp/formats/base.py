@@ -28,18 +28,9 @@ _INDEX_MAX_BYTES = 64 * 2**20
 
 if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
+    from parallel_dcp.formats.range_read import RawRange
 
-__all__ = [
-    "MAX_ELEMENTS",
-    "Entry",
-    "FileFormat",
-    "RawRange",
-    "Source",
-    "entry_of",
-    "index_json",
-    "index_names",
-    "shard_files",
-]
+__all__ = ["MAX_ELEMENTS", "Entry", "FileFormat", "Source", "entry_of", "index_json", "index_names", "shard_files"]
 
 
 # Dimensions (zero ones counted as one) multiply to less than this in any tensor torch can make.
@@ -76,14 +67,6 @@ class Entry:
         for dim in self.shape:
             n *= dim
         return n
-
-
-@dataclass(frozen=True, slots=True)
-class RawRange:
-    """A tensor's row-major bytes: ``entry.nbytes`` from ``offset`` of the local ``file``."""
-
-    file: str
-    offset: int
 
 
 def entry_of(key: str, tensor: torch.Tensor, file: str = "") -> Entry:
@@ -223,6 +206,9 @@ class FileFormat:
         write: writes a flat dict of tensors (and, for formats that keep nesting, values nested
             again by the mapping) to a path or a write stream.
         tensors_only: the format holds tensors only (no ints, strings, ...).
+        write_verifiable: for a format whose file can hold its own checksums (safetensors: in its
+            header), writes a single-file output with them (``checksums=False``: sizes only);
+            None: a single file of this format gets a sidecar manifest instead.
     """
 
     kind: str
@@ -231,6 +217,7 @@ class FileFormat:
     shard_names: Callable[[int], list[str]]
     write: Callable[[dict[str, Any], Any, dict[str, tuple[Any, ...]] | None], None]
     tensors_only: bool = False
+    write_verifiable: Callable[..., None] | None = None
 
 
 def index_json(weight_map: dict[str, str], total_size: int) -> str:

@@ -28,7 +28,7 @@ import torch
 
 from parallel_dcp.engine.chunks import split
 from parallel_dcp.errors import QuantizationError, describe_keys
-from parallel_dcp.formats.base import Entry, RawRange, Source
+from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.quantized import (
     DEFAULT_BLOCK,
     DEQUANTIZE_WORK_BYTES,
@@ -47,6 +47,7 @@ from parallel_dcp.formats.quantized_pairs import (
     find_pairs,
     source_config,
 )
+from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.wrapped_source import WrappedSource
 
 if TYPE_CHECKING:

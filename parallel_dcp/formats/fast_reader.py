@@ -27,7 +27,8 @@ from parallel_dcp.engine.memory import MemoryGovernor, parse_size
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import fast_read
-from parallel_dcp.formats.base import RawRange, Source
+from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.source_storage import read_source_items, source_metadata
 from parallel_dcp.options import usable_cores
 from parallel_dcp.storage.io_mode import resolve_io

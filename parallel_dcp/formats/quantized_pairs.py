@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from parallel_dcp.errors import CorruptCheckpointError, QuantizationError
+from parallel_dcp.errors import CorruptCheckpointError, QuantizationError, dtype_name
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, MAX_BLOCK, fp8_scale_shape
 from parallel_dcp.storage.location import Remote
@@ -99,7 +99,7 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
                 continue
             stored = entries[weight]
             if stored.dtype not in FP8_DTYPES:
-                refuse(weight, f"has a {key.rsplit('.', 1)[-1]} but is {stored.dtype}, not FP8")
+                refuse(weight, f"has a {key.rsplit('.', 1)[-1]} but is {dtype_name(stored.dtype)}, not FP8")
             elif len(stored.shape) != 2 or len(entry.shape) != 2:
                 refuse(weight, f"block-scaled FP8 needs a 2-D weight and scale, not {stored.shape} and {entry.shape}")
             elif entry.shape != fp8_scale_shape(stored.shape, block):
@@ -109,7 +109,7 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
                     f"{weight!r} {list(stored.shape)} (expected {list(fp8_scale_shape(stored.shape, block))})",
                 )
             elif not entry.dtype.is_floating_point:
-                refuse(key, f"a scale must be floating, not {entry.dtype}")
+                refuse(key, f"a scale must be floating, not {dtype_name(entry.dtype)}")
             else:
                 pairs[weight] = Pair(weight, key, "fp8")
         elif key.endswith(SCALES_SUFFIX) or key.endswith(BLOCKS_SUFFIX):
@@ -122,7 +122,11 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
             elif key == blocks:
                 shape, scale_shape = entry.shape, entries[scales].shape
                 if entry.dtype != torch.uint8 or entries[scales].dtype != torch.uint8:
-                    refuse(key, f"MXFP4 blocks and scales are uint8, not {entry.dtype} and {entries[scales].dtype}")
+                    refuse(
+                        key,
+                        f"MXFP4 blocks and scales are uint8, not {dtype_name(entry.dtype)} and "
+                        f"{dtype_name(entries[scales].dtype)}",
+                    )
                 elif len(shape) < 2 or scale_shape != shape[:-1]:
                     refuse(scales, f"shape {list(scale_shape)} does not match the groups of {key!r} {list(shape)}")
                 elif stem in entries:

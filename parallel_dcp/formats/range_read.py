@@ -30,12 +30,21 @@ from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.safe_files import regular_size
 
-__all__ = ["PIECE_BYTES", "Piece", "pieces_of", "read_pieces", "staging_bytes"]
+__all__ = ["PIECE_BYTES", "Piece", "RawRange", "pieces_of", "read_pieces", "staging_bytes"]
 
 PIECE_BYTES = 32 << 20
 # preadv takes at most IOV_MAX (1024) buffers per call.
 _MAX_VIEWS = 512
 _TICK_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class RawRange:
+    """Where a tensor's row-major bytes lie (a source's ``raw_ranges()``): its ``nbytes`` from
+    ``offset`` of the local ``file``."""
+
+    file: str
+    offset: int
 
 
 @dataclass(slots=True)

@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.formats.base import RawRange, Source
-from parallel_dcp.formats.range_read import Piece, pieces_of, read_pieces
+from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.range_read import Piece, RawRange, pieces_of, read_pieces
 
 __all__ = ["read_source_items", "source_metadata"]
 

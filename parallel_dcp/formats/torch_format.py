@@ -29,7 +29,8 @@ import torch
 from parallel_dcp import _compat
 from parallel_dcp.engine.chunks import Chunk, exact_storage
 from parallel_dcp.errors import CorruptCheckpointError, InsufficientSpaceError, UnsafeCheckpointError
-from parallel_dcp.formats.base import FileFormat, RawRange, Source, entry_of, shard_files
+from parallel_dcp.formats.base import FileFormat, Source, entry_of, shard_files
+from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.validate import flatten_checked, flatten_structure
 from parallel_dcp.storage.local_staging import free_bytes
 from parallel_dcp.storage.location import Location, Remote

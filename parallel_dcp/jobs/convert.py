@@ -11,10 +11,8 @@ with the whole pool, each into its own destination.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
 import os
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.jobs.copy_files import files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.hf_config import prepare_config
+from parallel_dcp.jobs.key_patterns import matcher, patterns_of
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.presets import Preset, PresetStep, apply_preset
 from parallel_dcp.jobs.quantization import Quantization, dequantize_step, prepare_target, quantize_step
@@ -77,27 +76,21 @@ def select_keys(source: Source, patterns: str | Sequence[str] | None) -> tuple[s
 
     A pattern is a glob matched against the whole flattened key (``"model.layers.*.weight"``,
     ``"*embed*"``; ``*`` also crosses dots), or, prefixed with ``re:``, a Python regular expression
-    that must match the whole key (``"re:model\\.layers\\.[0-3]\\..*"``). A key is selected when
-    any pattern matches. None selects everything.
+    that must match the whole key (``"re:model\\.layers\\.[0-3]\\..*"``) (see
+    :mod:`parallel_dcp.jobs.key_patterns`). A key is selected when any pattern matches. None
+    selects everything.
 
     Raises:
-        ValueError: a bad regular expression, or patterns that select nothing (the keys are
-            listed so the user can correct them).
+        KeyPatternError: a bad regular expression (a ValueError).
+        ValueError: patterns that select nothing (the keys are listed so the user can correct them).
     """
     keys = list(source.entries) + [k for k in source.values if k not in source.entries]
     if patterns is None:
         return tuple(keys)
-    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-    matchers = []
-    for pattern in patterns:
-        if pattern.startswith("re:"):
-            try:
-                matchers.append(re.compile(pattern[3:]).fullmatch)
-            except re.error as exc:
-                raise ValueError(f"bad regular expression in {pattern!r}: {exc}") from exc
-        else:
-            matchers.append(re.compile(fnmatch.translate(pattern)).match)
-    selected = tuple(k for k in keys if any(m(k) for m in matchers))
+    patterns = patterns_of(patterns)
+    matchers = [matcher(pattern) for pattern in patterns]
+    exact = set(patterns)  # a pattern that is itself a key selects it (glob characters and all)
+    selected = tuple(k for k in keys if k in exact or any(m(k) for m in matchers))
     if not selected:
         sample = ", ".join(printable(k) for k in keys[:5]) + (" ..." if len(keys) > 5 else "")
         raise ValueError(f"keys {patterns} select nothing in {source.path} (its keys: {sample})")

@@ -29,12 +29,14 @@ from parallel_dcp import _compat
 from parallel_dcp.engine import progress
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.pool import gc_paused
+from parallel_dcp.errors import KeyNotFoundError, describe_keys
 from parallel_dcp.formats import detect_format, open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_source
 from parallel_dcp.formats.fast_read import ReadStats
 from parallel_dcp.formats.range_read import Piece, pieces_of, read_pieces, staging_bytes
 from parallel_dcp.jobs import load as dcp_load
+from parallel_dcp.jobs.key_patterns import select
 from parallel_dcp.jobs.load import check_target
 from parallel_dcp.options import Options, usable_cores
 from parallel_dcp.storage.direct_read import direct_read_memory
@@ -46,7 +48,7 @@ __all__ = ["load_any"]
 
 def load_any(
     path: str | os.PathLike[str],
-    keys: Iterable[str] | None,
+    keys: str | Iterable[str] | None,
     options: Options,
     *,
     into: dict[str, Any] | None = None,
@@ -87,7 +89,7 @@ def _cast(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
 
 def _dcp_cast(
     path: str | os.PathLike[str],
-    keys: Iterable[str] | None,
+    keys: str | Iterable[str] | None,
     options: Options,
     into: dict[str, Any] | None,
     trust_pickle: bool,
@@ -104,7 +106,7 @@ def _dcp_cast(
                 flat[key] = value.to(dtype)
         return _compat.unflatten_state_dict(flat, mapping)
     flat_into, paths = _compat.flatten_state_dict(into)
-    wanted = list(flat_into) if keys is None else list(dict.fromkeys(keys))
+    wanted = list(flat_into) if keys is None else select(list(flat_into), keys, "into")
     loaded = dcp_load.load(path, wanted, options, trust_pickle=trust_pickle, stats=stats)
     flat, _ = _compat.flatten_state_dict(loaded)
     for key in wanted:
@@ -117,23 +119,22 @@ def _dcp_cast(
     return into
 
 
-def _selected(source: Source, keys: Iterable[str] | None, flat_into: dict[str, Any] | None) -> list[str]:
+def _selected(source: Source, keys: str | Iterable[str] | None, flat_into: dict[str, Any] | None) -> list[str]:
+    """The keys to load: names or patterns (as ``convert``'s ``keys``) among the source's keys, or
+    among ``into``'s; every one must be in the source."""
+    stored = [*source.entries, *source.values]
     if flat_into is not None:
-        selected = list(flat_into) if keys is None else list(dict.fromkeys(keys))
-        absent = [k for k in selected if k not in flat_into]
-        if absent:
-            raise KeyError(f"not in into: {absent[:8]}" + (" ..." if len(absent) > 8 else ""))
-    else:
-        selected = [*source.entries, *source.values] if keys is None else list(dict.fromkeys(keys))
-    missing = [k for k in selected if k not in source.entries and k not in source.values]
-    if missing:
-        raise KeyError(f"not in {source.path}: {missing[:8]}" + (" ..." if len(missing) > 8 else ""))
-    return selected
+        selected = list(flat_into) if keys is None else select(list(flat_into), keys, "into")
+        missing = [k for k in selected if k not in source.entries and k not in source.values]
+        if missing:
+            raise KeyNotFoundError(f"not in {source.path}: {describe_keys(missing)}", keys=missing)
+        return selected
+    return stored if keys is None else select(stored, keys, source.path)
 
 
 def _load(
     source: Source,
-    keys: Iterable[str] | None,
+    keys: str | Iterable[str] | None,
     options: Options,
     into: dict[str, Any] | None,
     dtype: torch.dtype | None,

@@ -26,6 +26,7 @@ from parallel_dcp.errors import (
     InvalidDestinationError,
     ResumeError,
 )
+from parallel_dcp.storage.location import check_name
 from parallel_dcp.storage.lock import DestinationLock
 from parallel_dcp.storage.ownership import (
     DCP_LAYOUT,
@@ -420,9 +421,11 @@ class LocalFileStaging(_LocalStaging):
         overwrite: bool,
         protect: Sequence[str] = (),
         resume: IdentityCheck | None = None,
+        companions: Sequence[str] = (),
     ) -> None:
         dest = Path(os.path.abspath(destination))
         _check_parent(dest)
+        self.companions = [check_name(name, dest.parent) for name in companions]
         if dest.is_dir():
             raise InvalidDestinationError(f"cannot write the file {dest}: it is a directory")
         lock = dest.parent / f".{dest.name}.lock"
@@ -433,15 +436,18 @@ class LocalFileStaging(_LocalStaging):
         self._start()
 
     def _check(self) -> None:
-        if os.path.lexists(self.destination):
-            if not self.overwrite:
-                raise CheckpointExistsError(
-                    f"{self.destination} already exists; pass overwrite=True (--overwrite) to replace it"
-                )
-            protect_sources(self._dir, [self.destination.name], self.protect)
+        for name in [self.destination.name, *self.companions]:
+            if os.path.lexists(self._dir / name):
+                if not self.overwrite:
+                    what = "" if name == self.destination.name else f" (it belongs with {self.destination.name})"
+                    raise CheckpointExistsError(
+                        f"{self._dir / name} already exists{what}; pass overwrite=True (--overwrite) to replace it"
+                    )
+                protect_sources(self._dir, [name], self.protect)
 
     def _owned(self) -> set[str]:
-        return {self.destination.name} if self.destination.exists() else set()
+        owned = {self.destination.name} if self.destination.exists() else set()
+        return owned | {name for name in self.companions if os.path.lexists(self._dir / name)}
 
     def _output_name(self) -> str | None:
         return self.destination.name
