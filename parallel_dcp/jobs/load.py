@@ -62,7 +62,7 @@ from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, locate
 from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading, unpickle_value
 
-__all__ = ["load"]
+__all__ = ["check_target", "load"]
 
 _ALIGN = 64
 
@@ -198,8 +198,12 @@ def _load(
 
 
 def _check_target(key: str, value: Any, meta: TensorStorageMetadata) -> None:
-    """An ``into`` tensor must match the stored one exactly: load fills, it never casts or reshapes."""
-    dtype, shape = meta.properties.dtype, tuple(meta.size)
+    check_target(key, value, meta.properties.dtype, tuple(meta.size))
+
+
+def check_target(key: str, value: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """An ``into`` tensor must match what is loaded exactly (``dtype``: the stored one, or the
+    ``dtype=`` cast): load fills, it never casts into another dtype or reshapes."""
     if not isinstance(value, torch.Tensor):
         raise InvalidStateDictError(
             f"into[{key!r}] is a {type(value).__name__}, but the checkpoint holds a {dtype_name(dtype)} "
