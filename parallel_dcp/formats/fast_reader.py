@@ -28,7 +28,7 @@ from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import fast_read
 from parallel_dcp.options import usable_cores
-from parallel_dcp.storage.io_mode import resolve_io
+from parallel_dcp.storage.io_mode import ReadChoice, read_choice, resolve_io
 from parallel_dcp.storage.location import Location, Remote, RemoteFileSystem, locate
 from parallel_dcp.storage.metadata import check_metadata, read_metadata, unpickle_value
 from parallel_dcp.storage.safe_reader import SafeFileSystem
@@ -52,7 +52,9 @@ class FastReader(FileSystemReader):
         io: ``"auto"``, ``"direct"`` or ``"buffered"``, as for :func:`parallel_dcp.load`.
 
     ``stats`` (a :class:`parallel_dcp.ReadStats`) counts what the fast path and DCP's reader
-    served across every ``read_data`` call.
+    served across every ``read_data`` call; ``read_choice`` (also ``stats.read_choice``) says how
+    the shards were read, and for ``io="auto"`` the cold rates measured on their file system by
+    the first ``read_data`` (storage.io_mode.read_choice).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class FastReader(FileSystemReader):
     ) -> None:
         self._where: Location = locate(path, storage_options)
         self.io = resolve_io(io, self._where, writing=False)
+        self._io_asked = io
         super().__init__(os.fspath(self._where))
         if isinstance(self._where, Remote):
             self.fs = RemoteFileSystem(self._where.options)  # type: ignore[assignment]
@@ -79,6 +82,7 @@ class FastReader(FileSystemReader):
         self.trust_pickle = trust_pickle
         self.memory_limit = None if memory_limit is None else parse_size(memory_limit)
         self.stats = fast_read.ReadStats()
+        self.read_choice: ReadChoice | None = None
         self._chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
         self._metadata: Metadata | None = None
 
@@ -87,6 +91,7 @@ class FastReader(FileSystemReader):
             options = self._where.options if isinstance(self._where, Remote) else None
             self._where = locate(checkpoint_id, options)
         super().reset(checkpoint_id)
+        self.read_choice = None  # another checkpoint may live on another file system
         if isinstance(self._where, Remote):
             self.path = self._where.url
 
@@ -155,7 +160,13 @@ class FastReader(FileSystemReader):
             planner.load_bytes(item, io.BytesIO(data))
 
         budget = None if self.memory_limit is None else MemoryGovernor(self.memory_limit)
-        self.stats.add(fast_read.read_requests(self._where, requests, self.workers, on_bytes, budget, io=self.io))
+        if self.read_choice is None:  # the first read decides, measuring the shards it is about to read
+            names = dict.fromkeys(str(r.info.relative_path) for r in requests)
+            files = [] if isinstance(self._where, Remote) else [self._where / name for name in names]
+            self.read_choice = read_choice(self._io_asked, self._where, files, streams=self.workers)
+        done = fast_read.read_requests(self._where, requests, self.workers, on_bytes, budget, io=self.read_choice.io)
+        done.read_choice = self.read_choice
+        self.stats.add(done)
         for item, target in committed:
             planner.commit_tensor(item, target)
         future: Future[None] = Future()
