@@ -286,3 +286,15 @@ def test_a_file_system_that_refuses_o_direct_is_remembered_as_buffered(
     assert first == again and (first.io, first.reads) == ("buffered", "buffered")
     assert "refuses O_DIRECT" in first.reason
     assert io_mode.read_probe_count() == before + 1
+
+
+@pytest.mark.parametrize(("direct", "buffered", "reads"), [(3e9, 1e9, "direct"), (1e9, 3e9, "buffered")])
+def test_verify_reads_as_measured(
+    disk: Path, monkeypatch: pytest.MonkeyPatch, small_probe: None, direct: float, buffered: float, reads: str
+) -> None:
+    parallel_dcp.save({"w": torch.randn(1024, 1024)}, disk / "ckpt", workers=1, io="buffered")
+    fake(monkeypatch, direct, buffered)
+    report = parallel_dcp.verify(disk / "ckpt", workers=1)
+    assert report.ok, report.problems
+    assert report.read_choice is not None and report.read_choice.reads == reads
+    assert report.read_choice.measured and report.as_dict()["read_io"] == reads
