@@ -478,7 +478,7 @@ def test_mxfp4_experts_dequantize_in_strips(monkeypatch: pytest.MonkeyPatch) -> 
     scales = torch.randint(0, 255, (3, 12, 2), dtype=torch.uint8, generator=g)
     expected = quantized.dequantize_mxfp4(blocks, scales, torch.bfloat16).transpose(1, 2).contiguous()
     for strip in (10**6, 12 * 64 * 2, 12 * 64, 5 * 64, 1):  # all, two experts, one, 5 rows, 1 row
-        monkeypatch.setattr(quantized, "_STRIP_ELEMENTS", strip)
+        monkeypatch.setattr(quantized, "STRIP_ELEMENTS", strip)
         assert_same(quantized.dequantize_mxfp4_experts(blocks, scales, torch.bfloat16), expected)
 
 

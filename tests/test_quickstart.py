@@ -183,6 +183,16 @@ def test_ci_runs_the_readme_quick_start_commands_as_written() -> None:
         assert os.access(ROOT / tool, os.X_OK), f"{tool} is not executable"
 
 
+def test_ci_runs_the_client_suite_after_the_main_suite() -> None:
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    main = next(i for i, line in enumerate(ci) if line.startswith("tools/test "))
+    clients = next(i for i, line in enumerate(ci) if line.startswith("tools/test-clients"))
+    assert main < clients, "the client suite runs after the main suite"
+    assert os.access(ROOT / "tools" / "test-clients", os.X_OK), "tools/test-clients is not executable"
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert ".venv-clients-*/" in ignored, "the client venvs are not git-ignored"
+
+
 def test_pyproject_uses_the_spdx_license_string() -> None:
     """The table form makes every install print setuptools' deprecation block."""
     assert re.search(r'^license = "BSD-3-Clause"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)

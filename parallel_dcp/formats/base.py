@@ -29,7 +29,11 @@ _INDEX_MAX_BYTES = 64 * 2**20
 if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
 
-__all__ = ["Entry", "FileFormat", "Source", "entry_of", "index_json", "index_names", "shard_files"]
+__all__ = ["MAX_ELEMENTS", "Entry", "FileFormat", "Source", "entry_of", "index_json", "index_names", "shard_files"]
+
+
+# Dimensions (zero ones counted as one) multiply to less than this in any tensor torch can make.
+MAX_ELEMENTS = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,18 @@ class Entry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     file: str = ""
+
+    def __post_init__(self) -> None:
+        # A zero-size tensor passes every byte-count check whatever its other dimensions; torch
+        # cannot make one whose strides overflow int64 (it raised a bare RuntimeError in load).
+        strides = 1
+        for dim in self.shape:
+            strides *= max(dim, 1)
+        if strides >= MAX_ELEMENTS:
+            raise CorruptCheckpointError(
+                f"{self.file or 'the source'}: tensor {self.key!r} has the impossible shape {list(self.shape)} "
+                "(its dimensions multiply past what torch can index; nothing was read or written)"
+            )
 
     @property
     def nbytes(self) -> int:

@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from parallel_dcp.engine.chunks import split
 from parallel_dcp.errors import QuantizationError, describe_keys
 from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.quantized import (
     DEFAULT_BLOCK,
+    DEQUANTIZE_WORK_BYTES,
     E8M0_NAN,
     dequantize_fp8,
     dequantize_mxfp4,
@@ -52,7 +54,11 @@ if TYPE_CHECKING:
 
 __all__ = ["SCALE_SUFFIX", "DequantizedSource", "block_size_of", "dequantized_source", "source_config"]
 
-_WORK_BYTES = 32 * 1024 * 1024  # the arithmetic's int32 index strips (the heap keeps freed ones): measured
+# The arithmetic's strips (the heap keeps freed ones), whatever the block size: at most the
+# bound quantized.py states, and at most 4 B an output element (a strip never exceeds the unit).
+_WORK_BYTES = DEQUANTIZE_WORK_BYTES
+# The coordinator checks E8M0 scales for the NaN exponent in pieces of at most this much.
+CHECK_PIECE_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -78,18 +84,30 @@ class DequantizedSource(WrappedSource):
         bad = []
         for key in keys:
             pair = self.pairs.get(key)
-            if pair is not None and pair.kind == "mxfp4":
-                scales = self._inner().read([pair.scale])[pair.scale]
-                if bool((scales == E8M0_NAN).any()):
-                    bad.append(pair.scale)
-                del scales
-                self._inner().release()
+            if pair is not None and pair.kind == "mxfp4" and self._holds_nan(pair.scale):
+                bad.append(pair.scale)
         if bad:
             raise QuantizationError(
                 f"{self.path}: E8M0 scales hold the exponent 255, which means NaN: {describe_keys(bad)} "
                 "(nothing was written)",
                 keys=bad,
             )
+
+    def _holds_nan(self, scale: str) -> bool:
+        """Whether E8M0 ``scale`` holds the exponent 255, read in pieces of at most
+        :data:`CHECK_PIECE_BYTES` (this runs in the coordinator, before any task is admitted: a
+        whole scale tensor of a large MoE would be read beside nothing that counts it)."""
+        inner = self._inner()
+        entry = inner.entries[scale]
+        pieces: list[Chunk | None] = [*split(entry, CHECK_PIECE_BYTES)] or [None]
+        for piece in pieces:
+            values = inner.read([scale])[scale] if piece is None else inner.read_chunk(piece)
+            found = bool((values == E8M0_NAN).any())
+            del values
+            inner.release()
+            if found:
+                return True
+        return False
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         keys = list(keys)

@@ -18,7 +18,7 @@ import torch
 
 from parallel_dcp.errors import CorruptCheckpointError, QuantizationError
 from parallel_dcp.formats.base import Source
-from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, fp8_scale_shape
+from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, MAX_BLOCK, fp8_scale_shape
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.safe_files import source_tree
 from parallel_dcp.storage.safe_reader import read_in_tree
@@ -36,8 +36,8 @@ def block_size_of(source: Source, override: int | None = None) -> tuple[int, int
     """The FP8 block (rows, columns): ``override``, else ``quantization_config.weight_block_size``
     from ``config.json`` beside the source (a local directory), else 128 x 128."""
     if override is not None:
-        if override < 1:
-            raise QuantizationError(f"block size must be a positive number of elements, not {override}")
+        if not 1 <= override <= MAX_BLOCK:
+            raise QuantizationError(f"block size must be from 1 to {MAX_BLOCK} elements, not {override}")
         return (override, override)
     config = source_config(source)
     quantization = (config or {}).get("quantization_config")
@@ -46,7 +46,7 @@ def block_size_of(source: Source, override: int | None = None) -> tuple[int, int
         return (DEFAULT_BLOCK, DEFAULT_BLOCK)
     if isinstance(size, int):
         size = [size, size]
-    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
+    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and 0 < n <= MAX_BLOCK for n in size)):
         raise QuantizationError(f"config.json of {source.path}: weight_block_size {size!r} is not [rows, columns]")
     return (size[0], size[1])
 

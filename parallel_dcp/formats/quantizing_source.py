@@ -29,7 +29,14 @@ import torch
 from parallel_dcp.errors import QuantizationError
 from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.dequantized_source import SCALE_SUFFIX
-from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, fp8_scale_shape, quantize_fp8
+from parallel_dcp.formats.quantized import (
+    DEFAULT_BLOCK,
+    FP8_DTYPES,
+    MAX_BLOCK,
+    fp8_scale_shape,
+    quantize_fp8,
+    quantize_work_bytes,
+)
 from parallel_dcp.formats.wrapped_source import WrappedSource
 
 if TYPE_CHECKING:
@@ -59,8 +66,8 @@ def parse_quantize(spec: str) -> tuple[int, int]:
         raise QuantizationError(f"unknown quantization {spec!r}: use 'fp8-block' or 'fp8-block:BLOCK'")
     if not size:
         return (DEFAULT_BLOCK, DEFAULT_BLOCK)
-    if not size.isdigit() or int(size) < 1:
-        raise QuantizationError(f"the block of {spec!r} must be a positive integer")
+    if not size.isdigit() or not 1 <= int(size) <= MAX_BLOCK:
+        raise QuantizationError(f"the block of {spec!r} must be an integer from 1 to {MAX_BLOCK}")
     return (int(size), int(size))
 
 
@@ -143,7 +150,7 @@ class QuantizingSource(WrappedSource):
         entry = self._inner().entries[weight]
         # the weight read, its float32 temporaries, and both outputs
         elements = entry.nbytes // entry.dtype.itemsize
-        return self._inner().copied_bytes(weight) + elements + min(16 * elements, _WORK_BYTES)
+        return self._inner().copied_bytes(weight) + elements + self._work(entry.shape[0], entry.shape)
 
     def chunk_memory(self, chunk: Chunk) -> int:
         weight = self.weights.get(chunk.key)
@@ -155,7 +162,13 @@ class QuantizingSource(WrappedSource):
         rows = chunk.stop - chunk.start + self.block[0]
         read = self._inner().chunk_memory(_rows(entry, 0, min(entry.shape[0], rows)))
         elements = read // entry.dtype.itemsize
-        return read + elements + min(16 * elements, _WORK_BYTES)
+        return read + elements + self._work(min(entry.shape[0], rows), entry.shape)
+
+    def _work(self, rows: int, shape: tuple[int, ...]) -> int:
+        """The arithmetic's temporaries for ``rows`` rows of a weight of ``shape``: what the
+        heap was measured to keep, or the strip's own bound where large blocks make it larger."""
+        elements = rows * math.prod(shape[1:])
+        return max(min(16 * elements, _WORK_BYTES), quantize_work_bytes(rows, math.prod(shape[1:]), self.block))
 
     def release(self) -> None:
         self._inner().release()

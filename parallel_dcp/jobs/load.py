@@ -315,7 +315,10 @@ def _load_with_processes(
     if missing:
         raise KeyError(f"not in the checkpoint at {path}: {missing[:8]}" + (" ..." if len(missing) > 8 else ""))
     tensor_metas = {k: m for k in selected if isinstance(m := metadata.state_dict_metadata[k], TensorStorageMetadata)}
-    values = {k: sum(int(i.length) for x, i in (metadata.storage_data or {}).items() if x.fqn == k) for k in selected}
+    stored: dict[str, int] = {}  # bytes each key's records hold, in one pass over storage_data
+    for index, info in (metadata.storage_data or {}).items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + int(info.length)
+    values = {k: stored.get(k, 0) for k in selected}
     # A value's record is read, then unpickled: twice its stored size, for admission.
     items = [Item(k, n, n) for k in selected for n in [_nbytes(tensor_metas[k]) if k in tensor_metas else 0]]
     items = [it if it.key in tensor_metas else Item(it.key, 0, 2 * values[it.key]) for it in items]

@@ -18,6 +18,7 @@ import torch
 from parallel_dcp.errors import QuantizationError
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_source
+from parallel_dcp.formats.quantized import MAX_BLOCK
 from parallel_dcp.formats.quantizing_source import DEFAULT_RULE, parse_quantize, quantizing_source
 from parallel_dcp.jobs.targets import ShardedTarget, Target
 
@@ -43,8 +44,8 @@ class Quantization:
             parse_quantize(self.quantize)
         if self.quantize_keys is not None and self.quantize is None:
             raise QuantizationError("quantize_keys selects weights for quantize=; give quantize='fp8-block' too")
-        if self.block_size is not None and self.block_size < 1:
-            raise QuantizationError(f"block_size must be positive, not {self.block_size}")
+        if self.block_size is not None and not 1 <= self.block_size <= MAX_BLOCK:
+            raise QuantizationError(f"block_size must be from 1 to {MAX_BLOCK}, not {self.block_size}")
 
     @property
     def active(self) -> bool:

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from parallel_dcp.engine.chunks import Chunk, split
+from parallel_dcp.engine.chunks import Chunk, chunk_count, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, LEAN_TASK_MEMORY_BYTES, TASK_MEMORY_BYTES
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import gc_paused
@@ -80,8 +81,10 @@ class Job:
             return list(self.keys)
         return list(dict.fromkeys(self.chunks[u].key if u in self.chunks else u for u in self.keys))
 
-    def split(self, threshold: int) -> Job:
-        """This job with every tensor larger than ``threshold`` bytes split into chunks."""
+    def split(self, threshold: int, admit: Callable[[str, int, int], None] | None = None) -> Job:
+        """This job with every tensor larger than ``threshold`` bytes split into chunks;
+        ``admit(key, chunks, bytes)`` (the governor's ``admit_units``) runs before each tensor's
+        chunks are built."""
         taken = set(self.keys)
         units: list[str] = []
         chunks: dict[str, Chunk] = {}
@@ -90,6 +93,8 @@ class Job:
             entry = entries.get(key)
             pieces = []
             if entry is not None and entry.nbytes > threshold:  # aligned to a quantized weight's blocks
+                if admit is not None:
+                    admit(key, chunk_count(entry, threshold), entry.nbytes)
                 pieces = split(entry, threshold, partial(self.source.split_alignment, key))
             if not pieces:
                 units.append(key)

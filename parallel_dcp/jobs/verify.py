@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, split
+from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, ChunkUnit, chunk_count, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
@@ -268,8 +268,16 @@ def _cost(source: Source, reference: Source | None, key: str, chunk: Chunk | Non
     return cost
 
 
-def _plan(source: Source, reference: Source | None, keys: list[str], dtype: torch.dtype | None, room: int) -> _Plan:
-    """Each key whole when its comparison fits in ``room`` bytes, else in row ranges that do."""
+def _plan(
+    source: Source,
+    reference: Source | None,
+    keys: list[str],
+    dtype: torch.dtype | None,
+    room: int,
+    governor: MemoryGovernor,
+) -> _Plan:
+    """Each key whole when its comparison fits in ``room`` bytes, else in row ranges that do
+    (each tensor's ranges admitted by the governor before they are built)."""
     items: list[Item] = []
     chunks: dict[str, Chunk] = {}
     for key in keys:
@@ -279,6 +287,7 @@ def _plan(source: Source, reference: Source | None, keys: list[str], dtype: torc
         pieces: list[Chunk] = []
         while cost > room and threshold > MIN_MEMORY_CHUNK_BYTES:
             threshold = max(MIN_MEMORY_CHUNK_BYTES, threshold // 2)
+            governor.admit_units(key, chunk_count(entry, threshold), entry.nbytes, keep=False)
             pieces = split(entry, threshold)
             if not pieces:
                 break
@@ -286,8 +295,9 @@ def _plan(source: Source, reference: Source | None, keys: list[str], dtype: torc
         if not pieces:
             items.append(Item(key, entry.nbytes, _cost(source, reference, key, None, dtype)))
             continue
+        governor.admit_units(key, len(pieces), entry.nbytes)
         for piece in pieces:
-            unit = f"{key}[{piece.dim}:{piece.start}:{piece.stop}]"
+            unit = ChunkUnit(piece)  # equal to no key, whatever its name
             chunks[unit] = piece
             items.append(Item(unit, piece.nbytes(entry.dtype.itemsize), _cost(source, reference, key, piece, dtype)))
     return _Plan(items, chunks)
@@ -330,13 +340,15 @@ def _verify(
             sizes = [Item(name, d.size, held) for name, d in recorded.items()]
             handler = one_pass_handler(os.fspath(directory), recorded, records, io)
             tasks = partition(sizes, workers, memory_adds_up=False)
-            for files, bad_keys in _run_pairs(tasks, handler, options, governor, workers):
-                file_problems += files
-                one_pass += bad_keys
+            with governor.during("checking the shard files' checksums and records", "files"):
+                for files, bad_keys in _run_pairs(tasks, handler, options, governor, workers):
+                    file_problems += files
+                    one_pass += bad_keys
         else:
             sizes = [Item(name, d.size, 0) for name, d in recorded.items()]
             tasks = partition(sizes, workers, memory_adds_up=False)
-            file_problems += _run(tasks, _hash_handler(directory, recorded), options, governor, workers)
+            with governor.during("checking the shard files' checksums", "files"):
+                file_problems += _run(tasks, _hash_handler(directory, recorded), options, governor, workers)
         report.files_checked = len(recorded)
 
     keys = list(source.entries) + [k for k in source.values if k not in source.entries]
@@ -377,13 +389,19 @@ def _verify(
     ):
         workers -= 1
     plan = _plan(
-        source, reference, tensors, dtype, governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES
+        source,
+        reference,
+        tensors,
+        dtype,
+        governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES,
+        governor,
     )
     workers = governor.workers_for(((it.key, it.memory) for it in plan.items), workers)
     tasks = partition(plan.items, workers, max_task_memory=governor.task_budget(workers), memory_adds_up=False)
-    for key, element, problem in _run(
-        tasks, _Checker(source, reference, dtype, plan.chunks), options, governor, workers
-    ):
+    reading = "comparing keys with the reference" if reference is not None else "reading keys back"
+    with governor.during(reading):
+        checked = _run(tasks, _Checker(source, reference, dtype, plan.chunks), options, governor, workers)
+    for key, element, problem in checked:
         if key not in key_problems or element < key_problems[key][0]:
             key_problems[key] = (element, problem)
     report.bytes_checked += sum(it.nbytes for it in plan.items)

@@ -63,6 +63,14 @@ def check_chunks(
     """
     shape = tuple(size)
     ndim = len(shape)
+    strides = 1
+    for dim in shape:  # a zero-size tensor passes every byte count whatever its other dimensions
+        strides *= max(dim, 1) if type(dim) is int else _MAX_COORD
+    if strides >= _MAX_COORD:
+        raise CorruptCheckpointError(
+            f"{where}: key {key!r} has the impossible shape {list(shape)} (its dimensions multiply past "
+            "what torch can index)"
+        )
     if len(chunks) == 1 and _whole(chunks[0], shape):  # the common case, checked quickly
         return
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []

@@ -188,6 +188,12 @@ def check_metadata(metadata: Metadata, file: object) -> None:
         raise CorruptCheckpointError(f"{file}: malformed metadata ({type(exc).__name__}: {exc})") from exc
 
 
+# A zstd frame is blocks of at most 128 KiB of output, each behind a 3-byte header: what a
+# compressed record's stored bytes can decompress to, at most (a claimed size past it is a lie).
+_ZSTD_BLOCK_BYTES = 128 * 1024
+_ZSTD_MOST_OUT_PER_BYTE = _ZSTD_BLOCK_BYTES // 3 + 1
+
+
 def _check_metadata(metadata: Metadata, file: object) -> None:
     if not isinstance(metadata.state_dict_metadata, dict):
         raise CorruptCheckpointError(f"{file}: state_dict_metadata is not a mapping")
@@ -236,6 +242,12 @@ def _check_metadata(metadata: Metadata, file: object) -> None:
             raise CorruptCheckpointError(
                 f"{file}: key {key!r} claims {math.prod(meta.size)} elements but {stored.get(key, 0)} stored "
                 "bytes: impossible sizes"
+            )
+        if key in compressed and needed > _ZSTD_MOST_OUT_PER_BYTE * stored.get(key, 0) + _ZSTD_BLOCK_BYTES:
+            raise CorruptCheckpointError(
+                f"{file}: key {key!r} claims {math.prod(meta.size)} elements ({needed} bytes) but its "
+                f"{stored.get(key, 0)} stored zstd bytes can hold at most {_ZSTD_MOST_OUT_PER_BYTE}x that: "
+                "impossible sizes"
             )
     check_planner_data(metadata.planner_data, list(metadata.state_dict_metadata), file)
 
