@@ -176,7 +176,7 @@ def test_probe_runs_once_per_file_system_and_process(disk: Path, monkeypatch: py
 
     # another file system (another st_dev) is measured on its own
     real = io_mode._largest
-    monkeypatch.setattr(io_mode, "_largest", lambda files: (*real(files)[:2], -12345))
+    monkeypatch.setattr(io_mode, "_largest", lambda files: [(n, size, -12345) for n, size, _ in real(files)])
     io_mode.read_choice("auto", disk, [first])
     io_mode.read_choice("auto", disk, [first])
     assert io_mode.read_probe_count() == before + 2
@@ -205,20 +205,37 @@ def test_the_probe_reads_only_the_file_the_job_reads(disk: Path, monkeypatch: py
     assert sorted(os.listdir(disk)) == before  # nothing written beside it
 
 
-@pytest.mark.parametrize("size", [8 * MiB, 64 * MiB, 100 * MiB, 1 << 30])
+@pytest.mark.parametrize(
+    "sizes", [[8 * MiB], [64 * MiB], [100 * MiB], [1 << 30], [40 * MiB, 30 * MiB, 20 * MiB], [70 * MiB, 70 * MiB]]
+)
 @pytest.mark.parametrize("streams", [1, 2, 8])
-def test_probe_plan_stays_inside_the_file_and_reads_each_place_once(size: int, streams: int) -> None:
-    plan = read_probe.slices(size, streams, readahead=8 * MiB)
+def test_probe_plan_stays_inside_the_files_and_reads_each_place_once(sizes: list[int], streams: int) -> None:
+    plan = read_probe.slices(sizes, streams, readahead=8 * MiB)
     if plan is None:
-        assert size < 4 * (read_probe.MIN_SLICE + 16 * MiB)
+        assert sum(size // (read_probe.MIN_SLICE + 16 * MiB) for size in sizes) < 4
         return
-    offsets = [o for round_ in plan.rounds for o in round_]
-    assert len(set(offsets)) == len(offsets) and min(offsets) >= 0
-    assert plan.span <= size and plan.gap >= 16 * MiB  # twice the read-ahead after every slice
-    assert sorted(offsets) == [i * (plan.length + plan.gap) for i in range(len(offsets))]
-    # every round reads below every round before it: read-ahead never runs into a later round
-    assert all(max(later) < min(earlier) for earlier, later in zip(plan.rounds, plan.rounds[1:], strict=False))
+    step = plan.length + plan.gap
+    slots = [slot for round_ in plan.rounds for slot in round_]
+    assert len(set(slots)) == len(slots) and plan.gap >= 16 * MiB  # twice the read-ahead after every slice
+    for file, offset in slots:
+        assert offset >= 0 and offset % step == 0 and offset + step <= sizes[file]
+    # within a file every round reads below every round before it: read-ahead never runs into a later round
+    for earlier, later in zip(plan.rounds, plan.rounds[1:], strict=False):
+        for f, low in later:
+            assert all(low < high for g, high in earlier if g == f)
     assert len(plan.rounds[0]) <= min(streams, read_probe.PROBE_STREAMS)
+    if sizes == [1 << 30]:
+        assert plan.length == read_probe.PROBE_SLICE and len(plan.rounds[0]) == min(streams, 2)
+
+
+def test_small_shards_are_probed_across_files_with_full_slices(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    device = fake(monkeypatch, 1e9, 2e9)
+    monkeypatch.setattr(read_probe, "readahead_bytes", lambda dev: 8 * MiB)
+    files = [sparse_file(disk / f"__{i}_0.distcp", 60 * MiB) for i in range(6)]  # none holds 4 rounds alone
+    choice = io_mode.read_choice("auto", disk, files, streams=2)
+    assert choice.reason == "measured" and choice.reads == "buffered"
+    assert {n for _, _, n, _ in device.reads} == {read_probe.PROBE_SLICE}
+    assert len({path for path, *_ in device.reads}) > 1 and {p for p, *_ in device.reads} <= set(files)
 
 
 def test_tmpfs_reads_buffered_without_probing(shm: Path) -> None:

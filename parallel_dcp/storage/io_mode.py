@@ -220,6 +220,8 @@ class ReadChoice:
 
 
 _read_choices: dict[int, ReadChoice] = {}
+# The most files a measurement spreads its slices over (the largest the job reads).
+_PROBE_FILES = 16
 _read_lock = threading.Lock()
 _probes = 0
 
@@ -249,8 +251,8 @@ def read_choice(
       nothing measured (``io="direct"`` there is an InvalidDestinationError before any read);
     - ``"direct"``: direct;
     - ``"auto"``: when one of ``files`` has at least :data:`DIRECT_MIN_BYTES` (the only files
-      auto would read with O_DIRECT), the largest is measured with ``streams`` reading threads
-      (storage.read_probe: cold direct against cold buffered slices of it) unless a file on the
+      auto would read with O_DIRECT), the largest are measured with ``streams`` reading threads
+      (storage.read_probe: cold direct against cold buffered slices of them) unless a file on the
       same file system (``st_dev``) was measured earlier in this process, and the faster is
       chosen. A file system that refuses O_DIRECT on it is remembered as buffered. Files too
       small to measure keep the rule: direct for large files.
@@ -272,22 +274,24 @@ def read_choice(
         return ReadChoice("buffered", "buffered", refusal)
     if io == "direct":
         return ReadChoice("direct", "direct", 'io="direct"')
-    sample, size, device = _largest(files)
-    if sample is None or size < DIRECT_MIN_BYTES:
+    found = _largest(files)
+    if not found or found[0][1] < DIRECT_MIN_BYTES:
         return ReadChoice("auto", "buffered", f"no file of at least {DIRECT_MIN_BYTES >> 20} MiB to read directly")
+    device = found[0][2]
     with _read_lock:
         known = _read_choices.get(device)
         if known is None:
-            known = _measure(sample, streams)
+            known = _measure([name for name, _, dev in found if dev == device][:_PROBE_FILES], streams)
             if known.probed is not None:  # measured, or refused: not a file too small or unreadable
                 _read_choices[device] = known
     return known
 
 
-def _largest(files: Iterable[str | os.PathLike[str]]) -> tuple[str | None, int, int]:
-    """The largest regular file of ``files`` (looked at by the one open rule; a file that is not
-    there or not regular is skipped: the job's own read of it says why), its size and st_dev."""
-    best: tuple[str | None, int, int] = (None, -1, 0)
+def _largest(files: Iterable[str | os.PathLike[str]]) -> list[tuple[str, int, int]]:
+    """(name, size, st_dev) of the regular files of ``files``, the largest first (each looked at
+    by the one open rule; a file that is not there or not regular is skipped: the job's own read
+    of it says why)."""
+    found = []
     for name in dict.fromkeys(os.fspath(f) for f in files):
         try:
             fd = open_regular(None, name)
@@ -297,19 +301,19 @@ def _largest(files: Iterable[str | os.PathLike[str]]) -> tuple[str | None, int, 
             status = os.fstat(fd)
         finally:
             os.close(fd)
-        if status.st_size > best[1]:
-            best = (name, status.st_size, status.st_dev)
-    return best
+        found.append((name, status.st_size, status.st_dev))
+    return sorted(found, key=lambda f: -f[1])
 
 
-def _measure(sample: str, streams: int) -> ReadChoice:
+def _measure(candidates: list[str], streams: int) -> ReadChoice:
     global _probes
     from parallel_dcp.storage import read_probe  # it reads through direct_read, which imports this module
 
     _probes += 1
+    sample = candidates[0]
     start = time.perf_counter()
     try:
-        rates = read_probe.measure_reads(sample, streams)
+        rates = read_probe.measure_reads(candidates, streams)
     except (OSError, UnsafeCheckpointError, CorruptCheckpointError) as exc:
         # The job's own read of the file reports the problem; the rule stands meanwhile.
         return ReadChoice("auto", "direct", f"could not measure {sample}: {exc}")

@@ -5,9 +5,10 @@ no rule tells which is faster (on one host O_DIRECT reads beat the page cache by
 buffered reads with the kernel's read-ahead won by 28%), so it is measured, without root and
 without writing anything:
 
-    the sample file (one the job is about to read anyway; never another)
-      │ the probed span: written back if dirty, dropped from the page cache (cold pages)
-      │ slots of S bytes (S <= PROBE_SLICE), each followed by a gap that nothing times
+    the largest files the job is about to read anyway (never another)
+      │ the probed spans: written back if dirty, dropped from the page cache (cold pages)
+      │ slots of S bytes (S <= PROBE_SLICE), each followed by a gap that nothing times,
+      │ from the top of the largest file down, then the next file
       ▼
     round 1: direct    ── `streams` slices at once, each by its own thread (as the job reads)
     round 2: buffered  ── then a page at the end of each read-ahead window after its slices is
@@ -15,7 +16,7 @@ without writing anything:
     round 4: direct       (ABBA: a drift of the device during the probe cancels out)
       │ each mode's rate = its bytes / its rounds' time
       ▼
-    the span dropped from the page cache again: the job finds the file cold, as it was
+    the spans dropped from the page cache again: the job finds the files cold, as they were
 
 Fairness: each round reads below every earlier one, and read-ahead only runs forward, so no round
 reads pages that an earlier buffered round had the kernel fetch; a gap is at least twice the
@@ -38,6 +39,7 @@ import ctypes
 import mmap
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,32 +83,32 @@ class ReadRates:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """Where the probe reads: ``rounds[r][s]`` is the offset stream ``s`` reads in round ``r``;
-    every slice is ``length`` bytes and followed by ``gap`` bytes that no round times."""
+    """Where the probe reads: ``rounds[r][s]`` is the (file, offset) that stream ``s`` reads in
+    round ``r`` (a file by its index in the list given); every slice is ``length`` bytes and
+    followed by ``gap`` bytes that no round times."""
 
     length: int
     gap: int
-    rounds: list[list[int]]
+    rounds: list[list[tuple[int, int]]]
 
-    @property
-    def span(self) -> int:
-        return max(o for offsets in self.rounds for o in offsets) + self.length + self.gap
+    def span(self, file: int) -> int:
+        """The bytes of ``file``, from its start, that the probe touches (0: none)."""
+        ends = [o + self.length + self.gap for r in self.rounds for f, o in r if f == file]
+        return max(ends, default=0)
 
 
-def slices(size: int, streams: int, readahead: int = _DEFAULT_READAHEAD) -> Plan | None:
-    """Where to probe a file of ``size`` bytes with up to ``streams`` streams; None when it cannot
-    hold four rounds of slices of at least :data:`MIN_SLICE` and their gaps (fewer streams are
-    tried first). Rounds go from the top of the span down (see the module docstring)."""
-    for count in range(max(1, min(streams, PROBE_STREAMS)), 0, -1):
-        slots = len(_ROUNDS) * count
-        for length in (PROBE_SLICE, PROBE_SLICE // 2, PROBE_SLICE // 4, MIN_SLICE):
-            gap = max(length, 2 * readahead)
-            if slots * (length + gap) <= size:
-                step = length + gap
-                top = slots - 1
-                return Plan(
-                    length, gap, [[(top - r * count - s) * step for s in range(count)] for r in range(len(_ROUNDS))]
-                )
+def slices(sizes: list[int], streams: int, readahead: int = _DEFAULT_READAHEAD) -> Plan | None:
+    """Where to probe files of ``sizes`` bytes (the largest first) with up to ``streams``
+    streams; None when they cannot hold four rounds of slices of at least :data:`MIN_SLICE` and
+    their gaps. Larger slices are preferred to more streams. Within a file the rounds go from the
+    top down (see the module docstring); a small file adds its few slots after a larger one."""
+    for length in (PROBE_SLICE, PROBE_SLICE // 2, PROBE_SLICE // 4, MIN_SLICE):
+        gap = max(length, 2 * readahead)
+        step = length + gap
+        slots = [(f, k * step) for f, size in enumerate(sizes) for k in range(size // step - 1, -1, -1)]
+        for count in range(max(1, min(streams, PROBE_STREAMS)), 0, -1):
+            if len(slots) >= len(_ROUNDS) * count:
+                return Plan(length, gap, [slots[r * count : (r + 1) * count] for r in range(len(_ROUNDS))])
     return None
 
 
@@ -119,43 +121,51 @@ def readahead_bytes(device: int) -> int:
     return _DEFAULT_READAHEAD
 
 
-def measure_reads(path: str | os.PathLike[str], streams: int = 1) -> ReadRates | None:
-    """Cold direct against cold buffered reads of slices of ``path`` (see the module docstring);
-    None when the file is too small to measure.
+def measure_reads(paths: Sequence[str | os.PathLike[str]], streams: int = 1) -> ReadRates | None:
+    """Cold direct against cold buffered reads of slices of ``paths`` (files of one file system,
+    the largest first; see the module docstring); None when they are too small to measure.
 
     Raises:
-        OSError, UnsafeCheckpointError, CorruptCheckpointError: as the job's own read of ``path``
-            would (the file is opened by the same rule, storage.safe_files.open_regular).
+        OSError, UnsafeCheckpointError, CorruptCheckpointError: as the job's own read of them
+            would (each is opened by the same rule, storage.safe_files.open_regular).
     """
-    path = Path(path)
-    buffered = [ShardFile(path, io="buffered")]
-    direct: list[ShardFile] = []
+    files = [Path(p) for p in paths]
+    held: list[ShardFile] = []  # one buffered descriptor per file, for the page-cache hints
     buffers: list[mmap.mmap] = []
     try:
-        plan = slices(buffered[0].size, streams, readahead_bytes(os.fstat(buffered[0].fd).st_dev))
+        for path in files:
+            held.append(ShardFile(path, io="buffered"))
+        plan = slices([h.size for h in held], streams, readahead_bytes(os.fstat(held[0].fd).st_dev))
         if plan is None:
             return None
         count = len(plan.rounds[0])
-        buffered += [ShardFile(path, io="buffered") for _ in range(count - 1)]
-        direct = [ShardFile(path, io="direct") for _ in range(count)]
-        if not direct[0].direct:  # the file system refused O_DIRECT on this file: nothing to compare
-            return ReadRates(direct=None, buffered=None, nbytes=0, slice_bytes=plan.length, streams=count)
         buffers = [mmap.mmap(-1, plan.length, flags=_POPULATED) for _ in range(count)]
-        for shard in direct:
-            shard.prepare()  # the bounce buffers in place before the clock starts, as in a running job
-        _cold(buffered[0].fd, plan.span)
+        for index, shard in enumerate(held):
+            _cold(shard.fd, plan.span(index))
         seconds = {True: 0.0, False: 0.0}
         timed = {True: 0, False: 0}
         started = _clock()
         with cf.ThreadPoolExecutor(max_workers=count, thread_name_prefix="pdcp-read-probe") as pool:
-            for number, (is_direct, offsets) in enumerate(zip(_ROUNDS, plan.rounds, strict=True)):
-                seconds[is_direct] += _round(pool, direct if is_direct else buffered, offsets, buffers)
+            for number, (is_direct, slots) in enumerate(zip(_ROUNDS, plan.rounds, strict=True)):
+                shards = [ShardFile(files[f], io="direct" if is_direct else "buffered") for f, _ in slots]
+                try:
+                    if is_direct and not all(shard.direct for shard in shards):
+                        # the file system refused O_DIRECT on this file: nothing to compare
+                        return ReadRates(direct=None, buffered=None, nbytes=0, slice_bytes=plan.length, streams=count)
+                    for shard in shards:
+                        shard.prepare()  # the bounce buffers in place before the clock starts, as in a running job
+                    seconds[is_direct] += _round(pool, shards, [o for _, o in slots], buffers)
+                finally:
+                    for shard in shards:
+                        shard.close()
                 timed[is_direct] += plan.length * count
                 if not is_direct:
-                    _settle(path, offsets, plan, buffers[0])
+                    for f, offset in slots:
+                        _settle(files[f], offset, plan, buffers[0])
                 if number >= 1 and _clock() - started > PROBE_MAX_S:
                     break
-        _cold(buffered[0].fd, plan.span)
+        for index, shard in enumerate(held):
+            _cold(shard.fd, plan.span(index))
         return ReadRates(
             direct=timed[True] / max(seconds[True], 1e-9),
             buffered=timed[False] / max(seconds[False], 1e-9),
@@ -164,7 +174,7 @@ def measure_reads(path: str | os.PathLike[str], streams: int = 1) -> ReadRates |
             streams=count,
         )
     finally:
-        for shard in buffered + direct:
+        for shard in held:
             shard.close()
         for buffer in buffers:
             buffer.close()
@@ -182,20 +192,19 @@ def _round(pool: cf.ThreadPoolExecutor, shards: list[ShardFile], offsets: list[i
     return _clock() - start
 
 
-def _settle(path: Path, offsets: list[int], plan: Plan, buffer: mmap.mmap) -> None:
-    """Wait out the read-ahead a buffered round left in flight: one page at the end of each of the
-    two read-ahead windows after each of its slices, read untimed on a descriptor without
-    read-ahead (a page being read ahead is waited for; a page that is not costs one small read,
-    and starts no new read-ahead)."""
+def _settle(path: Path, offset: int, plan: Plan, buffer: mmap.mmap) -> None:
+    """Wait out the read-ahead a buffered slice left in flight: one page at the end of each of the
+    two read-ahead windows after it, read untimed on a descriptor without read-ahead (a page being
+    read ahead is waited for; a page that is not costs one small read, and starts no new
+    read-ahead)."""
     shard = ShardFile(path, io="buffered")
     try:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(shard.fd, 0, 0, os.POSIX_FADV_RANDOM)
         page = memoryview(buffer)[:ALIGN]
-        for offset in offsets:
-            end = offset + plan.length
-            for at in (end + plan.gap // 2 - ALIGN, end + plan.gap - ALIGN):
-                shard.read(at, [page])
+        end = offset + plan.length
+        for at in (end + plan.gap // 2 - ALIGN, end + plan.gap - ALIGN):
+            shard.read(at, [page])
     finally:
         shard.close()
 
