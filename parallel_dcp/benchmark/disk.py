@@ -136,7 +136,7 @@ def disk_cases(state_dict: Any, root: str, workers: int, sync: bool) -> tuple[li
     stock_ckpt = os.path.join(root, "stock-ckpt")
     stock(stock_ckpt)
     save_file({k: t.contiguous() for k, t in flat.items()}, source)
-    targets = parallel_dcp.load(ckpt, workers=1)
+    targets = parallel_dcp.load(ckpt, workers=n)  # also where io="auto" measures, once, at the rows' thread count
     cases += _read_cases(ckpt, "", targets, n, cold)
     cases += _read_cases(stock_ckpt, " (stock-written)", targets, n, cold)
 
