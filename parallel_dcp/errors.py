@@ -23,6 +23,8 @@ __all__ = [
     "InsufficientSpaceError",
     "InvalidDestinationError",
     "InvalidStateDictError",
+    "KeyNotFoundError",
+    "KeyPatternError",
     "MemoryLimitExceeded",
     "ParallelDCPError",
     "QuantizationError",
@@ -34,7 +36,7 @@ __all__ = [
     "WorkerError",
 ]
 
-_KEYS_SHOWN = 8
+_KEYS_SHOWN = 10  # names an error lists before '... and N more' (describe_keys)
 # A row range of one tensor, as the planners name it: ``key[dim:start:stop]`` (a ``'`` is added
 # when a key already has that name).
 _CHUNK_UNIT = re.compile(r"(?P<key>.*)\[(?P<dim>\d+):(?P<start>\d+):(?P<stop>\d+)\]'*", re.DOTALL)
@@ -54,6 +56,11 @@ def printable(text: str) -> str:
         else:
             out.append(char)
     return "".join(out)
+
+
+def dtype_name(dtype: object) -> str:
+    """A dtype as the CLI spells it (``bfloat16``, not ``torch.bfloat16``), in every message."""
+    return str(dtype).removeprefix("torch.")
 
 
 def plural(count: int, singular: str, many: str | None = None) -> str:
@@ -133,6 +140,23 @@ class CompressionUnavailableError(ParallelDCPError, ImportError):
 
 class InvalidStateDictError(ParallelDCPError, ValueError):
     """The input cannot be saved as given; raised before anything is written."""
+
+
+class KeyNotFoundError(ParallelDCPError, KeyError):
+    """Keys asked for are not there: names the checkpoint (or ``into``) lacks, or patterns that
+    select nothing; ``keys`` lists them. A ``KeyError`` too, so callers that caught the bare one
+    still do; its message reads as a sentence (a ``KeyError`` would quote it)."""
+
+    def __init__(self, message: str, *, keys: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.keys = list(keys)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class KeyPatternError(ParallelDCPError, ValueError):
+    """A key pattern that cannot be used: a ``re:`` pattern that is not a regular expression."""
 
 
 class CheckpointExistsError(ParallelDCPError, FileExistsError):

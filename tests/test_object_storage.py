@@ -382,6 +382,27 @@ def test_torch_source_on_s3_needs_local_space_first(
     assert not (tmp_path / "out").exists()
 
 
+def test_single_file_outputs_on_object_storage_are_verifiable(
+    s3: Any, bucket: str, options: dict[str, Any], tmp_path: Path
+) -> None:
+    """Issue 31 item 3: a torch.save object gets its sidecar manifest, a safetensors object its
+    checksums in its header; verify finds a flipped byte in either without against."""
+    parallel_dcp.save(_state(2), tmp_path / "src", workers=1)
+    for name in ("m.pt", "m.safetensors"):
+        url = f"s3://{bucket}/single/{name}"
+        keys = {"keys": "model.*"} if name.endswith(".safetensors") else {}
+        parallel_dcp.convert(tmp_path / "src", url, workers=1, storage_options=options, **keys)
+        assert parallel_dcp.verify(url, storage_options=options).ok
+        data = bytearray(s3.cat_file(f"{bucket}/single/{name}"))
+        data[-10] ^= 0x10
+        s3.pipe_file(f"{bucket}/single/{name}", bytes(data))
+        report = parallel_dcp.verify(url, storage_options=options)
+        assert any("checksum" in p for p in report.problems), report.problems
+    assert s3.exists(f"{bucket}/single/m.pt.manifest.json")
+    with pytest.raises(CheckpointExistsError):
+        parallel_dcp.convert(tmp_path / "src", f"s3://{bucket}/single/m.pt", workers=1, storage_options=options)
+
+
 def test_a_folders_side_folders_go_to_object_storage(
     tmp_path: Path, s3: Any, bucket: str, options: dict[str, Any]
 ) -> None:

@@ -224,4 +224,6 @@ def test_cli_rename_and_rename_file(tmp_path: Path) -> None:
         env=env,
         check=False,
     )
-    assert run.returncode == 1 and "JSON list" in run.stderr and not (tmp_path / "x").exists()
+    # A usage error naming the flag (issue 31, friction 1), refused before anything is written.
+    assert run.returncode == 2 and "argument --rename-file: " in run.stderr and "JSON list" in run.stderr
+    assert not (tmp_path / "x").exists()

@@ -166,6 +166,11 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def format_rate(nbytes: float, seconds: float) -> str:
+    """``"750.0 MiB/s"``: a rate in the unit that shows it (a small job is not ``0.00 GiB/s``)."""
+    return f"{format_bytes(nbytes / seconds)}/s" if seconds > 0 else "-"
+
+
 _WARNED_OVER_MACHINE: set[int] = set()
 
 

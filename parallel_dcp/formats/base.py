@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
 from parallel_dcp.storage.location import Location, Remote, check_name, listdir, locate
 from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, source_tree
@@ -201,6 +202,9 @@ class FileFormat:
         write: writes a flat dict of tensors (and, for formats that keep nesting, values nested
             again by the mapping) to a path or a write stream.
         tensors_only: the format holds tensors only (no ints, strings, ...).
+        write_verifiable: for a format whose file can hold its own checksums (safetensors: in its
+            header), writes a single-file output with them (``checksums=False``: sizes only);
+            None: a single file of this format gets a sidecar manifest instead.
     """
 
     kind: str
@@ -209,6 +213,7 @@ class FileFormat:
     shard_names: Callable[[int], list[str]]
     write: Callable[[dict[str, Any], Any, dict[str, tuple[Any, ...]] | None], None]
     tensors_only: bool = False
+    write_verifiable: Callable[..., None] | None = None
 
 
 def index_json(weight_map: dict[str, str], total_size: int) -> str:
@@ -223,7 +228,7 @@ def index_names(index: Location) -> list[str]:
         CorruptCheckpointError: the index is not readable, or names a file outside its directory.
     """
     try:
-        names = list(dict.fromkeys(json.loads(_read_index(index))["weight_map"].values()))
+        names = list(dict.fromkeys(loads_json(_read_index(index))["weight_map"].values()))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{index} is not a readable index: {type(exc).__name__}: {exc}") from exc
     return [check_name(n, index) for n in names]

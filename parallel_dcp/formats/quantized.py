@@ -36,6 +36,8 @@ import math
 
 import torch
 
+from parallel_dcp.errors import dtype_name
+
 __all__ = [
     "DEFAULT_BLOCK",
     "DEQUANTIZE_WORK_BYTES",
@@ -110,7 +112,7 @@ def dequantize_fp8(
         ValueError: ``weight`` is not FP8.
     """
     if weight.dtype not in FP8_DTYPES:
-        raise ValueError(f"block-scaled dequantization needs an FP8 weight, not {weight.dtype}")
+        raise ValueError(f"block-scaled dequantization needs an FP8 weight, not {dtype_name(weight.dtype)}")
     rows, cols = weight.shape
     out = torch.empty((rows, cols), dtype=dtype)
     if rows == 0 or cols == 0:

@@ -9,14 +9,14 @@ The FP8 block comes from ``--block-size``, else ``config.json``'s
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from parallel_dcp.errors import CorruptCheckpointError, QuantizationError
+from parallel_dcp._json import loads_json
+from parallel_dcp.errors import CorruptCheckpointError, QuantizationError, dtype_name
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, MAX_BLOCK, fp8_scale_shape
 from parallel_dcp.storage.location import Remote
@@ -59,7 +59,7 @@ def source_config(source: Source) -> dict[str, Any] | None:
     if not os.path.lexists(path) or os.path.isdir(path):
         return None
     try:  # by the one rule: a config.json linking out of the folder is refused, never read
-        config = json.loads(read_in_tree(path, source_tree(source.path), limit=_CONFIG_MAX_BYTES))
+        config = loads_json(read_in_tree(path, source_tree(source.path), limit=_CONFIG_MAX_BYTES))
     except CorruptCheckpointError:  # (a ValueError too) a link out of the folder, a FIFO, a huge file
         raise
     except ValueError as exc:
@@ -99,7 +99,7 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
                 continue
             stored = entries[weight]
             if stored.dtype not in FP8_DTYPES:
-                refuse(weight, f"has a {key.rsplit('.', 1)[-1]} but is {stored.dtype}, not FP8")
+                refuse(weight, f"has a {key.rsplit('.', 1)[-1]} but is {dtype_name(stored.dtype)}, not FP8")
             elif len(stored.shape) != 2 or len(entry.shape) != 2:
                 refuse(weight, f"block-scaled FP8 needs a 2-D weight and scale, not {stored.shape} and {entry.shape}")
             elif entry.shape != fp8_scale_shape(stored.shape, block):
@@ -109,7 +109,7 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
                     f"{weight!r} {list(stored.shape)} (expected {list(fp8_scale_shape(stored.shape, block))})",
                 )
             elif not entry.dtype.is_floating_point:
-                refuse(key, f"a scale must be floating, not {entry.dtype}")
+                refuse(key, f"a scale must be floating, not {dtype_name(entry.dtype)}")
             else:
                 pairs[weight] = Pair(weight, key, "fp8")
         elif key.endswith(SCALES_SUFFIX) or key.endswith(BLOCKS_SUFFIX):
@@ -122,7 +122,11 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
             elif key == blocks:
                 shape, scale_shape = entry.shape, entries[scales].shape
                 if entry.dtype != torch.uint8 or entries[scales].dtype != torch.uint8:
-                    refuse(key, f"MXFP4 blocks and scales are uint8, not {entry.dtype} and {entries[scales].dtype}")
+                    refuse(
+                        key,
+                        f"MXFP4 blocks and scales are uint8, not {dtype_name(entry.dtype)} and "
+                        f"{dtype_name(entries[scales].dtype)}",
+                    )
                 elif len(shape) < 2 or scale_shape != shape[:-1]:
                     refuse(scales, f"shape {list(scale_shape)} does not match the groups of {key!r} {list(shape)}")
                 elif stem in entries:

@@ -11,10 +11,8 @@ with the whole pool, each into its own destination.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
 import os
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,12 +24,19 @@ from parallel_dcp.errors import plural, printable
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
-from parallel_dcp.jobs.copy_files import files_to_copy
+from parallel_dcp.jobs.copy_files import check_no_clash, files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.hf_config import prepare_config
+from parallel_dcp.jobs.key_patterns import matcher, patterns_of
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.presets import Preset, PresetStep, apply_preset
-from parallel_dcp.jobs.quantization import Quantization, dequantize_step, prepare_target, quantize_step
+from parallel_dcp.jobs.quantization import (
+    Quantization,
+    check_pairs_named,
+    dequantize_step,
+    prepare_target,
+    quantize_step,
+)
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
 from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for
@@ -77,27 +82,21 @@ def select_keys(source: Source, patterns: str | Sequence[str] | None) -> tuple[s
 
     A pattern is a glob matched against the whole flattened key (``"model.layers.*.weight"``,
     ``"*embed*"``; ``*`` also crosses dots), or, prefixed with ``re:``, a Python regular expression
-    that must match the whole key (``"re:model\\.layers\\.[0-3]\\..*"``). A key is selected when
-    any pattern matches. None selects everything.
+    that must match the whole key (``"re:model\\.layers\\.[0-3]\\..*"``) (see
+    :mod:`parallel_dcp.jobs.key_patterns`). A key is selected when any pattern matches. None
+    selects everything.
 
     Raises:
-        ValueError: a bad regular expression, or patterns that select nothing (the keys are
-            listed so the user can correct them).
+        KeyPatternError: a bad regular expression (a ValueError).
+        ValueError: patterns that select nothing (the keys are listed so the user can correct them).
     """
     keys = list(source.entries) + [k for k in source.values if k not in source.entries]
     if patterns is None:
         return tuple(keys)
-    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-    matchers = []
-    for pattern in patterns:
-        if pattern.startswith("re:"):
-            try:
-                matchers.append(re.compile(pattern[3:]).fullmatch)
-            except re.error as exc:
-                raise ValueError(f"bad regular expression in {pattern!r}: {exc}") from exc
-        else:
-            matchers.append(re.compile(fnmatch.translate(pattern)).match)
-    selected = tuple(k for k in keys if any(m(k) for m in matchers))
+    patterns = patterns_of(patterns)
+    matchers = [matcher(pattern) for pattern in patterns]
+    exact = set(patterns)  # a pattern that is itself a key selects it (glob characters and all)
+    selected = tuple(k for k in keys if k in exact or any(m(k) for m in matchers))
     if not selected:
         sample = ", ".join(printable(k) for k in keys[:5]) + (" ..." if len(keys) > 5 else "")
         raise ValueError(f"keys {patterns} select nothing in {source.path} (its keys: {sample})")
@@ -175,6 +174,8 @@ def convert_one(
         if steps.done is not None and preset is not None and preset.writes_hf:
             _give_config(target, steps.done)
         prepare_config(target, source, job, dtype, quantization)  # config.json says what the shards hold
+        if isinstance(target, ShardedTarget):
+            check_no_clash(copies, target.extra_files)
         if dry_run:
             plan = plan_dry_run(job, target, options, governor)
             if copies:
@@ -251,6 +252,8 @@ def _convert_job(
         dtype = None  # the quantizing view casts the other tensors itself
     if rename is not None:
         source, selected = rename_source(source, selected, rename, strict=steps.rename_strict)
+        if quantization is not None and quantization.quantize is not None:
+            check_pairs_named(source, selected)
     if target.tensors_only:
         others = [k for k in selected if k not in source.entries]
         if others:

@@ -27,9 +27,7 @@ one key's nesting path being a level of another's are refused, every offender li
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -38,6 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from parallel_dcp.errors import RenameError, RenameWarning, describe_keys, plural
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.renamed_source import RenamedSource
+from parallel_dcp.jobs.rename_rules import parse_rule, read_rules_file
 
 if TYPE_CHECKING:
     pass
@@ -46,43 +45,8 @@ __all__ = ["RenameRules", "RenamedSource", "compile_rules", "parse_rule", "read_
 
 RenameRules: TypeAlias = Sequence[tuple[str, str]] | Callable[[str], str | None]
 
-_SHOWN = 20  # collisions listed in an error message
+_SHOWN = 10  # collisions listed in an error message (then "... and N more")
 _log = logging.getLogger("parallel_dcp")
-
-
-def parse_rule(text: str) -> tuple[str, str]:
-    """``"REGEX=TEMPLATE"`` (the CLI's ``--rename``) split at its last ``=``.
-
-    Templates cannot hold ``=`` this way (regexes may: ``(?=...)``); use a rules file for those.
-
-    Raises:
-        RenameError: no ``=``, or an empty regex.
-    """
-    regex, sep, template = text.rpartition("=")
-    if not sep or not regex:
-        raise RenameError(f"a rename rule is REGEX=TEMPLATE, got {text!r}")
-    return regex, template
-
-
-def read_rules_file(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
-    """Rules from a JSON file holding a list of ``[regex, template]`` pairs.
-
-    Raises:
-        RenameError: not JSON, or not a list of pairs of strings.
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except ValueError as exc:
-        raise RenameError(f"rename rules file {os.fspath(path)} is not JSON: {exc}") from exc
-    if not isinstance(value, list):
-        raise RenameError(f"rename rules file {os.fspath(path)} must hold a JSON list of [regex, template] pairs")
-    rules = []
-    for i, pair in enumerate(value):
-        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
-            raise RenameError(f"rename rules file {os.fspath(path)}: entry {i} is {pair!r}, not [regex, template]")
-        rules.append((pair[0], pair[1]))
-    return rules
 
 
 def compile_rules(
@@ -160,7 +124,8 @@ def _nesting(old: str, new: str, path: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _collision_error(title: str, collisions: dict[str, list[str]]) -> RenameError:
-    lines = [f"  {new!r} <- {', '.join(map(repr, olds))}" for new, olds in list(collisions.items())[:_SHOWN]]
+    # Each name's sources cut at a few names and a count: 96 keys renamed to one name is one short line.
+    lines = [f"  {new!r} <- {describe_keys(olds)}" for new, olds in list(collisions.items())[:_SHOWN]]
     more = [f"  ... and {len(collisions) - _SHOWN} more"] if len(collisions) > _SHOWN else []
     return RenameError(f"{title} (nothing was written):", collisions=collisions, lines=[*lines, *more])
 

@@ -39,7 +39,7 @@ from parallel_dcp.storage.compression import Compression
 from parallel_dcp.storage.direct_write import direct_write_memory, new_file
 from parallel_dcp.storage.io_mode import resolve_io, uses_direct
 from parallel_dcp.storage.location import Remote, locate, upload_memory
-from parallel_dcp.storage.manifest import FileDigest, Hasher, manifest_bytes
+from parallel_dcp.storage.manifest import FileDigest, Hasher, manifest_bytes, sidecar_name
 from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
 from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck
@@ -245,7 +245,9 @@ def _whole_file_memory(items: list[Item]) -> int:
 
 def _where(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Path | Remote:
     found = locate(path, storage_options)
-    return found if isinstance(found, Remote) else found.absolute()
+    # Normalised as the staging normalises it (os.path.abspath): results name the file it writes,
+    # ``a/copy.safetensors`` rather than ``a/model/../copy.safetensors``.
+    return found if isinstance(found, Remote) else Path(os.path.abspath(found))
 
 
 def _digest_of(data: bytes, options: Options) -> FileDigest:
@@ -496,8 +498,14 @@ class FileTarget(Target):
         self.kind = kind
         self.tensors_only = self.format.tensors_only
 
+    @property
+    def sidecar(self) -> str | None:
+        """The sidecar manifest's name, for a format whose file cannot hold its own checksums."""
+        return sidecar_name(self.path.name) if self.format.write_verifiable is None else None
+
     def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
-        return stage_file(self.path, overwrite=overwrite, protect=protect or [], resume=resume)
+        companions = [self.sidecar] if self.sidecar is not None else []
+        return stage_file(self.path, overwrite=overwrite, protect=protect or [], resume=resume, companions=companions)
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)
@@ -509,12 +517,23 @@ class FileTarget(Target):
         # A format that keeps nesting (torch.save) writes the source's; flat ones ignore it.
         mapping = {key: job.source.mapping.get(key, (key,)) for key in task.keys}
         where = staging.file(self.path.name)  # beside the destination, under a hidden name (local)
+        writer = self.format.write
+        if self.format.write_verifiable is not None:  # the file carries its own checksums
+            writer = partial(self.format.write_verifiable, checksums=options.checksums)
+        file_format = dataclasses.replace(self.format, write=writer)
         if isinstance(where, Remote):
-            return _write_remote(where, self.format, data, task.nbytes, options, mapping)
-        return _write_local(self, where, data, mapping, task.nbytes, options)
+            return _write_remote(where, file_format, data, task.nbytes, options, mapping)
+        return _write_local(self, where, data, mapping, task.nbytes, options, file_format)
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
-        staging.commit(staged=[self.path.name])  # one atomic rename (local); the upload itself (remote)
+        # A format that cannot hold its checksums gets its manifest beside it, renamed into place
+        # right after the file (as a directory's manifest follows its marker).
+        extras = {}
+        if self.sidecar is not None and results:
+            extras[self.sidecar] = manifest_bytes(
+                {self.path.name: results[0]}, job.source.fingerprint(), staging.save_id
+            )
+        staging.commit(staged=[self.path.name], extras=extras)  # one atomic rename (local); the upload (remote)
         return 1
 
 
@@ -556,6 +575,7 @@ def _write_local(
     mapping: dict[str, tuple[Any, ...]] | None,
     nbytes: int,
     options: Options,
+    file_format: FileFormat | None = None,
 ) -> FileDigest:
     """One file through the I/O layer: created new (a name planted there, a symlink included, is
     refused, never written through), with O_DIRECT where the target's io says, hashed while it
@@ -565,7 +585,7 @@ def _write_local(
     attribute, and the directory refused every later run)."""
     hasher = Hasher(checksum=options.checksums)
     with new_file(where, direct=target.uses_direct(nbytes)) as stream:
-        target.format.write(data, _Hashing(stream, hasher), mapping)
+        (file_format or target.format).write(data, _Hashing(stream, hasher), mapping)
         stream.flush()
         if options.sync_files:
             os.fsync(stream.fileno())

@@ -15,6 +15,9 @@ A reader trusts three things ``.metadata`` says, and each can be crafted:
 The chunk check costs O(n log n) for the layouts DCP writes (chunks split along one dimension,
 or a regular grid of them) and falls back to a pairwise test, bounded in total work, for any
 other layout; a layout too irregular to check within that bound is refused rather than trusted.
+
+Longer than 300 lines because the three checks share one walk over the records and one error
+vocabulary; split, each would re-read what the others already hold.
 """
 
 from __future__ import annotations

@@ -20,12 +20,14 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import (
     CheckpointExistsError,
     InsufficientSpaceError,
     InvalidDestinationError,
     ResumeError,
 )
+from parallel_dcp.storage.location import check_name
 from parallel_dcp.storage.lock import DestinationLock
 from parallel_dcp.storage.ownership import (
     DCP_LAYOUT,
@@ -66,7 +68,7 @@ __all__ = [
 def _manifest_save_id(directory: Path) -> str | None:
     """The save id in the destination's manifest (that save committed: nothing to resume)."""
     try:
-        value = json.loads(read_small(directory / MANIFEST_FILE, 64 * 2**20)).get("save_id")
+        value = loads_json(read_small(directory / MANIFEST_FILE, 64 * 2**20)).get("save_id")
     except (ValueError, OSError, AttributeError):
         return None
     return value if isinstance(value, str) else None
@@ -243,6 +245,9 @@ class _LocalStaging(Staging):
         # name and renamed into place with the other extras (see storage.side_trees).
         extras, trees = split_trees(extras or {})
         small = ({marker[0]: marker[1]} if marker else {}) | extras
+        if self.resumed is not None:  # a save killed inside its commit left these (its own id): made anew
+            for name in [*small, *trees]:
+                self._remove(temp_name(name, self.save_id))
         for name, data in small.items():
             write_new(self.fd, temp_name(name, self.save_id), data)
         for name, files in trees.items():
@@ -259,9 +264,14 @@ class _LocalStaging(Staging):
         for name in [*staged, *([marker[0]] if marker else [])]:
             self._rename_into_place(name)
         self._committed = True
+        # The manifest last: a save killed before its rename has no manifest saying it is whole
+        # (so a manifest present means the copied folders are in place too).
         for name in extras:
-            self._rename_into_place(name)
+            if name != MANIFEST_FILE:
+                self._rename_into_place(name)
         aside = [self._tree_into_place(name) for name in trees]
+        if MANIFEST_FILE in extras:
+            self._rename_into_place(MANIFEST_FILE)
         self._replaced = (old - new) | {name for name in aside if name is not None}
         sync_directory(self.fd)
 
@@ -420,9 +430,11 @@ class LocalFileStaging(_LocalStaging):
         overwrite: bool,
         protect: Sequence[str] = (),
         resume: IdentityCheck | None = None,
+        companions: Sequence[str] = (),
     ) -> None:
         dest = Path(os.path.abspath(destination))
         _check_parent(dest)
+        self.companions = [check_name(name, dest.parent) for name in companions]
         if dest.is_dir():
             raise InvalidDestinationError(f"cannot write the file {dest}: it is a directory")
         lock = dest.parent / f".{dest.name}.lock"
@@ -433,15 +445,18 @@ class LocalFileStaging(_LocalStaging):
         self._start()
 
     def _check(self) -> None:
-        if os.path.lexists(self.destination):
-            if not self.overwrite:
-                raise CheckpointExistsError(
-                    f"{self.destination} already exists; pass overwrite=True (--overwrite) to replace it"
-                )
-            protect_sources(self._dir, [self.destination.name], self.protect)
+        for name in [self.destination.name, *self.companions]:
+            if os.path.lexists(self._dir / name):
+                if not self.overwrite:
+                    what = "" if name == self.destination.name else f" (it belongs with {self.destination.name})"
+                    raise CheckpointExistsError(
+                        f"{self._dir / name} already exists{what}; pass overwrite=True (--overwrite) to replace it"
+                    )
+                protect_sources(self._dir, [name], self.protect)
 
     def _owned(self) -> set[str]:
-        return {self.destination.name} if self.destination.exists() else set()
+        owned = {self.destination.name} if self.destination.exists() else set()
+        return owned | {name for name in self.companions if os.path.lexists(self._dir / name)}
 
     def _output_name(self) -> str | None:
         return self.destination.name

@@ -11,6 +11,9 @@ Non-tensor values are stored by DCP as pickled ``BYTE_IO`` records, which torch'
 runs code through it. Every read path here uses :class:`SafeLoadPlanner` /
 :func:`safe_empty_planner`, which unpickle with ``weights_only=True`` and refuse anything more
 with :class:`UnsafeCheckpointError` naming the key, unless the caller passed ``trust_pickle``.
+
+Longer than 300 lines because reading ``.metadata`` safely is one job: the bounded open by the one
+rule, the allow-list unpickler, the memory check and the geometry checks.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from parallel_dcp.errors import (
     describe_keys,
 )
 from parallel_dcp.storage.geometry import PairBudget, check_chunks, check_planner_data, check_records, check_shards
-from parallel_dcp.storage.location import Location, Remote, check_name, file_size, locate
+from parallel_dcp.storage.location import Location, Remote, check_name, file_size, listdir, locate
 from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = [
@@ -138,6 +141,15 @@ def _read_metadata(file: Location, f: BinaryIO, size: int, memory_limit: int | N
     return metadata
 
 
+def _no_checkpoint(checkpoint: object, file: Location) -> FileNotFoundError:
+    """No ``.metadata`` at ``file``: an empty directory is called empty."""
+    empty = file.parent.is_dir() and not listdir(file.parent)
+    return FileNotFoundError(
+        f"{checkpoint} is not a DCP checkpoint: "
+        + ("the directory is empty" if empty else "it has no .metadata (the commit marker)")
+    )
+
+
 @contextlib.contextmanager
 def _open_metadata(file: Any, checkpoint: object) -> Iterator[tuple[BinaryIO, int]]:
     """``.metadata`` for reading in pieces of ``_READ_PIECE`` (the unpickler asks for a few bytes at
@@ -151,12 +163,12 @@ def _open_metadata(file: Any, checkpoint: object) -> Iterator[tuple[BinaryIO, in
     """
     if isinstance(file, Remote):
         if not file.is_file():
-            raise FileNotFoundError(f"{checkpoint} is not a DCP checkpoint: it has no .metadata (the commit marker)")
+            raise _no_checkpoint(checkpoint, file)
         with file.open_read() as raw, io.BufferedReader(raw, buffer_size=_READ_PIECE) as f:
             yield f, file_size(file)
         return
     if not os.path.lexists(file):
-        raise FileNotFoundError(f"{checkpoint} is not a DCP checkpoint: it has no .metadata (the commit marker)")
+        raise _no_checkpoint(checkpoint, file)
     try:
         stream = open_bounded(file, buffering=_READ_PIECE)
     except UnsafeCheckpointError:

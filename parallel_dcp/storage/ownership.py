@@ -6,12 +6,14 @@ names ``.<name>.<save id>.tmp``, its owner record ``.parallel_dcp.owner.<save id
 an overwrite replaces); owner
 records let the next save to a destination find and remove the files of a save whose process is
 gone (:func:`find_leftovers`). The protocol that uses them: :mod:`parallel_dcp.storage.staging`.
+
+Longer than 300 lines because owner records, the leftovers they find, and how a leftover's owner
+is described (in inspect and in the cleanup's warning) are one job.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import socket
@@ -22,10 +24,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import (
     CorruptCheckpointError,
     InvalidDestinationError,
     plural,
+    printable,
 )
 from parallel_dcp.storage.layout import (
     DCP_LAYOUT,
@@ -172,6 +176,20 @@ def _owner_alive(record: Mapping[str, Any]) -> bool | None:
     return start is not None and (record.get("start") is None or abs(start - float(record["start"])) < 1.0)
 
 
+def describe_owner(leftover: Mapping[str, Any]) -> str:
+    """Who left a leftover, in words, saying only what its record knows: ``pid 81 on vm, gone``,
+    ``stopped on vm`` (a conversion that failed and kept its finished tasks), ``owner unknown``."""
+    host, pid = leftover.get("host"), leftover.get("pid")
+    where = f" on {printable(host)}" if isinstance(host, str) and host else ""
+    if leftover.get("stopped"):
+        return f"stopped{where}"
+    if not isinstance(host, str) and not isinstance(pid, int):
+        return "owner unknown: its record cannot be read"
+    who = f"pid {pid}{where}" if isinstance(pid, int) and pid > 0 else f"owner unknown{where}"
+    state = {True: "still running", False: "gone", None: "on another host"}[leftover.get("running")]
+    return f"{who}, {state}"
+
+
 def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict[str, Any]]:
     """The saves that left files at ``where``: owner, whether it still runs, and its files.
 
@@ -187,7 +205,7 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
         if not is_save_id(save_id):
             continue  # not a record a save writes: it acts on nothing
         try:
-            record = json.loads(read_record(where / name))
+            record = loads_json(read_record(where / name))
             if not isinstance(record, dict):
                 raise ValueError("not an object")
         except (ValueError, OSError):  # UnsafeCheckpointError (a planted symlink or FIFO) is a ValueError
@@ -214,6 +232,7 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
                 "save_id": save_id,
                 "host": record.get("host"),
                 "pid": record.get("pid"),
+                "stopped": record.get("stopped") is True,
                 "running": _owner_alive(record),
                 "files": sorted(files),
                 # A conversion that kept records for resume=True, and how many of its tasks finished.
@@ -237,7 +256,7 @@ def _written_by_us(record: Location) -> bool:
 
 def _manifest_save_id(where: Location) -> str | None:
     try:
-        value = json.loads(read_record(where / MANIFEST_FILE)).get("save_id")
+        value = loads_json(read_record(where / MANIFEST_FILE)).get("save_id")
     except (ValueError, OSError, AttributeError):
         return None
     return value if isinstance(value, str) else None
@@ -254,7 +273,7 @@ def clean_leftovers(where: Location, keep: str | None = None) -> None:
         remove_path(where / owner_name(leftover["save_id"]))
         warnings.warn(
             f"{where}: removed {plural(len(leftover['files']), 'leftover file')} of save {leftover['save_id']} "
-            f"(pid {leftover['pid']} on {leftover['host']}, no longer running)"
+            f"({describe_owner(leftover)})"
             + (
                 f"; it was a conversion with {plural(leftover['tasks_done'], 'finished task')}, which "
                 "convert(..., resume=True) (--resume) would have kept"
