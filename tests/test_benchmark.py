@@ -470,3 +470,39 @@ def test_read_suite_compares_every_reader_cold_on_both_copies(tmp_path: Path) ->
     summary = scenario["summary"]
     assert summary["hf"]["share_of_best_plain_read"] > 0 and summary["dcp"]["vs_stock_load_file"] > 0
     assert list(target.iterdir()) == [], "the benchmark removes what it wrote"
+
+
+def test_disk_suite_reports_the_read_choice_for_both_checkpoints(tmp_path: Path) -> None:
+    target, results = tmp_path / "target", tmp_path / "results"
+    target.mkdir()
+    results.mkdir()
+    run = _bench(
+        [
+            *TINY,
+            *("--suite", "disk", "--targets", "disk", "--disk-dir", str(target)),
+            *("--json", str(results / "bench.json")),
+        ],
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "our checkpoint: io=auto read" in run.stdout and "stock-written checkpoint: io=auto read" in run.stdout
+    (scenario,) = _strict_json((results / "bench.json").read_text())["scenarios"]
+    rows = scenario["rows"]
+    for label in ("", " (stock-written)"):
+        for name in (
+            f"load into w=2{label}",
+            f"load into w=2 io=direct{label}",
+            f"load into w=2 io=buffered{label}",
+            f"FastReader w=2{label}",
+            f"stock dcp.load{label}",
+            f"plain read x2 direct{label}",
+            f"plain read x2 buffered{label}",
+        ):
+            name = next(n for n in rows if n.startswith(name) and (label or "(stock-written)" not in n))
+            assert rows[name]["status"] == "ok", (name, rows[name]["error"])
+        auto = next(r for n, r in rows.items() if n.startswith(f"load into w=2{label}") and "io=" not in n)
+        assert auto["details"]["read_io"] in ("direct", "buffered") and auto["details"]["read_reason"]
+        reads = scenario["summary"]["reads"][label]
+        assert reads["load_into_of_best_read"] > 0 and reads["load_into_vs_stock"] > 0
+        assert reads["choice"]["read_io"] == auto["details"]["read_io"]
+    assert list(target.iterdir()) == [], "the benchmark removes what it wrote"

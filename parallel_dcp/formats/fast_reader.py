@@ -31,7 +31,7 @@ from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.source_storage import read_source_items, source_metadata
 from parallel_dcp.options import usable_cores
-from parallel_dcp.storage.io_mode import resolve_io
+from parallel_dcp.storage.io_mode import ReadChoice, read_choice, resolve_io
 from parallel_dcp.storage.location import Location, Remote, RemoteFileSystem, locate
 from parallel_dcp.storage.metadata import check_metadata, read_metadata, unpickle_value
 from parallel_dcp.storage.safe_reader import SafeFileSystem
@@ -71,7 +71,9 @@ class FastReader(FileSystemReader):
         io: ``"auto"``, ``"direct"`` or ``"buffered"``, as for :func:`parallel_dcp.load`.
 
     ``stats`` (a :class:`parallel_dcp.ReadStats`) counts what the fast path and DCP's reader
-    served across every ``read_data`` call.
+    served across every ``read_data`` call; ``read_choice`` (also ``stats.read_choice``) says how
+    the shards were read, and for ``io="auto"`` the cold rates measured on their file system by
+    the first ``read_data`` (storage.io_mode.read_choice).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class FastReader(FileSystemReader):
     ) -> None:
         self._where: Location = locate(path, storage_options)
         self.io = resolve_io(io, self._where, writing=False)
+        self._io_asked = io
         super().__init__(os.fspath(self._where))
         # Any other format convert reads (safetensors, torch.save) is served as one chunk per tensor.
         self._source = open_other_format(self._where, storage_options, trust_pickle)
@@ -101,6 +104,7 @@ class FastReader(FileSystemReader):
         self.trust_pickle = trust_pickle
         self.memory_limit = None if memory_limit is None else parse_size(memory_limit)
         self.stats = fast_read.ReadStats()
+        self.read_choice: ReadChoice | None = None
         self._chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
         self._metadata: Metadata | None = None
 
@@ -110,6 +114,7 @@ class FastReader(FileSystemReader):
             self._where = locate(checkpoint_id, options)
             self._source, self._ranges = open_other_format(self._where, options, self.trust_pickle), None
         super().reset(checkpoint_id)
+        self.read_choice = None  # another checkpoint may live on another file system
         if isinstance(self._where, Remote):
             self.path = self._where.url
 
@@ -198,7 +203,13 @@ class FastReader(FileSystemReader):
             planner.load_bytes(item, io.BytesIO(data))
 
         budget = None if self.memory_limit is None else MemoryGovernor(self.memory_limit)
-        self.stats.add(fast_read.read_requests(self._where, requests, self.workers, on_bytes, budget, io=self.io))
+        if self.read_choice is None:  # the first read decides, measuring the shards it is about to read
+            names = dict.fromkeys(str(r.info.relative_path) for r in requests)
+            files = [] if isinstance(self._where, Remote) else [self._where / name for name in names]
+            self.read_choice = read_choice(self._io_asked, self._where, files, streams=self.workers)
+        read = fast_read.read_requests(self._where, requests, self.workers, on_bytes, budget, io=self.read_choice.io)
+        read.read_choice = self.read_choice
+        self.stats.add(read)
         for item, target in committed:
             planner.commit_tensor(item, target)
         future: Future[None] = Future()
