@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 import parallel_dcp
 from parallel_dcp.errors import InvalidDestinationError
 from parallel_dcp.formats import read_units
-from parallel_dcp.storage import direct_read, io_mode, read_probe
+from parallel_dcp.storage import direct_read, io_mode, read_choice, read_probe
 from parallel_dcp.storage.direct_read import ShardFile
 
 MiB = 1 << 20
@@ -31,9 +31,9 @@ MiB = 1 << 20
 
 @pytest.fixture(autouse=True)
 def fresh_choices() -> Iterator[None]:
-    io_mode.forget_read_choices()
+    read_choice.forget_read_choices()
     yield
-    io_mode.forget_read_choices()
+    read_choice.forget_read_choices()
 
 
 @pytest.fixture
@@ -122,7 +122,7 @@ def test_auto_follows_the_measurement(
 ) -> None:
     device = fake(monkeypatch, direct, buffered)
     sample = sparse_file(disk / "shard.distcp", 256 * MiB)
-    choice = io_mode.read_choice("auto", disk, [sample], streams=2)
+    choice = read_choice.read_choice("auto", disk, [sample], streams=2)
     assert (choice.reads, choice.io, choice.reason) == (reads, resolved, "measured")
     assert choice.direct_bytes_per_s == pytest.approx(direct)
     assert choice.buffered_bytes_per_s == pytest.approx(buffered)
@@ -143,7 +143,7 @@ def test_load_and_fast_reader_read_as_measured(
     parallel_dcp.save(sd, disk / "ckpt", workers=1, io="buffered")
     fake(monkeypatch, direct, buffered)
     opened = shard_modes(monkeypatch)
-    before = io_mode.read_probe_count()
+    before = read_choice.read_probe_count()
 
     stats = parallel_dcp.ReadStats()
     out = parallel_dcp.load(disk / "ckpt", workers=2, stats=stats)
@@ -160,26 +160,26 @@ def test_load_and_fast_reader_read_as_measured(
     assert reader.read_choice is not None and reader.read_choice.reads == stats.read_choice.reads
     assert reader.stats.read_choice == reader.read_choice
     assert opened and set(opened) == {expect_direct}
-    assert io_mode.read_probe_count() == before + 1  # the reader reused the load's measurement
+    assert read_choice.read_probe_count() == before + 1  # the reader reused the load's measurement
 
 
 def test_probe_runs_once_per_file_system_and_process(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake(monkeypatch, 1e9, 2e9)
     first = sparse_file(disk / "a.distcp", 160 * MiB)
     second = sparse_file(disk / "b.distcp", 200 * MiB)
-    before = io_mode.read_probe_count()
-    choices = [io_mode.read_choice("auto", disk, [first, second]) for _ in range(3)]
-    choices.append(io_mode.read_choice("auto", disk, [first]))
-    assert io_mode.read_probe_count() == before + 1
+    before = read_choice.read_probe_count()
+    choices = [read_choice.read_choice("auto", disk, [first, second]) for _ in range(3)]
+    choices.append(read_choice.read_choice("auto", disk, [first]))
+    assert read_choice.read_probe_count() == before + 1
     assert {c.reads for c in choices} == {"buffered"}
     assert choices[0].probed == str(second)  # the largest file the job reads
 
     # another file system (another st_dev) is measured on its own
-    real = io_mode._largest
-    monkeypatch.setattr(io_mode, "_largest", lambda files: [(n, size, -12345) for n, size, _ in real(files)])
-    io_mode.read_choice("auto", disk, [first])
-    io_mode.read_choice("auto", disk, [first])
-    assert io_mode.read_probe_count() == before + 2
+    real = read_choice._largest
+    monkeypatch.setattr(read_choice, "_largest", lambda files: [(n, size, -12345) for n, size, _ in real(files)])
+    read_choice.read_choice("auto", disk, [first])
+    read_choice.read_choice("auto", disk, [first])
+    assert read_choice.read_probe_count() == before + 2
 
 
 def test_the_probe_reads_only_the_file_the_job_reads(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,7 +196,7 @@ def test_the_probe_reads_only_the_file_the_job_reads(disk: Path, monkeypatch: py
 
     monkeypatch.setattr(direct_read, "open_regular", spy)
     before = sorted(os.listdir(disk))
-    choice = io_mode.read_choice("auto", disk, [sample], streams=4)
+    choice = read_choice.read_choice("auto", disk, [sample], streams=4)
     assert choice.reason == "measured"
     assert set(opened) == {str(sample)}
     assert device.reads and all(path == sample for path, *_ in device.reads)
@@ -232,7 +232,7 @@ def test_small_shards_are_probed_across_files_with_full_slices(disk: Path, monke
     device = fake(monkeypatch, 1e9, 2e9)
     monkeypatch.setattr(read_probe, "readahead_bytes", lambda dev: 8 * MiB)
     files = [sparse_file(disk / f"__{i}_0.distcp", 60 * MiB) for i in range(6)]  # none holds 4 rounds alone
-    choice = io_mode.read_choice("auto", disk, files, streams=2)
+    choice = read_choice.read_choice("auto", disk, files, streams=2)
     assert choice.reason == "measured" and choice.reads == "buffered"
     assert {n for _, _, n, _ in device.reads} == {read_probe.PROBE_SLICE}
     assert len({path for path, *_ in device.reads}) > 1 and {p for p, *_ in device.reads} <= set(files)
@@ -240,12 +240,12 @@ def test_small_shards_are_probed_across_files_with_full_slices(disk: Path, monke
 
 def test_tmpfs_reads_buffered_without_probing(shm: Path) -> None:
     sample = sparse_file(shm / "shard.distcp", 256 * MiB)
-    before = io_mode.read_probe_count()
-    choice = io_mode.read_choice("auto", shm, [sample])
+    before = read_choice.read_probe_count()
+    choice = read_choice.read_choice("auto", shm, [sample])
     assert (choice.io, choice.reads) == ("buffered", "buffered") and "tmpfs" in choice.reason
     with pytest.raises(InvalidDestinationError, match=r"io='direct': cannot read .* tmpfs"):
-        io_mode.read_choice("direct", shm, [sample])
-    assert io_mode.read_probe_count() == before
+        read_choice.read_choice("direct", shm, [sample])
+    assert read_choice.read_probe_count() == before
 
     sd = {"w": torch.randn(64, 64)}
     parallel_dcp.save(sd, shm / "ckpt", workers=1)
@@ -253,7 +253,7 @@ def test_tmpfs_reads_buffered_without_probing(shm: Path) -> None:
     parallel_dcp.load(shm / "ckpt", workers=1, stats=stats)
     assert stats.read_choice is not None and stats.read_choice.reads == "buffered"
     assert "tmpfs" in stats.read_choice.reason and not stats.read_choice.measured
-    assert io_mode.read_probe_count() == before
+    assert read_choice.read_probe_count() == before
 
 
 @pytest.mark.parametrize("io", ["direct", "buffered"])
@@ -264,7 +264,7 @@ def test_direct_and_buffered_skip_the_probe(
     sd = {"w": torch.randn(1024, 1024)}
     parallel_dcp.save(sd, disk / "ckpt", workers=1)
     opened = shard_modes(monkeypatch)
-    before = io_mode.read_probe_count()
+    before = read_choice.read_probe_count()
     stats = parallel_dcp.ReadStats()
     assert torch.equal(parallel_dcp.load(disk / "ckpt", workers=2, io=io, stats=stats)["w"], sd["w"])
     assert stats.read_choice is not None and stats.read_choice.reads == io and not stats.read_choice.measured
@@ -272,17 +272,17 @@ def test_direct_and_buffered_skip_the_probe(
     reader = parallel_dcp.FastReader(disk / "ckpt", workers=2, io=io)
     dcp_load({"w": torch.zeros_like(sd["w"])}, storage_reader=reader, no_dist=True)
     assert reader.read_choice is not None and reader.read_choice.reads == io
-    assert io_mode.read_probe_count() == before
+    assert read_choice.read_probe_count() == before
 
 
 def test_small_files_are_read_buffered_without_probing(disk: Path) -> None:
     sd = {"w": torch.randn(256, 256)}
     parallel_dcp.save(sd, disk / "ckpt", workers=1)
-    before = io_mode.read_probe_count()
+    before = read_choice.read_probe_count()
     stats = parallel_dcp.ReadStats()
     parallel_dcp.load(disk / "ckpt", workers=1, stats=stats)
     assert stats.read_choice is not None and stats.read_choice.reads == "buffered"
-    assert io_mode.read_probe_count() == before
+    assert read_choice.read_probe_count() == before
 
 
 def test_a_file_system_that_refuses_o_direct_is_remembered_as_buffered(
@@ -297,12 +297,12 @@ def test_a_file_system_that_refuses_o_direct_is_remembered_as_buffered(
 
     monkeypatch.setattr(direct_read.fcntl, "fcntl", refuse)
     sample = sparse_file(disk / "shard.distcp", 256 * MiB)
-    before = io_mode.read_probe_count()
-    first = io_mode.read_choice("auto", disk, [sample])
-    again = io_mode.read_choice("auto", disk, [sample])
+    before = read_choice.read_probe_count()
+    first = read_choice.read_choice("auto", disk, [sample])
+    again = read_choice.read_choice("auto", disk, [sample])
     assert first == again and (first.io, first.reads) == ("buffered", "buffered")
     assert "refuses O_DIRECT" in first.reason
-    assert io_mode.read_probe_count() == before + 1
+    assert read_choice.read_probe_count() == before + 1
 
 
 @pytest.mark.parametrize(("direct", "buffered", "reads"), [(3e9, 1e9, "direct"), (1e9, 3e9, "buffered")])

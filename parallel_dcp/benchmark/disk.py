@@ -31,7 +31,7 @@ import parallel_dcp
 from parallel_dcp.benchmark.device import direct_write_probe, fio_write, plain_read
 from parallel_dcp.benchmark.measure import Case
 from parallel_dcp.benchmark.writers import flat_tensors
-from parallel_dcp.storage.io_mode import ReadChoice
+from parallel_dcp.storage.read_choice import ReadChoice
 
 __all__ = ["disk_cases", "drop_caches", "page_cache_bytes"]
 

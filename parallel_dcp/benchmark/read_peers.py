@@ -88,7 +88,7 @@ def peer_rows(files: list[str], baseline: str, limit: str, prepare: Callable[[],
                 baseline=baseline,
                 limit=limit,
                 core=False,
-                unavailable=None if fst else "fastsafetensors is not installed (pip install 'parallel_dcp[bench]')",
+                unavailable=None if fst else "fastsafetensors is not installed (pip install '.[bench]')",
             )
         )
     runai = version("runai-model-streamer")
@@ -111,7 +111,7 @@ def peer_rows(files: list[str], baseline: str, limit: str, prepare: Callable[[],
             baseline=baseline,
             limit=limit,
             core=False,
-            unavailable=None if runai else "runai-model-streamer is not installed (pip install 'parallel_dcp[bench]')",
+            unavailable=None if runai else "runai-model-streamer is not installed (pip install '.[bench]')",
         )
     )
     return rows

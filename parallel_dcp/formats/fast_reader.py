@@ -31,9 +31,10 @@ from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.source_storage import read_source_items, source_metadata
 from parallel_dcp.options import usable_cores
-from parallel_dcp.storage.io_mode import ReadChoice, read_choice, resolve_io
+from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import Location, Remote, RemoteFileSystem, locate
 from parallel_dcp.storage.metadata import check_metadata, read_metadata, unpickle_value
+from parallel_dcp.storage.read_choice import ReadChoice, read_choice
 from parallel_dcp.storage.safe_reader import SafeFileSystem
 
 __all__ = ["FastReader"]
@@ -73,7 +74,7 @@ class FastReader(FileSystemReader):
     ``stats`` (a :class:`parallel_dcp.ReadStats`) counts what the fast path and DCP's reader
     served across every ``read_data`` call; ``read_choice`` (also ``stats.read_choice``) says how
     the shards were read, and for ``io="auto"`` the cold rates measured on their file system by
-    the first ``read_data`` (storage.io_mode.read_choice).
+    the first ``read_data`` (storage.read_choice.read_choice).
     """
 
     def __init__(

@@ -30,8 +30,8 @@ from parallel_dcp.engine.memory import ZSTD_DECOMPRESS_BYTES
 from parallel_dcp.errors import CorruptCheckpointError, dtype_name
 from parallel_dcp.formats.dcp_records import HEAD_BYTES, TAIL_BYTES, RecordLayout, is_row_major, parse_record
 from parallel_dcp.storage.direct_read import ShardFile
-from parallel_dcp.storage.io_mode import ReadChoice
 from parallel_dcp.storage.location import Location, Remote
+from parallel_dcp.storage.read_choice import ReadChoice
 
 __all__ = [
     "BATCH_BYTES",
@@ -85,7 +85,7 @@ class ReadStats:
     (non-tensor) values; ``reads`` the system calls (or ranged GETs) of the fast path;
     ``compressed`` the read items decompressed (bounded, on the reading threads);
     ``read_choice`` how local shards were read under ``io`` and why: for ``io="auto"`` the cold
-    direct and buffered rates measured on this file system (storage.io_mode.ReadChoice)."""
+    direct and buffered rates measured on this file system (storage.read_choice.ReadChoice)."""
 
     fast: int = 0
     fallback: int = 0

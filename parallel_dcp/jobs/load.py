@@ -59,9 +59,10 @@ from parallel_dcp.jobs.key_patterns import select
 from parallel_dcp.options import Options, usable_cores
 from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.storage.direct_read import direct_read_memory
-from parallel_dcp.storage.io_mode import ReadChoice, read_choice, resolve_io
+from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, locate
 from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading, unpickle_value
+from parallel_dcp.storage.read_choice import ReadChoice, read_choice
 
 __all__ = ["check_target", "load"]
 

@@ -37,9 +37,10 @@ from parallel_dcp.jobs.verify_files import no_checksums_problem, recorded_checks
 from parallel_dcp.jobs.verify_pass import one_pass_handler, records_by_file
 from parallel_dcp.options import Options
 from parallel_dcp.storage.direct_read import PIECE_BYTES, direct_read_memory
-from parallel_dcp.storage.io_mode import ReadChoice, read_choice, resolve_io
+from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, is_url, locate
 from parallel_dcp.storage.manifest import FileDigest, file_digest
+from parallel_dcp.storage.read_choice import ReadChoice, read_choice
 
 __all__ = ["VerifyReport", "verify"]
 

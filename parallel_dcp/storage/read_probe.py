@@ -1,6 +1,6 @@
 """A short measurement of cold direct reads against cold buffered ones, on a file a job reads.
 
-``io="auto"`` for reads asks this once per file system and process (storage.io_mode.read_choice):
+``io="auto"`` for reads asks this once per file system and process (storage.read_choice.read_choice):
 no rule tells which is faster (on one host O_DIRECT reads beat the page cache by 23%, on another
 buffered reads with the kernel's read-ahead won by 28%), so it is measured, without root and
 without writing anything:
