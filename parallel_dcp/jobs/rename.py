@@ -138,7 +138,8 @@ def _report(
     if unmatched:
         warnings.warn(
             RenameWarning(
-                f"{plural(len(unmatched), 'key')} of {path} matched no rename rule and keep their names: "
+                f"{plural(len(unmatched), 'key')} of {path} matched no rename rule and "
+                f"{'keeps its name' if len(unmatched) == 1 else 'keep their names'}: "
                 f"{describe_keys(list(unmatched))} (rename_strict=True / --rename-strict refuses this)"
             ),
             stacklevel=4,
