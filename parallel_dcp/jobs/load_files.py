@@ -8,8 +8,15 @@ open_source (headers only; links only within the source's tree; torch.save: weig
   │ select keys; into=: the caller's tensors, checked (dtype after dtype=, shape)
   │ memory: the output (without into=), each thread's buffers, admitted before any read
   ▼
-tensors whose bytes lie plainly in a file (Source.raw_ranges): formats/range_read, the
-  file's bytes read straight into the destination's memory (preadv or O_DIRECT)
+  │ io="auto": direct or buffered as measured on this file system, once per process
+  │   (storage.read_choice; the probe's buffers set aside beside the threads' own)
+  ▼
+tensors whose bytes lie plainly in a file (Source.raw_ranges):
+  - whole, as stored, no caller's memory: formats/span_read, fresh page-aligned memory laid
+    out as in the file, read straight into (O_DIRECT without a bounce buffer), two requests in
+    flight per thread; the tensors are views of it (a large one owns its memory)
+  - into the caller's tensors, or cast: formats/range_read (preadv in place, or O_DIRECT
+    through the thread's aligned buffers; a staging buffer where a cast is needed)
 the rest (dequantized pairs, strided torch.save views, object storage): Source.read on the
   same number of threads, copied (and cast) into the destination
   ▼
