@@ -295,3 +295,55 @@ def test_a_computed_tensor_is_admitted_under_the_memory_limit(tmp_path: Path) ->
     out = torch.empty(50, 300)
     roomy.read_data(region_items(roomy, "t", [100, 0], [50, 300]), RegionPlanner({"t": out})).wait()  # type: ignore[arg-type]
     assert torch.equal(out, base.t()[100:150])
+
+
+def test_keys_read_only_the_spans_of_the_selected_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_spans: None
+) -> None:
+    src = folder(tmp_path / "hf", release())
+    reads: list[int] = []
+    real = ShardFile.read_into
+
+    def spy(self: ShardFile, view: memoryview, offset: int) -> int:
+        reads.append(view.nbytes)
+        return real(self, view, offset)
+
+    monkeypatch.setattr(ShardFile, "read_into", spy)
+    loaded = parallel_dcp.load(src, keys=["b.proj"], workers=2, io="buffered")
+    assert list(loaded) == ["b.proj"] and torch.equal(loaded["b.proj"], stock(src)["b.proj"])
+    assert loaded["b.proj"].nbytes <= sum(reads) <= loaded["b.proj"].nbytes + 2 * ALIGN
+
+
+def test_a_tensor_its_dtype_does_not_align_is_read_through_pieces(tmp_path: Path) -> None:
+    """safetensors does not require offsets that are multiples of the dtype's size: such a
+    tensor cannot be a view of a span (it is read into memory of its own)."""
+    import json
+    import struct
+
+    odd = torch.tensor([1, -2, 3], dtype=torch.int8)
+    wide = torch.arange(1000, dtype=torch.float32)
+    header = {
+        "odd": {"dtype": "I8", "shape": [3], "data_offsets": [0, 3]},
+        "wide": {"dtype": "F32", "shape": [1000], "data_offsets": [3, 4003]},
+    }
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + odd.numpy().tobytes() + wide.numpy().tobytes())
+    loaded = parallel_dcp.load(path, workers=2)
+    assert torch.equal(loaded["odd"], odd) and torch.equal(loaded["wide"], wide)
+
+
+@pytest.mark.parametrize(
+    ("direct", "buffered", "reads"),
+    [(1.0e9, 1.05e9, "direct"), (1.0e9, 1.2e9, "buffered")],
+    ids=["a-tie-goes-to-direct", "buffered-clearly-faster"],
+)
+def test_buffered_is_chosen_only_when_clearly_faster(
+    disk: Path, monkeypatch: pytest.MonkeyPatch, small_probe: None, direct: float, buffered: float, reads: str
+) -> None:
+    src = folder(disk / "hf", release())
+    fake(monkeypatch, direct, buffered)
+    stats = parallel_dcp.ReadStats()
+    assert_same(parallel_dcp.load(src, workers=2, stats=stats), stock(src))
+    assert stats.read_choice is not None and stats.read_choice.measured and stats.read_choice.reads == reads
