@@ -339,7 +339,7 @@ def test_a_tensor_its_dtype_does_not_align_is_read_through_pieces(tmp_path: Path
     [(1.0e9, 1.05e9, "direct"), (1.0e9, 1.2e9, "buffered")],
     ids=["a-tie-goes-to-direct", "buffered-clearly-faster"],
 )
-def test_buffered_is_chosen_only_when_clearly_faster(
+def test_whole_tensors_are_read_buffered_only_when_clearly_faster(
     disk: Path, monkeypatch: pytest.MonkeyPatch, small_probe: None, direct: float, buffered: float, reads: str
 ) -> None:
     src = folder(disk / "hf", release())
@@ -347,3 +347,6 @@ def test_buffered_is_chosen_only_when_clearly_faster(
     stats = parallel_dcp.ReadStats()
     assert_same(parallel_dcp.load(src, workers=2, stats=stats), stock(src))
     assert stats.read_choice is not None and stats.read_choice.measured and stats.read_choice.reads == reads
+    # the file system's measurement itself stays as measured (the DCP path and into= follow it)
+    measured = read_choice.read_choice("auto", src, list(src.glob("*.safetensors")), streams=2)
+    assert measured.reads == ("buffered" if buffered > direct else "direct")

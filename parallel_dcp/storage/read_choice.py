@@ -27,7 +27,7 @@ from parallel_dcp.storage.safe_files import open_regular
 if TYPE_CHECKING:
     from parallel_dcp.storage.location import Remote
 
-__all__ = ["DIRECT_TIE", "ReadChoice", "forget_read_choices", "read_choice", "read_probe_count"]
+__all__ = ["ReadChoice", "forget_read_choices", "read_choice", "read_probe_count"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +70,6 @@ class ReadChoice:
         )
 
 
-# Buffered must beat direct by more than this to be chosen: within it the probe (64 MiB) cannot
-# tell them apart (on a busy 2-core VM it measured 0.90 vs 0.92 GiB/s while whole loads read 12%
-# faster direct), and a buffered read costs more CPU (a copy out of the page cache, which it
-# also fills on a shared node).
-DIRECT_TIE = 1.10
 _read_choices: dict[int, ReadChoice] = {}
 # The most files a measurement spreads its slices over (the largest the job reads).
 _PROBE_FILES = 16
@@ -110,8 +105,7 @@ def read_choice(
       files auto would read with O_DIRECT), the largest are measured with ``streams`` reading threads
       (storage.read_probe: cold direct against cold buffered slices of them) unless a file on the
       same file system (``st_dev``) was measured earlier in this process, and the faster is
-      chosen (buffered only when faster by more than :data:`DIRECT_TIE`). A file system that
-      refuses O_DIRECT on it is remembered as buffered. Files too
+      chosen. A file system that refuses O_DIRECT on it is remembered as buffered. Files too
       small to measure keep the rule: direct for large files.
 
     The measurement holds at most ``streams`` times :data:`~parallel_dcp.storage.read_probe.PROBE_SLICE`
@@ -178,7 +172,7 @@ def _measure(candidates: list[str], streams: int) -> ReadChoice:
         return ReadChoice("auto", "direct", "too small to measure")
     if rates.direct is None or rates.buffered is None:
         return ReadChoice("buffered", "buffered", f"the file system of {sample} refuses O_DIRECT", probed=sample)
-    direct = rates.direct * DIRECT_TIE >= rates.buffered
+    direct = rates.direct >= rates.buffered
     return ReadChoice(
         "auto" if direct else "buffered",
         "direct" if direct else "buffered",
