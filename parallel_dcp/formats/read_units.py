@@ -253,6 +253,7 @@ class Unit:
         assert self.templates is not None
         rest: list[Record] = []
         batches: dict[int, tuple[bytearray, list[Record], list[int], list[Any]]] = {}
+        seen: dict[tuple[Any, ...], Any] = {}  # this unit's templates, looked up without the lock
         for record in self.records:
             req = record.requests[0]
             target = req.target
@@ -260,7 +261,7 @@ class Unit:
                 record.batch is None
                 or len(record.requests) != 1
                 or target is None
-                or target.device.type != "cpu"
+                or not target.is_cpu
                 or not target.is_contiguous()
                 or any(req.item.storage_offsets)
                 or req.item.lengths != req.chunk
@@ -268,12 +269,13 @@ class Unit:
                 rest.append(record)
                 continue
             key = (record.length, req.dtype, req.chunk)
-            known, template = self.templates.get(key)
+            known, template = (True, seen[key]) if key in seen else self.templates.get(key)
             if not known:
                 layout = self._layout(file, record)  # checked against .metadata; raises on a damaged record
                 assert record.head is not None
                 template = None if layout is None else make_template(record.head, layout, target.numel())
                 self.templates.put(key, template)
+            seen[key] = template
             if template is None:
                 rest.append(record)
                 continue
@@ -281,6 +283,8 @@ class Unit:
             batch[1].append(record)
             batch[2].append(record.at)
             batch[3].append(template)
+        copied = nbytes = 0
+        memmove = ctypes.memmove
         for buffer, records, starts, templates in batches.values():
             base = address(memoryview(buffer))
             for record, template, same in zip(records, templates, check_batch(buffer, starts, templates), strict=True):
@@ -289,9 +293,11 @@ class Unit:
                     continue
                 target = record.requests[0].target
                 assert target is not None
-                ctypes.memmove(target.data_ptr(), base + record.at + template.data_start, template.nbytes)
-                stats.fast += 1
-                stats.bytes += template.nbytes
+                memmove(target.data_ptr(), base + record.at + template.data_start, template.nbytes)
+                copied += 1
+                nbytes += template.nbytes
+        stats.fast += copied
+        stats.bytes += nbytes
         return rest
 
     def _layout(self, file: _File, record: Record) -> RecordLayout | None:
