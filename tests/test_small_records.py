@@ -182,3 +182,17 @@ def test_check_batch_takes_equal_records_and_refuses_a_changed_byte() -> None:
     assert check_batch(batch, starts, [template] * 4) == [True, True, False, True]
     assert bytes(batch) == before  # the zeroed spans are put back
     assert dcp_records.varying_spans(memoryview(b"PK" + record[2:]), layout) is not None
+
+
+def test_a_directory_pointing_a_descriptor_into_the_pickle_gets_no_template() -> None:
+    """A crafted directory entry (.format_version's local header moved onto data.pkl's) would put
+    its data descriptor's CRC-32 inside the pickle: records differing there must not pass as equal,
+    so such a record gets no template (each record is parsed on its own)."""
+    record = bytearray(_torch_record(torch.arange(40.0)))
+    layout = parse_record(memoryview(record), memoryview(record), len(record))
+    assert layout is not None
+    at = record.rfind(b"archive/.format_version") - 46  # its central directory entry
+    assert record[at : at + 4] == b"PK\x01\x02"
+    record[at + 42 : at + 46] = (0).to_bytes(4, "little")  # its local header: data.pkl's
+    assert parse_record(memoryview(record), memoryview(record), len(record)) == layout  # still parses alike
+    assert varying_spans(memoryview(record), layout) is None

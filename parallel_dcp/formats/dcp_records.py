@@ -265,6 +265,9 @@ def varying_spans(record: memoryview, layout: RecordLayout) -> list[tuple[int, i
     try:
         entries, _, cd_offset = _end_record(record, length)
         spans: list[tuple[int, int]] = []
+        crcs: set[tuple[int, int]] = set()  # the CRC-32 fields themselves (parse_record never reads them)
+        # what parse_record reads: data.pkl's header and pickle, data/0's header, the directory
+        protected: list[tuple[int, int]] = [(cd_offset, length)]
         pos = cd_offset
         for _ in range(entries):
             fields = _CENTRAL.unpack_from(record, pos)
@@ -283,8 +286,13 @@ def varying_spans(record: memoryview, layout: RecordLayout) -> list[tuple[int, i
             extra = record[pos + _CENTRAL.size + nlen : pos + _CENTRAL.size + nlen + xlen]
             usize, csize, local = _zip64_fields(extra, usize, csize, local)
             spans += [(pos + 16, pos + 20), (local + 14, local + 18)]  # central and local CRC-32
+            crcs |= {(pos + 16, pos + 20), (local + 14, local + 18)}
             start = _data_start(record, local, name)
             end = start + csize
+            if name.endswith("/data.pkl"):
+                protected.append((local, end))
+            elif start == layout.data_offset:
+                protected.append((local, start))
             if flags & 8:  # a data descriptor after the data: [signature] CRC-32, sizes
                 at = end + 4 if bytes(record[end : end + 4]) == b"PK\x07\x08" else end
                 spans.append((at, at + 4))
@@ -296,6 +304,10 @@ def varying_spans(record: memoryview, layout: RecordLayout) -> list[tuple[int, i
     except (struct.error, ValueError, _NotATensorRecord):
         return None
     if any(a < 0 or b > length or (a < data_end and b > layout.data_offset) for a, b in spans):
+        return None
+    # a span that is not a CRC-32 field must leave every byte parse_record reads alone (a crafted
+    # directory could point a descriptor or an entry's bytes into them)
+    if any(a < q and p < b for a, b in spans if (a, b) not in crcs for p, q in protected):
         return None
     return sorted(spans)
 
