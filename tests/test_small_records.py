@@ -196,3 +196,21 @@ def test_a_directory_pointing_a_descriptor_into_the_pickle_gets_no_template() ->
     record[at + 42 : at + 46] = (0).to_bytes(4, "little")  # its local header: data.pkl's
     assert parse_record(memoryview(record), memoryview(record), len(record)) == layout  # still parses alike
     assert varying_spans(memoryview(record), layout) is None
+
+
+def test_when_the_templates_fill_their_room_records_are_parsed_one_by_one(
+    tmp_path: Path, parses: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The templates a read keeps are bounded (CACHE_BYTES, counted in each thread's memory): past
+    it, records of keys without a template are parsed on their own, with the same result."""
+    from parallel_dcp.formats import record_batch
+
+    monkeypatch.setattr(record_batch, "CACHE_BYTES", 0)
+    sd = optimizer_like()
+    write("pdcp", sd, tmp_path / "ckpt")
+    into = empty_like_state(sd)
+    stats = parallel_dcp.ReadStats()
+    parallel_dcp.load(tmp_path / "ckpt", into=into, workers=2, stats=stats)
+    assert_same(into, stock_load(sd, tmp_path / "ckpt"))
+    assert stats.fast == 2 * COUNT
+    assert parses[0] >= 2 * COUNT  # every record parsed on its own

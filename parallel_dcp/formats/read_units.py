@@ -270,11 +270,14 @@ class Unit:
                 continue
             key = (record.length, req.dtype, req.chunk)
             known, template = (True, seen[key]) if key in seen else self.templates.get(key)
+            if not known and self.templates.full:
+                rest.append(record)  # no room for its template: parsed on its own
+                continue
             if not known:
                 layout = self._layout(file, record)  # checked against .metadata; raises on a damaged record
                 assert record.head is not None
                 template = None if layout is None else make_template(record.head, layout, target.numel())
-                self.templates.put(key, template)
+                template = self.templates.put(key, template)  # None: no room left for it
             seen[key] = template
             if template is None:
                 rest.append(record)

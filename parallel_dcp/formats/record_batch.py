@@ -37,9 +37,13 @@ _MAX_SPAN_BYTES = 512
 # Varying bytes zeroed per scatter; each holds a few int64 temporaries (its record's number, its
 # place in the template, in the batch) and its saved byte.
 _SPAN_STEP = 64 << 10
-# What a check holds at most: the scatter's temporaries, and one record's head or tail copied
-# out for its comparison (a small record: at most 1 MiB, formats/read_units.SMALL_RECORD).
-CHECK_BYTES = _SPAN_STEP * (4 * 8 + 1) + (1 << 20)
+# The templates one read keeps, at most (about 2,000 of torch's small records); records of keys
+# met once it is full are parsed one by one.
+CACHE_BYTES = 4 << 20
+# What a check holds at most: the scatter's temporaries, one record's head or tail copied out for
+# its comparison (a small record: at most 1 MiB, formats/read_units.SMALL_RECORD), and the
+# read's templates (shared by its threads; counted for each, which over-counts).
+CHECK_BYTES = _SPAN_STEP * (4 * 8 + 1) + (1 << 20) + CACHE_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,10 @@ class Template:
     tail: bytes
     data_start: int
     nbytes: int
+
+    def cost(self) -> int:
+        """The bytes it holds (roughly: its buffers and objects)."""
+        return len(self.head) + len(self.tail) + 8 * self.spans.numel() + 512
 
 
 def make_template(record: memoryview, layout: RecordLayout, numel: int) -> Template | None:
@@ -87,6 +95,8 @@ class TemplateCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._found: dict[object, Template | None] = {}
+        self._bytes = 0
+        self.full = False  # no room for another template (CACHE_BYTES): new keys are parsed per record
 
     def get(self, key: object) -> tuple[bool, Template | None]:
         """(known, template): ``known`` False when no record of ``key`` was parsed yet."""
@@ -95,9 +105,18 @@ class TemplateCache:
                 return True, self._found[key]
         return False, None
 
-    def put(self, key: object, template: Template | None) -> None:
+    def put(self, key: object, template: Template | None) -> Template | None:
+        """Keep ``template`` for ``key`` if there is room; the template to use (None: no room)."""
         with self._lock:
-            self._found.setdefault(key, template)
+            if key in self._found:
+                return self._found[key]
+            cost = template.cost() if template is not None else 512
+            if self._bytes + cost > CACHE_BYTES:
+                self.full = True
+                return None
+            self._found[key] = template
+            self._bytes += cost
+            return template
 
 
 def check_batch(batch: bytearray, starts: list[int], templates: list[Template]) -> list[bool]:
