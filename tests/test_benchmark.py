@@ -461,6 +461,10 @@ def test_read_suite_compares_every_reader_cold_on_both_copies(tmp_path: Path) ->
         assert rows[name]["gib_per_s"] > 0
     for name in ("load w=2 [hf]", "load w=2 [dcp]"):
         assert rows[name]["details"]["fallback"] == 0  # every tensor read straight from the files
+        # how the files were read (io="auto": measured, or the rule where the files are too small)
+        assert rows[name]["details"]["read_io"] in ("direct", "buffered")
+    assert scenario["summary"]["hf"]["read_choice"].startswith("reads ")
+    assert "[hf] load w=2 (defaults) reads " in run.stdout
     # the peers and fio: measured when installed, otherwise a row that says why
     for name in (
         "fastsafetensors direct t=16 [hf]",

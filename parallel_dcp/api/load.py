@@ -44,7 +44,11 @@ def load(
     ``model.safetensors.index.json``), a torch.save file or folder (``weights_only=True`` unless
     ``trust_pickle``), and quantized releases with ``dequantize=True``. Their tensors are read by
     the same pool of threads straight from the files into the tensors' memory (``preadv``, or
-    O_DIRECT as ``io`` says); shards are opened by the same rule (no symlink out of the folder,
+    O_DIRECT as ``io`` says: ``"auto"`` measures which is faster on the file system, once per
+    process, see ``stats.read_choice``). Without ``into`` each tensor's memory is page-aligned
+    and laid out as in the file, so that O_DIRECT reads land in it without a bounce copy; a
+    tensor under 1 MiB may share its memory with neighbours of the same file (up to 4 MiB in
+    all). Shards are opened by the same rule (no symlink out of the folder,
     regular files only) and every size is checked against the file before any read. The result
     equals ``safetensors.torch.load_file`` (flat names) or ``torch.load(weights_only=True)``
     (its nesting).

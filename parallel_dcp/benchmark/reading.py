@@ -130,7 +130,13 @@ def read_cases(state_dict: Any, root: str, workers: int) -> tuple[list[Case], li
         def run(out: str) -> dict[str, Any]:
             stats = parallel_dcp.ReadStats()
             loaded = parallel_dcp.load(path, workers=n, stats=stats, **options)
-            return {"tensors": len(loaded), "fallback": stats.fallback}
+            choice = stats.read_choice
+            return {
+                "tensors": len(loaded),
+                "fallback": stats.fallback,
+                "read_io": choice.reads if choice is not None else None,
+                "read_choice": choice.summary() if choice is not None else None,
+            }
 
         return run
 
@@ -224,6 +230,7 @@ def read_summary(rows: dict[str, dict[str, Any]], workers: int) -> dict[str, Any
         ours = median(f"load w={n} [{tag}]")
         timed = {p: t for p in peers if (t := median(p))} if tag == "hf" else {}
         result[tag] = {
+            "read_choice": rows.get(f"load w={n} [{tag}]", {}).get("details", {}).get("read_choice"),
             "best_plain_read_s": best,
             "share_of_best_plain_read": best / ours if best and ours else None,
             "vs_stock_load_file": stock / ours if stock and ours else None,
@@ -243,6 +250,8 @@ def read_summary_lines(s: dict[str, Any]) -> list[str]:
             f"[{tag}] load w={n} (defaults) of the best plain read: {num(r.get('share_of_best_plain_read'), '.0%')}"
             f" (target >= 95%); vs stock load_file + touch: {num(r.get('vs_stock_load_file'), '.2f')}x (target >= 1x)"
         )
+        if r.get("read_choice"):
+            lines.append(f"[{tag}] load w={n} (defaults) {r['read_choice']}")
         for peer, ratio in r.get("vs_peers", {}).items():
             lines.append(f"[{tag}] load w={n} vs {peer}: {num(ratio, '.2f')}x (target >= 1x)")
     return lines

@@ -29,7 +29,7 @@ from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import fast_read
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.range_read import RawRange
-from parallel_dcp.formats.source_storage import read_source_items, source_metadata
+from parallel_dcp.formats.source_storage import read_source_items, source_metadata, source_read_choice
 from parallel_dcp.options import usable_cores
 from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import Location, Remote, RemoteFileSystem, locate
@@ -169,10 +169,18 @@ class FastReader(FileSystemReader):
         if self._source is not None:
             if self._ranges is None:
                 self._ranges = self._source.raw_ranges()
-            fast = read_source_items(self._source, self._ranges, plan, planner, self.workers, self.io)
+            if self.read_choice is None:  # the first read decides, measuring the files it is about to read
+                self.read_choice = source_read_choice(
+                    self._source, self._ranges, plan, self._io_asked, self.workers, self.memory_limit
+                )
+            fast = read_source_items(
+                self._source, self._ranges, plan, planner, self.workers, self.read_choice.io, self.memory_limit
+            )
             self.stats.add(
                 fast_read.ReadStats(
-                    fast=fast, fallback=sum(1 for i in plan.items if i.type != LoadItemType.BYTE_IO) - fast
+                    fast=fast,
+                    fallback=sum(1 for i in plan.items if i.type != LoadItemType.BYTE_IO) - fast,
+                    read_choice=self.read_choice,
                 )
             )
             done: Future[None] = Future()

@@ -30,7 +30,7 @@ from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.safe_files import regular_size
 
-__all__ = ["PIECE_BYTES", "Piece", "RawRange", "pieces_of", "read_pieces", "staging_bytes"]
+__all__ = ["PIECE_BYTES", "Piece", "RawRange", "pieces_of", "read_pieces", "region_pieces", "staging_bytes"]
 
 PIECE_BYTES = 32 << 20
 # preadv takes at most IOV_MAX (1024) buffers per call.
@@ -58,12 +58,27 @@ class Piece:
     nbytes: int
     dtype: torch.dtype
     region: torch.Tensor
+    # Whole stored rows of which ``region`` takes a part (a region that is not whole rows): their
+    # shape, and the (offset, length) taken along each later dimension.
+    rows: tuple[int, ...] | None = None
+    columns: tuple[tuple[int, int], ...] = ()
 
     @property
     def in_place(self) -> bool:
         """The region's memory can take the file's bytes as they are."""
         r = self.region
-        return r.dtype == self.dtype and r.device.type == "cpu" and r.is_contiguous()
+        return self.rows is None and r.dtype == self.dtype and r.device.type == "cpu" and r.is_contiguous()
+
+    def fill(self, raw: torch.Tensor) -> None:
+        """Copy (and cast) the piece's bytes, read into ``raw``, into its region."""
+        data = raw.view(self.dtype)
+        if self.rows is None:
+            self.region.copy_(data.view(self.region.shape))
+            return
+        data = data.view(self.rows)
+        for dim, (offset, length) in enumerate(self.columns, start=1):
+            data = data.narrow(dim, offset, length)
+        self.region.copy_(data)
 
 
 def pieces_of(key: str, file: str, offset: int, dtype: torch.dtype, target: torch.Tensor) -> list[Piece]:
@@ -79,6 +94,42 @@ def pieces_of(key: str, file: str, offset: int, dtype: torch.dtype, target: torc
         Piece(key, file, offset + start * row, (stop - start) * row, dtype, target.narrow(0, start, stop - start))
         for start in range(0, rows, step)
         for stop in [min(rows, start + step)]
+    ]
+
+
+def region_pieces(
+    key: str,
+    file: str,
+    offset: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    start: tuple[int, ...],
+    target: torch.Tensor,
+) -> list[Piece]:
+    """The pieces of the region of a stored tensor (``shape``, at ``offset`` of ``file``) that
+    starts at ``start`` and has ``target``'s shape, when it is not whole rows: the stored rows it
+    spans, at most PIECE_BYTES of them a piece (a single row may be larger), each read into a
+    staging buffer and the region's part copied out. No piece reads beyond the region's rows."""
+    row = dtype.itemsize
+    for dim in shape[1:]:
+        row *= dim
+    rows = target.shape[0]
+    step = max(1, PIECE_BYTES // max(row, 1))
+    columns = tuple(zip(start[1:], target.shape[1:], strict=True))
+    first = offset + start[0] * row
+    return [
+        Piece(
+            key,
+            file,
+            first + at * row,
+            (stop - at) * row,
+            dtype,
+            target.narrow(0, at, stop - at),
+            rows=(stop - at, *shape[1:]),
+            columns=columns,
+        )
+        for at in range(0, rows, step)
+        for stop in [min(rows, at + step)]
     ]
 
 
@@ -126,7 +177,7 @@ class _Share:
                     raw = stage[: piece.nbytes]
                     if piece.nbytes:
                         shard.read(piece.offset, [_view(raw)])
-                    piece.region.copy_(raw.view(piece.dtype).view(piece.region.shape))
+                    piece.fill(raw)
                     progress.report(piece.nbytes)
                     i += 1
                     continue

@@ -143,6 +143,12 @@ class ShardFile:
             if views and got:
                 views = [views[0][got:], *views[1:]]
 
+    def read_into(self, view: memoryview, offset: int) -> int:
+        """One read of up to ``view.nbytes`` bytes at ``offset`` straight into ``view`` (no bounce
+        buffer: with O_DIRECT the caller aligns the view's address, ``offset`` and its length to
+        ALIGN); the bytes read, 0 at the end of the file."""
+        return os.preadv(self.fd, [view], offset)
+
     def stream(self) -> Iterator[memoryview]:
         """The whole file, in order, in pieces of up to :data:`PIECE_BYTES` (direct: straight from
         the aligned buffers, the next piece read meanwhile). Each view is valid until the next.

@@ -43,10 +43,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallel_dcp.storage.direct_read import ShardFile
+from parallel_dcp.storage.direct_read import ShardFile, direct_read_memory
 from parallel_dcp.storage.io_mode import ALIGN
 
-__all__ = ["MIN_SLICE", "PROBE_MAX_S", "PROBE_SLICE", "PROBE_STREAMS", "ReadRates", "measure_reads", "slices"]
+__all__ = [
+    "MIN_SLICE",
+    "PROBE_MAX_S",
+    "PROBE_SLICE",
+    "PROBE_STREAMS",
+    "ReadRates",
+    "measure_reads",
+    "probe_memory",
+    "slices",
+]
 
 PROBE_SLICE = 8 << 20
 PROBE_STREAMS = 2
@@ -67,6 +76,12 @@ _clock = time.perf_counter
 
 def _read_slice(shard: ShardFile, offset: int, view: memoryview) -> None:
     shard.read(offset, [view])
+
+
+def probe_memory(streams: int) -> int:
+    """What a measurement with ``streams`` reading threads holds while it runs: a slice buffer and
+    the direct reader's bounce buffers per stream (at most PROBE_STREAMS streams)."""
+    return max(1, min(streams, PROBE_STREAMS)) * (PROBE_SLICE + direct_read_memory())
 
 
 @dataclass(frozen=True, slots=True)
