@@ -213,6 +213,9 @@ def test_whole_tensors_are_read_where_they_live(
         assert storage.nbytes() <= loaded[key].nbytes + 3 * ALIGN
     storages = {loaded[k].untyped_storage().data_ptr() for k in ("a.embed", "b.proj", "c.head")}
     assert len(storages) == 3
+    # a small tensor holds its own bytes, not its neighbours' (torch.save of it alone writes it alone)
+    for key in ("a.odd", "a.norm", "b.ids", "b.scalar"):
+        assert loaded[key].untyped_storage().nbytes() == loaded[key].nbytes, key
 
 
 def test_a_file_truncated_after_its_header_is_refused_before_any_span_is_read(

@@ -154,7 +154,7 @@ def scenario_lines(scenario: Scenario) -> list[str]:
 
         lines += disk_summary_lines(s)
     elif scenario.suite.startswith("quantized"):
-        from parallel_dcp.benchmark.quantized import quantized_summary_lines
+        from parallel_dcp.benchmark.quantized_summary import quantized_summary_lines
 
         lines += quantized_summary_lines(s)
     else:

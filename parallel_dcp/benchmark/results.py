@@ -152,7 +152,7 @@ def summary(scenario: Scenario, rows: dict[str, dict[str, Any]]) -> dict[str, An
 
         return load_summary(rows, scenario.compare_count)
     if scenario.suite.startswith("quantized"):
-        from parallel_dcp.benchmark.quantized import quantized_summary
+        from parallel_dcp.benchmark.quantized_summary import quantized_summary
 
         return quantized_summary(rows, scenario.compare_count)
     return _save_summary(scenario, rows)

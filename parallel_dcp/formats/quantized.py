@@ -28,6 +28,11 @@ silently so where hidden = intermediate (every released gpt-oss).
 Quantizing writes the DeepSeek layout: one float32 scale per block, ``amax / 448`` (448 is
 e4m3's largest finite value), and ``w / scale`` rounded to e4m3. A block of zeros gets the
 scale 1.0 (its values are 0 whatever the scale; 0 would make ``w / scale`` a NaN).
+
+Longer than 300 lines because the three kernels (FP8 and MXFP4 dequantize, FP8 quantize) share
+their tables, strip sizes and the work bound that admission counts (``dequantize_work_bytes``,
+``quantize_work_bytes``): split apart, a strip changed in one would silently leave the bound in
+another wrong.
 """
 
 from __future__ import annotations

@@ -16,6 +16,11 @@ tensor lives, with O_DIRECT when the read choice says direct (no bounce buffer, 
 A span reads at most 2 * ALIGN bytes beyond its tensors (the pages its first and last tensor
 share with their neighbours), and holds them: :func:`span_bytes` is what the spans allocate.
 Everything else is the destinations' own memory: a reading thread holds no buffer.
+
+The small tensors of a shared span are handed out as copies of their own, one span at a time
+(the span is freed once its tensors are copied): a tensor the caller keeps, frees or
+passes alone to ``torch.save`` then holds its own bytes, not a 4 MiB block of its neighbours' (what
+``load_file`` gives too). :func:`span_bytes` counts that copy's room (one span's bytes).
 """
 
 from __future__ import annotations
@@ -102,8 +107,15 @@ def plan_spans(tensors: list[tuple[str, str, int, torch.dtype, tuple[int, ...]]]
 
 
 def span_bytes(spans: list[Span]) -> int:
-    """What the spans allocate (each ALIGN more than it reads, to start on a page)."""
-    return sum(s.nbytes + ALIGN for s in spans)
+    """What the spans allocate (each ALIGN more than it reads, to start on a page), and the room
+    to copy one shared span's tensors out of it (module docstring)."""
+    copies = max((s.nbytes for s in spans if _shared(s)), default=0)
+    return sum(s.nbytes + ALIGN for s in spans) + copies
+
+
+def _shared(span: Span) -> bool:
+    """A span of small tensors (its tensors are copied out of it: module docstring)."""
+    return len(span.tensors) > 1 or _nbytes(*span.tensors[0][2:]) < OWN_BYTES
 
 
 def _allocate(span: Span) -> torch.Tensor:
@@ -115,11 +127,14 @@ def _allocate(span: Span) -> torch.Tensor:
 
 
 def _views(span: Span) -> dict[str, torch.Tensor]:
+    """The span's tensors: views of its memory when it is one large tensor's own, else copies."""
     assert span.memory is not None
     out = {}
+    copy = _shared(span)
     for key, offset, dtype, shape in span.tensors:
         at = offset - span.start
-        out[key] = span.memory[at : at + _nbytes(dtype, shape)].view(dtype).view(shape)
+        view = span.memory[at : at + _nbytes(dtype, shape)].view(dtype).view(shape)
+        out[key] = view.clone() if copy else view
     return out
 
 
