@@ -15,10 +15,12 @@ Two mechanisms enforce the ceiling:
   only when its estimate fits beside those in flight under the ceiling, less what the idle workers
   were measured to cost; an item that can never fit fails at once, naming the key.
 - a watchdog (while workers run): every 50 ms the resident sizes (cheap) are summed; while that
-  upper bound is under the ceiling, the tree's smaps are read only about once a second, for the
+  upper bound is under the ceiling, the tree's charges are read only about once a second, for the
   reported peak. Otherwise they are read every 50 ms, or less often where reading a large tree
-  costs more than 5% of a core; a reading over the ceiling is measured again before acting, and
-  then the worker with the most private memory is killed and the job fails with
+  costs more than 5% of a core. A reading costs ~1 ms of CPU a process (``smaps_rollup`` on top
+  of each process's code share, read in full once: process_memory.ChargeReader); a reading over
+  the ceiling is measured again, exactly (every full smaps), before acting, and then the worker
+  with the most private memory is killed and the job fails with
   :class:`MemoryLimitExceeded` naming it, its keys and the figures.
 
 Longer than 300 lines because the whole memory model sits together on purpose: cost constants,
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from parallel_dcp.engine.process_memory import charged_memory
+from parallel_dcp.engine.process_memory import ChargeReader
 from parallel_dcp.errors import MemoryLimitExceeded, describe_keys, describe_unit
 
 __all__ = [
@@ -194,7 +196,8 @@ class MemoryGovernor:
         self.limit = limit
         self.interval = interval
         self._me = psutil.Process()
-        self.baseline = charged_memory(self._me.pid)[0]
+        self._charges = ChargeReader()
+        self.baseline = self._charges.charge(self._me.pid, full=True)[0]
         self._rss_baseline = _rss(self._me)
         self.peak = 0
         # What each worker keeps for the whole job beside its idle cost, such as its connection
@@ -275,7 +278,7 @@ class MemoryGovernor:
         if bound + self.reserved + planned <= self.limit:
             self.overhead = bound
             return
-        reading = self.read(pids)
+        reading = self.read(pids, exact=True)
         self.overhead = max(0, reading.added) + extra
         if self.overhead + self.reserved >= self.limit:
             raise MemoryLimitExceeded(
@@ -345,20 +348,26 @@ class MemoryGovernor:
                 continue
         return bound
 
-    def read(self, worker_pids: Iterable[int]) -> Reading:
+    def read(self, worker_pids: Iterable[int], *, exact: bool = False) -> Reading:
+        """One sample of the tree. Cheap (``smaps_rollup``, ~1 ms a process) unless ``exact``:
+        then every process's full smaps is read (~9 ms a process that has imported torch), which
+        also brings every process's code share up to date (process_memory.ChargeReader)."""
         started = time.monotonic()
-        pids = list(worker_pids)
+        pids = [self._me.pid, *worker_pids]
+        full = self._charges.plan(pids, exact=exact)
         # Each read walks a process's page tables in the kernel (the GIL is released meanwhile):
-        # one thread per process, so reading 64 workers costs about one read, not 64.
-        with ThreadPoolExecutor(max_workers=max(1, min(len(pids), _READ_THREADS))) as threads:
-            found = list(threads.map(charged_memory, pids))
-            total = charged_memory(self._me.pid)[0]
-        private = {pid: uss for pid, (charged, uss) in zip(pids, found, strict=True) if charged or uss}
-        total += sum(charged for charged, _ in found)
+        # several threads, so reading 64 workers on a big node costs a few reads' time, not 64.
+        # A rollup is too short a read to pay for a thread; a full one is not.
+        threads = min(_READ_THREADS, len(pids) if any(full) else len(pids) // 8)
+        if threads <= 1:
+            found = list(map(self._charges.charge, pids, full))
+        else:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                found = list(pool.map(self._charges.charge, pids, full))
+        total = sum(charged for charged, _ in found)
+        private = {pid: uss for pid, (charged, uss) in zip(pids[1:], found[1:], strict=True) if charged or uss}
         added = total - self.baseline
-        # Reading smaps walks page tables: ~9 ms for a process that has imported torch (7.5 ms in the
-        # kernel, GIL released; 1.8 ms parsing, GIL held). Keep the watchdog's share of one core
-        # near 1/_SAMPLING_SHARE however large the tree.
+        # Keep the watchdog's share of one core near 1/_SAMPLING_SHARE however large the tree.
         self._read_cost = time.monotonic() - started
         self.peak = max(self.peak, added)
         return Reading(added=added, private=private)
@@ -385,8 +394,8 @@ class MemoryGovernor:
         self._next_relaxed = time.monotonic() + max(_RELAXED_INTERVAL, self._read_cost * _SAMPLING_SHARE * 5)
         if first.added <= self.limit:
             return
-        time.sleep(0.01)  # measure again: a transient spike is not a breach
-        second = self.read(workers)
+        time.sleep(0.01)  # measure again, exactly: a transient spike, or a stale code share, is not a breach
+        second = self.read(workers, exact=True)
         if second.added <= self.limit:
             return
         if not workers:  # writer threads in this process: they cannot be killed, only stopped
