@@ -192,12 +192,25 @@ class MemoryGovernor:
         interval: seconds between watchdog samples.
     """
 
-    def __init__(self, limit: int, *, interval: float = 0.05) -> None:
+    def __init__(
+        self,
+        limit: int,
+        *,
+        interval: float = 0.05,
+        held: Sequence[int] = (),
+        charges: ChargeReader | None = None,
+    ) -> None:
+        """``held``: processes that exist before the job and stay after it (a ``Saver``'s fork
+        server and workers): their memory now is part of the baseline, and every reading counts
+        them (the workers' and the fork server's shared pages are split among all of them).
+        ``charges``: a reader that outlives the job (it knows those processes' code shares)."""
         self.limit = limit
         self.interval = interval
         self._me = psutil.Process()
-        self._charges = ChargeReader()
-        self.baseline = self._charges.charge(self._me.pid, full=True)[0]
+        self._charges = charges or ChargeReader()
+        self._held = list(held)
+        pids = [self._me.pid, *self._held]
+        self.baseline = sum(charged for charged, _ in self._charge_all(pids, self._charges.plan(pids)))
         self._rss_baseline = _rss(self._me)
         self.peak = 0
         # What each worker keeps for the whole job beside its idle cost, such as its connection
@@ -353,24 +366,27 @@ class MemoryGovernor:
         then every process's full smaps is read (~9 ms a process that has imported torch), which
         also brings every process's code share up to date (process_memory.ChargeReader)."""
         started = time.monotonic()
-        pids = [self._me.pid, *worker_pids]
+        workers = list(worker_pids)
+        pids = [self._me.pid, *workers, *(pid for pid in self._held if pid not in workers)]
         full = self._charges.plan(pids, exact=exact)
         # Each read walks a process's page tables in the kernel (the GIL is released meanwhile):
         # several threads, so reading 64 workers on a big node costs a few reads' time, not 64.
-        # A rollup is too short a read to pay for a thread; a full one is not.
-        threads = min(_READ_THREADS, len(pids) if any(full) else len(pids) // 8)
-        if threads <= 1:
-            found = list(map(self._charges.charge, pids, full))
-        else:
-            with ThreadPoolExecutor(max_workers=threads) as pool:
-                found = list(pool.map(self._charges.charge, pids, full))
+        found = self._charge_all(pids, full)
         total = sum(charged for charged, _ in found)
-        private = {pid: uss for pid, (charged, uss) in zip(pids[1:], found[1:], strict=True) if charged or uss}
+        private = {pid: uss for pid, (charged, uss) in zip(workers, found[1:], strict=False) if charged or uss}
         added = total - self.baseline
         # Keep the watchdog's share of one core near 1/_SAMPLING_SHARE however large the tree.
         self._read_cost = time.monotonic() - started
         self.peak = max(self.peak, added)
         return Reading(added=added, private=private)
+
+    def _charge_all(self, pids: list[int], full: list[bool]) -> list[tuple[int, int]]:
+        # A rollup is too short a read to pay for a thread; a full one is not.
+        threads = min(_READ_THREADS, len(pids) if any(full) else len(pids) // 8)
+        if threads <= 1:
+            return list(map(self._charges.charge, pids, full))
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            return list(pool.map(self._charges.charge, pids, full))
 
     def watch(self, workers: dict[int, tuple[int, tuple[str, ...]]]) -> None:
         """Sample the tree if it is time; raise if it is over the ceiling twice in a row.
