@@ -199,7 +199,7 @@ class WorkerPool:
         *,
         initializer: Callable[[], None] | None = None,
         start: int | None = None,
-        fork_server: bool = False,
+        fork_server: Sequence[str] | None = None,
     ) -> None:
         """``start``: how many workers to fork now (default: all); :meth:`run` forks the others
         one at a time while the first ones work, when a task is waiting and no worker is free.
@@ -207,16 +207,16 @@ class WorkerPool:
         another: forked as the work needs them, those forks overlap the work instead of all
         preceding it.
 
-        ``fork_server``: fork the workers from multiprocessing's fork server (a fresh process
-        that has imported torch) instead of from this process, so they hold none of this
-        process's memory; ``handler`` and ``initializer`` must then be picklable, and the work
-        reaches them through :meth:`run`'s ``handler``."""
+        ``fork_server``: the modules to import in multiprocessing's fork server, a fresh process
+        the workers are then forked from instead of from this process (so they hold none of
+        this process's memory, and import nothing themselves); ``handler`` and ``initializer``
+        must then be picklable, and the work reaches them through :meth:`run`'s ``handler``."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        self._fork_server = fork_server
-        if fork_server:
+        self._fork_server = fork_server is not None
+        if fork_server is not None:
             self._ctx = mp.get_context("forkserver")
-            self._ctx.set_forkserver_preload(["torch", "parallel_dcp.engine.pool"])
+            self._ctx.set_forkserver_preload(["torch", "parallel_dcp.engine.pool", *fork_server])
         else:
             self._ctx = mp.get_context("fork")
         self._handler = handler

@@ -26,8 +26,8 @@ from typing import Any
 from parallel_dcp.engine.fork_server import fork_server_pid, running_servers, stop_fork_server
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Task
-from parallel_dcp.engine.process_memory import ChargeReader
 from parallel_dcp.engine.pool import WorkerPool, gc_paused
+from parallel_dcp.engine.process_memory import ChargeReader
 from parallel_dcp.engine.remote_memory import RemoteBytes, refusal
 from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
 from parallel_dcp.jobs import pipeline
@@ -38,6 +38,14 @@ from parallel_dcp.options import Options
 __all__ = ["SaverWorkers"]
 
 _PROBE = b"parallel_dcp reads the caller's memory"
+# Imported once in the fork server, so that no worker imports them itself (~1 s of CPU each):
+# this module (the workers' first function), the writers and DCP's planner they run.
+_PRELOAD = (
+    "parallel_dcp.jobs.saver",
+    "parallel_dcp.formats.lean",
+    "parallel_dcp.partial",
+    "parallel_dcp.storage.writers",
+)
 
 
 def _no_job(task: Task) -> Any:
@@ -69,7 +77,7 @@ class SaverWorkers:
 
     def _start(self) -> float:
         started = time.perf_counter()
-        pool = WorkerPool(self.workers, _no_job, fork_server=True)
+        pool = WorkerPool(self.workers, _no_job, fork_server=_PRELOAD)
         try:
             probe = bytearray(_PROBE)
             results = list(pool.run([Task(0, (), 0)], handler=_Probe(RemoteBytes.of(probe))))
