@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,17 @@ def test_a_crashed_worker_fails_the_save_and_the_next_save_starts_new_workers(tm
     assert_same(parallel_dcp.load(tmp_path / "ok"), {"w": torch.ones(8)})
 
 
+def test_a_worker_that_allocates_past_the_limit_is_stopped(tmp_path: Path) -> None:
+    sd = {"w": torch.ones(8), "hog": HogOnArrival(400 * MiB, hold_s=600)}
+    with parallel_dcp.Saver(workers=2, memory_limit="128MiB") as saver:
+        stopped = r"worker \d \(pid \d+\) pushed the job to .* over the memory limit"
+        with pytest.raises(MemoryLimitExceeded, match=stopped):
+            saver.save(sd, tmp_path / "ckpt")
+        assert list(tmp_path.iterdir()) == []
+        saver.save({"w": torch.ones(8)}, tmp_path / "ckpt")  # new workers, under the same limit
+    assert_same(parallel_dcp.load(tmp_path / "ckpt"), {"w": torch.ones(8)})
+
+
 def test_an_item_over_the_limit_fails_before_any_write(tmp_path: Path) -> None:
     with parallel_dcp.Saver(workers=2, memory_limit="16MiB") as saver:
         with pytest.raises(MemoryLimitExceeded, match=r"'big' needs .* more than the memory limit 16\.0 MiB"):
@@ -162,3 +174,21 @@ class ExitOnArrival:
 
     def __reduce__(self) -> Any:
         return (os._exit, (self.code,))
+
+
+def _hog(nbytes: int, hold_s: float) -> bytearray:
+    held = bytearray(nbytes)
+    for offset in range(0, nbytes, 4096):  # touched: resident
+        held[offset] = 1
+    time.sleep(hold_s)
+    return held
+
+
+class HogOnArrival:
+    """Pickles fine in the caller; a worker that unpickles it allocates ``nbytes`` and holds them."""
+
+    def __init__(self, nbytes: int, hold_s: float) -> None:
+        self.nbytes, self.hold_s = nbytes, hold_s
+
+    def __reduce__(self) -> Any:
+        return (_hog, (self.nbytes, self.hold_s))
