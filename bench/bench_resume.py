@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 import parallel_dcp
-from parallel_dcp.jobs import pipeline, targets
+from parallel_dcp.jobs import resume, targets
 
 
 def _fail_half(src: str, out: str, workers: int, half: int) -> None:
@@ -75,12 +75,12 @@ def main() -> None:
                     _fail_half(src, out, args.workers, half=args.workers * 2)
                 began = time.perf_counter()
                 if name == "no records":
-                    resumable = pipeline.resume.resumable
-                    pipeline.resume.resumable = lambda *a: False  # type: ignore[assignment]
+                    resumable = resume.resumable
+                    resume.resumable = lambda *a: False  # type: ignore[assignment]
                     try:
                         result = parallel_dcp.convert(src, out, workers=args.workers)
                     finally:
-                        pipeline.resume.resumable = resumable  # type: ignore[assignment]
+                        resume.resumable = resumable  # type: ignore[assignment]
                 else:
                     result = parallel_dcp.convert(src, out, workers=args.workers, resume=name == "resume")
                 times[name].append(time.perf_counter() - began)

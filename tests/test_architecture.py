@@ -187,3 +187,23 @@ def test_options_is_accepted_by_the_public_functions(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="not both"):
         parallel_dcp.save({"w": torch.ones(3)}, tmp_path / "c", options=options, workers=2)
     assert not (tmp_path / "c").exists()
+
+
+def test_the_write_pipeline_reaches_resume_at_one_seam() -> None:
+    """Resume stands at one place (issue 31, item 8): the pipeline stages a job once through
+    jobs/staged.py, whose staged job knows what a resume kept; planning, the worker's writes and
+    the commit (pipeline.py, targets.py) never consult jobs/resume.py themselves."""
+    import grimp
+
+    graph = grimp.build_graph("parallel_dcp")
+    importers = graph.find_modules_that_directly_import("parallel_dcp.jobs.resume")
+    assert "parallel_dcp.jobs.pipeline" not in importers
+    assert "parallel_dcp.jobs.targets" not in importers
+    assert "parallel_dcp.jobs.staged" in importers
+    pipeline = (ROOT / "parallel_dcp" / "jobs" / "pipeline.py").read_text()
+    calls = [
+        node
+        for node in ast.walk(ast.parse(pipeline))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "stage_job"
+    ]
+    assert len(calls) == 1, "one seam"

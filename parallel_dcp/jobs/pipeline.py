@@ -6,7 +6,8 @@ source: state_dict in memory | safetensors | torch.save | DCP   (formats/: heade
   ▼
 partition ── disjoint tasks balanced by bytes, largest first; task i writes part i
   │
-  ▼                 stage: lock the destination, note this save as the owner (destination.py)
+  ▼                 stage: lock the destination, note this save as the owner (destination.py);
+  │                 with resume, what a dead conversion finished is kept (staged.py: the one seam)
 WorkerPool (fork: workers read the state dict copy-on-write, no tensor bytes in pipes)
   │ worker: read its keys (lazily, mmap), cast, then write them (targets.py) into the
   │ destination itself, under names carrying this save's id:
@@ -34,7 +35,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,14 +51,14 @@ from parallel_dcp.engine.memory import (
     parse_size,
 )
 from parallel_dcp.engine.partition import Task
-from parallel_dcp.engine.pool import TaskResult, WorkerPool, gc_paused
+from parallel_dcp.engine.pool import TaskResult, WorkerPool
 from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
 from parallel_dcp.formats.memory_format import MemorySource
-from parallel_dcp.jobs import resume
+from parallel_dcp.jobs.staged import stage_job
 from parallel_dcp.jobs.targets import Job, Target
 from parallel_dcp.options import Options
 from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
-from parallel_dcp.storage.protocol import Staging, WriteLocation
+from parallel_dcp.storage.protocol import WriteLocation
 
 __all__ = ["SaveResult", "WorkerStats", "run_job", "terminate_as_interrupt"]
 
@@ -161,41 +161,29 @@ def run_job(
     pool: WorkerPool | None = None,
 ) -> SaveResult:
     """Plan, check, run and commit one job on this node (on ``pool``'s workers where given); on any
-    failure the destination is as it was, except that a conversion leaves its finished tasks for ``resume`` (see
-    :mod:`parallel_dcp.jobs.resume`). (Across the ranks of a torchrun job the same steps run in
-    :mod:`parallel_dcp.jobs.distributed`; :func:`parallel_dcp.jobs.runner.run_job` picks one.)
+    failure the destination is as it was, except that a conversion leaves its finished tasks for
+    ``resume`` (see :mod:`parallel_dcp.jobs.staged`, the one place resume is reached). (Across the
+    ranks of a torchrun job the same steps run in :mod:`parallel_dcp.jobs.distributed`;
+    :func:`parallel_dcp.jobs.runner.run_job` picks one.)
 
     ``governor`` must have been created before the source was opened, so that whatever opening
     it loaded counts against the limit.
     """
     _compat.check_torch()
     start = time.perf_counter() if start is None else start
-    if options.resume:
-        resume.refuse_unsupported(job, target, options)
-    records = resume.resumable(job, target, options)
-    identity = resume.identity(job, target, options) if records else {}
     with terminate_as_interrupt():
-        plan, staging = _plan_and_stage(job, target, options, governor, identity)
-        job, tasks, workers = plan.job, plan.tasks, plan.workers
+        # The one place a job meets resume: the staged job knows which tasks a resume kept, what
+        # each task records for a later one, and what a failure leaves (see jobs/staged.py).
+        staged = stage_job(job, target, options, governor, plan_job)
+        job, tasks, workers, staging = staged.job, staged.tasks, staged.workers, staged.staging
+        todo = staged.todo
         phases: dict[str, float] = {}
         writing = False
         try:
-            staging.expect(target.output_names(tasks))
-            kept = resume.Kept()
-            if staging.resumed is not None:
-                kept = resume.keep_finished(job, target, tasks, staging, resume.job_digest(identity))
-            elif records:
-                resume.start_record(staging, identity, resume.plan_record(tasks, plan.threshold, target))
-            todo = [task for task in tasks if task.index not in kept.results]
-            staging.check_space(max(0, needed_space(job) - kept.bytes_kept))
+            staging.check_space(max(0, needed_space(job) - staged.bytes_kept))
             phases["plan"] = time.perf_counter() - start
             began = time.perf_counter()
             writing = True  # a failure from here to the commit leaves the finished tasks for resume
-            recorder = (
-                resume.Recorder(staging.location.root, staging.save_id, resume.job_digest(identity), target, job)
-                if records and isinstance(staging.location.root, Path)
-                else None
-            )
             executor = "saver" if pool is not None else choose_executor(job, options)
             results = run_tasks(
                 job,
@@ -206,63 +194,28 @@ def run_job(
                 governor,
                 min(workers, max(1, len(todo))),
                 phases=phases,
-                recorder=recorder,
-                kept=kept.bytes_kept,
+                recorder=staged.recorder,
+                kept=staged.bytes_kept,
                 executor=executor,
                 pool=pool,
             )
             phases["write"] = time.perf_counter() - began - phases.get("fork", 0.0)
             writing = False
             began = time.perf_counter()
-            values = kept.results | {r.task.index: r.value for r in results}
-            files = target.commit(job, tasks, [values[t.index] for t in tasks], staging, options)
+            files = target.commit(job, tasks, staged.values(results), staging, options)
             staging.publish()
             phases["merge"] = target.merge_seconds
             phases["commit"] = time.perf_counter() - began - target.merge_seconds
         except BaseException as failure:
-            # Killed, out of space or interrupted while tasks ran: what finished stays, with its
-            # records, for resume (in a resumed run, whenever it fails: those files were there
-            # before it). A fresh run failing to plan or commit leaves nothing, as a save does.
-            if records and (writing or staging.resumed is not None):
-                kept_files = resume.finished_files(target, tasks, staging)
-                staging.discard_keeping(kept_files)
-                if kept_files:
-                    failure.add_note(resume.kept_note(target, tasks, staging, kept_files))
-            else:
-                staging.discard()
+            staged.fail(failure, writing=writing)
             raise
     result = result_of(target, job, tasks, workers, results, files, governor, options, start, phases, executor)
     return dataclasses.replace(
         result,
-        bytes_kept=kept.bytes_kept,
+        bytes_kept=staged.bytes_kept,
         bytes_rewritten=sum(t.nbytes for t in todo),
-        resumed=staging.resumed is not None,
+        resumed=staged.resumed,
     )
-
-
-def _plan_and_stage(
-    job: Job, target: Target, options: Options, governor: MemoryGovernor, identity: dict[str, Any]
-) -> tuple[Plan, Staging]:
-    """Plan, then take hold of the destination; with ``resume``, take hold first, since the plan
-    is then the dead conversion's, if there is one to continue."""
-    protect = list(job.source.files)
-    if not options.resume:
-        with gc_paused():
-            plan = plan_job(job, target, options, governor)
-        return plan, target.stage(options.overwrite, protect=protect)
-    staging = target.stage(options.overwrite, protect=protect, resume=resume.check_identity(identity))
-    try:
-        with gc_paused():
-            if staging.resumed is None:
-                return plan_job(job, target, options, governor), staging
-            again = resume.replan(job, target, options, governor, staging.resumed)
-            return Plan(again.job, again.tasks, again.workers, again.threshold), staging
-    except BaseException:
-        if staging.resumed is None:
-            staging.discard()
-        else:  # refused after all: the dead conversion's files stay as they were
-            staging.discard_keeping(resume.adopted_files(staging))
-        raise
 
 
 @contextlib.contextmanager

@@ -18,7 +18,8 @@ keys under their output names with their nesting (so ``keys`` and ``rename`` bot
 shard size and an explicit chunk size. Workers and the memory limit are not part of it: the
 recorded plan is reused (and checked against the limit), so a resume may run with fewer workers
 or another limit. Resume is for conversions to local destinations; object storage and
-distributed jobs are refused with :class:`ResumeError`.
+distributed jobs are refused with :class:`ResumeError`. The write pipeline reaches this module at
+one place, :func:`parallel_dcp.jobs.staged.stage_job`: the staged job it returns knows what was kept.
 
 Longer than 300 lines because the done record's writer (in the worker) and its reader (the
 checks a resume runs on it) are one format, kept side by side so that they cannot drift apart.

@@ -312,8 +312,6 @@ class DcpTarget(Target):
         return _encoded(job, result)
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
-        # Tasks a resume kept come back from their records as plain parts: encoded here.
-        results = [_encoded(job, r) for r in results]
         digests: dict[str, FileDigest] = {}
         for result in results:
             digests.update(result.digests if isinstance(result, lean.LeanPart) else result[2])
