@@ -21,8 +21,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RemoteBytes", "read_into", "refusal"]
+__all__ = ["RemoteBytes", "read_gathered", "read_into", "refusal"]
 
+# The most iovecs one call takes (the kernel's UIO_MAXIOV).
+_IOV_MAX = 1024
 # One call copies at most this much, so that a partial copy (the kernel stops at a fault) is
 # resumed where it stopped and a huge tensor does not pin one iovec the whole time.
 _PIECE = 256 * 1024 * 1024
@@ -73,6 +75,41 @@ def read_into(pid: int, address: int, nbytes: int, destination: int) -> None:
         if got == 0:
             raise OSError(errno.EFAULT, f"process_vm_readv from pid {pid} copied nothing at {address + done:#x}")
         done += got
+
+
+def read_gathered(pid: int, ranges: list[tuple[int, int]], destination: int) -> None:
+    """Copy each (address, nbytes) of process ``pid``, in order, back to back from ``destination``:
+    one call per 1,024 ranges (50,000 small tensors: 49 calls, not 50,000).
+
+    Raises:
+        OSError: as :func:`read_into`.
+    """
+    call = _readv()
+    if call is None:
+        raise OSError(errno.ENOSYS, "process_vm_readv is not available in this C library")
+    offset = 0
+    for first in range(0, len(ranges), _IOV_MAX):
+        group = [(address, size) for address, size in ranges[first : first + _IOV_MAX] if size]
+        total = sum(size for _, size in group)
+        if not group:
+            continue
+        if total > _PIECE:  # large ranges: one at a time, each resumed where a partial copy stopped
+            for address, size in group:
+                read_into(pid, address, size, destination + offset)
+                offset += size
+            continue
+        local = _IoVec(destination + offset, total)
+        remote = (_IoVec * len(group))(*(_IoVec(address, size) for address, size in group))
+        got = call(pid, ctypes.byref(local), 1, remote, len(group), 0)
+        if got < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"process_vm_readv from pid {pid}: {os.strerror(code)}")
+        if got != total:  # stopped at a fault: find which range, the plain way
+            position = offset
+            for address, size in group:
+                read_into(pid, address, size, destination + position)
+                position += size
+        offset += total
 
 
 @dataclass(frozen=True, slots=True)

@@ -127,6 +127,11 @@ class TaskHandler:
     options: Options
     recorder: Callable[[Task, Any], None] | None = None
 
+    def __reduce__(self) -> Any:
+        # The job without its planning caches (sizes, positions: rebuilt where needed).
+        job = Job(self.job.source, self.job.keys, self.job.dtype, self.job.chunks)
+        return (TaskHandler, (job, self.target, self.staging, self.options, self.recorder))
+
     def prepare(self) -> None:
         """In a worker that did not fork for this job: what ``_worker_setup`` does at a fork."""
         _worker_setup(self.options)()
