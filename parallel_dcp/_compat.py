@@ -163,3 +163,41 @@ def _check_fsspec() -> None:
             f"parallel_dcp needs fsspec's AbstractFileSystem._strip_protocol, which fsspec {fsspec.__version__} "
             "does not have; install a supported fsspec (tested on 2026.9)"
         )
+
+
+# multiprocess's fork server and resource tracker (parallel_dcp.Saver starts them, and stops them
+# again unless they ran before).
+def fork_server_pid() -> int | None:
+    """The fork server's process id while it runs."""
+    import multiprocess.forkserver
+
+    pid = getattr(getattr(multiprocess.forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return pid if isinstance(pid, int) else None
+
+
+def running_servers() -> tuple[bool, bool]:
+    """Whether the fork server and the resource tracker (which the fork server starts) run now."""
+    import multiprocess.forkserver
+    import multiprocess.resource_tracker
+
+    server = getattr(multiprocess.forkserver, "_forkserver", None)
+    tracker = getattr(multiprocess.resource_tracker, "_resource_tracker", None)
+    return getattr(server, "_forkserver_pid", None) is not None, getattr(tracker, "_pid", None) is not None
+
+
+def stop_fork_server(running_before: tuple[bool, bool]) -> None:
+    """Stop the fork server and the resource tracker, each unless it ran before we used it (it
+    may serve the caller's own processes, shared memory or semaphores), so no process is left.
+    Each starts again on its next use."""
+    import multiprocess.forkserver
+    import multiprocess.resource_tracker
+
+    server_before, tracker_before = running_before
+    if not server_before:
+        stop = getattr(getattr(multiprocess.forkserver, "_forkserver", None), "_stop", None)
+        if stop is not None:
+            stop()
+    if not tracker_before:
+        stop = getattr(getattr(multiprocess.resource_tracker, "_resource_tracker", None), "_stop", None)
+        if stop is not None:
+            stop()

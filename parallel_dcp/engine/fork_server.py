@@ -7,8 +7,8 @@ script in every worker (to find functions defined there); a training script with
 ``if __name__ == "__main__":`` guard would then run again in each worker. Our workers run only
 parallel_dcp's own functions, so :class:`ForkServerProcess` leaves ``__main__`` out.
 
-This module touches multiprocess's private names (``popen_forkserver``, ``spawn``,
-``forkserver._forkserver``), and is the only one that does.
+This module touches multiprocess's private ``popen_forkserver`` and ``spawn``; stopping the fork
+server is in ``parallel_dcp._compat`` (with the other private names).
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import threading
 from typing import Any
 
 import multiprocess.context
-import multiprocess.forkserver
 import multiprocess.popen_forkserver
-import multiprocess.resource_tracker
 import multiprocess.spawn
 
-__all__ = ["ForkServerProcess", "fork_server_pid", "running_servers", "stop_fork_server"]
+__all__ = ["ForkServerProcess"]
 
 _MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
 _patch_lock = threading.Lock()
@@ -52,31 +50,3 @@ class ForkServerProcess(multiprocess.context.ForkServerProcess):  # type: ignore
     @staticmethod
     def _Popen(process_obj: Any) -> Any:
         return _Popen(process_obj)
-
-
-def fork_server_pid() -> int | None:
-    """The fork server's process id while it runs."""
-    pid = getattr(getattr(multiprocess.forkserver, "_forkserver", None), "_forkserver_pid", None)
-    return pid if isinstance(pid, int) else None
-
-
-def running_servers() -> tuple[bool, bool]:
-    """Whether the fork server and the resource tracker (which the fork server starts) run now."""
-    server = getattr(multiprocess.forkserver, "_forkserver", None)
-    tracker = getattr(multiprocess.resource_tracker, "_resource_tracker", None)
-    return getattr(server, "_forkserver_pid", None) is not None, getattr(tracker, "_pid", None) is not None
-
-
-def stop_fork_server(running_before: tuple[bool, bool]) -> None:
-    """Stop the fork server and the resource tracker, each unless it ran before we used it (it
-    may serve the caller's own processes, shared memory or semaphores), so no process is left.
-    Each starts again on its next use."""
-    server_before, tracker_before = running_before
-    if not server_before:
-        stop = getattr(getattr(multiprocess.forkserver, "_forkserver", None), "_stop", None)
-        if stop is not None:
-            stop()
-    if not tracker_before:
-        stop = getattr(getattr(multiprocess.resource_tracker, "_resource_tracker", None), "_stop", None)
-        if stop is not None:
-            stop()

@@ -378,10 +378,13 @@ class WorkerPool:
                 return  # wait until a running task frees its memory
             pending.popleft()
             worker = idle.popleft()
-            if self._new_handler is not None and worker not in self._primed:
-                _send(self._conns[worker], self._new_handler)
-                self._primed.add(worker)
-            _send(self._conns[worker], task)
+            # A worker that died idle (or loading this run's handler) closed its pipe: the task
+            # is its now, and its sentinel reports the death with the task's keys.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                if self._new_handler is not None and worker not in self._primed:
+                    self._primed.add(worker)
+                    _send(self._conns[worker], self._new_handler)
+                _send(self._conns[worker], task)
             running[worker] = (task, time.monotonic())
 
     def _check_timeouts(self, running: dict[int, tuple[Task, float]], task_timeout: float) -> None:

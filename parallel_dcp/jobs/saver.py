@@ -23,7 +23,7 @@ import time
 import warnings
 from typing import Any
 
-from parallel_dcp.engine.fork_server import fork_server_pid, running_servers, stop_fork_server
+from parallel_dcp._compat import fork_server_pid, running_servers, stop_fork_server
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import WorkerPool, gc_paused
