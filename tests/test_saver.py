@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -121,6 +123,26 @@ def test_a_worker_that_allocates_past_the_limit_is_stopped(tmp_path: Path) -> No
     assert_same(parallel_dcp.load(tmp_path / "ckpt"), {"w": torch.ones(8)})
 
 
+def test_ctrl_c_during_a_save_stops_it_and_the_next_save_starts_new_workers(tmp_path: Path) -> None:
+    sd = {"w": torch.ones(8), "slow": SleepOnArrival(600)}
+    with parallel_dcp.Saver(workers=2) as saver:
+        before = _workers(saver)
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                saver.save(sd, tmp_path / "ckpt")
+        finally:
+            timer.cancel()
+        assert list(tmp_path.iterdir()) == []
+        assert not any(
+            psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in before
+        )
+        saver.save({"w": torch.ones(8)}, tmp_path / "ckpt")
+        assert not before & _workers(saver)
+    assert_same(parallel_dcp.load(tmp_path / "ckpt"), {"w": torch.ones(8)})
+
+
 def test_an_item_over_the_limit_fails_before_any_write(tmp_path: Path) -> None:
     with parallel_dcp.Saver(workers=2, memory_limit="16MiB") as saver:
         with pytest.raises(MemoryLimitExceeded, match=r"'big' needs .* more than the memory limit 16\.0 MiB"):
@@ -192,3 +214,13 @@ class HogOnArrival:
 
     def __reduce__(self) -> Any:
         return (_hog, (self.nbytes, self.hold_s))
+
+
+class SleepOnArrival:
+    """Pickles fine in the caller; a worker that unpickles it sleeps ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self) -> Any:
+        return (time.sleep, (self.seconds,))
