@@ -59,12 +59,7 @@ def _exact(pid: int) -> tuple[int, int, int]:
     except OSError:
         rss, _ = _resident(pid)
         return rss, rss, rss
-    charged, private = _charge(text)
-    return charged, private, _total_pss(text)
-
-
-def _total_pss(text: bytes) -> int:
-    return sum(int(line.split()[1]) for line in text.splitlines() if line.startswith(b"Pss:")) * 1024
+    return _charge_and_pss(text)
 
 
 def _rollup(pid: int) -> tuple[int, int] | None:
@@ -156,6 +151,12 @@ class ChargeReader:
 
 def _charge(text: bytes) -> tuple[int, int]:
     """Sum one smaps listing: (charged, private) in bytes."""
+    charged, private, _ = _charge_and_pss(text)
+    return charged, private
+
+
+def _charge_and_pss(text: bytes) -> tuple[int, int, int]:
+    """Sum one smaps listing: (charged, private, PSS) in bytes, in one pass."""
     mappings: list[tuple[bytes, int, int, int]] = []  # path, Pss, Private_Clean + Private_Dirty, Private_Dirty
     code: set[bytes] = set()
     path = b""
@@ -183,7 +184,8 @@ def _charge(text: bytes) -> tuple[int, int]:
         pss = private = dirty = 0
     mappings.append((path, pss, private, dirty))
     charged = sum(dirty if mapped in code else pss for mapped, pss, _, dirty in mappings)
-    return charged * 1024, sum(private for _, _, private, _ in mappings) * 1024
+    total = sum(pss for _, pss, _, _ in mappings)
+    return charged * 1024, sum(private for _, _, private, _ in mappings) * 1024, total * 1024
 
 
 def _resident(pid: int) -> tuple[int, int]:
