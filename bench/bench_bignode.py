@@ -8,7 +8,7 @@ python bench/bench_bignode.py --rounds 5 --dir /tmp --out bignode.json [--only g
   without 1 GiB the workers inherited from the coordinator (page tables walked per reading).
 - ``gil``: a save of 1 GiB (64 bf16 tensors) alone and beside one busy Python thread in the
   caller, per executor (auto, threads, processes, a Saver's workers), on /dev/shm and on ``--dir``.
-- ``start``: what a save spends starting its workers against the state dict's size (0.5, 2, 4 GiB):
+- ``start``: what a save spends starting its workers against the state dict's size (0.5, 1, 2 GiB):
   ``SaveResult.phases["fork"]`` of save(executor="processes") and of a Saver's second save, and a
   bare ``os.fork`` of the process holding the state dict.
 - ``tail``: the coordinator's serial seconds per key at 50,000 small tensors (phases plan + merge
@@ -135,7 +135,7 @@ def gil(rounds: int, where: list[str], workers: int) -> list[dict[str, Any]]:
 def start(rounds: int, root: str, workers: int) -> list[dict[str, Any]]:
     rows = []
     with parallel_dcp.Saver(workers=workers) as saver, tempfile.TemporaryDirectory(dir=root) as tmp:
-        for gib in (0.5, 2, 4):
+        for gib in (0.5, 1, 2):
             sd = {f"w{i}": torch.ones(int(gib * GiB) // 64 // 4) for i in range(64)}
             forks, saves, savers = [], [], []
             for _ in range(rounds):
