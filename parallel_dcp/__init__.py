@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from parallel_dcp._version import __version__ as __version__
 from parallel_dcp.api import _check_torch
 from parallel_dcp.api.convert import convert as convert
+from parallel_dcp.api.convert import presets as presets
 from parallel_dcp.api.inspect import diff as diff
 from parallel_dcp.api.inspect import inspect as inspect
 from parallel_dcp.api.load import load as load
@@ -37,8 +38,11 @@ from parallel_dcp.errors import (
     InsufficientSpaceError,
     InvalidDestinationError,
     InvalidStateDictError,
+    KeyNotFoundError,
+    KeyPatternError,
     MemoryLimitExceeded,
     ParallelDCPError,
+    PresetError,
     QuantizationError,
     RemoteTraceback,
     RenameError,
@@ -60,6 +64,7 @@ if TYPE_CHECKING:
     from parallel_dcp.jobs.diff import DiffReport
     from parallel_dcp.jobs.dryrun import DryRunPlan
     from parallel_dcp.jobs.pipeline import SaveResult, WorkerStats
+    from parallel_dcp.jobs.preset_defs import PRESETS, Preset
     from parallel_dcp.jobs.rename import RenameRules as RenameRules
     from parallel_dcp.jobs.verify import VerifyReport
     from parallel_dcp.partial import (
@@ -79,6 +84,8 @@ _LAZY = {
     "SaveResult": "parallel_dcp.jobs.pipeline",
     "WorkerStats": "parallel_dcp.jobs.pipeline",
     "RenameRules": "parallel_dcp.jobs.rename",
+    "PRESETS": "parallel_dcp.jobs.preset_defs",
+    "Preset": "parallel_dcp.jobs.preset_defs",
     "VerifyReport": "parallel_dcp.jobs.verify",
     **dict.fromkeys(
         ("commit", "extract_metadata", "load_metadata", "merge_metadata", "partial_load", "partial_save"),
@@ -103,6 +110,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "PRESETS",
     "CheckpointExistsError",
     "CompressionUnavailableError",
     "CorruptCheckpointError",
@@ -115,9 +123,13 @@ __all__ = [
     "InsufficientSpaceError",
     "InvalidDestinationError",
     "InvalidStateDictError",
+    "KeyNotFoundError",
+    "KeyPatternError",
     "MemoryLimitExceeded",
     "Options",
     "ParallelDCPError",
+    "Preset",
+    "PresetError",
     "QuantizationError",
     "ReadStats",
     "RemoteTraceback",
@@ -142,6 +154,7 @@ __all__ = [
     "merge_metadata",
     "partial_load",
     "partial_save",
+    "presets",
     "save",
     "verify",
 ]

@@ -11,6 +11,7 @@ import re
 import signal
 import unicodedata
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "CheckpointExistsError",
@@ -22,6 +23,8 @@ __all__ = [
     "InsufficientSpaceError",
     "InvalidDestinationError",
     "InvalidStateDictError",
+    "KeyNotFoundError",
+    "KeyPatternError",
     "MemoryLimitExceeded",
     "ParallelDCPError",
     "QuantizationError",
@@ -33,7 +36,7 @@ __all__ = [
     "WorkerError",
 ]
 
-_KEYS_SHOWN = 8
+_KEYS_SHOWN = 10  # names an error lists before '... and N more' (describe_keys)
 # A row range of one tensor, as the planners name it: ``key[dim:start:stop]`` (a ``'`` is added
 # when a key already has that name).
 _CHUNK_UNIT = re.compile(r"(?P<key>.*)\[(?P<dim>\d+):(?P<start>\d+):(?P<stop>\d+)\]'*", re.DOTALL)
@@ -53,6 +56,11 @@ def printable(text: str) -> str:
         else:
             out.append(char)
     return "".join(out)
+
+
+def dtype_name(dtype: object) -> str:
+    """A dtype as the CLI spells it (``bfloat16``, not ``torch.bfloat16``), in every message."""
+    return str(dtype).removeprefix("torch.")
 
 
 def plural(count: int, singular: str, many: str | None = None) -> str:
@@ -94,7 +102,31 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 class ParallelDCPError(Exception):
-    """Base class of every error parallel_dcp raises."""
+    """Base class of every error parallel_dcp raises.
+
+    Every message is built here, once: control and format characters in it are escaped
+    (:func:`printable`), so a name read from disk (a shard name with a line break, a planted lock
+    record) can never forge a line of output nor drive a terminal. A message that lists things
+    passes them as ``lines``: each shown on a line of its own, escaped the same way.
+    """
+
+    def __init__(self, *args: Any, lines: Sequence[str] = ()) -> None:
+        escaped = tuple(printable(arg) if isinstance(arg, str) else arg for arg in args)
+        if lines:
+            first = escaped[0] if escaped else ""
+            escaped = (str(first) + "".join("\n" + printable(line) for line in lines), *escaped[1:])
+        super().__init__(*escaped)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from the message as built (its lines kept), not by escaping it again.
+        return (_restore, (type(self), self.args, self.__dict__))
+
+
+def _restore(cls: type[ParallelDCPError], args: tuple[Any, ...], state: dict[str, Any]) -> ParallelDCPError:
+    error = cls.__new__(cls, *args)
+    super(ParallelDCPError, error).__init__(*args)
+    error.__dict__.update(state)
+    return error
 
 
 class IncompatibleTorchError(ParallelDCPError, ImportError):
@@ -108,6 +140,23 @@ class CompressionUnavailableError(ParallelDCPError, ImportError):
 
 class InvalidStateDictError(ParallelDCPError, ValueError):
     """The input cannot be saved as given; raised before anything is written."""
+
+
+class KeyNotFoundError(ParallelDCPError, KeyError):
+    """Keys asked for are not there: names the checkpoint (or ``into``) lacks, or patterns that
+    select nothing; ``keys`` lists them. A ``KeyError`` too, so callers that caught the bare one
+    still do; its message reads as a sentence (a ``KeyError`` would quote it)."""
+
+    def __init__(self, message: str, *, keys: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.keys = list(keys)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class KeyPatternError(ParallelDCPError, ValueError):
+    """A key pattern that cannot be used: a ``re:`` pattern that is not a regular expression."""
 
 
 class CheckpointExistsError(ParallelDCPError, FileExistsError):
@@ -206,8 +255,10 @@ class RenameError(ParallelDCPError, ValueError):
     source names that produced it (or to why it is invalid).
     """
 
-    def __init__(self, message: str, *, collisions: dict[str, list[str]] | None = None) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, *, collisions: dict[str, list[str]] | None = None, lines: Sequence[str] = ()
+    ) -> None:
+        super().__init__(message, lines=lines)
         self.collisions = dict(collisions or {})
 
 
@@ -233,6 +284,16 @@ class QuantizationError(ParallelDCPError, ValueError):
     weight's blocks, a non-FP8 weight beside a ``weight_scale_inv``, an E8M0 exponent of 255
     (NaN), or a bad ``quantize`` spec. Raised before anything is written; ``keys`` names the
     offending tensors."""
+
+    def __init__(self, message: str, *, keys: Sequence[str] = (), lines: Sequence[str] = ()) -> None:
+        super().__init__(message, lines=lines)
+        self.keys = list(keys)
+
+
+class PresetError(RenameError):
+    """A preset cannot convert this source as its client needs: a source key its rules do not
+    cover, an output that would miss keys the client's model holds, or a missing or incomplete
+    ``config.json``. Raised before anything is written; ``keys`` names the offending tensors."""
 
     def __init__(self, message: str, *, keys: Sequence[str] = ()) -> None:
         super().__init__(message)

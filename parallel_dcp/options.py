@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from parallel_dcp.engine.memory import default_limit, parse_size
+from parallel_dcp.engine.memory import default_limit, parse_size, warn_over_machine
 from parallel_dcp.storage.compression import Compression, parse_compress
 from parallel_dcp.storage.io_mode import check_io
 
@@ -119,7 +119,11 @@ class Options:
 
     def memory_ceiling(self) -> int:
         """The memory limit in bytes, resolved now (the default depends on what is available)."""
-        return default_limit() if self.memory_limit is None else parse_size(self.memory_limit)
+        if self.memory_limit is None:
+            return default_limit()
+        limit = parse_size(self.memory_limit)
+        warn_over_machine(limit)
+        return limit
 
     def worker_count(self, tasks: int) -> int:
         """Workers to start for ``tasks`` tasks: never more than there are tasks."""

@@ -3,7 +3,10 @@
 FP8 (DeepSeek-V3 layout): ``model.safetensors.index.json`` with a ``weight_map``, weights in one
 shard and their ``weight_scale_inv`` in the next, ``config.json`` with ``quantization_config``,
 dimensions that are not multiples of 128 (partial edge blocks). MXFP4 (gpt-oss layout):
-``*_blocks`` ``[E, N, G, 16]`` and ``*_scales`` ``[E, N, G]`` uint8.
+``*_blocks`` ``[E, N, G, 16]`` and ``*_scales`` ``[E, N, G]`` uint8, which dequantize to
+transformers' expert layout ``[E, G * 32, N]`` (:func:`transformers_layout`); a whole tiny gpt-oss
+in MXFP4 (:func:`gpt_oss_mxfp4_checkpoint`) for the key names and shapes transformers holds
+(``tests/fixtures/clients/gpt_oss_keys.json``).
 """
 
 from __future__ import annotations
@@ -121,9 +124,71 @@ def mxfp4_checkpoint(directory: Path) -> Path:
     return write_hf(directory, tensors, [blocks, rest], config)
 
 
+GPT_OSS_KEYS = Path(__file__).parent / "fixtures" / "clients" / "gpt_oss_keys.json"
+GPT_OSS_EXPERTS = ("gate_up_proj", "down_proj")  # the MXFP4 tensors of each layer's experts
+# What the real gpt-oss releases leave in bf16.
+GPT_OSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def gpt_oss_fixture() -> dict[str, Any]:
+    """The tiny gpt-oss config and the tensors (name -> shape, dtype) transformers 5.25's
+    ``GptOssForCausalLM`` holds for it (recorded by tests_clients/hf/test_gpt_oss_mxfp4.py)."""
+    fixture: dict[str, Any] = json.loads(GPT_OSS_KEYS.read_text())
+    return fixture
+
+
+def gpt_oss_mxfp4_checkpoint(
+    directory: Path, config: dict[str, Any], plain: dict[str, torch.Tensor], seed: int = 3
+) -> Path:
+    """A gpt-oss release in miniature: ``plain`` (every tensor but the experts' two projections,
+    bf16) and, per layer, ``mlp.experts.{gate_up_proj,down_proj}_{blocks,scales}`` in gpt-oss's
+    packed layout: ``gate_up_proj`` ``[E, 2 * intermediate, hidden / 32, 16]`` (a row per output),
+    ``down_proj`` ``[E, hidden, intermediate / 32, 16]``. Exponents 118..130 keep values finite
+    and the model's forward pass meaningful. ``config.json`` is ``config`` with the release's
+    ``quantization_config``."""
+    g = torch.Generator().manual_seed(seed)
+    experts, hidden, inter = config["num_local_experts"], config["hidden_size"], config["intermediate_size"]
+    tensors = dict(plain)
+    for layer in range(config["num_hidden_layers"]):
+        for name, rows, cols in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+            stem = f"model.layers.{layer}.mlp.experts.{name}"
+            tensors.pop(stem, None)
+            groups = cols // 32
+            tensors[stem + "_blocks"] = torch.randint(
+                0, 256, (experts, rows, groups, 16), dtype=torch.uint8, generator=g
+            )
+            tensors[stem + "_scales"] = torch.randint(118, 131, (experts, rows, groups), dtype=torch.uint8, generator=g)
+    keys = list(tensors)
+    quantization = {"quant_method": "mxfp4", "modules_to_not_convert": GPT_OSS_NOT_CONVERTED}
+    return write_hf(
+        directory,
+        tensors,
+        [keys[: len(keys) // 2], keys[len(keys) // 2 :]],
+        config | {"quantization_config": quantization},
+    )
+
+
+def transformers_layout(state: dict[str, torch.Tensor], src: Path) -> dict[str, torch.Tensor]:
+    """``state`` (stock's dequantized MXFP4, ``[E, N, G * 32]``) with every expert tensor
+    (4-D blocks in ``src``) transposed to transformers' ``[E, G * 32, N]``, as its own
+    ``convert_moe_packed_tensors`` returns it (``out.transpose(1, 2).contiguous()``)."""
+    from safetensors import safe_open
+
+    experts = set()
+    for shard in src.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            experts |= {
+                k.removesuffix("_blocks")
+                for k in f.keys()  # noqa: SIM118 (safe_open is not iterable)
+                if k.endswith("_blocks") and len(f.get_slice(k).get_shape()) == 4
+            }
+    return {k: v.transpose(1, 2).contiguous() if k in experts else v for k, v in state.items()}
+
+
 def stock_dequantized(src: Path, dtype: torch.dtype, block: int = 128) -> dict[str, torch.Tensor]:
     """What stock ``dcp.load`` with ``QuantizedHuggingFaceStorageReader`` gives for ``src``:
-    tensors preallocated from its (dequantized) metadata, every key but the scales.
+    tensors preallocated from its (dequantized) metadata, every key but the scales (MXFP4 experts
+    in the gpt-oss reference loader's ``[E, N, G * 32]``: see :func:`transformers_layout`).
 
     MXFP4: torch 2.13's reader corrects the metadata's size but not its chunk (the packed
     ``[..., G, B]`` shape), so its planner reads only the first G values of each row. The

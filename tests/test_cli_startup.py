@@ -43,6 +43,13 @@ def test_building_the_parser_imports_no_torch() -> None:
         ["bench", "--help"],
         ["convert"],  # usage error: exit 2
         ["convert", "a", "b", "--overwite"],  # usage error with a suggestion
+        # Bad flag values (issue 31, frictions 1 and 5): refused before torch is imported.
+        ["convert", "a", "b", "--dtype", "int4"],
+        ["convert", "a", "b", "--rename", "abc"],
+        ["convert", "a", "b", "--rename", "(=x"],
+        ["convert", "a", "b", "--keys", "re:(["],
+        ["convert", "a", "b", "--rename-file", "/nonexistent/rules.json"],
+        ["inspect", "a", "--keys", "re:(["],
     ],
 )
 def test_help_and_usage_errors_import_no_torch(argv: list[str]) -> None:

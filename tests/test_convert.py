@@ -260,7 +260,8 @@ def test_file_outputs_are_refused_or_replaced_atomically(tmp_path: Path) -> None
     assert (tmp_path / "out.pt").read_bytes() == b"precious"
     parallel_dcp.convert(tmp_path / "src.safetensors", tmp_path / "out.pt", overwrite=True)
     assert_same(torch.load(tmp_path / "out.pt", weights_only=True), {"a": torch.ones(2)})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.pt", "src.safetensors"]
+    # The torch.save file's checksums sit beside it (issue 31: every output verifiable).
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.pt", "out.pt.manifest.json", "src.safetensors"]
 
 
 def test_a_malicious_metadata_is_refused_when_converting(tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ and naming every tensor's shard, each shard loading with safetensors' own reader
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -42,8 +44,9 @@ def _hf_folder(where: Path) -> dict[str, torch.Tensor]:
     st.save_file(tensors, where / "model.safetensors")
     for name, data in {**KEEP, **SKIP}.items():
         (where / name).write_bytes(data)
-    (where / "original").mkdir()  # subdirectories are not copied
+    (where / "original").mkdir()  # non-weight files of folders are copied (issue 29), weights never
     (where / "original" / "params.json").write_bytes(b"{}")
+    (where / "original" / "consolidated.00.pth").write_bytes(b"weights of another format")
     return tensors
 
 
@@ -52,7 +55,8 @@ def _check_loadable(out: Path, tensors: dict[str, torch.Tensor]) -> None:
     for name, data in KEEP.items():
         assert (out / name).read_bytes() == data, name
     assert not any((out / name).exists() for name in SKIP)
-    assert not (out / "original").exists()
+    assert (out / "original" / "params.json").read_bytes() == b"{}"
+    assert sorted(p.name for p in (out / "original").iterdir()) == ["params.json"]
     index = json.loads((out / "model.safetensors.index.json").read_bytes())
     assert set(index["weight_map"]) == set(tensors)
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
@@ -87,7 +91,7 @@ def test_torch_shards_and_the_cli_flags(tmp_path: Path, capsys: pytest.CaptureFi
     )
     assert sorted(p.name for p in (tmp_path / "bare").iterdir()) == [".parallel_dcp.json", "model.safetensors"]
     code = cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "plan"), "--to", "safetensors", "--dry-run"])
-    assert code == 0 and "copies 7 files beside the weights: README.md, config.json" in capsys.readouterr().out
+    assert code == 0 and "copies 8 files beside the weights: README.md, config.json" in capsys.readouterr().out
     assert not (tmp_path / "plan").exists()
 
 
@@ -154,3 +158,181 @@ def test_a_planted_symlink_at_a_copy_is_not_followed(tmp_path: Path) -> None:
     assert victim.read_bytes() == b"precious"
     assert not (tmp_path / "out" / "config.json").is_symlink()
     assert (tmp_path / "out" / "config.json").read_bytes() == KEEP["config.json"]
+
+
+# --- non-weight folders (issue 29, item 5) ------------------------------------------------------
+
+FOLDERS = {
+    "modules.json": b'[{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]',
+    "1_Pooling/config.json": b'{"word_embedding_dimension": 64, "pooling_mode_mean_tokens": true}',
+    "2_Dense/config.json": b'{"in_features": 64, "out_features": 32}',
+    "3_Deep/a/b/notes.txt": b"nested",
+}
+
+
+def _st_folder(where: Path) -> dict[str, torch.Tensor]:
+    """A sentence-transformers-like folder: module folders, weights in one of them, hidden ones."""
+    tensors = _hf_folder(where)
+    for name, data in FOLDERS.items():
+        (where / name).parent.mkdir(parents=True, exist_ok=True)
+        (where / name).write_bytes(data)
+    (where / "2_Dense" / "model.safetensors").write_bytes(b"weights are never copied as files")
+    (where / "2_Dense" / ".hidden").write_bytes(b"not copied")
+    (where / "4_Empty").mkdir()
+    (where / ".cache" / "huggingface").mkdir(parents=True)
+    (where / ".cache" / "huggingface" / "x.lock").write_bytes(b"")
+    return tensors
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.name.startswith(".") and "/" in str(p.relative_to(root))
+    }
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_non_weight_folders_come_along(tmp_path: Path, to: str) -> None:
+    _st_folder(tmp_path / "hf")
+    parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to=to, workers=1)
+    wanted = {k: v for k, v in FOLDERS.items() if "/" in k} | {"original/params.json": b"{}"}
+    assert _tree(tmp_path / "out") == wanted
+    assert (tmp_path / "out" / "modules.json").read_bytes() == FOLDERS["modules.json"]
+    assert not (tmp_path / "out" / "2_Dense" / "model.safetensors").exists()
+    assert not (tmp_path / "out" / "2_Dense" / ".hidden").exists() and not (tmp_path / "out" / ".cache").exists()
+    assert not (tmp_path / "out" / "4_Empty").exists()  # a folder with nothing to copy is not made
+    if to == "safetensors":  # the manifest lists plain files only: the folders do not trouble verify
+        assert parallel_dcp.verify(tmp_path / "out", workers=1).ok
+
+
+def test_folders_through_dcp_with_copy_files_from_and_overwrite(tmp_path: Path) -> None:
+    tensors = _st_folder(tmp_path / "hf")
+    parallel_dcp.convert(tmp_path / "hf", tmp_path / "dcp", workers=1)
+    parallel_dcp.convert(tmp_path / "dcp", tmp_path / "out", to="safetensors", copy_files_from=tmp_path / "hf")
+    assert _tree(tmp_path / "out")["1_Pooling/config.json"] == FOLDERS["1_Pooling/config.json"]
+    # overwrite: the old folder goes (a file only it had too), the new one is in place
+    (tmp_path / "out" / "1_Pooling" / "stale.txt").write_bytes(b"old")
+    (tmp_path / "hf" / "1_Pooling" / "config.json").write_bytes(b'{"new": 1}')
+    parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", overwrite=True, workers=1)
+    assert sorted(p.name for p in (tmp_path / "out" / "1_Pooling").iterdir()) == ["config.json"]
+    assert (tmp_path / "out" / "1_Pooling" / "config.json").read_bytes() == b'{"new": 1}'
+    assert not [p.name for p in (tmp_path / "out").iterdir() if p.name.endswith(".tmp")]
+    loaded = st.load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+
+
+def _hostile(where: Path, outside: Path, case: str) -> None:
+    if case == "symlinked folder out":
+        (where / "1_Pooling").rename(where / "moved")
+        (where / "1_Pooling").symlink_to(outside)
+    elif case == "symlink in a folder out":
+        (where / "1_Pooling" / "secret.json").symlink_to(outside / "secret.txt")
+    elif case == "proc file":
+        (where / "1_Pooling" / "environ").symlink_to("/proc/self/environ")
+    elif case == "fifo in a folder":
+        os.mkfifo(where / "1_Pooling" / "pipe")
+
+
+@pytest.mark.parametrize("case", ["symlinked folder out", "symlink in a folder out", "proc file", "fifo in a folder"])
+def test_hostile_folders_are_refused_before_anything_is_written(tmp_path: Path, case: str) -> None:
+    _st_folder(tmp_path / "hf")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_bytes(b"secret")
+    _hostile(tmp_path / "hf", outside, case)
+    with pytest.raises(parallel_dcp.UnsafeCheckpointError, match=r"symlink leading out|not a regular file"):
+        parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", workers=1)
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+
+
+def test_a_link_to_a_folder_inside_the_source_is_not_walked_twice(tmp_path: Path) -> None:
+    _st_folder(tmp_path / "hf")
+    (tmp_path / "hf" / "alias").symlink_to(tmp_path / "hf" / "1_Pooling")
+    (tmp_path / "hf" / "1_Pooling" / "loop").symlink_to(tmp_path / "hf")
+    parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", workers=1)
+    assert not (tmp_path / "out" / "alias").exists() and not (tmp_path / "out" / "1_Pooling" / "loop").exists()
+    assert (tmp_path / "out" / "1_Pooling" / "config.json").read_bytes() == FOLDERS["1_Pooling/config.json"]
+
+
+def test_a_planted_symlink_at_a_copied_folder_is_not_followed(tmp_path: Path) -> None:
+    """Overwriting a converted folder whose 1_Pooling/ someone replaced by a symlink to a folder
+    elsewhere: the link is removed itself, nothing is written where it led."""
+    _st_folder(tmp_path / "hf")
+    parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", workers=1)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_bytes(b"precious")
+    shutil.rmtree(tmp_path / "out" / "1_Pooling")
+    (tmp_path / "out" / "1_Pooling").symlink_to(victim)
+    parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", workers=1, overwrite=True)
+    assert (
+        sorted(p.name for p in victim.iterdir()) == ["keep.txt"] and (victim / "keep.txt").read_bytes() == b"precious"
+    )
+    assert not (tmp_path / "out" / "1_Pooling").is_symlink()
+    assert (tmp_path / "out" / "1_Pooling" / "config.json").read_bytes() == FOLDERS["1_Pooling/config.json"]
+
+
+def test_a_failed_commit_leaves_no_copied_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _st_folder(tmp_path / "hf")
+    from parallel_dcp.storage import local_staging
+
+    real = local_staging.rename_name
+
+    def fail_at_a_folder(directory: int, source: str, target: str, *, replace: bool) -> None:
+        if target == "3_Deep":  # after the commit point: the save is committed, then fails
+            raise OSError(28, "No space left on device (simulated)")
+        real(directory, source, target, replace=replace)
+
+    monkeypatch.setattr(local_staging, "rename_name", fail_at_a_folder)
+    with pytest.raises(OSError, match="simulated"):
+        parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", workers=1)
+    left = [p.name for p in (tmp_path / "out").iterdir()] if (tmp_path / "out").exists() else []
+    assert not [name for name in left if name.endswith(".tmp")], left
+
+
+def test_a_dead_saves_temporary_folders_are_removed_by_the_next_save(tmp_path: Path) -> None:
+    """A conversion killed (os._exit) after its commit point, between two folder renames, leaves
+    its temporary folders; the next conversion to that destination removes them."""
+    import subprocess
+    import sys
+
+    _st_folder(tmp_path / "hf")
+    code = f"""
+import os
+import parallel_dcp
+from parallel_dcp.storage import local_staging
+real = local_staging.rename_name
+def die_at_a_folder(directory, source, target, *, replace):
+    if target == "3_Deep":
+        os._exit(9)
+    real(directory, source, target, replace=replace)
+local_staging.rename_name = die_at_a_folder
+parallel_dcp.convert({str(tmp_path / "hf")!r}, {str(tmp_path / "out")!r}, to="safetensors", workers=1)
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 9, run.stdout + run.stderr
+    assert [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".3_Deep.") and p.is_dir()]
+    with pytest.warns(UserWarning, match="leftover"):
+        parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", overwrite=True, workers=1)
+    assert not [p.name for p in (tmp_path / "out").iterdir() if p.name.endswith(".tmp")]
+    assert (tmp_path / "out" / "3_Deep" / "a" / "b" / "notes.txt").read_bytes() == b"nested"
+
+
+def test_a_hugging_face_cache_snapshot_with_folders(tmp_path: Path) -> None:
+    """huggingface_hub's cache: snapshots/<rev>/ holds real folders of links into ../../blobs/;
+    those links stay inside the repository's cache folder, so they are followed."""
+    repo = tmp_path / "hub" / "models--org--minilm"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    (snapshot / "1_Pooling").mkdir(parents=True)
+    st.save_file({"w": torch.ones(2, 2)}, repo / "blobs" / "b1")
+    (repo / "blobs" / "b2").write_bytes(b'{"pooling_mode_mean_tokens": true}')
+    (snapshot / "model.safetensors").symlink_to("../../blobs/b1")
+    (snapshot / "1_Pooling" / "config.json").symlink_to("../../../blobs/b2")
+    parallel_dcp.convert(snapshot, tmp_path / "out", to="safetensors", workers=1)
+    assert (tmp_path / "out" / "1_Pooling" / "config.json").read_bytes() == b'{"pooling_mode_mean_tokens": true}'
+    assert not (tmp_path / "out" / "1_Pooling" / "config.json").is_symlink()

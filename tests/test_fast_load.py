@@ -175,7 +175,7 @@ def test_a_non_contiguous_stored_layout_goes_through_dcps_reader(tmp_path: Path)
 
 def test_into_mismatches_name_the_key_and_both_sides(tmp_path: Path) -> None:
     parallel_dcp.save({"m": {"w": torch.ones(4, 3)}}, tmp_path / "ckpt", workers=1)
-    with pytest.raises(InvalidStateDictError, match=r"into\['m\.w'\] has dtype torch\.float16 .* holds torch\.float32"):
+    with pytest.raises(InvalidStateDictError, match=r"into\['m\.w'\] has dtype float16 .* holds float32"):
         parallel_dcp.load(tmp_path / "ckpt", into={"m": {"w": torch.empty(4, 3, dtype=torch.float16)}})
     with pytest.raises(InvalidStateDictError, match=r"into\['m\.w'\] has shape \[3, 4\] .* holds \[4, 3\]"):
         parallel_dcp.load(tmp_path / "ckpt", into={"m": {"w": torch.empty(3, 4)}})
@@ -230,7 +230,7 @@ def test_a_record_that_contradicts_the_metadata_is_refused(tmp_path: Path) -> No
         meta.chunks[0].sizes = torch.Size([4, 16])
 
     _rewrite_metadata(tmp_path / "ckpt", claim_other_shape)
-    with pytest.raises(CorruptCheckpointError, match=r"holds torch\.float32 \[8, 8\] but \.metadata says .*\[4, 16\]"):
+    with pytest.raises(CorruptCheckpointError, match=r"holds float32 \[8, 8\] but \.metadata says .*\[4, 16\]"):
         parallel_dcp.load(tmp_path / "ckpt")
 
 

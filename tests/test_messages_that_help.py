@@ -41,8 +41,11 @@ def test_rename_rules_that_match_nothing_warn_by_name(model: Path, tmp_path: Pat
     assert issubclass(parallel_dcp.RenameWarning, UserWarning) and "RenameWarning" in parallel_dcp.__all__
     with pytest.warns(parallel_dcp.RenameWarning) as caught:
         parallel_dcp.convert(model, tmp_path / "out", rename=LLAMA_RULES, workers=1)
-    messages = [str(w.message) for w in caught]
+    messages = [str(w.message) for w in caught if str(w.message).startswith("rename rule")]
     assert len(messages) == 2
+    # and the keys no rule renamed, by name (issue 29: the rules alone left them unnoticed)
+    leftover = [str(w.message) for w in caught if "matched no rename rule" in str(w.message)]
+    assert len(leftover) == 1 and "4 keys" in leftover[0] and "'position_ids'" in leftover[0]
     assert "rename rule 0 ('model\\\\.embed_tokens\\\\.weight' -> 'tok_embeddings.weight')" in messages[0]
     assert "it matches no key" in messages[0] and "0 keys renamed by 0 of 2 rules" in messages[0]
 
@@ -53,16 +56,17 @@ def test_a_shadowed_rule_warns_and_the_summary_counts(
     rules = [(r"encoder\.layer\.(\d+)\.(.*)", r"layers.\1.\2"), (r"encoder\.(.*)", r"enc.\1"), ("nothing", "x")]
     with caplog.at_level(logging.INFO, logger="parallel_dcp"), pytest.warns(parallel_dcp.RenameWarning) as caught:
         parallel_dcp.convert(model, tmp_path / "out", rename=rules, workers=1)
-    messages = sorted(str(w.message) for w in caught)
+    messages = sorted(str(w.message) for w in caught if str(w.message).startswith("rename rule"))
     assert "rename rule 1" in messages[0] and "taken by an earlier rule" in messages[0]
     assert "rename rule 2" in messages[1] and "matches no key" in messages[1]
     assert any("2 keys renamed by 1 of 3 rules" in r.getMessage() for r in caplog.records)
 
 
-def test_rules_that_all_match_do_not_warn(model: Path, tmp_path: Path) -> None:
+def test_rules_that_all_match_and_cover_every_key_do_not_warn(model: Path, tmp_path: Path) -> None:
+    rules = [(r"encoder\.(.*)", r"enc.\1"), (r"(embeddings\..*|position_ids)", r"\1")]  # the last keeps names
     with warnings.catch_warnings():
         warnings.simplefilter("error", parallel_dcp.RenameWarning)
-        parallel_dcp.convert(model, tmp_path / "out", rename=[(r"encoder\.(.*)", r"enc.\1")], workers=1)
+        parallel_dcp.convert(model, tmp_path / "out", rename=rules, workers=1)
     assert parallel_dcp.inspect(tmp_path / "out", keys="enc.*")["key_list"]
 
 
@@ -78,10 +82,11 @@ def test_cli_prints_one_warning_line_per_rule_and_the_summary(
     err = capsys.readouterr().err
     assert code == 0
     lines = err.splitlines()
-    warned = [line for line in lines if line.startswith("parallel-dcp: warning: ")]
+    warned = [line for line in lines if line.startswith("parallel-dcp: warning: rename rule")]
     assert len(warned) == 1 and "rename rule 1 ('model\\\\.norm\\\\.weight' -> 'norm.weight')" in warned[0]
     assert not any(".py:" in line or "warnings.warn" in line for line in lines)  # no source path, no code
     assert any(line.endswith("2 keys renamed by 1 of 2 rules") for line in lines)
+    assert any(line.startswith("parallel-dcp: warning: 2 keys of") and "'position_ids'" in line for line in lines)
 
 
 def test_verify_after_a_cast_suggests_the_dtype(

@@ -380,3 +380,41 @@ def test_torch_source_on_s3_needs_local_space_first(
         parallel_dcp.convert(f"s3://{bucket}/pt/m.pt", str(tmp_path / "out"), storage_options=options)
     assert list((tmp_path / "tmp").iterdir()) == []  # the copy's directory was removed
     assert not (tmp_path / "out").exists()
+
+
+def test_single_file_outputs_on_object_storage_are_verifiable(
+    s3: Any, bucket: str, options: dict[str, Any], tmp_path: Path
+) -> None:
+    """Issue 31 item 3: a torch.save object gets its sidecar manifest, a safetensors object its
+    checksums in its header; verify finds a flipped byte in either without against."""
+    parallel_dcp.save(_state(2), tmp_path / "src", workers=1)
+    for name in ("m.pt", "m.safetensors"):
+        url = f"s3://{bucket}/single/{name}"
+        keys = {"keys": "model.*"} if name.endswith(".safetensors") else {}
+        parallel_dcp.convert(tmp_path / "src", url, workers=1, storage_options=options, **keys)
+        assert parallel_dcp.verify(url, storage_options=options).ok
+        data = bytearray(s3.cat_file(f"{bucket}/single/{name}"))
+        data[-10] ^= 0x10
+        s3.pipe_file(f"{bucket}/single/{name}", bytes(data))
+        report = parallel_dcp.verify(url, storage_options=options)
+        assert any("checksum" in p for p in report.problems), report.problems
+    assert s3.exists(f"{bucket}/single/m.pt.manifest.json")
+    with pytest.raises(CheckpointExistsError):
+        parallel_dcp.convert(tmp_path / "src", f"s3://{bucket}/single/m.pt", workers=1, storage_options=options)
+
+
+def test_a_folders_side_folders_go_to_object_storage(
+    tmp_path: Path, s3: Any, bucket: str, options: dict[str, Any]
+) -> None:
+    """A local Hugging Face folder with sentence-transformers' 1_Pooling/ converted to sharded
+    safetensors on S3: the folder's files are objects under the same prefix (issue 29, item 5)."""
+    src = tmp_path / "hf"
+    (src / "1_Pooling").mkdir(parents=True)
+    save_file({"w": torch.ones(4, 4)}, str(src / "model.safetensors"))
+    (src / "config.json").write_bytes(b'{"model_type": "bert"}')
+    (src / "1_Pooling" / "config.json").write_bytes(b'{"pooling_mode_mean_tokens": true}')
+    (src / "1_Pooling" / "weights.safetensors").write_bytes(b"never copied")
+    parallel_dcp.convert(str(src), f"s3://{bucket}/st", to="safetensors", workers=1, storage_options=options)
+    assert _names(s3, f"{bucket}/st/1_Pooling") == ["config.json"]
+    assert s3.cat(f"{bucket}/st/1_Pooling/config.json") == b'{"pooling_mode_mean_tokens": true}'
+    assert parallel_dcp.verify(f"s3://{bucket}/st", storage_options=options).ok

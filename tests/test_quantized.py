@@ -23,9 +23,12 @@ from tests.quantized_checkpoints import (
     deepseek_config,
     fp8_checkpoint,
     fp8_weights,
+    gpt_oss_fixture,
+    gpt_oss_mxfp4_checkpoint,
     mxfp4_checkpoint,
     plain_tensors,
     stock_dequantized,
+    transformers_layout,
     write_hf,
 )
 
@@ -72,7 +75,7 @@ def test_every_output_format(tmp_path: Path) -> None:
     parallel_dcp.convert(src, tmp_path / "hf", dequantize=True, to="safetensors", shard_size="200KB", workers=2)
     assert_same(load_safetensors_dir(tmp_path / "hf"), expected)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
+    assert "quantization_config" not in config and config["dtype"] == config["torch_dtype"] == "bfloat16"
     parallel_dcp.convert(src, tmp_path / "one.safetensors", dequantize=True, workers=1)
     assert_same(load_file(str(tmp_path / "one.safetensors")), expected)
     parallel_dcp.convert(src, tmp_path / "model.pt", dequantize=True, workers=1)
@@ -124,17 +127,53 @@ def test_unaligned_pieces_dequantize_as_the_whole() -> None:
     assert_same(piece, whole[5:131, 129:300].contiguous())
 
 
-def test_mxfp4_equals_stock_unpacking(tmp_path: Path) -> None:
+def test_mxfp4_equals_stock_unpacking_in_transformers_layout(tmp_path: Path) -> None:
     src = mxfp4_checkpoint(tmp_path / "mx")
-    expected = stock_dequantized(src, torch.bfloat16)
-    assert expected["model.layers.0.mlp.experts.gate_up_proj"].shape == (3, 10, 5 * 32)
+    stock = stock_dequantized(src, torch.bfloat16)
+    assert stock["model.layers.0.mlp.experts.gate_up_proj"].shape == (3, 10, 5 * 32)  # [E, N, G * 32]
+    expected = transformers_layout(stock, src)
+    assert expected["model.layers.0.mlp.experts.gate_up_proj"].shape == (3, 5 * 32, 10)  # [E, G * 32, N]
     parallel_dcp.convert(src, tmp_path / "out", dequantize=True, workers=2)
     assert_same(load_dcp(tmp_path / "out", expected), expected)
     parallel_dcp.convert(src, tmp_path / "hf", dequantize=True, dtype="float32", to="safetensors", workers=1)
     assert_same(
         load_safetensors_dir(tmp_path / "hf"),
-        {k: v.to(torch.float32) for k, v in stock_dequantized(src, torch.float32).items()},
+        {k: v.to(torch.float32) for k, v in transformers_layout(stock_dequantized(src, torch.float32), src).items()},
     )
+    assert parallel_dcp.verify(str(tmp_path / "out"), against=str(src), dequantize=True).ok
+
+
+@pytest.mark.parametrize("to", ["dcp", "safetensors", "safetensors-file", "torch"])
+def test_gpt_oss_dequantizes_to_the_names_and_shapes_transformers_holds(tmp_path: Path, to: str) -> None:
+    """tests/fixtures/clients/gpt_oss_keys.json: what transformers 5.25's GptOssForCausalLM holds for
+    a tiny config with hidden = intermediate (down_proj square, as in the releases)."""
+    fixture = gpt_oss_fixture()
+    held = {k: (tuple(v["shape"]), v["dtype"]) for k, v in fixture["tensors"].items()}
+    g = torch.Generator().manual_seed(4)
+    experts = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+    plain = {
+        k: torch.randn(shape, generator=g).to(torch.bfloat16)
+        for k, (shape, _) in held.items()
+        if not k.endswith(experts)
+    }
+    src = gpt_oss_mxfp4_checkpoint(tmp_path / "mx", fixture["config"], plain)
+    kind, dst = {
+        "safetensors-file": ("safetensors", tmp_path / "out.safetensors"),
+        "torch": ("torch", tmp_path / "out.pt"),
+    }.get(to, (to, tmp_path / "out"))
+    parallel_dcp.convert(src, dst, dequantize=True, to=kind, workers=2)
+    assert _listed(dst) == held
+
+
+def _listed(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, dtype) of every tensor in a checkpoint of any format, from its headers."""
+    from parallel_dcp.formats import open_source
+
+    source = open_source(str(path))
+    try:
+        return {k: (tuple(e.shape), str(e.dtype).removeprefix("torch.")) for k, e in source.entries.items()}
+    finally:
+        source.close()
 
 
 def test_stock_reader_misplans_mxfp4_chunks(tmp_path: Path) -> None:
@@ -173,6 +212,7 @@ def test_quantize_deepseek_layout_read_by_stock(tmp_path: Path) -> None:
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head", "model.embed_tokens", "model.layers.1.mlp.gate"],
     }
     out = load_safetensors_dir(tmp_path / "q")
     for name, (rows, cols) in FP8_WEIGHTS.items():
@@ -399,8 +439,58 @@ def test_coarse_rows_split_so_the_largest_chunk_fits() -> None:
 
 def test_mxfp4_split_into_chunks_equals_stock(tmp_path: Path) -> None:
     src = mxfp4_checkpoint(tmp_path / "mx")
-    expected = stock_dequantized(src, torch.bfloat16)
+    expected = transformers_layout(stock_dequantized(src, torch.bfloat16), src)
     parallel_dcp.convert(src, tmp_path / "out", dequantize=True, chunk_size=3000, workers=2)
     metadata = FileSystemReader(str(tmp_path / "out")).read_metadata()
     assert len(metadata.state_dict_metadata["model.layers.0.mlp.experts.gate_up_proj"].chunks) > 1  # type: ignore[union-attr]
     assert_same(load_dcp(tmp_path / "out", expected), expected)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_mxfp4_expert_chunks_along_every_dimension(tmp_path: Path, dim: int) -> None:
+    """Output [E, G * 32, N] from blocks [E, N, G, 16]: dim 0 reads its experts, dim 2 its packed
+    rows, dim 1 (inside the packed groups) the whole; each equals that range of the whole."""
+    from parallel_dcp.engine.chunks import Chunk
+    from parallel_dcp.formats import open_source
+    from parallel_dcp.formats.dequantized_source import dequantized_source
+
+    src = mxfp4_checkpoint(tmp_path / "mx")
+    view = dequantized_source(open_source(str(src)), torch.bfloat16)
+    try:
+        key = "model.layers.0.mlp.experts.gate_up_proj"
+        shape = view.entries[key].shape
+        assert shape == (3, 160, 10)
+        whole = view.read([key])[key]
+        start, stop = {0: (1, 3), 1: (40, 97), 2: (3, 7)}[dim]
+        chunk = Chunk(key, dim, start, stop, shape)
+        assert_same(view.read_chunk(chunk), whole.narrow(dim, start, stop - start).contiguous())
+        assert view.chunk_memory(chunk) > chunk.nbytes(2)
+    finally:
+        view.close()
+
+
+def test_mxfp4_experts_dequantize_in_strips(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strips of whole experts, and of rows inside one expert, give the whole transpose."""
+    import parallel_dcp.formats.quantized as quantized
+
+    g = torch.Generator().manual_seed(6)
+    blocks = torch.randint(0, 256, (3, 12, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 255, (3, 12, 2), dtype=torch.uint8, generator=g)
+    expected = quantized.dequantize_mxfp4(blocks, scales, torch.bfloat16).transpose(1, 2).contiguous()
+    for strip in (10**6, 12 * 64 * 2, 12 * 64, 5 * 64, 1):  # all, two experts, one, 5 rows, 1 row
+        monkeypatch.setattr(quantized, "STRIP_ELEMENTS", strip)
+        assert_same(quantized.dequantize_mxfp4_experts(blocks, scales, torch.bfloat16), expected)
+
+
+def test_inspect_diff_and_verify_compare_in_transformers_layout(tmp_path: Path) -> None:
+    """A bf16 gpt-oss as transformers saves it (experts [E, G * 32, N]) is what our dequantized
+    output is: ``inspect --diff`` finds nothing, ``verify --dequantize`` against the MXFP4 passes."""
+    from parallel_dcp.cli import main
+
+    src = mxfp4_checkpoint(tmp_path / "mx")
+    theirs = transformers_layout(stock_dequantized(src, torch.bfloat16), src)
+    write_hf(tmp_path / "theirs", theirs, [list(theirs)])
+    assert main(["convert", str(src), str(tmp_path / "ours"), "--dequantize", "--to", "safetensors", "-q"]) == 0
+    assert parallel_dcp.diff(str(tmp_path / "theirs"), str(tmp_path / "ours")).same
+    assert main(["inspect", str(tmp_path / "theirs"), "--diff", str(tmp_path / "ours")]) == 0
+    assert main(["verify", str(tmp_path / "ours"), "--against", str(src), "--dequantize", "-q"]) == 0

@@ -113,7 +113,7 @@ def test_verify_after_a_dtype_cast_compares_against_the_cast_reference(tmp_path:
     assert parallel_dcp.verify(tmp_path / "bf16", against=tmp_path / "model.safetensors", dtype="bf16").ok
 
     plain = parallel_dcp.verify(tmp_path / "bf16", against=tmp_path / "model.safetensors")
-    assert plain.problems == [f"w{i}: dtype torch.bfloat16 != torch.float32" for i in range(5)], "sorted by key"
+    assert plain.problems == [f"w{i}: dtype bfloat16 != float32" for i in range(5)], "sorted by key"
     assert (
         "OK"
         in run_cli("verify", tmp_path / "bf16", "--against", tmp_path / "model.safetensors", "--dtype", "bf16").stdout
@@ -181,6 +181,16 @@ def test_ci_runs_the_readme_quick_start_commands_as_written() -> None:
     assert any(line.startswith("tools/test") for line in ci) and ci.index("tools/demo") < len(ci) - 1
     for tool in ("tools/demo", "tools/test", ".ci/run"):
         assert os.access(ROOT / tool, os.X_OK), f"{tool} is not executable"
+
+
+def test_ci_runs_the_client_suite_after_the_main_suite() -> None:
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    main = next(i for i, line in enumerate(ci) if line.startswith("tools/test "))
+    clients = next(i for i, line in enumerate(ci) if line.startswith("tools/test-clients"))
+    assert main < clients, "the client suite runs after the main suite"
+    assert os.access(ROOT / "tools" / "test-clients", os.X_OK), "tools/test-clients is not executable"
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert ".venv-clients-*/" in ignored, "the client venvs are not git-ignored"
 
 
 def test_pyproject_uses_the_spdx_license_string() -> None:

@@ -14,15 +14,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import parallel_dcp
-from parallel_dcp import RenameError
+from parallel_dcp import PRESETS, RenameError
 from parallel_dcp.jobs.rename import compile_rules, parse_rule
 from parallel_dcp.storage.metadata import read_metadata
 from tests.conftest import assert_same
 from tests.test_convert import read_hf_safetensors, write_hf_safetensors
 
-RULES = Path(__file__).resolve().parent.parent / "examples" / "rename"
-TO_TITAN = json.loads((RULES / "hf_llama_to_torchtitan.json").read_text())
-TO_HF = json.loads((RULES / "torchtitan_to_hf_llama.json").read_text())
+# The names of torchtitan 0.3.0's Llama 3 (its presets' rules; renaming alone, no q/k permutation).
+TO_TITAN = [list(rule) for rule in PRESETS["hf-llama3-to-torchtitan"].rules]
+TO_HF = [list(rule) for rule in PRESETS["torchtitan-to-hf-llama3"].rules]
 
 
 def hf_llama(layers: int = 2) -> dict[str, torch.Tensor]:
@@ -42,9 +42,9 @@ def hf_llama(layers: int = 2) -> dict[str, torch.Tensor]:
 
 
 def titan_names(layers: int = 2) -> set[str]:
-    names = {"tok_embeddings.weight", "norm.weight", "output.weight"}
+    names = {"tok_embeddings.weight", "norm.weight", "lm_head.weight"}
     for i in range(layers):
-        names |= {f"layers.{i}.attention.w{p}.weight" for p in "qkvo"}
+        names |= {f"layers.{i}.attention.qkv_linear.w{p}.weight" for p in "qkv"} | {f"layers.{i}.attention.wo.weight"}
         names |= {f"layers.{i}.feed_forward.w{n}.weight" for n in (1, 2, 3)}
         names |= {f"layers.{i}.attention_norm.weight", f"layers.{i}.ffn_norm.weight"}
     return names
@@ -69,14 +69,14 @@ def test_hf_to_torchtitan_dcp_and_back_bit_for_bit(tmp_path: Path, workers: int)
     assert metadata.planner_data == {k: (k,) for k in metadata.state_dict_metadata}
     # the stock reader loads it into a torchtitan-named flat state dict, the very tensors
     back = {
-        "layers.1.attention.wk.weight": torch.empty(16, 16),
+        "layers.1.attention.qkv_linear.wk.weight": torch.empty(16, 16),
         "layers.0.feed_forward.w3.weight": torch.empty(24, 16),
-        "output.weight": torch.empty(50, 16, dtype=torch.float16),
+        "lm_head.weight": torch.empty(50, 16, dtype=torch.float16),
     }
     dcp.load(back, checkpoint_id=str(tmp_path / "titan"), no_dist=True)
-    assert_same(back["layers.1.attention.wk.weight"], sd["model.layers.1.self_attn.k_proj.weight"])
+    assert_same(back["layers.1.attention.qkv_linear.wk.weight"], sd["model.layers.1.self_attn.k_proj.weight"])
     assert_same(back["layers.0.feed_forward.w3.weight"], sd["model.layers.0.mlp.up_proj.weight"])
-    assert_same(back["output.weight"], sd["lm_head.weight"])
+    assert_same(back["lm_head.weight"], sd["lm_head.weight"])
 
     parallel_dcp.convert(tmp_path / "titan", tmp_path / "hf2", to="safetensors", rename=TO_HF, shard_size=2000)
     assert_same(read_hf_safetensors(tmp_path / "hf2"), sd)
@@ -114,7 +114,7 @@ def test_rename_applies_after_key_selection(tmp_path: Path) -> None:
     sd = hf_llama(1)
     st.save_file(sd, tmp_path / "m.safetensors")
     parallel_dcp.convert(tmp_path / "m.safetensors", tmp_path / "o.safetensors", keys="*q_proj*", rename=TO_TITAN)
-    assert set(st.load_file(tmp_path / "o.safetensors")) == {"layers.0.attention.wq.weight"}
+    assert set(st.load_file(tmp_path / "o.safetensors")) == {"layers.0.attention.qkv_linear.wq.weight"}
 
 
 @pytest.mark.parametrize(
@@ -182,13 +182,14 @@ def test_cli_rename_and_rename_file(tmp_path: Path) -> None:
     st.save_file(sd, tmp_path / "m.safetensors")
     cli = [sys.executable, "-m", "parallel_dcp", "convert"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    (tmp_path / "rules.json").write_text(json.dumps(TO_TITAN))
     run = subprocess.run(
         [
             *cli,
             str(tmp_path / "m.safetensors"),
             str(tmp_path / "t"),
             "--rename-file",
-            str(RULES / "hf_llama_to_torchtitan.json"),
+            str(tmp_path / "rules.json"),
             "--rename",
             r"layers\.0\.(.*)=blocks.0.\1",
             "-q",
@@ -223,4 +224,6 @@ def test_cli_rename_and_rename_file(tmp_path: Path) -> None:
         env=env,
         check=False,
     )
-    assert run.returncode == 1 and "JSON list" in run.stderr and not (tmp_path / "x").exists()
+    # A usage error naming the flag (issue 31, friction 1), refused before anything is written.
+    assert run.returncode == 2 and "argument --rename-file: " in run.stderr and "JSON list" in run.stderr
+    assert not (tmp_path / "x").exists()

@@ -345,8 +345,10 @@ def test_single_file_output_killed_before_its_commit_keeps_everything(tmp_path: 
     assert_same(torch.load(out, weights_only=True), sd)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [
         "model.pt",
+        "model.pt.manifest.json",  # its checksums, from the kept task's record
         "model.safetensors",
     ]
+    assert parallel_dcp.verify(out, workers=1).ok
 
 
 def test_a_resume_that_fails_leaves_the_finished_tasks_for_the_next(

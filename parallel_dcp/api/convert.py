@@ -21,10 +21,11 @@ if TYPE_CHECKING:
 
     from parallel_dcp.jobs.dryrun import DryRunPlan
     from parallel_dcp.jobs.pipeline import SaveResult
+    from parallel_dcp.jobs.preset_defs import Preset
     from parallel_dcp.jobs.quantization import Quantization
     from parallel_dcp.jobs.rename import RenameRules
 
-__all__ = ["EachSource", "convert"]
+__all__ = ["EachSource", "convert", "presets"]
 
 
 class EachSource(TypedDict):
@@ -41,6 +42,9 @@ class EachSource(TypedDict):
     copy_files: bool
     copy_files_from: str | os.PathLike[str] | None
     quantization: Quantization | None
+    preset: Preset | None
+    model_config: str | os.PathLike[str] | None
+    rename_strict: bool
 
 
 @overload
@@ -77,6 +81,9 @@ def convert(
     quantize_keys: str | Sequence[str] | None = None,
     block_size: int | None = None,
     io: str = "auto",
+    preset: str | Preset | None = None,
+    model_config: str | os.PathLike[str] | None = None,
+    rename_strict: bool = False,
 ) -> SaveResult | list[SaveResult]: ...
 
 
@@ -114,6 +121,9 @@ def convert(
     quantize_keys: str | Sequence[str] | None = None,
     block_size: int | None = None,
     io: str = "auto",
+    preset: str | Preset | None = None,
+    model_config: str | os.PathLike[str] | None = None,
+    rename_strict: bool = False,
 ) -> DryRunPlan | list[DryRunPlan]: ...
 
 
@@ -150,6 +160,9 @@ def convert(
     quantize_keys: str | Sequence[str] | None = None,
     block_size: int | None = None,
     io: str = "auto",
+    preset: str | Preset | None = None,
+    model_config: str | os.PathLike[str] | None = None,
+    rename_strict: bool = False,
 ) -> SaveResult | list[SaveResult] | DryRunPlan | list[DryRunPlan]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
 
@@ -195,10 +208,11 @@ def convert(
         copy_files: a Hugging Face directory converted to a sharded safetensors or torch
             directory gets the source's other files too (``config.json``,
             ``generation_config.json``, tokenizer files, ...: plain files at its top level that
-            are neither weights, nor indexes, nor hidden), so ``from_pretrained`` loads the
-            output. They are committed with the shards (written new under this save's temporary
-            names, renamed into place with the index, in the manifest, removed if the save
-            fails). False copies nothing. See :mod:`parallel_dcp.jobs.copy_files`.
+            are neither weights, nor indexes, nor hidden; and the non-weight files of its
+            folders, such as sentence-transformers' ``1_Pooling/``), so ``from_pretrained`` and
+            ``SentenceTransformer`` load the output. They are committed with the shards
+            (written new under this save's temporary names, renamed into place with the index,
+            in the manifest, removed if the save fails). False copies nothing. See :mod:`parallel_dcp.jobs.copy_files`.
         copy_files_from: copy the files of this directory instead (any source, such as a DCP
             checkpoint from training beside the model's original folder); needs a sharded
             directory output.
@@ -214,6 +228,18 @@ def convert(
             its index and the ``quantization_config`` in the copied ``config.json``.
         block_size: the FP8 block of ``dequantize`` (default: ``config.json``'s
             ``weight_block_size``, else 128) or of ``quantize="fp8-block"``.
+        preset: a named conversion for a client (see :func:`parallel_dcp.presets`), such as
+            ``"hf-llama3-to-torchtitan"`` (torchtitan 0.3.0): its rename rules, the tensor
+            transforms the client needs (q/k rows permuted per head, in the workers, under the
+            memory limit) and the keys it promises. Every selected source key must match one of
+            its rules, and without ``keys`` the output must hold every key the client's model
+            holds; otherwise :class:`PresetError` before anything is written. ``rename`` rules
+            apply after the preset's, to its names. See :mod:`parallel_dcp.jobs.presets`.
+        model_config: the model's ``config.json`` (or a directory holding it) that a preset reads
+            head counts from; default: the source's directory, else ``copy_files_from``.
+        rename_strict: every selected key must match a ``rename`` rule (else
+            :class:`RenameError`, nothing written); without it the keys no rule matched are
+            named in a :class:`RenameWarning`.
 
     Returns:
         A :class:`SaveResult` (a list of them for several sources) with ``format``, ``keys``,
@@ -239,6 +265,7 @@ def convert(
     """
     from parallel_dcp.engine.memory import parse_size
     from parallel_dcp.jobs import convert as _convert
+    from parallel_dcp.jobs import presets as _presets
     from parallel_dcp.jobs import rename as _rename
     from parallel_dcp.jobs.dryrun import DryRunPlan
     from parallel_dcp.jobs.pipeline import SaveResult
@@ -278,6 +305,9 @@ def convert(
         "copy_files": copy_files,
         "copy_files_from": copy_files_from,
         "quantization": quantization,
+        "preset": _presets.get_preset(preset) if preset is not None else None,  # an unknown name fails here
+        "model_config": model_config,
+        "rename_strict": rename_strict,
     }
     sources = [src] if isinstance(src, (str, os.PathLike)) else list(src)
     if not sources:
@@ -293,6 +323,15 @@ def convert(
     if dry_run:
         return [r for r in results if isinstance(r, DryRunPlan)]
     return [r for r in results if isinstance(r, SaveResult)]
+
+
+def presets() -> list[Preset]:
+    """Every preset ``convert(..., preset=NAME)`` knows, by name: each names the client and the
+    version its layout follows (``p.client``, ``p.client_version``; ``p.describe()`` in one line).
+    ``PRESETS`` maps the names to them."""
+    from parallel_dcp.jobs.preset_defs import PRESETS
+
+    return [PRESETS[name] for name in sorted(PRESETS)]
 
 
 def _quantization(

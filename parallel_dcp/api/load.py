@@ -19,7 +19,7 @@ __all__ = ["load"]
 def load(
     path: str | os.PathLike[str],
     *,
-    keys: Iterable[str] | None = None,
+    keys: str | Iterable[str] | None = None,
     workers: int | None = None,
     progress: bool = False,
     memory_limit: int | str | None = None,
@@ -44,8 +44,10 @@ def load(
 
     Args:
         path: a committed DCP checkpoint directory (written by any DCP writer), or its URL.
-        keys: flattened names (``"model.layer.weight"``) to load; None loads everything (with
-            ``into``: every key of ``into``).
+        keys: flattened names (``"model.layer.weight"``) or patterns to load, as ``convert``'s
+            ``keys`` (``"model.layers.0.*"``, ``"re:lm_head\\..*"``; a name that is a key selects
+            itself); None loads everything (with ``into``: every key of ``into``; patterns then
+            select among ``into``'s keys).
         workers: reading threads (worker processes with ``retries``/``task_timeout``); None uses
             every usable core.
         progress: show a progress bar on stderr.
@@ -70,7 +72,10 @@ def load(
 
     Raises:
         FileNotFoundError: ``path`` holds no committed checkpoint.
-        KeyError: a requested key is not in the checkpoint (or not in ``into``).
+        KeyNotFoundError: a requested key is not in the checkpoint (or not in ``into``), an
+            ``into`` key the checkpoint lacks, or a pattern that selects nothing (also a
+            ``KeyError``; every name is listed).
+        KeyPatternError: a ``re:`` pattern that is not a regular expression.
         InvalidStateDictError: an ``into`` tensor's dtype or shape differs (names the key, both
             dtypes or shapes), or it is not a plain tensor.
         UnsafeCheckpointError / CorruptCheckpointError: ``.metadata`` or a value is malicious,

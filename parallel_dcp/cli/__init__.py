@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Sequence
 
 import parallel_dcp
-from parallel_dcp.cli import bench, convert, inspect, verify
+from parallel_dcp.cli import bench, convert, inspect, interrupt, presets, verify
 from parallel_dcp.cli.flags import FORMATS as FORMATS
 from parallel_dcp.cli.flags import UsageError
 from parallel_dcp.cli.messages import log_to_stderr, message, print_notes, show_warning
@@ -69,16 +69,26 @@ def _quiet_broken_pipe() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; warnings and the library's notes print as ``parallel-dcp:`` lines meanwhile."""
+    """Run one command; warnings and the library's notes print as ``parallel-dcp:`` lines meanwhile.
+
+    Ctrl-C at any instant is one line and exit code 130 (:mod:`~.interrupt`); called as the
+    program (``argv`` None), a Ctrl-C after the command finished is ignored up to the exit."""
+    previous = interrupt.install()
     shown = warnings.showwarning
     warnings.showwarning = show_warning
     notes: list[logging.Handler] = []
     try:
         return _main(argv, notes)
+    except KeyboardInterrupt:  # before the command ran (parsing its arguments)
+        print("parallel-dcp: interrupted", file=sys.stderr)
+        return 130
     finally:
+        interrupt.finished()
         warnings.showwarning = shown
         for handler in notes:
             logging.getLogger("parallel_dcp").removeHandler(handler)
+        if argv is not None:  # in-process: SIGINT goes back to the caller
+            interrupt.restore(previous)
 
 
 def _main(argv: Sequence[str] | None, notes: list[logging.Handler]) -> int:
@@ -93,6 +103,7 @@ def _main(argv: Sequence[str] | None, notes: list[logging.Handler]) -> int:
     notes.extend([handler] if handler is not None else [])
     try:
         code = _run(args, show_progress)
+        interrupt.finished()  # committed (or failed) already: a Ctrl-C now changes nothing
         sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
         return code
     except BrokenPipeError:
@@ -103,7 +114,10 @@ def _main(argv: Sequence[str] | None, notes: list[logging.Handler]) -> int:
     except UsageError as exc:
         sub.error(str(exc))  # exits 2
     except KeyboardInterrupt as exc:
-        print("parallel-dcp: interrupted; nothing was committed", file=sys.stderr)
+        interrupt.finished()
+        # Only convert writes: verify, inspect and bench have nothing to commit.
+        said = "; nothing was committed" if args.command == "convert" else ""
+        print(f"parallel-dcp: interrupted{said}", file=sys.stderr)
         print_notes(exc)
         return 130
     except (parallel_dcp.ParallelDCPError, OSError, ValueError, KeyError, TypeError) as exc:
@@ -127,4 +141,6 @@ def _run(args: argparse.Namespace, show_progress: bool) -> int:
         return inspect.run(args)
     if args.command == "verify":
         return verify.run(args)
+    if args.command == "presets":
+        return presets.run(args)
     return bench.run(args)

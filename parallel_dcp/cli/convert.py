@@ -10,9 +10,9 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import parallel_dcp
-from parallel_dcp.cli import flags
+from parallel_dcp.cli import flags, interrupt, presets
 from parallel_dcp.cli.messages import as_flags
-from parallel_dcp.engine.memory import format_bytes
+from parallel_dcp.engine.memory import format_bytes, format_rate
 from parallel_dcp.errors import plural, printable
 
 if TYPE_CHECKING:
@@ -38,7 +38,11 @@ def add_parser(sub: Any) -> None:
     )
     convert.add_argument("--dtype", type=flags.dtype, help="cast floating tensors (bfloat16, float16, float32, ...)")
     convert.add_argument(
-        "--keys", action="append", metavar="PATTERN", help="select keys: a glob, or re:<regex>; repeat for more"
+        "--keys",
+        action="append",
+        type=flags.key_pattern,
+        metavar="PATTERN",
+        help="select keys: a glob, or re:<regex>; repeat for more",
     )
     convert.add_argument("--overwrite", action="store_true", help="replace an existing output atomically")
     convert.add_argument(
@@ -81,12 +85,16 @@ def add_parser(sub: Any) -> None:
     convert.add_argument(
         "--rename",
         action="append",
+        type=flags.rename_rule,
         metavar="REGEX=TEMPLATE",
         help="rename keys matching REGEX (whole name, Python re) to TEMPLATE (\\1, \\g<name>); repeat for more "
         "rules, the first match wins; applied after --keys",
     )
     convert.add_argument(
-        "--rename-file", metavar="RULES.json", help="rename rules from a JSON list of [regex, template] pairs"
+        "--rename-file",
+        type=flags.rules_file,
+        metavar="RULES.json",
+        help="rename rules from a JSON list of [regex, template] pairs",
     )
     convert.add_argument(
         "--resume",
@@ -113,6 +121,7 @@ def add_parser(sub: Any) -> None:
         help="plan only: files, keys, tasks per worker, chunks, predicted peak memory and space; write nothing",
     )
     _quantize_flags(convert)
+    presets.add_preset_flags(convert)
     flags.common(convert)
 
 
@@ -132,6 +141,7 @@ def _quantize_flags(convert: argparse.ArgumentParser) -> None:
     convert.add_argument(
         "--quantize-keys",
         action="append",
+        type=flags.key_pattern,
         metavar="PATTERN",
         help="weights to quantize (glob or re:<regex>, as --keys; repeat for more); default: 2-D floating "
         "*.weight tensors except embeddings, norms, the output head and MoE routers (--dry-run shows the rule)",
@@ -214,9 +224,11 @@ def run(args: argparse.Namespace, show_progress: bool) -> int:
         copy_files=not args.no_copy_files,
         copy_files_from=args.copy_files_from,
         **_quantize_args(args),
+        **presets.preset_args(args),
         io=args.io,
     )
     assert isinstance(results, list)
+    interrupt.finished()  # committed: a Ctrl-C while the summary prints changes nothing
     if args.distributed and os.environ.get("RANK", "0") != "0":
         return 0  # every rank has the same result: rank 0 reports it
     if args.resume and not args.quiet:
@@ -237,7 +249,7 @@ def run(args: argparse.Namespace, show_progress: bool) -> int:
             print(
                 f"{printable(src)} -> {printable(r.path)} ({r.format}): {plural(r.keys, 'key')}, "
                 f"{format_bytes(r.bytes)} in {plural(r.files, 'file')}, "
-                f"{r.seconds:.2f} s, {r.gib_per_s:.2f} GiB/s, {plural(r.workers, 'worker')}, "
+                f"{r.seconds:.2f} s, {format_rate(r.bytes, r.seconds)}, {plural(r.workers, 'worker')}, "
                 f"peak memory {format_bytes(r.peak_memory)} of {format_bytes(r.memory_limit)}{resumed}"
             )
     return 0
@@ -270,6 +282,7 @@ def _convert_plan(args: argparse.Namespace, sources: list[str], dst: str, rename
         copy_files=not args.no_copy_files,
         copy_files_from=args.copy_files_from,
         **_quantize_args(args),
+        **presets.preset_args(args),
     )
     assert isinstance(plans, list)
     if args.json:

@@ -16,6 +16,9 @@ __all__ = [
     "common",
     "compress",
     "dtype",
+    "key_pattern",
+    "rename_rule",
+    "rules_file",
     "seconds",
     "size_of",
     "storage",
@@ -99,12 +102,65 @@ def compress(text: str) -> str:
     return text
 
 
+# The names parallel_dcp.jobs.convert.parse_dtype takes (tests keep them equal): known here without
+# importing torch, so a bad --dtype is refused at once.
+DTYPE_NAMES = (
+    "bf16",
+    "bfloat16",
+    "float16",
+    "float32",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "fp16",
+    "fp32",
+    "fp64",
+    "half",
+)
+
+
 def dtype(text: str) -> str:
-    """``--dtype``: a floating dtype name."""
-    from parallel_dcp.jobs.convert import parse_dtype
+    """``--dtype``: a floating dtype name (checked without importing torch)."""
+    if text.lower().removeprefix("torch.") not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}: use one of {', '.join(DTYPE_NAMES)}")
+    return text
+
+
+def key_pattern(text: str) -> str:
+    """``--keys`` / ``--quantize-keys``: a glob, or ``re:`` and a regular expression that compiles."""
+    from parallel_dcp.jobs.key_patterns import matcher
 
     try:
-        parse_dtype(text)
+        matcher(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def rename_rule(text: str) -> str:
+    """``--rename REGEX=TEMPLATE``: split as the conversion splits it, its regex compiled."""
+    from parallel_dcp.jobs.rename_rules import check_regex, parse_rule
+
+    try:
+        regex, _ = parse_rule(text)
+        check_regex(regex, f"rule {text!r}")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(_rule_message(str(exc), text)) from None
+    return text
+
+
+def _rule_message(said: str, text: str) -> str:
+    # "rule '(=x': bad regular expression '(': ..." reads better from the regex on
+    return said.removeprefix(f"rule {text!r}: ")
+
+
+def rules_file(text: str) -> str:
+    """``--rename-file``: a readable JSON list of ``[regex, template]`` pairs whose regexes compile."""
+    from parallel_dcp.jobs.rename_rules import check_regex, read_rules_file
+
+    try:
+        for i, (regex, _) in enumerate(read_rules_file(text)):
+            check_regex(regex, f"{text}: rule {i}")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text

@@ -22,6 +22,7 @@ def add_parser(sub: Any) -> None:
     inspect.add_argument(
         "--keys",
         nargs="*",
+        type=flags.key_pattern,
         metavar="PATTERN",
         help="list keys, one line each (name, dtype, shape, bytes): every key, or those the patterns select "
         "(a glob, or re:<regex>, as convert --keys); --json always lists every key (key_list)",
@@ -73,4 +74,4 @@ def run(args: argparse.Namespace) -> int:
             print(listing)
     else:
         print(describe(info))
-    return 0
+    return 1 if info.get("damaged") else 0  # a damaged checkpoint is a failure, committed or not

@@ -26,11 +26,14 @@ _KEYWORD_AND_FLAG = re.compile(r"(?:\w+\(\.\.\., )?\b(\w+)=(?:True|False|\.\.\.)
 _FLAG_AND_KEYWORD = re.compile(r"(--[\w-]+) \((?:\w+\(\.\.\., )?\w+=\w*\)?\)")
 _WORD_AND_FLAG = re.compile(r"\b(\w+) \((--[\w-]+)\)")
 _KEYWORD_TRUE = re.compile(r"\b(\w+)=True\b")
+# ``io="direct" (--io direct)``: a keyword with a quoted value, and the flag with its value.
+_VALUE_AND_FLAG = re.compile(r"\b\w+=([\"'])[^\"']*\1 \((--[\w-]+ [^()]+)\)")
 _FLAG_KEYWORDS = {"overwrite", "resume", "trust_pickle", "distributed", "dry_run"}
 
 
 def as_flags(text: str) -> str:
     """``text`` with each keyword argument it names replaced by its command-line flag."""
+    text = _VALUE_AND_FLAG.sub(r"\2", text)
     text = _KEYWORD_AND_FLAG.sub(r"\2", text)
     text = _FLAG_AND_KEYWORD.sub(r"\1", text)
     text = _WORD_AND_FLAG.sub(lambda m: m[2] if m[2] == "--" + m[1].replace("_", "-") else m[0], text)

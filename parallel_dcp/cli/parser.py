@@ -9,7 +9,7 @@ import argparse
 import difflib
 
 import parallel_dcp
-from parallel_dcp.cli import bench, convert, inspect, verify
+from parallel_dcp.cli import bench, convert, inspect, presets, verify
 
 __all__ = ["build_parser", "subparser_of", "unknown_arguments"]
 
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_parser(sub)
     inspect.add_parser(sub)
     verify.add_parser(sub)
+    presets.add_parser(sub)
     bench.add_parser(sub)
     return parser
 

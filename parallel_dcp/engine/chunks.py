@@ -19,7 +19,16 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["MIN_CHUNK_BYTES", "Chunk", "Splittable", "chunk_threshold", "exact_storage", "split"]
+__all__ = [
+    "MIN_CHUNK_BYTES",
+    "Chunk",
+    "ChunkUnit",
+    "Splittable",
+    "chunk_count",
+    "chunk_threshold",
+    "exact_storage",
+    "split",
+]
 
 # Below this, splitting costs more in per-item overhead than it gains in balance.
 MIN_CHUNK_BYTES = 32 * 1024 * 1024
@@ -51,6 +60,31 @@ class Chunk:
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         """This chunk of the whole tensor (a view)."""
         return tensor.narrow(self.dim, self.start, self.stop - self.start)
+
+
+class ChunkUnit(str):
+    """The identity of a chunk's unit of work: it reads as ``key[dim:start:stop]`` (in messages and
+    listings) but is equal only to the unit of the same chunk, never to a plain string, so a key
+    literally named ``a[0:0:16]`` cannot take the place of a range of ``a`` in any mapping."""
+
+    chunk: Chunk
+
+    def __new__(cls, chunk: Chunk) -> ChunkUnit:
+        unit = super().__new__(cls, f"{chunk.key}[{chunk.dim}:{chunk.start}:{chunk.stop}]")
+        unit.chunk = chunk
+        return unit
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is ChunkUnit and self.chunk == other.chunk
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((ChunkUnit, self.chunk))
+
+    def __reduce__(self) -> tuple[type[ChunkUnit], tuple[Chunk]]:
+        return (ChunkUnit, (self.chunk,))
 
 
 def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
@@ -90,14 +124,19 @@ class Splittable(Protocol):
     def nbytes(self) -> int: ...
 
 
-def split(entry: Splittable, threshold: int, align: Callable[[int], int] | None = None) -> list[Chunk]:
-    """The chunks of ``entry`` (empty when it stays whole: small enough, 0-dim or one row).
+def chunk_count(entry: Splittable, threshold: int) -> int:
+    """At most how many chunks :func:`split` makes of ``entry`` (1: it stays whole), from the
+    shape alone: a planner admits this many units before it builds them (a hostile checkpoint's
+    claimed size must not make the coordinator build millions of chunks)."""
+    found = _dim_and_count(entry, threshold)
+    return found[1] + 1 if found is not None else 1  # aligning the bounds may add the last one
 
-    ``align(dim)``: chunk bounds along ``dim`` fall on multiples of it (a block-quantized weight's
-    block rows), the last chunk ending at the tensor's end.
-    """
+
+def _dim_and_count(entry: Splittable, threshold: int) -> tuple[int, int] | None:
+    """The dimension :func:`split` cuts and into how many ranges (before alignment, which only
+    merges bounds); None when ``entry`` stays whole."""
     if entry.nbytes <= threshold or not entry.shape or entry.shape[0] <= 1:
-        return []
+        return None
     wanted = math.ceil(entry.nbytes / threshold)
     dim = next((d for d, n in enumerate(entry.shape) if n >= wanted), None)
     if dim is None:  # no dimension has that many rows: split the longest as far as it goes
@@ -109,8 +148,20 @@ def split(entry: Splittable, threshold: int, align: Callable[[int], int] | None 
         # Rows are coarse (4 experts of an MoE weight): the largest chunk, a whole number of
         # rows, can overshoot by up to a row; take enough chunks that it fits.
         count = min(max(count, math.ceil(rows / max(1, threshold // max(1, row_bytes)))), rows)
-    if count < 2:
+    return (dim, count) if count >= 2 else None
+
+
+def split(entry: Splittable, threshold: int, align: Callable[[int], int] | None = None) -> list[Chunk]:
+    """The chunks of ``entry`` (empty when it stays whole: small enough, 0-dim or one row).
+
+    ``align(dim)``: chunk bounds along ``dim`` fall on multiples of it (a block-quantized weight's
+    block rows), the last chunk ending at the tensor's end.
+    """
+    found = _dim_and_count(entry, threshold)
+    if found is None:
         return []
+    dim, count = found
+    rows = entry.shape[dim]
     bounds = [i * rows // count for i in range(count + 1)]
     step = align(dim) if align is not None else 1
     if step > 1:

@@ -29,9 +29,11 @@ worker arithmetic, admission and the watchdog.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -44,6 +46,7 @@ __all__ = [
     "DEFAULT_FRACTION",
     "ITEM_MEMORY_BYTES",
     "LEAN_TASK_MEMORY_BYTES",
+    "PLAN_UNIT_BYTES",
     "TASK_MEMORY_BYTES",
     "WORKER_MEMORY_BYTES",
     "ZSTD_DECOMPRESS_BYTES",
@@ -56,6 +59,7 @@ __all__ = [
     "format_bytes",
     "parse_size",
     "task_budget",
+    "warn_over_machine",
     "zstd_compress_bytes",
 ]
 
@@ -76,6 +80,9 @@ LEAN_TASK_MEMORY_BYTES = 3 * 1024 * 1024
 # counted): 0.1 MiB right after the fork, a few MiB once it has run Python code.
 WORKER_MEMORY_BYTES = 4 * 1024 * 1024
 ITEM_MEMORY_BYTES = 16 * 1024
+# What the coordinator holds per planned unit (a chunk, its name, its item, its place in a task and
+# in the results): ~300 B measured for the plan alone, rounded up for what follows it.
+PLAN_UNIT_BYTES = 1024
 
 # Compressed records (storage/compression.py). Compressing: zstd's context at the level (zstd's
 # own estimate: 0.6 MiB at level 1, 1.3 MiB at 3, 11 MiB at 9, 85 MiB at 19), plus its output
@@ -161,6 +168,28 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def format_rate(nbytes: float, seconds: float) -> str:
+    """``"750.0 MiB/s"``: a rate in the unit that shows it (a small job is not ``0.00 GiB/s``)."""
+    return f"{format_bytes(nbytes / seconds)}/s" if seconds > 0 else "-"
+
+
+_WARNED_OVER_MACHINE: set[int] = set()
+
+
+def warn_over_machine(limit: int) -> None:
+    """Warn (once per limit in a process) when ``limit`` is more than this machine's memory: such
+    a ceiling admits tasks the machine cannot hold, so it protects nothing."""
+    total = int(psutil.virtual_memory().total)
+    if limit > total and limit not in _WARNED_OVER_MACHINE:
+        _WARNED_OVER_MACHINE.add(limit)
+        warnings.warn(
+            f"the memory limit {format_bytes(limit)} is more than this machine's memory ({format_bytes(total)}): "
+            "it cannot keep the job from exhausting the machine; give a lower --memory-limit",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def default_limit() -> int:
     """The default ceiling: ``DEFAULT_FRACTION`` of the memory available now."""
     return int(psutil.virtual_memory().available * DEFAULT_FRACTION)
@@ -218,6 +247,10 @@ class MemoryGovernor:
         self.worker_extra = 0
         self.overhead = 0
         self.reserved = 0
+        self.planned_units = 0  # admitted by admit_units
+        # What the tasks are doing and what their units are, for messages (see :meth:`during`).
+        self.phase = "writing"
+        self.units = "keys"
         self._in_flight = 0
         self._next_sample = 0.0
         self._next_relaxed = 0.0
@@ -235,6 +268,40 @@ class MemoryGovernor:
                 keys=[],
             )
         self.reserved += nbytes
+
+    @contextlib.contextmanager
+    def during(self, phase: str, units: str = "keys") -> Iterator[None]:
+        """Tasks run while this holds are doing ``phase`` ("checking the shard files' checksums")
+        on ``units`` ("files"): what a memory error says they were doing."""
+        previous = self.phase, self.units
+        self.phase, self.units = phase, units
+        try:
+            yield
+        finally:
+            self.phase, self.units = previous
+
+    def admit_units(self, key: str, count: int, nbytes: int, *, keep: bool = True) -> None:
+        """Admit ``count`` more planned units for ``key`` (``nbytes`` claimed) before they are built:
+        every size a source claims is admitted before planning, so a claimed shape far beyond what
+        is stored fails here instead of filling the coordinator with chunks. ``keep=False`` only
+        checks (a planner trying thresholds keeps the units of the one it picks).
+
+        Raises:
+            MemoryLimitExceeded: the plan alone would not fit under the ceiling.
+        """
+        need = (self.planned_units + count) * PLAN_UNIT_BYTES
+        if self.reserved + need > self.limit:
+            raise MemoryLimitExceeded(
+                f"{describe_unit(key)} claims {format_bytes(nbytes)}: split into pieces that fit, the plan alone "
+                f"({self.planned_units + count} pieces) needs {format_bytes(need)} in this process, more than the "
+                f"memory limit {format_bytes(self.limit)}; nothing was read or written. A checkpoint that claims "
+                "more than it stores is damaged; otherwise raise --memory-limit",
+                limit=self.limit,
+                measured=self.reserved + need,
+                keys=[key],
+            )
+        if keep:
+            self.planned_units += count
 
     def check_item(self, key: str, need: int) -> None:
         """Fail before anything is written if one item can never fit under the ceiling."""
@@ -339,7 +406,7 @@ class MemoryGovernor:
             return False
         held = self.overhead + self.reserved
         raise MemoryLimitExceeded(
-            f"task {index} with keys {describe_keys(keys)} needs {format_bytes(need)} beside the "
+            f"{self.phase}: task {index} with {self.units} {describe_keys(keys)} needs {format_bytes(need)} beside the "
             f"{format_bytes(held)} the job already holds, over the memory limit {format_bytes(self.limit)}: "
             "raise --memory-limit or lower --workers",
             limit=self.limit,
@@ -435,7 +502,7 @@ class MemoryGovernor:
         worker, keys = workers[pid]
         raise MemoryLimitExceeded(
             f"worker {worker} (pid {pid}) pushed the job to {format_bytes(second.added)}, over the memory limit "
-            f"{format_bytes(self.limit)}, while writing {describe_keys(keys)} (its private memory: "
+            f"{format_bytes(self.limit)}, while {self.phase} {self.units} {describe_keys(keys)} (its private memory: "
             f"{format_bytes(second.private[pid])}); it was stopped and nothing was committed. "
             "Raise --memory-limit or lower --workers",
             limit=self.limit,

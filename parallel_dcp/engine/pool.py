@@ -80,8 +80,11 @@ class _NewHandler:
 def _worker_main(
     conn: Any, handler: Callable[[Task], Any], initializer: Callable[[], None] | None, coordinator: int | None
 ) -> None:
-    # Ctrl-C goes to the whole process group; the coordinator decides how workers stop.
+    # Ctrl-C goes to the whole process group; the coordinator decides how workers stop. SIGINT
+    # was blocked across the fork (see WorkerPool._start): ignored first, then unblocked, so a
+    # Ctrl-C at that instant is discarded here, never raised in the middle of the worker's start.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent(coordinator)
     broken: BaseException | None = None  # a run's handler that could not be loaded
     # Objects inherited from the coordinator (the state dict's tensors and dicts) go to the
@@ -242,10 +245,17 @@ class WorkerPool:
             name=f"parallel_dcp-worker-{i}",
             daemon=True,
         )
-        proc.start()
-        child_end.close()
-        self._conns[i] = parent_end
-        self._procs[i] = proc
+        # SIGINT blocked across the fork: the child inherits the mask and ignores it before it
+        # unblocks; here a Ctrl-C that came meanwhile is delivered once the worker is recorded
+        # (so the pool's cleanup kills it), not lost or half-handled inside the fork.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            proc.start()
+            child_end.close()
+            self._conns[i] = parent_end
+            self._procs[i] = proc
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     @property
     def pids(self) -> list[int]:

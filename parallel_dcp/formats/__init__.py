@@ -51,6 +51,8 @@ def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] 
     for kind, detect, _ in _READERS:
         if detect(where):
             return kind
+    if where.is_dir() and not listdir(where):
+        raise ValueError(f"cannot tell the format of {path}: the directory is empty (no checkpoint there)")
     if any(n.endswith(".distcp") for n in listdir(where)):
         raise ValueError(f"{path} has DCP shards but no .metadata: it is not a committed checkpoint")
     raise ValueError(

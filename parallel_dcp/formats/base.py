@@ -13,17 +13,27 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
 from parallel_dcp.storage.location import Location, Remote, check_name, listdir, locate
+from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, source_tree
+from parallel_dcp.storage.safe_reader import read_in_tree
+
+# An index lists one line per tensor: 64 MiB is far beyond any real one (a crafted one is refused).
+_INDEX_MAX_BYTES = 64 * 2**20
 
 if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
 
-__all__ = ["Entry", "FileFormat", "Source", "entry_of", "index_json", "index_names", "shard_files"]
+__all__ = ["MAX_ELEMENTS", "Entry", "FileFormat", "Source", "entry_of", "index_json", "index_names", "shard_files"]
+
+
+# Dimensions (zero ones counted as one) multiply to less than this in any tensor torch can make.
+MAX_ELEMENTS = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +47,18 @@ class Entry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     file: str = ""
+
+    def __post_init__(self) -> None:
+        # A zero-size tensor passes every byte-count check whatever its other dimensions; torch
+        # cannot make one whose strides overflow int64 (it raised a bare RuntimeError in load).
+        strides = 1
+        for dim in self.shape:
+            strides *= max(dim, 1)
+        if strides >= MAX_ELEMENTS:
+            raise CorruptCheckpointError(
+                f"{self.file or 'the source'}: tensor {self.key!r} has the impossible shape {list(self.shape)} "
+                "(its dimensions multiply past what torch can index; nothing was read or written)"
+            )
 
     @property
     def nbytes(self) -> int:
@@ -179,6 +201,9 @@ class FileFormat:
         write: writes a flat dict of tensors (and, for formats that keep nesting, values nested
             again by the mapping) to a path or a write stream.
         tensors_only: the format holds tensors only (no ints, strings, ...).
+        write_verifiable: for a format whose file can hold its own checksums (safetensors: in its
+            header), writes a single-file output with them (``checksums=False``: sizes only);
+            None: a single file of this format gets a sidecar manifest instead.
     """
 
     kind: str
@@ -187,6 +212,7 @@ class FileFormat:
     shard_names: Callable[[int], list[str]]
     write: Callable[[dict[str, Any], Any, dict[str, tuple[Any, ...]] | None], None]
     tensors_only: bool = False
+    write_verifiable: Callable[..., None] | None = None
 
 
 def index_json(weight_map: dict[str, str], total_size: int) -> str:
@@ -201,7 +227,7 @@ def index_names(index: Location) -> list[str]:
         CorruptCheckpointError: the index is not readable, or names a file outside its directory.
     """
     try:
-        names = list(dict.fromkeys(json.loads(index.read_bytes())["weight_map"].values()))
+        names = list(dict.fromkeys(json.loads(_read_index(index))["weight_map"].values()))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{index} is not a readable index: {type(exc).__name__}: {exc}") from exc
     return [check_name(n, index) for n in names]
@@ -215,8 +241,8 @@ def shard_files(path: Location, index_name: str, suffix: str | None = None) -> l
         FileNotFoundError: the index names a shard that does not exist.
         CorruptCheckpointError: the index is unreadable or names a file outside the directory.
     """
-    if not path.is_dir():
-        return [os.fspath(path)]
+    if not path.is_dir():  # the file the user named (through any link: the user chose it)
+        return [os.fspath(path) if isinstance(path, Remote) else os.path.realpath(path)]
     listing = listdir(path)
     if index_name in listing or suffix is None:
         names = index_names(path / index_name)
@@ -225,4 +251,32 @@ def shard_files(path: Location, index_name: str, suffix: str | None = None) -> l
     missing = [n for n in names if n not in listing]
     if missing:
         raise FileNotFoundError(f"{path}: the index names shards that do not exist: {', '.join(missing)}")
-    return [os.fspath(path / n) for n in names]
+    if isinstance(path, Remote):
+        return [os.fspath(path / n) for n in names]
+    return [os.fspath(_in_tree(path / n, source_tree(path))) for n in names]
+
+
+def _in_tree(file: Path, tree: Path) -> Path:
+    """A shard of a local directory by the one rule for reading: a link only within the source's
+    tree (a Hugging Face cache snapshot's links into ``blobs/``), given as where it leads, so every
+    reader (the library's mmap, O_DIRECT, torch.load) opens a regular file that is no link, the
+    same way in every io mode.
+
+    Raises:
+        UnsafeCheckpointError: a link leading out of the tree, or not a regular file (a FIFO).
+    """
+    target = resolve_in_tree(file, tree)
+    try:
+        regular_size(target)
+    except UnsafeCheckpointError:
+        if target == file:
+            raise
+        raise UnsafeCheckpointError(f"{file} leads to {target}, which is not a regular file") from None
+    return target
+
+
+def _read_index(index: Location) -> bytes:
+    if isinstance(index, Remote):
+        return index.read_bytes()
+    assert isinstance(index, Path)
+    return read_in_tree(index, source_tree(index.parent), limit=_INDEX_MAX_BYTES)

@@ -42,7 +42,7 @@ from torch.futures import Future
 
 from parallel_dcp.engine import progress
 from parallel_dcp.engine.memory import ZSTD_SMALL_RECORD_BYTES, ZSTD_VALUE_MAX_BYTES
-from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, dtype_name
 from parallel_dcp.formats.dcp_records import HEAD_BYTES, RecordLayout, is_row_major, parse_head, parse_record
 from parallel_dcp.formats.read_units import ReadStats
 from parallel_dcp.storage.compression import (
@@ -53,6 +53,7 @@ from parallel_dcp.storage.compression import (
     new_decompressor,
 )
 from parallel_dcp.storage.location import Location, Remote, RemoteFileSystem
+from parallel_dcp.storage.safe_reader import SafeFileSystem
 
 __all__ = ["RECORD_OVERHEAD", "BoundedReader", "CompressedRecord", "bounded_reader", "read_value"]
 
@@ -138,7 +139,10 @@ def read_record(
             return
         if layout.dtype != dtype or layout.size != chunk:
             raise _corrupt(
-                shard, key, f"holds {layout.dtype} {list(layout.size)} but .metadata says {dtype} {list(chunk)}"
+                shard,
+                key,
+                f"holds {dtype_name(layout.dtype)} {list(layout.size)} but .metadata says "
+                f"{dtype_name(dtype)} {list(chunk)}",
             )
         item, target = requests[0]
         direct = (
@@ -177,7 +181,10 @@ def _serve_small(
     else:
         if layout.dtype != dtype or layout.size != chunk or layout.data_bytes != nbytes:
             raise _corrupt(
-                shard, key, f"holds {layout.dtype} {list(layout.size)} but .metadata says {dtype} {list(chunk)}"
+                shard,
+                key,
+                f"holds {dtype_name(layout.dtype)} {list(layout.size)} but .metadata says "
+                f"{dtype_name(dtype)} {list(chunk)}",
             )
         stored = torch.empty(chunk, dtype=dtype)
         _bytes_of(stored)[:] = view[layout.data_offset : layout.data_offset + nbytes]
@@ -216,8 +223,12 @@ def _load_whole(shard: Location, key: str, record: bytes, chunk: tuple[int, ...]
     except Exception as exc:
         raise _corrupt(shard, key, f"cannot be loaded: {type(exc).__name__}: {exc}") from exc
     if not isinstance(loaded, torch.Tensor) or loaded.dtype != dtype or tuple(loaded.shape) != chunk:
-        what = f"{loaded.dtype} {list(loaded.shape)}" if isinstance(loaded, torch.Tensor) else type(loaded).__name__
-        raise _corrupt(shard, key, f"holds {what} but .metadata says {dtype} {list(chunk)}")
+        what = (
+            f"{dtype_name(loaded.dtype)} {list(loaded.shape)}"
+            if isinstance(loaded, torch.Tensor)
+            else type(loaded).__name__
+        )
+        raise _corrupt(shard, key, f"holds {what} but .metadata says {dtype_name(dtype)} {list(chunk)}")
     return loaded
 
 
@@ -264,6 +275,8 @@ class BoundedReader(FileSystemReader):
         if isinstance(location, Remote):
             self.fs = RemoteFileSystem(location.options)  # type: ignore[assignment]
             self.path = location.url
+        else:  # shards opened by the one rule (stock: Path.open, through any planted symlink)
+            self.fs = SafeFileSystem()
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)

@@ -5,6 +5,8 @@
       X.weight_scale_inv  float32 [R/128, C/128] ─┴──▶  X.weight  dtype [R, C]
       Y_blocks            uint8 [..., G, B]      ─┐
       Y_scales            uint8 [..., G]         ─┴──▶  Y         dtype [..., G * B * 2]
+      E_blocks (experts)  uint8 [E, N, G, B]     ─┐
+      E_scales            uint8 [E, N, G]        ─┴──▶  E         dtype [E, G * B * 2, N]  (transformers' layout)
       anything else                               ───▶  as it is (the job casts it with ``dtype``)
 
 Pairs are found by name over the whole source (a Hugging Face index's ``weight_map`` may put a
@@ -18,16 +20,25 @@ a chunk reads only its own rows and their scales (:meth:`DequantizedSource.split
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from parallel_dcp.engine.chunks import split
 from parallel_dcp.errors import QuantizationError, describe_keys
 from parallel_dcp.formats.base import Entry, Source
-from parallel_dcp.formats.quantized import DEFAULT_BLOCK, E8M0_NAN, dequantize_fp8, dequantize_mxfp4
+from parallel_dcp.formats.quantized import (
+    DEFAULT_BLOCK,
+    DEQUANTIZE_WORK_BYTES,
+    E8M0_NAN,
+    dequantize_fp8,
+    dequantize_mxfp4,
+    dequantize_mxfp4_experts,
+    mxfp4_is_experts,
+    mxfp4_shape,
+)
 from parallel_dcp.formats.quantized_pairs import (
     BLOCKS_SUFFIX,
     SCALE_SUFFIX,
@@ -43,7 +54,11 @@ if TYPE_CHECKING:
 
 __all__ = ["SCALE_SUFFIX", "DequantizedSource", "block_size_of", "dequantized_source", "source_config"]
 
-_WORK_BYTES = 32 * 1024 * 1024  # the arithmetic's int32 index strips (the heap keeps freed ones): measured
+# The arithmetic's strips (the heap keeps freed ones), whatever the block size: at most the
+# bound quantized.py states, and at most 4 B an output element (a strip never exceeds the unit).
+_WORK_BYTES = DEQUANTIZE_WORK_BYTES
+# The coordinator checks E8M0 scales for the NaN exponent in pieces of at most this much.
+CHECK_PIECE_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -69,18 +84,30 @@ class DequantizedSource(WrappedSource):
         bad = []
         for key in keys:
             pair = self.pairs.get(key)
-            if pair is not None and pair.kind == "mxfp4":
-                scales = self._inner().read([pair.scale])[pair.scale]
-                if bool((scales == E8M0_NAN).any()):
-                    bad.append(pair.scale)
-                del scales
-                self._inner().release()
+            if pair is not None and pair.kind == "mxfp4" and self._holds_nan(pair.scale):
+                bad.append(pair.scale)
         if bad:
             raise QuantizationError(
                 f"{self.path}: E8M0 scales hold the exponent 255, which means NaN: {describe_keys(bad)} "
                 "(nothing was written)",
                 keys=bad,
             )
+
+    def _holds_nan(self, scale: str) -> bool:
+        """Whether E8M0 ``scale`` holds the exponent 255, read in pieces of at most
+        :data:`CHECK_PIECE_BYTES` (this runs in the coordinator, before any task is admitted: a
+        whole scale tensor of a large MoE would be read beside nothing that counts it)."""
+        inner = self._inner()
+        entry = inner.entries[scale]
+        pieces: list[Chunk | None] = [*split(entry, CHECK_PIECE_BYTES)] or [None]
+        for piece in pieces:
+            values = inner.read([scale])[scale] if piece is None else inner.read_chunk(piece)
+            found = bool((values == E8M0_NAN).any())
+            del values
+            inner.release()
+            if found:
+                return True
+        return False
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         keys = list(keys)
@@ -93,8 +120,23 @@ class DequantizedSource(WrappedSource):
             elif pair.kind == "fp8":
                 out[key] = dequantize_fp8(data.pop(pair.values), data.pop(pair.scale), self.dtype, self.block)
             else:
-                out[key] = dequantize_mxfp4(data.pop(pair.values), data.pop(pair.scale), self.dtype)
+                out[key] = self._mxfp4(data.pop(pair.values), data.pop(pair.scale))
         return out
+
+    def _mxfp4(self, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        if mxfp4_is_experts(tuple(blocks.shape)):
+            return dequantize_mxfp4_experts(blocks, scales, self.dtype)
+        return dequantize_mxfp4(blocks, scales, self.dtype)
+
+    def _stored_dim(self, pair: Pair, dim: int) -> int | None:
+        """The dimension of ``pair``'s stored values that output dimension ``dim`` runs along;
+        None for the unpacked groups of MXFP4 (its values interleave inside the packed bytes)."""
+        if pair.kind == "fp8":
+            return dim
+        shape = self._inner().entries[pair.values].shape
+        if mxfp4_is_experts(shape):
+            return {0: 0, 2: 1}.get(dim)  # [E, G * B * 2, N] from [E, N, G, B]
+        return dim if dim < len(shape) - 2 else None
 
     def read_chunk(self, chunk: Chunk) -> torch.Tensor:
         pair = self.pairs.get(chunk.key)
@@ -102,14 +144,15 @@ class DequantizedSource(WrappedSource):
         if pair is None:
             return inner.read_chunk(chunk)
         stored = inner.entries[pair.values]
-        if pair.kind == "mxfp4" and chunk.dim == len(chunk.shape) - 1:
+        dim = self._stored_dim(pair, chunk.dim)
+        if dim is None:
             return chunk.of(self.read([chunk.key])[chunk.key]).contiguous()  # split inside the packed groups
-        piece = inner.read_chunk(dataclasses.replace(chunk, key=pair.values, shape=stored.shape))
+        piece = inner.read_chunk(dataclasses.replace(chunk, key=pair.values, dim=dim, shape=stored.shape))
         scale = inner.read([pair.scale])[pair.scale]
         if pair.kind == "fp8":
             row0, col0 = (chunk.start, 0) if chunk.dim == 0 else (0, chunk.start)
             return dequantize_fp8(piece, scale, self.dtype, self.block, row0=row0, col0=col0)
-        return dequantize_mxfp4(piece, scale.narrow(chunk.dim, chunk.start, chunk.stop - chunk.start), self.dtype)
+        return self._mxfp4(piece, scale.narrow(dim, chunk.start, chunk.stop - chunk.start))
 
     def split_alignment(self, key: str, dim: int) -> int:
         pair = self.pairs.get(key)
@@ -130,10 +173,11 @@ class DequantizedSource(WrappedSource):
         inner = self._inner()
         if pair is None:
             return inner.chunk_memory(chunk)
-        if pair.kind == "mxfp4" and chunk.dim == len(chunk.shape) - 1:
+        dim = self._stored_dim(pair, chunk.dim)
+        if dim is None:
             return self.copied_bytes(chunk.key) + chunk.nbytes(self.dtype.itemsize)
         stored = inner.entries[pair.values]
-        read = inner.chunk_memory(dataclasses.replace(chunk, key=pair.values, shape=stored.shape))
+        read = inner.chunk_memory(dataclasses.replace(chunk, key=pair.values, dim=dim, shape=stored.shape))
         out = chunk.nbytes(self.dtype.itemsize)
         return read + inner.copied_bytes(pair.scale) + out + min(4 * out, _WORK_BYTES)
 
@@ -176,7 +220,7 @@ def dequantized_source(source: Source, dtype: torch.dtype, block: tuple[int, int
             view.mapping[key] = source.mapping.get(key, (key,))
             continue
         pair = pairs[out]
-        shape = entry.shape if pair.kind == "fp8" else (*entry.shape[:-2], math.prod(entry.shape[-2:]) * 2)
+        shape = entry.shape if pair.kind == "fp8" else mxfp4_shape(entry.shape)
         view.entries[out] = Entry(out, dtype, tuple(shape), entry.file)
         view.pairs[out] = pair
         path = source.mapping.get(key, (key,))

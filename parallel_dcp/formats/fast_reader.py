@@ -31,6 +31,7 @@ from parallel_dcp.options import usable_cores
 from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import Location, Remote, RemoteFileSystem, locate
 from parallel_dcp.storage.metadata import check_metadata, read_metadata, unpickle_value
+from parallel_dcp.storage.safe_reader import SafeFileSystem
 
 __all__ = ["FastReader"]
 
@@ -70,6 +71,8 @@ class FastReader(FileSystemReader):
         if isinstance(self._where, Remote):
             self.fs = RemoteFileSystem(self._where.options)  # type: ignore[assignment]
             self.path = self._where.url
+        else:  # shards opened by the one rule (stock: Path.open, through any planted symlink)
+            self.fs = SafeFileSystem()
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers if workers is not None else usable_cores()

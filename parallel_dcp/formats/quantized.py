@@ -6,6 +6,7 @@
     MXFP4 (gpt-oss):                  X_blocks  uint8 [..., G, B]   two e2m1 values per byte (low nibble first)
                                       X_scales  uint8 [..., G]      E8M0 exponent, biased by 127
         value = ldexp(lut[nibble] in the target dtype, exponent - 127)  -> X [..., G * B * 2]
+        experts (X_blocks [E, N, G, B]): X [E, G * B * 2, N], transformers' layout (see below)
 
 Dequantizing repeats, operation for operation, what stock
 ``torch.distributed.checkpoint.quantized_hf_storage.QuantizedHuggingFaceStorageReader`` computes
@@ -16,6 +17,13 @@ these functions take a strip of whole row blocks at a time: FP8 as one lookup pe
 table of every (block, code) product, MXFP4 as one lookup per byte in a table of every
 (exponent, byte) pair's two values; the tables are made by stock's own operations, and
 temporaries are bounded by the strip.
+
+MXFP4 expert tensors are written in the layout transformers' ``GptOssExperts`` holds and its
+bf16 gpt-oss checkpoints store: ``gate_up_proj [E, hidden, 2 * intermediate]`` and ``down_proj
+[E, intermediate, hidden]``, the transpose of the packed rows (``N`` is a row of the output, the
+groups run along the input): the same values as transformers' own ``convert_moe_packed_tensors``.
+The gpt-oss reference loader's ``[E, N, G * B * 2]`` loads into transformers transposed, and
+silently so where hidden = intermediate (every released gpt-oss).
 
 Quantizing writes the DeepSeek layout: one float32 scale per block, ``amax / 448`` (448 is
 e4m3's largest finite value), and ``w / scale`` rounded to e4m3. A block of zeros gets the
@@ -28,26 +36,46 @@ import math
 
 import torch
 
+from parallel_dcp.errors import dtype_name
+
 __all__ = [
     "DEFAULT_BLOCK",
+    "DEQUANTIZE_WORK_BYTES",
     "E8M0_NAN",
     "FP4_VALUES",
     "FP8_DTYPES",
     "FP8_MAX",
+    "MAX_BLOCK",
+    "STRIP_ELEMENTS",
     "dequantize_fp8",
     "dequantize_mxfp4",
+    "dequantize_mxfp4_experts",
     "fp8_scale_shape",
+    "mxfp4_is_experts",
+    "mxfp4_shape",
     "quantize_fp8",
+    "quantize_work_bytes",
 ]
 
 DEFAULT_BLOCK = 128
+# The largest block size accepted (from quantize="fp8-block:B", block_size= or a config's
+# weight_block_size): a block as large as a tensor is one block, and block arithmetic stays
+# far inside torch's int64 (a 20-digit block failed in a worker with a TypeError).
+MAX_BLOCK = 1 << 20
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 E8M0_NAN = 255  # the one E8M0 code that is not a power of two
 # e2m1 values by nibble, as stock and gpt-oss decode them.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-# Elements of float32 temporaries per strip: 16 MiB, whatever the tensor's size.
-_STRIP_ELEMENTS = 4 * 1024 * 1024
+# Elements of a strip: its float32 / int32 temporaries are 16 MiB each, whatever the tensor's size.
+STRIP_ELEMENTS = 4 * 1024 * 1024
+# Columns of a strip at most: a strip's per-column block numbers stay small beside it.
+_STRIP_COLUMNS = STRIP_ELEMENTS // 16
+# What dequantizing an FP8 weight holds beside its input and output, at most (4 B an element of
+# the strip for the int32 indices or the upcast strip, 4 B for the gathered products or the spread
+# scales, and a (block, code) table of at most a quarter of the strip's elements, float32 and
+# the output dtype): whatever the weight's shape or block size.
+DEQUANTIZE_WORK_BYTES = 10 * STRIP_ELEMENTS
 _FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}  # FP8 code -> float32, made on first use
 _MXFP4_TABLES: dict[torch.dtype, torch.Tensor] = {}  # (exponent, byte) -> two values, made on first use
 
@@ -55,11 +83,6 @@ _MXFP4_TABLES: dict[torch.dtype, torch.Tensor] = {}  # (exponent, byte) -> two v
 def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
     """The scale tensor's shape for a 2-D weight of ``shape``: one entry per (partial) block."""
     return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
-
-
-def _strip_rows(cols: int, block_rows: int) -> int:
-    """Rows per strip: whole row blocks, about ``_STRIP_ELEMENTS`` elements (at least one block)."""
-    return max(1, _STRIP_ELEMENTS // max(cols * block_rows, 1)) * block_rows
 
 
 def dequantize_fp8(
@@ -75,43 +98,57 @@ def dequantize_fp8(
     to ``dtype`` with ``scale``, the whole weight's scale tensor (global block coordinates).
 
     Each value is ``dtype(float32(code) * float32(scale))``, the product stock computes (its
-    ``float32 block * 0-dim scale`` promotes the scale to float32), rounded once. A block has only
-    256 codes, so the products are made once per (block, code), by those very operations, and
-    each element is one lookup of its block's product for its code: one pass over the weight
-    instead of an upcast, a multiply and a rounding pass.
+    ``float32 block * 0-dim scale`` promotes the scale to float32), rounded once. Where a strip
+    has far fewer (block, code) pairs than elements (128 x 128 blocks), the products are made
+    once per (block, code) of the strip, by those very operations, and each element is one
+    lookup of its block's product for its code; where small blocks (a legal ``[2, 2]``) would
+    make that table larger than the strip, the strip is upcast and multiplied by its blocks'
+    scales directly (the same two operations, element by element).
+
+    Temporaries are bounded by the strip (:data:`STRIP_ELEMENTS` elements, whatever the
+    weight's shape or block size): at most :data:`DEQUANTIZE_WORK_BYTES`.
 
     Raises:
         ValueError: ``weight`` is not FP8.
     """
     if weight.dtype not in FP8_DTYPES:
-        raise ValueError(f"block-scaled dequantization needs an FP8 weight, not {weight.dtype}")
+        raise ValueError(f"block-scaled dequantization needs an FP8 weight, not {dtype_name(weight.dtype)}")
     rows, cols = weight.shape
     out = torch.empty((rows, cols), dtype=dtype)
     if rows == 0 or cols == 0:
         return out
     br, bc = block
-    first_cb, end_cb = col0 // bc, (col0 + cols - 1) // bc + 1
-    first_rb, end_rb = row0 // br, (row0 + rows - 1) // br + 1
     codes = _fp8_values(weight.dtype)
-    blocks = scale[first_rb:end_rb, first_cb:end_cb].to(torch.float32).reshape(-1, 1)
-    products = (blocks * codes).to(dtype).reshape(-1)  # [block][code], blocks in row-major order
-    per_row_block = (end_cb - first_cb) * 256
-    column_offsets = (((torch.arange(cols) + col0) // bc - first_cb) * 256).to(torch.int32)
-    step = _strip_rows(cols, br)
-    r = 0
-    while r < rows:
-        g = row0 + r
-        if g % br or rows - r < br:  # a partial block: a head (row0 not aligned) or the last
-            stop, n = min(rows, (g // br + 1) * br - row0), 1
-        else:  # whole blocks
-            stop = r + min(step, (rows - r) // br * br)
-            n = (stop - r) // br
-        index = weight[r:stop].contiguous().view(torch.uint8).to(torch.int32).view(n, -1, cols)
-        first = g // br - first_rb
-        offsets = torch.arange(first, first + n, dtype=torch.int32)[:, None] * per_row_block + column_offsets
-        index.add_(offsets.unsqueeze(1))
-        torch.index_select(products, 0, index.view(-1), out=out[r:stop].view(-1))
-        r = stop
+    col_step = min(cols, _STRIP_COLUMNS)
+    row_step = max(1, STRIP_ELEMENTS // col_step)
+    for c in range(0, cols, col_step):
+        c_end = min(cols, c + col_step)
+        # each column's block, relative to the strip's first block column
+        first_cb = (col0 + c) // bc
+        col_blocks = ((torch.arange(col0 + c, col0 + c_end) // bc) - first_cb).to(torch.int32)
+        ncb = int(col_blocks[-1]) + 1
+        for r in range(0, rows, row_step):
+            r_end = min(rows, r + row_step)
+            first_rb = (row0 + r) // br
+            row_blocks = ((torch.arange(row0 + r, row0 + r_end) // br) - first_rb).to(torch.int32)
+            nrb = int(row_blocks[-1]) + 1
+            blocks = scale[first_rb : first_rb + nrb, first_cb : first_cb + ncb].to(torch.float32)
+            piece = weight[r:r_end, c:c_end]
+            target = out[r:r_end, c:c_end]
+            if nrb * ncb * 256 * 4 <= piece.numel():
+                products = (blocks.reshape(-1, 1) * codes).to(dtype).reshape(-1)  # [block][code]
+                index = piece.contiguous().view(torch.uint8).to(torch.int32)
+                index.add_((row_blocks[:, None] * ncb + col_blocks) * 256)
+                if target.is_contiguous():
+                    torch.index_select(products, 0, index.view(-1), out=target.view(-1))
+                else:
+                    target.copy_(products[index])
+                del products, index
+            else:
+                upcast = piece.to(torch.float32)
+                upcast.mul_(blocks[row_blocks.long()][:, col_blocks.long()])
+                target.copy_(upcast)  # rounds once to dtype, as .to(dtype) does
+                del upcast
     return out
 
 
@@ -139,13 +176,58 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     exponents = scales.reshape(rows, 1)
     table = _mxfp4_table(dtype).view(-1, 2)
     out = torch.empty(rows, width * 2, dtype=dtype)
-    step = max(1, _STRIP_ELEMENTS // max(width, 1))  # int32 indices, 4 bytes a byte
+    step = max(1, STRIP_ELEMENTS // max(width, 1))  # int32 indices, 4 bytes a byte
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         index = flat[r0:r1].to(torch.int32)
         index.add_(exponents[r0:r1].to(torch.int32) * 256)
         torch.index_select(table, 0, index.view(-1), out=out[r0:r1].view(-1, 2))
     return out.view(*prefix, groups * width * 2)
+
+
+def mxfp4_is_experts(blocks_shape: tuple[int, ...]) -> bool:
+    """Whether MXFP4 blocks of ``blocks_shape`` are stacked experts (``[E, N, G, B]``), which
+    dequantize to transformers' ``[E, G * B * 2, N]``; other ranks keep ``[..., N, G * B * 2]``
+    (a 2-D one is already ``nn.Linear``'s ``[out, in]``)."""
+    return len(blocks_shape) == 4
+
+
+def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The dequantized shape of MXFP4 blocks ``blocks_shape`` (see :func:`mxfp4_is_experts`)."""
+    *prefix, rows, groups, width = blocks_shape
+    if mxfp4_is_experts(blocks_shape):
+        return (*prefix, groups * width * 2, rows)
+    return (*prefix, rows, groups * width * 2)
+
+
+def dequantize_mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Expert MXFP4 ``blocks`` ``[E, N, G, B]`` with ``scales`` ``[E, N, G]`` as ``dtype``
+    ``[E, G * B * 2, N]``: :func:`dequantize_mxfp4`'s values, transposed per expert.
+
+    Rows are dequantized a strip at a time (about ``STRIP_ELEMENTS`` values, whole experts when
+    they fit) and each strip is copied into the output transposed, so the temporaries are bounded
+    by the strip, not by the tensor.
+    """
+    experts, rows, groups, width = blocks.shape
+    cols = groups * width * 2
+    out = torch.empty((experts, cols, rows), dtype=dtype)
+    if out.numel() == 0:
+        return out
+    per_expert = rows * cols
+    if per_expert <= STRIP_ELEMENTS:  # whole experts a strip
+        step = STRIP_ELEMENTS // per_expert
+        for e0 in range(0, experts, step):
+            e1 = min(experts, e0 + step)
+            strip = dequantize_mxfp4(blocks[e0:e1], scales[e0:e1], dtype)
+            out[e0:e1].copy_(strip.transpose(1, 2))
+        return out
+    step = max(1, STRIP_ELEMENTS // cols)
+    for e in range(experts):
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            strip = dequantize_mxfp4(blocks[e, r0:r1], scales[e, r0:r1], dtype)
+            out[e, :, r0:r1].copy_(strip.t())
+    return out
 
 
 def _mxfp4_table(dtype: torch.dtype) -> torch.Tensor:
@@ -169,15 +251,13 @@ def quantize_fp8(
     (float8_e4m3fn values, float32 scales ``[ceil(R/Br), ceil(C/Bc)]``) in the DeepSeek layout:
     ``scale = amax(|block|) / 448`` (1.0 for an all-zero block), ``value = e4m3(w / scale)``."""
     rows, cols = weight.shape
-    br, bc = block
     scales = torch.empty(fp8_scale_shape((rows, cols), block), dtype=torch.float32)
     values = torch.empty((rows, cols), dtype=torch.float8_e4m3fn)
     if rows == 0 or cols == 0:
         return values, scales
+    br, bc = _effective_block(rows, cols, block)
     padded_cols = scales.shape[1] * bc
-    # Half the dequantizing strip: a quantizing strip has four float32 temporaries (the strip, its
-    # magnitudes, their padding, the scales spread over it).
-    step = max(1, _STRIP_ELEMENTS // 2 // max(padded_cols * br, 1)) * br
+    step = _quantize_step(padded_cols, br)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         strip = weight[r0:r1].to(torch.float32, copy=True)  # never the caller's tensor: it is divided in place
@@ -193,3 +273,28 @@ def quantize_fp8(
         strip.div_(per_column).clamp_(-FP8_MAX, FP8_MAX)
         values[r0:r1] = strip.to(torch.float8_e4m3fn)
     return values, scales
+
+
+def _effective_block(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    """``block`` cut to the weight: a block larger than the weight is one block either way, and
+    padding to it would allocate the whole block."""
+    return max(1, min(block[0], rows)), max(1, min(block[1], cols))
+
+
+def _quantize_step(padded_cols: int, block_rows: int) -> int:
+    """Rows a quantizing strip takes: whole row blocks, half the dequantizing strip's elements (a
+    quantizing strip has four float32 temporaries: the strip, its magnitudes, their padding, the
+    scales spread over it), at least one row block."""
+    return max(1, STRIP_ELEMENTS // 2 // max(padded_cols * block_rows, 1)) * block_rows
+
+
+def quantize_work_bytes(rows: int, cols: int, block: tuple[int, int]) -> int:
+    """The float32 temporaries :func:`quantize_fp8` holds at once for a ``rows`` x ``cols``
+    weight (the strip, its magnitudes, their padding to whole blocks, the spread scales)."""
+    if rows == 0 or cols == 0:
+        return 0
+    br, bc = _effective_block(rows, cols, block)
+    padded_cols = math.ceil(cols / bc) * bc
+    strip_rows = min(rows, _quantize_step(padded_cols, br))
+    padded_rows = math.ceil(strip_rows / br) * br
+    return 4 * (3 * strip_rows * cols + padded_rows * padded_cols)

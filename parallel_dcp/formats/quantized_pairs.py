@@ -16,10 +16,15 @@ from typing import Any
 
 import torch
 
-from parallel_dcp.errors import QuantizationError
+from parallel_dcp.errors import CorruptCheckpointError, QuantizationError, dtype_name
 from parallel_dcp.formats.base import Source
-from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, fp8_scale_shape
+from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, MAX_BLOCK, fp8_scale_shape
 from parallel_dcp.storage.location import Remote
+from parallel_dcp.storage.safe_files import source_tree
+from parallel_dcp.storage.safe_reader import read_in_tree
+
+# A model's config.json is a few KiB; anything near this is not one.
+_CONFIG_MAX_BYTES = 16 * 2**20
 
 __all__ = ["BLOCKS_SUFFIX", "SCALES_SUFFIX", "SCALE_SUFFIX", "Pair", "block_size_of", "find_pairs", "source_config"]
 
@@ -31,8 +36,8 @@ def block_size_of(source: Source, override: int | None = None) -> tuple[int, int
     """The FP8 block (rows, columns): ``override``, else ``quantization_config.weight_block_size``
     from ``config.json`` beside the source (a local directory), else 128 x 128."""
     if override is not None:
-        if override < 1:
-            raise QuantizationError(f"block size must be a positive number of elements, not {override}")
+        if not 1 <= override <= MAX_BLOCK:
+            raise QuantizationError(f"block size must be from 1 to {MAX_BLOCK} elements, not {override}")
         return (override, override)
     config = source_config(source)
     quantization = (config or {}).get("quantization_config")
@@ -41,7 +46,7 @@ def block_size_of(source: Source, override: int | None = None) -> tuple[int, int
         return (DEFAULT_BLOCK, DEFAULT_BLOCK)
     if isinstance(size, int):
         size = [size, size]
-    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
+    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and 0 < n <= MAX_BLOCK for n in size)):
         raise QuantizationError(f"config.json of {source.path}: weight_block_size {size!r} is not [rows, columns]")
     return (size[0], size[1])
 
@@ -51,11 +56,12 @@ def source_config(source: Source) -> dict[str, Any] | None:
     if isinstance(source.location, Remote) or not os.path.isdir(source.path):
         return None
     path = os.path.join(source.path, "config.json")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path) or os.path.isdir(path):
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
+    try:  # by the one rule: a config.json linking out of the folder is refused, never read
+        config = json.loads(read_in_tree(path, source_tree(source.path), limit=_CONFIG_MAX_BYTES))
+    except CorruptCheckpointError:  # (a ValueError too) a link out of the folder, a FIFO, a huge file
+        raise
     except ValueError as exc:
         raise QuantizationError(f"{path} is not JSON: {exc}") from exc
     return config if isinstance(config, dict) else None
@@ -93,7 +99,7 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
                 continue
             stored = entries[weight]
             if stored.dtype not in FP8_DTYPES:
-                refuse(weight, f"has a {key.rsplit('.', 1)[-1]} but is {stored.dtype}, not FP8")
+                refuse(weight, f"has a {key.rsplit('.', 1)[-1]} but is {dtype_name(stored.dtype)}, not FP8")
             elif len(stored.shape) != 2 or len(entry.shape) != 2:
                 refuse(weight, f"block-scaled FP8 needs a 2-D weight and scale, not {stored.shape} and {entry.shape}")
             elif entry.shape != fp8_scale_shape(stored.shape, block):
@@ -103,7 +109,7 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
                     f"{weight!r} {list(stored.shape)} (expected {list(fp8_scale_shape(stored.shape, block))})",
                 )
             elif not entry.dtype.is_floating_point:
-                refuse(key, f"a scale must be floating, not {entry.dtype}")
+                refuse(key, f"a scale must be floating, not {dtype_name(entry.dtype)}")
             else:
                 pairs[weight] = Pair(weight, key, "fp8")
         elif key.endswith(SCALES_SUFFIX) or key.endswith(BLOCKS_SUFFIX):
@@ -116,7 +122,11 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
             elif key == blocks:
                 shape, scale_shape = entry.shape, entries[scales].shape
                 if entry.dtype != torch.uint8 or entries[scales].dtype != torch.uint8:
-                    refuse(key, f"MXFP4 blocks and scales are uint8, not {entry.dtype} and {entries[scales].dtype}")
+                    refuse(
+                        key,
+                        f"MXFP4 blocks and scales are uint8, not {dtype_name(entry.dtype)} and "
+                        f"{dtype_name(entries[scales].dtype)}",
+                    )
                 elif len(shape) < 2 or scale_shape != shape[:-1]:
                     refuse(scales, f"shape {list(scale_shape)} does not match the groups of {key!r} {list(shape)}")
                 elif stem in entries:
@@ -126,6 +136,8 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
         elif entry.dtype in FP8_DTYPES and key + SCALE_SUFFIX not in entries:
             refuse(key, f"an FP8 weight without its scale {key + SCALE_SUFFIX!r}")
     if problems:
-        shown = "\n".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise QuantizationError(f"{source.path} cannot be dequantized (nothing was written):\n{shown}", keys=offenders)
+        shown = problems[:20] + ([f"  ... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise QuantizationError(
+            f"{source.path} cannot be dequantized (nothing was written):", keys=offenders, lines=shown
+        )
     return pairs

@@ -7,7 +7,9 @@
 
 Which weights are quantized: those the ``quantize_keys`` patterns select (the ``keys`` pattern
 language), or by default :data:`DEFAULT_RULE`: 2-D floating tensors whose names end in
-``.weight``, except embeddings, norms, the output head and MoE routers. Both output units of a
+``.weight``, except embeddings, norms, the output head and MoE routers (``*.gate.weight``, as
+Mixtral, Qwen and DeepSeek name them; ``*.router.weight``, as gpt-oss does), which the releases
+and transformers' ``modules_to_not_convert`` keep in bf16. Both output units of a
 weight read the weight: when one task holds both, it is quantized once; a huge weight splits into
 row ranges of whole blocks (:meth:`QuantizingSource.split_alignment`), each quantized on its own
 (every block's scale depends on its rows only, so the pieces equal the whole).
@@ -27,7 +29,14 @@ import torch
 from parallel_dcp.errors import QuantizationError
 from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.dequantized_source import SCALE_SUFFIX
-from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, fp8_scale_shape, quantize_fp8
+from parallel_dcp.formats.quantized import (
+    DEFAULT_BLOCK,
+    FP8_DTYPES,
+    MAX_BLOCK,
+    fp8_scale_shape,
+    quantize_fp8,
+    quantize_work_bytes,
+)
 from parallel_dcp.formats.wrapped_source import WrappedSource
 
 if TYPE_CHECKING:
@@ -37,9 +46,10 @@ __all__ = ["DEFAULT_RULE", "QuantizingSource", "default_quantize_rule", "parse_q
 
 DEFAULT_RULE = (
     "2-D floating tensors whose names end in '.weight', except embeddings ('embed', 'wte', 'wpe'), "
-    "norms ('norm'), the output head ('lm_head', 'output.weight') and MoE routers ('.gate.weight')"
+    "norms ('norm'), the output head ('lm_head', 'output.weight') and MoE routers ('*.gate.weight', "
+    "'*.router.weight')"
 )
-_EXCLUDED = re.compile(r"embed|norm|lm_head|(^|\.)(wte|wpe)\.|(^|\.)output\.weight$|(^|\.)gate\.weight$")
+_EXCLUDED = re.compile(r"embed|norm|lm_head|(^|\.)(wte|wpe)\.|(^|\.)output\.weight$|(^|\.)(gate|router)\.weight$")
 # The float32 temporaries of quantizing (four of an 8 MiB strip), and what the heap keeps of them
 # (measured: about 44 MiB at the peak, 68 MiB still held after a 5504 x 2048 weight).
 _WORK_BYTES = 64 * 1024 * 1024
@@ -56,8 +66,8 @@ def parse_quantize(spec: str) -> tuple[int, int]:
         raise QuantizationError(f"unknown quantization {spec!r}: use 'fp8-block' or 'fp8-block:BLOCK'")
     if not size:
         return (DEFAULT_BLOCK, DEFAULT_BLOCK)
-    if not size.isdigit() or int(size) < 1:
-        raise QuantizationError(f"the block of {spec!r} must be a positive integer")
+    if not size.isdigit() or not 1 <= int(size) <= MAX_BLOCK:
+        raise QuantizationError(f"the block of {spec!r} must be an integer from 1 to {MAX_BLOCK}")
     return (int(size), int(size))
 
 
@@ -140,7 +150,7 @@ class QuantizingSource(WrappedSource):
         entry = self._inner().entries[weight]
         # the weight read, its float32 temporaries, and both outputs
         elements = entry.nbytes // entry.dtype.itemsize
-        return self._inner().copied_bytes(weight) + elements + min(16 * elements, _WORK_BYTES)
+        return self._inner().copied_bytes(weight) + elements + self._work(entry.shape[0], entry.shape)
 
     def chunk_memory(self, chunk: Chunk) -> int:
         weight = self.weights.get(chunk.key)
@@ -152,7 +162,13 @@ class QuantizingSource(WrappedSource):
         rows = chunk.stop - chunk.start + self.block[0]
         read = self._inner().chunk_memory(_rows(entry, 0, min(entry.shape[0], rows)))
         elements = read // entry.dtype.itemsize
-        return read + elements + min(16 * elements, _WORK_BYTES)
+        return read + elements + self._work(min(entry.shape[0], rows), entry.shape)
+
+    def _work(self, rows: int, shape: tuple[int, ...]) -> int:
+        """The arithmetic's temporaries for ``rows`` rows of a weight of ``shape``: what the
+        heap was measured to keep, or the strip's own bound where large blocks make it larger."""
+        elements = rows * math.prod(shape[1:])
+        return max(min(16 * elements, _WORK_BYTES), quantize_work_bytes(rows, math.prod(shape[1:]), self.block))
 
     def release(self) -> None:
         self._inner().release()

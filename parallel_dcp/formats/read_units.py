@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from parallel_dcp.engine import progress
 from parallel_dcp.engine.memory import ZSTD_DECOMPRESS_BYTES
-from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, dtype_name
 from parallel_dcp.formats.dcp_records import HEAD_BYTES, TAIL_BYTES, RecordLayout, is_row_major, parse_record
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.location import Location, Remote
@@ -250,14 +250,14 @@ class Unit:
             key, dtype, chunk = req.item.storage_index.fqn, req.dtype, req.chunk
             if layout.dtype != dtype or layout.size != chunk:
                 raise CorruptCheckpointError(
-                    f"{file.where}: the record of {key!r} at byte {record.offset} holds {layout.dtype} "
-                    f"{list(layout.size)} but .metadata says {dtype} {list(chunk)}"
+                    f"{file.where}: the record of {key!r} at byte {record.offset} holds {dtype_name(layout.dtype)} "
+                    f"{list(layout.size)} but .metadata says {dtype_name(dtype)} {list(chunk)}"
                 )
         itemsize, chunk = layout.dtype.itemsize, first.chunk
         if (layout.storage_offset + math.prod(chunk)) * itemsize > layout.data_bytes:
             raise CorruptCheckpointError(
                 f"{file.where}: the record of {first.item.storage_index.fqn!r} at byte {record.offset} has "
-                f"{layout.data_bytes} data bytes, fewer than its {list(chunk)} {layout.dtype} elements need"
+                f"{layout.data_bytes} data bytes, fewer than its {list(chunk)} {dtype_name(layout.dtype)} elements need"
             )
         return layout if is_row_major(layout.size, layout.stride) else None
 

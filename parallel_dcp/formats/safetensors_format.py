@@ -31,12 +31,14 @@ from parallel_dcp.formats.base import Entry, FileFormat, Source, shard_files
 from parallel_dcp.storage.direct_read import ShardFile, direct_read_memory
 from parallel_dcp.storage.io_mode import uses_direct
 from parallel_dcp.storage.location import MIN_PART_BYTES, Location, Remote, listdir, new_file_mode
+from parallel_dcp.storage.manifest import EMBEDDED_KEY, FileDigest, Hasher, embedded_record, read_embedded
 from parallel_dcp.storage.safe_files import open_regular
 
 __all__ = [
     "FORMAT",
     "INDEX_NAME",
     "SafetensorsSource",
+    "embedded_checksums",
     "is_safetensors",
     "shard_names",
     "write",
@@ -95,8 +97,26 @@ class _LocalBytes:
         return self.path
 
 
-def _remote_header(remote: Remote) -> tuple[int, dict[str, Any]]:
-    """Where the data starts, and the JSON header: two ranged reads, no tensor bytes."""
+def _coverage(file: str) -> str | None:
+    """Why ``file`` is not covered by its header: shorter (truncated) or longer than the bytes its
+    tensors' offsets end at; None when it is not that (or its header cannot be read at all)."""
+    try:
+        start, header = _local_header(file)
+        size = os.path.getsize(file)
+        end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+    except (CorruptCheckpointError, OSError, KeyError, IndexError, TypeError, ValueError):
+        return None
+    needed = start + end
+    if size < needed:
+        return f"{file} is truncated: its header says {needed} bytes, the file has {size}"
+    if size > needed:
+        return f"{file} has {size - needed} bytes after the {needed} its header covers (not a safetensors file)"
+    return None
+
+
+def _remote_header(remote: Remote, *, keep_metadata: bool = False) -> tuple[int, dict[str, Any]]:
+    """Where the data starts, and the JSON header (without ``__metadata__`` unless
+    ``keep_metadata``): two ranged reads, no tensor bytes."""
     head = remote.read_bytes(0, 8)
     if len(head) < 8:
         raise CorruptCheckpointError(f"{remote} is not a safetensors file: it has {len(head)} bytes")
@@ -109,7 +129,8 @@ def _remote_header(remote: Remote) -> tuple[int, dict[str, Any]]:
         raise CorruptCheckpointError(f"{remote} is not a safetensors file: its header is not JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{remote} is not a safetensors file: its header is not a JSON object")
-    header.pop("__metadata__", None)
+    if not keep_metadata:
+        header.pop("__metadata__", None)
     return 8 + size, header
 
 
@@ -136,7 +157,8 @@ class SafetensorsSource(Source):
             except FileNotFoundError:
                 raise
             except Exception as exc:  # SafetensorError and friends: the header is not valid
-                raise CorruptCheckpointError(f"{file} is not a readable safetensors file: {exc}") from exc
+                said = _coverage(file)  # the library's "file not fully covered", in our words
+                raise CorruptCheckpointError(said or f"{file} is not a readable safetensors file: {exc}") from exc
             with handle as f:
                 for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                     piece = f.get_slice(key)
@@ -334,20 +356,31 @@ def _in_flight(nbytes: int) -> int:
     return 3 * min(nbytes, MIN_PART_BYTES)
 
 
-def write_stream(tensors: dict[str, torch.Tensor], stream: Any) -> None:
+def write_stream(tensors: dict[str, torch.Tensor], stream: Any, *, checksums: bool | None = None) -> None:
     """Write one safetensors file to a write stream, a tensor at a time (object storage uploads).
 
     The layout is the format's own: an 8-byte little-endian header length, the JSON header
     (padded with spaces to 8 bytes), then every tensor's bytes back to back in header order.
+    ``checksums`` (not None): the header's ``__metadata__`` also carries the file's own record
+    (:func:`parallel_dcp.storage.manifest.embedded_record`; sizes only when False), so the file is
+    verifiable alone; the data is hashed from memory before the header is written.
     """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    metadata = {"format": "pt"}
+    index: dict[str, Any] = {}
     ready = []
     offset = 0
     for key, tensor in tensors.items():
         t = tensor.detach().contiguous()
-        header[key] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        index[key] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
         ready.append(t)
+    if checksums is not None:
+        data = Hasher(checksum=checksums)
+        for t in ready:
+            if t.nbytes:
+                data.update(t.reshape(-1).view(torch.uint8).numpy().data)
+        metadata[EMBEDDED_KEY] = embedded_record(_index_digest(index, checksums), data.result())
+    header: dict[str, Any] = {"__metadata__": metadata} | index
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     stream.write(struct.pack("<Q", len(text)))
@@ -355,6 +388,41 @@ def write_stream(tensors: dict[str, torch.Tensor], stream: Any) -> None:
     for t in ready:
         if t.nbytes:
             stream.write(t.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _index_digest(index: dict[str, Any], checksum: bool = True) -> FileDigest:
+    """The digest of a header's tensor index (``__metadata__`` left out), in a canonical spelling."""
+    hasher = Hasher(checksum=checksum)
+    hasher.update(json.dumps(index, sort_keys=True, separators=(",", ":")).encode())
+    return hasher.result()
+
+
+def embedded_checksums(path: Location) -> tuple[int, FileDigest, FileDigest, FileDigest] | None:
+    """What a single safetensors file says about itself: where its data starts, the digests its
+    header records (of the tensor index and of the data), and the digest of the index as it is now
+    (None: the file carries no checksums).
+
+    Raises:
+        CorruptCheckpointError: the header, or the record in it, cannot be read.
+    """
+    reader: Any = path if isinstance(path, Remote) else _LocalBytes(str(path), open_regular(None, str(path)))
+    try:
+        start, header = _remote_header(reader, keep_metadata=True)
+    finally:
+        if isinstance(reader, _LocalBytes):
+            os.close(reader.fd)
+    recorded = read_embedded(header.pop("__metadata__", None), path)
+    if recorded is None:
+        return None
+    index, data = recorded
+    return start, index, data, _index_digest(header, index.digest is not None)
+
+
+def write_verifiable(
+    tensors: dict[str, Any], where: Any, mapping: dict[str, tuple[Any, ...]] | None = None, *, checksums: bool = True
+) -> None:
+    """As :func:`write`, to a stream, with the file's checksums in its header (a single-file output)."""
+    write_stream(tensors, where, checksums=checksums)
 
 
 def write(tensors: dict[str, Any], where: Any, mapping: dict[str, tuple[Any, ...]] | None = None) -> None:
@@ -373,4 +441,5 @@ FORMAT = FileFormat(
     shard_names=shard_names,
     write=write,
     tensors_only=True,
+    write_verifiable=write_verifiable,
 )

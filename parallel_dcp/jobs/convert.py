@@ -11,11 +11,11 @@ with the whole pool, each into its own destination.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
+import json
 import os
-import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +26,10 @@ from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.jobs.copy_files import files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
+from parallel_dcp.jobs.hf_config import prepare_config
+from parallel_dcp.jobs.key_patterns import matcher, patterns_of
 from parallel_dcp.jobs.pipeline import SaveResult
+from parallel_dcp.jobs.presets import Preset, PresetStep, apply_preset
 from parallel_dcp.jobs.quantization import Quantization, dequantize_step, prepare_target, quantize_step
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
@@ -73,27 +76,21 @@ def select_keys(source: Source, patterns: str | Sequence[str] | None) -> tuple[s
 
     A pattern is a glob matched against the whole flattened key (``"model.layers.*.weight"``,
     ``"*embed*"``; ``*`` also crosses dots), or, prefixed with ``re:``, a Python regular expression
-    that must match the whole key (``"re:model\\.layers\\.[0-3]\\..*"``). A key is selected when
-    any pattern matches. None selects everything.
+    that must match the whole key (``"re:model\\.layers\\.[0-3]\\..*"``) (see
+    :mod:`parallel_dcp.jobs.key_patterns`). A key is selected when any pattern matches. None
+    selects everything.
 
     Raises:
-        ValueError: a bad regular expression, or patterns that select nothing (the keys are
-            listed so the user can correct them).
+        KeyPatternError: a bad regular expression (a ValueError).
+        ValueError: patterns that select nothing (the keys are listed so the user can correct them).
     """
     keys = list(source.entries) + [k for k in source.values if k not in source.entries]
     if patterns is None:
         return tuple(keys)
-    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-    matchers = []
-    for pattern in patterns:
-        if pattern.startswith("re:"):
-            try:
-                matchers.append(re.compile(pattern[3:]).fullmatch)
-            except re.error as exc:
-                raise ValueError(f"bad regular expression in {pattern!r}: {exc}") from exc
-        else:
-            matchers.append(re.compile(fnmatch.translate(pattern)).match)
-    selected = tuple(k for k in keys if any(m(k) for m in matchers))
+    patterns = patterns_of(patterns)
+    matchers = [matcher(pattern) for pattern in patterns]
+    exact = set(patterns)  # a pattern that is itself a key selects it (glob characters and all)
+    selected = tuple(k for k in keys if k in exact or any(m(k) for m in matchers))
     if not selected:
         sample = ", ".join(printable(k) for k in keys[:5]) + (" ..." if len(keys) > 5 else "")
         raise ValueError(f"keys {patterns} select nothing in {source.path} (its keys: {sample})")
@@ -136,6 +133,9 @@ def convert_one(
     copy_files: bool = True,
     copy_files_from: str | os.PathLike[str] | None = None,
     quantization: Quantization | None = None,
+    preset: Preset | None = None,
+    model_config: str | os.PathLike[str] | None = None,
+    rename_strict: bool = False,
 ) -> SaveResult | DryRunPlan:
     """Convert one source (or, with ``dry_run``, plan it); see :func:`parallel_dcp.convert`."""
     start = time.perf_counter()
@@ -151,7 +151,8 @@ def convert_one(
         # (measured on ext4: 2.05 s vs 1.73 s and 1.65 vs 0.91 CPU s for a cold 1 GiB conversion).
         source.use_direct_reads(resolve_io(options.io, source.location, writing=False))
     try:
-        job = _convert_job(source, target, dtype, keys, rename, quantization)
+        steps = _Steps(rename, quantization, preset, model_config, copy_files_from, rename_strict)
+        job = _convert_job(source, target, dtype, keys, steps)
         copies = files_to_copy(
             source,
             directory_output=isinstance(target, ShardedTarget),
@@ -163,7 +164,10 @@ def convert_one(
         if isinstance(target, ShardedTarget):
             target.copies = copies
         if quantization is not None and quantization.active:
-            prepare_target(target, source, quantization)
+            prepare_target(target, quantization)
+        if steps.done is not None and preset is not None and preset.writes_hf:
+            _give_config(target, steps.done)
+        prepare_config(target, source, job, dtype, quantization)  # config.json says what the shards hold
         if dry_run:
             plan = plan_dry_run(job, target, options, governor)
             if copies:
@@ -172,6 +176,8 @@ def convert_one(
                 plan = dataclasses.replace(plan, notes=[*plan.notes, note])
             if quantization is not None and quantization.active:
                 plan.notes.append(quantization.describe())
+            if steps.done is not None:
+                plan.notes.append(steps.done.note)
             return plan
         return run_job(job, target, options, governor, start=start)
     finally:
@@ -184,16 +190,35 @@ def _same_place(a: Location, b: Location) -> bool:
     return a.resolve() == b.resolve()
 
 
+@dataclass
+class _Steps:
+    """What a conversion does on the way, besides selecting keys and casting."""
+
+    rename: RenameRules | None = None
+    quantization: Quantization | None = None
+    preset: Preset | None = None
+    model_config: str | os.PathLike[str] | None = None
+    copy_files_from: str | os.PathLike[str] | None = None
+    rename_strict: bool = False
+    done: PresetStep | None = None  # what the preset did, once it has
+
+
+def _give_config(target: Target, step: PresetStep) -> None:
+    """A Hugging Face directory made by a preset holds the model's config.json (unless copied)."""
+    if isinstance(target, ShardedTarget) and target.kind == "safetensors" and "config.json" not in target.copies:
+        target.extra_files.setdefault("config.json", (json.dumps(step.config, indent=2) + "\n").encode())
+
+
 def _convert_job(
     source: Source,
     target: Target,
     dtype: torch.dtype | None,
     keys: str | Sequence[str] | None,
-    rename: RenameRules | None,
-    quantization: Quantization | None = None,
+    steps: _Steps,
 ) -> Job:
-    """The job converting ``source``: dequantized, keys selected, quantized, then renamed
-    (checked before any write)."""
+    """The job converting ``source``: dequantized, keys selected, a preset's transforms and
+    names, quantized, then renamed by the user's rules (checked before any write)."""
+    rename, quantization = steps.rename, steps.quantization
     src = source.path
     if _same_place(source.location, target.path):
         raise ValueError(f"{src} is both the source and the destination")
@@ -204,11 +229,21 @@ def _convert_job(
     # non-tensor values unpickle safely (an unsafe one is refused here, by name).
     source.check(k for k in selected if k in source.entries or k in source.values)
     source.load_values(k for k in selected if k not in source.entries)
+    if steps.preset is not None:
+        steps.done = apply_preset(
+            source,
+            selected,
+            steps.preset,
+            narrowed=keys is not None,
+            model_config=steps.model_config,
+            copy_files_from=steps.copy_files_from,
+        )
+        source, selected = steps.done.source, steps.done.keys
     if quantization is not None and quantization.quantize is not None:
         source, selected = quantize_step(source, selected, quantization, dtype)
         dtype = None  # the quantizing view casts the other tensors itself
     if rename is not None:
-        source, selected = rename_source(source, selected, rename)
+        source, selected = rename_source(source, selected, rename, strict=steps.rename_strict)
     if target.tensors_only:
         others = [k for k in selected if k not in source.entries]
         if others:

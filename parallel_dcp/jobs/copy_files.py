@@ -7,6 +7,8 @@
     each written new under this save's temporary name, renamed into place with the index and the
     manifest (which records their sizes and checksums), removed with the rest if the save fails
 
+The files of its non-weight folders (``1_Pooling/config.json``, ...) come too, by the same rules
+(:mod:`parallel_dcp.jobs.side_folders`), so a sentence-transformers folder loads as well.
 So ``convert hf_dir out --to safetensors`` gives a folder ``from_pretrained`` loads. Chosen before
 anything is written; a name the output writes itself (a shard, the index) is never copied over.
 Files are held in memory at the commit (they are small); all of them must fit under the memory
@@ -16,14 +18,21 @@ limit, or the conversion is refused before it starts.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from parallel_dcp.engine.memory import format_bytes
-from parallel_dcp.errors import InvalidDestinationError, plural, printable
+from parallel_dcp.errors import InvalidDestinationError, UnsafeCheckpointError, plural, printable
 from parallel_dcp.formats.base import Source
-from parallel_dcp.storage.location import Location, file_size, listdir, locate
+from parallel_dcp.jobs.side_folders import folder_files
+from parallel_dcp.storage.location import Location, Remote, file_size, listdir, locate
+from parallel_dcp.storage.ownership import new_save_id, temp_name
+from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, source_tree
+from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = ["WEIGHT_SUFFIXES", "files_to_copy", "read_copies"]
+
+_NAME_MAX = 255  # bytes in a file name (Linux, and most file systems)
 
 # Files that hold weights (of this or another framework) or index them: never copied, as the
 # converted directory has its own weights and index.
@@ -79,8 +88,21 @@ def files_to_copy(
         where = source.location
     else:
         return {}
-    copies = {name: where / name for name in sorted(listdir(where)) if _copyable(name) and (where / name).is_file()}
-    total = sum(file_size(path) for path in copies.values())
+    copies: dict[str, Location] = {}
+    sizes: dict[str, int] = {}
+    tree = None if isinstance(where, Remote) else source_tree(where)
+    for name in sorted(listdir(where)):
+        if not _copyable(name):
+            continue
+        found = _side_file(where / name, tree)
+        if found is not None:
+            _check_name_length(name)
+            copies[name], sizes[name] = found
+    if isinstance(where, Path):  # and the files of its non-weight folders (1_Pooling/, ...): issue 29
+        for name, path in folder_files(where, _copyable).items():
+            _check_name_length(name.split("/")[0])  # the folder is written under a temporary name
+            copies[name], sizes[name] = path, regular_size(path)
+    total = sum(sizes.values())
     if total > limit:
         raise ValueError(
             f"the {plural(len(copies), 'file')} to copy beside the weights hold {format_bytes(total)}, more than "
@@ -89,6 +111,54 @@ def files_to_copy(
     return copies
 
 
+def _side_file(path: Location, tree: Path | None) -> tuple[Location, int] | None:
+    """(where to read it, its size) for a file to copy; None for what is not a file (a directory).
+
+    A local name follows the one rule for reading (storage.safe_files): a symlink only within the
+    source's tree (a Hugging Face cache snapshot's links into ``blobs/``), read where it leads;
+    regular files only, sized by fstat, never through a link out of the tree (``/etc/passwd``,
+    ``/proc/self/environ``: a /proc file would also count 0 bytes against the limit).
+
+    Raises:
+        UnsafeCheckpointError: a symlink leading out of the tree, a FIFO, a socket, a device.
+    """
+    if tree is None:  # object storage: no links, no special files
+        assert isinstance(path, Remote)
+        return (path, file_size(path)) if path.is_file() else None
+    assert isinstance(path, Path)
+    target = resolve_in_tree(path, tree)
+    if target.is_dir():
+        return None
+    try:
+        return target, regular_size(target)
+    except UnsafeCheckpointError:
+        if target == path:
+            raise
+        raise UnsafeCheckpointError(f"{path} leads to {target}, which is not a regular file") from None
+
+
+def _check_name_length(name: str) -> None:
+    """A name the commit can write: each file is first written under a temporary name carrying the
+    save's id (``.NAME.<id>.tmp``), which must fit the file system's 255-byte limit."""
+    longest = len(os.fsencode(temp_name(name, "0" * len(new_save_id()))))
+    if longest > _NAME_MAX:
+        raise InvalidDestinationError(
+            f"the side file {printable(name[:40])}... ({len(os.fsencode(name))} bytes) has a name too long to "
+            f"copy: the commit writes it under a temporary name of {longest} bytes, more than the {_NAME_MAX} "
+            "a file name can have; rename it, or convert with copy_files=False (--no-copy-files)"
+        )
+
+
 def read_copies(copies: dict[str, Location]) -> dict[str, bytes]:
-    """The bytes of every file in ``copies``, read at the commit (their total was checked)."""
-    return {name: path.read_bytes() for name, path in copies.items()}
+    """The bytes of every file in ``copies``, read at the commit (their total was checked).
+
+    Local files are opened by the one rule again (a file swapped for a symlink or a FIFO since it
+    was chosen is refused) and read no further than their fstat size."""
+    found = {}
+    for name, path in copies.items():
+        if isinstance(path, Remote):
+            found[name] = path.read_bytes()
+            continue
+        with open_bounded(path) as stream:
+            found[name] = stream.read()
+    return found

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import xxhash
 
-from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, split
+from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, ChunkUnit, chunk_count, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
@@ -161,20 +161,33 @@ def _memory(sources: dict[str, Source], unit: _Unit) -> int:
     )
 
 
-def _units(wanted: dict[str, tuple[str, ...]], sources: dict[str, Source], threshold: int) -> dict[str, _Unit]:
-    """Every wanted key as one unit, or (larger than ``threshold``) as its row ranges."""
+def _units(
+    wanted: dict[str, tuple[str, ...]],
+    sources: dict[str, Source],
+    threshold: int,
+    governor: MemoryGovernor,
+    *,
+    keep: bool = False,
+) -> dict[str, _Unit]:
+    """Every wanted key as one unit, or (larger than ``threshold``) as its row ranges, admitted by
+    the governor before they are built (``keep``: this is the plan, not a trial)."""
     units: dict[str, _Unit] = {}
     for key, sides in wanted.items():
         entry = sources[sides[0]].entries[key]
-        pieces = split(entry, threshold) if entry.nbytes > threshold else []
+        pieces = []
+        if entry.nbytes > threshold:
+            governor.admit_units(key, chunk_count(entry, threshold), entry.nbytes, keep=keep)
+            pieces = split(entry, threshold)
         if not pieces:
             units[key] = _Unit(key, sides)
         for piece in pieces:
-            units[f"{key}[{piece.dim}:{piece.start}:{piece.stop}]"] = _Unit(key, sides, piece)
+            units[ChunkUnit(piece)] = _Unit(key, sides, piece)  # equal to no key, whatever its name
     return units
 
 
-def _plan(wanted: dict[str, tuple[str, ...]], sources: dict[str, Source], room: int) -> dict[str, _Unit]:
+def _plan(
+    wanted: dict[str, tuple[str, ...]], sources: dict[str, Source], room: int, governor: MemoryGovernor
+) -> dict[str, _Unit]:
     """Units whose reads fit in ``room``: one split threshold, halved until every unit fits. When
     none fits (down to ranges of ``MIN_MEMORY_CHUNK_BYTES``, or a source whose range reads cost
     as much as whole ones), the cheapest plan: the governor then refuses it, naming its key."""
@@ -182,14 +195,17 @@ def _plan(wanted: dict[str, tuple[str, ...]], sources: dict[str, Source], room: 
         key: sides for key, sides in wanted.items() if max(sources[side].copied_bytes(key) for side in sides) > room
     }
     if not too_big:
-        return _units(wanted, sources, sys.maxsize)
-    best = (max(_memory(sources, unit) for unit in _units(too_big, sources, sys.maxsize).values()), sys.maxsize)
+        return _units(wanted, sources, sys.maxsize, governor, keep=True)
+    best = (
+        max(_memory(sources, unit) for unit in _units(too_big, sources, sys.maxsize, governor).values()),
+        sys.maxsize,
+    )
     threshold = max(sources[sides[0]].entries[key].nbytes for key, sides in too_big.items())
     while threshold > MIN_MEMORY_CHUNK_BYTES and best[0] > room:
         threshold = max(MIN_MEMORY_CHUNK_BYTES, threshold // 2)
-        worst = max(_memory(sources, unit) for unit in _units(too_big, sources, threshold).values())
+        worst = max(_memory(sources, unit) for unit in _units(too_big, sources, threshold, governor).values())
         best = min(best, (worst, threshold), key=lambda pair: pair[0])
-    return _units(wanted, sources, best[1])
+    return _units(wanted, sources, best[1], governor, keep=True)
 
 
 def _hash(
@@ -208,7 +224,7 @@ def _hash(
         and governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES < 3 * MIN_MEMORY_CHUNK_BYTES
     ):
         workers -= 1
-    units = _plan(by_key, sources, governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES)
+    units = _plan(by_key, sources, governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES, governor)
     items = []
     for name, unit in units.items():
         first = sources[unit.sides[0]]

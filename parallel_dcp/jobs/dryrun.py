@@ -33,6 +33,7 @@ from parallel_dcp.jobs.targets import DcpTarget, Job, ShardedTarget, Target, pre
 from parallel_dcp.options import Options
 from parallel_dcp.storage.local_staging import free_bytes
 from parallel_dcp.storage.location import Remote
+from parallel_dcp.storage.ownership import METADATA_FILE
 
 __all__ = ["DryRunPlan", "describe_plan", "dry_run_save", "plan_dry_run"]
 
@@ -66,6 +67,14 @@ class DryRunPlan:
     files: list[dict[str, Any]] = field(default_factory=list)
     per_worker: list[dict[str, int]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # The file whose rename commits the output (``.metadata``, a sharded directory's index; None
+    # for a single file): the run counts it among its files (SaveResult.files), ``files`` does not.
+    marker: str | None = None
+
+    @property
+    def file_count(self) -> int:
+        """The files the run will report (``SaveResult.files``): the data files and the marker."""
+        return len(self.files) + (self.marker is not None)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +98,8 @@ class DryRunPlan:
             "files": self.files,
             "per_worker": self.per_worker,
             "notes": self.notes,
+            "marker": self.marker,
+            "file_count": self.file_count,
         }
 
 
@@ -100,6 +111,15 @@ def _file_names(target: Target, tasks: list[Task]) -> list[str]:
         names = target._shard_names(len(tasks))
         return [names[t.index] for t in tasks]
     return [target.path.name for _ in tasks]
+
+
+def _marker(target: Target, tasks: list[Task]) -> str | None:
+    """The commit marker the run writes beside the data files, as its commit counts it."""
+    if isinstance(target, DcpTarget):
+        return METADATA_FILE
+    if isinstance(target, ShardedTarget) and (len(tasks) > 1 or target.always_index):
+        return target.format.index_name
+    return None
 
 
 def _replay(tasks: list[Task], workers: int, limit: int, overhead: int) -> tuple[int, list[dict[str, int]]]:
@@ -198,6 +218,7 @@ def plan_dry_run(job: Job, target: Target, options: Options, governor: MemoryGov
         files=files,
         per_worker=per_worker,
         notes=_notes(target, options, needed, free),
+        marker=_marker(target, tasks),
     )
 
 
@@ -211,15 +232,20 @@ def dry_run_save(state_dict: Any, path: str | os.PathLike[str], options: Options
     return plan_dry_run(job, target, options, governor)
 
 
+# "1 process", "2 processes": the executor's name, in the number the worker count takes.
+_EXECUTOR_NOUNS = {"processes": ("process", "processes"), "threads": ("thread", "threads")}
+
+
 def describe_plan(plan: DryRunPlan, *, files_shown: int = 20) -> str:
     """A human-readable summary of a :class:`DryRunPlan` (names escaped, chunks said in words)."""
     free = "unknown" if plan.space_free is None else format_bytes(plan.space_free)
+    workers = plural(plan.workers, *_EXECUTOR_NOUNS.get(plan.executor, ("worker", "workers")))
     lines = [
         f"dry run: {printable(plan.source)} -> {printable(plan.path)} ({plan.format}); nothing was written",
-        f"  {plural(plan.keys, 'key')}, {format_bytes(plan.bytes)} in {plural(len(plan.files), 'file')}, "
-        f"{plural(plan.tasks, 'task')}",
-        f"  workers: {plan.workers} {plan.executor} (the memory limit allows {plan.workers_allowed} "
-        f"of the {plan.workers_wanted} wanted)",
+        f"  {plural(plan.keys, 'key')}, {format_bytes(plan.bytes)} in {plural(plan.file_count, 'file')}"
+        + (f" ({plural(len(plan.files), 'data file')} and {plan.marker})" if plan.marker else "")
+        + f", {plural(plan.tasks, 'task')}",
+        f"  workers: {workers} (the memory limit allows {plan.workers_allowed} of the {plan.workers_wanted} wanted)",
         f"  predicted peak memory {format_bytes(plan.predicted_peak_memory)} of the limit "
         f"{format_bytes(plan.memory_limit)}",
         f"  space needed {format_bytes(plan.space_needed)}, free {free}",

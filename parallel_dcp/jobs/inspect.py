@@ -10,7 +10,7 @@ from parallel_dcp.errors import CorruptCheckpointError, plural, printable
 from parallel_dcp.formats import detect_format, open_source, safetensors_format, torch_format
 from parallel_dcp.storage.location import Location, file_size, listdir, locate
 from parallel_dcp.storage.manifest import MANIFEST_FILE
-from parallel_dcp.storage.ownership import METADATA_FILE, find_leftovers
+from parallel_dcp.storage.ownership import METADATA_FILE, describe_owner, find_leftovers
 
 __all__ = ["describe", "describe_key_list", "inspect_checkpoint"]
 
@@ -102,8 +102,9 @@ def inspect_checkpoint(
     "dtype", "shape", "bytes"}`` (a value's dtype and shape are None; its bytes are its stored size).
 
     A DCP directory with shards but no ``.metadata`` is reported as ``committed: False`` (a save
-    that never finished) instead of raising; so is one whose shards are missing or shorter than
-    ``.metadata`` records (``damaged`` says which). Non-tensor values are listed with their
+    that never finished) instead of raising. A committed checkpoint whose files are missing or
+    shorter than its ``.metadata`` records stays ``committed: True``, with ``damaged`` saying which
+    (None when nothing is). Non-tensor values are listed with their
     stored size (``values``), never unpickled. ``leftovers`` lists files of saves that did not
     finish (their owner, whether it still runs, their files).
 
@@ -143,6 +144,9 @@ def inspect_checkpoint(
     ]
     # A sharded directory's index is part of it (convert counts it among the files it wrote).
     files += [{"name": n, "size": _size(where / n)} for n in _INDEXES if names is not None and n in names]
+    missing = [r["name"] for r in files if r["size"] is None]
+    if damaged is None and missing:
+        damaged = f"{plural(len(missing), 'file')} it names missing: {', '.join(missing)}"
     try:
         listed = select_keys(source, keys)
     finally:
@@ -151,7 +155,7 @@ def inspect_checkpoint(
     return storage | {
         "path": os.fspath(where),
         "format": source.kind,
-        "committed": damaged is None and all(r["size"] is not None for r in files),
+        "committed": True,  # its commit marker is there; ``damaged`` says whether its files hold
         "damaged": damaged,
         "keys": len(source.entries) + len([k for k in source.values if k not in source.entries]),
         "tensors": len(source.entries),
@@ -203,18 +207,17 @@ def describe(info: dict[str, Any]) -> str:
     from parallel_dcp.engine.memory import format_bytes
 
     lines = [
-        f"{printable(info['path'])}: {info['format']}, {'committed' if info['committed'] else 'NOT committed'}",
+        f"{printable(info['path'])}: {info['format']}, {'committed' if info['committed'] else 'NOT committed'}"
+        + (f", DAMAGED: {printable(info['damaged'])}" if info.get("damaged") else ""),
         f"  {plural(info['keys'], 'key')} ({plural(info['tensors'], 'tensor')}), {format_bytes(info['total_bytes'])}, "
         f"{plural(len(info['files']), 'file')}" + (", manifest" if info["manifest"] else ""),
     ]
-    if "stored_bytes" in info:
+    if info.get("compressed_records"):  # an uncompressed checkpoint stores what it holds: nothing to say
         ratio = f", stored/logical {info['ratio']:.3f}" if info["ratio"] is not None else ""
         zstd = f", {info['compressed_records']} of {info['records']} records zstd" if info["compressed_records"] else ""
         lines.append(
             f"  stored {format_bytes(info['stored_bytes'])} for {format_bytes(info['total_bytes'])}{ratio}{zstd}"
         )
-    if info.get("damaged"):
-        lines.append(f"  DAMAGED: {printable(info['damaged'])}")
     for dtype, slot in sorted(info["dtypes"].items(), key=lambda kv: -kv[1]["bytes"]):
         tensors = "tensor " if slot["tensors"] == 1 else "tensors"
         lines.append(f"  {dtype:<14}{slot['tensors']:>8} {tensors} {format_bytes(slot['bytes']):>12}")
@@ -225,10 +228,8 @@ def describe(info: dict[str, Any]) -> str:
     for value in info.get("values", [])[:_LARGEST]:
         lines.append(f"  value {printable(value['key'])}: {format_bytes(value['bytes'])} (not unpickled)")
     for left in info.get("leftovers", []):
-        state = {True: "still running", False: "gone", None: "on another host"}[left["running"]]
         lines.append(
-            f"  leftover of save {printable(str(left['save_id']))} (pid {left['pid']} on "
-            f"{printable(str(left['host']))}, {state}): "
+            f"  leftover of save {printable(str(left['save_id']))} ({describe_owner(left)}): "
             f"{plural(len(left['files']), 'file')}"
         )
     return "\n".join(lines)

@@ -43,11 +43,18 @@ from parallel_dcp.engine import progress
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool, gc_paused
-from parallel_dcp.errors import CorruptCheckpointError, InvalidStateDictError
+from parallel_dcp.errors import (
+    CorruptCheckpointError,
+    InvalidStateDictError,
+    KeyNotFoundError,
+    describe_keys,
+    dtype_name,
+)
 from parallel_dcp.formats import fast_read
 from parallel_dcp.formats.compressed_read import bounded_reader
 from parallel_dcp.formats.dcp_format import read_keys
 from parallel_dcp.formats.fast_read import ReadStats
+from parallel_dcp.jobs.key_patterns import select
 from parallel_dcp.options import Options, usable_cores
 from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.storage.direct_read import direct_read_memory
@@ -106,7 +113,7 @@ def _load_handler(
 
 def load(
     path: str | os.PathLike[str],
-    keys: Iterable[str] | None,
+    keys: str | Iterable[str] | None,
     options: Options,
     *,
     into: dict[str, Any] | None = None,
@@ -122,7 +129,7 @@ def load(
 
 def _load(
     path: str | os.PathLike[str],
-    keys: Iterable[str] | None,
+    keys: str | Iterable[str] | None,
     options: Options,
     into: dict[str, Any] | None,
     trust_pickle: bool,
@@ -137,15 +144,10 @@ def _load(
         raise ValueError("into= is filled by threads in this process: retries and task_timeout need worker processes")
     flat_into, into_paths = _compat.flatten_state_dict(into) if into is not None else ({}, {})
     if into is not None:
-        selected = list(flat_into) if keys is None else list(dict.fromkeys(keys))
-        absent = [k for k in selected if k not in flat_into]
-        if absent:
-            raise KeyError(f"not in into: {absent[:8]}" + (" ..." if len(absent) > 8 else ""))
+        selected = list(flat_into) if keys is None else select(list(flat_into), keys, "into")
+        _check_present(selected, metadata, location)
     else:
-        selected = list(metadata.state_dict_metadata) if keys is None else list(dict.fromkeys(keys))
-    missing = [k for k in selected if k not in metadata.state_dict_metadata]
-    if missing:
-        raise KeyError(f"not in the checkpoint at {location}: {missing[:8]}" + (" ..." if len(missing) > 8 else ""))
+        selected = _selected(metadata, keys, location)
     metas = {k: m for k in selected if isinstance(m := metadata.state_dict_metadata[k], TensorStorageMetadata)}
     if into is not None:
         for key, meta in metas.items():
@@ -200,7 +202,8 @@ def _check_target(key: str, value: Any, meta: TensorStorageMetadata) -> None:
     dtype, shape = meta.properties.dtype, tuple(meta.size)
     if not isinstance(value, torch.Tensor):
         raise InvalidStateDictError(
-            f"into[{key!r}] is a {type(value).__name__}, but the checkpoint holds a {dtype} tensor {list(shape)}"
+            f"into[{key!r}] is a {type(value).__name__}, but the checkpoint holds a {dtype_name(dtype)} "
+            f"tensor {list(shape)}"
         )
     if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
         raise InvalidStateDictError(
@@ -209,7 +212,8 @@ def _check_target(key: str, value: Any, meta: TensorStorageMetadata) -> None:
         )
     if value.dtype != dtype:
         raise InvalidStateDictError(
-            f"into[{key!r}] has dtype {value.dtype} but the checkpoint holds {dtype} (load never casts)"
+            f"into[{key!r}] has dtype {dtype_name(value.dtype)} but the checkpoint holds {dtype_name(dtype)} "
+            "(load never casts)"
         )
     if value.is_meta:
         raise InvalidStateDictError(
@@ -288,16 +292,28 @@ def _info(storage: dict[Any, Any], index: MetadataIndex, where: Location) -> Any
     return info
 
 
-def _load_with_processes(
-    path: Location, metadata: Metadata, keys: Iterable[str] | None, options: Options, trust_pickle: bool
-) -> dict[str, Any]:
-    """The pipeline with killable worker processes (for ``retries`` and ``task_timeout``)."""
-    selected = list(metadata.state_dict_metadata) if keys is None else list(dict.fromkeys(keys))
+def _selected(metadata: Metadata, keys: str | Iterable[str] | None, where: Location) -> list[str]:
+    """The checkpoint's keys that ``keys`` select (names or patterns, as ``--keys``); all for None."""
+    stored = list(metadata.state_dict_metadata)
+    return stored if keys is None else select(stored, keys, f"the checkpoint at {where}")
+
+
+def _check_present(selected: list[str], metadata: Metadata, where: Location) -> None:
     missing = [k for k in selected if k not in metadata.state_dict_metadata]
     if missing:
-        raise KeyError(f"not in the checkpoint at {path}: {missing[:8]}" + (" ..." if len(missing) > 8 else ""))
+        raise KeyNotFoundError(f"not in the checkpoint at {where}: {describe_keys(missing)}", keys=missing)
+
+
+def _load_with_processes(
+    path: Location, metadata: Metadata, keys: str | Iterable[str] | None, options: Options, trust_pickle: bool
+) -> dict[str, Any]:
+    """The pipeline with killable worker processes (for ``retries`` and ``task_timeout``)."""
+    selected = _selected(metadata, keys, path)
     tensor_metas = {k: m for k in selected if isinstance(m := metadata.state_dict_metadata[k], TensorStorageMetadata)}
-    values = {k: sum(int(i.length) for x, i in (metadata.storage_data or {}).items() if x.fqn == k) for k in selected}
+    stored: dict[str, int] = {}  # bytes each key's records hold, in one pass over storage_data
+    for index, info in (metadata.storage_data or {}).items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + int(info.length)
+    values = {k: stored.get(k, 0) for k in selected}
     # A value's record is read, then unpickled: twice its stored size, for admission.
     items = [Item(k, n, n) for k in selected for n in [_nbytes(tensor_metas[k]) if k in tensor_metas else 0]]
     items = [it if it.key in tensor_metas else Item(it.key, 0, 2 * values[it.key]) for it in items]

@@ -37,7 +37,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import fsspec.core  # noqa: F401  (see below)
+import numpy.ctypeslib  # noqa: F401
 import torch
+import torch.utils.serialization.config
 
 from parallel_dcp import _compat
 from parallel_dcp.engine import progress
@@ -54,6 +57,7 @@ from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import TaskResult, WorkerPool
 from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
 from parallel_dcp.formats.memory_format import MemorySource
+from parallel_dcp.jobs import fallback
 from parallel_dcp.jobs.staged import stage_job
 from parallel_dcp.jobs.targets import Job, Target
 from parallel_dcp.options import Options
@@ -145,6 +149,12 @@ class TaskHandler:
         finally:
             self.job.source.release()
             progress.flush()
+
+
+# The modules imported above are ones every worker otherwise imports at its first task (the
+# location layer, numpy's ctypes bridge for aligned buffers, torch's record serialization):
+# imported here, before any job measures its baseline and forks, they are shared by the workers
+# instead of costing each of them private memory the governor's idle cost did not plan for.
 
 
 def _worker_setup(options: Options) -> Any:
@@ -256,12 +266,27 @@ def plan_job(job: Job, target: Target, options: Options, governor: MemoryGoverno
     """Split, check every unit against the limit, and plan the tasks (before anything is written).
 
     ``scale`` multiplies the workers the tasks are planned for (the ranks of a distributed job).
+    Before refusing, the planner falls back (:mod:`parallel_dcp.jobs.fallback`): buffered writes
+    where ``io="auto"`` would write direct (whose aligned buffers count), then smaller chunks;
+    a refusal names the smallest memory limit under which the job plans.
 
     Raises:
         MemoryLimitExceeded: a unit, or a whole-file output, can never fit under the limit.
     """
     if isinstance(target.path, Remote) or isinstance(job.source.location, Remote):
         governor.worker_extra = CLIENT_MEMORY
+    return fallback.plan_with_fallbacks(
+        lambda gov, divisor: _plan_once(job, target, options, gov, scale=scale, divisor=divisor),
+        target,
+        governor,
+        can_shrink=target.splits_tensors and options.chunk_size is None,
+    )
+
+
+def _plan_once(
+    job: Job, target: Target, options: Options, governor: MemoryGovernor, *, scale: int, divisor: int
+) -> Plan:
+    """One attempt of :func:`plan_job`, chunks ``divisor`` times smaller than the room allows."""
     threshold = 0
     if target.splits_tensors:  # only DCP can hold one tensor as several chunks
         total = sum(nbytes for nbytes, _ in job.sizes().values())
@@ -272,7 +297,11 @@ def plan_job(job: Job, target: Target, options: Options, governor: MemoryGoverno
         while most > 1 and _chunk_room(governor.task_budget(most) - io) < MIN_MEMORY_CHUNK_BYTES:
             most -= 1
         threshold = _chunk_threshold(total, options, most * scale, governor.task_budget(most) - io)
-        job = job.split(threshold)
+        if divisor > 1:
+            threshold = max(
+                MIN_MEMORY_CHUNK_BYTES, min(threshold, _chunk_room(governor.task_budget(most) - io)) // divisor
+            )
+        job = job.split(threshold, governor.admit_units)
     needs = ((key, memory) for key, (_, memory) in job.sizes().items())
     workers = governor.workers_for(needs, options.worker_count(len(job.keys)))
     tasks = target.plan(job, workers * scale, governor.task_budget(workers))

@@ -4,12 +4,12 @@
     source ── select keys ── quantize: QuantizingSource (weights the rule picks) ── rename ── ...
 
 A Hugging Face output gets the source's ``config.json`` with ``quantization_config`` removed
-(dequantize) or set to the FP8 block layout (quantize); a quantized one always has its index.
+(dequantize) or set to the FP8 block layout (quantize), see :mod:`parallel_dcp.jobs.hf_config`;
+a quantized one always has its index.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,7 +17,8 @@ import torch
 
 from parallel_dcp.errors import QuantizationError
 from parallel_dcp.formats.base import Source
-from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_source, source_config
+from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_source
+from parallel_dcp.formats.quantized import MAX_BLOCK
 from parallel_dcp.formats.quantizing_source import DEFAULT_RULE, parse_quantize, quantizing_source
 from parallel_dcp.jobs.targets import ShardedTarget, Target
 
@@ -43,8 +44,8 @@ class Quantization:
             parse_quantize(self.quantize)
         if self.quantize_keys is not None and self.quantize is None:
             raise QuantizationError("quantize_keys selects weights for quantize=; give quantize='fp8-block' too")
-        if self.block_size is not None and self.block_size < 1:
-            raise QuantizationError(f"block_size must be positive, not {self.block_size}")
+        if self.block_size is not None and not 1 <= self.block_size <= MAX_BLOCK:
+            raise QuantizationError(f"block_size must be from 1 to {MAX_BLOCK}, not {self.block_size}")
 
     @property
     def active(self) -> bool:
@@ -78,23 +79,8 @@ def quantize_step(
     return quantizing_source(source, selected, quantization.block(), quantization.quantize_keys, dtype)
 
 
-def prepare_target(target: Target, source: Source, quantization: Quantization) -> None:
-    """A Hugging Face output of a (de)quantizing conversion: its index always (quantize) and the
-    source's config.json with ``quantization_config`` updated, when the source has one."""
-    if not isinstance(target, ShardedTarget) or target.kind != "safetensors":
-        return
-    target.always_index = quantization.quantize is not None
-    config = source_config(source)
-    if config is None:
-        return
-    if quantization.dequantize:
-        config.pop("quantization_config", None)
-        config["torch_dtype"] = str(quantization.dequantize_dtype).removeprefix("torch.")
-    else:
-        config["quantization_config"] = {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": list(quantization.block()),
-        }
-    target.extra_files["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
+def prepare_target(target: Target, quantization: Quantization) -> None:
+    """A quantized Hugging Face output always has its index (stock's quantized reader pairs
+    weights and scales through it); its ``config.json`` is :mod:`parallel_dcp.jobs.hf_config`'s."""
+    if isinstance(target, ShardedTarget) and target.kind == "safetensors":
+        target.always_index = quantization.quantize is not None

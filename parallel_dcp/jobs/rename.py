@@ -17,7 +17,8 @@ and only the latter is what ``model.state_dict()`` gives.
 
 A rule that renames no key is most likely a typo or written for another model: each one is a
 :class:`~parallel_dcp.errors.RenameWarning` naming it, and the conversion logs a summary ("N keys
-renamed by M of K rules", logger ``parallel_dcp``; the CLI prints it on stderr).
+renamed by M of K rules", logger ``parallel_dcp``; the CLI prints it on stderr). Keys that no rule
+matched are one more warning (their count and first names); ``strict`` makes them an error.
 
 Everything is checked before any write: two source keys mapped to one name, an empty name, and
 one key's nesting path being a level of another's are refused, every offender listed.
@@ -26,71 +27,36 @@ one key's nesting path being a level of another's are refused, every offender li
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import re
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-import torch
-
-from parallel_dcp.errors import RenameError, RenameWarning, plural
+from parallel_dcp.errors import RenameError, RenameWarning, describe_keys, plural
 from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.renamed_source import RenamedSource
+from parallel_dcp.jobs.rename_rules import parse_rule, read_rules_file
 
 if TYPE_CHECKING:
-    from parallel_dcp.engine.chunks import Chunk
+    pass
 
 __all__ = ["RenameRules", "RenamedSource", "compile_rules", "parse_rule", "read_rules_file", "rename_source"]
 
 RenameRules: TypeAlias = Sequence[tuple[str, str]] | Callable[[str], str | None]
 
-_SHOWN = 20  # collisions listed in an error message
+_SHOWN = 10  # collisions listed in an error message (then "... and N more")
 _log = logging.getLogger("parallel_dcp")
 
 
-def parse_rule(text: str) -> tuple[str, str]:
-    """``"REGEX=TEMPLATE"`` (the CLI's ``--rename``) split at its last ``=``.
-
-    Templates cannot hold ``=`` this way (regexes may: ``(?=...)``); use a rules file for those.
-
-    Raises:
-        RenameError: no ``=``, or an empty regex.
-    """
-    regex, sep, template = text.rpartition("=")
-    if not sep or not regex:
-        raise RenameError(f"a rename rule is REGEX=TEMPLATE, got {text!r}")
-    return regex, template
-
-
-def read_rules_file(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
-    """Rules from a JSON file holding a list of ``[regex, template]`` pairs.
-
-    Raises:
-        RenameError: not JSON, or not a list of pairs of strings.
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except ValueError as exc:
-        raise RenameError(f"rename rules file {os.fspath(path)} is not JSON: {exc}") from exc
-    if not isinstance(value, list):
-        raise RenameError(f"rename rules file {os.fspath(path)} must hold a JSON list of [regex, template] pairs")
-    rules = []
-    for i, pair in enumerate(value):
-        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
-            raise RenameError(f"rename rules file {os.fspath(path)}: entry {i} is {pair!r}, not [regex, template]")
-        rules.append((pair[0], pair[1]))
-    return rules
-
-
-def compile_rules(rules: RenameRules, used: list[int] | None = None) -> Callable[[str], str]:
+def compile_rules(
+    rules: RenameRules, used: list[int] | None = None, unmatched: list[str] | None = None
+) -> Callable[[str], str]:
     """A function giving each flattened name its new name (unmatched names are returned as is).
 
     ``used``: filled with the number of names each rule renamed (the first matching rule counts),
-    one entry per rule; left empty for a callable.
+    one entry per rule; left empty for a callable. ``unmatched``: each name no rule matched (the
+    callable returned None) is appended to it.
 
     Raises:
         RenameError: a rule that is not a (regex, template) pair of strings, or a bad regex
@@ -102,6 +68,8 @@ def compile_rules(rules: RenameRules, used: list[int] | None = None) -> Callable
         def by_callable(name: str) -> str:
             new = user(name)
             if new is None:
+                if unmatched is not None:
+                    unmatched.append(name)
                 return name
             if not isinstance(new, str):
                 raise RenameError(f"the rename function returned {new!r} for {name!r}: expected a str or None")
@@ -132,6 +100,8 @@ def compile_rules(rules: RenameRules, used: list[int] | None = None) -> Callable
                     raise RenameError(
                         f"rename rule {i} ({pattern.pattern!r} -> {template!r}) cannot rename {name!r}: {exc}"
                     ) from exc
+        if unmatched is not None:
+            unmatched.append(name)
         return name
 
     return by_rules
@@ -154,54 +124,25 @@ def _nesting(old: str, new: str, path: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _collision_error(title: str, collisions: dict[str, list[str]]) -> RenameError:
-    lines = [f"  {new!r} <- {', '.join(map(repr, olds))}" for new, olds in list(collisions.items())[:_SHOWN]]
-    more = f"\n  ... and {len(collisions) - _SHOWN} more" if len(collisions) > _SHOWN else ""
-    return RenameError(f"{title} (nothing was written):\n" + "\n".join(lines) + more, collisions=collisions)
+    # Each name's sources cut at a few names and a count: 96 keys renamed to one name is one short line.
+    lines = [f"  {new!r} <- {describe_keys(olds)}" for new, olds in list(collisions.items())[:_SHOWN]]
+    more = [f"  ... and {len(collisions) - _SHOWN} more"] if len(collisions) > _SHOWN else []
+    return RenameError(f"{title} (nothing was written):", collisions=collisions, lines=[*lines, *more])
 
 
-@dataclass
-class RenamedSource(Source):
-    """A view of ``inner`` under new names: only the selected keys, renamed; reads go to the old names."""
-
-    inner: Source | None = None
-    old_names: dict[str, str] = field(default_factory=dict)  # new name -> source name
-
-    def _inner(self) -> Source:
-        assert self.inner is not None
-        return self.inner
-
-    def close(self) -> None:
-        self._inner().close()
-
-    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        keys = list(keys)
-        data = self._inner().read([self.old_names[k] for k in keys])
-        return {k: data[self.old_names[k]] for k in keys}
-
-    def copied_bytes(self, key: str) -> int:
-        return self._inner().copied_bytes(self.old_names[key])
-
-    def transient_bytes(self, key: str) -> int:
-        return self._inner().transient_bytes(self.old_names[key])
-
-    def read_chunk(self, chunk: Chunk) -> torch.Tensor:
-        return self._inner().read_chunk(dataclasses.replace(chunk, key=self.old_names[chunk.key]))
-
-    def chunk_memory(self, chunk: Chunk) -> int:
-        return self._inner().chunk_memory(dataclasses.replace(chunk, key=self.old_names[chunk.key]))
-
-    def split_alignment(self, key: str, dim: int) -> int:
-        return self._inner().split_alignment(self.old_names[key], dim)
-
-    def release(self) -> None:
-        self._inner().release()
-
-    def fingerprint(self) -> dict[str, Any]:
-        return self._inner().fingerprint()
-
-
-def _report(path: str, keys: Sequence[str], rules: RenameRules, used: list[int], renamed: int) -> None:
-    """Warn about every rule that renamed nothing; log how many keys the rules renamed."""
+def _report(
+    path: str, keys: Sequence[str], rules: RenameRules, used: list[int], renamed: int, unmatched: Sequence[str]
+) -> None:
+    """Warn about every rule that renamed nothing and about the keys no rule renamed; log how
+    many keys the rules renamed."""
+    if unmatched:
+        warnings.warn(
+            RenameWarning(
+                f"{plural(len(unmatched), 'key')} of {path} matched no rename rule and keep their names: "
+                f"{describe_keys(list(unmatched))} (rename_strict=True / --rename-strict refuses this)"
+            ),
+            stacklevel=4,
+        )
     if callable(rules):
         _log.info("%s: %s renamed by the rename function", path, plural(renamed, "key"))
         return
@@ -223,17 +164,31 @@ def _report(path: str, keys: Sequence[str], rules: RenameRules, used: list[int],
     _log.info("%s: %s", path, summary)
 
 
-def rename_source(source: Source, keys: Sequence[str], rules: RenameRules) -> tuple[Source, tuple[str, ...]]:
+def rename_source(
+    source: Source, keys: Sequence[str], rules: RenameRules, *, strict: bool = False, report: bool = True
+) -> tuple[Source, tuple[str, ...]]:
     """``source`` seen under new names, restricted to ``keys``, and the new names in order.
+
+    ``strict``: every key must match a rule (the callable must not return None). ``report``:
+    warn about rules that renamed nothing and keys no rule matched (a preset checks its own).
 
     Raises:
         RenameError: two keys renamed to one name, an empty or non-string name, or nesting
             paths that clash (one key's path a level of another's); all of them are listed.
+            With ``strict``, the keys that no rule matched (the first ones named, and their count).
     """
     used: list[int] = []
-    rename = compile_rules(rules, used)
+    unmatched: list[str] = []
+    rename = compile_rules(rules, used, unmatched)
     new_of = {key: rename(key) for key in keys}
-    _report(source.path, keys, rules, used, sum(1 for old, new in new_of.items() if old != new))
+    if strict and unmatched:
+        raise RenameError(
+            f"rename_strict: {plural(len(unmatched), 'key')} of {source.path} match no rename rule "
+            f"(nothing was written): {describe_keys(unmatched)}",
+            collisions={key: [] for key in unmatched},
+        )
+    if report:
+        _report(source.path, keys, rules, used, sum(1 for old, new in new_of.items() if old != new), unmatched)
     empty = sorted(old for old, new in new_of.items() if not new)
     if empty:
         raise _collision_error("rename rules give empty names", {"": empty})

@@ -199,7 +199,7 @@ def replan(job: Job, target: Target, options: Options, governor: MemoryGovernor,
     if not isinstance(units, list) or not all(isinstance(u, list) and u for u in units):
         raise bad
     if split:
-        job = job.split(threshold)
+        job = job.split(threshold, governor.admit_units)
     flat = [unit for task in units for unit in task]
     if not all(isinstance(u, str) for u in flat) or len(flat) != len(set(flat)) or set(flat) != set(job.keys):
         raise bad

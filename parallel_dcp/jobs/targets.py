@@ -15,6 +15,7 @@ import dataclasses
 import os
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from parallel_dcp.engine.chunks import Chunk, split
+from parallel_dcp.engine.chunks import Chunk, chunk_count, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, LEAN_TASK_MEMORY_BYTES, TASK_MEMORY_BYTES
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import gc_paused
@@ -38,7 +39,7 @@ from parallel_dcp.storage.compression import Compression
 from parallel_dcp.storage.direct_write import direct_write_memory, new_file
 from parallel_dcp.storage.io_mode import resolve_io, uses_direct
 from parallel_dcp.storage.location import Remote, locate, upload_memory
-from parallel_dcp.storage.manifest import FileDigest, Hasher, manifest_bytes
+from parallel_dcp.storage.manifest import FileDigest, Hasher, manifest_bytes, sidecar_name
 from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
 from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck
@@ -80,8 +81,10 @@ class Job:
             return list(self.keys)
         return list(dict.fromkeys(self.chunks[u].key if u in self.chunks else u for u in self.keys))
 
-    def split(self, threshold: int) -> Job:
-        """This job with every tensor larger than ``threshold`` bytes split into chunks."""
+    def split(self, threshold: int, admit: Callable[[str, int, int], None] | None = None) -> Job:
+        """This job with every tensor larger than ``threshold`` bytes split into chunks;
+        ``admit(key, chunks, bytes)`` (the governor's ``admit_units``) runs before each tensor's
+        chunks are built."""
         taken = set(self.keys)
         units: list[str] = []
         chunks: dict[str, Chunk] = {}
@@ -90,6 +93,8 @@ class Job:
             entry = entries.get(key)
             pieces = []
             if entry is not None and entry.nbytes > threshold:  # aligned to a quantized weight's blocks
+                if admit is not None:
+                    admit(key, chunk_count(entry, threshold), entry.nbytes)
                 pieces = split(entry, threshold, partial(self.source.split_alignment, key))
             if not pieces:
                 units.append(key)
@@ -240,7 +245,9 @@ def _whole_file_memory(items: list[Item]) -> int:
 
 def _where(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Path | Remote:
     found = locate(path, storage_options)
-    return found if isinstance(found, Remote) else found.absolute()
+    # Normalised as the staging normalises it (os.path.abspath): results name the file it writes,
+    # ``a/copy.safetensors`` rather than ``a/model/../copy.safetensors``.
+    return found if isinstance(found, Remote) else Path(os.path.abspath(found))
 
 
 def _digest_of(data: bytes, options: Options) -> FileDigest:
@@ -465,7 +472,9 @@ class ShardedTarget(Target):
         shards = sorted(digests.keys() - {self._index_name})
         # Files the conversion made (a quantized config.json) win over the source's copies.
         copied = read_copies(self.copies) | self.extra_files
-        digests.update((name, _digest_of(data, options)) for name, data in copied.items())
+        # The manifest names plain files only (verify refuses any other name): files in copied
+        # folders (1_Pooling/config.json) are committed without a checksum.
+        digests.update((name, _digest_of(data, options)) for name, data in copied.items() if "/" not in name)
         manifest = manifest_bytes(digests, job.source.fingerprint(), save_id=staging.save_id)
         # Shards are renamed into place, then the index (the commit), then the copied files and
         # the manifest. Shard names are fixed: between the first rename and the index's, new
@@ -489,8 +498,14 @@ class FileTarget(Target):
         self.kind = kind
         self.tensors_only = self.format.tensors_only
 
+    @property
+    def sidecar(self) -> str | None:
+        """The sidecar manifest's name, for a format whose file cannot hold its own checksums."""
+        return sidecar_name(self.path.name) if self.format.write_verifiable is None else None
+
     def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
-        return stage_file(self.path, overwrite=overwrite, protect=protect or [], resume=resume)
+        companions = [self.sidecar] if self.sidecar is not None else []
+        return stage_file(self.path, overwrite=overwrite, protect=protect or [], resume=resume, companions=companions)
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)
@@ -502,12 +517,23 @@ class FileTarget(Target):
         # A format that keeps nesting (torch.save) writes the source's; flat ones ignore it.
         mapping = {key: job.source.mapping.get(key, (key,)) for key in task.keys}
         where = staging.file(self.path.name)  # beside the destination, under a hidden name (local)
+        writer = self.format.write
+        if self.format.write_verifiable is not None:  # the file carries its own checksums
+            writer = partial(self.format.write_verifiable, checksums=options.checksums)
+        file_format = dataclasses.replace(self.format, write=writer)
         if isinstance(where, Remote):
-            return _write_remote(where, self.format, data, task.nbytes, options, mapping)
-        return _write_local(self, where, data, mapping, task.nbytes, options)
+            return _write_remote(where, file_format, data, task.nbytes, options, mapping)
+        return _write_local(self, where, data, mapping, task.nbytes, options, file_format)
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
-        staging.commit(staged=[self.path.name])  # one atomic rename (local); the upload itself (remote)
+        # A format that cannot hold its checksums gets its manifest beside it, renamed into place
+        # right after the file (as a directory's manifest follows its marker).
+        extras = {}
+        if self.sidecar is not None and results:
+            extras[self.sidecar] = manifest_bytes(
+                {self.path.name: results[0]}, job.source.fingerprint(), staging.save_id
+            )
+        staging.commit(staged=[self.path.name], extras=extras)  # one atomic rename (local); the upload (remote)
         return 1
 
 
@@ -549,6 +575,7 @@ def _write_local(
     mapping: dict[str, tuple[Any, ...]] | None,
     nbytes: int,
     options: Options,
+    file_format: FileFormat | None = None,
 ) -> FileDigest:
     """One file through the I/O layer: created new (a name planted there, a symlink included, is
     refused, never written through), with O_DIRECT where the target's io says, hashed while it
@@ -558,7 +585,7 @@ def _write_local(
     attribute, and the directory refused every later run)."""
     hasher = Hasher(checksum=options.checksums)
     with new_file(where, direct=target.uses_direct(nbytes)) as stream:
-        target.format.write(data, _Hashing(stream, hasher), mapping)
+        (file_format or target.format).write(data, _Hashing(stream, hasher), mapping)
         stream.flush()
         if options.sync_files:
             os.fsync(stream.fileno())

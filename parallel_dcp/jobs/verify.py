@@ -23,21 +23,22 @@ from typing import Any
 
 import torch
 
-from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, split
+from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, ChunkUnit, chunk_count, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
-from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, dtype_name
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dcp_format import DcpSource
 from parallel_dcp.jobs.diff import values_equal
+from parallel_dcp.jobs.verify_files import no_checksums_problem, recorded_checksums
 from parallel_dcp.jobs.verify_pass import one_pass_handler, records_by_file
 from parallel_dcp.options import Options
 from parallel_dcp.storage.direct_read import PIECE_BYTES, direct_read_memory
 from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, is_url, locate
-from parallel_dcp.storage.manifest import FileDigest, file_digest, read_manifest
+from parallel_dcp.storage.manifest import FileDigest, file_digest
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -142,17 +143,28 @@ class _Checker:
         return problems
 
 
-def _hash_handler(directory: Location, recorded: dict[str, FileDigest]) -> Any:
+def _hash_handler(directory: Location, recorded: dict[str, FileDigest], starts: dict[str, int]) -> Any:
+    """Hashes files against their record; ``starts``: files recorded from that byte on (a
+    safetensors file's data section, recorded in its own header)."""
+
     def run(task: Task) -> list[str]:
         problems = []
         for name in task.keys:
             path = directory / name
-            if not path.is_file():
+            if not (path.exists() if isinstance(path, Remote) else os.path.lexists(path)):
                 problems.append(f"file {name}: missing")
                 continue
             want = recorded[name]
-            found = file_digest(path, checksum=want.digest is not None)
-            if found.size != want.size:
+            try:  # a symlink or a FIFO in place of a file is named, never read through
+                found = file_digest(path, checksum=want.digest is not None, start=starts.get(name, 0))
+            except CorruptCheckpointError as exc:
+                problems.append(f"file {name}: {exc}")
+                continue
+            if found.size != want.size and name in starts:
+                problems.append(
+                    f"file {name}: {found.size} bytes of tensor data, its header records {want.size} (truncated?)"
+                )
+            elif found.size != want.size:
                 problems.append(f"file {name}: {found.size} bytes, the manifest records {want.size} (truncated?)")
             elif want.digest is not None and found.digest != want.digest:
                 problems.append(f"file {name}: checksum {found.digest} != {want.digest} recorded (corrupted)")
@@ -239,8 +251,8 @@ def _header_problem(source: Source, reference: Source, key: str, dtype: torch.dt
     entry, ref = source.entries[key], reference.entries[key]
     expected = dtype if dtype is not None and ref.dtype.is_floating_point else ref.dtype
     if entry.dtype != expected:
-        return f"dtype {entry.dtype} != {expected}" + (
-            f" ({ref.dtype} cast to {dtype})" if expected != ref.dtype else ""
+        return f"dtype {dtype_name(entry.dtype)} != {dtype_name(expected)}" + (
+            f" ({dtype_name(ref.dtype)} cast to {dtype_name(dtype)})" if expected != ref.dtype else ""
         )
     if entry.shape != ref.shape:
         return f"shape {entry.shape} != {ref.shape}"
@@ -259,8 +271,16 @@ def _cost(source: Source, reference: Source | None, key: str, chunk: Chunk | Non
     return cost
 
 
-def _plan(source: Source, reference: Source | None, keys: list[str], dtype: torch.dtype | None, room: int) -> _Plan:
-    """Each key whole when its comparison fits in ``room`` bytes, else in row ranges that do."""
+def _plan(
+    source: Source,
+    reference: Source | None,
+    keys: list[str],
+    dtype: torch.dtype | None,
+    room: int,
+    governor: MemoryGovernor,
+) -> _Plan:
+    """Each key whole when its comparison fits in ``room`` bytes, else in row ranges that do
+    (each tensor's ranges admitted by the governor before they are built)."""
     items: list[Item] = []
     chunks: dict[str, Chunk] = {}
     for key in keys:
@@ -270,6 +290,7 @@ def _plan(source: Source, reference: Source | None, keys: list[str], dtype: torc
         pieces: list[Chunk] = []
         while cost > room and threshold > MIN_MEMORY_CHUNK_BYTES:
             threshold = max(MIN_MEMORY_CHUNK_BYTES, threshold // 2)
+            governor.admit_units(key, chunk_count(entry, threshold), entry.nbytes, keep=False)
             pieces = split(entry, threshold)
             if not pieces:
                 break
@@ -277,8 +298,9 @@ def _plan(source: Source, reference: Source | None, keys: list[str], dtype: torc
         if not pieces:
             items.append(Item(key, entry.nbytes, _cost(source, reference, key, None, dtype)))
             continue
+        governor.admit_units(key, len(pieces), entry.nbytes)
         for piece in pieces:
-            unit = f"{key}[{piece.dim}:{piece.start}:{piece.stop}]"
+            unit = ChunkUnit(piece)  # equal to no key, whatever its name
             chunks[unit] = piece
             items.append(Item(unit, piece.nbytes(entry.dtype.itemsize), _cost(source, reference, key, piece, dtype)))
     return _Plan(items, chunks)
@@ -295,16 +317,20 @@ def _verify(
 ) -> VerifyReport:
     against = reference.path if reference is not None else None
     report = VerifyReport(path=source.path, format=source.kind, against=against)
-    directory = source.location if source.location.is_dir() else None
-    recorded = read_manifest(directory, current_only=True) if directory is not None else None
+    checksums = recorded_checksums(source)
+    directory = checksums.directory if checksums is not None else None
+    recorded = checksums.files if checksums is not None else None
+    starts = checksums.starts if checksums is not None else {}
     workers = options.worker_count(max(1, len(source.entries)))
-    file_problems: list[str] = []
+    file_problems: list[str] = list(checksums.problems) if checksums is not None else []
+    if checksums is None and reference is None and not source.location.is_dir():
+        file_problems.append(no_checksums_problem(source))
 
     # One pass (verify_pass.py): each shard read once, hashed and its records checked on the way.
     records = (
         records_by_file(source.metadata)
         if recorded is not None and deep and reference is None and isinstance(source, DcpSource)
-        and source.metadata is not None and not isinstance(directory, Remote)
+        and source.metadata is not None and not isinstance(directory, Remote) and not starts
         else None
     )  # fmt: skip
     one_pass: list[tuple[str, str]] = []
@@ -317,13 +343,16 @@ def _verify(
             sizes = [Item(name, d.size, held) for name, d in recorded.items()]
             handler = one_pass_handler(os.fspath(directory), recorded, records, io)
             tasks = partition(sizes, workers, memory_adds_up=False)
-            for files, bad_keys in _run_pairs(tasks, handler, options, governor, workers):
-                file_problems += files
-                one_pass += bad_keys
+            with governor.during("checking the shard files' checksums and records", "files"):
+                for files, bad_keys in _run_pairs(tasks, handler, options, governor, workers):
+                    file_problems += files
+                    one_pass += bad_keys
         else:
             sizes = [Item(name, d.size, 0) for name, d in recorded.items()]
             tasks = partition(sizes, workers, memory_adds_up=False)
-            file_problems += _run(tasks, _hash_handler(directory, recorded), options, governor, workers)
+            handler = _hash_handler(directory, recorded, starts)
+            with governor.during("checking the shard files' checksums", "files"):
+                file_problems += _run(tasks, handler, options, governor, workers)
         report.files_checked = len(recorded)
 
     keys = list(source.entries) + [k for k in source.values if k not in source.entries]
@@ -364,13 +393,19 @@ def _verify(
     ):
         workers -= 1
     plan = _plan(
-        source, reference, tensors, dtype, governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES
+        source,
+        reference,
+        tensors,
+        dtype,
+        governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES,
+        governor,
     )
     workers = governor.workers_for(((it.key, it.memory) for it in plan.items), workers)
     tasks = partition(plan.items, workers, max_task_memory=governor.task_budget(workers), memory_adds_up=False)
-    for key, element, problem in _run(
-        tasks, _Checker(source, reference, dtype, plan.chunks), options, governor, workers
-    ):
+    reading = "comparing keys with the reference" if reference is not None else "reading keys back"
+    with governor.during(reading):
+        checked = _run(tasks, _Checker(source, reference, dtype, plan.chunks), options, governor, workers)
+    for key, element, problem in checked:
         if key not in key_problems or element < key_problems[key][0]:
             key_problems[key] = (element, problem)
     report.bytes_checked += sum(it.nbytes for it in plan.items)

@@ -21,7 +21,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from parallel_dcp.engine.partition import Task
-from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError, dtype_name
 from parallel_dcp.formats.dcp_records import HEAD_BYTES, TAIL_BYTES, parse_record
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.manifest import FileDigest, Hasher
@@ -86,8 +86,8 @@ def _record_problem(name: str, r: StoredRecord) -> str | None:
         return None  # valid, but not a plain tensor record: its checksum vouches for it
     if layout.dtype != r.dtype or layout.size != r.size:
         return (
-            f"the record at byte {r.offset} of {name} holds {layout.dtype} {list(layout.size)} but .metadata says "
-            f"{r.dtype} {list(r.size)}"
+            f"the record at byte {r.offset} of {name} holds {dtype_name(layout.dtype)} {list(layout.size)} but "
+            f".metadata says {dtype_name(r.dtype)} {list(r.size)}"
         )
     if (layout.storage_offset + math.prod(r.size)) * layout.dtype.itemsize > layout.data_bytes:
         return f"the record at byte {r.offset} of {name} has fewer data bytes than its elements need"
@@ -101,6 +101,8 @@ def check_file(
     name = os.path.basename(path)
     try:
         shard = ShardFile(path, io=io)
+    except UnsafeCheckpointError as exc:  # a symlink or a FIFO in its place: named, never read through
+        return [f"file {name}: {exc}"], [(r.key, f"cannot be read: {name} is not a regular file") for r in records]
     except CorruptCheckpointError:
         return [f"file {name}: missing"], [(r.key, f"cannot be read: {name} is missing") for r in records]
     hasher = Hasher(checksum=want.digest is not None)

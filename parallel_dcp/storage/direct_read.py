@@ -25,7 +25,7 @@ from pathlib import Path
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.direct_write import MEMMOVE_BYTES, address
 from parallel_dcp.storage.io_mode import ALIGN, uses_direct
-from parallel_dcp.storage.safe_files import open_regular
+from parallel_dcp.storage.safe_files import open_regular, vanished
 
 __all__ = ["PIECE_BYTES", "ShardFile", "direct_read_memory", "vanished"]
 
@@ -46,13 +46,6 @@ def _prefetcher() -> cf.ThreadPoolExecutor:
 def direct_read_memory() -> int:
     """The aligned buffers one reading thread holds for direct reads."""
     return 2 * PIECE_BYTES
-
-
-def vanished(path: object) -> CorruptCheckpointError:
-    """The error for a shard that disappeared between the check and the read."""
-    return CorruptCheckpointError(
-        f"{path} vanished: the checkpoint changed while reading (replaced or removed by another process)"
-    )
 
 
 class ShardFile:

@@ -15,6 +15,9 @@ A reader trusts three things ``.metadata`` says, and each can be crafted:
 The chunk check costs O(n log n) for the layouts DCP writes (chunks split along one dimension,
 or a regular grid of them) and falls back to a pairwise test, bounded in total work, for any
 other layout; a layout too irregular to check within that bound is refused rather than trusted.
+
+Longer than 300 lines because the three checks share one walk over the records and one error
+vocabulary; split, each would re-read what the others already hold.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from typing import Any
 import torch
 
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.storage.location import Location, check_name, file_size, listdir
+from parallel_dcp.storage.location import Location, Remote, check_name, file_size, listdir
+from parallel_dcp.storage.safe_files import regular_size, vanished
 
 __all__ = ["MAX_PATH_DEPTH", "PairBudget", "check_chunks", "check_planner_data", "check_records", "check_shards"]
 
@@ -62,6 +66,14 @@ def check_chunks(
     """
     shape = tuple(size)
     ndim = len(shape)
+    strides = 1
+    for dim in shape:  # a zero-size tensor passes every byte count whatever its other dimensions
+        strides *= max(dim, 1) if type(dim) is int else _MAX_COORD
+    if strides >= _MAX_COORD:
+        raise CorruptCheckpointError(
+            f"{where}: key {key!r} has the impossible shape {list(shape)} (its dimensions multiply past "
+            "what torch can index)"
+        )
     if len(chunks) == 1 and _whole(chunks[0], shape):  # the common case, checked quickly
         return
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
@@ -194,7 +206,10 @@ def check_shards(path: Location, metadata: Any, keys: list[str] | None = None) -
     for name, end in needed.items():
         if name not in present:
             raise CorruptCheckpointError(f"{path} is damaged: shard {name} is missing")
-        size = file_size(path / name)
+        try:  # a local shard by the one rule: a symlink or a FIFO planted there is refused by name
+            size = file_size(path / name) if isinstance(path, Remote) else regular_size(path / name)
+        except FileNotFoundError:
+            raise vanished(path / name) from None
         if size < end:
             raise CorruptCheckpointError(
                 f"{path} is damaged: shard {name} has {size} bytes but the metadata records data up to byte {end} "

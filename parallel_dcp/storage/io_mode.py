@@ -160,7 +160,7 @@ def resolve_io(io: str, path: str | os.PathLike[str] | Remote, *, writing: bool,
         return io
     if io == "direct":
         what = "write" if writing else "read"
-        raise InvalidDestinationError(f"io='direct': cannot {what} {path} with O_DIRECT: {refusal}")
+        raise InvalidDestinationError(f'io="direct" (--io direct): cannot {what} {path} with O_DIRECT: {refusal}')
     return "buffered"
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "MANIFEST_FILE",
     "METADATA_FILE",
     "Layout",
+    "committed_names",
     "is_dcp_shard_name",
     "listing",
     "read_record",
@@ -102,6 +103,41 @@ def sharded_layout(kind: str, index_name: str, single: str, suffixes: tuple[str,
         return found
 
     return Layout(f"{kind} checkpoint directory", (index_name, single), owned, fixed_names=True)
+
+
+# Files that may be a single-file checkpoint (``model.safetensors``, the user's ``best.pt``), and
+# the numbered shard names a Hugging Face index gives (``model-00001-of-00003.safetensors``).
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+_NUMBERED_SHARD = re.compile(r".+-[0-9]{5}-of-[0-9]{5}\.(safetensors|bin|pt|pth)")
+
+
+def committed_names(where: Location, names: list[str]) -> set[str]:
+    """Every name in ``where`` that a committed checkpoint of any layout names, which no owner
+    record may get deleted: a DCP ``.metadata`` and its shards (every DCP shard name when it cannot
+    be read), every index and the shards its ``weight_map`` names, every file that may be a
+    single-file checkpoint (a weight file that is not a numbered shard of an index), and the
+    manifest beside any of them."""
+    protected: set[str] = set()
+    if METADATA_FILE in names:
+        try:
+            protected |= DCP_LAYOUT.owned(where)
+        except Exception:  # a damaged .metadata cannot say which are its shards: all are kept
+            protected |= {METADATA_FILE, *(n for n in names if is_dcp_shard_name(n))}
+    for name in names:
+        if name.startswith("."):
+            continue
+        if name.endswith(".index.json"):
+            protected.add(name)
+            try:
+                shards = json.loads(read_record(where / name))["weight_map"].values()
+                protected |= {n for n in shards if isinstance(n, str)}
+            except (ValueError, KeyError, TypeError, AttributeError, OSError):
+                pass  # an unreadable index names nothing
+        elif name.endswith(_WEIGHT_FILES) and _NUMBERED_SHARD.fullmatch(name) is None:
+            protected.add(name)
+    if protected:
+        protected.add(MANIFEST_FILE)
+    return protected
 
 
 def listing(where: Location) -> list[str]:

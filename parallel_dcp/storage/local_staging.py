@@ -26,6 +26,7 @@ from parallel_dcp.errors import (
     InvalidDestinationError,
     ResumeError,
 )
+from parallel_dcp.storage.location import check_name
 from parallel_dcp.storage.lock import DestinationLock
 from parallel_dcp.storage.ownership import (
     DCP_LAYOUT,
@@ -54,6 +55,7 @@ from parallel_dcp.storage.safe_files import (
     sync_directory,
     write_new,
 )
+from parallel_dcp.storage.side_trees import is_directory, remove_tree, split_trees, write_tree
 
 __all__ = [
     "LocalDirStaging",
@@ -188,7 +190,10 @@ class _LocalStaging(Staging):
             self._fd = None
 
     def _remove(self, name: str) -> None:
-        remove_name(self.fd, name)
+        if is_directory(self.fd, name):  # a copied folder of this save (never followed if a link)
+            remove_tree(self.fd, name)
+        else:
+            remove_name(self.fd, name)
 
     def _names(self) -> list[str]:
         """The names in the destination directory (the one this save holds open, whatever its path
@@ -235,12 +240,16 @@ class _LocalStaging(Staging):
         marker: tuple[str, bytes] | None = None,
         extras: Mapping[str, bytes] | None = None,
     ) -> None:
-        extras = dict(extras or {})
+        # Folders copied beside the files (names with a "/") are written whole under a temporary
+        # name and renamed into place with the other extras (see storage.side_trees).
+        extras, trees = split_trees(extras or {})
         small = ({marker[0]: marker[1]} if marker else {}) | extras
         for name, data in small.items():
             write_new(self.fd, temp_name(name, self.save_id), data)
+        for name, files in trees.items():
+            write_tree(self.fd, temp_name(name, self.save_id), files)
         old = self._owned() if self.overwrite else set()
-        new = {*staged, *small}
+        new = {*staged, *small, *trees}
         protect_sources(self._dir, old | new, self.protect)
         if old:  # a save killed after its commit leaves these to the next save's cleanup
             record = self._record | {"replaces": sorted(old - new)}
@@ -253,8 +262,23 @@ class _LocalStaging(Staging):
         self._committed = True
         for name in extras:
             self._rename_into_place(name)
-        self._replaced = old - new
+        aside = [self._tree_into_place(name) for name in trees]
+        self._replaced = (old - new) | {name for name in aside if name is not None}
         sync_directory(self.fd)
+
+    def _tree_into_place(self, name: str) -> str | None:
+        """Rename a copied folder into place. With overwrite, a folder already there is first
+        renamed aside under this save's temporary name; that name is returned (removed at publish)."""
+        aside = None
+        if self.overwrite and is_directory(self.fd, name):
+            aside = temp_name(f"{name}.old", self.save_id)
+            rename_name(self.fd, name, aside, replace=False)
+        elif self.overwrite:
+            remove_name(self.fd, name)  # a file or a symlink there: removed itself, never followed
+        rename_name(self.fd, temp_name(name, self.save_id), name, replace=False)
+        if not self.overwrite:
+            self._created.append(name)
+        return aside
 
     def _rename_into_place(self, name: str) -> None:
         rename_name(self.fd, temp_name(name, self.save_id), name, replace=self.overwrite)
@@ -397,9 +421,11 @@ class LocalFileStaging(_LocalStaging):
         overwrite: bool,
         protect: Sequence[str] = (),
         resume: IdentityCheck | None = None,
+        companions: Sequence[str] = (),
     ) -> None:
         dest = Path(os.path.abspath(destination))
         _check_parent(dest)
+        self.companions = [check_name(name, dest.parent) for name in companions]
         if dest.is_dir():
             raise InvalidDestinationError(f"cannot write the file {dest}: it is a directory")
         lock = dest.parent / f".{dest.name}.lock"
@@ -410,15 +436,18 @@ class LocalFileStaging(_LocalStaging):
         self._start()
 
     def _check(self) -> None:
-        if os.path.lexists(self.destination):
-            if not self.overwrite:
-                raise CheckpointExistsError(
-                    f"{self.destination} already exists; pass overwrite=True (--overwrite) to replace it"
-                )
-            protect_sources(self._dir, [self.destination.name], self.protect)
+        for name in [self.destination.name, *self.companions]:
+            if os.path.lexists(self._dir / name):
+                if not self.overwrite:
+                    what = "" if name == self.destination.name else f" (it belongs with {self.destination.name})"
+                    raise CheckpointExistsError(
+                        f"{self._dir / name} already exists{what}; pass overwrite=True (--overwrite) to replace it"
+                    )
+                protect_sources(self._dir, [name], self.protect)
 
     def _owned(self) -> set[str]:
-        return {self.destination.name} if self.destination.exists() else set()
+        owned = {self.destination.name} if self.destination.exists() else set()
+        return owned | {name for name in self.companions if os.path.lexists(self._dir / name)}
 
     def _output_name(self) -> str | None:
         return self.destination.name

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
 
 from parallel_dcp import _compat
+from parallel_dcp.storage.safe_reader import SafeFileSystem
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -332,7 +333,9 @@ class RemoteFileSystem(FileSystemBase):
 def dcp_reader(location: str | os.PathLike[str] | Remote) -> FileSystemReader:
     """DCP's ``FileSystemReader`` for a local directory or a checkpoint on object storage."""
     if not isinstance(location, Remote):
-        return FileSystemReader(location)
+        local = FileSystemReader(location)
+        local.fs = SafeFileSystem()  # shards opened by the one rule, never through a planted symlink
+        return local
     reader = FileSystemReader(location.url)
     reader.fs = RemoteFileSystem(location.options)  # type: ignore[assignment]
     reader.path = location.url

@@ -10,6 +10,12 @@ DCP stores no checksums: a flipped byte in a shard loads silently. At commit, pa
 Shard checksums are computed as the bytes are written (no second read); xxh3 runs at ~10 GiB/s a
 core, which still costs about a tenth of a save to /dev/shm: ``checksums=False`` (``--no-checksums``)
 records sizes only (truncation is still found, flipped bytes are not).
+
+Single-file outputs carry the same record: a torch.save file in a sidecar ``NAME.manifest.json``
+(:func:`sidecar_name`, the same document recording the one file), a safetensors file inside its
+own header's ``__metadata__`` (:data:`EMBEDDED_KEY`: stock readers ignore it; the checksum cannot
+cover the header that holds it, so it covers the tensor index and the data section separately,
+see :func:`embedded_record`).
 """
 
 from __future__ import annotations
@@ -25,13 +31,35 @@ import xxhash
 
 from parallel_dcp._version import __version__
 from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.storage.layout import read_record
 from parallel_dcp.storage.location import Location, Remote, check_name, locate
 from parallel_dcp.storage.ownership import MANIFEST_FILE, METADATA_FILE
+from parallel_dcp.storage.safe_reader import open_bounded
 
-__all__ = ["MANIFEST_FILE", "FileDigest", "Hasher", "file_digest", "manifest_bytes", "read_manifest"]
+__all__ = [
+    "EMBEDDED_KEY",
+    "MANIFEST_FILE",
+    "FileDigest",
+    "Hasher",
+    "embedded_record",
+    "file_digest",
+    "manifest_bytes",
+    "read_embedded",
+    "read_manifest",
+    "sidecar_name",
+]
 
 ALGORITHM = "xxh3_64"
 _CHUNK = 8 * 1024 * 1024
+# The ``__metadata__`` entry of a safetensors file that holds its checksums (a JSON string: the
+# format allows string values only).
+EMBEDDED_KEY = "parallel_dcp"
+_SIDECAR_SUFFIX = ".manifest.json"
+
+
+def sidecar_name(name: str) -> str:
+    """The manifest beside a single-file output that cannot hold its own (``model.pt.manifest.json``)."""
+    return name + _SIDECAR_SUFFIX
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,23 +87,75 @@ class Hasher:
         return FileDigest(self.size, self._hash.hexdigest() if self._hash is not None else None)
 
 
-def file_digest(path: str | os.PathLike[str] | Remote, *, checksum: bool = True) -> FileDigest:
-    """Size and checksum of a file, read in 8 MiB pieces (only its size when ``checksum`` is False)."""
+def file_digest(path: str | os.PathLike[str] | Remote, *, checksum: bool = True, start: int = 0) -> FileDigest:
+    """Size and checksum of a file (from byte ``start`` on: a safetensors file's data section),
+    read in 8 MiB pieces (only its size when ``checksum`` is False)."""
     if isinstance(path, Remote):
+        total = path.size()
         if not checksum:
-            return FileDigest(path.size(), None)
+            return FileDigest(max(0, total - start), None)
         hasher = Hasher()
-        for piece in path.chunks():
+        pieces = (
+            path.chunks()
+            if start == 0
+            else (path.read_bytes(first, min(total, first + _CHUNK)) for first in range(start, total, _CHUNK))
+        )
+        for piece in pieces:
             hasher.update(piece)
         return hasher.result()
-    if not checksum:
-        return FileDigest(os.path.getsize(path), None)
-    hasher = Hasher()
-    with open(path, "rb", buffering=0) as f:
+    # by the one rule for reading (storage.safe_reader): never through a symlink, never a FIFO,
+    # no further than the size the open file has
+    with open_bounded(path) as f:
+        if not checksum:
+            return FileDigest(max(0, f.raw.size - start), None)  # type: ignore[attr-defined]
+        hasher = Hasher()
+        f.seek(start)
         buffer = bytearray(_CHUNK)
         while n := f.readinto(buffer):
             hasher.update(memoryview(buffer)[:n])
     return hasher.result()
+
+
+def _digest_entry(digest: FileDigest) -> dict[str, Any]:
+    return {"size": digest.size, ALGORITHM: digest.digest} if digest.digest else {"size": digest.size}
+
+
+def _parse_digest(entry: Any) -> FileDigest:
+    digest = FileDigest(int(entry["size"]), entry.get(ALGORITHM))
+    if digest.size < 0 or not isinstance(digest.digest, (str, type(None))):
+        raise ValueError("a negative size or a checksum that is not a string")
+    return digest
+
+
+def embedded_record(index: FileDigest, data: FileDigest) -> str:
+    """The checksums a safetensors file carries in its own header: of its tensor index (the
+    header's canonical JSON without ``__metadata__``: names, dtypes, shapes, offsets) and of its
+    data section (every byte after the header)."""
+    document = {
+        "tool": "parallel_dcp",
+        "version": __version__,
+        "checksum": ALGORITHM,
+        "index": _digest_entry(index),
+        "data": _digest_entry(data),
+    }
+    return json.dumps(document, separators=(",", ":"))
+
+
+def read_embedded(metadata: Any, where: object) -> tuple[FileDigest, FileDigest] | None:
+    """(index, data) digests from a safetensors header's ``__metadata__``; None when it has none.
+
+    Raises:
+        CorruptCheckpointError: the record is there but cannot be read.
+    """
+    if not isinstance(metadata, dict) or EMBEDDED_KEY not in metadata:
+        return None
+    try:
+        document = json.loads(metadata[EMBEDDED_KEY])
+        if document.get("checksum") != ALGORITHM:
+            raise ValueError(f"unknown checksum {document.get('checksum')!r}")
+        return _parse_digest(document["index"]), _parse_digest(document["data"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{where}: the checksums in its header are not readable: {exc}") from exc
 
 
 def manifest_bytes(files: dict[str, FileDigest], source: dict[str, Any], save_id: str | None = None) -> bytes:
@@ -91,21 +171,19 @@ def manifest_bytes(files: dict[str, FileDigest], source: dict[str, Any], save_id
         "checksum": ALGORITHM,
         "save_id": save_id,
         "source": source,
-        "files": {
-            name: {"size": d.size, ALGORITHM: d.digest} if d.digest else {"size": d.size}
-            for name, d in sorted(files.items())
-        },
+        "files": {name: _digest_entry(d) for name, d in sorted(files.items())},
     }
     return (json.dumps(document, indent=1) + "\n").encode()
 
 
 def read_manifest(
-    directory: str | os.PathLike[str] | Remote, *, current_only: bool = False
+    directory: str | os.PathLike[str] | Remote, *, current_only: bool = False, of_file: str | None = None
 ) -> dict[str, FileDigest] | None:
     """The files the manifest records, or None when there is no manifest.
 
     Every name in it must be a plain file name inside ``directory`` (checked before anything is
-    read). With ``current_only``, a manifest that belongs to another save than the directory's
+    read). ``of_file``: read the sidecar manifest of that single file instead (it must record
+    that file and nothing else). With ``current_only``, a manifest that belongs to another save than the directory's
     ``.metadata`` (left by a save killed between the two renames of its commit) is stale: a
     warning, and None.
 
@@ -113,24 +191,21 @@ def read_manifest(
         CorruptCheckpointError: the manifest exists but cannot be read, or names a file outside
             the checkpoint.
     """
-    path = locate(directory) / MANIFEST_FILE
-    if not path.is_file():
+    path = locate(directory) / (sidecar_name(of_file) if of_file is not None else MANIFEST_FILE)
+    if not (path.is_file() if isinstance(path, Remote) else os.path.lexists(path)):
         return None
-    try:
-        document = json.loads(path.read_bytes())
+    try:  # by the one rule: a symlink or a FIFO planted as the manifest is refused, never followed
+        document = json.loads(read_record(path))
         if document.get("checksum") != ALGORITHM:
             raise ValueError(f"unknown checksum {document.get('checksum')!r}")
-        files = {
-            check_name(name, path): FileDigest(int(v["size"]), v.get(ALGORITHM))
-            for name, v in document["files"].items()
-        }
-        if any(d.size < 0 or not isinstance(d.digest, (str, type(None))) for d in files.values()):
-            raise ValueError("a negative size or a checksum that is not a string")
+        files = {check_name(name, path): _parse_digest(v) for name, v in document["files"].items()}
+        if of_file is not None and set(files) != {of_file}:
+            raise ValueError(f"it records {sorted(files)}, not {of_file} alone")
     except CorruptCheckpointError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{path} is not a readable manifest: {exc}") from exc
-    if current_only and _stale(locate(directory), document.get("save_id")):
+    if current_only and of_file is None and _stale(locate(directory), document.get("save_id")):
         warnings.warn(
             f"{path} belongs to another save than {locate(directory) / METADATA_FILE} (a save was stopped "
             "between its commit and the manifest's rename): it is stale and was not used",

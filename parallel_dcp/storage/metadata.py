@@ -11,6 +11,9 @@ Non-tensor values are stored by DCP as pickled ``BYTE_IO`` records, which torch'
 runs code through it. Every read path here uses :class:`SafeLoadPlanner` /
 :func:`safe_empty_planner`, which unpickle with ``weights_only=True`` and refuse anything more
 with :class:`UnsafeCheckpointError` naming the key, unless the caller passed ``trust_pickle``.
+
+Longer than 300 lines because reading ``.metadata`` safely is one job: the bounded open by the one
+rule, the allow-list unpickler, the memory check and the geometry checks.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from parallel_dcp.errors import (
     describe_keys,
 )
 from parallel_dcp.storage.geometry import PairBudget, check_chunks, check_planner_data, check_records, check_shards
-from parallel_dcp.storage.location import Remote, check_name, file_size, locate
-from parallel_dcp.storage.safe_files import open_regular
+from parallel_dcp.storage.location import Location, Remote, check_name, file_size, listdir, locate
+from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = [
     "METADATA_MEMORY_FACTOR",
@@ -107,9 +110,12 @@ def read_metadata(path: str | os.PathLike[str] | Remote, *, memory_limit: int | 
             DCP metadata pickle.
     """
     file = locate(path) / ".metadata"
-    if not file.is_file():
-        raise FileNotFoundError(f"{path} is not a DCP checkpoint: it has no .metadata (the commit marker)")
-    need = file_size(file) * METADATA_MEMORY_FACTOR
+    with _open_metadata(file, path) as (f, size):
+        return _read_metadata(file, f, size, memory_limit)
+
+
+def _read_metadata(file: Location, f: BinaryIO, size: int, memory_limit: int | None) -> Metadata:
+    need = size * METADATA_MEMORY_FACTOR
     # (a small file needs no look at the machine's memory: inspect reads only the checkpoint)
     limit = memory_limit if memory_limit is not None else default_limit() if need > _SMALL else need
     if need > limit:
@@ -121,32 +127,58 @@ def read_metadata(path: str | os.PathLike[str] | Remote, *, memory_limit: int | 
             measured=need,
             keys=[],
         )
-    with _open_metadata(file) as f:
-        try:
-            metadata = _SafeUnpickler(f).load()
-        except UnsafeCheckpointError:
-            raise
-        except Exception as exc:
-            raise CorruptCheckpointError(f"{file} is truncated or corrupt: {type(exc).__name__}: {exc}") from exc
-        if f.read(1):  # DCP writes the pickle alone: anything after it was put there
-            raise CorruptCheckpointError(f"{file} holds bytes after its pickle (not a file DCP wrote)")
+    try:
+        metadata = _SafeUnpickler(f).load()
+    except (UnsafeCheckpointError, CorruptCheckpointError):
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{file} is truncated or corrupt: {type(exc).__name__}: {exc}") from exc
+    if f.read(1):  # DCP writes the pickle alone: anything after it was put there
+        raise CorruptCheckpointError(f"{file} holds bytes after its pickle (not a file DCP wrote)")
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{file} does not hold DCP Metadata but {type(metadata).__name__}")
     check_metadata(metadata, file)
     return metadata
 
 
+def _no_checkpoint(checkpoint: object, file: Location) -> FileNotFoundError:
+    """No ``.metadata`` at ``file``: an empty directory is called empty."""
+    empty = file.parent.is_dir() and not listdir(file.parent)
+    return FileNotFoundError(
+        f"{checkpoint} is not a DCP checkpoint: "
+        + ("the directory is empty" if empty else "it has no .metadata (the commit marker)")
+    )
+
+
 @contextlib.contextmanager
-def _open_metadata(file: Any) -> Iterator[BinaryIO]:
-    """``.metadata`` for reading in pieces of ``_READ_PIECE``: the unpickler asks for a few bytes at
-    a time, and on object storage each unbuffered ask would be a ranged request (thousands for
-    one file). A local file is opened without following a symlink, regular files only."""
+def _open_metadata(file: Any, checkpoint: object) -> Iterator[tuple[BinaryIO, int]]:
+    """``.metadata`` for reading in pieces of ``_READ_PIECE`` (the unpickler asks for a few bytes at
+    a time, and on object storage each unbuffered ask would be a ranged request: thousands for one
+    file), and its size. A local file is opened by the one rule (storage.safe_reader): a symlink or
+    a FIFO planted as ``.metadata`` is refused by name, never followed or blocked on, and the file
+    is read no further than the size its open descriptor has.
+
+    Raises:
+        FileNotFoundError: there is no ``.metadata`` (no committed checkpoint).
+    """
     if isinstance(file, Remote):
+        if not file.is_file():
+            raise _no_checkpoint(checkpoint, file)
         with file.open_read() as raw, io.BufferedReader(raw, buffer_size=_READ_PIECE) as f:
-            yield f
+            yield f, file_size(file)
         return
-    with os.fdopen(open_regular(None, file), "rb", buffering=_READ_PIECE) as f:
-        yield f
+    if not os.path.lexists(file):
+        raise _no_checkpoint(checkpoint, file)
+    try:
+        stream = open_bounded(file, buffering=_READ_PIECE)
+    except UnsafeCheckpointError:
+        raise
+    except CorruptCheckpointError:  # gone since the look: no checkpoint there now
+        raise FileNotFoundError(
+            f"{checkpoint} is not a DCP checkpoint: it has no .metadata (the commit marker)"
+        ) from None
+    with stream:
+        yield stream, stream.raw.size  # type: ignore[attr-defined]
 
 
 def _count(value: object) -> bool:
@@ -166,6 +198,12 @@ def check_metadata(metadata: Metadata, file: object) -> None:
         raise
     except (AttributeError, TypeError, ValueError, OverflowError) as exc:
         raise CorruptCheckpointError(f"{file}: malformed metadata ({type(exc).__name__}: {exc})") from exc
+
+
+# A zstd frame is blocks of at most 128 KiB of output, each behind a 3-byte header: what a
+# compressed record's stored bytes can decompress to, at most (a claimed size past it is a lie).
+_ZSTD_BLOCK_BYTES = 128 * 1024
+_ZSTD_MOST_OUT_PER_BYTE = _ZSTD_BLOCK_BYTES // 3 + 1
 
 
 def _check_metadata(metadata: Metadata, file: object) -> None:
@@ -216,6 +254,12 @@ def _check_metadata(metadata: Metadata, file: object) -> None:
             raise CorruptCheckpointError(
                 f"{file}: key {key!r} claims {math.prod(meta.size)} elements but {stored.get(key, 0)} stored "
                 "bytes: impossible sizes"
+            )
+        if key in compressed and needed > _ZSTD_MOST_OUT_PER_BYTE * stored.get(key, 0) + _ZSTD_BLOCK_BYTES:
+            raise CorruptCheckpointError(
+                f"{file}: key {key!r} claims {math.prod(meta.size)} elements ({needed} bytes) but its "
+                f"{stored.get(key, 0)} stored zstd bytes can hold at most {_ZSTD_MOST_OUT_PER_BYTE}x that: "
+                "impossible sizes"
             )
     check_planner_data(metadata.planner_data, list(metadata.state_dict_metadata), file)
 

@@ -6,6 +6,9 @@ names ``.<name>.<save id>.tmp``, its owner record ``.parallel_dcp.owner.<save id
 an overwrite replaces); owner
 records let the next save to a destination find and remove the files of a save whose process is
 gone (:func:`find_leftovers`). The protocol that uses them: :mod:`parallel_dcp.storage.staging`.
+
+Longer than 300 lines because owner records, the leftovers they find, and how a leftover's owner
+is described (in inspect and in the cleanup's warning) are one job.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import time
 import uuid
@@ -25,12 +29,14 @@ from parallel_dcp.errors import (
     CorruptCheckpointError,
     InvalidDestinationError,
     plural,
+    printable,
 )
 from parallel_dcp.storage.layout import (
     DCP_LAYOUT,
     MANIFEST_FILE,
     METADATA_FILE,
     Layout,
+    committed_names,
     is_dcp_shard_name,
     listing,
     read_record,
@@ -38,6 +44,7 @@ from parallel_dcp.storage.layout import (
     sharded_layout,
 )
 from parallel_dcp.storage.location import Location, Remote, check_name
+from parallel_dcp.storage.side_trees import remove_tree
 
 __all__ = [
     "DCP_LAYOUT",
@@ -50,6 +57,7 @@ __all__ = [
     "is_checkpoint",
     "is_dcp_shard_name",
     "is_of_save",
+    "is_save_id",
     "listing",
     "new_save_id",
     "owner_name",
@@ -72,6 +80,16 @@ def new_save_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+# The only ids a save has (new_save_id): a record naming anything else was not written by a save,
+# and acts on nothing (an empty or short id would otherwise match other saves' names).
+_SAVE_ID = re.compile(r"[0-9a-f]{12}")
+
+
+def is_save_id(save_id: object) -> bool:
+    """True for an id :func:`new_save_id` can give."""
+    return isinstance(save_id, str) and _SAVE_ID.fullmatch(save_id) is not None
+
+
 def temp_name(name: str, save_id: str) -> str:
     """The hidden name a file of this save is written under before its rename into ``name``."""
     return f".{name}.{save_id}.tmp"
@@ -79,10 +97,13 @@ def temp_name(name: str, save_id: str) -> str:
 
 def is_of_save(name: str, save_id: str) -> bool:
     """True for the names a save with this id writes (shards, temporary files, its owner file,
-    the records kept for resume)."""
+    the records kept for resume): exactly the shapes our writer gives, for a full save id, never a
+    substring of another name."""
+    if not is_save_id(save_id):
+        return False
     return (
-        (name.startswith("__") and f"_{save_id}_" in name and name.endswith(".distcp"))
-        or (name.startswith(".") and name.endswith(f".{save_id}.tmp"))
+        re.fullmatch(rf"__[0-9]+_{save_id}_[0-9]+\.distcp", name) is not None
+        or (name.startswith(".") and name.endswith(f".{save_id}.tmp") and len(name) > len(save_id) + 6)
         or name == owner_name(save_id)
         or name in (f"{JOB_PREFIX}{save_id}", f"{JOB_PREFIX}{save_id}.tmp")
         or name.startswith(f"{DONE_PREFIX}{save_id}.")
@@ -107,8 +128,20 @@ def remove_path(where: Location) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             if where.is_dir() and not where.is_symlink():
-                return  # never a directory: a checkpoint's files are plain files
+                if where.name.startswith(".") and where.name.endswith(".tmp"):
+                    _remove_temporary_folder(where)  # a copied folder a dead save left (side_trees)
+                return  # never another directory: a checkpoint's files are plain files
             where.unlink()
+
+
+def _remove_temporary_folder(where: Path) -> None:
+    """Remove a save's temporary folder, following no link (a swap meanwhile is left alone)."""
+    with contextlib.suppress(OSError):
+        parent = os.open(where.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            remove_tree(parent, where.name)
+        finally:
+            os.close(parent)
 
 
 def _process_start(pid: int) -> float | None:
@@ -143,21 +176,34 @@ def _owner_alive(record: Mapping[str, Any]) -> bool | None:
     return start is not None and (record.get("start") is None or abs(start - float(record["start"])) < 1.0)
 
 
+def describe_owner(leftover: Mapping[str, Any]) -> str:
+    """Who left a leftover, in words, saying only what its record knows: ``pid 81 on vm, gone``,
+    ``stopped on vm`` (a conversion that failed and kept its finished tasks), ``owner unknown``."""
+    host, pid = leftover.get("host"), leftover.get("pid")
+    where = f" on {printable(host)}" if isinstance(host, str) and host else ""
+    if leftover.get("stopped"):
+        return f"stopped{where}"
+    if not isinstance(host, str) and not isinstance(pid, int):
+        return "owner unknown: its record cannot be read"
+    who = f"pid {pid}{where}" if isinstance(pid, int) and pid > 0 else f"owner unknown{where}"
+    state = {True: "still running", False: "gone", None: "on another host"}[leftover.get("running")]
+    return f"{who}, {state}"
+
+
 def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict[str, Any]]:
     """The saves that left files at ``where``: owner, whether it still runs, and its files.
 
     Files named by the committed checkpoint are never listed, whatever their name.
     """
     names = listing(where) if names is None else names
-    live: set[str] = set()
-    if METADATA_FILE in names:
-        with contextlib.suppress(Exception):  # a damaged .metadata protects nothing, and is reported elsewhere
-            live = DCP_LAYOUT.owned(where)
+    live = committed_names(where, names)
     found = []
     for name in names:
         if not name.startswith(_OWNER_PREFIX):
             continue
         save_id = name[len(_OWNER_PREFIX) :]
+        if not is_save_id(save_id):
+            continue  # not a record a save writes: it acts on nothing
         try:
             record = json.loads(read_record(where / name))
             if not isinstance(record, dict):
@@ -166,7 +212,9 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
             record = {"save_id": save_id}
         files = [n for n in names if is_of_save(n, save_id) and n not in live]
         replaces = record.get("replaces")
-        if isinstance(replaces, list):  # a save killed after its commit: the old checkpoint's shards
+        if isinstance(replaces, list) and _written_by_us(where / name):
+            # a save killed after its commit: the old checkpoint's shards, none that a committed
+            # checkpoint (of any layout) names
             for old in replaces:
                 if (
                     isinstance(old, str)
@@ -184,6 +232,7 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
                 "save_id": save_id,
                 "host": record.get("host"),
                 "pid": record.get("pid"),
+                "stopped": record.get("stopped") is True,
                 "running": _owner_alive(record),
                 "files": sorted(files),
                 # A conversion that kept records for resume=True, and how many of its tasks finished.
@@ -192,6 +241,17 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
             }
         )
     return found
+
+
+def _written_by_us(record: Location) -> bool:
+    """A local record's ``replaces`` counts only in a file this user wrote: another user's record
+    (a shared directory) never gets this user's files deleted."""
+    if isinstance(record, Remote):
+        return True
+    try:
+        return os.lstat(record).st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 def _manifest_save_id(where: Location) -> str | None:
@@ -213,7 +273,7 @@ def clean_leftovers(where: Location, keep: str | None = None) -> None:
         remove_path(where / owner_name(leftover["save_id"]))
         warnings.warn(
             f"{where}: removed {plural(len(leftover['files']), 'leftover file')} of save {leftover['save_id']} "
-            f"(pid {leftover['pid']} on {leftover['host']}, no longer running)"
+            f"({describe_owner(leftover)})"
             + (
                 f"; it was a conversion with {plural(leftover['tasks_done'], 'finished task')}, which "
                 "convert(..., resume=True) (--resume) would have kept"

@@ -181,16 +181,19 @@ class RemoteFileStaging(Staging):
     overwrite: bool
     protect: Sequence[str] = ()
     save_id: str = field(default_factory=new_save_id)
+    # Objects beside it that belong to it (its sidecar manifest), uploaded after it at the commit.
+    companions: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         _check_bucket(self.destination)
         if self.destination.is_dir():
             raise InvalidDestinationError(f"cannot write the file {self.destination}: it is a prefix holding objects")
-        if self.destination.exists() and not self.overwrite:
-            raise CheckpointExistsError(
-                f"{self.destination} already exists; pass overwrite=True (--overwrite) to replace it"
-            )
-        protect_sources(self.destination.parent, [self.destination.name], self.protect)
+        for name in [self.destination.name, *self.companions]:
+            if (self.destination.parent / name).exists() and not self.overwrite:
+                raise CheckpointExistsError(
+                    f"{self.destination.parent / name} already exists; pass overwrite=True (--overwrite) to replace it"
+                )
+        protect_sources(self.destination.parent, [self.destination.name, *self.companions], self.protect)
         self.location = WriteLocation(self.destination.parent, self.save_id, private=False)
 
     def check_space(self, nbytes: int) -> None:
@@ -206,7 +209,9 @@ class RemoteFileStaging(Staging):
         marker: tuple[str, bytes] | None = None,
         extras: Mapping[str, bytes] | None = None,
     ) -> None:
-        """The completed upload was the commit."""
+        """The completed upload was the commit; its sidecar manifest follows it."""
+        for name, data in (extras or {}).items():
+            (self.destination.parent / name).write_bytes(data)
 
     def publish(self) -> None:
         """Nothing to remove: the upload replaced the object."""

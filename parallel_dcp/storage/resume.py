@@ -30,7 +30,14 @@ from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.location import check_name
 from parallel_dcp.storage.manifest import ALGORITHM, FileDigest
 from parallel_dcp.storage.ownership import DONE_PREFIX, JOB_PREFIX
-from parallel_dcp.storage.safe_files import open_directory, remove_name, rename_name, sync_directory, write_new
+from parallel_dcp.storage.safe_files import (
+    open_directory,
+    open_regular,
+    remove_name,
+    rename_name,
+    sync_directory,
+    write_new,
+)
 
 __all__ = [
     "DONE_PREFIX",
@@ -91,7 +98,7 @@ def write_sealed(directory: Path, name: str, document: dict[str, Any]) -> None:
 def read_sealed(directory: Path, name: str) -> dict[str, Any] | None:
     """The document in ``directory/name`` if it is a regular file whose seal matches; else None."""
     try:
-        fd = os.open(directory / check_name(name, directory), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = open_regular(None, directory / check_name(name, directory))  # a FIFO planted there never blocks
     except (OSError, CorruptCheckpointError):
         return None
     try:
@@ -140,7 +147,7 @@ def digest_entry(digest: FileDigest) -> dict[str, Any]:
 def verify_file(directory: Path, name: str, expected: FileDigest) -> bool:
     """True when ``directory/name`` is a regular file (not a link) of ``expected``'s size and xxh3."""
     try:
-        fd = os.open(directory / check_name(name, directory), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = open_regular(None, directory / check_name(name, directory))  # a FIFO planted there never blocks
     except (OSError, CorruptCheckpointError):
         return False
     try:

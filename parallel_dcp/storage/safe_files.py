@@ -24,18 +24,28 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from parallel_dcp.errors import CheckpointExistsError, InvalidDestinationError, UnsafeCheckpointError
+from parallel_dcp.errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    InvalidDestinationError,
+    UnsafeCheckpointError,
+)
 
 __all__ = [
     "create_new",
     "open_directory",
+    "open_in_tree",
     "open_regular",
     "plain_name",
     "read_small",
+    "regular_size",
     "remove_name",
     "rename_name",
     "replace_new",
+    "resolve_in_tree",
+    "source_tree",
     "sync_directory",
+    "vanished",
     "write_new",
 ]
 
@@ -92,6 +102,66 @@ def open_regular(directory: int | None, name: str | os.PathLike[str], *, flags: 
         os.close(fd)
         raise
     return fd
+
+
+def regular_size(path: str | os.PathLike[str]) -> int:
+    """The size of the regular file at ``path``, looked at by the same rule a read opens it by
+    (:func:`open_regular`): a symlink or a FIFO in its place is refused by name, not measured
+    through. Raises FileNotFoundError when nothing is there."""
+    fd = open_regular(None, path)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def vanished(path: object) -> CorruptCheckpointError:
+    """The error for a file of a checkpoint that disappeared between the check and the read."""
+    return CorruptCheckpointError(
+        f"{path} vanished: the checkpoint changed while reading (replaced or removed by another process)"
+    )
+
+
+# The folders of a Hugging Face cache repository: ``models--org--name/snapshots/<revision>/`` holds
+# links into ``models--org--name/blobs/``, which are the repository's own files.
+_HF_CACHE_REPOS = ("models--", "datasets--", "spaces--")
+
+
+def source_tree(directory: str | os.PathLike[str]) -> Path:
+    """The tree a source directory's files may link within: the directory itself, or, for a
+    snapshot in a Hugging Face cache (``models--X/snapshots/<revision>/``), the repository's cache
+    folder ``models--X/`` (its files are symlinks into ``../../blobs/``)."""
+    where = Path(os.path.abspath(directory))
+    if where.parent.name == "snapshots" and where.parent.parent.name.startswith(_HF_CACHE_REPOS):
+        return where.parent.parent
+    return where
+
+
+def resolve_in_tree(path: str | os.PathLike[str], tree: str | os.PathLike[str]) -> Path:
+    """``path`` if it is not a symlink; else the file it leads to, if that lies inside ``tree``
+    (a link of a Hugging Face cache snapshot into its ``blobs/``).
+
+    Raises:
+        UnsafeCheckpointError: a symlink leading out of ``tree`` (``tokenizer.json -> /etc/passwd``,
+            ``README.md -> /proc/self/environ``), or a loop.
+    """
+    path = Path(path)
+    if not path.is_symlink():
+        return path
+    real = Path(os.path.realpath(path))
+    root = os.path.realpath(tree)
+    if os.path.commonpath([root, real]) != root or os.path.islink(real):
+        raise UnsafeCheckpointError(
+            f"{os.fspath(path)} is a symlink leading out of {root} (to {real}); refusing to follow it"
+        )
+    return real
+
+
+def open_in_tree(path: str | os.PathLike[str], tree: str | os.PathLike[str]) -> int:
+    """The one rule for a source file that may be a link inside its tree: resolved by
+    :func:`resolve_in_tree`, then opened by :func:`open_regular` (regular files only, never
+    blocking on a FIFO, no symlink swapped in meanwhile followed)."""
+    return open_regular(None, resolve_in_tree(path, tree))
 
 
 def read_small(path: str | os.PathLike[str], limit: int = 2**20) -> bytes:

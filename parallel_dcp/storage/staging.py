@@ -5,7 +5,7 @@ What a checkpoint owns (and so what an overwrite replaces; every other file stay
 - a DCP directory: its ``.metadata``, the shard files that ``.metadata`` names, its manifest;
 - a sharded safetensors / torch directory: its shards (the index's ``weight_map``), its index and
   its manifest; without an index, its single shard (``model.safetensors``, ``pytorch_model.bin``);
-- a single-file output: that file.
+- a single-file output: that file, and its sidecar manifest (``model.pt.manifest.json``) if any.
 
 The protocol (:class:`Staging`), the same for a local directory, a local file, a prefix on object
 storage and an object::
@@ -74,13 +74,21 @@ def stage_directory(
 
 
 def stage_file(
-    where: Path | Remote, *, overwrite: bool, protect: Sequence[str] = (), resume: IdentityCheck | None = None
+    where: Path | Remote,
+    *,
+    overwrite: bool,
+    protect: Sequence[str] = (),
+    resume: IdentityCheck | None = None,
+    companions: Sequence[str] = (),
 ) -> Staging:
-    """Take hold of a single-file output (a local path or an object)."""
+    """Take hold of a single-file output (a local path or an object).
+
+    ``companions``: names beside it that belong to it (its sidecar manifest): refused like the
+    file itself when they exist and ``overwrite`` is False, replaced with it otherwise."""
     if isinstance(where, Remote):
         _no_remote_resume(where, resume)
-        return RemoteFileStaging(where, overwrite=overwrite, protect=protect)
-    return LocalFileStaging(where, overwrite=overwrite, protect=protect, resume=resume)
+        return RemoteFileStaging(where, overwrite=overwrite, protect=protect, companions=companions)
+    return LocalFileStaging(where, overwrite=overwrite, protect=protect, resume=resume, companions=companions)
 
 
 def _no_remote_resume(where: Remote, resume: IdentityCheck | None) -> None:

@@ -1,0 +1,93 @@
+"""The non-weight folders of a Hugging Face directory (``1_Pooling/``, ``2_Normalize/``), copied too.
+
+    source dir ── each folder below it (not hidden), walked without following a link out ──▶
+        {"1_Pooling/config.json": path, "2_Normalize/...": path}   (added to the files to copy)
+
+sentence-transformers' ``modules.json`` names module folders, each with its own ``config.json``;
+without them a converted folder does not load. The rules are those of the files beside the
+weights (:mod:`parallel_dcp.jobs.copy_files`): hidden names and weight files (of any framework)
+are never copied; a symlink is followed only when it stays inside the source's tree, and a
+symlink out of it, or anything that is not a regular file or a folder (a FIFO, a device), is
+refused before anything is written (the tree is the source folder, or for a snapshot of a
+Hugging Face cache its repository folder, whose ``blobs/`` the snapshot's files link into). A
+link to a folder inside the tree is not walked (its folder is copied where it is). The files
+are read at the commit by :func:`~parallel_dcp.jobs.copy_files.read_copies` (the one rule for
+reading them) and written new below the destination by :mod:`parallel_dcp.storage.side_trees`.
+Local sources only: object storage has no folders to walk safely here, so a remote source's
+folders are not copied.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+from parallel_dcp.errors import UnsafeCheckpointError, printable
+from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
+
+__all__ = ["MAX_DEPTH", "MAX_FILES", "folder_files"]
+
+MAX_DEPTH = 8  # folders below the source: deeper is not a model's side folder
+MAX_FILES = 10_000  # files in all of them
+
+
+def _resolve(path: Path, tree: Path) -> Path | None:
+    """``path`` itself, or where a symlink leads inside ``tree`` (the one rule of
+    :func:`~parallel_dcp.storage.safe_files.resolve_in_tree`); None for a link to a folder inside
+    the tree (not walked twice).
+
+    Raises:
+        UnsafeCheckpointError: a symlink leading out of the tree, or a loop.
+    """
+    if not path.is_symlink():
+        return path
+    real = resolve_in_tree(path, tree)
+    return None if real.is_dir() else real
+
+
+def folder_files(where: str | os.PathLike[str], copyable: Callable[[str], bool]) -> dict[str, Path]:
+    """Relative path (``"1_Pooling/config.json"``) -> where to read it, for every file to copy
+    in the folders below the directory ``where`` (its top-level files are not listed here);
+    ``copyable(name)`` is the rule of the files beside the weights (no hidden name, no weights).
+
+    Raises:
+        UnsafeCheckpointError: a symlink out of the source, or a file that is not a regular file.
+        ValueError: more than :data:`MAX_FILES` files, or folders deeper than :data:`MAX_DEPTH`.
+    """
+    root = Path(where)
+    tree = source_tree(root)
+    found: dict[str, Path] = {}
+
+    def walk(folder: Path, prefix: str, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise ValueError(
+                f"{printable(str(folder))} is more than {MAX_DEPTH} folders deep: not a model's side folder; "
+                "convert with --no-copy-files and copy it yourself"
+            )
+        for name in sorted(os.listdir(folder)):
+            if not copyable(name) or (not prefix and not os.path.isdir(folder / name)):
+                continue  # a top-level file: parallel_dcp.jobs.copy_files chooses those
+            path = _resolve(folder / name, tree)
+            if path is None:
+                continue
+            mode = os.stat(path, follow_symlinks=False).st_mode
+            relative = f"{prefix}/{name}" if prefix else name
+            if stat.S_ISDIR(mode):
+                walk(path, relative, depth + 1)
+            elif stat.S_ISREG(mode):
+                found[relative] = path
+                if len(found) > MAX_FILES:
+                    raise ValueError(
+                        f"the folders of {printable(str(root))} hold more than {MAX_FILES} files: convert with "
+                        "--no-copy-files and copy them yourself"
+                    )
+            else:
+                raise UnsafeCheckpointError(
+                    f"{printable(str(folder / name))} is not a regular file (a FIFO, socket or device); refusing "
+                    "to copy it (nothing was written)"
+                )
+
+    walk(root, "", 0)
+    return found

@@ -1,0 +1,74 @@
+"""Where an output's checksums are, whatever its layout: what ``verify`` hashes its files against.
+
+    checkpoint directory (DCP, sharded) ── .parallel_dcp.json beside its files
+    torch.save file  model.pt          ── model.pt.manifest.json beside it (a sidecar)
+    safetensors file model.safetensors ── its own header's __metadata__: the tensor index's digest
+                                          (checked here) and the data section's (hashed by the pool)
+
+Every record is read by :mod:`parallel_dcp.storage.manifest` (one algorithm, one document).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.safetensors_format import embedded_checksums
+from parallel_dcp.storage.location import Location
+from parallel_dcp.storage.manifest import FileDigest, read_manifest, sidecar_name
+
+__all__ = ["Recorded", "no_checksums_problem", "recorded_checksums"]
+
+
+@dataclass
+class Recorded:
+    """The checksums an output carries.
+
+    Attributes:
+        directory: where the recorded files are.
+        files: each file's recorded size and checksum (of its bytes from ``starts[name]`` on).
+        starts: for a file whose record covers only its data section: where that begins.
+        problems: what the record itself shows (a header that differs from the one recorded).
+    """
+
+    directory: Location
+    files: dict[str, FileDigest]
+    starts: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+def recorded_checksums(source: Source) -> Recorded | None:
+    """The checksums ``source``'s files carry; None when they carry none.
+
+    Raises:
+        CorruptCheckpointError: a record exists but cannot be read, or names other files.
+    """
+    location = source.location
+    if location.is_dir():
+        files = read_manifest(location, current_only=True)
+        return Recorded(location, files) if files is not None else None
+    if source.kind == "safetensors":
+        found = embedded_checksums(location)
+        if found is None:
+            return None
+        start, index, data, index_now = found
+        recorded = Recorded(location.parent, {location.name: data})
+        recorded.starts[location.name] = start
+        if index.digest is not None and index_now.digest != index.digest:
+            recorded.problems.append(
+                f"file {location.name}: its header (tensor names, dtypes, shapes, offsets) is not the one its "
+                f"checksum was taken of: {index_now.digest} != {index.digest} recorded (corrupted header)"
+            )
+        return recorded
+    files = read_manifest(location.parent, of_file=location.name)
+    return Recorded(location.parent, files) if files is not None else None
+
+
+def no_checksums_problem(source: Source) -> str:
+    """What ``verify`` reports for a single file that carries no checksums."""
+    name = source.location.name
+    where = "in its header" if source.kind == "safetensors" else f"in {sidecar_name(name)} beside it"
+    return (
+        f"{name}: no checksums (parallel_dcp writes them {where}): a flipped byte cannot be found "
+        "without them; compare the file with its source: verify --against SOURCE"
+    )
