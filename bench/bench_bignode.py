@@ -63,7 +63,8 @@ def governor(rounds: int) -> list[dict[str, Any]]:
             time.sleep(0.5)
             gov = MemoryGovernor(2**50)
             gov.read(children, exact=True)
-            cheap, exact = [], []
+            cheap: list[float] = []
+            exact: list[float] = []
             for _ in range(rounds):
                 for kind, found in ((False, cheap), (True, exact)):
                     before = _cpu()
@@ -90,18 +91,33 @@ def _busy(stop: threading.Event) -> None:
         sum(range(1000))
 
 
+def _busy_process(stop: Any) -> None:
+    while not stop.is_set():
+        sum(range(1000))
+
+
 def gil(rounds: int, where: list[str], workers: int) -> list[dict[str, Any]]:
+    """Alone, beside a busy thread (the GIL and a core), and beside a busy process (a core only:
+    on a machine with few cores, the CPU a busy thread takes is part of its cost)."""
+    import multiprocess as mp
+
     sd = {f"w{i}": torch.randn(4096, 2048).to(torch.bfloat16) for i in range(64)}
     kinds = ["auto", "threads", "processes", "saver"]
+    modes = ("alone", "thread", "process")
     rows = []
     with parallel_dcp.Saver(workers=workers) as saver:
         for root in where:
-            times: dict[tuple[str, bool], list[float]] = {(k, b): [] for k in kinds for b in (False, True)}
+            times: dict[tuple[str, str], list[float]] = {(k, m): [] for k in kinds for m in modes}
             with tempfile.TemporaryDirectory(dir=root) as tmp:
 
-                def once(kind: str, busy: bool) -> float:
-                    stop = threading.Event()
-                    thread = threading.Thread(target=_busy, args=(stop,))
+                def once(kind: str, mode: str) -> float:
+                    stop: Any = threading.Event() if mode != "process" else mp.get_context("fork").Event()
+                    thread: Any = None
+                    if mode == "thread":
+                        thread = threading.Thread(target=_busy, args=(stop,))
+                    elif mode == "process":
+                        thread = mp.get_context("fork").Process(target=_busy_process, args=(stop,))
+                    busy = thread is not None
                     if busy:
                         thread.start()
                     try:
@@ -119,15 +135,25 @@ def gil(rounds: int, where: list[str], workers: int) -> list[dict[str, Any]]:
                     return took
 
                 for kind in kinds:
-                    once(kind, False)  # warm
+                    once(kind, "alone")  # warm
                 for _ in range(rounds):
                     for kind in kinds:
-                        for busy in (False, True):
-                            times[(kind, busy)].append(once(kind, busy))
+                        for mode in modes:
+                            times[(kind, mode)].append(once(kind, mode))
             for kind in kinds:
-                alone, busy = statistics.median(times[(kind, False)]), statistics.median(times[(kind, True)])
-                rows.append({"where": root, "executor": kind, "workers": workers, "alone_s": alone, "busy_s": busy})
-                rows[-1]["ratio"] = busy / alone
+                alone, thread_s, process_s = (statistics.median(times[(kind, m)]) for m in modes)
+                rows.append(
+                    {
+                        "where": root,
+                        "executor": kind,
+                        "workers": workers,
+                        "alone_s": alone,
+                        "busy_thread_s": thread_s,
+                        "busy_process_s": process_s,
+                        "thread_ratio": thread_s / alone,
+                        "process_ratio": process_s / alone,
+                    }
+                )
                 print(rows[-1], flush=True)
     return rows
 
