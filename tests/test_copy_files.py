@@ -336,3 +336,19 @@ def test_a_hugging_face_cache_snapshot_with_folders(tmp_path: Path) -> None:
     parallel_dcp.convert(snapshot, tmp_path / "out", to="safetensors", workers=1)
     assert (tmp_path / "out" / "1_Pooling" / "config.json").read_bytes() == b'{"pooling_mode_mean_tokens": true}'
     assert not (tmp_path / "out" / "1_Pooling" / "config.json").is_symlink()
+
+
+def test_a_trainers_checkpoints_and_logs_are_not_copied_as_side_folders(tmp_path: Path) -> None:
+    """A Hugging Face Trainer's output folder holds ``checkpoint-N/`` (whole models) and ``runs/``
+    (TensorBoard logs): neither is a module of the model, so neither comes along."""
+    _st_folder(tmp_path / "hf")
+    for folder in ("checkpoint-500", "runs/Dec05_01-00-00"):
+        (tmp_path / "hf" / folder).mkdir(parents=True)
+        (tmp_path / "hf" / folder / "trainer_state.json").write_bytes(b"{}")
+    (tmp_path / "hf" / "checkpoint-notes").mkdir()  # not a Trainer checkpoint: copied like any folder
+    (tmp_path / "hf" / "checkpoint-notes" / "a.txt").write_bytes(b"a")
+    parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", workers=1)
+    tree = _tree(tmp_path / "out")
+    assert not any(name.startswith(("checkpoint-500/", "runs/")) for name in tree)
+    assert tree["checkpoint-notes/a.txt"] == b"a"
+    assert tree["1_Pooling/config.json"] == FOLDERS["1_Pooling/config.json"]

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.engine.memory import parse_size
 
 __all__ = [
@@ -36,7 +36,7 @@ class UsageError(Exception):
 def _storage_options(text: str) -> dict[str, Any]:
     """``--storage-options``: a JSON object of fsspec options."""
     try:
-        value = json.loads(text)
+        value = loads_json(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
     if not isinstance(value, dict):

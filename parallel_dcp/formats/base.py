@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
 from parallel_dcp.storage.location import Location, Remote, check_name, listdir, locate
 from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, source_tree
@@ -227,7 +228,7 @@ def index_names(index: Location) -> list[str]:
         CorruptCheckpointError: the index is not readable, or names a file outside its directory.
     """
     try:
-        names = list(dict.fromkeys(json.loads(_read_index(index))["weight_map"].values()))
+        names = list(dict.fromkeys(loads_json(_read_index(index))["weight_map"].values()))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{index} is not a readable index: {type(exc).__name__}: {exc}") from exc
     return [check_name(n, index) for n in names]

@@ -9,13 +9,13 @@ The FP8 block comes from ``--block-size``, else ``config.json``'s
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import CorruptCheckpointError, QuantizationError, dtype_name
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, MAX_BLOCK, fp8_scale_shape
@@ -59,7 +59,7 @@ def source_config(source: Source) -> dict[str, Any] | None:
     if not os.path.lexists(path) or os.path.isdir(path):
         return None
     try:  # by the one rule: a config.json linking out of the folder is refused, never read
-        config = json.loads(read_in_tree(path, source_tree(source.path), limit=_CONFIG_MAX_BYTES))
+        config = loads_json(read_in_tree(path, source_tree(source.path), limit=_CONFIG_MAX_BYTES))
     except CorruptCheckpointError:  # (a ValueError too) a link out of the folder, a FIFO, a huge file
         raise
     except ValueError as exc:

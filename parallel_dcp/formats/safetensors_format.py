@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats.base import Entry, FileFormat, Source, shard_files
@@ -124,7 +125,7 @@ def _remote_header(remote: Remote, *, keep_metadata: bool = False) -> tuple[int,
     if size > _MAX_HEADER:
         raise CorruptCheckpointError(f"{remote} is not a safetensors file: its header claims {size} bytes")
     try:
-        header = json.loads(remote.read_bytes(8, 8 + size))
+        header = loads_json(remote.read_bytes(8, 8 + size))
     except ValueError as exc:
         raise CorruptCheckpointError(f"{remote} is not a safetensors file: its header is not JSON ({exc})") from exc
     if not isinstance(header, dict):

@@ -24,13 +24,19 @@ from parallel_dcp.errors import plural, printable
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
-from parallel_dcp.jobs.copy_files import files_to_copy
+from parallel_dcp.jobs.copy_files import check_no_clash, files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.hf_config import prepare_config
 from parallel_dcp.jobs.key_patterns import matcher, patterns_of
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.presets import Preset, PresetStep, apply_preset
-from parallel_dcp.jobs.quantization import Quantization, dequantize_step, prepare_target, quantize_step
+from parallel_dcp.jobs.quantization import (
+    Quantization,
+    check_pairs_named,
+    dequantize_step,
+    prepare_target,
+    quantize_step,
+)
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
 from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for
@@ -168,6 +174,8 @@ def convert_one(
         if steps.done is not None and preset is not None and preset.writes_hf:
             _give_config(target, steps.done)
         prepare_config(target, source, job, dtype, quantization)  # config.json says what the shards hold
+        if isinstance(target, ShardedTarget):
+            check_no_clash(copies, target.extra_files)
         if dry_run:
             plan = plan_dry_run(job, target, options, governor)
             if copies:
@@ -244,6 +252,8 @@ def _convert_job(
         dtype = None  # the quantizing view casts the other tensors itself
     if rename is not None:
         source, selected = rename_source(source, selected, rename, strict=steps.rename_strict)
+        if quantization is not None and quantization.quantize is not None:
+            check_pairs_named(source, selected)
     if target.tensors_only:
         others = [k for k in selected if k not in source.entries]
         if others:

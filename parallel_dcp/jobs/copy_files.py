@@ -18,6 +18,7 @@ limit, or the conversion is refused before it starts.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,11 @@ from parallel_dcp.formats.base import Source
 from parallel_dcp.jobs.side_folders import folder_files
 from parallel_dcp.storage.location import Location, Remote, file_size, listdir, locate
 from parallel_dcp.storage.ownership import new_save_id, temp_name
+from parallel_dcp.storage.pinned_paths import pinned_path
 from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, source_tree
 from parallel_dcp.storage.safe_reader import open_bounded
 
-__all__ = ["WEIGHT_SUFFIXES", "files_to_copy", "read_copies"]
+__all__ = ["WEIGHT_SUFFIXES", "check_no_clash", "files_to_copy", "read_copies"]
 
 _NAME_MAX = 255  # bytes in a file name (Linux, and most file systems)
 
@@ -130,11 +132,12 @@ def _side_file(path: Location, tree: Path | None) -> tuple[Location, int] | None
     if target.is_dir():
         return None
     try:
-        return target, regular_size(target)
+        size = regular_size(target)
     except UnsafeCheckpointError:
         if target == path:
             raise
         raise UnsafeCheckpointError(f"{path} leads to {target}, which is not a regular file") from None
+    return pinned_path(target, tree), size  # read at the commit with no link on its way
 
 
 def _check_name_length(name: str) -> None:
@@ -153,12 +156,30 @@ def read_copies(copies: dict[str, Location]) -> dict[str, bytes]:
     """The bytes of every file in ``copies``, read at the commit (their total was checked).
 
     Local files are opened by the one rule again (a file swapped for a symlink or a FIFO since it
-    was chosen is refused) and read no further than their fstat size."""
+    was chosen is refused, and so is a folder on its way swapped for a link: each local path is
+    the realpath taken when it was chosen, walked without following any link) and read no further
+    than their fstat size."""
     found = {}
     for name, path in copies.items():
         if isinstance(path, Remote):
             found[name] = path.read_bytes()
             continue
-        with open_bounded(path) as stream:
+        with open_bounded(path, no_links=True) as stream:  # chosen as a realpath: a link now is a swap
             found[name] = stream.read()
     return found
+
+
+def check_no_clash(copies: dict[str, Location], written: Iterable[str]) -> None:
+    """Refuse a copied folder named like a file the output writes itself (``config.json/`` beside a
+    preset's or a quantized output's config.json), before anything is written: both would take one
+    name in the destination.
+
+    Raises:
+        InvalidDestinationError: naming the folder and the file.
+    """
+    folders = {name.split("/")[0] for name in copies if "/" in name}
+    for name in sorted(folders & set(written)):
+        raise InvalidDestinationError(
+            f"the folder {printable(name)!r} to copy beside the weights has the name of a file the output writes "
+            f"({printable(name)}); rename it, or convert with copy_files=False (--no-copy-files) (nothing was written)"
+        )

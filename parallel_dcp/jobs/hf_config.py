@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import printable
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.quantized import FP8_DTYPES
@@ -101,11 +102,11 @@ def prepare_config(
     copied = target.copies.get(CONFIG_FILE)
     given = target.extra_files.get(CONFIG_FILE)  # a preset's model config, written as the output's
     if given is not None:
-        config = json.loads(given)
+        config = loads_json(given)
     elif copied is not None:
         raw = read_copies({CONFIG_FILE: copied})[CONFIG_FILE]
         try:
-            config = json.loads(raw)
+            config = loads_json(raw)
         except ValueError as exc:
             raise ValueError(
                 f"{printable(str(copied))} is not JSON, so it cannot be made to describe the output: {exc} "

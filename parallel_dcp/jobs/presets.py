@@ -21,7 +21,6 @@ presets``); its names and shapes are pinned by tests against that client.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -29,17 +28,29 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from parallel_dcp.errors import PresetError, describe_keys, plural
+from parallel_dcp._json import loads_json
+from parallel_dcp.errors import (
+    CorruptCheckpointError,
+    PresetError,
+    UnsafeCheckpointError,
+    describe_keys,
+    plural,
+    printable,
+)
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.permuted_source import RowPermutation, permuted_source
 from parallel_dcp.formats.renamed_source import RenamedSource
 from parallel_dcp.jobs.preset_defs import PRESETS, Permute, Preset, get_preset
 from parallel_dcp.jobs.rename import rename_source
 from parallel_dcp.storage.location import Remote
+from parallel_dcp.storage.safe_files import source_tree
+from parallel_dcp.storage.safe_reader import read_in_tree
 
 __all__ = ["PRESETS", "Permute", "Preset", "PresetStep", "apply_preset", "find_config", "get_preset"]
 
 _log = logging.getLogger("parallel_dcp")
+
+CONFIG_MAX_BYTES = 16 * 2**20  # a model's config.json: the largest known are a few hundred KB
 
 
 def find_config(
@@ -49,33 +60,48 @@ def find_config(
 
     Looked for in ``model_config`` (a file, or a directory holding config.json), else in the
     source's directory (or the one a single-file source lies in), else in ``copy_files_from``.
+    Read by the one rule (:func:`~parallel_dcp.storage.safe_reader.read_in_tree`): a config.json
+    found beside the source or in ``copy_files_from`` may link only within that folder's tree
+    (its content becomes the output's config.json), a file the user names is read wherever it
+    leads (the user chose it); either must be a regular file (a FIFO is refused, never blocked
+    on) of at most :data:`CONFIG_MAX_BYTES`.
 
     Raises:
-        PresetError: ``model_config`` names no config.json, or a config that is not a JSON object.
+        PresetError: ``model_config`` names nothing, a config larger than the bound, not JSON,
+            or not a JSON object.
+        UnsafeCheckpointError: a config.json linking out of its folder, or not a regular file.
     """
-    candidates: list[str] = []
+    candidates: list[tuple[str, str]] = []  # (path, the tree it may link within)
     if model_config is not None:
         path = os.fspath(model_config)
         path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if not os.path.isfile(path):
-            raise PresetError(f"model config {path} does not exist")
-        candidates.append(path)
+        if not os.path.lexists(path):
+            raise PresetError(f"model config {printable(path)} does not exist")
+        real = os.path.realpath(path)  # the user's own path: its links are followed, once, here
+        candidates.append((real, os.path.dirname(real)))
     else:
         if not isinstance(source.location, Remote):
             folder = source.path if os.path.isdir(source.path) else os.path.dirname(os.path.abspath(source.path))
-            candidates.append(os.path.join(folder, "config.json"))
+            candidates.append((os.path.join(folder, "config.json"), folder))
         if copy_files_from is not None and "://" not in os.fspath(copy_files_from):
-            candidates.append(os.path.join(os.fspath(copy_files_from), "config.json"))
-    for path in candidates:
-        if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    config = json.load(f)
-            except (OSError, ValueError) as exc:
-                raise PresetError(f"{path} is not a readable JSON config: {exc}") from exc
-            if not isinstance(config, dict):
-                raise PresetError(f"{path} holds {type(config).__name__}, not a JSON object")
-            return config, path
+            folder = os.fspath(copy_files_from)
+            candidates.append((os.path.join(folder, "config.json"), folder))
+    for path, folder in candidates:
+        if not os.path.lexists(path) or (os.path.isdir(path) and not os.path.islink(path)):
+            continue
+        try:
+            raw = read_in_tree(path, source_tree(folder), limit=CONFIG_MAX_BYTES)
+        except UnsafeCheckpointError:
+            raise
+        except CorruptCheckpointError as exc:  # larger than the bound, or gone since listed
+            raise PresetError(f"{printable(path)} is not a model config: {exc}") from exc
+        try:
+            config = loads_json(raw)
+        except ValueError as exc:
+            raise PresetError(f"{printable(path)} is not a readable JSON config: {exc}") from exc
+        if not isinstance(config, dict):
+            raise PresetError(f"{printable(path)} holds {type(config).__name__}, not a JSON object")
+        return config, path
     return None
 
 
@@ -217,6 +243,14 @@ def _check_complete(preset: Preset, names: Sequence[str], config: Mapping[str, A
     if not preset.layer_keys and not preset.model_keys:
         return
     layers = _positive(config, "num_hidden_layers", path, preset)
+    if preset.layer_keys and layers > len(names):
+        # Each layer holds keys of its own, so the output misses whole layers; said without
+        # listing the keys of that many layers (10^9 of them would take the machine's memory).
+        raise PresetError(
+            f"preset {preset.name}: {printable(path)} says num_hidden_layers={layers}, and the output's "
+            f"{plural(len(names), 'key')} cannot hold that many layers; is the config this model's? (nothing was "
+            "written; convert a part of a model with keys= / --keys)"
+        )
     expected = preset.expected_keys(layers, tied)
     have = set(names)
     missing = [k for k in expected if k not in have]

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel_dcp.errors import QuantizationError
+from parallel_dcp.errors import QuantizationError, describe_keys, plural
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_source
-from parallel_dcp.formats.quantized import MAX_BLOCK
+from parallel_dcp.formats.quantized import FP8_DTYPES, MAX_BLOCK
+from parallel_dcp.formats.quantized_pairs import SCALE_SUFFIX
 from parallel_dcp.formats.quantizing_source import DEFAULT_RULE, parse_quantize, quantizing_source
 from parallel_dcp.jobs.targets import ShardedTarget, Target
 
-__all__ = ["Quantization", "dequantize_step", "prepare_target", "quantize_step"]
+__all__ = ["Quantization", "check_pairs_named", "dequantize_step", "prepare_target", "quantize_step"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,3 +85,35 @@ def prepare_target(target: Target, quantization: Quantization) -> None:
     weights and scales through it); its ``config.json`` is :mod:`parallel_dcp.jobs.hf_config`'s."""
     if isinstance(target, ShardedTarget) and target.kind == "safetensors":
         target.always_index = quantization.quantize is not None
+
+
+def check_pairs_named(source: Source, keys: Sequence[str]) -> None:
+    """After the user's rename of a quantizing job: every FP8 ``X.weight`` still has its
+    ``X.weight_scale_inv`` and every scale its weight. Readers (transformers' FP8 layers, our
+    dequantize) pair them by these names only, so a broken pair loads wrong values or fails late.
+
+    Raises:
+        QuantizationError: the pairs the rename broke (the first 10 and the count), before anything is written.
+    """
+    have = set(keys)
+    broken = []
+    for key in keys:
+        entry = source.entries.get(key)
+        if entry is None:
+            continue
+        if key.endswith(SCALE_SUFFIX):
+            weight = key.removesuffix(SCALE_SUFFIX)
+            if weight not in have or not weight.endswith(".weight"):
+                broken.append(f"scale {key} without its weight {weight}")
+        elif entry.dtype in FP8_DTYPES:
+            if not key.endswith(".weight"):
+                broken.append(f"FP8 weight {key} not named X.weight")
+            elif key + SCALE_SUFFIX not in have:
+                broken.append(f"FP8 weight {key} without its scale {key + SCALE_SUFFIX}")
+    if broken:
+        raise QuantizationError(
+            f"the rename parts quantized weights from their scales ({plural(len(broken), 'problem')}; a reader "
+            f"pairs X.weight with X.weight{SCALE_SUFFIX} by name): {describe_keys(broken)}; rename a weight and its "
+            "scale alike "
+            "(nothing was written)"
+        )

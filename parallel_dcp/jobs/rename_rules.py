@@ -4,10 +4,10 @@ parsed and checked without torch, so a bad rule is a usage error at once (see cl
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import RenameError
 
 __all__ = ["check_regex", "parse_rule", "read_rules_file"]
@@ -43,7 +43,7 @@ def read_rules_file(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
     """
     try:
         with open(path, encoding="utf-8") as f:
-            value = json.load(f)
+            value = loads_json(f.read())
     except OSError as exc:  # said in words: "no such file or directory", not "[Errno 2] ..."
         reason = (exc.strerror or str(exc)).lower()
         raise RenameError(f"cannot read {os.fspath(path)}: {reason}") from exc

@@ -25,12 +25,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from parallel_dcp.errors import UnsafeCheckpointError, printable
+from parallel_dcp.storage.pinned_paths import pinned_path
 from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
 
 __all__ = ["MAX_DEPTH", "MAX_FILES", "folder_files"]
 
 MAX_DEPTH = 8  # folders below the source: deeper is not a model's side folder
 MAX_FILES = 10_000  # files in all of them
+
+
+# Top-level folders that are a training run's by-products, not the model's: the Hugging Face
+# Trainer's intermediate checkpoints (``checkpoint-500/``, whole models of their own) and its
+# TensorBoard logs (``runs/``). Copying them would bloat every converted model, or refuse the
+# conversion on the copy limits.
+def _run_folder(name: str) -> bool:
+    return name == "runs" or (name.startswith("checkpoint-") and name[len("checkpoint-") :].isdigit())
 
 
 def _resolve(path: Path, tree: Path) -> Path | None:
@@ -69,6 +78,8 @@ def folder_files(where: str | os.PathLike[str], copyable: Callable[[str], bool])
         for name in sorted(os.listdir(folder)):
             if not copyable(name) or (not prefix and not os.path.isdir(folder / name)):
                 continue  # a top-level file: parallel_dcp.jobs.copy_files chooses those
+            if not prefix and _run_folder(name):
+                continue  # a training run's checkpoint or logs, not a module of the model
             path = _resolve(folder / name, tree)
             if path is None:
                 continue
@@ -77,7 +88,7 @@ def folder_files(where: str | os.PathLike[str], copyable: Callable[[str], bool])
             if stat.S_ISDIR(mode):
                 walk(path, relative, depth + 1)
             elif stat.S_ISREG(mode):
-                found[relative] = path
+                found[relative] = pinned_path(path, tree)  # read at the commit with no link on its way
                 if len(found) > MAX_FILES:
                     raise ValueError(
                         f"the folders of {printable(str(root))} hold more than {MAX_FILES} files: convert with "

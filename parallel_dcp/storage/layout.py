@@ -8,12 +8,12 @@ destination never gets a name outside that rule deleted.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.location import Location, Remote, check_name
 from parallel_dcp.storage.safe_files import read_small
@@ -95,7 +95,7 @@ def sharded_layout(kind: str, index_name: str, single: str, suffixes: tuple[str,
         found = {n for n in (index_name, single, MANIFEST_FILE) if n in names}
         if index_name in names:
             try:
-                shards = json.loads(read_record(where / index_name))["weight_map"].values()
+                shards = loads_json(read_record(where / index_name))["weight_map"].values()
                 mentioned = {check_name(n, where / index_name) for n in shards}
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise CorruptCheckpointError(f"{where / index_name} is not a readable index: {exc}") from exc
@@ -129,7 +129,7 @@ def committed_names(where: Location, names: list[str]) -> set[str]:
         if name.endswith(".index.json"):
             protected.add(name)
             try:
-                shards = json.loads(read_record(where / name))["weight_map"].values()
+                shards = loads_json(read_record(where / name))["weight_map"].values()
                 protected |= {n for n in shards if isinstance(n, str)}
             except (ValueError, KeyError, TypeError, AttributeError, OSError):
                 pass  # an unreadable index names nothing

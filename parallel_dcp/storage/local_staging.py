@@ -20,6 +20,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import (
     CheckpointExistsError,
     InsufficientSpaceError,
@@ -67,7 +68,7 @@ __all__ = [
 def _manifest_save_id(directory: Path) -> str | None:
     """The save id in the destination's manifest (that save committed: nothing to resume)."""
     try:
-        value = json.loads(read_small(directory / MANIFEST_FILE, 64 * 2**20)).get("save_id")
+        value = loads_json(read_small(directory / MANIFEST_FILE, 64 * 2**20)).get("save_id")
     except (ValueError, OSError, AttributeError):
         return None
     return value if isinstance(value, str) else None
@@ -244,6 +245,9 @@ class _LocalStaging(Staging):
         # name and renamed into place with the other extras (see storage.side_trees).
         extras, trees = split_trees(extras or {})
         small = ({marker[0]: marker[1]} if marker else {}) | extras
+        if self.resumed is not None:  # a save killed inside its commit left these (its own id): made anew
+            for name in [*small, *trees]:
+                self._remove(temp_name(name, self.save_id))
         for name, data in small.items():
             write_new(self.fd, temp_name(name, self.save_id), data)
         for name, files in trees.items():
@@ -260,9 +264,14 @@ class _LocalStaging(Staging):
         for name in [*staged, *([marker[0]] if marker else [])]:
             self._rename_into_place(name)
         self._committed = True
+        # The manifest last: a save killed before its rename has no manifest saying it is whole
+        # (so a manifest present means the copied folders are in place too).
         for name in extras:
-            self._rename_into_place(name)
+            if name != MANIFEST_FILE:
+                self._rename_into_place(name)
         aside = [self._tree_into_place(name) for name in trees]
+        if MANIFEST_FILE in extras:
+            self._rename_into_place(MANIFEST_FILE)
         self._replaced = (old - new) | {name for name in aside if name is not None}
         sync_directory(self.fd)
 

@@ -18,6 +18,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import DestinationBusyError, InvalidDestinationError
 from parallel_dcp.storage.safe_files import plain_name
 
@@ -106,6 +107,6 @@ def _open_lock(directory: int, name: str, shown: str) -> int:
 
 def _holder(fd: int) -> str:
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        record = json.loads(os.pread(fd, 4096, 0))
+        record = loads_json(os.pread(fd, 4096, 0))
         return f"pid {record['pid']} on host {record['host']}, save {record['save_id']}, since {record['since']}"
     return "a process that is still starting"

@@ -29,6 +29,7 @@ from typing import Any
 
 import xxhash
 
+from parallel_dcp._json import loads_json
 from parallel_dcp._version import __version__
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.layout import read_record
@@ -150,7 +151,7 @@ def read_embedded(metadata: Any, where: object) -> tuple[FileDigest, FileDigest]
     if not isinstance(metadata, dict) or EMBEDDED_KEY not in metadata:
         return None
     try:
-        document = json.loads(metadata[EMBEDDED_KEY])
+        document = loads_json(metadata[EMBEDDED_KEY])
         if document.get("checksum") != ALGORITHM:
             raise ValueError(f"unknown checksum {document.get('checksum')!r}")
         return _parse_digest(document["index"]), _parse_digest(document["data"])
@@ -195,7 +196,7 @@ def read_manifest(
     if not (path.is_file() if isinstance(path, Remote) else os.path.lexists(path)):
         return None
     try:  # by the one rule: a symlink or a FIFO planted as the manifest is refused, never followed
-        document = json.loads(read_record(path))
+        document = loads_json(read_record(path))
         if document.get("checksum") != ALGORITHM:
             raise ValueError(f"unknown checksum {document.get('checksum')!r}")
         files = {check_name(name, path): _parse_digest(v) for name, v in document["files"].items()}

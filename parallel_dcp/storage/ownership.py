@@ -14,7 +14,6 @@ is described (in inspect and in the cleanup's warning) are one job.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import socket
@@ -25,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import (
     CorruptCheckpointError,
     InvalidDestinationError,
@@ -205,7 +205,7 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
         if not is_save_id(save_id):
             continue  # not a record a save writes: it acts on nothing
         try:
-            record = json.loads(read_record(where / name))
+            record = loads_json(read_record(where / name))
             if not isinstance(record, dict):
                 raise ValueError("not an object")
         except (ValueError, OSError):  # UnsafeCheckpointError (a planted symlink or FIFO) is a ValueError
@@ -256,7 +256,7 @@ def _written_by_us(record: Location) -> bool:
 
 def _manifest_save_id(where: Location) -> str | None:
     try:
-        value = json.loads(read_record(where / MANIFEST_FILE)).get("save_id")
+        value = loads_json(read_record(where / MANIFEST_FILE)).get("save_id")
     except (ValueError, OSError, AttributeError):
         return None
     return value if isinstance(value, str) else None

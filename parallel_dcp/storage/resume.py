@@ -26,6 +26,7 @@ from typing import Any
 
 import xxhash
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.location import check_name
 from parallel_dcp.storage.manifest import ALGORITHM, FileDigest
@@ -112,7 +113,7 @@ def read_sealed(directory: Path, name: str) -> dict[str, Any] | None:
     finally:
         os.close(fd)
     try:
-        document = json.loads(data)
+        document = loads_json(data)
     except ValueError:
         return None
     if not isinstance(document, dict):

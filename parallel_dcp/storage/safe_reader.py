@@ -28,6 +28,7 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.storage.pinned_paths import open_without_links
 from parallel_dcp.storage.safe_files import open_regular, resolve_in_tree, vanished
 
 __all__ = ["BoundedFile", "SafeFileSystem", "open_bounded", "read_in_tree", "vanished"]
@@ -89,16 +90,20 @@ class BoundedFile(io.RawIOBase):
         super().close()
 
 
-def open_bounded(path: str | os.PathLike[str], *, buffering: int = io.DEFAULT_BUFFER_SIZE) -> io.BufferedReader:
+def open_bounded(
+    path: str | os.PathLike[str], *, buffering: int = io.DEFAULT_BUFFER_SIZE, no_links: bool = False
+) -> io.BufferedReader:
     """``path`` for reading by the one rule: a regular file, never through a symlink in its last
-    component, never blocking on a FIFO, bounded by its fstat size.
+    component, never blocking on a FIFO, bounded by its fstat size. ``no_links``: ``path`` is a
+    realpath taken earlier, and no component of it may be a symlink now
+    (:func:`~parallel_dcp.storage.pinned_paths.open_without_links`).
 
     Raises:
         UnsafeCheckpointError: a symlink, a FIFO, a directory, anything not a regular file.
         CorruptCheckpointError: the file is gone (it vanished: see :func:`vanished`).
     """
     try:
-        fd = open_regular(None, path)
+        fd = open_without_links(path) if no_links else open_regular(None, path)
     except FileNotFoundError:
         raise vanished(os.fspath(path)) from None
     try:
