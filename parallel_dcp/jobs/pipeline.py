@@ -421,6 +421,7 @@ def run_tasks(
                 handler=handler,
             ):
                 results.append(result)
+                progress.advance(result.task.nbytes)  # its workers do not share the bar's counter
                 bar.refresh()
         elif (executor or choose_executor(job, options)) == "threads":
             with ThreadPool(workers, handler, initializer=lambda: _compat.set_crc32(options.crc32)) as threads:
