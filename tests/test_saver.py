@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
@@ -176,6 +177,17 @@ def test_closing_leaves_no_process(tmp_path: Path) -> None:
     with parallel_dcp.Saver(workers=2) as saver:
         assert len(me.children(recursive=True)) >= 3  # the fork server and two workers
         saver.save({"w": torch.ones(2)}, tmp_path / "ckpt")
+    assert [c for c in me.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_a_saver_dropped_unclosed_stops_its_workers(tmp_path: Path) -> None:
+    me = psutil.Process()
+    saver = parallel_dcp.Saver(workers=2)
+    saver.save({"w": torch.ones(2)}, tmp_path / "ckpt")
+    workers = _workers(saver)
+    del saver
+    gc.collect()
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in workers)
     assert [c for c in me.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE] == []
 
 

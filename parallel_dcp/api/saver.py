@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from parallel_dcp.api import _check_torch
@@ -39,7 +40,8 @@ class Saver:
     Lifetime rules:
 
     - Use it as a context manager, or call :meth:`close`: the workers exit and are reaped and the
-      fork server stops. Workers also die with the caller (SIGKILL on its death).
+      fork server stops; a Saver dropped unclosed (or alive at interpreter exit) does the same
+      when it is collected. Workers also die with the caller (SIGKILL on its death).
     - The state dict must not change while :meth:`save` runs (the caller is inside it; another
       thread must not update the tensors in place meanwhile).
     - A failed save (a worker crash, the memory limit, a timeout, Ctrl-C) stops the workers as
@@ -61,6 +63,8 @@ class Saver:
         from parallel_dcp.jobs.saver import SaverWorkers
 
         self._workers: SaverWorkers | None = SaverWorkers(self._options.worker_count(2**31))
+        # A Saver dropped without close() (or alive at exit) still stops its workers.
+        self._finalizer = weakref.finalize(self, self._workers.close)
 
     @property
     def start_seconds(self) -> float:
@@ -110,9 +114,8 @@ class Saver:
 
     def close(self) -> None:
         """Stop the workers (safe to call more than once)."""
-        workers, self._workers = self._workers, None
-        if workers is not None:
-            workers.close()
+        self._workers = None
+        self._finalizer()  # SaverWorkers.close, once
 
     def _live(self) -> SaverWorkers:
         if self._workers is None:
