@@ -134,6 +134,13 @@ def set_crc32(enabled: bool) -> None:
         setter(enabled)
 
 
+def checkpoint_offset(storage: Any) -> int | None:
+    """Where the bytes of a storage that ``torch.load(map_location="meta")`` built start in its
+    file (torch records it as ``_checkpoint_offset``); None when this torch does not say."""
+    offset = getattr(storage, "_checkpoint_offset", None)
+    return offset if isinstance(offset, int) else None
+
+
 @functools.cache
 def check_torch() -> None:
     """Fail early, in the caller, if any private name this module uses is missing."""

@@ -422,3 +422,87 @@ def test_compress_suite_compares_levels_workers_and_stock(tmp_path: Path) -> Non
         assert rows["save plain w=2"]["details"]["stored_ratio"] > 1.0  # records' headers beside the bytes
         assert rows["load zstd w=2 [pdcp]"]["details"]["decompressed_items"] > 0
         assert scenario["summary"]["save_vs_stock"] is not None
+
+
+def test_read_suite_compares_every_reader_cold_on_both_copies(tmp_path: Path) -> None:
+    target, results = tmp_path / "target", tmp_path / "results"
+    target.mkdir()
+    results.mkdir()
+    run = _bench(
+        [
+            *TINY,
+            *("--suite", "read", "--targets", "disk", "--disk-dir", str(target), "--json", str(results / "b.json")),
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert run.returncode == 0, run.stderr
+    assert "[hf] load w=2 (defaults) of the best plain read" in run.stdout
+    scenario = _strict_json((results / "b.json").read_text())["scenarios"][0]
+    assert scenario["key"] == "read/disk/sync-on"
+    rows = scenario["rows"]
+    for name in (
+        "load w=2 [hf]",
+        "load w=2 io=buffered [hf]",
+        "stock load_file + touch [hf]",
+        "plain read x2 direct [hf]",
+        "plain read x2 buffered [hf]",
+        "load w=2 [dcp]",
+        "load w=2 io=buffered [dcp]",
+        "stock dcp alloc load [dcp]",
+        "plain read x2 direct [dcp]",
+        "plain read x2 buffered [dcp]",
+    ):
+        assert rows[name]["status"] == "ok", (name, rows[name]["error"])
+        assert rows[name]["gib_per_s"] > 0
+    for name in ("load w=2 [hf]", "load w=2 [dcp]"):
+        assert rows[name]["details"]["fallback"] == 0  # every tensor read straight from the files
+    # the peers and fio: measured when installed, otherwise a row that says why
+    for name in (
+        "fastsafetensors direct t=16 [hf]",
+        "fastsafetensors buffered t=16 [hf]",
+        "Run:ai streamer (defaults) [hf]",
+        "fio direct x2 [hf]",
+    ):
+        assert rows[name]["status"] in ("ok", "not run", "failed"), rows[name]
+        if rows[name]["status"] == "not run":
+            assert "not installed" in rows[name]["error"] or "not on PATH" in rows[name]["error"]
+    summary = scenario["summary"]
+    assert summary["hf"]["share_of_best_plain_read"] > 0 and summary["dcp"]["vs_stock_load_file"] > 0
+    assert list(target.iterdir()) == [], "the benchmark removes what it wrote"
+
+
+def test_disk_suite_reports_the_read_choice_for_both_checkpoints(tmp_path: Path) -> None:
+    target, results = tmp_path / "target", tmp_path / "results"
+    target.mkdir()
+    results.mkdir()
+    run = _bench(
+        [
+            *TINY,
+            *("--suite", "disk", "--targets", "disk", "--disk-dir", str(target)),
+            *("--json", str(results / "bench.json")),
+        ],
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "our checkpoint: io=auto read" in run.stdout and "stock-written checkpoint: io=auto read" in run.stdout
+    (scenario,) = _strict_json((results / "bench.json").read_text())["scenarios"]
+    rows = scenario["rows"]
+    for label in ("", " (stock-written)"):
+        for name in (
+            f"load into w=2{label}",
+            f"load into w=2 io=direct{label}",
+            f"load into w=2 io=buffered{label}",
+            f"FastReader w=2{label}",
+            f"stock dcp.load{label}",
+            f"plain read x2 direct{label}",
+            f"plain read x2 buffered{label}",
+        ):
+            name = next(n for n in rows if n.startswith(name) and (label or "(stock-written)" not in n))
+            assert rows[name]["status"] == "ok", (name, rows[name]["error"])
+        auto = next(r for n, r in rows.items() if n.startswith(f"load into w=2{label}") and "io=" not in n)
+        assert auto["details"]["read_io"] in ("direct", "buffered") and auto["details"]["read_reason"]
+        reads = scenario["summary"]["reads"][label]
+        assert reads["load_into_of_best_read"] > 0 and reads["load_into_vs_stock"] > 0
+        assert reads["choice"]["read_io"] == auto["details"]["read_io"]
+    assert list(target.iterdir()) == [], "the benchmark removes what it wrote"

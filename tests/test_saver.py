@@ -145,10 +145,11 @@ def test_ctrl_c_during_a_save_stops_it_and_the_next_save_starts_new_workers(tmp_
 
 
 def test_an_item_over_the_limit_fails_before_any_write(tmp_path: Path) -> None:
-    with parallel_dcp.Saver(workers=2, memory_limit="16MiB") as saver:
-        with pytest.raises(MemoryLimitExceeded, match=r"'big' needs .* more than the memory limit 16\.0 MiB"):
-            # 32 MiB, copied by a worker, never split
-            saver.save({"big": torch.zeros(8 * MiB)}, tmp_path / "ckpt", chunk_size="1GiB")
+    # The limit leaves room for the two workers' planned resting cost (WORKER_MEMORY_BYTES each).
+    with parallel_dcp.Saver(workers=2, memory_limit="48MiB") as saver:
+        with pytest.raises(MemoryLimitExceeded, match=r"'big' needs .* more than the memory limit 48\.0 MiB"):
+            # 64 MiB, copied by a worker, never split
+            saver.save({"big": torch.zeros(16 * MiB)}, tmp_path / "ckpt", chunk_size="1GiB")
         assert list(tmp_path.iterdir()) == []
         saver.save({"w": torch.ones(4)}, tmp_path / "ckpt")  # the workers are still there to use
 

@@ -8,9 +8,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from parallel_dcp.api import _check_torch, _given_or
+from parallel_dcp.errors import QuantizationError
 from parallel_dcp.options import Options
 
 if TYPE_CHECKING:
+    import torch
+
     from parallel_dcp.formats.fast_read import ReadStats
 
 __all__ = ["load"]
@@ -31,8 +34,20 @@ def load(
     into: dict[str, Any] | None = None,
     trust_pickle: bool = False,
     stats: ReadStats | None = None,
+    dtype: str | torch.dtype | None = None,
+    dequantize: bool = False,
+    block_size: int | None = None,
 ) -> dict[str, Any]:
-    """Load a DCP checkpoint (all keys, or the flattened ``keys`` given), fast.
+    """Load a checkpoint of any format ``convert`` reads (all keys, or the flattened ``keys`` given), fast.
+
+    Besides DCP: a ``.safetensors`` file, a Hugging Face folder of them (with or without
+    ``model.safetensors.index.json``), a torch.save file or folder (``weights_only=True`` unless
+    ``trust_pickle``), and quantized releases with ``dequantize=True``. Their tensors are read by
+    the same pool of threads straight from the files into the tensors' memory (``preadv``, or
+    O_DIRECT as ``io`` says); shards are opened by the same rule (no symlink out of the folder,
+    regular files only) and every size is checked against the file before any read. The result
+    equals ``safetensors.torch.load_file`` (flat names) or ``torch.load(weights_only=True)``
+    (its nesting).
 
     Each tensor's bytes are read straight from its shard into the tensor's memory (``preadv``
     by ``workers`` threads, reads sorted by offset and merged where adjacent), after its
@@ -66,12 +81,18 @@ def load(
         trust_pickle: unpickle non-tensor values without ``weights_only`` (runs their pickle
             code: only for checkpoints you trust).
         stats: a :class:`ReadStats` to add the counts of this load to (fast path, fallback).
+        dtype: cast floating tensors to this dtype on the way (``"bfloat16"``, ``torch.float16``);
+            ``into`` tensors must then have it. Other tensors are kept as stored.
+        dequantize: as for :func:`convert`: FP8 block-scaled and MXFP4 pairs are returned
+            dequantized (to ``dtype``, default bfloat16), equal to what ``convert`` writes.
+        block_size: the FP8 block of ``dequantize`` (default: ``config.json``, else 128).
 
     Returns:
         A new dict with the checkpoint's original nesting, or ``into`` itself.
 
     Raises:
-        FileNotFoundError: ``path`` holds no committed checkpoint.
+        FileNotFoundError: ``path`` holds no committed checkpoint nor any other format.
+        QuantizationError: ``dequantize`` of a source whose pairs do not match.
         KeyNotFoundError: a requested key is not in the checkpoint (or not in ``into``), an
             ``into`` key the checkpoint lacks, or a pattern that selects nothing (also a
             ``KeyError``; every name is listed).
@@ -95,7 +116,24 @@ def load(
             io=io,
         ),
     )
-    from parallel_dcp.jobs import load as _loader
+    from parallel_dcp.jobs.convert import parse_dtype
+    from parallel_dcp.jobs.load_files import load_any
 
     _check_torch()
-    return _loader.load(path, keys, options, into=into, trust_pickle=trust_pickle, stats=stats)
+    cast = parse_dtype(dtype)
+    if dequantize and cast is not None and str(cast) not in _DEQUANTIZED:
+        raise QuantizationError(f"dequantize gives bfloat16, float16 or float32, not {cast}")
+    return load_any(
+        path,
+        keys,
+        options,
+        into=into,
+        trust_pickle=trust_pickle,
+        stats=stats,
+        dtype=cast,
+        dequantize=dequantize,
+        block_size=block_size,
+    )
+
+
+_DEQUANTIZED = ("torch.bfloat16", "torch.float16", "torch.float32")

@@ -13,7 +13,19 @@ from parallel_dcp.options import usable_cores
 
 __all__ = ["SUITES", "BenchConfig", "Target", "default_gib"]
 
-SUITES = ("save", "small", "convert", "lopsided", "scaling", "load", "load-small", "compress", "quantized", "disk")
+SUITES = (
+    "save",
+    "small",
+    "convert",
+    "lopsided",
+    "scaling",
+    "load",
+    "load-small",
+    "compress",
+    "quantized",
+    "disk",
+    "read",
+)
 _SHM = "/dev/shm"
 _MAX_DEFAULT_GIB = 2.0
 # Memory a run holds at once, in state-dict sizes: the state dict itself, plus (convert) the
@@ -30,6 +42,7 @@ _HELD = {
     "compress": 2.0,
     "quantized": 6.0,  # the source, and the stock path's whole bf16 output (MXFP4: 4x) with its temporaries
     "disk": 3.0,  # the state dict, the reused read targets, and a stock conversion's full load
+    "read": 2.0,  # the state dict while its copies are written, then one reader's whole output
 }
 # A many-small tensor: 2,080 float32 on average, plus its Python and tensor objects.
 _SMALL_TENSOR_BYTES = 2080 * 4 + 1200
@@ -64,6 +77,7 @@ def _check_fits(suites: tuple[str, ...], gib: float, small: int) -> None:
         "compress": llm * 1.6,  # built as fp32+bf16, then cast to bf16
         "quantized": llm,
         "disk": llm,
+        "read": llm,
     }
     needed = max(sizes[suite] * _HELD[suite] for suite in suites)
     available = psutil.virtual_memory().available * _AVAILABLE_SHARE

@@ -46,7 +46,7 @@ def fio_write(nbytes: int, writers: int, out: str) -> dict[str, Any]:
             "--name=limit",
             f"--directory={out}",
             "--rw=write",
-            "--bs=8m",
+            f"--bs={min(8, size)}m",  # fio refuses a block larger than the file
             "--direct=1",
             "--ioengine=libaio",
             "--iodepth=8",

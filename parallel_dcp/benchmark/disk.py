@@ -6,8 +6,10 @@ rows (one worker count N, the largest asked for; interleaved like every suite):
           when fio is on PATH; otherwise N threads of 8 MiB O_DIRECT pwrites from aligned buffers)
           each save row reports the page-cache growth it left (Dirty + Cached of /proc/meminfo)
     cold reads (the page cache dropped before each run when root, else the row says "warm"):
-          load into w=N | FastReader w=N | stock dcp.load (preallocated)
+          load into w=N (io=auto: its details give the read choice and the rates it measured)
+          | load into w=N io=direct | io=buffered | FastReader w=N | stock dcp.load (preallocated)
           plain read xN direct | plain read xN buffered (the limit is the faster of the two)
+          the same reads of a checkpoint written by stock dcp.save(thread_count=N)
     convert: safetensors -> DCP w=N from a cold source | stock load_file + dcp.save t=N
     verify:  verify w=N (checksums + read-back) | stock dcp.load of every key + torch.equal
 """
@@ -29,6 +31,7 @@ import parallel_dcp
 from parallel_dcp.benchmark.device import direct_write_probe, fio_write, plain_read
 from parallel_dcp.benchmark.measure import Case
 from parallel_dcp.benchmark.writers import flat_tensors
+from parallel_dcp.storage.read_choice import ReadChoice
 
 __all__ = ["disk_cases", "drop_caches", "page_cache_bytes"]
 
@@ -127,64 +130,15 @@ def disk_cases(state_dict: Any, root: str, workers: int, sync: bool) -> tuple[li
         ),
     ]
 
-    # The checkpoint the read rows read, and the safetensors source of the convert rows.
+    # The checkpoints the read rows read (ours and stock's), and the safetensors source of the convert rows.
     ckpt, source = os.path.join(root, "ckpt"), os.path.join(root, "model.safetensors")
     parallel_dcp.save(state_dict, ckpt, workers=n)
+    stock_ckpt = os.path.join(root, "stock-ckpt")
+    stock(stock_ckpt)
     save_file({k: t.contiguous() for k, t in flat.items()}, source)
-    shards = sorted(os.path.join(ckpt, name) for name in os.listdir(ckpt) if name.endswith(".distcp"))
-    targets = parallel_dcp.load(ckpt, workers=1)
-
-    def into(out: str) -> None:
-        parallel_dcp.load(ckpt, workers=n, into=targets)
-
-    def fast_reader(out: str) -> None:
-        dcp_load(targets, storage_reader=parallel_dcp.FastReader(ckpt, workers=n), no_dist=True)
-
-    def stock_load(out: str) -> None:
-        dcp_load(targets, storage_reader=FileSystemReader(ckpt), no_dist=True)
-
-    read_limit = f"plain read x{n} direct{cold}"
-    stock_read = f"stock dcp.load{cold}"
-    cases += [
-        Case(
-            name=f"load into w={n}{cold}",
-            family="load into",
-            procs=n,
-            run=into,
-            prepare=drop_caches,
-            baseline=stock_read,
-            limit=read_limit,
-        ),
-        Case(
-            name=f"FastReader w={n}{cold}",
-            family="FastReader",
-            procs=n,
-            run=fast_reader,
-            prepare=drop_caches,
-            baseline=stock_read,
-            limit=read_limit,
-        ),
-        Case(
-            name=stock_read,
-            family="stock dcp.load",
-            procs=1,
-            run=stock_load,
-            prepare=drop_caches,
-            baseline=stock_read,
-            limit=read_limit,
-        ),
-        Case(
-            name=read_limit, family="plain read direct", procs=n, run=plain_read(shards, n, True), prepare=drop_caches
-        ),
-        Case(
-            name=f"plain read x{n} buffered{cold}",
-            family="plain read buffered",
-            procs=n,
-            run=plain_read(shards, n, False),
-            prepare=drop_caches,
-            limit=read_limit,
-        ),
-    ]
+    targets = parallel_dcp.load(ckpt, workers=n)  # also where io="auto" measures, once, at the rows' thread count
+    cases += _read_cases(ckpt, "", targets, n, cold)
+    cases += _read_cases(stock_ckpt, " (stock-written)", targets, n, cold)
 
     def convert(out: str) -> None:
         parallel_dcp.convert(source, out, workers=n, sync_files=sync)
@@ -235,3 +189,89 @@ def disk_cases(state_dict: Any, root: str, workers: int, sync: bool) -> tuple[li
         else "not root: the page cache cannot be dropped, every read row is warm",
     ]
     return cases, notes
+
+
+def _choice_details(choice: ReadChoice | None) -> dict[str, Any]:
+    """How ``io="auto"`` read, for a read row's details."""
+    if choice is None:
+        return {}
+    details: dict[str, Any] = {"read_io": choice.reads, "read_reason": choice.reason}
+    if choice.measured:
+        assert choice.direct_bytes_per_s is not None and choice.buffered_bytes_per_s is not None
+        details |= {
+            "probe_direct_gib_s": round(choice.direct_bytes_per_s / 2**30, 3),
+            "probe_buffered_gib_s": round(choice.buffered_bytes_per_s / 2**30, 3),
+            "probe_s": round(choice.probe_seconds, 3),
+        }
+    return details
+
+
+def _read_cases(ckpt: str, label: str, targets: dict[str, Any], n: int, cold: str) -> list[Case]:
+    """The cold read rows of one checkpoint: ours (auto, direct, buffered), FastReader, stock's
+    dcp.load and the plain parallel reads of its shards (the limit: the faster of the two)."""
+    shards = sorted(os.path.join(ckpt, name) for name in os.listdir(ckpt) if name.endswith(".distcp"))
+
+    def into(io: str) -> Callable[[str], dict[str, Any]]:
+        def run(out: str) -> dict[str, Any]:
+            stats = parallel_dcp.ReadStats()
+            parallel_dcp.load(ckpt, workers=n, into=targets, io=io, stats=stats)
+            return _choice_details(stats.read_choice)
+
+        return run
+
+    def fast_reader(out: str) -> dict[str, Any]:
+        reader = parallel_dcp.FastReader(ckpt, workers=n)
+        dcp_load(targets, storage_reader=reader, no_dist=True)
+        return _choice_details(reader.read_choice)
+
+    def stock_load(out: str) -> None:
+        dcp_load(targets, storage_reader=FileSystemReader(ckpt), no_dist=True)
+
+    read_limit = f"plain read x{n} direct{label}{cold}"
+    stock_read = f"stock dcp.load{label}{cold}"
+    family = "stock-written " if label else ""
+    rows = [
+        (f"load into w={n}{label}{cold}", "load into", into("auto")),
+        (f"load into w={n} io=direct{label}{cold}", "load into direct", into("direct")),
+        (f"load into w={n} io=buffered{label}{cold}", "load into buffered", into("buffered")),
+        (f"FastReader w={n}{label}{cold}", "FastReader", fast_reader),
+    ]
+    cases = [
+        Case(
+            name=name,
+            family=family + kind,
+            procs=n,
+            run=run,
+            prepare=drop_caches,
+            baseline=stock_read,
+            limit=read_limit,
+        )
+        for name, kind, run in rows
+    ]
+    return [
+        *cases,
+        Case(
+            name=stock_read,
+            family=family + "stock dcp.load",
+            procs=1,
+            run=stock_load,
+            prepare=drop_caches,
+            baseline=stock_read,
+            limit=read_limit,
+        ),
+        Case(
+            name=read_limit,
+            family=family + "plain read direct",
+            procs=n,
+            run=plain_read(shards, n, True),
+            prepare=drop_caches,
+        ),
+        Case(
+            name=f"plain read x{n} buffered{label}{cold}",
+            family=family + "plain read buffered",
+            procs=n,
+            run=plain_read(shards, n, False),
+            prepare=drop_caches,
+            limit=read_limit,
+        ),
+    ]

@@ -22,7 +22,11 @@ def disk_summary(rows: dict[str, dict[str, Any]], nbytes: int) -> dict[str, Any]
     save = next((float(r["median_s"]) for n, r in rows.items() if "io=auto" in n and r["median_s"]), None)
     buffered = next((float(r["median_s"]) for n, r in rows.items() if "io=buffered" in n and r["median_s"]), None)
     unchecked = next((float(r["median_s"]) for n, r in rows.items() if "no-checksums" in n and r["median_s"]), None)
-    reads = [float(r["median_s"]) for n, r in rows.items() if n.startswith("plain read") and r["median_s"]]
+    reads = [
+        float(r["median_s"])
+        for n, r in rows.items()
+        if n.startswith("plain read") and "(stock-written)" not in n and r["median_s"]
+    ]
     best_read = min(reads) if reads else None
     growth = next((r["details"].get("page_cache_growth") for n, r in rows.items() if "io=auto" in n), None)
     return {
@@ -36,11 +40,50 @@ def disk_summary(rows: dict[str, dict[str, Any]], nbytes: int) -> dict[str, Any]
         "fast_reader_of_best_read": ratio(best_read, median("FastReader")),
         "load_into_vs_stock": ratio(median("stock dcp.load"), median("load into")),
         "verify_vs_stock": ratio(median("stock dcp.load + torch.equal"), median("verify")),
+        "reads": {label: _reads(rows, label) for label in ("", " (stock-written)")},
         "page_cache_growth_of_checkpoint": growth / nbytes if growth is not None and nbytes else None,
         "page_cache_growth_by_writer": {
             n: r["details"]["page_cache_growth"] for n, r in rows.items() if "page_cache_growth" in r["details"]
         },
     }
+
+
+def _reads(rows: dict[str, dict[str, Any]], label: str) -> dict[str, Any]:
+    """The cold read figures of one checkpoint (ours: ``label`` "", or stock-written): each of
+    our readers as a share of the best plain parallel read of its shards and against stock's
+    ``dcp.load``, and how ``io="auto"`` chose (the probe's rates, from the load row's details)."""
+
+    def find(prefix: str, *parts: str) -> dict[str, Any] | None:
+        for name, found in rows.items():
+            mine = label in name if label else "(stock-written)" not in name
+            plain = parts or ("io=" not in name and "torch.equal" not in name)
+            if name.startswith(prefix) and mine and plain and all(p in name for p in parts):
+                return found
+        return None
+
+    def median(prefix: str, *parts: str) -> float | None:
+        found = find(prefix, *parts)
+        return float(found["median_s"]) if found and found.get("median_s") else None
+
+    direct, buffered = median("plain read", " direct"), median("plain read", " buffered")
+    best = min((t for t in (direct, buffered) if t), default=None)
+    stock = median("stock dcp.load")
+    auto = median("load into w=")
+    out: dict[str, Any] = {
+        "plain_direct_over_buffered": buffered / direct if direct and buffered else None,
+        "choice": {
+            k: v
+            for k, v in ((find("load into w=") or {}).get("details") or {}).items()
+            if k.startswith(("read_", "probe_"))
+        },
+    }
+    for key, mine in (("load_into", auto), ("fast_reader", median("FastReader w="))):
+        out[f"{key}_of_best_read"] = best / mine if best and mine else None
+        out[f"{key}_vs_stock"] = stock / mine if stock and mine else None
+    for io in ("direct", "buffered"):
+        forced = median("load into w=", f"io={io}")
+        out[f"auto_vs_{io}"] = forced / auto if forced and auto else None
+    return out
 
 
 def disk_summary_lines(s: dict[str, Any]) -> list[str]:
@@ -54,12 +97,32 @@ def disk_summary_lines(s: dict[str, Any]) -> list[str]:
         f"{num(s['save_buffered_vs_auto'], '.2f')}x the time of io=auto",
         f"checksums' share of the save time: {num(s['checksums_share'], '.0%')} (target <= 5%)",
         f"safetensors -> DCP vs load_file + dcp.save: {num(s['convert_vs_stock'], '.2f')}x (target >= 2.5x)",
-        f"load(into=) / FastReader of the best plain read: {num(s['load_into_of_best_read'], '.0%')} / "
-        f"{num(s['fast_reader_of_best_read'], '.0%')} (target >= 90%)",
-        f"load(into=) vs stock dcp.load: {num(s['load_into_vs_stock'], '.2f')}x (target >= 2.5x)",
+        *_read_lines(s.get("reads", {}), num),
         f"verify vs stock dcp.load + torch.equal: {num(s['verify_vs_stock'], '.2f')}x (target >= 1.2x)",
         f"page-cache growth after a save with io=auto: {num(s['page_cache_growth_of_checkpoint'], '.1%')} of the "
         "checkpoint (target < 5%)",
         "page-cache growth (Dirty + Cached) per writer: "
         + ", ".join(f"{n}: {g / 2**20:+.0f} MiB" for n, g in s["page_cache_growth_by_writer"].items()),
     ]
+
+
+def _read_lines(reads: dict[str, dict[str, Any]], num: Any) -> list[str]:
+    lines = []
+    for label, r in reads.items():
+        which = "stock-written checkpoint" if label else "our checkpoint"
+        choice = r.get("choice") or {}
+        probe = (
+            f"measured direct {choice['probe_direct_gib_s']:.2f} / buffered {choice['probe_buffered_gib_s']:.2f} GiB/s "
+            f"in {choice['probe_s']:.2f} s"
+            if "probe_direct_gib_s" in choice
+            else choice.get("read_reason", "-")
+        )
+        lines += [
+            f"{which}: io=auto read {choice.get('read_io', '-')} ({probe}); plain reads direct/buffered "
+            f"{num(r['plain_direct_over_buffered'], '.2f')}x; auto vs io=direct {num(r['auto_vs_direct'], '.2f')}x, "
+            f"vs io=buffered {num(r['auto_vs_buffered'], '.2f')}x",
+            f"{which}: load(into=) / FastReader of the best plain read {num(r['load_into_of_best_read'], '.0%')} / "
+            f"{num(r['fast_reader_of_best_read'], '.0%')} (target >= 95%), vs stock dcp.load "
+            f"{num(r['load_into_vs_stock'], '.2f')}x / {num(r['fast_reader_vs_stock'], '.2f')}x (target >= 1.0x)",
+        ]
+    return lines

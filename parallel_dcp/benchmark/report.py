@@ -140,6 +140,10 @@ def scenario_lines(scenario: Scenario) -> list[str]:
         lines += _load_summary_lines(s)
     elif scenario.suite.startswith("compress"):
         lines += _compress_summary_lines(s)
+    elif scenario.suite == "read":
+        from parallel_dcp.benchmark.reading import read_summary_lines
+
+        lines += read_summary_lines(s)
     elif scenario.suite == "disk":
         from parallel_dcp.benchmark.disk_report import disk_summary_lines
 

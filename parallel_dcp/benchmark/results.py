@@ -143,6 +143,10 @@ def summary(scenario: Scenario, rows: dict[str, dict[str, Any]]) -> dict[str, An
         from parallel_dcp.benchmark.disk_report import disk_summary
 
         return disk_summary(rows, scenario.nbytes)
+    if scenario.suite == "read":
+        from parallel_dcp.benchmark.reading import read_summary
+
+        return read_summary(rows, scenario.compare_count)
     if scenario.suite in ("load", "load-small"):
         from parallel_dcp.benchmark.loading import load_summary
 

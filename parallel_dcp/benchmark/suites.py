@@ -27,6 +27,7 @@ from parallel_dcp.benchmark.disk import disk_cases
 from parallel_dcp.benchmark.loading import load_cases, write_checkpoints
 from parallel_dcp.benchmark.measure import Case, run_interleaved
 from parallel_dcp.benchmark.quantized import QUANTIZED, quantized_cases, quantized_state_dict
+from parallel_dcp.benchmark.reading import read_cases
 from parallel_dcp.benchmark.results import Scenario
 from parallel_dcp.benchmark.scaling import Samples, project, scaling_cases
 from parallel_dcp.benchmark.writers import CRC_NOTE, flat_tensors, limit_cases, save_cases, unsplit_case
@@ -53,6 +54,7 @@ _SPACE_FACTOR = {
     "quantized:mxfp4": 9.5,
     "quantized:quantize": 2.5,
     "disk": 4.5,  # the checkpoint, the safetensors source, one output, the probe's files
+    "read": 2.2,  # the Hugging Face folder and the DCP copy
 }
 # The compress suite: the real model, and the LLM-like state dict in bfloat16.
 _COMPRESS = ("compress:minilm", "compress:llm")
@@ -68,7 +70,7 @@ class StateDicts:
         self._built: dict[str, Any] = {}
 
     def get(self, suite: str) -> Any:
-        if suite in ("load", "load-small"):  # written to the target, then dropped: not kept
+        if suite in ("load", "load-small", "read"):  # written to the target, then dropped: not kept
             return self.build(suite)
         if suite in QUANTIZED:  # written as a release, then dropped: not kept
             return quantized_state_dict(suite, self._config.gib)
@@ -142,6 +144,10 @@ def _cases(
         return cases, notes, None
     if suite == "disk":
         cases, notes = disk_cases(sd, root, max(workers), sync)
+        return cases, notes, None
+    if suite == "read":
+        cases, notes = read_cases(sd, root, 2 if 2 in workers else max(workers))
+        sd.clear()  # the two copies hold it now; every row allocates its own output
         return cases, notes, None
     tensors = flat_tensors(sd)
     if suite in _SCALING:

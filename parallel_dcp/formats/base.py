@@ -29,6 +29,7 @@ _INDEX_MAX_BYTES = 64 * 2**20
 
 if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
+    from parallel_dcp.formats.range_read import RawRange
 
 __all__ = ["MAX_ELEMENTS", "Entry", "FileFormat", "Source", "entry_of", "index_json", "index_names", "shard_files"]
 
@@ -112,6 +113,10 @@ class Source(ABC):
     @abstractmethod
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """Read the tensors of ``keys`` (called in a worker; each result owns or maps its bytes)."""
+
+    def raw_ranges(self) -> dict[str, RawRange]:
+        """Tensors stored as their own row-major bytes, and where (others: :meth:`read`)."""
+        return {}
 
     def check(self, keys: Iterable[str] | None = None) -> None:  # noqa: B027 (formats that check on open)
         """Before reading: raise CorruptCheckpointError when the files ``keys`` (or all) need are

@@ -47,6 +47,7 @@ from parallel_dcp.formats.quantized_pairs import (
     find_pairs,
     source_config,
 )
+from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.wrapped_source import WrappedSource
 
 if TYPE_CHECKING:
@@ -92,6 +93,10 @@ class DequantizedSource(WrappedSource):
                 "(nothing was written)",
                 keys=bad,
             )
+
+    def raw_ranges(self) -> dict[str, RawRange]:
+        """The inner source's, for the tensors kept as they are (a pair is computed)."""
+        return {k: r for k, r in self._inner().raw_ranges().items() if k in self.entries and k not in self.pairs}
 
     def _holds_nan(self, scale: str) -> bool:
         """Whether E8M0 ``scale`` holds the exponent 255, read in pieces of at most

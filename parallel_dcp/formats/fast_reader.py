@@ -27,17 +27,37 @@ from parallel_dcp.engine.memory import MemoryGovernor, parse_size
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import fast_read
+from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.range_read import RawRange
+from parallel_dcp.formats.source_storage import read_source_items, source_metadata
 from parallel_dcp.options import usable_cores
 from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import Location, Remote, RemoteFileSystem, locate
 from parallel_dcp.storage.metadata import check_metadata, read_metadata, unpickle_value
+from parallel_dcp.storage.read_choice import ReadChoice, read_choice
 from parallel_dcp.storage.safe_reader import SafeFileSystem
 
 __all__ = ["FastReader"]
 
 
+def open_other_format(where: Location, storage_options: dict[str, Any] | None, trust_pickle: bool) -> Source | None:
+    """The source at ``where`` when it is a format other than DCP; None for DCP (or nothing
+    readable: DCP's reader then says what is missing)."""
+    from parallel_dcp.formats import detect_format, open_source
+
+    try:
+        kind = detect_format(where, storage_options)
+    except (FileNotFoundError, ValueError):
+        return None
+    if kind == "dcp":
+        return None
+    return open_source(where, trust_pickle=trust_pickle, storage_options=storage_options)
+
+
 class FastReader(FileSystemReader):
-    """A ``StorageReader`` that reads DCP checkpoints with parallel zero-copy reads.
+    """A ``StorageReader`` that reads DCP checkpoints with parallel zero-copy reads, and every
+    other format :func:`parallel_dcp.convert` reads (a safetensors file or Hugging Face folder, a
+    torch.save file): each tensor is then one stored chunk, its bytes read straight from the file.
 
     Args:
         path: the checkpoint directory, or its URL (``s3://...``; ``storage_options`` as for
@@ -52,7 +72,9 @@ class FastReader(FileSystemReader):
         io: ``"auto"``, ``"direct"`` or ``"buffered"``, as for :func:`parallel_dcp.load`.
 
     ``stats`` (a :class:`parallel_dcp.ReadStats`) counts what the fast path and DCP's reader
-    served across every ``read_data`` call.
+    served across every ``read_data`` call; ``read_choice`` (also ``stats.read_choice``) says how
+    the shards were read, and for ``io="auto"`` the cold rates measured on their file system by
+    the first ``read_data`` (storage.read_choice.read_choice).
     """
 
     def __init__(
@@ -67,7 +89,11 @@ class FastReader(FileSystemReader):
     ) -> None:
         self._where: Location = locate(path, storage_options)
         self.io = resolve_io(io, self._where, writing=False)
+        self._io_asked = io
         super().__init__(os.fspath(self._where))
+        # Any other format convert reads (safetensors, torch.save) is served as one chunk per tensor.
+        self._source = open_other_format(self._where, storage_options, trust_pickle)
+        self._ranges: dict[str, RawRange] | None = None
         if isinstance(self._where, Remote):
             self.fs = RemoteFileSystem(self._where.options)  # type: ignore[assignment]
             self.path = self._where.url
@@ -79,6 +105,7 @@ class FastReader(FileSystemReader):
         self.trust_pickle = trust_pickle
         self.memory_limit = None if memory_limit is None else parse_size(memory_limit)
         self.stats = fast_read.ReadStats()
+        self.read_choice: ReadChoice | None = None
         self._chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
         self._metadata: Metadata | None = None
 
@@ -86,7 +113,9 @@ class FastReader(FileSystemReader):
         if checkpoint_id:
             options = self._where.options if isinstance(self._where, Remote) else None
             self._where = locate(checkpoint_id, options)
+            self._source, self._ranges = open_other_format(self._where, options, self.trust_pickle), None
         super().reset(checkpoint_id)
+        self.read_choice = None  # another checkpoint may live on another file system
         if isinstance(self._where, Remote):
             self.path = self._where.url
 
@@ -94,6 +123,11 @@ class FastReader(FileSystemReader):
         """``.metadata`` through the allow-list unpickler (stock uses plain pickle)."""
         if kwargs.get("rank") is not None:
             raise NotImplementedError("FastReader reads the global .metadata only, not per-rank metadata files")
+        if self._source is not None:
+            metadata = source_metadata(self._source)
+            assert metadata.storage_meta is not None
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
         with gc_paused():
             metadata = read_metadata(
                 self._where, memory_limit=self.memory_limit
@@ -105,6 +139,9 @@ class FastReader(FileSystemReader):
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._source is not None:  # every rank opened the files itself: their headers are the metadata
+            self._metadata = source_metadata(self._source)
+            return
         check_metadata(metadata, self._where)  # every rank: the metadata may come from another rank
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._metadata = metadata
@@ -129,6 +166,18 @@ class FastReader(FileSystemReader):
             return self._read_data(plan, planner)
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._source is not None:
+            if self._ranges is None:
+                self._ranges = self._source.raw_ranges()
+            fast = read_source_items(self._source, self._ranges, plan, planner, self.workers, self.io)
+            self.stats.add(
+                fast_read.ReadStats(
+                    fast=fast, fallback=sum(1 for i in plan.items if i.type != LoadItemType.BYTE_IO) - fast
+                )
+            )
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
         requests: list[fast_read.Request] = []
         committed: list[tuple[ReadItem, torch.Tensor]] = []
         for item in plan.items:
@@ -155,7 +204,13 @@ class FastReader(FileSystemReader):
             planner.load_bytes(item, io.BytesIO(data))
 
         budget = None if self.memory_limit is None else MemoryGovernor(self.memory_limit)
-        self.stats.add(fast_read.read_requests(self._where, requests, self.workers, on_bytes, budget, io=self.io))
+        if self.read_choice is None:  # the first read decides, measuring the shards it is about to read
+            names = dict.fromkeys(str(r.info.relative_path) for r in requests)
+            files = [] if isinstance(self._where, Remote) else [self._where / name for name in names]
+            self.read_choice = read_choice(self._io_asked, self._where, files, streams=self.workers)
+        read = fast_read.read_requests(self._where, requests, self.workers, on_bytes, budget, io=self.read_choice.io)
+        read.read_choice = self.read_choice
+        self.stats.add(read)
         for item, target in committed:
             planner.commit_tensor(item, target)
         future: Future[None] = Future()

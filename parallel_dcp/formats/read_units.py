@@ -31,6 +31,7 @@ from parallel_dcp.errors import CorruptCheckpointError, dtype_name
 from parallel_dcp.formats.dcp_records import HEAD_BYTES, TAIL_BYTES, RecordLayout, is_row_major, parse_record
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.location import Location, Remote
+from parallel_dcp.storage.read_choice import ReadChoice
 
 __all__ = [
     "BATCH_BYTES",
@@ -82,7 +83,9 @@ class ReadStats:
     """Which path served a read: ``fast`` and ``fallback`` count read items (a tensor or a part of
     one); ``fallback_keys`` names the keys DCP's own reader served; ``values`` counts pickled
     (non-tensor) values; ``reads`` the system calls (or ranged GETs) of the fast path;
-    ``compressed`` the read items decompressed (bounded, on the reading threads)."""
+    ``compressed`` the read items decompressed (bounded, on the reading threads);
+    ``read_choice`` how local shards were read under ``io`` and why: for ``io="auto"`` the cold
+    direct and buffered rates measured on this file system (storage.read_choice.ReadChoice)."""
 
     fast: int = 0
     fallback: int = 0
@@ -91,6 +94,7 @@ class ReadStats:
     reads: int = 0
     bytes: int = 0
     compressed: int = 0
+    read_choice: ReadChoice | None = None
 
     def add(self, other: ReadStats) -> None:
         self.fast += other.fast
@@ -100,6 +104,8 @@ class ReadStats:
         self.reads += other.reads
         self.bytes += other.bytes
         self.compressed += other.compressed
+        if other.read_choice is not None:
+            self.read_choice = other.read_choice
 
 
 class _File:

@@ -29,6 +29,7 @@ from parallel_dcp._json import loads_json
 from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats.base import Entry, FileFormat, Source, shard_files
+from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.storage.direct_read import ShardFile, direct_read_memory
 from parallel_dcp.storage.io_mode import uses_direct
 from parallel_dcp.storage.location import MIN_PART_BYTES, Location, Remote, listdir, new_file_mode
@@ -228,6 +229,25 @@ class SafetensorsSource(Source):
                     raise CorruptCheckpointError(f"{file}: the header of {key!r} changed while opening")
                 self._direct[key] = (start + first, start + end)
         self._io = io
+
+    def raw_ranges(self) -> dict[str, RawRange]:
+        """Every tensor of a local source: its data offsets from the header, checked against what
+        listing found (a header changed since is refused); none on object storage."""
+        if isinstance(self.location, Remote):
+            return {}
+        out: dict[str, RawRange] = {}
+        for file in self.files:
+            start, header = _local_header(file)
+            for key, info in header.items():
+                entry = self.entries.get(key)
+                try:
+                    first, end = (int(n) for n in info["data_offsets"])
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise CorruptCheckpointError(f"{file}: tensor {key!r} has a malformed header entry") from exc
+                if entry is None or entry.file != file or end - first != entry.nbytes or first < 0:
+                    raise CorruptCheckpointError(f"{file}: the header of {key!r} changed while opening")
+                out[key] = RawRange(file, start + first)
+        return out
 
     def _read_direct(self, key: str, first: int, shape: tuple[int, ...]) -> torch.Tensor:
         entry = self.entries[key]

@@ -30,7 +30,8 @@ from parallel_dcp import _compat
 from parallel_dcp.engine.chunks import Chunk, exact_storage
 from parallel_dcp.errors import CorruptCheckpointError, InsufficientSpaceError, UnsafeCheckpointError
 from parallel_dcp.formats.base import FileFormat, Source, entry_of, shard_files
-from parallel_dcp.formats.validate import flatten_checked
+from parallel_dcp.formats.range_read import RawRange
+from parallel_dcp.formats.validate import flatten_checked, flatten_structure
 from parallel_dcp.storage.local_staging import free_bytes
 from parallel_dcp.storage.location import Location, Remote
 
@@ -99,10 +100,11 @@ def _check_torch_file(file: str) -> None:
         raise CorruptCheckpointError(f"{file} is not a torch.save file (neither a zip archive nor the legacy format)")
 
 
-def _load(file: str, *, mmap: bool, trust_pickle: bool) -> Any:
+def _load(file: str, *, mmap: bool, trust_pickle: bool, meta: bool = False) -> Any:
     _check_torch_file(file)
     try:
-        return torch.load(file, map_location="cpu", mmap=mmap, weights_only=not trust_pickle)
+        where = "meta" if meta else "cpu"
+        return torch.load(file, map_location=where, mmap=mmap, weights_only=not trust_pickle)
     except Exception as exc:
         if not trust_pickle and "Weights only load failed" in str(exc) and "GLOBAL" in str(exc):
             raise UnsafeCheckpointError(
@@ -164,6 +166,32 @@ class TorchSource(Source):
 
     def release(self) -> None:
         self._loaded.clear()
+
+    def raw_ranges(self) -> dict[str, RawRange]:
+        """The contiguous tensors of local zip-format files: where torch itself places each
+        storage's record (a ``map_location="meta"`` load: the pickle again, no tensor bytes), each
+        checked to lie inside its storage; views with gaps and legacy files are read by mapping."""
+        if isinstance(self.location, Remote):
+            return {}
+        out: dict[str, RawRange] = {}
+        for file in self.files:
+            if file in self._legacy:
+                continue
+            obj = _load(file, mmap=False, trust_pickle=self.trust_pickle, meta=True)
+            flat = flatten_structure(obj if isinstance(obj, dict) else {"": obj})[0]
+            for key, value in flat.items():
+                entry = self.entries.get(key)
+                if not isinstance(value, torch.Tensor) or entry is None or entry.file != file:
+                    continue
+                storage = value.untyped_storage()
+                offset = _compat.checkpoint_offset(storage)
+                first = value.storage_offset() * value.element_size()
+                if offset is None or not value.is_contiguous() or first + entry.nbytes > storage.nbytes():
+                    continue
+                if (value.dtype, tuple(value.shape)) != (entry.dtype, entry.shape):
+                    raise CorruptCheckpointError(f"{file}: tensor {key!r} changed while opening")
+                out[key] = RawRange(file, int(offset + first))
+        return out
 
     def close(self) -> None:
         if self._cleanup is not None:

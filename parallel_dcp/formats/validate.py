@@ -9,7 +9,7 @@ import torch
 
 from parallel_dcp.errors import InvalidStateDictError
 
-__all__ = ["flatten_checked"]
+__all__ = ["flatten_checked", "flatten_structure"]
 
 
 def _check_keys(value: Any, path: str) -> None:
@@ -47,6 +47,12 @@ def _terminal_list(value: list[Any]) -> bool:
         if isinstance(entry, (Mapping, torch.Tensor)) or (isinstance(entry, list) and not _terminal_list(entry)):
             return False
     return True
+
+
+def flatten_structure(state_dict: Mapping[Any, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
+    """As :func:`flatten_checked`, without the tensor checks (meta tensors that only describe
+    where a file's tensors lie)."""
+    return _flatten(state_dict)
 
 
 def _flatten(state_dict: Mapping[Any, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:

@@ -31,6 +31,7 @@ import math
 import mmap
 import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,8 +62,9 @@ from parallel_dcp.storage.direct_read import direct_read_memory
 from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, locate
 from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading, unpickle_value
+from parallel_dcp.storage.read_choice import ReadChoice, read_choice
 
-__all__ = ["load"]
+__all__ = ["check_target", "load"]
 
 _ALIGN = 64
 
@@ -163,9 +165,10 @@ def _load(
     io_mode = resolve_io(options.io, location, writing=False)
     wanted = options.workers if options.workers is not None else usable_cores()
     room = budget.limit - budget.reserved
-    if io_mode == "auto" and room // (fast_read.thread_memory() + direct_read_memory()) < min(
+    tight = io_mode == "auto" and room // (fast_read.thread_memory() + direct_read_memory()) < min(
         wanted, room // fast_read.thread_memory()
-    ):
+    )
+    if tight:
         io_mode = "buffered"  # under a tight limit, more reading threads beat aligned buffers
     per_thread = fast_read.thread_memory() + (direct_read_memory() if io_mode != "buffered" else 0)
     threads = max(1, min(wanted, room // per_thread))
@@ -182,8 +185,17 @@ def _load(
         values[item.dest_index.fqn] = unpickle_value(item.dest_index.fqn, io.BytesIO(data), trust_pickle=trust_pickle)
 
     requests = _requests(metadata, selected, targets, location)
+    # auto: direct or buffered as measured on this file system (once per process), inside the
+    # threads' reserved buffers (the probe holds no more per stream than a reading thread)
+    choice = (
+        ReadChoice("buffered", "buffered", "a tight memory limit: more reading threads instead of aligned buffers")
+        if tight
+        else read_choice(options.io, location, _files(location, requests), streams=threads)
+    )
+    io_mode = choice.io
     with progress.Progress(total=sum(_nbytes(m) for m in metas.values()), enabled=options.progress, desc="load") as bar:
         done = fast_read.read_requests(location, requests, threads, on_bytes, budget, on_tick=bar.refresh, io=io_mode)
+    done.read_choice = choice
     if stats is not None:
         stats.add(done)
     if into is not None:
@@ -198,8 +210,12 @@ def _load(
 
 
 def _check_target(key: str, value: Any, meta: TensorStorageMetadata) -> None:
-    """An ``into`` tensor must match the stored one exactly: load fills, it never casts or reshapes."""
-    dtype, shape = meta.properties.dtype, tuple(meta.size)
+    check_target(key, value, meta.properties.dtype, tuple(meta.size))
+
+
+def check_target(key: str, value: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """An ``into`` tensor must match what is loaded exactly (``dtype``: the stored one, or the
+    ``dtype=`` cast): load fills, it never casts into another dtype or reshapes."""
     if not isinstance(value, torch.Tensor):
         raise InvalidStateDictError(
             f"into[{key!r}] is a {type(value).__name__}, but the checkpoint holds a {dtype_name(dtype)} "
@@ -281,6 +297,13 @@ def _requests(
                 fast_read.Request(item, _info(storage, item.storage_index, where), chunk, meta.properties.dtype, region)
             )
     return out
+
+
+def _files(where: Location, requests: list[fast_read.Request]) -> list[Path]:
+    """The local shard files the requests read (none on object storage)."""
+    if isinstance(where, Remote):
+        return []
+    return [where / name for name in dict.fromkeys(str(r.info.relative_path) for r in requests)]
 
 
 def _info(storage: dict[Any, Any], index: MetadataIndex, where: Location) -> Any:

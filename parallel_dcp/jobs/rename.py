@@ -31,15 +31,12 @@ import logging
 import re
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeAlias
 
 from parallel_dcp.errors import RenameError, RenameWarning, describe_keys, plural
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.renamed_source import RenamedSource
 from parallel_dcp.jobs.rename_rules import parse_rule, read_rules_file
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["RenameRules", "RenamedSource", "compile_rules", "parse_rule", "read_rules_file", "rename_source"]
 
@@ -138,7 +135,8 @@ def _report(
     if unmatched:
         warnings.warn(
             RenameWarning(
-                f"{plural(len(unmatched), 'key')} of {path} matched no rename rule and keep their names: "
+                f"{plural(len(unmatched), 'key')} of {path} matched no rename rule and "
+                f"{'keeps its name' if len(unmatched) == 1 else 'keep their names'}: "
                 f"{describe_keys(list(unmatched))} (rename_strict=True / --rename-strict refuses this)"
             ),
             stacklevel=4,

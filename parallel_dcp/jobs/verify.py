@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from parallel_dcp.storage.direct_read import PIECE_BYTES, direct_read_memory
 from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, is_url, locate
 from parallel_dcp.storage.manifest import FileDigest, file_digest
+from parallel_dcp.storage.read_choice import ReadChoice, read_choice
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -58,6 +60,9 @@ class VerifyReport:
     # Set when every problem is a floating dtype that a cast explains (the checkpoint holds the
     # reference cast to this dtype, as ``convert --dtype`` writes it): verify again with it.
     suggested_dtype: str | None = None
+    # How the one pass read the shards (io="auto": as measured on their file system); None when
+    # it did not run.
+    read_choice: ReadChoice | None = None
 
     @property
     def ok(self) -> bool:
@@ -75,6 +80,7 @@ class VerifyReport:
             "bytes_checked": self.bytes_checked,
             "problems": self.problems,
             "suggested_dtype": self.suggested_dtype,
+            "read_io": self.read_choice.reads if self.read_choice is not None else None,
         }
 
 
@@ -338,7 +344,11 @@ def _verify(
         assert directory is not None
         report.manifest = True
         if records is not None:
-            io = resolve_io(options.io, directory, writing=False)
+            resolve_io(options.io, directory, writing=False)  # io="direct" where refused: an error before any read
+            assert isinstance(directory, Path)  # one pass: local checkpoints only
+            shards = [directory / name for name in recorded]
+            report.read_choice = read_choice(options.io, directory, shards, streams=workers)
+            io = report.read_choice.io
             held = direct_read_memory() if io != "buffered" else PIECE_BYTES
             sizes = [Item(name, d.size, held) for name, d in recorded.items()]
             handler = one_pass_handler(os.fspath(directory), recorded, records, io)

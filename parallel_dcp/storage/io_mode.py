@@ -11,11 +11,13 @@ The ``auto`` rule, decided once per destination (or source) directory:
   network and overlay file systems: see ``_BUFFERED_TYPES``): buffered. On tmpfs the page cache
   *is* the storage, so O_DIRECT only adds a copy; recent kernels accept it there anyway, which is
   why the type is checked and not only the flag;
-- anywhere else, a probe file is created with ``O_DIRECT`` and one aligned block written: a file
-  system that refuses (EINVAL) gets buffered I/O (readers do not probe: each shard is switched to
-  O_DIRECT with ``fcntl`` and read buffered if the file system refuses);
+- anywhere else, a write probes: a file is created with ``O_DIRECT`` and one aligned block
+  written; a file system that refuses (EINVAL) gets buffered I/O;
+- a read measures instead (storage.read_choice, storage.read_probe): once per file system
+  (``st_dev``) and process, a few cold direct reads against cold buffered ones of slices of a file
+  the job is about to read (never another, nothing written), and the faster is remembered;
 - then per file: direct only for files of at least :data:`DIRECT_MIN_BYTES` (a small file is
-  written faster through the cache than through a queue of aligned writes).
+  written or read faster through the cache than through a queue of aligned requests).
 
 ``io="direct"`` where the rule's first two steps say buffered is an
 :class:`~parallel_dcp.errors.InvalidDestinationError` raised before anything is written.

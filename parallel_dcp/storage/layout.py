@@ -8,6 +8,7 @@ destination never gets a name outside that rule deleted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable
@@ -128,11 +129,10 @@ def committed_names(where: Location, names: list[str]) -> set[str]:
             continue
         if name.endswith(".index.json"):
             protected.add(name)
-            try:
+            # an unreadable index names nothing (its file name alone is protected, above)
+            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError, OSError):
                 shards = loads_json(read_record(where / name))["weight_map"].values()
                 protected |= {n for n in shards if isinstance(n, str)}
-            except (ValueError, KeyError, TypeError, AttributeError, OSError):
-                pass  # an unreadable index names nothing
         elif name.endswith(_WEIGHT_FILES) and _NUMBERED_SHARD.fullmatch(name) is None:
             protected.add(name)
     if protected:

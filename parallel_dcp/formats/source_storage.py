@@ -1,0 +1,120 @@
+"""A file-format source (safetensors, torch.save, dequantized) seen as a DCP checkpoint, so that
+:class:`~parallel_dcp.FastReader` serves stock ``torch.distributed.checkpoint.load`` from it.
+
+    Source (headers only) ── source_metadata: one whole chunk per tensor, values as bytes
+      │ DCP's planner decides what each rank reads (a ReadItem: a region of a stored tensor)
+      ▼
+    read_source_items: regions whose bytes lie plainly in a file (whole tensors, row ranges)
+      → formats/range_read (straight into the planner's tensor); any other region, or a
+      computed tensor (dequantized), → Source.read, then the region copied (and cast)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.range_read import Piece, RawRange, pieces_of, read_pieces
+
+__all__ = ["read_source_items", "source_metadata"]
+
+
+def source_metadata(source: Source) -> Metadata:
+    """The ``Metadata`` a DCP planner needs: every tensor one chunk of its whole shape, every
+    value a bytes entry, the source's nesting as ``planner_data``."""
+    tensors: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    for key, entry in source.entries.items():
+        origin = torch.Size([0] * len(entry.shape))
+        size = torch.Size(entry.shape)
+        tensors[key] = TensorStorageMetadata(
+            TensorProperties(dtype=entry.dtype), size, [ChunkStorageMetadata(origin, size)]
+        )
+        storage[MetadataIndex(key, origin)] = key
+    for key in source.values:
+        tensors[key] = BytesStorageMetadata()
+        storage[MetadataIndex(key)] = key
+    mapping = {k: source.mapping.get(k, (k,)) for k in tensors}
+    return Metadata(tensors, planner_data=mapping, storage_data=storage, storage_meta=StorageMeta())
+
+
+def _row_range(item: ReadItem, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """(first row, rows) when the region is whole rows along the first dimension (the only
+    regions that are one contiguous byte range); None otherwise."""
+    offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
+    if not shape:
+        return (0, 1)
+    if any(o != 0 for o in offsets[1:]) or tuple(lengths[1:]) != tuple(shape[1:]):
+        return None
+    return offsets[0], lengths[0]
+
+
+def read_source_items(
+    source: Source, ranges: dict[str, RawRange], plan: LoadPlan, planner: LoadPlanner, threads: int, io_mode: str
+) -> int:
+    """Read every item of ``plan`` into the planner's tensors (committed once all are read);
+    values are handed to ``planner.load_bytes``; ``ranges``: the source's ``raw_ranges()``.
+    Returns the items read straight from the files.
+
+    Raises:
+        CorruptCheckpointError: an item names a key the source does not hold, or a file is
+            shorter than its tensors need.
+    """
+    pieces: list[Piece] = []
+    computed: list[tuple[ReadItem, torch.Tensor]] = []
+    committed: list[tuple[ReadItem, torch.Tensor]] = []
+    for item in plan.items:
+        key = item.storage_index.fqn
+        if item.type == LoadItemType.BYTE_IO:
+            if key not in source.values:
+                raise CorruptCheckpointError(f"{source.path} holds no value {key!r}")
+            source.load_values([key])
+            buffer = io.BytesIO()
+            torch.save(source.values[key], buffer)
+            buffer.seek(0)
+            planner.load_bytes(item, buffer)
+            continue
+        entry = source.entries.get(key)
+        if entry is None:
+            raise CorruptCheckpointError(f"{source.path} holds no tensor {key!r}")
+        target = planner.resolve_tensor(item).detach()
+        committed.append((item, target))
+        where = ranges.get(key)
+        rows = _row_range(item, entry.shape) if where is not None else None
+        if where is None or rows is None:
+            computed.append((item, target))
+            continue
+        row = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
+        pieces += pieces_of(key, where.file, where.offset + rows[0] * row, entry.dtype, target)
+    read_pieces(pieces, threads, io_mode)
+    if computed:
+        with cf.ThreadPoolExecutor(max_workers=min(threads, len(computed))) as pool:
+            for future in [pool.submit(_read_region, source, item, target) for item, target in computed]:
+                future.result()
+        source.release()
+    for item, target in committed:
+        planner.commit_tensor(item, target)
+    return len(committed) - len(computed)
+
+
+def _read_region(source: Source, item: ReadItem, target: torch.Tensor) -> None:
+    key = item.storage_index.fqn
+    region = source.read([key])[key]
+    for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+        region = region.narrow(dim, offset, length)
+    target.copy_(region)

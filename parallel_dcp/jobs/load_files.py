@@ -1,0 +1,232 @@
+"""``load`` of every format ``convert`` reads: DCP (jobs/load.py), and the file formats here.
+
+path ── detect_format ── DCP ──────────────────────────▶ jobs/load.py (then cast, if dtype=)
+  │ safetensors file / HF folder (index or not), torch.save file / folder
+  ▼
+open_source (headers only; links only within the source's tree; torch.save: weights_only
+  unless trust_pickle)  ── dequantize=True: DequantizedSource (pairs checked from headers)
+  │ select keys; into=: the caller's tensors, checked (dtype after dtype=, shape)
+  │ memory: the output (without into=), each thread's buffers, admitted before any read
+  ▼
+tensors whose bytes lie plainly in a file (Source.raw_ranges): formats/range_read, the
+  file's bytes read straight into the destination's memory (preadv or O_DIRECT)
+the rest (dequantized pairs, strided torch.save views, object storage): Source.read on the
+  same number of threads, copied (and cast) into the destination
+  ▼
+the source's nesting (torch.save) or its flat names (safetensors), or ``into`` itself
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from parallel_dcp import _compat
+from parallel_dcp.engine import progress
+from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.engine.pool import gc_paused
+from parallel_dcp.errors import KeyNotFoundError, describe_keys
+from parallel_dcp.formats import detect_format, open_source
+from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_source
+from parallel_dcp.formats.fast_read import ReadStats
+from parallel_dcp.formats.range_read import Piece, pieces_of, read_pieces, staging_bytes
+from parallel_dcp.jobs import load as dcp_load
+from parallel_dcp.jobs.key_patterns import select
+from parallel_dcp.jobs.load import check_target
+from parallel_dcp.options import Options, usable_cores
+from parallel_dcp.storage.direct_read import direct_read_memory
+from parallel_dcp.storage.io_mode import resolve_io
+from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
+
+__all__ = ["load_any"]
+
+
+def load_any(
+    path: str | os.PathLike[str],
+    keys: str | Iterable[str] | None,
+    options: Options,
+    *,
+    into: dict[str, Any] | None = None,
+    trust_pickle: bool = False,
+    stats: ReadStats | None = None,
+    dtype: torch.dtype | None = None,
+    dequantize: bool = False,
+    block_size: int | None = None,
+) -> dict[str, Any]:
+    """The load pipeline above; see :func:`parallel_dcp.load` for the contract."""
+    try:
+        kind = detect_format(path, options.storage_options)
+    except (FileNotFoundError, ValueError):
+        kind = "dcp"  # nothing readable there: the DCP reader says what is missing, as it always has
+    if kind == "dcp" and not dequantize:
+        if dtype is None:
+            return dcp_load.load(path, keys, options, into=into, trust_pickle=trust_pickle, stats=stats)
+        return _dcp_cast(path, keys, options, into, trust_pickle, stats, dtype)
+    if options.retries or options.task_timeout is not None:
+        raise ValueError(
+            f"retries and task_timeout run a DCP load on worker processes; {path} is a {kind} source, "
+            "read by threads in this process: leave them out"
+        )
+    with gc_paused():  # per-key objects for 50,000 keys would otherwise walk the caller's heap
+        source = open_source(path, trust_pickle=trust_pickle, storage_options=options.storage_options)
+        try:
+            if dequantize:
+                source = dequantized_source(source, dtype or torch.bfloat16, block_size_of(source, block_size))
+            return _load(source, keys, options, into, dtype, stats)
+        finally:
+            source.close()
+
+
+def _cast(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """What ``dtype=`` makes of a tensor stored as ``stored``: floating tensors cast, others kept."""
+    return dtype if dtype is not None and stored.is_floating_point else stored
+
+
+def _dcp_cast(
+    path: str | os.PathLike[str],
+    keys: str | Iterable[str] | None,
+    options: Options,
+    into: dict[str, Any] | None,
+    trust_pickle: bool,
+    stats: ReadStats | None,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    """A DCP checkpoint with ``dtype=``: loaded as stored, then cast a tensor at a time (each
+    stored tensor freed once cast), or copied with the cast into ``into``."""
+    if into is None:
+        loaded = dcp_load.load(path, keys, options, trust_pickle=trust_pickle, stats=stats)
+        flat, mapping = _compat.flatten_state_dict(loaded)
+        for key, value in flat.items():
+            if isinstance(value, torch.Tensor) and value.dtype != _cast(value.dtype, dtype):
+                flat[key] = value.to(dtype)
+        return _compat.unflatten_state_dict(flat, mapping)
+    flat_into, paths = _compat.flatten_state_dict(into)
+    wanted = list(flat_into) if keys is None else select(list(flat_into), keys, "into")
+    loaded = dcp_load.load(path, wanted, options, trust_pickle=trust_pickle, stats=stats)
+    flat, _ = _compat.flatten_state_dict(loaded)
+    for key in wanted:
+        value = flat.pop(key)
+        if isinstance(value, torch.Tensor):
+            check_target(key, flat_into.get(key), _cast(value.dtype, dtype), tuple(value.shape))
+            flat_into[key].detach().copy_(value)
+        else:
+            _compat.set_element(into, paths[key], value)
+    return into
+
+
+def _selected(source: Source, keys: str | Iterable[str] | None, flat_into: dict[str, Any] | None) -> list[str]:
+    """The keys to load: names or patterns (as ``convert``'s ``keys``) among the source's keys, or
+    among ``into``'s; every one must be in the source."""
+    stored = [*source.entries, *source.values]
+    if flat_into is not None:
+        selected = list(flat_into) if keys is None else select(list(flat_into), keys, "into")
+        missing = [k for k in selected if k not in source.entries and k not in source.values]
+        if missing:
+            raise KeyNotFoundError(f"not in {source.path}: {describe_keys(missing)}", keys=missing)
+        return selected
+    return stored if keys is None else select(stored, keys, source.path)
+
+
+def _load(
+    source: Source,
+    keys: str | Iterable[str] | None,
+    options: Options,
+    into: dict[str, Any] | None,
+    dtype: torch.dtype | None,
+    stats: ReadStats | None,
+) -> dict[str, Any]:
+    flat_into, into_paths = _compat.flatten_state_dict(into) if into is not None else (None, {})
+    selected = _selected(source, keys, flat_into)
+    tensors = [k for k in selected if k in source.entries]
+    values = [k for k in selected if k not in source.entries]
+    out_dtype = {k: _cast(source.entries[k].dtype, dtype) for k in tensors}
+    if flat_into is not None:
+        for key in tensors:
+            check_target(key, flat_into[key], out_dtype[key], source.entries[key].shape)
+    source.check(tensors)
+    source.load_values(values)
+
+    ranges = {k: r for k, r in source.raw_ranges().items() if k in out_dtype}
+    mapped = [k for k in tensors if k not in ranges]
+    budget = MemoryGovernor(options.memory_ceiling())
+    if flat_into is None:
+        total = sum(
+            source.entries[k].nbytes // source.entries[k].dtype.itemsize * out_dtype[k].itemsize for k in tensors
+        )
+        budget.reserve(total, f"loading {len(tensors)} tensors from {source.path}")
+    if isinstance(source.location, Remote):
+        budget.reserve(CLIENT_MEMORY, f"the object storage client for {source.path}")
+    for key in values:
+        budget.reserve(source.value_bytes(key), f"the value of {key!r}")
+    targets = {
+        # detached: the same memory, filled without autograd seeing an in-place write to a leaf
+        k: flat_into[k].detach() if flat_into is not None else torch.empty(source.entries[k].shape, dtype=out_dtype[k])
+        for k in tensors
+    }
+    pieces: list[Piece] = []
+    for key, where in ranges.items():
+        pieces += pieces_of(key, where.file, where.offset, source.entries[key].dtype, targets[key])
+    io_mode = resolve_io(options.io, source.location, writing=False) if pieces else "buffered"
+    threads = _threads(options, budget, source, pieces, mapped, io_mode)
+    with progress.Progress(total=sum(t.nbytes for t in targets.values()), enabled=options.progress, desc="load") as bar:
+        read_pieces(pieces, threads, io_mode, on_tick=bar.refresh)
+        _read_mapped(source, mapped, targets, threads)
+    source.release()
+    if stats is not None:
+        stats.add(
+            ReadStats(
+                fast=len(ranges),
+                fallback=len(mapped),
+                fallback_keys=set(mapped),
+                values=len(values),
+                bytes=sum(p.nbytes for p in pieces),
+            )
+        )
+    flat: dict[str, Any] = {**targets, **{k: source.values[k] for k in values}}
+    if into is not None:
+        for key in values:
+            _compat.set_element(into, into_paths[key], flat[key])
+        return into
+    return _compat.unflatten_state_dict(
+        {k: flat[k] for k in selected}, {k: source.mapping.get(k, (k,)) for k in selected}
+    )
+
+
+def _threads(
+    options: Options, budget: MemoryGovernor, source: Source, pieces: list[Piece], mapped: list[str], io_mode: str
+) -> int:
+    """As many reading threads as asked for (every usable core by default) whose buffers fit
+    under the limit beside what is set aside; the buffers are set aside too."""
+    per_thread = staging_bytes(pieces) + (direct_read_memory() if pieces and io_mode != "buffered" else 0)
+    largest = max((source.copied_bytes(k) for k in mapped), default=0)
+    for key in mapped:
+        budget.check_item(key, per_thread + source.copied_bytes(key))
+    per_thread += largest
+    wanted = options.workers if options.workers is not None else usable_cores()
+    room = budget.limit - budget.reserved
+    threads = max(1, min(wanted, room // per_thread if per_thread else wanted))
+    budget.reserve(threads * per_thread, f"read buffers for {threads} threads")
+    return threads
+
+
+def _read_mapped(source: Source, keys: list[str], targets: dict[str, torch.Tensor], threads: int) -> None:
+    """Tensors the source computes or maps (dequantized pairs, strided torch.save views), each
+    read by ``Source.read`` and copied (cast) into its destination, ``threads`` at a time."""
+    if not keys:
+        return
+
+    def one(key: str) -> None:
+        value = source.read([key])[key]
+        targets[key].copy_(value)
+        progress.report(targets[key].nbytes)
+        del value
+
+    with cf.ThreadPoolExecutor(max_workers=min(threads, len(keys)), thread_name_prefix="parallel_dcp-read") as pool:
+        for future in [pool.submit(one, key) for key in keys]:
+            future.result()
+    progress.flush()

@@ -1,0 +1,317 @@
+"""io="auto" for reads: direct or buffered as measured on the file system, once per process.
+
+The device is faked where a test needs one mode to win: the probe's reads are real (ShardFile on
+the job's own file) but its clock advances by the bytes each read moved over the rate the test
+gives that mode. No test asserts a wall-clock time.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+import parallel_dcp
+from parallel_dcp.errors import InvalidDestinationError
+from parallel_dcp.formats import read_units
+from parallel_dcp.storage import direct_read, io_mode, read_choice, read_probe
+from parallel_dcp.storage.direct_read import ShardFile
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def fresh_choices() -> Iterator[None]:
+    read_choice.forget_read_choices()
+    yield
+    read_choice.forget_read_choices()
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Path:
+    refusal = io_mode.direct_refusal(tmp_path)
+    if refusal is not None:
+        pytest.skip(f"no O_DIRECT here: {refusal}")
+    return tmp_path
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    if io_mode.file_system_type("/dev/shm") != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    path = Path(tempfile.mkdtemp(prefix="pdcp-readchoice-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probe slices and the direct-read threshold scaled down, so a checkpoint of a few MiB is
+    measured like one of gigabytes."""
+    monkeypatch.setattr(read_probe, "PROBE_SLICE", 256 << 10)
+    monkeypatch.setattr(read_probe, "MIN_SLICE", 64 << 10)
+    monkeypatch.setattr(read_probe, "readahead_bytes", lambda device: 64 << 10)
+    monkeypatch.setattr(io_mode, "DIRECT_MIN_BYTES", 1 * MiB)
+
+
+class FakeDevice:
+    """A device where direct and buffered reads move ``rates[mode]`` bytes per second; records
+    every read the probe makes (file, offset, bytes, mode)."""
+
+    def __init__(self, direct: float, buffered: float) -> None:
+        self.rates = {True: direct, False: buffered}
+        self.now = 0.0
+        self.reads: list[tuple[Path, int, int, bool]] = []
+        self.lock = threading.Lock()
+
+    def clock(self) -> float:
+        with self.lock:
+            return self.now
+
+    def read(self, shard: ShardFile, offset: int, view: memoryview) -> None:
+        shard.read(offset, [view])  # the real read: the probe's plan is exercised on a real file
+        with self.lock:
+            self.reads.append((shard.path, offset, view.nbytes, shard.direct))
+            self.now += view.nbytes / self.rates[shard.direct]
+
+
+def fake(monkeypatch: pytest.MonkeyPatch, direct: float, buffered: float) -> FakeDevice:
+    device = FakeDevice(direct, buffered)
+    monkeypatch.setattr(read_probe, "_clock", device.clock)
+    monkeypatch.setattr(read_probe, "_read_slice", device.read)
+    return device
+
+
+def sparse_file(path: Path, nbytes: int) -> Path:
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+    return path
+
+
+def shard_modes(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each shard the job's reading threads open is read with O_DIRECT."""
+    opened: list[bool] = []
+
+    class Spy(ShardFile):
+        def __init__(self, path: str | os.PathLike[str], *, io: str = "buffered") -> None:
+            super().__init__(path, io=io)
+            opened.append(self.direct)
+
+    monkeypatch.setattr(read_units, "ShardFile", Spy)
+    return opened
+
+
+@pytest.mark.parametrize(
+    ("direct", "buffered", "reads", "resolved"),
+    [(1.5e9, 1.0e9, "direct", "auto"), (1.0e9, 1.4e9, "buffered", "buffered")],
+    ids=["direct-wins", "buffered-wins"],
+)
+def test_auto_follows_the_measurement(
+    disk: Path, monkeypatch: pytest.MonkeyPatch, direct: float, buffered: float, reads: str, resolved: str
+) -> None:
+    device = fake(monkeypatch, direct, buffered)
+    sample = sparse_file(disk / "shard.distcp", 256 * MiB)
+    choice = read_choice.read_choice("auto", disk, [sample], streams=2)
+    assert (choice.reads, choice.io, choice.reason) == (reads, resolved, "measured")
+    assert choice.direct_bytes_per_s == pytest.approx(direct)
+    assert choice.buffered_bytes_per_s == pytest.approx(buffered)
+    assert choice.probed == str(sample)
+    assert {mode for *_, mode in device.reads} == {True, False}  # both modes really read
+
+
+@pytest.mark.parametrize(("direct", "buffered", "expect_direct"), [(3e9, 1e9, True), (1e9, 3e9, False)])
+def test_load_and_fast_reader_read_as_measured(
+    disk: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    small_probe: None,
+    direct: float,
+    buffered: float,
+    expect_direct: bool,
+) -> None:
+    sd = {"w": torch.randn(1024, 1024), "b": torch.randn(16)}  # a 4 MiB shard
+    parallel_dcp.save(sd, disk / "ckpt", workers=1, io="buffered")
+    fake(monkeypatch, direct, buffered)
+    opened = shard_modes(monkeypatch)
+    before = read_choice.read_probe_count()
+
+    stats = parallel_dcp.ReadStats()
+    out = parallel_dcp.load(disk / "ckpt", workers=2, stats=stats)
+    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])
+    assert stats.read_choice is not None and stats.read_choice.reason == "measured"
+    assert stats.read_choice.reads == ("direct" if expect_direct else "buffered")
+    assert opened and set(opened) == {expect_direct}
+
+    opened.clear()
+    targets = {k: torch.zeros_like(v) for k, v in sd.items()}
+    reader = parallel_dcp.FastReader(disk / "ckpt", workers=2)
+    dcp_load(targets, storage_reader=reader, no_dist=True)
+    assert torch.equal(targets["w"], sd["w"])
+    assert reader.read_choice is not None and reader.read_choice.reads == stats.read_choice.reads
+    assert reader.stats.read_choice == reader.read_choice
+    assert opened and set(opened) == {expect_direct}
+    assert read_choice.read_probe_count() == before + 1  # the reader reused the load's measurement
+
+
+def test_probe_runs_once_per_file_system_and_process(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake(monkeypatch, 1e9, 2e9)
+    first = sparse_file(disk / "a.distcp", 160 * MiB)
+    second = sparse_file(disk / "b.distcp", 200 * MiB)
+    before = read_choice.read_probe_count()
+    choices = [read_choice.read_choice("auto", disk, [first, second]) for _ in range(3)]
+    choices.append(read_choice.read_choice("auto", disk, [first]))
+    assert read_choice.read_probe_count() == before + 1
+    assert {c.reads for c in choices} == {"buffered"}
+    assert choices[0].probed == str(second)  # the largest file the job reads
+
+    # another file system (another st_dev) is measured on its own
+    real = read_choice._largest
+    monkeypatch.setattr(read_choice, "_largest", lambda files: [(n, size, -12345) for n, size, _ in real(files)])
+    read_choice.read_choice("auto", disk, [first])
+    read_choice.read_choice("auto", disk, [first])
+    assert read_choice.read_probe_count() == before + 2
+
+
+def test_the_probe_reads_only_the_file_the_job_reads(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    device = fake(monkeypatch, 2e9, 1e9)
+    other = disk / "other.distcp"
+    other.write_bytes(b"not to be read")
+    sample = sparse_file(disk / "__0_0.distcp", 100 * MiB + 12345)  # not a multiple of anything
+    opened: list[str] = []
+    real_open = direct_read.open_regular
+
+    def spy(directory: int | None, name: str | os.PathLike[str], **kwargs: int) -> int:
+        opened.append(os.fspath(name))
+        return real_open(directory, name, **kwargs)
+
+    monkeypatch.setattr(direct_read, "open_regular", spy)
+    before = sorted(os.listdir(disk))
+    choice = read_choice.read_choice("auto", disk, [sample], streams=4)
+    assert choice.reason == "measured"
+    assert set(opened) == {str(sample)}
+    assert device.reads and all(path == sample for path, *_ in device.reads)
+    size = sample.stat().st_size
+    assert all(offset >= 0 and offset + n <= size for _, offset, n, _ in device.reads)
+    assert sorted(os.listdir(disk)) == before  # nothing written beside it
+
+
+@pytest.mark.parametrize(
+    "sizes", [[8 * MiB], [64 * MiB], [100 * MiB], [1 << 30], [40 * MiB, 30 * MiB, 20 * MiB], [70 * MiB, 70 * MiB]]
+)
+@pytest.mark.parametrize("streams", [1, 2, 8])
+def test_probe_plan_stays_inside_the_files_and_reads_each_place_once(sizes: list[int], streams: int) -> None:
+    plan = read_probe.slices(sizes, streams, readahead=8 * MiB)
+    if plan is None:
+        assert sum(size // (read_probe.MIN_SLICE + 16 * MiB) for size in sizes) < 4
+        return
+    step = plan.length + plan.gap
+    slots = [slot for round_ in plan.rounds for slot in round_]
+    assert len(set(slots)) == len(slots) and plan.gap >= 16 * MiB  # twice the read-ahead after every slice
+    for file, offset in slots:
+        assert offset >= 0 and offset % step == 0 and offset + step <= sizes[file]
+    # within a file every round reads below every round before it: read-ahead never runs into a later round
+    for earlier, later in zip(plan.rounds, plan.rounds[1:], strict=False):
+        for f, low in later:
+            assert all(low < high for g, high in earlier if g == f)
+    assert len(plan.rounds[0]) <= min(streams, read_probe.PROBE_STREAMS)
+    if sizes == [1 << 30]:
+        assert plan.length == read_probe.PROBE_SLICE and len(plan.rounds[0]) == min(streams, 2)
+
+
+def test_small_shards_are_probed_across_files_with_full_slices(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    device = fake(monkeypatch, 1e9, 2e9)
+    monkeypatch.setattr(read_probe, "readahead_bytes", lambda dev: 8 * MiB)
+    files = [sparse_file(disk / f"__{i}_0.distcp", 60 * MiB) for i in range(6)]  # none holds 4 rounds alone
+    choice = read_choice.read_choice("auto", disk, files, streams=2)
+    assert choice.reason == "measured" and choice.reads == "buffered"
+    assert {n for _, _, n, _ in device.reads} == {read_probe.PROBE_SLICE}
+    assert len({path for path, *_ in device.reads}) > 1 and {p for p, *_ in device.reads} <= set(files)
+
+
+def test_tmpfs_reads_buffered_without_probing(shm: Path) -> None:
+    sample = sparse_file(shm / "shard.distcp", 256 * MiB)
+    before = read_choice.read_probe_count()
+    choice = read_choice.read_choice("auto", shm, [sample])
+    assert (choice.io, choice.reads) == ("buffered", "buffered") and "tmpfs" in choice.reason
+    with pytest.raises(InvalidDestinationError, match=r"io='direct': cannot read .* tmpfs"):
+        read_choice.read_choice("direct", shm, [sample])
+    assert read_choice.read_probe_count() == before
+
+    sd = {"w": torch.randn(64, 64)}
+    parallel_dcp.save(sd, shm / "ckpt", workers=1)
+    stats = parallel_dcp.ReadStats()
+    parallel_dcp.load(shm / "ckpt", workers=1, stats=stats)
+    assert stats.read_choice is not None and stats.read_choice.reads == "buffered"
+    assert "tmpfs" in stats.read_choice.reason and not stats.read_choice.measured
+    assert read_choice.read_probe_count() == before
+
+
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_direct_and_buffered_skip_the_probe(
+    disk: Path, monkeypatch: pytest.MonkeyPatch, small_probe: None, io: str
+) -> None:
+    fake(monkeypatch, 1e9, 1e9)
+    sd = {"w": torch.randn(1024, 1024)}
+    parallel_dcp.save(sd, disk / "ckpt", workers=1)
+    opened = shard_modes(monkeypatch)
+    before = read_choice.read_probe_count()
+    stats = parallel_dcp.ReadStats()
+    assert torch.equal(parallel_dcp.load(disk / "ckpt", workers=2, io=io, stats=stats)["w"], sd["w"])
+    assert stats.read_choice is not None and stats.read_choice.reads == io and not stats.read_choice.measured
+    assert set(opened) == {io == "direct"}
+    reader = parallel_dcp.FastReader(disk / "ckpt", workers=2, io=io)
+    dcp_load({"w": torch.zeros_like(sd["w"])}, storage_reader=reader, no_dist=True)
+    assert reader.read_choice is not None and reader.read_choice.reads == io
+    assert read_choice.read_probe_count() == before
+
+
+def test_small_files_are_read_buffered_without_probing(disk: Path) -> None:
+    sd = {"w": torch.randn(256, 256)}
+    parallel_dcp.save(sd, disk / "ckpt", workers=1)
+    before = read_choice.read_probe_count()
+    stats = parallel_dcp.ReadStats()
+    parallel_dcp.load(disk / "ckpt", workers=1, stats=stats)
+    assert stats.read_choice is not None and stats.read_choice.reads == "buffered"
+    assert read_choice.read_probe_count() == before
+
+
+def test_a_file_system_that_refuses_o_direct_is_remembered_as_buffered(
+    disk: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = fcntl.fcntl
+
+    def refuse(fd: int, cmd: int, arg: int = 0) -> int:
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(direct_read.fcntl, "fcntl", refuse)
+    sample = sparse_file(disk / "shard.distcp", 256 * MiB)
+    before = read_choice.read_probe_count()
+    first = read_choice.read_choice("auto", disk, [sample])
+    again = read_choice.read_choice("auto", disk, [sample])
+    assert first == again and (first.io, first.reads) == ("buffered", "buffered")
+    assert "refuses O_DIRECT" in first.reason
+    assert read_choice.read_probe_count() == before + 1
+
+
+@pytest.mark.parametrize(("direct", "buffered", "reads"), [(3e9, 1e9, "direct"), (1e9, 3e9, "buffered")])
+def test_verify_reads_as_measured(
+    disk: Path, monkeypatch: pytest.MonkeyPatch, small_probe: None, direct: float, buffered: float, reads: str
+) -> None:
+    parallel_dcp.save({"w": torch.randn(1024, 1024)}, disk / "ckpt", workers=1, io="buffered")
+    fake(monkeypatch, direct, buffered)
+    report = parallel_dcp.verify(disk / "ckpt", workers=1)
+    assert report.ok, report.problems
+    assert report.read_choice is not None and report.read_choice.reads == reads
+    assert report.read_choice.measured and report.as_dict()["read_io"] == reads
