@@ -18,8 +18,9 @@ Two mechanisms enforce the ceiling:
 - a watchdog (while workers run): every 50 ms the resident sizes (cheap) are summed; while that
   upper bound is under the ceiling, the tree's charges are read only about once a second, for the
   reported peak. Otherwise they are read every 50 ms, or less often where reading a large tree
-  costs more than 5% of a core. A reading costs ~1 ms of CPU a process (``smaps_rollup`` on top
-  of each process's code share, read in full once: process_memory.ChargeReader); a reading over
+  costs more than 5% of a core. A reading costs ~0.01 ms of CPU a process whose counters did not
+  move, ~2 ms where they did (``smaps_rollup``), on top of each process's exact charge read in full
+  once (process_memory.ChargeReader); a reading over
   the ceiling is measured again, exactly (every full smaps), before acting, and then the worker
   with the most private memory is killed and the job fails with
   :class:`MemoryLimitExceeded` naming it, its keys and the figures.
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from parallel_dcp.engine.process_memory import ChargeReader
+from parallel_dcp.engine.process_memory import CHEAP, ChargeReader
 from parallel_dcp.errors import MemoryLimitExceeded, describe_keys, describe_unit
 
 __all__ = [
@@ -451,16 +452,16 @@ class MemoryGovernor:
         return bound
 
     def read(self, worker_pids: Iterable[int], *, exact: bool = False) -> Reading:
-        """One sample of the tree. Cheap (``smaps_rollup``, ~1 ms a process) unless ``exact``:
-        then every process's full smaps is read (~9 ms a process that has imported torch), which
-        also brings every process's code share up to date (process_memory.ChargeReader)."""
+        """One sample of the tree. Cheap (O(1) counters, or ``smaps_rollup`` where they moved:
+        process_memory.ChargeReader) unless ``exact``: then every process's full smaps is read
+        (~4-9 ms a process that has imported torch)."""
         started = time.monotonic()
         workers = list(worker_pids)
         pids = [self._me.pid, *workers, *(pid for pid in self._held if pid not in workers)]
-        full = self._charges.plan(pids, exact=exact)
+        how = self._charges.plan(pids, exact=exact)
         # Each read walks a process's page tables in the kernel (the GIL is released meanwhile):
         # several threads, so reading 64 workers on a big node costs a few reads' time, not 64.
-        found = self._charge_all(pids, full)
+        found = self._charge_all(pids, how)
         total = sum(charged for charged, _ in found)
         private = {pid: uss for pid, (charged, uss) in zip(workers, found[1:], strict=False) if charged or uss}
         added = total - self.baseline
@@ -468,13 +469,13 @@ class MemoryGovernor:
         self._read_cost = time.monotonic() - started
         return Reading(added=added, private=private)
 
-    def _charge_all(self, pids: list[int], full: list[bool]) -> list[tuple[int, int]]:
-        # A rollup is too short a read to pay for a thread; a full one is not.
-        threads = min(_READ_THREADS, len(pids) if any(full) else len(pids) // 8)
+    def _charge_all(self, pids: list[int], how: list[int]) -> list[tuple[int, int]]:
+        # Counters are too short a read to pay for a thread; rollups and full reads are not.
+        threads = min(_READ_THREADS, sum(1 for read in how if read != CHEAP))
         if threads <= 1:
-            return list(map(self._charges.charge, pids, full))
+            return list(map(self._charges.charge, pids, how))
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            return list(pool.map(self._charges.charge, pids, full))
+            return list(pool.map(self._charges.charge, pids, how))
 
     def watch(self, workers: dict[int, tuple[int, tuple[str, ...]]]) -> None:
         """Sample the tree if it is time; raise if it is over the ceiling twice in a row.
