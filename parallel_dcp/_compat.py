@@ -10,8 +10,11 @@ metadata allow-list no longer finds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import os
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -208,3 +211,22 @@ def stop_fork_server(running_before: tuple[bool, bool]) -> None:
         stop = getattr(getattr(multiprocess.resource_tracker, "_resource_tracker", None), "_stop", None)
         if stop is not None:
             stop()
+
+
+def forget_inherited_fork_server() -> None:
+    """In a forked child: drop the parent's fork server (it is the parent's child, not ours: using
+    it fails, and our copy of its "alive" descriptor would keep it running after the parent stops
+    it). The child's next use starts its own. Run after every fork (os.register_at_fork)."""
+    import multiprocess.forkserver
+
+    server = getattr(multiprocess.forkserver, "_forkserver", None)
+    if server is None or getattr(server, "_forkserver_pid", None) is None:
+        return
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(alive, int):
+        with contextlib.suppress(OSError):
+            os.close(alive)
+    server._forkserver_address = None
+    server._forkserver_alive_fd = None
+    server._forkserver_pid = None
+    server._lock = threading.Lock()

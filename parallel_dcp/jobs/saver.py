@@ -23,7 +23,7 @@ import time
 import warnings
 from typing import Any
 
-from parallel_dcp._compat import fork_server_pid, running_servers, stop_fork_server
+from parallel_dcp._compat import forget_inherited_fork_server, fork_server_pid, running_servers, stop_fork_server
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import WorkerPool, gc_paused
@@ -46,6 +46,11 @@ _PRELOAD = (
     "parallel_dcp.partial",
     "parallel_dcp.storage.writers",
 )
+
+
+# A fork of a process whose fork server runs starts its own when it needs one (a Saver, the
+# workers save() keeps): the parent's cannot serve it.
+os.register_at_fork(after_in_child=forget_inherited_fork_server)
 
 
 def _no_job(task: Task) -> Any:
