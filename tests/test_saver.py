@@ -238,3 +238,15 @@ class SleepOnArrival:
 
     def __reduce__(self) -> Any:
         return (time.sleep, (self.seconds,))
+
+
+def test_two_savers_share_the_fork_server_and_closing_one_leaves_the_other_working(tmp_path: Path) -> None:
+    """The workers are the fork server's children and die with it: it stops with the last user."""
+    sd = _state()
+    first = parallel_dcp.Saver(workers=1)
+    with parallel_dcp.Saver(workers=1) as second:
+        first.close()
+        result = second.save(sd, tmp_path / "ckpt")
+        assert result.executor == "saver"
+    assert_same(_stock_load(tmp_path / "ckpt", sd), sd)
+    assert not psutil.Process().children()

@@ -19,6 +19,7 @@ save runs as ``parallel_dcp.save`` does, forking its workers.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 from typing import Any
@@ -48,9 +49,37 @@ _PRELOAD = (
 )
 
 
-# A fork of a process whose fork server runs starts its own when it needs one (a Saver, the
-# workers save() keeps): the parent's cannot serve it.
-os.register_at_fork(after_in_child=forget_inherited_fork_server)
+class _ServerUsers:
+    """Every pool of this process forked from the one fork server (several Savers, the workers
+    save() keeps) uses it; it stops with the last of them (its children die with it), unless it
+    ran before the first (the caller's own)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+        self.before = (False, False)
+
+    def acquire(self) -> None:
+        with self.lock:
+            if self.count == 0:
+                self.before = running_servers()
+            self.count += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.count -= 1
+            if self.count == 0:
+                stop_fork_server(self.before)
+
+    def forget(self) -> None:
+        """In a fork: the parent's server and users are not ours; the child starts its own."""
+        self.lock = threading.Lock()
+        self.count = 0
+        forget_inherited_fork_server()
+
+
+_server = _ServerUsers()
+os.register_at_fork(after_in_child=_server.forget)
 
 
 def _no_job(task: Task) -> Any:
@@ -75,10 +104,16 @@ class SaverWorkers:
         self.workers = workers
         self.owner = os.getpid()
         self.refused: str | None = None
-        self._servers_before = running_servers()
         self._charges = ChargeReader()  # knows the workers' code shares from one save to the next
         self._pool: WorkerPool | None = None
-        self.start_seconds = self._start()
+        _server.acquire()
+        self._released = False
+        try:
+            self.start_seconds = self._start()
+        except BaseException:
+            self._released = True
+            _server.release()
+            raise
 
     def _start(self) -> float:
         started = time.perf_counter()
@@ -144,4 +179,6 @@ class SaverWorkers:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
-        stop_fork_server(self._servers_before)
+        if not self._released:
+            self._released = True
+            _server.release()
