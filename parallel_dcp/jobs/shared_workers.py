@@ -83,10 +83,14 @@ def save(state_dict: Any, path: str | os.PathLike[str], options: Options) -> Sav
     if not _lock.acquire(blocking=False):
         return None
     try:
+        kept = _workers
         workers = _workers_for(options.worker_count(2**31))
         if workers is None:
             return None
-        return workers.save(state_dict, path, options)
+        result = workers.save(state_dict, path, options)
+        if workers is not kept:  # started for this save: its start is this save's
+            result.phases["fork"] += workers.start_seconds
+        return result
     finally:
         _schedule_stop()
         _lock.release()
