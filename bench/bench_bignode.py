@@ -92,6 +92,9 @@ def governor(rounds: int) -> list[dict[str, Any]]:
     return rows
 
 
+_MODES = ("alone", "thread", "process")
+
+
 def _busy(stop: threading.Event) -> None:
     while not stop.is_set():
         sum(range(1000))
@@ -102,14 +105,12 @@ def _busy_process(stop: Any) -> None:
         sum(range(1000))
 
 
-def gil(rounds: int, where: list[str], workers: int) -> list[dict[str, Any]]:
+def gil(rounds: int, where: list[str], workers: int, kinds: list[str], modes: tuple[str, ...]) -> list[dict[str, Any]]:
     """Alone, beside a busy thread (the GIL and a core), and beside a busy process (a core only:
     on a machine with few cores, the CPU a busy thread takes is part of its cost)."""
     import multiprocess as mp
 
     sd = {f"w{i}": torch.randn(4096, 2048).to(torch.bfloat16) for i in range(64)}
-    kinds = ["auto", "threads", "processes", "saver"]
-    modes = ("alone", "thread", "process")
     rows = []
     with parallel_dcp.Saver(workers=workers) as saver:
         for root in where:
@@ -147,7 +148,9 @@ def gil(rounds: int, where: list[str], workers: int) -> list[dict[str, Any]]:
                         for mode in modes:
                             times[(kind, mode)].append(once(kind, mode))
             for kind in kinds:
-                alone, thread_s, process_s = (statistics.median(times[(kind, m)]) for m in modes)
+                alone, thread_s, process_s = (
+                    statistics.median(times[(kind, m)]) if m in modes else float("nan") for m in _MODES
+                )
                 rows.append(
                     {
                         "where": root,
@@ -233,6 +236,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--only", default="governor,gil,start,tail")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--kinds", default="auto,threads,processes,saver", help="gil: executors (saver: a Saver)")
+    parser.add_argument("--modes", default=",".join(_MODES), help="gil: alone, beside a busy thread, a busy process")
     args = parser.parse_args()
     only = set(args.only.split(","))
     report: dict[str, Any] = {
@@ -244,7 +249,8 @@ def main() -> None:
     if "governor" in only:
         report["governor"] = governor(args.rounds)
     if "gil" in only:
-        report["gil"] = gil(args.rounds, ["/dev/shm", args.dir], 1)
+        modes = tuple(m for m in _MODES if m in args.modes.split(","))
+        report["gil"] = gil(args.rounds, ["/dev/shm", args.dir], 1, args.kinds.split(","), modes)
     if "start" in only:
         report["start"] = start(args.rounds, "/dev/shm", args.workers)
     if "tail" in only:

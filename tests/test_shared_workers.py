@@ -23,6 +23,7 @@ MiB = 2**20
 @pytest.fixture
 def small_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shared_workers, "MIN_BYTES", 2 * MiB)  # the real 256 MiB is slow on 2 cores
+    monkeypatch.setattr(shared_workers, "other_threads", lambda: True)  # as beside a data loader thread
 
 
 def _state(scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -57,6 +58,28 @@ def test_small_saves_never_start_them(tmp_path: Path) -> None:
     result = parallel_dcp.save({"w": torch.ones(1000)}, tmp_path / "ckpt", workers=2)
     assert result.executor != "saver" and shared_workers._workers is None
     assert not psutil.Process().children()
+
+
+def test_alone_a_large_save_runs_on_writer_threads_and_beside_a_thread_on_kept_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared_workers, "MIN_BYTES", 2 * MiB)
+    if shared_workers.other_threads():
+        pytest.skip("another thread runs in this test process")
+    alone = parallel_dcp.save(_state(), tmp_path / "alone", workers=1)
+    assert alone.executor == "threads" and shared_workers._workers is None
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait)
+    busy.start()
+    try:
+        beside = parallel_dcp.save(_state(), tmp_path / "beside", workers=1)
+    finally:
+        stop.set()
+        busy.join()
+    assert beside.executor == "saver"
+    again = parallel_dcp.save(_state(), tmp_path / "again", workers=1)  # kept: used while they run
+    assert again.executor == "saver"
+    assert _shards(tmp_path / "alone") == _shards(tmp_path / "beside") == _shards(tmp_path / "again")
 
 
 def test_many_small_tensors_are_not_walked_in_full(small_threshold: None) -> None:
