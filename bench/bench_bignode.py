@@ -167,10 +167,10 @@ def gil(rounds: int, where: list[str], workers: int, kinds: list[str], modes: tu
     return rows
 
 
-def start(rounds: int, root: str, workers: int) -> list[dict[str, Any]]:
+def start(rounds: int, root: str, workers: int, sizes: list[float]) -> list[dict[str, Any]]:
     rows = []
     with parallel_dcp.Saver(workers=workers) as saver, tempfile.TemporaryDirectory(dir=root) as tmp:
-        for gib in (0.5, 1, 2):
+        for gib in sizes:
             sd = {f"w{i}": torch.ones(int(gib * GiB) // 64 // 4) for i in range(64)}
             forks, saves, savers = [], [], []
             for _ in range(rounds):
@@ -236,6 +236,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--only", default="governor,gil,start,tail")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--sizes", default="0.5,2,4", help="start: state dict sizes in GiB (the issue asks 0.5,2,8)")
     parser.add_argument("--kinds", default="auto,threads,processes,saver", help="gil: executors (saver: a Saver)")
     parser.add_argument("--modes", default=",".join(_MODES), help="gil: alone, beside a busy thread, a busy process")
     args = parser.parse_args()
@@ -252,7 +253,7 @@ def main() -> None:
         modes = tuple(m for m in _MODES if m in args.modes.split(","))
         report["gil"] = gil(args.rounds, ["/dev/shm", args.dir], 1, args.kinds.split(","), modes)
     if "start" in only:
-        report["start"] = start(args.rounds, "/dev/shm", args.workers)
+        report["start"] = start(args.rounds, "/dev/shm", args.workers, [float(g) for g in args.sizes.split(",")])
     if "tail" in only:
         report["tail"] = tail(args.rounds, "/dev/shm", args.workers)
     report["load_average_at_end"] = os.getloadavg()
