@@ -390,6 +390,10 @@ def test_load_suites_compare_every_reader_on_both_checkpoints(tmp_path: Path) ->
             for name in names[:3]:
                 assert rows[name]["details"]["fallback"] == 0  # the fast path served every read
             assert scenario["summary"][source]["into_vs_stock"] > 0
+            # the cost of one record (issue 32 item 4's figure): the into row's time over the records it read
+            summary, into = scenario["summary"][source], rows[f"load into w=2 [{source}]"]
+            assert summary["records"] == into["details"]["records"] > 0
+            assert summary["into_us_per_record"] == pytest.approx(into["median_s"] / summary["records"] * 1e6)
     assert (results / "bench.png").read_bytes()[:8] == PNG_MAGIC
     assert list(target.iterdir()) == [], "the benchmark removes what it wrote"
 

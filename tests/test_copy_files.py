@@ -206,6 +206,29 @@ def test_non_weight_folders_come_along(tmp_path: Path, to: str) -> None:
         assert parallel_dcp.verify(tmp_path / "out", workers=1).ok
 
 
+def test_a_module_folders_own_weights_come_along(tmp_path: Path) -> None:
+    """sentence-transformers' Dense module keeps its weights in ``2_Dense/``: when modules.json names
+    the folder they are copied as they are (the model does not load without them); weights in a
+    folder no module names (``original/``) and hidden files still stay out."""
+    _st_folder(tmp_path / "hf")
+    modules = b'[{"path": ""}, {"path": "1_Pooling"}, {"path": "2_Dense/"}, {"path": 7}, "x"]'
+    (tmp_path / "hf" / "modules.json").write_bytes(modules)
+    parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", workers=1)
+    out = tmp_path / "out"
+    assert (out / "2_Dense" / "model.safetensors").read_bytes() == b"weights are never copied as files"
+    assert not (out / "2_Dense" / ".hidden").exists()
+    assert not (out / "original" / "consolidated.00.pth").exists()
+    assert (out / "original" / "params.json").read_bytes() == b"{}"
+
+
+def test_a_modules_json_that_is_not_a_list_copies_no_folder_weights(tmp_path: Path) -> None:
+    _st_folder(tmp_path / "hf")
+    (tmp_path / "hf" / "modules.json").write_bytes(b'{"path": "2_Dense"}')
+    parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", workers=1)
+    assert (tmp_path / "out" / "2_Dense" / "config.json").is_file()
+    assert not (tmp_path / "out" / "2_Dense" / "model.safetensors").exists()
+
+
 def test_folders_through_dcp_with_copy_files_from_and_overwrite(tmp_path: Path) -> None:
     tensors = _st_folder(tmp_path / "hf")
     parallel_dcp.convert(tmp_path / "hf", tmp_path / "dcp", workers=1)

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -371,3 +373,38 @@ def test_the_cli_takes_io_and_reports_it(disk: Path, shm: Path) -> None:
     assert "--io direct: cannot write" in failed.stderr and "tmpfs" in failed.stderr
     assert "io=" not in failed.stderr
     assert not (shm / "out").exists()
+
+
+def test_direct_reads_keep_several_pieces_in_flight(
+    disk: Path, small_buffers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A direct read of a long span keeps DEPTH pieces queued per reading thread (it kept one: the
+    next piece was asked for only once the last had arrived), and returns the file's bytes."""
+    shard = disk / "data.bin"
+    payload = os.urandom(9 * (64 << 10) + 777)
+    shard.write_bytes(payload)
+    lock = threading.Lock()
+    running, most = [0], [0]
+    pread = ShardFile._pread
+
+    def slow(self: ShardFile, index: int, at: int, length: int) -> int:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            time.sleep(0.2)  # each piece takes long enough that the next ones are asked for meanwhile
+            return pread(self, index, at, length)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(ShardFile, "_pread", slow)
+    reader = ShardFile(shard, io="direct")
+    try:
+        assert reader.direct
+        out = bytearray(len(payload) - 1000)
+        reader.read(1000, [memoryview(out)])  # unaligned start, across 10 pieces
+        assert bytes(out) == payload[1000:]
+    finally:
+        reader.close()
+    assert most[0] == direct_read.DEPTH

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HEAD_BYTES", "TAIL_BYTES", "RecordLayout", "parse_head", "parse_record"]
+__all__ = ["HEAD_BYTES", "TAIL_BYTES", "RecordLayout", "parse_head", "parse_record", "varying_spans"]
 
 # How much of a record's head (local headers and data.pkl) and tail (central directory) is
 # read to find its layout: a tensor record's pickle is ~200 bytes, its directory ~700.
@@ -250,6 +250,66 @@ def parse_record(head: memoryview, tail: memoryview, length: int) -> RecordLayou
     if storage.dtype is None and storage.nbytes_or_numel != usize:
         raise ValueError(f"storage of {storage.nbytes_or_numel} bytes but data/0 of {usize} bytes")
     return RecordLayout(rebuilt.dtype, rebuilt.size, rebuilt.stride, rebuilt.storage_offset, data, usize)
+
+
+def varying_spans(record: memoryview, layout: RecordLayout) -> list[tuple[int, int]] | None:
+    """The byte spans, besides the data, in which two records of ``layout`` (as :func:`parse_record`
+    found it in ``record``, a whole record) may differ and still parse alike: every entry's CRC-32
+    (local header, data descriptor, central directory) and the bytes of a ``.data/serialization_id``
+    entry (torch writes a new one per save). :func:`parse_record` reads none of them, so a record
+    equal to ``record`` everywhere else has ``layout`` too. None when ``record`` is laid out in a
+    way this does not vouch for (then each record is parsed on its own).
+    """
+    length = len(record)
+    data_end = layout.data_offset + layout.data_bytes
+    try:
+        entries, _, cd_offset = _end_record(record, length)
+        spans: list[tuple[int, int]] = []
+        crcs: set[tuple[int, int]] = set()  # the CRC-32 fields themselves (parse_record never reads them)
+        # what parse_record reads: data.pkl's header and pickle, data/0's header, the directory
+        protected: list[tuple[int, int]] = [(cd_offset, length)]
+        pos = cd_offset
+        for _ in range(entries):
+            fields = _CENTRAL.unpack_from(record, pos)
+            if fields[0] != b"PK\x01\x02":
+                return None
+            flags, csize, usize, nlen, xlen, clen, local = (
+                fields[3],
+                fields[8],
+                fields[9],
+                fields[10],
+                fields[11],
+                fields[12],
+                fields[16],
+            )
+            name = bytes(record[pos + _CENTRAL.size : pos + _CENTRAL.size + nlen]).decode("utf-8", "replace")
+            extra = record[pos + _CENTRAL.size + nlen : pos + _CENTRAL.size + nlen + xlen]
+            usize, csize, local = _zip64_fields(extra, usize, csize, local)
+            spans += [(pos + 16, pos + 20), (local + 14, local + 18)]  # central and local CRC-32
+            crcs |= {(pos + 16, pos + 20), (local + 14, local + 18)}
+            start = _data_start(record, local, name)
+            end = start + csize
+            if name.endswith("/data.pkl"):
+                protected.append((local, end))
+            elif start == layout.data_offset:
+                protected.append((local, start))
+            if flags & 8:  # a data descriptor after the data: [signature] CRC-32, sizes
+                at = end + 4 if bytes(record[end : end + 4]) == b"PK\x07\x08" else end
+                spans.append((at, at + 4))
+            if name.endswith("/.data/serialization_id"):
+                if start < data_end or end > cd_offset:
+                    return None
+                spans.append((start, end))
+            pos += _CENTRAL.size + nlen + xlen + clen
+    except (struct.error, ValueError, _NotATensorRecord):
+        return None
+    if any(a < 0 or b > length or (a < data_end and b > layout.data_offset) for a, b in spans):
+        return None
+    # a span that is not a CRC-32 field must leave every byte parse_record reads alone (a crafted
+    # directory could point a descriptor or an entry's bytes into them)
+    if any(a < q and p < b for a, b in spans if (a, b) not in crcs for p, q in protected):
+        return None
+    return sorted(spans)
 
 
 def parse_head(head: memoryview) -> RecordLayout | None:

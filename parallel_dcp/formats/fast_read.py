@@ -43,6 +43,7 @@ from parallel_dcp.formats.read_units import (
     Unit,
     thread_memory,
 )
+from parallel_dcp.formats.record_batch import TemplateCache
 from parallel_dcp.storage.compression import is_compressed
 from parallel_dcp.storage.direct_read import vanished
 from parallel_dcp.storage.location import Location
@@ -107,6 +108,7 @@ def _units(requests: list[Request], threads: int) -> list[Unit]:
             record.requests.append(req)
     work = {id(r): _work(r) for records in files.values() for r in records.values()}
     share = max(sum(work.values()) // (4 * threads), SMALL_RECORD)
+    templates = TemplateCache()  # one per read: a record of each shape is parsed once, not per unit
     units = []
     for name, records in files.items():
         current: list[Record] = []
@@ -114,12 +116,12 @@ def _units(requests: list[Request], threads: int) -> list[Unit]:
         for record in sorted(records.values(), key=lambda r: r.offset):
             small = min(record.length, SMALL_RECORD + 1) if record.length <= SMALL_RECORD else 0
             if current and (size + work[id(record)] > share or window + small > BATCH_BYTES):
-                units.append(Unit(name, current))
+                units.append(Unit(name, current, templates))
                 current, size, window = [], 0, 0
             current.append(record)
             size, window = size + work[id(record)], window + small
         if current:
-            units.append(Unit(name, current))
+            units.append(Unit(name, current, templates))
     return sorted(units, key=lambda u: -sum(work[id(r)] for r in u.records))
 
 

@@ -29,7 +29,9 @@ from parallel_dcp.engine import progress
 from parallel_dcp.engine.memory import ZSTD_DECOMPRESS_BYTES
 from parallel_dcp.errors import CorruptCheckpointError, dtype_name
 from parallel_dcp.formats.dcp_records import HEAD_BYTES, TAIL_BYTES, RecordLayout, is_row_major, parse_record
+from parallel_dcp.formats.record_batch import CHECK_BYTES, TemplateCache, check_batch, make_template
 from parallel_dcp.storage.direct_read import ShardFile
+from parallel_dcp.storage.direct_write import address
 from parallel_dcp.storage.location import Location, Remote
 from parallel_dcp.storage.read_choice import ReadChoice
 
@@ -60,7 +62,7 @@ _TICK_S = 0.1
 def thread_memory() -> int:
     """What one reading thread holds at most beside the targets: a unit's buffers, or a
     decompressor (a compressed record; formats/compressed_read.py), one at a time."""
-    return max(BATCH_BYTES + GAP_BYTES + HEAD_BYTES + TAIL_BYTES, ZSTD_DECOMPRESS_BYTES)
+    return max(BATCH_BYTES + GAP_BYTES + HEAD_BYTES + TAIL_BYTES + CHECK_BYTES, ZSTD_DECOMPRESS_BYTES)
 
 
 @dataclass(slots=True)
@@ -149,6 +151,8 @@ class Record:
     requests: list[Request]
     head: memoryview | None = None
     tail: memoryview | None = None
+    batch: bytearray | None = None  # a small record: the batch buffer holding it whole, from ``at``
+    at: int = 0
 
 
 def _runs(req: Request, target: torch.Tensor) -> list[tuple[int, int, int]] | None:
@@ -172,9 +176,10 @@ def _runs(req: Request, target: torch.Tensor) -> list[tuple[int, int, int]] | No
 class Unit:
     """Records of one file, read by one thread."""
 
-    def __init__(self, name: str, records: list[Record]) -> None:
+    def __init__(self, name: str, records: list[Record], templates: TemplateCache | None = None) -> None:
         self.name = name
         self.records = records
+        self.templates = templates  # small records checked in bulk against these (record_batch)
 
     def run(self, where: Location, cancel: threading.Event, io: str = "buffered") -> tuple[ReadStats, list[Request]]:
         stats, fallback = ReadStats(), []
@@ -190,7 +195,7 @@ class Unit:
             self._read_windows(file)
             segments: list[tuple[int, memoryview]] = []
             staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for record in self.records:
+            for record in self._bulk(file, stats) if self.templates is not None else self.records:
                 if cancel.is_set():
                     return stats, []
                 layout = self._layout(file, record)
@@ -202,7 +207,7 @@ class Unit:
                         assert req.target is not None
                         stats.bytes += req.target.numel() * req.target.element_size()
             for record in self.records:
-                record.head = record.tail = None  # the batch buffers are no longer needed
+                record.head = record.tail = record.batch = None  # the batch buffers are no longer needed
             _read_segments(file, segments)
             for stage, target in staged:
                 target.copy_(stage)
@@ -228,7 +233,8 @@ class Unit:
             start, stop, j = windows[i][0], windows[i][1], i + 1
             while j < len(windows) and windows[j][0] - stop <= GAP_BYTES and windows[j][1] - start <= BATCH_BYTES:
                 stop, j = max(stop, windows[j][1]), j + 1
-            buffer = memoryview(bytearray(stop - start))
+            raw = bytearray(stop - start)
+            buffer = memoryview(raw)
             file.read(start, [buffer])
             for w_start, w_stop, record, kind in windows[i:j]:
                 view = buffer[w_start - start : w_stop - start]
@@ -236,7 +242,66 @@ class Unit:
                     record.head = view
                 if kind in ("whole", "tail"):
                     record.tail = view
+                if kind == "whole":
+                    record.batch, record.at = raw, w_start - start
             i = j
+
+    def _bulk(self, file: _File, stats: ReadStats) -> list[Record]:
+        """Copy the small records that hold a whole plain tensor for one whole dense target, each
+        checked in bulk against the template of its (length, dtype, shape) (formats/record_batch);
+        the records left (other layouts, regions, records unlike their template) are returned."""
+        assert self.templates is not None
+        rest: list[Record] = []
+        batches: dict[int, tuple[bytearray, list[Record], list[int], list[Any]]] = {}
+        seen: dict[tuple[Any, ...], Any] = {}  # this unit's templates, looked up without the lock
+        for record in self.records:
+            req = record.requests[0]
+            target = req.target
+            if (
+                record.batch is None
+                or len(record.requests) != 1
+                or target is None
+                or not target.is_cpu
+                or not target.is_contiguous()
+                or any(req.item.storage_offsets)
+                or req.item.lengths != req.chunk
+            ):
+                rest.append(record)
+                continue
+            key = (record.length, req.dtype, req.chunk)
+            known, template = (True, seen[key]) if key in seen else self.templates.get(key)
+            if not known and self.templates.full:
+                rest.append(record)  # no room for its template: parsed on its own
+                continue
+            if not known:
+                layout = self._layout(file, record)  # checked against .metadata; raises on a damaged record
+                assert record.head is not None
+                template = None if layout is None else make_template(record.head, layout, target.numel())
+                template = self.templates.put(key, template)  # None: no room left for it
+            seen[key] = template
+            if template is None:
+                rest.append(record)
+                continue
+            batch = batches.setdefault(id(record.batch), (record.batch, [], [], []))
+            batch[1].append(record)
+            batch[2].append(record.at)
+            batch[3].append(template)
+        copied = nbytes = 0
+        memmove = ctypes.memmove
+        for buffer, records, starts, templates in batches.values():
+            base = address(memoryview(buffer))
+            for record, template, same in zip(records, templates, check_batch(buffer, starts, templates), strict=True):
+                if not same:
+                    rest.append(record)  # parsed on its own
+                    continue
+                target = record.requests[0].target
+                assert target is not None
+                memmove(target.data_ptr(), base + record.at + template.data_start, template.nbytes)
+                copied += 1
+                nbytes += template.nbytes
+        stats.fast += copied
+        stats.bytes += nbytes
+        return rest
 
     def _layout(self, file: _File, record: Record) -> RecordLayout | None:
         assert record.head is not None and record.tail is not None

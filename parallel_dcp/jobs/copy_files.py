@@ -25,7 +25,7 @@ from typing import Any
 from parallel_dcp.engine.memory import format_bytes
 from parallel_dcp.errors import InvalidDestinationError, UnsafeCheckpointError, plural, printable
 from parallel_dcp.formats.base import Source
-from parallel_dcp.jobs.side_folders import folder_files
+from parallel_dcp.jobs.side_folders import folder_files, module_folders
 from parallel_dcp.storage.location import Location, Remote, file_size, listdir, locate
 from parallel_dcp.storage.ownership import new_save_id, temp_name
 from parallel_dcp.storage.pinned_paths import pinned_path
@@ -101,7 +101,8 @@ def files_to_copy(
             _check_name_length(name)
             copies[name], sizes[name] = found
     if isinstance(where, Path):  # and the files of its non-weight folders (1_Pooling/, ...): issue 29
-        for name, path in folder_files(where, _copyable).items():
+        modules = module_folders(copies.get("modules.json"))
+        for name, path in folder_files(where, _copyable, weights_in=modules).items():
             _check_name_length(name.split("/")[0])  # the folder is written under a temporary name
             copies[name], sizes[name] = path, regular_size(path)
     total = sum(sizes.values())

@@ -70,7 +70,7 @@ _ALIGN = 64
 
 
 def _nbytes(meta: TensorStorageMetadata) -> int:
-    return math.prod(meta.size) * torch.empty((), dtype=meta.properties.dtype).element_size()
+    return math.prod(meta.size) * meta.properties.dtype.itemsize
 
 
 def _shared_tensors(metas: dict[str, TensorStorageMetadata]) -> dict[str, torch.Tensor]:
@@ -216,6 +216,14 @@ def _check_target(key: str, value: Any, meta: TensorStorageMetadata) -> None:
 def check_target(key: str, value: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     """An ``into`` tensor must match what is loaded exactly (``dtype``: the stored one, or the
     ``dtype=`` cast): load fills, it never casts into another dtype or reshapes."""
+    if (  # the common case, checked quickly: a dense tensor never shares memory with itself
+        type(value) is torch.Tensor
+        and value.dtype == dtype
+        and value.shape == shape
+        and value.is_contiguous()
+        and not value.is_meta
+    ):
+        return
     if not isinstance(value, torch.Tensor):
         raise InvalidStateDictError(
             f"into[{key!r}] is a {type(value).__name__}, but the checkpoint holds a {dtype_name(dtype)} "
@@ -271,6 +279,7 @@ def _requests(
     """One request per stored chunk each key overlaps (a whole-tensor chunk: its read item directly)."""
     storage = metadata.storage_data or {}
     out: list[fast_read.Request] = []
+    origins: dict[int, torch.Size] = {}  # one per rank, shared by every read item
     for key in selected:
         meta = metadata.state_dict_metadata[key]
         if not isinstance(meta, TensorStorageMetadata):
@@ -280,12 +289,16 @@ def _requests(
             out.append(fast_read.Request(item, _info(storage, index, where), (), None, None))
             continue
         target = targets[key]
-        origin = torch.Size([0] * len(meta.size))
+        rank = len(meta.size)
+        origin = origins.get(rank) or origins.setdefault(rank, torch.Size([0] * rank))
         if len(meta.chunks) == 1 and meta.chunks[0].offsets == origin and meta.chunks[0].sizes == meta.size:
             index = MetadataIndex(key, origin)
-            items = [ReadItem(LoadItemType.TENSOR, index, origin, index, origin, meta.size)]
-        else:
-            items = create_read_items_for_chunk_list(key, meta, [ChunkStorageMetadata(origin, meta.size)])
+            item = ReadItem(LoadItemType.TENSOR, index, origin, index, origin, meta.size)
+            # the whole stored chunk into the whole target: no region to cut
+            whole = (item, _info(storage, index, where), tuple(meta.size), meta.properties.dtype, target)
+            out.append(fast_read.Request(*whole))
+            continue
+        items = create_read_items_for_chunk_list(key, meta, [ChunkStorageMetadata(origin, meta.size)])
         sizes = {tuple(c.offsets): tuple(c.sizes) for c in meta.chunks}
         for item in items:
             region = target

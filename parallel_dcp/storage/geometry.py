@@ -200,8 +200,12 @@ def check_shards(path: Location, metadata: Any, keys: list[str] | None = None) -
     needed: dict[str, int] = {}
     for index, info in (metadata.storage_data or {}).items():
         if wanted is None or index.fqn in wanted:
-            name = check_name(info.relative_path, path)
-            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+            name = info.relative_path
+            end = int(info.offset) + int(info.length)
+            if type(name) is not str or name not in needed:  # each name checked once
+                needed[check_name(name, path)] = end
+            elif end > needed[name]:
+                needed[name] = end
     present = set(listdir(path))
     for name, end in needed.items():
         if name not in present:

@@ -225,10 +225,14 @@ def _check_metadata(metadata: Metadata, file: object) -> None:
         raise CorruptCheckpointError(f"{file}: storage_data is not a mapping")
     stored: dict[str, int] = {}
     compressed: set[str] = set()
+    plain: set[str] = set()  # names already checked: a shard holds thousands of records
     for index, info in storage.items():
-        where = f"{file} (key {getattr(index, 'fqn', index)!r})"
-        check_name(getattr(info, "relative_path", None), where)
+        name = getattr(info, "relative_path", None)
+        if type(name) is not str or name not in plain:
+            check_name(name, f"{file} (key {getattr(index, 'fqn', index)!r})")
+            plain.add(name)  # type: ignore[arg-type]  # check_name passed: a str
         if not (_count(getattr(info, "offset", None)) and _count(getattr(info, "length", None))):
+            where = f"{file} (key {getattr(index, 'fqn', index)!r})"
             raise CorruptCheckpointError(
                 f"{where}: impossible offset {getattr(info, 'offset', None)!r} or length "
                 f"{getattr(info, 'length', None)!r}"
@@ -237,6 +241,7 @@ def _check_metadata(metadata: Metadata, file: object) -> None:
         descriptors = getattr(info, "transform_descriptors", None)
         if descriptors:
             if not isinstance(descriptors, (list, tuple)) or not all(isinstance(d, str) for d in descriptors):
+                where = f"{file} (key {getattr(index, 'fqn', index)!r})"
                 raise CorruptCheckpointError(f"{where}: impossible transform descriptors {descriptors!r}")
             # a compressed record holds fewer bytes than its tensor; its reader bounds what it
             # decompresses by the tensor's size instead (storage/compression.py)

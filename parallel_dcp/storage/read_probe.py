@@ -28,7 +28,7 @@ before the clock starts, for direct; one preadv per slice for buffered) with as 
 the job's reading threads (at most PROBE_STREAMS). The probe times at most
 ``4 * PROBE_STREAMS * PROBE_SLICE`` bytes (64 MiB), and stops after its first direct and buffered
 rounds once it has taken PROBE_MAX_S. Each stream holds one slice buffer and the direct reader's
-two bounce buffers: no more than a reading thread of the job reserves (jobs/load.py).
+bounce buffers: no more than a reading thread of the job reserves (jobs/load.py).
 """
 
 from __future__ import annotations

@@ -49,3 +49,25 @@ def test_minilm_round_trip_embeds_as_the_original(tmp_path: Path, route: str) ->
     assert (tmp_path / "out" / "1_Pooling" / "config.json").read_bytes() == (
         src / "1_Pooling" / "config.json"
     ).read_bytes()
+
+
+@pytest.mark.parametrize("route", ["direct", "through-dcp"])
+def test_a_dense_module_keeps_its_weights(tmp_path: Path, route: str) -> None:
+    """A sentence-transformers model with a Dense head keeps that head's weights in ``2_Dense/``:
+    the converted folder must carry them, or the head is missing (load fails) or new."""
+    from sentence_transformers import models
+
+    base = sentence_transformers.SentenceTransformer(minilm.get_model_path(), device="cpu")
+    torch.manual_seed(0)
+    dense = models.Dense(in_features=384, out_features=64, activation_function=torch.nn.Tanh())
+    src = tmp_path / "src"
+    sentence_transformers.SentenceTransformer(modules=[base[0], base[1], dense], device="cpu").save(str(src))
+    assert any(p.name.endswith((".safetensors", ".bin")) for p in (src / "2_Dense").iterdir())
+    if route == "direct":
+        _convert(src, tmp_path / "out", "--to", "safetensors")
+    else:
+        _convert(src, tmp_path / "dcp")
+        _convert(tmp_path / "dcp", tmp_path / "out", "--to", "safetensors", "--copy-files-from", src)
+    expected, got = _embed(src), _embed(tmp_path / "out")
+    assert got.shape == expected.shape == (len(SENTENCES), 64)
+    assert torch.equal(got, expected)

@@ -1,0 +1,216 @@
+"""Many small records read in bulk (formats/record_batch.py): one record of each shape parsed, the
+rest checked byte for byte against it and copied; bit for bit equal to stock dcp.load, for
+checkpoints written by stock dcp.save (records differ in their CRC-32s and serialization ids) and
+by parallel_dcp; a record unlike its template is parsed on its own (and refused when damaged)."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+
+import parallel_dcp
+from parallel_dcp import CorruptCheckpointError
+from parallel_dcp.formats import dcp_records, read_units
+from parallel_dcp.formats.dcp_records import parse_record, varying_spans
+from parallel_dcp.formats.record_batch import Template, check_batch, make_template
+from tests.conftest import assert_same, empty_like_state
+
+SHAPES = [(16,), (4, 8), (33,), (2, 3, 5)]
+COUNT = 240
+
+
+def optimizer_like() -> dict[str, Any]:
+    """COUNT small tensors of a few shapes and dtypes, each with its own values."""
+    g = torch.Generator().manual_seed(3)
+    state: dict[str, Any] = {}
+    for i in range(COUNT):
+        shape = SHAPES[i % len(SHAPES)]
+        dtype = torch.float32 if i % 3 else torch.bfloat16
+        state[f"{i}"] = {"exp_avg": torch.randn(shape, generator=g).to(dtype), "step": torch.tensor(float(i))}
+    return {"optimizer": {"state": state}}
+
+
+def write(kind: str, sd: Any, path: Path) -> None:
+    if kind == "stock":
+        dcp.save(sd, storage_writer=FileSystemWriter(str(path), thread_count=2), no_dist=True)
+    else:
+        parallel_dcp.save(sd, path, workers=2)
+
+
+@pytest.fixture
+def parses(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many records the reading threads parsed on their own."""
+    count = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return parse_record(*args, **kwargs)
+
+    monkeypatch.setattr(read_units, "parse_record", counted)
+    return count
+
+
+def stock_load(sd: Any, path: Path) -> Any:
+    expected = empty_like_state(sd)
+    dcp.load(expected, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return expected
+
+
+@pytest.mark.parametrize("kind", ["stock", "pdcp"])
+def test_many_small_records_load_bit_for_bit_with_one_parse_per_shape(
+    tmp_path: Path, kind: str, parses: list[int]
+) -> None:
+    sd = optimizer_like()
+    write(kind, sd, tmp_path / "ckpt")
+    expected = stock_load(sd, tmp_path / "ckpt")
+    into = empty_like_state(sd)
+    stats = parallel_dcp.ReadStats()
+    parallel_dcp.load(tmp_path / "ckpt", into=into, workers=2, stats=stats)
+    assert_same(into, expected)
+    assert stats.fast == 2 * COUNT and stats.fallback == 0
+    # a record of each (length, dtype, shape) parsed once, not one per record (was 480)
+    shapes = {(tuple(t.shape), t.dtype) for v in sd["optimizer"]["state"].values() for t in v.values()}
+    assert parses[0] <= 2 * len(shapes)  # each of the two threads may parse a shape before the other shows it
+    parses[0] = 0
+    loaded = parallel_dcp.load(tmp_path / "ckpt", workers=1)  # allocating
+    assert_same(loaded, expected)
+    parses[0] = 0
+    reader = parallel_dcp.FastReader(tmp_path / "ckpt", workers=2)
+    through = empty_like_state(sd)
+    dcp.load(through, storage_reader=reader, no_dist=True)
+    assert_same(through, expected)
+    assert parses[0] <= 2 * len(shapes)
+
+
+def _records(path: Path) -> list[tuple[str, Any]]:
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    return sorted(
+        ((index.fqn, info) for index, info in metadata.storage_data.items()),
+        key=lambda r: (r[1].relative_path, r[1].offset),
+    )
+
+
+def _damage(path: Path, key: str, change: Any) -> None:
+    info = next(info for fqn, info in _records(path) if fqn == key)
+    shard = path / info.relative_path
+    data = bytearray(shard.read_bytes())
+    record = data[info.offset : info.offset + info.length]
+    change(record)
+    data[info.offset : info.offset + info.length] = record
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["stock", "pdcp"])
+def test_a_record_unlike_its_template_is_parsed_on_its_own_and_refused(tmp_path: Path, kind: str) -> None:
+    """The shape in one record's pickle changed (33 -> 34 elements of the same bytes would not fit
+    its .metadata): the bulk check must not copy it as its neighbours' layout."""
+    sd = optimizer_like()
+    write(kind, sd, tmp_path / "ckpt")
+    victim = "optimizer.state.2.exp_avg"  # (33,) float32, one of many records of that shape
+
+    def other_shape(record: bytearray) -> None:
+        at = record.find(b"K!")  # the pickle's BININT1 33 (the size)
+        assert at > 0
+        record[at + 1] = 34
+
+    _damage(tmp_path / "ckpt", victim, other_shape)
+    with pytest.raises(CorruptCheckpointError, match=r"optimizer\.state\.2\.exp_avg"):
+        parallel_dcp.load(tmp_path / "ckpt", into=empty_like_state(sd))
+
+
+def test_a_record_whose_directory_differs_is_not_taken_for_its_template(tmp_path: Path) -> None:
+    """A byte of one record's zip directory changed (an entry's name): the bulk check must not
+    copy it as its neighbours' layout; parsed on its own, DCP's reader refuses it, by name."""
+    sd = optimizer_like()
+    write("stock", sd, tmp_path / "ckpt")
+    victim = "optimizer.state.6.exp_avg"
+
+    def rename_pickle(record: bytearray) -> None:
+        at = record.rfind(b"archive/data.pkl")  # the central directory's entry
+        record[at : at + 7] = b"archivX"
+
+    _damage(tmp_path / "ckpt", victim, rename_pickle)
+    with pytest.raises(CorruptCheckpointError, match=r"optimizer\.state\.6\.exp_avg"):
+        parallel_dcp.load(tmp_path / "ckpt", into=empty_like_state(sd))
+
+
+def _torch_record(tensor: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return buffer.getvalue()
+
+
+def test_varying_spans_cover_exactly_what_differs_between_two_saves() -> None:
+    one, two = _torch_record(torch.arange(40.0)), _torch_record(torch.arange(40.0) + 1)
+    assert len(one) == len(two)
+    layout = parse_record(memoryview(one), memoryview(one), len(one))
+    assert layout is not None
+    spans = varying_spans(memoryview(one), layout)
+    assert spans is not None
+    data = range(layout.data_offset, layout.data_offset + layout.data_bytes)
+    free = {p for a, b in spans for p in range(a, b)} | set(data)
+    differ = {p for p in range(len(one)) if one[p] != two[p]}
+    assert differ - free == set()
+    assert differ - set(data)  # the CRC-32s (and torch's serialization id) do differ
+    # whatever the free bytes hold (data aside), the record parses to the same layout
+    scrambled = bytearray(one)
+    for p in free - set(data):
+        scrambled[p] ^= 0x5A
+    assert parse_record(memoryview(scrambled), memoryview(scrambled), len(one)) == layout
+
+
+def test_check_batch_takes_equal_records_and_refuses_a_changed_byte() -> None:
+    record = _torch_record(torch.arange(40.0))
+    layout = parse_record(memoryview(record), memoryview(record), len(record))
+    assert layout is not None
+    template = make_template(memoryview(record), layout, 40)
+    assert isinstance(template, Template)
+    others = [_torch_record(torch.arange(40.0) * k) for k in range(1, 5)]
+    changed = bytearray(others[2])
+    changed[layout.data_offset - 70] ^= 1  # inside the header before the data
+    others[2] = bytes(changed)
+    batch = bytearray(b"".join(others))
+    before = bytes(batch)
+    starts = [i * len(record) for i in range(len(others))]
+    assert check_batch(batch, starts, [template] * 4) == [True, True, False, True]
+    assert bytes(batch) == before  # the zeroed spans are put back
+    assert dcp_records.varying_spans(memoryview(b"PK" + record[2:]), layout) is not None
+
+
+def test_a_directory_pointing_a_descriptor_into_the_pickle_gets_no_template() -> None:
+    """A crafted directory entry (.format_version's local header moved onto data.pkl's) would put
+    its data descriptor's CRC-32 inside the pickle: records differing there must not pass as equal,
+    so such a record gets no template (each record is parsed on its own)."""
+    record = bytearray(_torch_record(torch.arange(40.0)))
+    layout = parse_record(memoryview(record), memoryview(record), len(record))
+    assert layout is not None
+    at = record.rfind(b"archive/.format_version") - 46  # its central directory entry
+    assert record[at : at + 4] == b"PK\x01\x02"
+    record[at + 42 : at + 46] = (0).to_bytes(4, "little")  # its local header: data.pkl's
+    assert parse_record(memoryview(record), memoryview(record), len(record)) == layout  # still parses alike
+    assert varying_spans(memoryview(record), layout) is None
+
+
+def test_when_the_templates_fill_their_room_records_are_parsed_one_by_one(
+    tmp_path: Path, parses: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The templates a read keeps are bounded (CACHE_BYTES, counted in each thread's memory): past
+    it, records of keys without a template are parsed on their own, with the same result."""
+    from parallel_dcp.formats import record_batch
+
+    monkeypatch.setattr(record_batch, "CACHE_BYTES", 0)
+    sd = optimizer_like()
+    write("pdcp", sd, tmp_path / "ckpt")
+    into = empty_like_state(sd)
+    stats = parallel_dcp.ReadStats()
+    parallel_dcp.load(tmp_path / "ckpt", into=into, workers=2, stats=stats)
+    assert_same(into, stock_load(sd, tmp_path / "ckpt"))
+    assert stats.fast == 2 * COUNT
+    assert parses[0] >= 2 * COUNT  # every record parsed on its own
