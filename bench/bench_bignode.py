@@ -127,6 +127,7 @@ def gil(rounds: int, where: list[str], workers: int, kinds: list[str], modes: tu
                     busy = thread is not None
                     if busy:
                         thread.start()
+                        time.sleep(0.2)  # busy for a while before the save, as a data loader is
                     try:
                         start = time.perf_counter()
                         if kind == "saver":

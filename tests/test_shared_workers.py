@@ -69,9 +69,27 @@ def test_alone_a_large_save_runs_on_writer_threads_and_beside_a_thread_on_kept_w
     alone = parallel_dcp.save(_state(), tmp_path / "alone", workers=1)
     assert alone.executor == "threads" and shared_workers._workers is None
     stop = threading.Event()
-    busy = threading.Thread(target=stop.wait)
+    idle = threading.Thread(target=stop.wait)  # a thread that sleeps: no convoy, not counted
+    idle.start()
+    try:
+        time.sleep(0.2)
+        assert not shared_workers.other_threads()
+        beside_idle = parallel_dcp.save(_state(), tmp_path / "idle", workers=1)
+    finally:
+        stop.set()
+        idle.join()
+    assert beside_idle.executor == "threads"
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(100))
+
+    stop = threading.Event()
+    busy = threading.Thread(target=spin)  # a data loader: busy for a while before the save
     busy.start()
     try:
+        time.sleep(0.2)
+        assert shared_workers.other_threads()
         beside = parallel_dcp.save(_state(), tmp_path / "beside", workers=1)
     finally:
         stop.set()

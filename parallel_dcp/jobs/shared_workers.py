@@ -1,12 +1,13 @@
 """The workers ``parallel_dcp.save`` keeps between calls for large in-memory state dicts.
 
-With ``executor="auto"`` (the default), an in-memory state dict holding at least
-``MIN_BYTES`` of tensors, saved while another Python thread runs in the caller (or while the
-workers are kept already), is saved as a ``parallel_dcp.Saver`` saves it: by workers forked from a
-fork server (torch imported, none of the caller's memory) that copy the tensors straight out of the
-caller with ``process_vm_readv``. The bytes never pass through the caller's interpreter, so a busy
-Python thread in the caller (a data loader, a heartbeat) does not slow the save down by taking the
-GIL back at every buffer, and starting the workers does not grow with what the caller holds.
+With ``executor="auto"`` (the default), an in-memory state dict holding at least ``MIN_BYTES`` of
+tensors, saved while another thread of the caller is busy (it kept a quarter of a core busy over
+its life: ``other_threads``), or while the workers are kept already, is saved as a
+``parallel_dcp.Saver`` saves it: by workers forked from a fork server (torch imported, none of the
+caller's memory) that copy the tensors straight out of the caller with ``process_vm_readv``. The
+bytes never pass through the caller's interpreter, so a busy Python thread in the caller (a data
+loader, a heartbeat) does not slow the save down by taking the GIL back at every buffer, and
+starting the workers does not grow with what the caller holds.
 
 Lifetime (one pool per process):
 
@@ -44,6 +45,8 @@ __all__ = ["IDLE_SECONDS", "MIN_BYTES", "eligible", "save", "stop"]
 
 MIN_BYTES = 256 * 2**20
 IDLE_SECONDS = 60.0
+BUSY_SHARE = 0.25
+_MIN_AGE_S = 0.05
 # The size check walks at most this many values: a state dict of many small tensors that has not
 # reached MIN_BYTES by then is saved as before (its cost is the coordinator's, not the bytes').
 _WALK_LIMIT = 4096
@@ -56,8 +59,8 @@ _timer: threading.Timer | None = None
 def eligible(state_dict: Any, options: Options) -> bool:
     """Whether ``save`` runs on the kept workers: the default executor, one process (not a
     distributed rank, not a resume), at least MIN_BYTES of tensors among the first values, and
-    either the workers run already or another Python thread runs in this process (the GIL
-    convoy they avoid). Alone, writer threads in this process are faster (no copy into the
+    either the workers run already or another thread of this process is busy (the GIL convoy
+    they avoid). Alone, writer threads in this process are faster (no copy into the
     workers: measured 0.47 s against 0.85 s for 1 GiB on /dev/shm at one worker) and pay no
     fork server start (2-3 s on a loaded 2-core VM, once)."""
     if options.executor != "auto" or options.distributed or options.resume:
@@ -68,9 +71,32 @@ def eligible(state_dict: Any, options: Options) -> bool:
 
 
 def other_threads() -> bool:
-    """Whether a Python thread other than this one (and our own idle timer) is alive."""
-    ours = 1 + (_timer is not None and _timer.is_alive())
-    return threading.active_count() > ours
+    """Whether another thread of this process has kept at least BUSY_SHARE of a core busy over
+    its life (a data loader, a busy logger): the GIL convoy the kept workers avoid. Threads that
+    mostly sleep (a timer, a sampler waking now and then) do not count, nor threads younger than
+    _MIN_AGE_S (too young to judge)."""
+    me = threading.get_native_id()
+    try:
+        with open("/proc/uptime", "rb") as uptime:
+            now = float(uptime.read().split()[0])
+        tids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except (OSError, ValueError):
+        return threading.active_count() > 1 + (_timer is not None and _timer.is_alive())
+    ticks = os.sysconf("SC_CLK_TCK")
+    for tid in tids:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as stat:
+                started = int(stat.read().rpartition(b")")[2].split()[19]) / ticks
+            with open(f"/proc/self/task/{tid}/schedstat", "rb") as schedstat:
+                ran = int(schedstat.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+        age = now - started
+        if age >= _MIN_AGE_S and ran >= BUSY_SHARE * age:
+            return True
+    return False
 
 
 def _running() -> bool:
