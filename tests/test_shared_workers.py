@@ -95,8 +95,9 @@ def test_alone_a_large_save_runs_on_writer_threads_and_beside_a_thread_on_kept_w
         stop.set()
         busy.join()
     assert beside.executor == "saver"
-    again = parallel_dcp.save(_state(), tmp_path / "again", workers=1)  # kept: used while they run
-    assert again.executor == "saver"
+    assert shared_workers._workers is not None  # kept for the next save beside a busy thread
+    again = parallel_dcp.save(_state(), tmp_path / "again", workers=1)  # alone again: threads, faster
+    assert again.executor == "threads"
     assert _shards(tmp_path / "alone") == _shards(tmp_path / "beside") == _shards(tmp_path / "again")
 
 

@@ -2,12 +2,12 @@
 
 With ``executor="auto"`` (the default), an in-memory state dict holding at least ``MIN_BYTES`` of
 tensors, saved while another thread of the caller is busy (it kept a quarter of a core busy over
-its life: ``other_threads``), or while the workers are kept already, is saved as a
-``parallel_dcp.Saver`` saves it: by workers forked from a fork server (torch imported, none of the
-caller's memory) that copy the tensors straight out of the caller with ``process_vm_readv``. The
-bytes never pass through the caller's interpreter, so a busy Python thread in the caller (a data
-loader, a heartbeat) does not slow the save down by taking the GIL back at every buffer, and
-starting the workers does not grow with what the caller holds.
+its life: ``other_threads``), is saved as a ``parallel_dcp.Saver`` saves it: by workers forked from
+a fork server (torch imported, none of the caller's memory) that copy the tensors straight out of
+the caller with ``process_vm_readv``. The bytes never pass through the caller's interpreter, so a
+busy Python thread in the caller (a data loader, a heartbeat) does not slow the save down by
+taking the GIL back at every buffer, and starting the workers does not grow with what the caller
+holds. Alone, the save runs on writer threads as before (faster there: no copy into the workers).
 
 Lifetime (one pool per process):
 
@@ -59,13 +59,12 @@ _timer: threading.Timer | None = None
 def eligible(state_dict: Any, options: Options) -> bool:
     """Whether ``save`` runs on the kept workers: the default executor, one process (not a
     distributed rank, not a resume), at least MIN_BYTES of tensors among the first values, and
-    either the workers run already or another thread of this process is busy (the GIL convoy
-    they avoid). Alone, writer threads in this process are faster (no copy into the
-    workers: measured 0.47 s against 0.85 s for 1 GiB on /dev/shm at one worker) and pay no
-    fork server start (2-3 s on a loaded 2-core VM, once)."""
+    another thread of this process busy (the GIL convoy they avoid). Alone, writer threads in
+    this process are faster (no copy into the workers: measured 0.47 s against 0.85 s for 1 GiB
+    on /dev/shm at one worker) and pay no fork server start (2-3 s on a loaded 2-core VM, once)."""
     if options.executor != "auto" or options.distributed or options.resume:
         return False
-    if not (_running() or other_threads()):
+    if not other_threads():
         return False
     return _tensor_bytes_reach(state_dict, MIN_BYTES)
 
@@ -97,10 +96,6 @@ def other_threads() -> bool:
         if age >= _MIN_AGE_S and ran >= BUSY_SHARE * age:
             return True
     return False
-
-
-def _running() -> bool:
-    return _workers is not None and _workers.owner == os.getpid() and _workers.refused is None
 
 
 def _tensor_bytes_reach(state_dict: Any, goal: int) -> bool:
