@@ -47,15 +47,22 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{args.kind}: output {out_bytes / 2**20:.0f} MiB, memory_limit {limit / 2**20:.0f} MiB")
     medians = {}
+    held = True
     for m in measured:
         if m.error:
             print(f"{m.case.name}: failed: {m.error}")
             continue
         medians[m.case.name] = statistics.median(m.walls)
+        reported = m.details.get("peak_memory")  # ours: the governor's highest of every run
+        if reported is not None:
+            held = held and max(reported, *m.peaks) <= limit
         print(
             f"{m.case.name}: median {medians[m.case.name]:.2f} s, cpu {statistics.median(m.cpus):.2f} s, "
-            f"peak +{max(m.peaks) / 2**20:.0f} MiB"
+            f"peak sampled +{max(m.peaks) / 2**20:.0f} MiB"
+            + (f", reported +{reported / 2**20:.0f} MiB (limit {limit / 2**20:.0f})" if reported is not None else "")
+            + f"; runs {', '.join(f'{w:.2f}' for w in m.walls)} s"
         )
+    print(f"memory limit {'held in every run of ours' if held else 'EXCEEDED'} (reported and sampled peaks)")
     ours1, ours2, stock = (medians.get(c.name) for c in cases)
     if ours2 and stock:
         print(f"w=2 vs stock: {stock / ours2:.2f}x")

@@ -510,3 +510,48 @@ def test_disk_suite_reports_the_read_choice_for_both_checkpoints(tmp_path: Path)
         assert reads["load_into_of_best_read"] > 0 and reads["load_into_vs_stock"] > 0
         assert reads["choice"]["read_io"] == auto["details"]["read_io"]
     assert list(target.iterdir()) == [], "the benchmark removes what it wrote"
+
+
+@pytest.mark.parametrize(("sampled", "held"), [(300 * 2**20, "held in every run"), (600 * 2**20, "EXCEEDED")])
+def test_quantized_summary_gives_scaling_stock_ratio_and_peaks_against_the_limit(sampled: int, held: str) -> None:
+    """Issue 32: the quantized suite prints w=2 against w=1 and stock, and the reported and the
+    sampled peak of every run of ours against the memory limit."""
+    limit = 512 * 2**20
+    rows = []
+    for n, walls in ((1, [3.0, 3.2, 2.9]), (2, [1.5, 1.6, 1.4])):
+        case = _case(f"fp8->bf16 parallel_dcp w={n}", "fp8->bf16 parallel_dcp", n, "fp8->bf16 stock")
+        measured = _measured(case, walls, peak=sampled if n == 2 else 100 * 2**20)
+        measured.details.update(memory_limit=limit, peak_memory=400 * 2**20 if n == 1 else 200 * 2**20)
+        rows.append(measured)
+    rows.append(_measured(_case("fp8->bf16 stock", "fp8->bf16 stock", 1), [12.0, 15.0, 9.0]))
+    scenario = Scenario(
+        suite="quantized:fp8",
+        target="disk",
+        directory="/tmp",
+        sync=True,
+        state_dict="test",
+        nbytes=2**30,
+        tensors=3,
+        reps=3,
+        warmup=0,
+        workers=[1, 2],
+    )
+    scenario.measured = rows
+    s = summary(scenario, row_figures(scenario))["fp8->bf16"]
+    assert s["speedup_vs_stock"] == pytest.approx(12.0 / 1.5)
+    assert s["speedup_vs_one_worker"] == pytest.approx(2.0)
+    assert (s["reported_peak"], s["sampled_peak"], s["memory_limit"]) == (400 * 2**20, sampled, limit)
+    text = "\n".join(scenario_lines(scenario))
+    assert "fp8->bf16: parallel_dcp w=2 vs stock: 8.00x (target >= 5.0x); w=2 vs w=1: 2.00x (target >= 1.7x)" in text
+    assert f"peak reported / sampled 400 / {sampled // 2**20} MiB of the 512 MiB limit: {held}" in text
+
+
+def test_quantized_suite_runs_and_prints_its_summary(tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.mkdir()
+    run = _bench([*TINY, "--suite", "quantized", "--targets", str(target), "--no-peers"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    for label in ("fp8->bf16", "mxfp4->bf16", "bf16->fp8"):
+        line = next(line for line in run.stdout.splitlines() if line.startswith(f"{label}: parallel_dcp w=2 vs stock"))
+        assert " w=2 vs w=1: " in line and "MiB limit: held in every run" in line, line
+    assert list(target.iterdir()) == []

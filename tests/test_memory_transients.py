@@ -81,6 +81,41 @@ def test_fp8_dequantize_of_a_wide_weight_bounds_its_strip_in_columns() -> None:
     assert DEQUANTIZE_WORK_BYTES >= 8 * STRIP_ELEMENTS
 
 
+def test_fp8_dequantize_temporaries_are_bounded_by_a_small_strip() -> None:
+    """Issue 32 item 3: every 4 Mi-element strip allocated a fresh int32 index and a grid of block
+    offsets (32 MiB beside the output; two workers under a tight limit held 64 MiB of them). One
+    reused index buffer of a cache-sized strip is all that is held beside the output now."""
+    weight, scale = fp8_pair(5504, 2048, (128, 128))  # 22 MiB of bfloat16 out
+    dequantize_fp8(weight[:256], scale, torch.bfloat16)  # torch's own first-use allocations
+    with PeakSampler(interval=0.0005) as sampler:
+        out = dequantize_fp8(weight, scale, torch.bfloat16)
+    assert 4 * MiB >= DEQUANTIZE_WORK_BYTES
+    assert sampler.peak <= out.nbytes + DEQUANTIZE_WORK_BYTES + 2 * MiB, sampler.peak / MiB
+    assert_same(out, reference_fp8(weight, scale, torch.bfloat16, (128, 128)))
+
+
+def test_a_dequantized_unit_counts_temporaries_bounded_by_the_unit(tmp_path: Path) -> None:
+    """What admission counts for a unit's arithmetic: at most DEQUANTIZE_WORK_BYTES for a large
+    weight (it was 40 MiB a unit: fewer units fit a tight limit), and never more than the small
+    unit's own elements call for."""
+    from parallel_dcp.formats import open_source
+    from parallel_dcp.formats.dequantized_source import dequantized_source
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (rows, cols) in {"big.weight": (5504, 2048), "small.weight": (16, 24)}.items():
+        tensors[name], tensors[name + "_scale_inv"] = fp8_pair(rows, cols, (128, 128))
+    src = write_hf(tmp_path / "src", tensors, [list(tensors)], deepseek_config())
+    view = dequantized_source(open_source(str(src)), torch.bfloat16)
+    try:
+        for name in ("big.weight", "small.weight"):
+            elements = tensors[name].numel()
+            read = sum(view.inner.copied_bytes(k) for k in (name, name + "_scale_inv"))  # type: ignore[union-attr]
+            work = view.copied_bytes(name) - read - 2 * elements  # beside the reads and the bfloat16 output
+            assert 0 < work <= min(DEQUANTIZE_WORK_BYTES, 4 * MiB, 16 * elements), (name, work)
+    finally:
+        view.close()
+
+
 @pytest.mark.slow
 def test_fp8_small_block_conversion_stays_under_its_limit(tmp_path: Path) -> None:
     """The review's reproducer, smaller: FP8 with ``weight_block_size: [2, 2]`` dequantized

@@ -482,6 +482,20 @@ def test_mxfp4_experts_dequantize_in_strips(monkeypatch: pytest.MonkeyPatch) -> 
         assert_same(quantized.dequantize_mxfp4_experts(blocks, scales, torch.bfloat16), expected)
 
 
+def test_mxfp4_experts_strips_of_whole_cache_lines_give_the_whole_transpose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strips inside one expert are cut to a multiple of 64 rows where more fit (the transposed
+    copy's rows then fill whole cache lines); ragged last strips and every expert still covered."""
+    import parallel_dcp.formats.quantized as quantized
+
+    g = torch.Generator().manual_seed(7)
+    blocks = torch.randint(0, 256, (2, 300, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 255, (2, 300, 2), dtype=torch.uint8, generator=g)
+    expected = torch.stack([quantized.dequantize_mxfp4(b, s, torch.bfloat16).t() for b, s in zip(blocks, scales)])
+    for strip in (100 * 64, 200 * 64, 63 * 64):  # 64 rows a strip, 192, and 63 (fewer than 64: as they are)
+        monkeypatch.setattr(quantized, "STRIP_ELEMENTS", strip)
+        assert_same(quantized.dequantize_mxfp4_experts(blocks, scales, torch.bfloat16), expected)
+
+
 def test_inspect_diff_and_verify_compare_in_transformers_layout(tmp_path: Path) -> None:
     """A bf16 gpt-oss as transformers saves it (experts [E, G * 32, N]) is what our dequantized
     output is: ``inspect --diff`` finds nothing, ``verify --dequantize`` against the MXFP4 passes."""

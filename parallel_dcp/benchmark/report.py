@@ -153,6 +153,10 @@ def scenario_lines(scenario: Scenario) -> list[str]:
         from parallel_dcp.benchmark.disk_report import disk_summary_lines
 
         lines += disk_summary_lines(s)
+    elif scenario.suite.startswith("quantized"):
+        from parallel_dcp.benchmark.quantized import quantized_summary_lines
+
+        lines += quantized_summary_lines(s)
     else:
         lines += _save_summary_lines(scenario, s)
     lines += [f"note: {note}" for note in scenario.notes]

@@ -151,4 +151,8 @@ def summary(scenario: Scenario, rows: dict[str, dict[str, Any]]) -> dict[str, An
         from parallel_dcp.benchmark.loading import load_summary
 
         return load_summary(rows, scenario.compare_count)
+    if scenario.suite.startswith("quantized"):
+        from parallel_dcp.benchmark.quantized import quantized_summary
+
+        return quantized_summary(rows, scenario.compare_count)
     return _save_summary(scenario, rows)

@@ -12,9 +12,11 @@
 Pairs are found by name over the whole source (a Hugging Face index's ``weight_map`` may put a
 weight and its scale in different shards: each unit's read opens both), and checked from headers
 before anything is written; E8M0 scales are also read once, in the coordinator, to refuse the
-NaN exponent. A unit's memory counts the quantized input, the scale, the output and the float32
-strip the arithmetic works in. Huge weights split into row ranges aligned to the block size, so
-a chunk reads only its own rows and their scales (:meth:`DequantizedSource.split_alignment`).
+NaN exponent. A unit's memory counts the quantized input, the scale, the output and the strip the
+arithmetic works in (4 MiB at most, never more than the unit's own elements call for:
+:func:`~parallel_dcp.formats.quantized.dequantize_work_bytes`). Huge weights split into row ranges
+aligned to the block size, so a chunk reads only its own rows and their scales
+(:meth:`DequantizedSource.split_alignment`).
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from parallel_dcp.errors import QuantizationError, describe_keys
 from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.quantized import (
     DEFAULT_BLOCK,
-    DEQUANTIZE_WORK_BYTES,
     E8M0_NAN,
     dequantize_fp8,
     dequantize_mxfp4,
     dequantize_mxfp4_experts,
+    dequantize_work_bytes,
     mxfp4_is_experts,
     mxfp4_shape,
 )
@@ -55,9 +57,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SCALE_SUFFIX", "DequantizedSource", "block_size_of", "dequantized_source", "source_config"]
 
-# The arithmetic's strips (the heap keeps freed ones), whatever the block size: at most the
-# bound quantized.py states, and at most 4 B an output element (a strip never exceeds the unit).
-_WORK_BYTES = DEQUANTIZE_WORK_BYTES
 # The coordinator checks E8M0 scales for the NaN exponent in pieces of at most this much.
 CHECK_PIECE_BYTES = 4 * 1024 * 1024
 
@@ -171,7 +170,8 @@ class DequantizedSource(WrappedSource):
             return self._inner().copied_bytes(key)
         inner = self._inner()
         out = self.entries[key].nbytes
-        return inner.copied_bytes(pair.values) + inner.copied_bytes(pair.scale) + out + min(4 * out, _WORK_BYTES)
+        work = dequantize_work_bytes(self.entries[key].nbytes // self.dtype.itemsize)
+        return inner.copied_bytes(pair.values) + inner.copied_bytes(pair.scale) + out + work
 
     def chunk_memory(self, chunk: Chunk) -> int:
         pair = self.pairs.get(chunk.key)
@@ -184,7 +184,7 @@ class DequantizedSource(WrappedSource):
         stored = inner.entries[pair.values]
         read = inner.chunk_memory(dataclasses.replace(chunk, key=pair.values, dim=dim, shape=stored.shape))
         out = chunk.nbytes(self.dtype.itemsize)
-        return read + inner.copied_bytes(pair.scale) + out + min(4 * out, _WORK_BYTES)
+        return read + inner.copied_bytes(pair.scale) + out + dequantize_work_bytes(chunk.nbytes(1))
 
     def transient_bytes(self, key: str) -> int:
         pair = self.pairs.get(key)
