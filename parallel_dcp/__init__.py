@@ -26,6 +26,7 @@ from parallel_dcp.api.inspect import diff as diff
 from parallel_dcp.api.inspect import inspect as inspect
 from parallel_dcp.api.load import load as load
 from parallel_dcp.api.save import save as save
+from parallel_dcp.api.saver import Saver as Saver
 from parallel_dcp.api.verify import verify as verify
 from parallel_dcp.errors import (
     CheckpointExistsError,
@@ -136,6 +137,7 @@ __all__ = [
     "RenameWarning",
     "ResumeError",
     "SaveResult",
+    "Saver",
     "TaskTimeoutError",
     "UnsafeCheckpointError",
     "VerifyReport",

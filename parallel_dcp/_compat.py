@@ -10,8 +10,11 @@ metadata allow-list no longer finds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import os
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -170,3 +173,60 @@ def _check_fsspec() -> None:
             f"parallel_dcp needs fsspec's AbstractFileSystem._strip_protocol, which fsspec {fsspec.__version__} "
             "does not have; install a supported fsspec (tested on 2026.9)"
         )
+
+
+# multiprocess's fork server and resource tracker (parallel_dcp.Saver starts them, and stops them
+# again unless they ran before).
+def fork_server_pid() -> int | None:
+    """The fork server's process id while it runs."""
+    import multiprocess.forkserver
+
+    pid = getattr(getattr(multiprocess.forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return pid if isinstance(pid, int) else None
+
+
+def running_servers() -> tuple[bool, bool]:
+    """Whether the fork server and the resource tracker (which the fork server starts) run now."""
+    import multiprocess.forkserver
+    import multiprocess.resource_tracker
+
+    server = getattr(multiprocess.forkserver, "_forkserver", None)
+    tracker = getattr(multiprocess.resource_tracker, "_resource_tracker", None)
+    return getattr(server, "_forkserver_pid", None) is not None, getattr(tracker, "_pid", None) is not None
+
+
+def stop_fork_server(running_before: tuple[bool, bool]) -> None:
+    """Stop the fork server and the resource tracker, each unless it ran before we used it (it
+    may serve the caller's own processes, shared memory or semaphores), so no process is left.
+    Each starts again on its next use."""
+    import multiprocess.forkserver
+    import multiprocess.resource_tracker
+
+    server_before, tracker_before = running_before
+    if not server_before:
+        stop = getattr(getattr(multiprocess.forkserver, "_forkserver", None), "_stop", None)
+        if stop is not None:
+            stop()
+    if not tracker_before:
+        stop = getattr(getattr(multiprocess.resource_tracker, "_resource_tracker", None), "_stop", None)
+        if stop is not None:
+            stop()
+
+
+def forget_inherited_fork_server() -> None:
+    """In a forked child: drop the parent's fork server (it is the parent's child, not ours: using
+    it fails, and our copy of its "alive" descriptor would keep it running after the parent stops
+    it). The child's next use starts its own. Run after every fork (os.register_at_fork)."""
+    import multiprocess.forkserver
+
+    server = getattr(multiprocess.forkserver, "_forkserver", None)
+    if server is None or getattr(server, "_forkserver_pid", None) is None:
+        return
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(alive, int):
+        with contextlib.suppress(OSError):
+            os.close(alive)
+    server._forkserver_address = None
+    server._forkserver_alive_fd = None
+    server._forkserver_pid = None
+    server._lock = threading.Lock()

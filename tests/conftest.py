@@ -42,8 +42,12 @@ def private_tmpdir() -> Iterator[Path]:
 
 @pytest.fixture(autouse=True)
 def no_child_survives() -> Iterator[None]:
-    """Every worker a test starts must be gone (joined) when the test ends."""
+    """Every worker a test starts must be gone (joined) when the test ends (the workers
+    ``save`` keeps between calls are stopped first: a test's save may have started them)."""
     yield
+    from parallel_dcp.jobs import shared_workers
+
+    shared_workers.stop()
     me = psutil.Process(os.getpid())
     deadline = time.monotonic() + 2.0
     children = me.children(recursive=True)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import mmap
 import os
 import subprocess
 import sys
 import textwrap
 
-from parallel_dcp.engine.process_memory import _charge, charged_memory
+import pytest
+
+from parallel_dcp.engine import process_memory
+from parallel_dcp.engine.process_memory import ChargeReader, _charge, charged_memory
 
 MiB = 2**20
 
@@ -56,16 +58,167 @@ def test_program_code_is_left_out_and_everything_else_counts() -> None:
     assert private == (800 + 40 + 60 + 2048 + 512 + 100) * 1024
 
 
+# A process the tests read from outside (not the pytest process itself, whose own memory moves
+# while it is read: its threads, its garbage collector, and data files it still maps that other
+# processes on the node map and unmap, which move its PSS). Commands on stdin, one a line, each
+# answered "ok": alloc N / shm N (N MiB of private / shared anonymous memory, written), fork (a
+# child sharing everything, its pid answered), cow (the child writes every page of the memory
+# allocated so far: copies on write), end (the child exits).
+SUBJECT = textwrap.dedent(
+    """\
+    import mmap, os, sys, torch
+    torch.ones(8).sum()
+    held, child, MiB = [], None, 2**20
+    go_r, go_w = os.pipe()
+    done_r, done_w = os.pipe()
+    print("ok", flush=True)
+    for line in sys.stdin:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd in ("alloc", "shm"):
+            flags = mmap.MAP_ANONYMOUS | (mmap.MAP_PRIVATE if cmd == "alloc" else mmap.MAP_SHARED)
+            held.append(mmap.mmap(-1, int(arg) * MiB, flags=flags))
+            for offset in range(0, int(arg) * MiB, 4096):
+                held[-1][offset] = 1
+        elif cmd == "fork":
+            child = os.fork()
+            if child == 0:
+                while os.read(go_r, 1) == b"c":
+                    for block in held:
+                        for offset in range(0, len(block), 4096):
+                            block[offset] = 2
+                    os.write(done_w, b"d")
+                os._exit(0)
+            print(child, flush=True)
+        elif cmd == "cow":
+            os.write(go_w, b"c")
+            os.read(done_r, 1)
+        elif cmd == "end":
+            os.write(go_w, b"e")
+            os.waitpid(child, 0)
+        print("ok", flush=True)
+    """
+)
+
+
+class _Subject:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SUBJECT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.pid = self.proc.pid
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ok"
+
+    def do(self, command: str) -> list[str]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        lines = [self.proc.stdout.readline().strip()]
+        while lines[-1] != "ok":
+            assert lines[-1], f"the subject died during {command!r}"
+            lines.append(self.proc.stdout.readline().strip())
+        return lines[:-1]
+
+    def close(self) -> None:
+        self.proc.communicate("", timeout=60)
+
+
+def _reading(reader: ChargeReader, pids: list[int], *, exact: bool = False) -> tuple[list[int], list[int]]:
+    """(how each process was read, its charge)."""
+    how = reader.plan(pids, exact=exact)
+    return how, [reader.charge(pid, read)[0] for pid, read in zip(pids, how, strict=True)]
+
+
 def test_an_allocation_is_charged_in_full() -> None:
-    # A fresh mapping, written: the allocator could otherwise hand back heap pages an earlier test
-    # in this process already touched (and so already counted).
-    held, piece = mmap.mmap(-1, 32 * MiB), b"\x01" * MiB
-    before = charged_memory(os.getpid())[0]
-    for offset in range(0, 32 * MiB, MiB):
-        held[offset : offset + MiB] = piece
-    after = charged_memory(os.getpid())[0]
-    held.close()
-    assert 31 * MiB <= after - before <= 34 * MiB
+    """Private and shared anonymous memory, by the exact reading and by the counters alone."""
+    subject = _Subject()
+    try:
+        reader = ChargeReader()
+        how, (before,) = _reading(reader, [subject.pid])
+        assert how == [process_memory.FULL]
+        exact_before = charged_memory(subject.pid)[0]
+        subject.do("alloc 32")
+        how, (cheap,) = _reading(reader, [subject.pid])
+        assert how == [process_memory.CHEAP] and reader.rollups == 0  # counters only: no page table walked
+        exact = charged_memory(subject.pid)[0]
+        subject.do("shm 32")
+        _, (cheap_shm,) = _reading(reader, [subject.pid])
+        exact_shm = charged_memory(subject.pid)[0]
+    finally:
+        subject.close()
+    assert 31 * MiB <= exact - exact_before <= 34 * MiB
+    assert 31 * MiB <= cheap - before <= 34 * MiB
+    assert 31 * MiB <= exact_shm - exact <= 34 * MiB
+    assert 31 * MiB <= cheap_shm - cheap <= 34 * MiB
+    assert abs(cheap_shm - exact_shm) < 2 * MiB
+
+
+def test_pages_copied_on_write_are_charged_to_the_tree() -> None:
+    """A fork's writes turn shared pages private without moving any resident size: the copying
+    process's faults show it, and the next reading rolls every process up (the sharers' shares
+    grew too); the tree's cheap charge then agrees with the exact one."""
+    subject = _Subject()
+    try:
+        subject.do("alloc 64")
+        (child,) = (int(line) for line in subject.do("fork"))
+        pids = [subject.pid, child]
+        reader = ChargeReader()
+        _reading(reader, pids)
+        exact_before = sum(charged_memory(pid)[0] for pid in pids)
+        subject.do("cow")
+        _, first = _reading(reader, pids)
+        how, second = _reading(reader, pids)
+        exact = sum(charged_memory(pid)[0] for pid in pids)
+        subject.do("end")
+    finally:
+        subject.close()
+    assert 62 * MiB <= exact - exact_before <= 68 * MiB
+    assert how == [process_memory.ROLLUP, process_memory.ROLLUP]
+    assert sum(first) >= exact_before + 31 * MiB  # the copier's share at once, upper bound or rollup
+    assert abs(sum(second) - exact) < 4 * MiB
+
+
+NEIGHBOUR = "import sys, torch; torch.ones(8).sum(); print('up', flush=True); sys.stdin.read()"
+
+
+def test_neighbours_starting_and_exiting_do_not_move_the_cheap_charge() -> None:
+    subject = _Subject()
+    try:
+        subject.do("alloc 16")
+        reader = ChargeReader()
+        _, (alone,) = _reading(reader, [subject.pid])
+        neighbours = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys, torch; torch.ones(8).sum(); print('up', flush=True); sys.stdin.read()",
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )
+            for _ in range(3)
+        ]
+        try:
+            for proc in neighbours:
+                assert proc.stdout is not None and proc.stdout.readline().strip() == b"up"
+            cheap = reader.charge(subject.pid, process_memory.CHEAP)[0]
+            rolled = reader.charge(subject.pid, process_memory.ROLLUP)[0]
+        finally:
+            for proc in neighbours:
+                proc.communicate(b"", timeout=60)
+        after_cheap = reader.charge(subject.pid, process_memory.CHEAP)[0]
+        after_rolled = reader.charge(subject.pid, process_memory.ROLLUP)[0]
+        after_exact = reader.charge(subject.pid, process_memory.FULL)[0]
+    finally:
+        subject.close()
+    for name, got in (
+        ("cheap", cheap),
+        ("rollup", rolled),
+        ("cheap after", after_cheap),
+        ("rollup after", after_rolled),
+    ):
+        assert abs(got - alone) < 2 * MiB, f"{name}: {got / MiB:.1f} MiB, alone {alone / MiB:.1f} MiB"
+    assert abs(after_exact - alone) < 4 * MiB
 
 
 def test_the_charge_stays_while_other_torch_processes_start_and_exit() -> None:
@@ -98,3 +251,101 @@ def test_a_process_that_is_gone_holds_nothing() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     assert charged_memory(proc.pid) == (0, 0)
+
+
+def _torch_children(count: int) -> list[subprocess.Popen[bytes]]:
+    children = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys, torch; held = torch.ones(4 * 2**20); print('up', flush=True); sys.stdin.readline();"
+                " more = torch.ones(8 * 2**20); print('grown', flush=True); sys.stdin.read()",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        for _ in range(count)
+    ]
+    for proc in children:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"up"
+    return children
+
+
+def test_the_cheap_reading_charges_what_the_full_one_does_on_torch_processes() -> None:
+    """smaps_rollup on top of each process's code share, read once, against smaps read in full:
+    the same charge within a few MiB (what a busy machine moves between two reads), also after
+    the processes grew by 32 MiB each, with no process read in full the second time."""
+    children = _torch_children(3)
+    try:
+        pids = [os.getpid(), *(proc.pid for proc in children)]
+        reader = ChargeReader()
+        for pid, how in zip(pids, reader.plan(pids), strict=True):
+            assert how == process_memory.FULL  # never read before: read in full
+            reader.charge(pid, how)
+        for proc in children:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(b"go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == b"grown"
+        before = reader.full_reads
+        plan = reader.plan(pids)
+        assert not any(plan) and reader.full_reads == before
+        cheap = [reader.charge(pid, how)[0] for pid, how in zip(pids, plan, strict=True)]
+        rolled = [reader.charge(pid, process_memory.ROLLUP)[0] for pid in pids]
+        exact = [charged_memory(pid)[0] for pid in pids]
+    finally:
+        for proc in children:
+            proc.communicate(b"", timeout=60)
+    for pid, got, roll, want in zip(pids, cheap, rolled, exact, strict=True):
+        assert abs(got - want) < 4 * MiB, f"pid {pid}: cheap {got / MiB:.1f} MiB, full {want / MiB:.1f} MiB"
+        assert abs(roll - want) < 4 * MiB, f"pid {pid}: rollup {roll / MiB:.1f} MiB, full {want / MiB:.1f} MiB"
+    for got in cheap[1:]:
+        assert got > 48 * MiB  # the 16 + 32 MiB each child holds are in the cheap reading
+
+
+def test_which_processes_a_reading_reads_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    cheap, rollup, full = process_memory.CHEAP, process_memory.ROLLUP, process_memory.FULL
+    now = [100.0]
+    monkeypatch.setattr(process_memory.time, "monotonic", lambda: now[0])
+    reader = ChargeReader()
+
+    def known(at: float) -> process_memory._Known:
+        return process_memory._Known(0, 0, 0, at, 0, 0, process_memory._Counters(0, 0, 0), at, 0)
+
+    reader._known = {1: known(100.0)}  # 1 was read in full at 100 s
+    reader._members = frozenset({1})
+    assert reader.plan([1]) == [cheap]
+    now[0] = 100.5  # a new worker: it is read in full, the other rolled up (a fork moves anon shares)
+    assert reader.plan([1, 2]) == [rollup, full]
+    reader._known[2] = known(100.5)
+    assert reader.plan([1, 2]) == [cheap, cheap]
+    reader._shares_moved = True  # a rollup saw pages copied on write: everyone rolled up, once
+    assert reader.plan([1, 2]) == [rollup, rollup]
+    assert reader.plan([1, 2]) == [cheap, cheap]
+    now[0] = 100.0 + process_memory._CODE_REFRESH_S
+    assert reader.plan([1, 2]) == [full, cheap]  # the oldest full reading is renewed, one a reading
+    reader._known[1] = known(now[0])
+    assert reader.plan([1, 2], exact=True) == [full, full]
+    assert reader.plan([1]) == [rollup]  # a worker left
+    assert set(reader._known) == {1}
+
+
+def test_the_counters_decide_when_a_rollup_is_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(process_memory.time, "monotonic", lambda: now[0])
+    reader = ChargeReader()
+    page = process_memory._PAGE
+    then = process_memory._Counters(anon=10 * MiB, file=4 * MiB, faults=1000)
+    known = process_memory._Known(20 * MiB, 10 * MiB, 4 * MiB, 100.0, 21 * MiB, 5 * MiB, then, 100.0, 11 * MiB)
+    counters = process_memory._Counters
+    # grew by 8 MiB in 2,048 faults: charged the growth, nothing copied
+    assert reader._cheap(known, counters(18 * MiB, 4 * MiB, 1000 + 2048)) == (29 * MiB, 13 * MiB)
+    # 64 faults that added nothing (copies on write, at most): charged as if each copied a page
+    assert reader._cheap(known, counters(10 * MiB, 4 * MiB, 1000 + 64)) == (21 * MiB + 64 * page, 5 * MiB + 64 * page)
+    # a data file mapped in: charged by its resident size
+    assert reader._cheap(known, counters(10 * MiB, 12 * MiB, 1000)) == (29 * MiB, 5 * MiB)
+    assert reader._cheap(known, counters(9 * MiB, 4 * MiB, 1000)) is None  # freed: maybe shared pages
+    assert reader._cheap(known, counters(10 * MiB, 4 * MiB, 1000 + 1024)) is None  # 4 MiB of faults: roll up
+    now[0] += process_memory._ROLLUP_REFRESH_S
+    assert reader._cheap(known, then) is None  # a second since the last rollup

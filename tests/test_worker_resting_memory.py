@@ -79,7 +79,9 @@ def test_a_resting_worker_holds_no_more_than_it_is_planned(
 
     def closing(self: pool.WorkerPool) -> None:
         time.sleep(0.1)  # every reply is in: the workers are back waiting for a task
-        at_rest.append((governors[-1].read(self.pids).added, len(self.pids)))
+        # Exactly: between full reads the governor's reading is an upper bound (a mapped source
+        # counted by its resident size in every worker that maps it: process_memory.ChargeReader).
+        at_rest.append((governors[-1].read(self.pids, exact=True).added, len(self.pids)))
         close(self)
 
     KINDS[kind](tmp_path)  # first in this process: its one-time imports are not the job's

@@ -16,10 +16,13 @@ Two mechanisms enforce the ceiling:
   keep between tasks (planned from each fork on, ``WORKER_MEMORY_BYTES``); an item that can
   never fit fails at once, naming the key.
 - a watchdog (while workers run): every 50 ms the resident sizes (cheap) are summed; while that
-  upper bound is under the ceiling, the tree's smaps are read only about once a second, for the
+  upper bound is under the ceiling, the tree's charges are read only about once a second, for the
   reported peak. Otherwise they are read every 50 ms, or less often where reading a large tree
-  costs more than 5% of a core; a reading over the ceiling is measured again before acting, and
-  then the worker with the most private memory is killed and the job fails with
+  costs more than 5% of a core. A reading costs ~0.01 ms of CPU a process whose counters did not
+  move, ~2 ms where they did (``smaps_rollup``), on top of each process's exact charge read in full
+  once (process_memory.ChargeReader); a reading over
+  the ceiling is measured again, exactly (every full smaps), before acting, and then the worker
+  with the most private memory is killed and the job fails with
   :class:`MemoryLimitExceeded` naming it, its keys and the figures.
 
 Longer than 300 lines because the whole memory model sits together on purpose: cost constants,
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from parallel_dcp.engine.process_memory import charged_memory
+from parallel_dcp.engine.process_memory import CHEAP, ChargeReader
 from parallel_dcp.errors import MemoryLimitExceeded, describe_keys, describe_unit
 
 __all__ = [
@@ -235,11 +238,25 @@ class MemoryGovernor:
         interval: seconds between watchdog samples.
     """
 
-    def __init__(self, limit: int, *, interval: float = 0.05) -> None:
+    def __init__(
+        self,
+        limit: int,
+        *,
+        interval: float = 0.05,
+        held: Sequence[int] = (),
+        charges: ChargeReader | None = None,
+    ) -> None:
+        """``held``: processes that exist before the job and stay after it (a ``Saver``'s fork
+        server and workers): their memory now is part of the baseline, and every reading counts
+        them (the workers' and the fork server's shared pages are split among all of them).
+        ``charges``: a reader that outlives the job (it knows those processes' code shares)."""
         self.limit = limit
         self.interval = interval
         self._me = psutil.Process()
-        self.baseline = charged_memory(self._me.pid)[0]
+        self._charges = charges or ChargeReader()
+        self._held = list(held)
+        pids = [self._me.pid, *self._held]
+        self.baseline = sum(charged for charged, _ in self._charge_all(pids, self._charges.plan(pids)))
         self._rss_baseline = _rss(self._me)
         self.peak = 0
         # What each worker keeps for the whole job beside its idle cost, such as its connection
@@ -342,7 +359,8 @@ class MemoryGovernor:
 
         ``planned`` is the memory of every task of the job. When the tree's resident size (an
         upper bound, read cheaply) leaves room for all of it at once, that bound is used as is;
-        otherwise smaps are read (tens of milliseconds for a large tree) for the exact figure.
+        otherwise the tree is read (~1 ms a process; in full before refusing). Workers ``held``
+        (a Saver's) are idle in the baseline: nothing to add.
         """
         started = time.perf_counter()
         try:
@@ -354,6 +372,9 @@ class MemoryGovernor:
             self.settle_seconds = time.perf_counter() - started
 
     def _settle(self, pids: list[int], planned: int) -> None:
+        if pids and set(pids) <= set(self._held):  # idle since the baseline was measured
+            self.overhead = 0
+            return
         extra = self.worker_extra * len(pids)
         # Each worker is charged from now on what it will keep once it has run a task, beside what
         # the tree holds now (the coordinator's plan, the ~0.1 MiB a fresh fork adds): measured now,
@@ -364,6 +385,8 @@ class MemoryGovernor:
             self.overhead = bound
             return
         reading = self.read(pids)
+        if max(0, reading.added) + resting + self.reserved >= self.limit:  # before refusing: exactly
+            reading = self.read(pids, exact=True)
         self.peak = max(self.peak, reading.added)
         # Where the workers alone leave no room, the first task's admission refuses the job,
         # naming the phase, the task and the figures (admit_task).
@@ -428,22 +451,31 @@ class MemoryGovernor:
                 continue
         return bound
 
-    def read(self, worker_pids: Iterable[int]) -> Reading:
+    def read(self, worker_pids: Iterable[int], *, exact: bool = False) -> Reading:
+        """One sample of the tree. Cheap (O(1) counters, or ``smaps_rollup`` where they moved:
+        process_memory.ChargeReader) unless ``exact``: then every process's full smaps is read
+        (~4-9 ms a process that has imported torch)."""
         started = time.monotonic()
-        pids = list(worker_pids)
+        workers = list(worker_pids)
+        pids = [self._me.pid, *workers, *(pid for pid in self._held if pid not in workers)]
+        how = self._charges.plan(pids, exact=exact)
         # Each read walks a process's page tables in the kernel (the GIL is released meanwhile):
-        # one thread per process, so reading 64 workers costs about one read, not 64.
-        with ThreadPoolExecutor(max_workers=max(1, min(len(pids), _READ_THREADS))) as threads:
-            found = list(threads.map(charged_memory, pids))
-            total = charged_memory(self._me.pid)[0]
-        private = {pid: uss for pid, (charged, uss) in zip(pids, found, strict=True) if charged or uss}
-        total += sum(charged for charged, _ in found)
+        # several threads, so reading 64 workers on a big node costs a few reads' time, not 64.
+        found = self._charge_all(pids, how)
+        total = sum(charged for charged, _ in found)
+        private = {pid: uss for pid, (charged, uss) in zip(workers, found[1:], strict=False) if charged or uss}
         added = total - self.baseline
-        # Reading smaps walks page tables: ~9 ms for a process that has imported torch (7.5 ms in the
-        # kernel, GIL released; 1.8 ms parsing, GIL held). Keep the watchdog's share of one core
-        # near 1/_SAMPLING_SHARE however large the tree.
+        # Keep the watchdog's share of one core near 1/_SAMPLING_SHARE however large the tree.
         self._read_cost = time.monotonic() - started
         return Reading(added=added, private=private)
+
+    def _charge_all(self, pids: list[int], how: list[int]) -> list[tuple[int, int]]:
+        # Counters are too short a read to pay for a thread; rollups and full reads are not.
+        threads = min(_READ_THREADS, sum(1 for read in how if read != CHEAP))
+        if threads <= 1:
+            return list(map(self._charges.charge, pids, how))
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            return list(pool.map(self._charges.charge, pids, how))
 
     def watch(self, workers: dict[int, tuple[int, tuple[str, ...]]]) -> None:
         """Sample the tree if it is time; raise if it is over the ceiling twice in a row.
@@ -468,8 +500,8 @@ class MemoryGovernor:
         if first.added <= self.limit:
             self.peak = max(self.peak, first.added)
             return
-        time.sleep(0.01)  # measure again: a transient spike is not a breach
-        second = self.read(workers)
+        time.sleep(0.01)  # measure again, exactly: a transient spike, or a stale code share, is not a breach
+        second = self.read(workers, exact=True)
         # Nor is it the job's peak. The processes are read one after another while mappings
         # change (a worker maps a source shard another has mapped: PSS shares move between two
         # reads), so one reading can count a shared page more than once: a single reading was seen

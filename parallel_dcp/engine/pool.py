@@ -36,8 +36,10 @@ from typing import Any, Generic, TypeVar
 import multiprocess as mp
 import multiprocess.connection as mp_connection
 
+from parallel_dcp.engine.fork_server import ForkServerProcess
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Task
+from parallel_dcp.engine.remote_memory import RemoteBytes
 from parallel_dcp.errors import (
     RemoteTraceback,
     TaskTimeoutError,
@@ -66,8 +68,17 @@ class TaskResult(Generic[R]):
     value: R
 
 
+@dataclass(frozen=True, slots=True)
+class _NewHandler:
+    """Sent before a worker's first task of a run that brings its own handler: the pickled
+    handler lies in the coordinator's memory, and the worker copies it out (remote_memory), so
+    the coordinator sends each worker a few bytes, however large the job."""
+
+    pickled: RemoteBytes
+
+
 def _worker_main(
-    conn: Any, handler: Callable[[Task], Any], initializer: Callable[[], None] | None, coordinator: int
+    conn: Any, handler: Callable[[Task], Any], initializer: Callable[[], None] | None, coordinator: int | None
 ) -> None:
     # Ctrl-C goes to the whole process group; the coordinator decides how workers stop. SIGINT
     # was blocked across the fork (see WorkerPool._start): ignored first, then unblocked, so a
@@ -75,6 +86,7 @@ def _worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent(coordinator)
+    broken: BaseException | None = None  # a run's handler that could not be loaded
     # Objects inherited from the coordinator (the state dict's tensors and dicts) go to the
     # permanent generation: the worker's collections skip them instead of copying their pages.
     gc.freeze()
@@ -87,9 +99,17 @@ def _worker_main(
             return  # the coordinator is gone
         if message is None:
             return
+        if isinstance(message, _NewHandler):
+            try:
+                handler, broken = _load_handler(message), None
+            except BaseException as exc:  # reported with the run's first task on this worker
+                broken = exc
+            continue
         task: Task = message
         start = time.perf_counter()
         try:
+            if broken is not None:
+                raise broken
             value = handler(task)
             reply: tuple[Any, ...] = ("ok", time.perf_counter() - start, value)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
@@ -99,6 +119,15 @@ def _worker_main(
         except Exception as exc:  # a result that cannot be pickled is the task's error, not a crash
             _send(conn, ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc()))
         return_freed_memory()
+
+
+def _load_handler(message: _NewHandler) -> Callable[[Task], Any]:
+    with gc_paused():
+        handler: Callable[[Task], Any] = pickle.loads(message.pickled.fetch())
+    prepare = getattr(handler, "prepare", None)
+    if prepare is not None:
+        prepare()
+    return handler
 
 
 def _send(conn: Any, message: Any) -> None:
@@ -132,12 +161,13 @@ def _libc() -> Any:
     return ctypes.CDLL(name, use_errno=True) if name else None
 
 
-def _die_with_parent(coordinator: int) -> None:
-    """Ask Linux to SIGKILL this worker if the coordinator dies, so no worker is ever orphaned."""
+def _die_with_parent(coordinator: int | None) -> None:
+    """Ask Linux to SIGKILL this worker if its parent dies, so no worker is ever orphaned
+    (``coordinator`` None: a fork server's child, which also ends on EOF from its pipe)."""
     libc = _libc()
     if libc is not None and hasattr(libc, "prctl"):
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != coordinator:  # the coordinator died before prctl took effect
+    if coordinator is not None and os.getppid() != coordinator:  # it died before prctl took effect
         os._exit(1)
 
 
@@ -172,20 +202,33 @@ class WorkerPool:
         *,
         initializer: Callable[[], None] | None = None,
         start: int | None = None,
+        fork_server: Sequence[str] | None = None,
     ) -> None:
         """``start``: how many workers to fork now (default: all); :meth:`run` forks the others
         one at a time while the first ones work, when a task is waiting and no worker is free.
         A fork copies the coordinator's page tables (~50 ms per GiB it holds), one after
         another: forked as the work needs them, those forks overlap the work instead of all
-        preceding it."""
+        preceding it.
+
+        ``fork_server``: the modules to import in multiprocessing's fork server, a fresh process
+        the workers are then forked from instead of from this process (so they hold none of
+        this process's memory, and import nothing themselves); ``handler`` and ``initializer``
+        must then be picklable, and the work reaches them through :meth:`run`'s ``handler``."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        self._ctx = mp.get_context("fork")
+        self._fork_server = fork_server is not None
+        if fork_server is not None:
+            self._ctx = mp.get_context("forkserver")
+            self._ctx.set_forkserver_preload(["torch", "parallel_dcp.engine.pool", *fork_server])
+        else:
+            self._ctx = mp.get_context("fork")
         self._handler = handler
         self._initializer = initializer
         self._conns: list[Any] = [None] * workers
         self._procs: list[Any] = [None] * workers
         self._unstarted = deque(range(workers))
+        self._new_handler: _NewHandler | None = None
+        self._primed: set[int] = set()
         try:
             for _ in range(workers if start is None else max(1, min(start, workers))):
                 self._start(self._unstarted.popleft())
@@ -195,9 +238,10 @@ class WorkerPool:
 
     def _start(self, i: int) -> None:
         parent_end, child_end = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
+        process = ForkServerProcess if self._fork_server else self._ctx.Process
+        proc = process(
             target=_worker_main,
-            args=(child_end, self._handler, self._initializer, os.getpid()),
+            args=(child_end, self._handler, self._initializer, None if self._fork_server else os.getpid()),
             name=f"parallel_dcp-worker-{i}",
             daemon=True,
         )
@@ -234,6 +278,7 @@ class WorkerPool:
         task_timeout: float | None = None,
         retries: int = 0,
         on_tick: Callable[[], None] | None = None,
+        handler: Callable[[Task], Any] | None = None,
     ) -> Iterator[TaskResult[Any]]:
         """Run every task, yielding results as they complete (in completion order).
 
@@ -246,6 +291,8 @@ class WorkerPool:
             retries: how often a task whose worker died is run again (same task, same part
                 index, on a fresh worker). Tasks that raise are not retried.
             on_tick: called every few tens of milliseconds while tasks run (a progress bar).
+            handler: runs this run's tasks instead of the pool's own (a pool that outlives one
+                job); pickled once here, each worker copies it before its first task.
 
         Raises:
             WorkerError: a task raised; ``__cause__`` is the worker's traceback.
@@ -257,6 +304,9 @@ class WorkerPool:
         running: dict[int, tuple[Task, float]] = {}
         attempts: dict[int, int] = {}
         idle = deque(w for w, proc in enumerate(self._procs) if proc is not None)
+        pickled = bytearray(pickle.dumps(handler, protocol=pickle.HIGHEST_PROTOCOL)) if handler is not None else None
+        self._new_handler = _NewHandler(RemoteBytes.of(pickled)) if pickled is not None else None
+        self._primed = set()
         tick = governor.interval if governor is not None else None
         if on_tick is not None:
             tick = min(tick or _PROGRESS_TICK_S, _PROGRESS_TICK_S)
@@ -294,6 +344,7 @@ class WorkerPool:
                         if attempts[task.index] > retries:
                             raise
                         self._start(worker)
+                        self._primed.discard(worker)
                         pending.appendleft(task)
                     else:
                         yield result
@@ -313,6 +364,9 @@ class WorkerPool:
         except BaseException:
             self.kill()
             raise
+        finally:
+            self._new_handler = None
+            del pickled  # the workers copied it before their first task
 
     @staticmethod
     def _admissible(task: Task, governor: MemoryGovernor | None) -> bool:
@@ -334,7 +388,13 @@ class WorkerPool:
                 return  # wait until a running task frees its memory
             pending.popleft()
             worker = idle.popleft()
-            _send(self._conns[worker], task)
+            # A worker that died idle (or loading this run's handler) closed its pipe: the task
+            # is its now, and its sentinel reports the death with the task's keys.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                if self._new_handler is not None and worker not in self._primed:
+                    self._primed.add(worker)
+                    _send(self._conns[worker], self._new_handler)
+                _send(self._conns[worker], task)
             running[worker] = (task, time.monotonic())
 
     def _check_timeouts(self, running: dict[int, tuple[Task, float]], task_timeout: float) -> None:

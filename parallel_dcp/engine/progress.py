@@ -15,7 +15,7 @@ from typing import Any
 
 import multiprocess as mp
 
-__all__ = ["Progress", "describe_progress", "report"]
+__all__ = ["Progress", "advance", "describe_progress", "report"]
 
 # Set in each worker (inherited by fork) while a job with a bar runs.
 _counter: Any = None
@@ -39,6 +39,14 @@ def flush() -> None:
         with _counter.get_lock():
             _counter.value += pending
     _local.pending = 0
+
+
+def advance(nbytes: int) -> None:
+    """In the coordinator: count a finished task's bytes for workers that cannot report (started
+    before the bar's counter existed: a ``Saver``'s), so the bar moves task by task."""
+    if _counter is not None:
+        with _counter.get_lock():
+            _counter.value += nbytes
 
 
 class Progress:

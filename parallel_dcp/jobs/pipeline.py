@@ -120,24 +120,35 @@ class SaveResult:
         return self.bytes / 2**30 / self.seconds if self.seconds > 0 else 0.0
 
 
-def _handler(
-    job: Job,
-    target: Target,
-    staging: WriteLocation,
-    options: Options,
-    recorder: Callable[[Task, Any], None] | None = None,
-) -> Any:
-    def run(task: Task) -> Any:
-        try:
-            result = target.write(job, task, job.read(task.keys), staging, options)
-            if recorder is not None:  # the task's files are complete: its done record, for resume
-                recorder(task, result)
-            return target.outgoing(job, result)
-        finally:
-            job.source.release()
-            progress.flush()
+@dataclass(frozen=True)
+class TaskHandler:
+    """What a worker runs for each task: read its units, write them, record, send the result.
+    Picklable (a pool that outlives one job receives it per job: ``WorkerPool.run(handler=)``)."""
 
-    return run
+    job: Job
+    target: Target
+    staging: WriteLocation
+    options: Options
+    recorder: Callable[[Task, Any], None] | None = None
+
+    def __reduce__(self) -> Any:
+        # The job without its planning caches (sizes, positions: rebuilt where needed).
+        job = Job(self.job.source, self.job.keys, self.job.dtype, self.job.chunks)
+        return (TaskHandler, (job, self.target, self.staging, self.options, self.recorder))
+
+    def prepare(self) -> None:
+        """In a worker that did not fork for this job: what ``_worker_setup`` does at a fork."""
+        _worker_setup(self.options)()
+
+    def __call__(self, task: Task) -> Any:
+        try:
+            result = self.target.write(self.job, task, self.job.read(task.keys), self.staging, self.options)
+            if self.recorder is not None:  # the task's files are complete: its done record, for resume
+                self.recorder(task, result)
+            return self.target.outgoing(self.job, result)
+        finally:
+            self.job.source.release()
+            progress.flush()
 
 
 # The modules imported above are ones every worker otherwise imports at its first task (the
@@ -156,12 +167,18 @@ def _worker_setup(options: Options) -> Any:
 
 
 def run_job(
-    job: Job, target: Target, options: Options, governor: MemoryGovernor, *, start: float | None = None
+    job: Job,
+    target: Target,
+    options: Options,
+    governor: MemoryGovernor,
+    *,
+    start: float | None = None,
+    pool: WorkerPool | None = None,
 ) -> SaveResult:
-    """Plan, check, run and commit one job on this node; on any failure the destination is as it
-    was, except that a conversion leaves its finished tasks for ``resume`` (see
-    :mod:`parallel_dcp.jobs.staged`, the one place resume is reached). (Across the ranks of a
-    torchrun job the same steps run in :mod:`parallel_dcp.jobs.distributed`;
+    """Plan, check, run and commit one job on this node (on ``pool``'s workers where given); on any
+    failure the destination is as it was, except that a conversion leaves its finished tasks for
+    ``resume`` (see :mod:`parallel_dcp.jobs.staged`, the one place resume is reached). (Across the
+    ranks of a torchrun job the same steps run in :mod:`parallel_dcp.jobs.distributed`;
     :func:`parallel_dcp.jobs.runner.run_job` picks one.)
 
     ``governor`` must have been created before the source was opened, so that whatever opening
@@ -182,7 +199,7 @@ def run_job(
             phases["plan"] = time.perf_counter() - start
             began = time.perf_counter()
             writing = True  # a failure from here to the commit leaves the finished tasks for resume
-            executor = choose_executor(job, options)
+            executor = "saver" if pool is not None else choose_executor(job, options)
             results = run_tasks(
                 job,
                 target,
@@ -195,6 +212,7 @@ def run_job(
                 recorder=staged.recorder,
                 kept=staged.bytes_kept,
                 executor=executor,
+                pool=pool,
             )
             phases["write"] = time.perf_counter() - began - phases.get("fork", 0.0)
             writing = False
@@ -375,21 +393,37 @@ def run_tasks(
     recorder: Callable[[Task, Any], None] | None = None,
     kept: int = 0,
     executor: str | None = None,
+    pool: WorkerPool | None = None,
 ) -> list[TaskResult[Any]]:
     """Run ``tasks`` on ``workers`` threads or forked processes; the results in task order.
     ``phases["fork"]`` gets the seconds spent starting the pool; ``recorder`` runs in the worker
     after each task; ``kept``: bytes a resume kept (the bar says so, and counts the rest);
-    ``executor``: the one :func:`choose_executor` picked, where the caller has it already."""
+    ``executor``: the one :func:`choose_executor` picked, where the caller has it already;
+    ``pool``: started workers that outlive this job (``parallel_dcp.Saver``) to run it on."""
     if not tasks:
         return []
     results: list[TaskResult[Any]] = []
-    handler = _handler(job, target, staging, options, recorder)
+    handler = TaskHandler(job, target, staging, options, recorder)
     label = "save" if isinstance(job.source, MemorySource) else "convert"
     if kept:
         label += f" (resumed: {format_bytes(kept)} kept, rewriting {format_bytes(sum(t.nbytes for t in tasks))})"
     with progress.Progress(total=sum(t.nbytes for t in tasks), enabled=options.progress, desc=label) as bar:
         began = time.perf_counter()
-        if (executor or choose_executor(job, options)) == "threads":
+        if pool is not None:
+            if phases is not None:
+                phases["fork"] = time.perf_counter() - began
+            for result in pool.run(
+                tasks,
+                governor=governor,
+                task_timeout=options.task_timeout,
+                retries=options.retries,
+                on_tick=bar.refresh,
+                handler=handler,
+            ):
+                results.append(result)
+                progress.advance(result.task.nbytes)  # its workers do not share the bar's counter
+                bar.refresh()
+        elif (executor or choose_executor(job, options)) == "threads":
             with ThreadPool(workers, handler, initializer=lambda: _compat.set_crc32(options.crc32)) as threads:
                 if phases is not None:
                     phases["fork"] = time.perf_counter() - began

@@ -9,6 +9,7 @@ from typing import Any
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.formats.memory_format import MemorySource
+from parallel_dcp.jobs import shared_workers
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.runner import run_job
 from parallel_dcp.jobs.targets import DcpTarget, Job
@@ -19,6 +20,10 @@ __all__ = ["save"]
 
 def save(state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult:
     """Save an in-memory state dict as DCP; see :func:`parallel_dcp.save` for the contract."""
+    if shared_workers.eligible(state_dict, options):  # large: on kept workers, outside this interpreter
+        result = shared_workers.save(state_dict, path, options)
+        if result is not None:
+            return result
     start = time.perf_counter()
     target = DcpTarget(path, options.storage_options, compression=options.compression())
     governor = MemoryGovernor(options.memory_ceiling())

@@ -1,0 +1,184 @@
+"""The workers behind ``parallel_dcp.Saver``: started once, reused by every save.
+
+    Saver(workers=N)    fork server (a fresh process: torch imported, none of the caller's memory)
+       │                  └ N workers forked from it (a few ms each, whatever the caller holds)
+       │                  probe: one worker copies a few bytes out of the caller (process_vm_readv)
+    saver.save(sd, p)   the pipeline of parallel_dcp.save (plan, stage, run, commit, publish) on
+       │                  those workers: the job (keys, tensor addresses) is pickled once and each
+       │                  worker copies it out of the caller; then each task's tensor bytes, the
+       │                  same way (formats/remote_memory_source.py)
+    failure             the pool is stopped (as save does), the next save starts a new one
+    close()             workers asked to exit and reaped, then the fork server stopped (unless
+                          it ran before: it may serve the caller's own processes)
+
+Where the kernel refuses ``process_vm_readv`` (Yama ``ptrace_scope`` >= 1: the workers are not
+the caller's descendants), the Saver says so once (a RuntimeWarning naming the reason) and each
+save runs as ``parallel_dcp.save`` does, forking its workers.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from typing import Any
+
+from parallel_dcp._compat import forget_inherited_fork_server, fork_server_pid, running_servers, stop_fork_server
+from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.engine.partition import Task
+from parallel_dcp.engine.pool import WorkerPool, gc_paused
+from parallel_dcp.engine.process_memory import ChargeReader
+from parallel_dcp.engine.remote_memory import RemoteBytes, refusal
+from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
+from parallel_dcp.jobs import pipeline
+from parallel_dcp.jobs.pipeline import SaveResult
+from parallel_dcp.jobs.targets import DcpTarget, Job, prepare_io
+from parallel_dcp.options import Options
+
+__all__ = ["SaverWorkers"]
+
+_PROBE = b"parallel_dcp reads the caller's memory"
+# Imported once in the fork server, so that no worker imports them itself (~1 s of CPU each):
+# this module (the workers' first function), the writers and DCP's planner they run.
+_PRELOAD = (
+    "parallel_dcp.jobs.saver",
+    "parallel_dcp.formats.lean",
+    "parallel_dcp.partial",
+    "parallel_dcp.storage.writers",
+)
+
+
+class _ServerUsers:
+    """Every pool of this process forked from the one fork server (several Savers, the workers
+    save() keeps) uses it; it stops with the last of them (its children die with it), unless it
+    ran before the first (the caller's own)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+        self.before = (False, False)
+
+    def acquire(self) -> None:
+        with self.lock:
+            if self.count == 0:
+                self.before = running_servers()
+            self.count += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.count -= 1
+            if self.count == 0:
+                stop_fork_server(self.before)
+
+    def forget(self) -> None:
+        """In a fork: the parent's server and users are not ours; the child starts its own."""
+        self.lock = threading.Lock()
+        self.count = 0
+        forget_inherited_fork_server()
+
+
+_server = _ServerUsers()
+os.register_at_fork(after_in_child=_server.forget)
+
+
+def _no_job(task: Task) -> Any:
+    raise RuntimeError(f"task {task.index} reached a Saver worker without its job")
+
+
+class _Probe:
+    """Run in one worker: can it copy the caller's bytes? (None, or why not)."""
+
+    def __init__(self, data: RemoteBytes) -> None:
+        self.data = data
+
+    def __call__(self, task: Task) -> str | None:
+        return refusal(self.data, _PROBE)
+
+
+class SaverWorkers:
+    """A pool of ``workers`` processes forked from the fork server, owned by the process that
+    created it; see the module docstring."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.owner = os.getpid()
+        self.refused: str | None = None
+        self._charges = ChargeReader()  # knows the workers' code shares from one save to the next
+        self._pool: WorkerPool | None = None
+        _server.acquire()
+        self._released = False
+        try:
+            self.start_seconds = self._start()
+        except BaseException:
+            self._released = True
+            _server.release()
+            raise
+
+    def _start(self) -> float:
+        started = time.perf_counter()
+        pool = WorkerPool(self.workers, _no_job, fork_server=_PRELOAD)
+        try:
+            probe = bytearray(_PROBE)
+            results = list(pool.run([Task(0, (), 0)], handler=_Probe(RemoteBytes.of(probe))))
+        except BaseException:
+            pool.kill()
+            raise
+        self.refused = results[0].value
+        if self.refused is not None:
+            pool.close()
+            warnings.warn(
+                f"parallel_dcp.Saver: its workers cannot read this process's memory ({self.refused}); "
+                "each save forks its own workers, as parallel_dcp.save does",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        else:
+            self._pool = pool
+        return time.perf_counter() - started
+
+    def save(self, state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult:
+        if os.getpid() != self.owner:
+            raise RuntimeError(
+                f"this Saver belongs to process {self.owner}, not to its fork {os.getpid()}: "
+                "create a new Saver in the forked process"
+            )
+        if self.refused is not None:
+            from parallel_dcp.jobs.save import save
+
+            return save(state_dict, path, options)
+        start = time.perf_counter()
+        restart = 0.0 if self._pool is not None else self._start()
+        pool = self._pool
+        if pool is None:  # refused after a restart: warned; fork per save from now on
+            return self.save(state_dict, path, options)
+        target = DcpTarget(path, options.storage_options, compression=options.compression())
+        options = prepare_io(target, options)
+        # What the fork server and the idle workers hold is there before the save and stays after
+        # it: the baseline (the workers share the server's pages, so all of them are read).
+        server = fork_server_pid()
+        held = [*([server] if server else []), *pool.pids]
+        governor = MemoryGovernor(options.memory_ceiling(), held=held, charges=self._charges)
+        with gc_paused():
+            source = RemoteMemorySource(str(path), state_dict=state_dict)
+            job = Job(source, source.keys())
+        try:
+            result = pipeline.run_job(job, target, options, governor, start=start, pool=pool)
+        except BaseException:
+            if not pool.pids:  # the pool stops its workers on any failure: new ones next time
+                self._pool = None
+            raise
+        if restart:
+            result.phases["fork"] += restart
+        return result
+
+    def close(self) -> None:
+        """Stop the workers and the fork server (nothing from a fork of the owner)."""
+        if os.getpid() != self.owner:
+            return
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+        if not self._released:
+            self._released = True
+            _server.release()

@@ -1,0 +1,252 @@
+"""parallel_dcp.Saver: workers started once, reused by every save, same files as parallel_dcp.save."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import parallel_dcp
+from parallel_dcp import MemoryLimitExceeded, WorkerCrashed
+from parallel_dcp.engine.remote_memory import RemoteBytes, refusal
+from tests.conftest import assert_same
+
+MiB = 2**20
+
+
+def _state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    wide = torch.randn(64, 96)
+    return {
+        "model": {
+            "w": torch.randn(128, 256),
+            "bf16": torch.randn(300, 7).to(torch.bfloat16),
+            "transposed": torch.randn(40, 24).t(),  # strided, storage exactly its bytes
+            "strided": wide[:, ::3],  # a view with gaps: DCP copies it
+            "rows": wide[10:20],  # a contiguous slice of a larger storage
+            "scalar": torch.tensor(3.5),
+            "empty": torch.empty(0, 4),
+            "mask": torch.rand(33) > 0.5,
+        },
+        "step": 7,
+        "name": "run",
+        "lrs": [0.1, 0.01],
+    }
+
+
+def _shards(path: Path) -> dict[int, bytes]:
+    found = {}
+    for shard in path.glob("*.distcp"):
+        match = re.fullmatch(r"__(\d+)_\w+_0\.distcp", shard.name)
+        assert match, shard.name
+        found[int(match.group(1))] = shard.read_bytes()
+    return found
+
+
+def _stock_load(path: Path, like: dict[str, Any]) -> dict[str, Any]:
+    out = {
+        "model": {k: torch.empty_like(v, memory_format=torch.contiguous_format) for k, v in like["model"].items()},
+        "step": 0,
+        "name": "",
+        "lrs": [0.0, 0.0],
+    }
+    dcp.load(out, checkpoint_id=str(path), no_dist=True)
+    return out
+
+
+def _workers(saver: parallel_dcp.Saver) -> set[int]:
+    pool = saver._live()._pool
+    assert pool is not None
+    return set(pool.pids)
+
+
+def test_saves_reuse_the_workers_and_write_what_save_writes(tmp_path: Path) -> None:
+    sd = _state()
+    with parallel_dcp.Saver(workers=2) as saver:
+        started = _workers(saver)
+        first = saver.save(sd, tmp_path / "first")
+        with torch.no_grad():  # a training step between checkpoints: updated in place
+            for tensor in sd["model"].values():
+                if tensor.is_floating_point():
+                    tensor.mul_(2)
+        second = saver.save(sd, tmp_path / "second")
+        assert _workers(saver) == started  # no worker was started for either save
+    assert first.executor == second.executor == "saver"
+    assert second.phases["fork"] < second.seconds
+    reference = parallel_dcp.save(sd, tmp_path / "reference", workers=2, executor="processes")
+    assert second.tasks == reference.tasks and second.bytes == reference.bytes
+    assert _shards(tmp_path / "second") == _shards(tmp_path / "reference")  # the fresh bytes, not stale ones
+    assert_same(_stock_load(tmp_path / "second", sd), sd)
+    assert parallel_dcp.verify(tmp_path / "second").ok
+    assert _shards(tmp_path / "first") != _shards(tmp_path / "second")
+
+
+def test_split_tensors_are_read_chunk_by_chunk(tmp_path: Path) -> None:
+    sd = {"big": torch.randn(512, 1024), "cols": torch.randn(256, 2048)[:, :1024], "small": torch.ones(3)}
+    with parallel_dcp.Saver(workers=3) as saver:
+        result = saver.save(sd, tmp_path / "ckpt", chunk_size="256KiB")
+    assert result.tasks >= 3
+    assert_same(parallel_dcp.load(tmp_path / "ckpt"), sd)
+
+
+def test_a_crashed_worker_fails_the_save_and_the_next_save_starts_new_workers(tmp_path: Path) -> None:
+    sd = {"w": torch.ones(8), "bomb": ExitOnArrival(3)}
+    with parallel_dcp.Saver(workers=2) as saver:
+        before = _workers(saver)
+        with pytest.raises(WorkerCrashed, match="exit code 3"):
+            saver.save(sd, tmp_path / "broken")
+        assert not (tmp_path / "broken").exists() or not any((tmp_path / "broken").iterdir())
+        result = saver.save({"w": torch.ones(8)}, tmp_path / "ok")
+        after = _workers(saver)
+        assert not before & after
+        assert result.phases["fork"] > 0
+    assert_same(parallel_dcp.load(tmp_path / "ok"), {"w": torch.ones(8)})
+
+
+def test_a_worker_that_allocates_past_the_limit_is_stopped(tmp_path: Path) -> None:
+    sd = {"w": torch.ones(8), "hog": HogOnArrival(400 * MiB, hold_s=600)}
+    with parallel_dcp.Saver(workers=2, memory_limit="128MiB") as saver:
+        stopped = r"worker \d \(pid \d+\) pushed the job to .* over the memory limit"
+        with pytest.raises(MemoryLimitExceeded, match=stopped):
+            saver.save(sd, tmp_path / "ckpt")
+        assert list(tmp_path.iterdir()) == []
+        saver.save({"w": torch.ones(8)}, tmp_path / "ckpt")  # new workers, under the same limit
+    assert_same(parallel_dcp.load(tmp_path / "ckpt"), {"w": torch.ones(8)})
+
+
+def test_ctrl_c_during_a_save_stops_it_and_the_next_save_starts_new_workers(tmp_path: Path) -> None:
+    sd = {"w": torch.ones(8), "slow": SleepOnArrival(600)}
+    with parallel_dcp.Saver(workers=2) as saver:
+        before = _workers(saver)
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                saver.save(sd, tmp_path / "ckpt")
+        finally:
+            timer.cancel()
+        assert list(tmp_path.iterdir()) == []
+        assert not any(
+            psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in before
+        )
+        saver.save({"w": torch.ones(8)}, tmp_path / "ckpt")
+        assert not before & _workers(saver)
+    assert_same(parallel_dcp.load(tmp_path / "ckpt"), {"w": torch.ones(8)})
+
+
+def test_an_item_over_the_limit_fails_before_any_write(tmp_path: Path) -> None:
+    # The limit leaves room for the two workers' planned resting cost (WORKER_MEMORY_BYTES each).
+    with parallel_dcp.Saver(workers=2, memory_limit="48MiB") as saver:
+        with pytest.raises(MemoryLimitExceeded, match=r"'big' needs .* more than the memory limit 48\.0 MiB"):
+            # 64 MiB, copied by a worker, never split
+            saver.save({"big": torch.zeros(16 * MiB)}, tmp_path / "ckpt", chunk_size="1GiB")
+        assert list(tmp_path.iterdir()) == []
+        saver.save({"w": torch.ones(4)}, tmp_path / "ckpt")  # the workers are still there to use
+
+
+def test_a_fork_of_the_caller_cannot_use_the_saver(tmp_path: Path) -> None:
+    with parallel_dcp.Saver(workers=1) as saver:
+        pid = os.fork()
+        if pid == 0:  # the child: refused with a clear error; closing touches nothing of the parent's
+            code = 1
+            try:
+                saver.save({"w": torch.ones(2)}, tmp_path / "child")
+            except RuntimeError as exc:
+                code = 0 if "belongs to process" in str(exc) else 2
+            saver.close()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        saver.save({"w": torch.ones(2)}, tmp_path / "parent")  # the parent's workers are intact
+    assert not (tmp_path / "child").exists()
+    with pytest.raises(RuntimeError, match="closed"):
+        saver.save({"w": torch.ones(2)}, tmp_path / "late")
+
+
+def test_closing_leaves_no_process(tmp_path: Path) -> None:
+    me = psutil.Process()
+    with parallel_dcp.Saver(workers=2) as saver:
+        assert len(me.children(recursive=True)) >= 3  # the fork server and two workers
+        saver.save({"w": torch.ones(2)}, tmp_path / "ckpt")
+    assert [c for c in me.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_a_saver_dropped_unclosed_stops_its_workers(tmp_path: Path) -> None:
+    me = psutil.Process()
+    saver = parallel_dcp.Saver(workers=2)
+    saver.save({"w": torch.ones(2)}, tmp_path / "ckpt")
+    workers = _workers(saver)
+    del saver
+    gc.collect()
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in workers)
+    assert [c for c in me.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_reading_another_process_is_refused_with_the_reason() -> None:
+    held = bytearray(b"abc")
+    assert refusal(RemoteBytes.of(held), b"abc") is None
+    assert refusal(RemoteBytes.of(held), b"xyz") == "process_vm_readv copied other bytes than the coordinator holds"
+    gone = psutil.Popen(["true"])
+    gone.wait()
+    why = refusal(RemoteBytes(gone.pid, RemoteBytes.of(held).address, 3), b"abc")
+    assert why is not None and why.startswith("process_vm_readv is refused (No such process)")
+
+
+class ExitOnArrival:
+    """Pickles fine in the caller; a worker that unpickles it exits with ``code``."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def __reduce__(self) -> Any:
+        return (os._exit, (self.code,))
+
+
+def _hog(nbytes: int, hold_s: float) -> bytearray:
+    held = bytearray(nbytes)
+    for offset in range(0, nbytes, 4096):  # touched: resident
+        held[offset] = 1
+    time.sleep(hold_s)
+    return held
+
+
+class HogOnArrival:
+    """Pickles fine in the caller; a worker that unpickles it allocates ``nbytes`` and holds them."""
+
+    def __init__(self, nbytes: int, hold_s: float) -> None:
+        self.nbytes, self.hold_s = nbytes, hold_s
+
+    def __reduce__(self) -> Any:
+        return (_hog, (self.nbytes, self.hold_s))
+
+
+class SleepOnArrival:
+    """Pickles fine in the caller; a worker that unpickles it sleeps ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self) -> Any:
+        return (time.sleep, (self.seconds,))
+
+
+def test_two_savers_share_the_fork_server_and_closing_one_leaves_the_other_working(tmp_path: Path) -> None:
+    """The workers are the fork server's children and die with it: it stops with the last user."""
+    sd = _state()
+    first = parallel_dcp.Saver(workers=1)
+    with parallel_dcp.Saver(workers=1) as second:
+        first.close()
+        result = second.save(sd, tmp_path / "ckpt")
+        assert result.executor == "saver"
+    assert_same(_stock_load(tmp_path / "ckpt", sd), sd)
+    assert not psutil.Process().children()

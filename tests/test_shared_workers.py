@@ -1,0 +1,168 @@
+"""save()'s default for large in-memory state dicts: workers kept between calls, reading the
+caller's memory (jobs/shared_workers.py); explicit executors and small saves as before."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import parallel_dcp
+from parallel_dcp.jobs import shared_workers
+from tests.conftest import assert_same
+from tests.test_saver import _shards
+
+MiB = 2**20
+
+
+@pytest.fixture
+def small_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shared_workers, "MIN_BYTES", 2 * MiB)  # the real 256 MiB is slow on 2 cores
+    monkeypatch.setattr(shared_workers, "other_threads", lambda: True)  # as beside a data loader thread
+
+
+def _state(scale: float = 1.0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    return {f"layer{i}": torch.randn(256, 1024) * scale for i in range(4)}  # 4 x 1 MiB
+
+
+def test_a_large_save_runs_on_kept_workers_and_writes_what_the_others_write(
+    tmp_path: Path, small_threshold: None
+) -> None:
+    sd = _state()
+    first = parallel_dcp.save(sd, tmp_path / "first", workers=2)
+    kept = shared_workers._workers
+    assert kept is not None and kept._pool is not None
+    pids = set(kept._pool.pids)
+    with torch.no_grad():
+        for tensor in sd.values():
+            tensor.mul_(2)  # a training step between checkpoints
+    second = parallel_dcp.save(sd, tmp_path / "second", workers=2)
+    assert first.executor == second.executor == "saver"
+    assert shared_workers._workers is kept and kept._pool is not None and set(kept._pool.pids) == pids
+    assert second.phases["fork"] < first.phases["fork"]  # no worker started for the second save
+    threads = parallel_dcp.save(sd, tmp_path / "threads", workers=2, executor="threads")
+    processes = parallel_dcp.save(sd, tmp_path / "processes", workers=2, executor="processes")
+    assert threads.executor == "threads" and processes.executor == "processes"  # explicit choices kept
+    assert _shards(tmp_path / "second") == _shards(tmp_path / "processes")
+    assert_same(parallel_dcp.load(tmp_path / "second"), sd)
+    assert parallel_dcp.verify(tmp_path / "second").ok
+
+
+def test_small_saves_never_start_them(tmp_path: Path) -> None:
+    result = parallel_dcp.save({"w": torch.ones(1000)}, tmp_path / "ckpt", workers=2)
+    assert result.executor != "saver" and shared_workers._workers is None
+    assert not psutil.Process().children()
+
+
+def test_alone_a_large_save_runs_on_writer_threads_and_beside_a_thread_on_kept_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared_workers, "MIN_BYTES", 2 * MiB)
+    if shared_workers.other_threads():
+        pytest.skip("another thread runs in this test process")
+    alone = parallel_dcp.save(_state(), tmp_path / "alone", workers=1)
+    assert alone.executor == "threads" and shared_workers._workers is None
+    stop = threading.Event()
+    idle = threading.Thread(target=stop.wait)  # a thread that sleeps: no convoy, not counted
+    idle.start()
+    try:
+        time.sleep(0.2)
+        assert not shared_workers.other_threads()
+        beside_idle = parallel_dcp.save(_state(), tmp_path / "idle", workers=1)
+    finally:
+        stop.set()
+        idle.join()
+    assert beside_idle.executor == "threads"
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(100))
+
+    stop = threading.Event()
+    busy = threading.Thread(target=spin)  # a data loader: busy for a while before the save
+    busy.start()
+    try:
+        time.sleep(0.2)
+        assert shared_workers.other_threads()
+        beside = parallel_dcp.save(_state(), tmp_path / "beside", workers=1)
+    finally:
+        stop.set()
+        busy.join()
+    assert beside.executor == "saver"
+    assert shared_workers._workers is not None  # kept for the next save beside a busy thread
+    again = parallel_dcp.save(_state(), tmp_path / "again", workers=1)  # alone again: threads, faster
+    assert again.executor == "threads"
+    assert _shards(tmp_path / "alone") == _shards(tmp_path / "beside") == _shards(tmp_path / "again")
+
+
+def test_many_small_tensors_are_not_walked_in_full(small_threshold: None) -> None:
+    many = {f"k{i}": torch.ones(1) for i in range(10_000)}
+    many["big"] = torch.ones(4 * MiB)  # beyond the walk's first values: not seen, not eligible
+    options = parallel_dcp.Options()
+    assert not shared_workers.eligible(many, options)
+    assert shared_workers.eligible({"big": torch.ones(4 * MiB)}, options)
+    assert not shared_workers.eligible({"big": torch.ones(4 * MiB)}, parallel_dcp.Options(executor="threads"))
+
+
+def test_idle_workers_stop_by_themselves(
+    tmp_path: Path, small_threshold: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared_workers, "IDLE_SECONDS", 0.2)
+    parallel_dcp.save(_state(), tmp_path / "ckpt", workers=1)
+    deadline = time.monotonic() + 30
+    while (shared_workers._workers is not None or psutil.Process().children()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert shared_workers._workers is None
+    assert not psutil.Process().children(), "the kept workers and their fork server are gone"
+
+
+def test_a_fork_of_the_caller_starts_its_own(tmp_path: Path, small_threshold: None) -> None:
+    sd = _state()
+    parallel_dcp.save(sd, tmp_path / "parent", workers=1)
+    parent_workers = shared_workers._workers
+    assert parent_workers is not None
+    pid = os.fork()
+    if pid == 0:  # the child: its own workers, the parent's untouched
+        code = 1
+        try:
+            result = parallel_dcp.save(sd, tmp_path / "child", workers=1)
+            ours = shared_workers._workers
+            code = 0 if ours is not parent_workers and result.executor == "saver" else 2
+            shared_workers.stop()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert shared_workers._workers is parent_workers and parent_workers._pool is not None
+    again = parallel_dcp.save(sd, tmp_path / "again", workers=1)
+    assert again.executor == "saver"
+    assert_same(parallel_dcp.load(tmp_path / "child"), sd)
+
+
+def test_a_save_from_another_thread_meanwhile_runs_as_before(tmp_path: Path, small_threshold: None) -> None:
+    sd = _state()
+    results: dict[str, parallel_dcp.SaveResult] = {}
+    with shared_workers._lock:  # the kept workers busy with another save
+        thread = threading.Thread(target=lambda: results.update(r=parallel_dcp.save(sd, tmp_path / "t", workers=1)))
+        thread.start()
+        thread.join()
+    assert results["r"].executor in ("threads", "processes")
+    assert_same(parallel_dcp.load(tmp_path / "t"), sd)
+
+
+def test_a_failed_save_on_kept_workers_commits_nothing_and_the_next_one_works(
+    tmp_path: Path, small_threshold: None
+) -> None:
+    sd = _state()
+    parallel_dcp.save(sd, tmp_path / "ckpt", workers=1)
+    with pytest.raises(parallel_dcp.CheckpointExistsError):
+        parallel_dcp.save(sd, tmp_path / "ckpt", workers=1)  # refused before anything is written
+    result = parallel_dcp.save(sd, tmp_path / "ckpt", workers=1, overwrite=True)
+    assert result.executor == "saver"
+    assert_same(parallel_dcp.load(tmp_path / "ckpt"), sd)
