@@ -110,7 +110,12 @@ class Saver:
             compress=compress,
             io=io,
         )
-        return self._live().save(state_dict, path, options)
+        result = self._live().save(state_dict, path, options)
+        if result is None:  # its workers cannot read this process (warned): fork per save
+            from parallel_dcp.jobs.save import save as fork_per_save
+
+            return fork_per_save(state_dict, path, options)
+        return result
 
     def close(self) -> None:
         """Stop the workers (safe to call more than once)."""

@@ -91,6 +91,12 @@ LEAN_TASK_MEMORY_BYTES = 3 * 1024 * 1024
 # (tests/test_worker_resting_memory.py measures every kind against this figure).
 WORKER_MEMORY_BYTES = 10 * 1024 * 1024
 ITEM_MEMORY_BYTES = 16 * 1024
+# What the tree grows by between a plan and its workers' start beside the workers' planned resting
+# cost (the sources the coordinator opened, the pool's pipes and threads, a fresh fork's pages):
+# settle measures it (0.1-1.2 MiB for a diff of two safetensors files, tests/test_unit_identity.py)
+# and admission counts it, so a plan that filled each task's budget to the brim was refused at its
+# first task ("raise --memory-limit") where smaller ranges fitted. Plans leave this much room.
+SETTLE_ALLOWANCE_BYTES = 2 * 1024 * 1024
 # What the coordinator holds per planned unit (a chunk, its name, its item, its place in a task and
 # in the results): ~300 B measured for the plan alone, rounded up for what follows it.
 PLAN_UNIT_BYTES = 1024
@@ -351,7 +357,8 @@ class MemoryGovernor:
 
     def task_budget(self, workers: int) -> int:
         """The memory each of ``workers`` tasks in flight may use beside what is set aside."""
-        return task_budget(self.limit - self.reserved, workers, WORKER_MEMORY_BYTES + self.worker_extra)
+        room = self.limit - self.reserved - SETTLE_ALLOWANCE_BYTES
+        return task_budget(room, workers, WORKER_MEMORY_BYTES + self.worker_extra)
 
     def settle(self, worker_pids: Iterable[int], planned: int = 0) -> None:
         """Measure what the tree holds once the first workers started, and plan each worker's
@@ -384,9 +391,11 @@ class MemoryGovernor:
         if bound + self.reserved + planned <= self.limit:
             self.overhead = bound
             return
-        reading = self.read(pids)
-        if max(0, reading.added) + resting + self.reserved >= self.limit:  # before refusing: exactly
-            reading = self.read(pids, exact=True)
+        # Exactly (every full smaps, once a job): the cheap reading is an upper bound (a page
+        # written since the fork counts as copied), and this figure decides whether each task is
+        # admitted: an over-count here refused plans that fit (a diff under 24 MiB read 2.9 MiB
+        # added where 1.2 were).
+        reading = self.read(pids, exact=True)
         self.peak = max(self.peak, reading.added)
         # Where the workers alone leave no room, the first task's admission refuses the job,
         # naming the phase, the task and the figures (admit_task).

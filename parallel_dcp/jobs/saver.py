@@ -137,16 +137,16 @@ class SaverWorkers:
             self._pool = pool
         return time.perf_counter() - started
 
-    def save(self, state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult:
+    def save(self, state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult | None:
+        """The save on these workers; None where the kernel refused their reads of this process
+        (warned once): the caller then saves as ``parallel_dcp.save`` does, forking per save."""
         if os.getpid() != self.owner:
             raise RuntimeError(
                 f"this Saver belongs to process {self.owner}, not to its fork {os.getpid()}: "
                 "create a new Saver in the forked process"
             )
         if self.refused is not None:
-            from parallel_dcp.jobs.save import save
-
-            return save(state_dict, path, options)
+            return None
         start = time.perf_counter()
         restart = 0.0 if self._pool is not None else self._start()
         pool = self._pool

@@ -126,6 +126,8 @@ def save(state_dict: Any, path: str | os.PathLike[str], options: Options) -> Sav
         if workers is None:
             return None
         result = workers.save(state_dict, path, options)
+        if result is None:
+            return None
         if workers is not kept:  # started for this save: its start is this save's
             result.phases["fork"] += workers.start_seconds
         return result
