@@ -94,8 +94,9 @@ ITEM_MEMORY_BYTES = 16 * 1024
 # What the tree grows by between a plan and its workers' start beside the workers' planned resting
 # cost (the sources the coordinator opened, the pool's pipes and threads, a fresh fork's pages):
 # settle measures it (0.1-1.2 MiB for a diff of two safetensors files, tests/test_unit_identity.py)
-# and admission counts it, so a plan that filled each task's budget to the brim was refused at its
-# first task ("raise --memory-limit") where smaller ranges fitted. Plans leave this much room.
+# and admission counts it, so a plan that cut its units to fill each task's budget to the brim
+# (verify, diff: MemoryGovernor.unit_room) was refused at its first task ("raise --memory-limit")
+# where smaller ranges fitted. Those plans leave this much room.
 SETTLE_ALLOWANCE_BYTES = 2 * 1024 * 1024
 # What the coordinator holds per planned unit (a chunk, its name, its item, its place in a task and
 # in the results): ~300 B measured for the plan alone, rounded up for what follows it.
@@ -357,8 +358,12 @@ class MemoryGovernor:
 
     def task_budget(self, workers: int) -> int:
         """The memory each of ``workers`` tasks in flight may use beside what is set aside."""
-        room = self.limit - self.reserved - SETTLE_ALLOWANCE_BYTES
-        return task_budget(room, workers, WORKER_MEMORY_BYTES + self.worker_extra)
+        return task_budget(self.limit - self.reserved, workers, WORKER_MEMORY_BYTES + self.worker_extra)
+
+    def unit_room(self, workers: int) -> int:
+        """What one unit's reads may use in a plan that cuts units until each fits (verify, diff):
+        the task's budget less a task's and an item's fixed cost, and SETTLE_ALLOWANCE_BYTES."""
+        return self.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES - SETTLE_ALLOWANCE_BYTES
 
     def settle(self, worker_pids: Iterable[int], planned: int = 0) -> None:
         """Measure what the tree holds once the first workers started, and plan each worker's

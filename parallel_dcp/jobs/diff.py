@@ -34,7 +34,7 @@ import torch
 import xxhash
 
 from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, ChunkUnit, chunk_count, split
-from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, MemoryGovernor
+from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
 from parallel_dcp.errors import plural, printable
@@ -219,12 +219,9 @@ def _hash(
         by_key[key] = (*by_key.get(key, ()), side)
     workers = options.worker_count(len(by_key))
     # As many workers as leave each task room for a row range of at least MIN_MEMORY_CHUNK_BYTES.
-    while (
-        workers > 1
-        and governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES < 3 * MIN_MEMORY_CHUNK_BYTES
-    ):
+    while workers > 1 and governor.unit_room(workers) < 3 * MIN_MEMORY_CHUNK_BYTES:
         workers -= 1
-    units = _plan(by_key, sources, governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES, governor)
+    units = _plan(by_key, sources, governor.unit_room(workers), governor)
     items = []
     for name, unit in units.items():
         first = sources[unit.sides[0]]

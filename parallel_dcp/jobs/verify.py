@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, ChunkUnit, chunk_count, split
-from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES, MemoryGovernor
+from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
 from parallel_dcp.errors import CorruptCheckpointError, dtype_name
@@ -397,17 +397,14 @@ def _verify(
         tensors = []
 
     # As many workers as leave each task room for a row range of at least MIN_MEMORY_CHUNK_BYTES.
-    while (
-        workers > 1
-        and governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES < 3 * MIN_MEMORY_CHUNK_BYTES
-    ):
+    while workers > 1 and governor.unit_room(workers) < 3 * MIN_MEMORY_CHUNK_BYTES:
         workers -= 1
     plan = _plan(
         source,
         reference,
         tensors,
         dtype,
-        governor.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES,
+        governor.unit_room(workers),
         governor,
     )
     workers = governor.workers_for(((it.key, it.memory) for it in plan.items), workers)
