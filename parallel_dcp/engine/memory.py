@@ -91,13 +91,6 @@ LEAN_TASK_MEMORY_BYTES = 3 * 1024 * 1024
 # (tests/test_worker_resting_memory.py measures every kind against this figure).
 WORKER_MEMORY_BYTES = 10 * 1024 * 1024
 ITEM_MEMORY_BYTES = 16 * 1024
-# What the tree grows by between a plan and its workers' start beside the workers' planned resting
-# cost (the sources the coordinator opened, the pool's pipes and threads, a fresh fork's pages):
-# settle measures it (0.1-1.2 MiB for a diff of two safetensors files, tests/test_unit_identity.py)
-# and admission counts it, so a plan that cut its units to fill each task's budget to the brim
-# (verify, diff: MemoryGovernor.unit_room) was refused at its first task ("raise --memory-limit")
-# where smaller ranges fitted. Those plans leave this much room.
-SETTLE_ALLOWANCE_BYTES = 2 * 1024 * 1024
 # What the coordinator holds per planned unit (a chunk, its name, its item, its place in a task and
 # in the results): ~300 B measured for the plan alone, rounded up for what follows it.
 PLAN_UNIT_BYTES = 1024
@@ -362,8 +355,8 @@ class MemoryGovernor:
 
     def unit_room(self, workers: int) -> int:
         """What one unit's reads may use in a plan that cuts units until each fits (verify, diff):
-        the task's budget less a task's and an item's fixed cost, and SETTLE_ALLOWANCE_BYTES."""
-        return self.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES - SETTLE_ALLOWANCE_BYTES
+        the task's budget less a task's and an item's fixed cost."""
+        return self.task_budget(workers) - TASK_MEMORY_BYTES - ITEM_MEMORY_BYTES
 
     def settle(self, worker_pids: Iterable[int], planned: int = 0) -> None:
         """Measure what the tree holds once the first workers started, and plan each worker's
@@ -388,9 +381,9 @@ class MemoryGovernor:
             self.overhead = 0
             return
         extra = self.worker_extra * len(pids)
-        # Each worker is charged from now on what it will keep once it has run a task, beside what
-        # the tree holds now (the coordinator's plan, the ~0.1 MiB a fresh fork adds): measured now,
-        # a worker looks nearly free, and every later admission would under-count what it keeps.
+        # Each worker is charged from now on what it will keep once it has run a task (the tree's
+        # growth it brings, the ~0.1 MiB a fresh fork adds at first included): measured now, a
+        # worker looks nearly free, and every later admission would under-count what it keeps.
         resting = WORKER_MEMORY_BYTES * len(pids) + extra
         bound = self._rss_bound(pids) + resting
         if bound + self.reserved + planned <= self.limit:
@@ -402,9 +395,13 @@ class MemoryGovernor:
         # added where 1.2 were).
         reading = self.read(pids, exact=True)
         self.peak = max(self.peak, reading.added)
-        # Where the workers alone leave no room, the first task's admission refuses the job,
-        # naming the phase, the task and the figures (admit_task).
-        self.overhead = max(0, reading.added) + resting
+        # The resting cost is the tree's growth per worker, the coordinator's own included
+        # (WORKER_MEMORY_BYTES): what the tree grew by already is part of it, not beside it.
+        # Added on top, a worker that had copied 6 MiB of a large caller's heap by now was counted
+        # twice, and a diff planned to fit was refused at its first task (test_diff_values, 1 CI
+        # run in 4). Where the workers alone leave no room, the first task's admission refuses
+        # the job, naming the phase, the task and the figures (admit_task).
+        self.overhead = max(max(0, reading.added), WORKER_MEMORY_BYTES * len(pids)) + extra
 
     def room_for_worker(self, need: int) -> bool:
         """Whether a worker started now (its planned resting cost) and a task needing ``need`` on
