@@ -321,7 +321,8 @@ def test_scaling_suite_projects_from_its_own_measurements(tmp_path: Path) -> Non
         assert projection["executors"]["processes"]["gil_capped"] is False
         for name, e in projection["executors"].items():
             probe = projection["probe"][name]
-            assert probe["alone_seconds"] > 0 and probe["busy_thread_seconds"] > 0 and probe["worker_seconds"] > 0
+            assert probe["alone_seconds"] > 0 and probe["worker_seconds"] > 0
+            assert probe["busy_thread_seconds"] > 0 and probe["busy_process_seconds"] > 0
             assert "fork" in probe["phases"] and probe["phases"]["write"] > 0
             assert 0.0 <= e["gil_held_share"] <= 1.0
             for piece in ("serial_seconds_per_gib", "serial_us_per_key", "worker_seconds_per_gib"):
@@ -376,15 +377,15 @@ def test_executor_projections_from_pieces() -> None:
             "executor_used": used,
             "alone_seconds": alone,
             "busy_thread_seconds": busy,
-            "busy_thread_ratio": busy / alone,
+            "busy_process_seconds": alone + 0.05,  # the core alone costs 0.05 s
             "worker_seconds": work,
             "phases": phases,
         }
 
     found = executor_projections(
         {
-            "default": probe("threads", 1.0, 1.2, 0.9, 0.0),
-            "threads": probe("threads", 1.0, 1.5, 0.9, 0.0),
+            "default": probe("threads", 1.0, 1.25, 0.9, 0.0),
+            "threads": probe("threads", 1.0, 1.55, 0.9, 0.0),
             "processes": probe("processes", 1.0, 1.1, 0.8, 0.05),
             "saver": probe("saver", 1.0, 1.1, 0.8, 0.001),
         },
@@ -402,6 +403,7 @@ def test_executor_projections_from_pieces() -> None:
     default = {row["workers"]: row for row in found["default"]["rows"]}
     assert default[128]["projected_seconds"] == pytest.approx(0.1 + 0.2 * 0.9)  # resolved to threads: capped
     processes = found["processes"]
+    assert processes["gil_held_share"] == pytest.approx(0.05)  # beyond the busy process's core
     assert not processes["gil_capped"] and processes["start_seconds_per_worker_per_gib"] == pytest.approx(0.025)
     work = {row["workers"]: row for row in processes["rows"]}[16]["projected_seconds"] - 0.2
     assert sum(max(0.0, work - 0.05 * i) for i in range(16)) == pytest.approx(0.8, rel=1e-6)
