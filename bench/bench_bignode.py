@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import tempfile
@@ -35,58 +34,18 @@ from typing import Any
 import torch
 
 import parallel_dcp
-from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.benchmark.governor_cost import governor_cost
 
 GiB = 2**30
 
 
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def governor(rounds: int) -> list[dict[str, Any]]:
+    """parallel_dcp.benchmark.governor_cost at 8/32/64 children, with and without 1 GiB inherited."""
     rows = []
     for held_gib in (0, 1):
         held = torch.ones(held_gib * GiB // 4) if held_gib else None
-        for count in (8, 32, 64):
-            read_end, write_end = os.pipe()
-            children = []
-            for _ in range(count):
-                pid = os.fork()
-                if pid == 0:
-                    os.close(write_end)
-                    torch.ones(1000).sum()
-                    os.read(read_end, 1)
-                    os._exit(0)
-                children.append(pid)
-            os.close(read_end)
-            time.sleep(0.5)
-            gov = MemoryGovernor(2**50)
-            gov.read(children, exact=True)
-            cheap: list[float] = []
-            rolled: list[float] = []
-            exact: list[float] = []
-            for _ in range(rounds):
-                for kind, found in (("cheap", cheap), ("rollup", rolled), ("exact", exact)):
-                    # "rollup": every process's counters moved (all of them allocating, or a fork
-                    # or exit in the tree): each one's smaps_rollup is read
-                    gov._charges._shares_moved = kind == "rollup"
-                    before = _cpu()
-                    gov.read(children, exact=kind == "exact")
-                    found.append((_cpu() - before) / (count + 1))
-            os.close(write_end)
-            for pid in children:
-                os.waitpid(pid, 0)
-            rows.append(
-                {
-                    "workers": count,
-                    "inherited_gib": held_gib,
-                    "cheap_ms_per_process": statistics.median(cheap) * 1e3,
-                    "rollup_ms_per_process": statistics.median(rolled) * 1e3,
-                    "exact_ms_per_process": statistics.median(exact) * 1e3,
-                }
-            )
+        for row in governor_cost(rounds):
+            rows.append({"inherited_gib": held_gib, **row})
             print(rows[-1], flush=True)
         del held
     return rows

@@ -313,6 +313,31 @@ def test_scaling_suite_projects_from_its_own_measurements(tmp_path: Path) -> Non
         assert rows[16]["measured_seconds"] is None  # projected only, never shown as measured
         assert projection["serial_seconds"] >= 0 and projection["parallel_worker_seconds"] > 0
         assert set(projection["phases"]["1"]) == {"plan", "fork", "write", "merge", "commit"}
+        # Issue 30 item 6: every executor probed alone and beside a busy thread, its pieces in the JSON.
+        assert set(projection["probe"]) == set(projection["executors"]) == {"default", "threads", "processes", "saver"}
+        assert projection["executors"]["saver"]["executor_used"] == "saver"
+        assert projection["executors"]["threads"]["executor_used"] == "threads"
+        assert projection["executors"]["threads"]["gil_capped"] is True
+        assert projection["executors"]["processes"]["gil_capped"] is False
+        for name, e in projection["executors"].items():
+            probe = projection["probe"][name]
+            assert probe["alone_seconds"] > 0 and probe["worker_seconds"] > 0
+            assert probe["busy_thread_seconds"] > 0 and probe["busy_process_seconds"] > 0
+            assert "fork" in probe["phases"] and probe["phases"]["write"] > 0
+            assert 0.0 <= e["gil_held_share"] <= 1.0
+            for piece in ("serial_seconds_per_gib", "serial_us_per_key", "worker_seconds_per_gib"):
+                assert e[piece] >= 0
+            assert e["start_seconds_per_worker"] >= 0 and e["start_seconds_per_worker_per_gib"] >= 0
+            assert {16, 64, 128} <= {row["workers"] for row in e["rows"]}
+            assert all(row["projected_speedup"] > 0 for row in e["rows"])
+        saver = projection["probe"]["saver"]
+        assert saver["saver_start_seconds"] > 0 and saver["first_save_start_seconds"] >= 0
+    governor = scenarios["scaling:llm/" + str(target) + "/sync-on"]["projection"]["governor"]
+    assert [row["workers"] for row in governor] == [8, 32, 64]
+    assert all(row[f"{kind}_ms_per_process"] >= 0 for row in governor for kind in ("cheap", "rollup", "exact"))
+    for label in ("default", "threads", "processes", "saver"):
+        assert run.stdout.count(f"projected {label}: x16 ") == 2
+    assert run.stdout.count("governor reading at 64 workers") == 1
     assert list(target.iterdir()) == []
 
 
@@ -341,6 +366,54 @@ def test_projection_model_arithmetic() -> None:
     work = rows[16]["projected_seconds"] - 0.2
     assert sum(max(0.0, work - 0.02 * i) for i in range(16)) == pytest.approx(0.8, rel=1e-6)
     assert 0.8 / 16 < work < 0.8 / 16 + 15 * 0.02
+
+
+def test_executor_projections_from_pieces() -> None:
+    from parallel_dcp.benchmark.pieces import executor_lines, executor_projections
+
+    def probe(used: str, alone: float, busy: float, work: float, fork: float) -> dict[str, Any]:
+        phases = {"plan": 0.05, "fork": fork, "write": work, "merge": 0.0, "commit": 0.05}
+        return {
+            "executor_used": used,
+            "alone_seconds": alone,
+            "busy_thread_seconds": busy,
+            "busy_process_seconds": alone + 0.05,  # the core alone costs 0.05 s
+            "worker_seconds": work,
+            "phases": phases,
+        }
+
+    found = executor_projections(
+        {
+            "default": probe("threads", 1.0, 1.25, 0.9, 0.0),
+            "threads": probe("threads", 1.0, 1.55, 0.9, 0.0),
+            "processes": probe("processes", 1.0, 1.1, 0.8, 0.05),
+            "saver": probe("saver", 1.0, 1.1, 0.8, 0.001),
+        },
+        nbytes=2 * 2**30,
+        keys=1000,
+    )
+    threads = found["threads"]
+    assert threads["gil_held_share"] == pytest.approx(0.5) and threads["gil_capped"]
+    assert threads["serial_seconds_per_gib"] == pytest.approx(0.05) and threads["serial_us_per_key"] == pytest.approx(
+        100
+    )
+    rows = {row["workers"]: row for row in threads["rows"]}
+    # Half of the worker seconds hold the GIL: they never run side by side.
+    assert rows[16]["projected_seconds"] == pytest.approx(0.1 + 0.45)
+    default = {row["workers"]: row for row in found["default"]["rows"]}
+    assert default[128]["projected_seconds"] == pytest.approx(0.1 + 0.2 * 0.9)  # resolved to threads: capped
+    processes = found["processes"]
+    assert processes["gil_held_share"] == pytest.approx(0.05)  # beyond the busy process's core
+    assert not processes["gil_capped"] and processes["start_seconds_per_worker_per_gib"] == pytest.approx(0.025)
+    work = {row["workers"]: row for row in processes["rows"]}[16]["projected_seconds"] - 0.2
+    assert sum(max(0.0, work - 0.05 * i) for i in range(16)) == pytest.approx(0.8, rel=1e-6)
+    saver = {row["workers"]: row for row in found["saver"]["rows"]}
+    assert saver[64]["projected_speedup"] > {row["workers"]: row for row in processes["rows"]}[64]["projected_speedup"]
+    lines = executor_lines(
+        found, [{"workers": 8, "cheap_ms_per_process": 0.1, "rollup_ms_per_process": 0.2, "exact_ms_per_process": 5.0}]
+    )
+    assert any(line.startswith("  projected threads: x16 1.82x") for line in lines)
+    assert any("governor reading at 8 workers: cheap 0.100" in line for line in lines)
 
 
 def test_staggered_work() -> None:

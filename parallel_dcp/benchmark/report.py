@@ -17,6 +17,7 @@ import torch
 import parallel_dcp
 from parallel_dcp.benchmark import peers
 from parallel_dcp.benchmark.config import BenchConfig
+from parallel_dcp.benchmark.pieces import executor_lines
 from parallel_dcp.benchmark.results import Scenario, row_figures, summary
 from parallel_dcp.benchmark.scaling import projection_lines
 from parallel_dcp.options import usable_cores
@@ -162,6 +163,8 @@ def scenario_lines(scenario: Scenario) -> list[str]:
     lines += [f"note: {note}" for note in scenario.notes]
     if scenario.suite.startswith("scaling"):
         lines += projection_lines(scenario.projection)
+        if scenario.projection.get("executors"):
+            lines += executor_lines(scenario.projection["executors"], scenario.projection.get("governor"))
     return lines
 
 

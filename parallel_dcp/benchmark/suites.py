@@ -24,8 +24,10 @@ from parallel_dcp.benchmark.compression import bf16_llm, compress_cases, minilm
 from parallel_dcp.benchmark.config import BenchConfig, Target
 from parallel_dcp.benchmark.conversion import build_sources, convert_cases, convert_memory_limit
 from parallel_dcp.benchmark.disk import disk_cases
+from parallel_dcp.benchmark.governor_cost import GOVERNOR_COUNTS, governor_cost
 from parallel_dcp.benchmark.loading import load_cases, write_checkpoints
 from parallel_dcp.benchmark.measure import Case, run_interleaved
+from parallel_dcp.benchmark.pieces import executor_projections, probe_executors
 from parallel_dcp.benchmark.quantized import QUANTIZED, quantized_cases, quantized_state_dict
 from parallel_dcp.benchmark.reading import read_cases
 from parallel_dcp.benchmark.results import Scenario
@@ -198,9 +200,25 @@ def _scenario(suite: str, target: Target, sync: bool, dicts: StateDicts, config:
         scenario.measured = run_interleaved(cases, config.reps, config.warmup, root, progress)
         if samples is not None:
             scenario.projection = project(samples, scenario.measured, config.warmup, scenario.tensors)
+            scenario.projection |= _pieces(suite, sd, root, sync, config, scenario)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return scenario
+
+
+def _pieces(suite: str, sd: Any, root: str, sync: bool, config: BenchConfig, scenario: Scenario) -> dict[str, Any]:
+    """The scaling suite's measured pieces per executor and their projections (pieces.py); the
+    governor's cost once per run, in the LLM-like scenario (its children inherit that state dict)."""
+    _say(f"bench: {scenario.key}: probing executors alone and beside a busy thread")
+    probe = probe_executors(sd, root, config.reps, sync)
+    found: dict[str, Any] = {
+        "probe": probe,
+        "executors": executor_projections(probe, scenario.nbytes, scenario.tensors),
+    }
+    if suite == "scaling:llm":
+        _say(f"bench: {scenario.key}: governor reading at {', '.join(map(str, GOVERNOR_COUNTS))} processes")
+        found["governor"] = governor_cost(config.reps)
+    return found
 
 
 def _say(line: str) -> None:

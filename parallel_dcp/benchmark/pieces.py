@@ -1,0 +1,204 @@
+"""The scaling suite's measured pieces per executor, and the projection each one feeds (issue 30).
+
+    probe      one state dict, workers=1, per round and interleaved: a save alone, beside one
+               busy Python thread in the caller, and beside one busy forked process (the control:
+               it takes a core but not the GIL), with the default executor ("auto"), "threads",
+               "processes" and a Saver's workers (the Saver started and saved once before the
+               rounds, so every timed Saver save is a second save)
+    per run    wall seconds, worker seconds (SaveResult.per_worker, summed: P), phases, executor
+    pieces     S = wall - P (serial), F = phases["fork"] (worker start: one fork for processes,
+               the Saver's second-save start), G = min(1, (busy thread - busy process) / alone):
+               the GIL-held share, what a thread that wants the GIL costs beyond the core it takes
+    model      T(N) = S + max(W(N), G * P)     W(N): scaling.staggered_work_seconds(P, N, F)
+               G only caps executors that write in the caller's interpreter (threads, and the
+               default where it resolved to threads); speedup = measured wall alone / T(N)
+
+A projection, labelled as one: storage is not the bottleneck, and the inputs are this run's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import parallel_dcp
+from parallel_dcp.benchmark.scaling import PROJECTED_COUNTS, staggered_work_seconds
+
+__all__ = ["PROBED", "executor_lines", "executor_projections", "probe_executors"]
+
+# "default" is save() with no executor given; "saver" is a Saver's second save.
+PROBED = ("default", "threads", "processes", "saver")
+_BUSY = ("thread", "process")
+_GIL_BOUND = ("threads",)  # executors whose writers share the caller's interpreter
+_GiB = 2**30
+
+
+def _busy(stop: threading.Event) -> None:
+    while not stop.is_set():
+        sum(range(1000))
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+@contextlib.contextmanager
+def _beside(mode: str) -> Iterator[None]:
+    """Nothing ("alone"), one busy Python thread in this process ("thread": the GIL and a core)
+    or one busy forked process ("process": a core only, the control)."""
+    if mode == "alone":
+        yield
+        return
+    if mode == "process":
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child spins until it is killed
+            try:
+                while True:
+                    sum(range(1000))
+            finally:
+                os._exit(0)
+        try:
+            time.sleep(0.05)  # busy before the save starts, as a data loader is
+            yield
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        return
+    stop = threading.Event()
+    thread = threading.Thread(target=_busy, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict[str, Any]:
+    """Medians per executor of a save alone, beside a busy thread and beside a busy process (see
+    the module docstring)."""
+    alone: dict[str, list[tuple[float, float, dict[str, float], str]]] = {kind: [] for kind in PROBED}
+    busy: dict[tuple[str, str], list[float]] = {(kind, mode): [] for kind in PROBED for mode in _BUSY}
+    out = f"{root}/probe"
+    with parallel_dcp.Saver(workers=1) as saver:
+
+        def once(kind: str) -> Any:
+            if kind == "saver":
+                return saver.save(state_dict, out, sync_files=sync)
+            if kind == "default":  # no executor given: what a user gets
+                return parallel_dcp.save(state_dict, out, workers=1, sync_files=sync)
+            return parallel_dcp.save(state_dict, out, workers=1, sync_files=sync, executor=kind)
+
+        first = once("saver")  # the Saver's first save: it starts its workers
+        shutil.rmtree(out)
+        for _ in range(max(1, rounds)):
+            for kind in PROBED:
+                for mode in ("alone", *_BUSY):
+                    with _beside(mode):
+                        began = time.perf_counter()
+                        result = once(kind)
+                        wall = time.perf_counter() - began
+                    shutil.rmtree(out)
+                    if mode != "alone":
+                        busy[(kind, mode)].append(wall)
+                    else:
+                        inside = sum(w.seconds for w in result.per_worker)
+                        alone[kind].append((wall, inside, dict(result.phases), result.executor))
+        start_seconds = saver.start_seconds
+    found: dict[str, Any] = {}
+    for kind in PROBED:
+        runs = alone[kind]
+        wall = _median([r[0] for r in runs])
+        found[kind] = {
+            "executor_used": runs[-1][3],
+            "alone_seconds": wall,
+            "busy_thread_seconds": _median(busy[(kind, "thread")]),
+            "busy_process_seconds": _median(busy[(kind, "process")]),
+            "worker_seconds": _median([r[1] for r in runs]),
+            "phases": {name: _median([r[2].get(name, 0.0) for r in runs]) for name in runs[0][2]},
+        }
+    found["saver"]["first_save_start_seconds"] = first.phases.get("fork", 0.0)
+    found["saver"]["saver_start_seconds"] = start_seconds
+    return found
+
+
+def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[str, Any]:
+    """Per probed executor: its pieces per GiB and per key, and the projected speedup at each
+    of ``scaling.PROJECTED_COUNTS`` workers."""
+    gib, keys = max(nbytes, 1) / _GiB, max(keys, 1)
+    found: dict[str, Any] = {}
+    for kind, got in probe.items():
+        wall, work = got["alone_seconds"], got["worker_seconds"]
+        serial = max(0.0, wall - work)
+        start = min(got["phases"].get("fork", 0.0), serial)  # S holds the first start
+        # What the busy thread costs beyond the busy process's core: the GIL's part.
+        extra = got["busy_thread_seconds"] - got["busy_process_seconds"]
+        share = min(1.0, max(0.0, extra / wall)) if wall > 0 else 0.0
+        capped = kind in _GIL_BOUND or (kind == "default" and got["executor_used"] in _GIL_BOUND)
+        rows = []
+        for count in PROJECTED_COUNTS:
+            seconds = serial + max(staggered_work_seconds(work, count, start), share * work if capped else 0.0)
+            rows.append(
+                {
+                    "workers": count,
+                    "projected_seconds": seconds,
+                    "projected_speedup": wall / seconds if seconds > 0 else None,
+                }
+            )
+        found[kind] = {
+            "executor_used": got["executor_used"],
+            "measured_seconds_alone": wall,
+            "measured_seconds_busy_thread": got["busy_thread_seconds"],
+            "measured_seconds_busy_process": got["busy_process_seconds"],
+            "serial_seconds": serial,
+            "serial_seconds_per_gib": serial / gib,
+            "serial_us_per_key": serial / keys * 1e6,
+            "worker_seconds": work,
+            "worker_seconds_per_gib": work / gib,
+            "start_seconds_per_worker": start,
+            "start_seconds_per_worker_per_gib": start / gib,
+            "gil_held_share": share,
+            "gil_capped": capped,
+            "rows": rows,
+        }
+    return found
+
+
+def _x(rows: list[dict[str, Any]], count: int) -> str:
+    row = next((r for r in rows if r["workers"] == count), None)
+    return f"{row['projected_speedup']:.2f}x" if row and row["projected_speedup"] is not None else "-"
+
+
+def executor_lines(executors: dict[str, Any], governor: list[dict[str, Any]] | None) -> list[str]:
+    """Printed pieces and projection per executor; every projected figure says so."""
+    lines = ["PIECES (measured in this run, workers=1: alone, beside one busy Python thread, beside one busy process):"]
+    for kind, e in executors.items():
+        lines.append(
+            f"  {kind} ({e['executor_used']}): alone {e['measured_seconds_alone']:.3f} s, busy thread"
+            f" {e['measured_seconds_busy_thread']:.3f} s, busy process {e['measured_seconds_busy_process']:.3f} s,"
+            f" GIL-held share {e['gil_held_share']:.2f};"
+            f" serial {e['serial_seconds']:.3f} s ({e['serial_seconds_per_gib']:.3f} s/GiB,"
+            f" {e['serial_us_per_key']:.1f} us/key), worker {e['worker_seconds_per_gib']:.3f} s/GiB,"
+            f" start {e['start_seconds_per_worker'] * 1e3:.1f} ms/worker"
+            f" ({e['start_seconds_per_worker_per_gib'] * 1e3:.1f} ms/GiB)"
+        )
+    for row in governor or []:
+        lines.append(
+            f"  governor reading at {row['workers']} workers: cheap {row['cheap_ms_per_process']:.3f},"
+            f" rollup {row['rollup_ms_per_process']:.3f}, exact {row['exact_ms_per_process']:.3f} ms CPU/process"
+        )
+    lines.append("  projected speedup per executor (T(N) = S + max(W(N), G*P if GIL-bound); not a measurement):")
+    for kind, e in executors.items():
+        cap = " (capped by the GIL-held share)" if e["gil_capped"] else ""
+        lines.append(
+            f"  projected {kind}: x16 {_x(e['rows'], 16)}, x64 {_x(e['rows'], 64)}, x128 {_x(e['rows'], 128)}{cap}"
+        )
+    return lines
