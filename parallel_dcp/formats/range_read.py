@@ -30,7 +30,16 @@ from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.safe_files import regular_size
 
-__all__ = ["PIECE_BYTES", "Piece", "RawRange", "pieces_of", "read_pieces", "region_pieces", "staging_bytes"]
+__all__ = [
+    "PIECE_BYTES",
+    "Piece",
+    "RawRange",
+    "check_file_ends",
+    "pieces_of",
+    "read_pieces",
+    "region_pieces",
+    "staging_bytes",
+]
 
 PIECE_BYTES = 32 << 20
 # preadv takes at most IOV_MAX (1024) buffers per call.
@@ -226,6 +235,16 @@ def _check_sizes(pieces: list[Piece]) -> None:
     for p in pieces:
         if p.offset + p.nbytes > ends.get(p.file, (0, ""))[0]:
             ends[p.file] = (p.offset + p.nbytes, p.key)
+    check_file_ends(ends)
+
+
+def check_file_ends(ends: dict[str, tuple[int, str]]) -> None:
+    """Each file (by the one open rule) holds at least ``end`` bytes: file -> (end, the key whose
+    bytes end there).
+
+    Raises:
+        CorruptCheckpointError: a file shorter than that (truncated), naming the key.
+    """
     for file, (end, key) in ends.items():
         size = regular_size(file)
         if end > size:

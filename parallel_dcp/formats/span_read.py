@@ -35,9 +35,9 @@ import torch
 
 from parallel_dcp.engine import progress
 from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.formats.range_read import check_file_ends
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.io_mode import ALIGN
-from parallel_dcp.storage.safe_files import regular_size
 
 __all__ = ["OWN_BYTES", "REQUEST_BYTES", "SHARED_BYTES", "Span", "plan_spans", "read_spans", "span_bytes"]
 
@@ -198,15 +198,13 @@ class _Reader:
 
 def _check_sizes(spans: list[Span]) -> None:
     """Every file holds the bytes its tensors need (looked at by the one open rule)."""
-    ends: dict[str, int] = {}
+    ends: dict[str, tuple[int, str]] = {}
     for span in spans:
-        ends[span.file] = max(ends.get(span.file, 0), span.needed)
-    for file, end in ends.items():
-        size = regular_size(file)
-        if end > size:
-            raise CorruptCheckpointError(
-                f"{file} has {size} bytes but its tensors need bytes up to {end} (truncated file)"
-            )
+        for key, offset, dtype, shape in span.tensors:
+            end = offset + _nbytes(dtype, shape)
+            if end > ends.get(span.file, (0, ""))[0]:
+                ends[span.file] = (end, key)
+    check_file_ends(ends)
 
 
 def read_spans(
