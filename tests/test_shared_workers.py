@@ -4,6 +4,8 @@ caller's memory (jobs/shared_workers.py); explicit executors and small saves as 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -99,6 +101,24 @@ def test_alone_a_large_save_runs_on_writer_threads_and_beside_a_thread_on_kept_w
     again = parallel_dcp.save(_state(), tmp_path / "again", workers=1)  # alone again: threads, faster
     assert again.executor == "threads"
     assert _shards(tmp_path / "alone") == _shards(tmp_path / "beside") == _shards(tmp_path / "again")
+
+
+def test_torchs_own_busy_threads_do_not_count() -> None:
+    """torch's intra-op threads run native code without the GIL: after a burst of matmuls they
+    have kept a core busy over their short life, yet they cannot convoy with writer threads."""
+    code = (
+        "import time, torch\n"
+        "from parallel_dcp.jobs import shared_workers\n"
+        "torch.set_num_threads(2)\n"
+        "a = torch.randn(512, 512)\n"
+        "end = time.monotonic() + 0.5\n"
+        "while time.monotonic() < end:\n"
+        "    a = (a @ a).tanh()\n"
+        "print(shared_workers.other_threads())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
 
 
 def test_many_small_tensors_are_not_walked_in_full(small_threshold: None) -> None:

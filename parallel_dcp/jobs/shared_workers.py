@@ -70,15 +70,17 @@ def eligible(state_dict: Any, options: Options) -> bool:
 
 
 def other_threads() -> bool:
-    """Whether another thread of this process has kept at least BUSY_SHARE of a core busy over
-    its life (a data loader, a busy logger): the GIL convoy the kept workers avoid. Threads that
+    """Whether another Python thread of this process has kept at least BUSY_SHARE of a core busy
+    over its life (a data loader, a busy logger): the GIL convoy the kept workers avoid. Threads that
     mostly sleep (a timer, a sampler waking now and then) do not count, nor threads younger than
     _MIN_AGE_S (too young to judge)."""
     me = threading.get_native_id()
+    # Python threads only: they are what takes the GIL back. torch's own (OpenMP, intra-op) threads
+    # run native code without it, and after a matmul they have kept cores busy over their life.
+    tids = [t.native_id for t in threading.enumerate() if t.native_id is not None]
     try:
         with open("/proc/uptime", "rb") as uptime:
             now = float(uptime.read().split()[0])
-        tids = [int(tid) for tid in os.listdir("/proc/self/task")]
     except (OSError, ValueError):
         return threading.active_count() > 1 + (_timer is not None and _timer.is_alive())
     ticks = os.sysconf("SC_CLK_TCK")
