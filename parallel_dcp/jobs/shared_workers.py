@@ -1,7 +1,7 @@
 """The workers ``parallel_dcp.save`` keeps between calls for large in-memory state dicts.
 
 With ``executor="auto"`` (the default), an in-memory state dict holding at least ``MIN_BYTES`` of
-tensors, saved while another thread of the caller is busy (it kept a quarter of a core busy over
+tensors, saved while another Python thread of the caller is busy (it kept a quarter of a core busy over
 its life: ``other_threads``), is saved as a ``parallel_dcp.Saver`` saves it: by workers forked from
 a fork server (torch imported, none of the caller's memory) that copy the tensors straight out of
 the caller with ``process_vm_readv``. The bytes never pass through the caller's interpreter, so a
