@@ -39,6 +39,7 @@ __all__ = [
     "read_pieces",
     "region_pieces",
     "staging_bytes",
+    "wait_for_readers",
 ]
 
 PIECE_BYTES = 32 << 20
@@ -253,6 +254,25 @@ def check_file_ends(ends: dict[str, tuple[int, str]]) -> None:
             )
 
 
+def wait_for_readers(
+    pending: set[cf.Future[None]], cancel: threading.Event, on_tick: Callable[[], None] | None
+) -> None:
+    """Wait for every reading thread, calling ``on_tick`` every _TICK_S; on the first error (or a
+    Ctrl-C) set ``cancel``, drop what has not started, and raise it."""
+    try:
+        while pending:
+            done, pending = cf.wait(pending, timeout=_TICK_S, return_when=cf.FIRST_EXCEPTION)
+            for future in done:
+                future.result()
+            if on_tick is not None:
+                on_tick()
+    except BaseException:
+        cancel.set()
+        for future in pending:
+            future.cancel()
+        raise
+
+
 def read_pieces(
     pieces: list[Piece], threads: int, io: str = "buffered", on_tick: Callable[[], None] | None = None
 ) -> None:
@@ -271,16 +291,4 @@ def read_pieces(
     stage = staging_bytes(pieces)
     cancel = threading.Event()
     with cf.ThreadPoolExecutor(max_workers=min(threads, len(shares)), thread_name_prefix="parallel_dcp-read") as pool:
-        pending = {pool.submit(share.run, io, stage, cancel) for share in shares}
-        try:
-            while pending:
-                done, pending = cf.wait(pending, timeout=_TICK_S, return_when=cf.FIRST_EXCEPTION)
-                for future in done:
-                    future.result()
-                if on_tick is not None:
-                    on_tick()
-        except BaseException:
-            cancel.set()
-            for future in pending:
-                future.cancel()
-            raise
+        wait_for_readers({pool.submit(share.run, io, stage, cancel) for share in shares}, cancel, on_tick)

@@ -35,7 +35,7 @@ import torch
 
 from parallel_dcp.engine import progress
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.formats.range_read import check_file_ends
+from parallel_dcp.formats.range_read import check_file_ends, wait_for_readers
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.io_mode import ALIGN
 
@@ -227,17 +227,7 @@ def read_spans(
     reader = _Reader(requests, io)
     workers = max(1, min(threads, len(requests)))
     with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="parallel_dcp-read") as pool:
-        pending = {pool.submit(reader.run) for _ in range(workers)}
-        try:
-            while pending:
-                done, pending = cf.wait(pending, timeout=_TICK_S, return_when=cf.FIRST_EXCEPTION)
-                for future in done:
-                    future.result()
-                if on_tick is not None:
-                    on_tick()
-        except BaseException:
-            reader.cancel.set()
-            raise
+        wait_for_readers({pool.submit(reader.run) for _ in range(workers)}, reader.cancel, on_tick)
     out: dict[str, torch.Tensor] = {}
     for span in spans:
         out |= _views(span)
