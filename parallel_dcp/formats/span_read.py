@@ -46,7 +46,6 @@ OWN_BYTES = 1 << 20
 SHARED_BYTES = 4 << 20
 # One read: large enough for the device's full rate, small enough that the threads share a file.
 REQUEST_BYTES = 8 << 20
-_TICK_S = 0.1
 
 
 @dataclass(slots=True)
