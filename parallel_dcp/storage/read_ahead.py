@@ -12,7 +12,7 @@
 So while a conversion writes one unit, the next ``depth - 1`` pieces are being read, the next
 unit's first pieces among them: reading and writing overlap in each worker, and no unit is ever
 a tensor of its own (no fresh memory to fault in, no page-cache copy with direct reads). The
-ring is all the read side holds: ``depth * piece`` bytes, whatever the units' sizes
+ring is all the read side holds: ``depth`` pieces and reading threads, whatever the units' sizes
 (:class:`Ring`; :func:`ring_for` fits it into a room). A ring of depth 1 reads a piece, waits
 for it to be written, then reads the next: no read-ahead, for a room too small for two pieces.
 
@@ -38,7 +38,17 @@ from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.io_mode import ALIGN
 from parallel_dcp.storage.records import Template
 
-__all__ = ["DEPTH", "MIN_PIECE_BYTES", "PIECE_BYTES", "ReadAhead", "Ring", "Span", "StreamedTensor", "ring_for"]
+__all__ = [
+    "DEPTH",
+    "MIN_PIECE_BYTES",
+    "PIECE_BYTES",
+    "THREAD_BYTES",
+    "ReadAhead",
+    "Ring",
+    "Span",
+    "StreamedTensor",
+    "ring_for",
+]
 
 # As the direct reader's ring (storage.direct_read): a piece large enough that the device sees
 # big requests, four so that three are in flight while one is copied out.
@@ -46,6 +56,9 @@ PIECE_BYTES = 4 << 20
 DEPTH = 4
 # Below this, two pieces in flight are not worth their system calls: one piece, no read-ahead.
 MIN_PIECE_BYTES = 256 << 10
+# What one reading thread holds beside the buffers (its stack's touched pages, its thread state): the
+# direct writer's three I/O threads measured up to 0.17 MiB (tests/test_memory_io_transients.py).
+THREAD_BYTES = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +82,11 @@ class Ring:
         return self.depth * self.piece
 
     @property
+    def memory(self) -> int:
+        """What the ring holds: its buffers and its reading threads."""
+        return self.depth * (self.piece + THREAD_BYTES)
+
+    @property
     def reads_ahead(self) -> bool:
         return self.depth > 1
 
@@ -78,18 +96,26 @@ def _up(n: int) -> int:
 
 
 def ring_for(room: int, largest: int) -> Ring | None:
-    """The ring for spans of at most ``largest`` bytes that fits in ``room`` bytes: :data:`DEPTH`
-    pieces of :data:`PIECE_BYTES` (smaller where the spans are), else two smaller pieces of at least
-    :data:`MIN_PIECE_BYTES`, else one piece (no read-ahead); None when not even one ALIGN piece fits."""
+    """The ring for spans of at most ``largest`` bytes whose :attr:`Ring.memory` fits in ``room``
+    bytes: up to :data:`DEPTH` pieces of :data:`PIECE_BYTES` (smaller where the spans are), else
+    two smaller pieces of at least :data:`MIN_PIECE_BYTES`, else one piece (no read-ahead); None
+    when not even one ALIGN piece fits."""
     needed = _up(largest) + 2 * ALIGN  # a span not aligned in its file straddles one more page each side
+
+    def fit(depth: int) -> int:
+        return (room // depth - THREAD_BYTES) // ALIGN * ALIGN
+
     piece = min(PIECE_BYTES, needed)
-    if room >= 2 * piece:
-        return Ring(min(DEPTH, room // piece), piece)
-    half = room // 2 // ALIGN * ALIGN
-    if half >= min(MIN_PIECE_BYTES, needed):
-        return Ring(2, min(half, needed))
-    whole = room // ALIGN * ALIGN
-    return Ring(1, min(whole, needed)) if whole >= ALIGN else None
+    depth = DEPTH
+    while depth >= 2 and fit(depth) < piece:
+        depth -= 1
+    if depth >= 2:
+        return Ring(depth, piece)
+    two = min(fit(2), needed)
+    if two >= min(MIN_PIECE_BYTES, needed):
+        return Ring(2, two)
+    one = min(fit(1), needed)
+    return Ring(1, one) if one >= ALIGN else None
 
 
 @dataclass(frozen=True, slots=True)
