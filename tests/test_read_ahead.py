@@ -57,6 +57,13 @@ def _source(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
     return file
 
 
+def _measured(monkeypatch: pytest.MonkeyPatch, *, direct: float, buffered: float) -> None:
+    """io="auto" finds these cold rates on every file system (as storage.read_choice measures them)."""
+    reads = "direct" if direct >= buffered else "buffered"
+    found = read_choice.ReadChoice("auto", reads, "measured", direct_bytes_per_s=direct, buffered_bytes_per_s=buffered)
+    monkeypatch.setattr(streamed, "read_choice", lambda *args, **kwargs: found)
+
+
 def _events(log: Path) -> list[list[str]]:
     return [line.split() for line in log.read_text().splitlines()]
 
@@ -204,7 +211,7 @@ def test_a_task_admitted_for_one_small_unit_converts_without_read_ahead(
         source.close()
     log = disk / "events"
     _instrument(monkeypatch, log)
-    monkeypatch.setattr(streamed, "read_choice", lambda *a, **k: read_choice.ReadChoice("auto", "direct", "test"))
+    _measured(monkeypatch, direct=2e9, buffered=1e9)
     parallel_dcp.convert(src, disk / "out", workers=1)
     (ring,) = [e for _, *e in _events(log) if e[0] == "ring"]
     assert ring[1] == "1"  # one piece: read, then written, then the next
@@ -222,3 +229,22 @@ def test_a_span_past_the_end_of_its_file_is_refused(tmp_path: Path) -> None:
         assert b"".join(seen) == b"x" * 5000
         with pytest.raises(CorruptCheckpointError, match="truncated"):
             reader.read_span(1, lambda view: None)
+
+
+@pytest.mark.parametrize(
+    ("direct", "buffered", "ring"),
+    [(2e9, 1e9, True), (1.05e9, 1e9, False), (1e9, 1.5e9, False)],
+)
+def test_auto_reads_ahead_through_the_direct_ring_only_where_direct_reads_measured_clearly_faster(
+    disk: Path, monkeypatch: pytest.MonkeyPatch, direct: float, buffered: float, ring: bool
+) -> None:
+    tensors = {f"w{i}": torch.randn(512, 1024) for i in range(4)}
+    src = _source(disk, tensors)
+    log = disk / "events"
+    _instrument(monkeypatch, log)
+    _measured(monkeypatch, direct=direct, buffered=buffered)
+    parallel_dcp.convert(src, disk / "out", workers=2)
+    assert (log.exists() and any(e[0] == "ring" for _, *e in _events(log))) == ring
+    got = {k: torch.empty_like(v) for k, v in tensors.items()}
+    dcp.load(got, checkpoint_id=str(disk / "out"), no_dist=True)
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
