@@ -33,7 +33,15 @@ from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.location import Location, Remote, check_name, file_size, listdir
 from parallel_dcp.storage.safe_files import regular_size, vanished
 
-__all__ = ["MAX_PATH_DEPTH", "PairBudget", "check_chunks", "check_planner_data", "check_records", "check_shards"]
+__all__ = [
+    "MAX_PATH_DEPTH",
+    "PairBudget",
+    "check_chunks",
+    "check_planner_data",
+    "check_records",
+    "check_shards",
+    "describe_index",
+]
 
 # A nesting deeper than this is not a model's state dict (torchtitan's deepest is about 8).
 MAX_PATH_DEPTH = 64
@@ -42,6 +50,7 @@ _MAX_COORD = 1 << 62
 # Chunk pairs the pairwise fallback may compare, over the whole .metadata (~1 s of work).
 _PAIR_BUDGET = 1 << 27
 _BLOCK = 256
+_PARTS = {str, int}
 
 
 class PairBudget:
@@ -235,12 +244,13 @@ def check_records(storage: Mapping[Any, Any], where: object) -> None:
     for (name, offset, length, index), (next_name, next_offset, _, next_index) in itertools.pairwise(spans):
         if name == next_name and (next_offset < offset + length or next_offset == offset):
             raise CorruptCheckpointError(
-                f"{where}: {_describe(index)} and {_describe(next_index)} share bytes of {name} "
+                f"{where}: {describe_index(index)} and {describe_index(next_index)} share bytes of {name} "
                 f"(records at bytes {offset} and {next_offset}): one record cannot hold two chunks"
             )
 
 
-def _describe(index: object) -> str:
+def describe_index(index: object) -> str:
+    """``key 'w' (chunk at [0, 4])``: a storage index, named for an error."""
     fqn, offset = getattr(index, "fqn", index), getattr(index, "offset", None)
     return f"key {fqn!r}" + (f" (chunk at {list(offset)})" if offset is not None else "")
 
@@ -276,7 +286,12 @@ def check_planner_data(planner_data: object, keys: Sequence[str], where: object)
         if type(path) not in (tuple, list) or not 0 < len(path) <= MAX_PATH_DEPTH:
             raise CorruptCheckpointError(f"{where}: planner_data gives key {key!r} an impossible path {path!r:.200}")
         path = tuple(path)
-        for depth, part in enumerate(path):
+        # A parent already met: its prefixes and parts were checked with the path that made it
+        # (equal parts of the same types: a bool equals an int, so the types are compared), so
+        # only the last part is new.
+        first = len(path) - 1 if len(path) > 1 and path[:-1] in levels and {*map(type, path[:-1])} <= _PARTS else 0
+        for depth in range(first, len(path)):
+            part = path[depth]
             kind = type(part)
             if not (kind is str or (kind is int and part >= 0 and depth > 0)):
                 raise CorruptCheckpointError(
