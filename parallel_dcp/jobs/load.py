@@ -364,7 +364,9 @@ def _whole_records(storage: dict[Any, Any], selected: list[str]) -> dict[str, tu
     if len(selected) < len(storage) // 8:
         return {}
     return {
-        index.fqn: (index.offset, info) for index, info in storage.items() if index.offset and not any(index.offset)
+        index.fqn: (index.offset, info)
+        for index, info in storage.items()
+        if index.offset is not None and not any(index.offset)
     }
 
 
