@@ -344,3 +344,45 @@ def test_a_planted_global_in_metadata_is_still_refused(tmp_path: Path) -> None:
     (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(UnsafeCheckpointError, match=r"builtins\.print"):
         parallel_dcp.load(tmp_path / "ckpt", into=empty_like_state(sd), workers=1)
+
+
+class _Planted:
+    """A value whose unpickling would call a function (print) if anything let it."""
+
+    def __reduce__(self) -> Any:
+        return (print, ("ran",))
+
+
+def test_a_value_of_builtins_skips_torchs_python_unpickler_and_a_global_is_still_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An optimizer's param_groups (dicts, numbers, a list of one index per parameter) is read by
+    the C unpickler with no global allowed, not by torch's weights_only unpickler (Python, ~2.5 us
+    an element); a value that names a global still goes to weights_only=True and is refused."""
+    from parallel_dcp import UnsafeCheckpointError
+    from parallel_dcp.storage import metadata as metadata_module
+
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(5000)), "name": None}]
+    sd = {"state": {"0": torch.randn(8)}, "param_groups": groups}
+    dcp.save(sd, storage_writer=FileSystemWriter(str(tmp_path / "ckpt")), no_dist=True)
+    torch_loads = [0]
+    real_load = metadata_module.torch.load
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        torch_loads[0] += 1
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(metadata_module.torch, "load", counted)
+    into = {"state": {"0": torch.empty(8)}, "param_groups": [{"lr": 0.0, "betas": (0, 0), "params": [], "name": 1}]}
+    parallel_dcp.load(tmp_path / "ckpt", into=into, workers=1)
+    assert into["param_groups"] == groups and torch.equal(into["state"]["0"], sd["state"]["0"])
+    assert torch_loads[0] == 0  # was 1 per value (4 here)
+
+    dcp.save(
+        {"w": torch.ones(2), "x": _Planted()}, storage_writer=FileSystemWriter(str(tmp_path / "bad")), no_dist=True
+    )
+    capsys.readouterr()
+    with pytest.raises(UnsafeCheckpointError, match=r"'x'.*weights_only"):
+        parallel_dcp.load(tmp_path / "bad", workers=1)
+    assert torch_loads[0] == 1  # torch's weights_only unpickler judged it
+    assert "ran" not in capsys.readouterr().out

@@ -168,7 +168,7 @@ def _load(
     # Kept by reservation alone: everything the read holds is set aside before it starts (the
     # output when it allocates, each thread's buffers); no sampling (reading PSS walks every page
     # table, as long as the read itself), and a thread could not be killed anyway.
-    budget = MemoryGovernor(options.memory_ceiling())
+    budget = MemoryGovernor(options.memory_ceiling(), measure=False)
     if into is None:
         budget.reserve(sum(_nbytes(m) for m in metas.values()), f"loading {len(selected)} keys from {location}")
     if isinstance(location, Remote):  # this process's connection to object storage, shared by the threads
@@ -204,7 +204,7 @@ def _load(
         else read_choice(options.io, location, _files(location, requests, small), streams=threads)
     )
     io_mode = choice.io
-    with progress.Progress(total=sum(_nbytes(m) for m in metas.values()), enabled=options.progress, desc="load") as bar:
+    with progress.Progress(total=sum(t.nbytes for t in targets.values()), enabled=options.progress, desc="load") as bar:
         done = fast_read.read_requests(
             location, requests, threads, on_bytes, budget, on_tick=bar.refresh, io=io_mode, small=small
         )

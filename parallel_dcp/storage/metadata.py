@@ -41,6 +41,7 @@ from parallel_dcp.errors import (
 from parallel_dcp.storage.geometry import check_shards
 from parallel_dcp.storage.location import Location, Remote, file_size, listdir, locate
 from parallel_dcp.storage.metadata_check import check_metadata_fields
+from parallel_dcp.storage.plain_values import plain_value
 from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = [
@@ -218,6 +219,10 @@ def unpickle_value(key: str, data: io.BytesIO, *, trust_pickle: bool = False) ->
         UnsafeCheckpointError: the value needs more than ``weights_only=True`` allows (nothing ran).
         CorruptCheckpointError: the record is not a readable ``torch.save`` record.
     """
+    plain, value = plain_value(data)
+    if plain:
+        return value
+    data.seek(0)
     try:
         return torch.load(data, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as exc:
