@@ -138,26 +138,25 @@ def check_batch(batch: bytearray, starts: list[int], templates: list[Template]) 
 
 def _check_step(batch: bytearray, starts: list[int], templates: list[Template]) -> list[bool]:
     data = numpy.frombuffer(batch, dtype=numpy.uint8)
-    distinct = list({id(t): t for t in templates}.values())
-    number = {id(t): i for i, t in enumerate(distinct)}
-    counts_of = numpy.array([t.spans.size for t in distinct], dtype=numpy.int64)
-    offsets_of = numpy.cumsum(counts_of) - counts_of
-    all_spans = numpy.concatenate([t.spans for t in distinct])
-    kinds = numpy.fromiter((number[id(t)] for t in templates), dtype=numpy.int64, count=len(templates))
-    count = counts_of[kinds]
-    record = numpy.repeat(numpy.arange(len(starts), dtype=numpy.int64), count)
-    within = numpy.arange(record.size, dtype=numpy.int64) - (numpy.cumsum(count) - count)[record]
-    position = all_spans[offsets_of[kinds][record] + within]
-    position += numpy.array(starts, dtype=numpy.int64)[record]
-    del record, within
+    # the varying bytes' places, template by template: its records' starts plus its spans
+    groups: dict[int, tuple[Template, list[int]]] = {}
+    for at, template in zip(starts, templates, strict=True):
+        group = groups.get(id(template))
+        if group is None:
+            groups[id(template)] = (template, [at])
+        else:
+            group[1].append(at)
+    position = numpy.concatenate(
+        [
+            (numpy.array(ats, dtype=numpy.int64)[:, None] + template.spans[None, :]).ravel()
+            for template, ats in groups.values()
+        ]
+    )
     saved = data[position]
     data[position] = 0
-    try:
-        out = []
-        for at, template in zip(starts, templates, strict=True):
-            out.append(
-                batch.startswith(template.head, at) and batch.startswith(template.tail, at + template.tail_offset)
-            )
-        return out
-    finally:
-        data[position] = saved
+    out = [
+        batch.startswith(template.head, at) and batch.startswith(template.tail, at + template.tail_offset)
+        for at, template in zip(starts, templates, strict=True)
+    ]
+    data[position] = saved
+    return out
