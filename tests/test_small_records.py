@@ -386,3 +386,30 @@ def test_a_value_of_builtins_skips_torchs_python_unpickler_and_a_global_is_still
         parallel_dcp.load(tmp_path / "bad", workers=1)
     assert torch_loads[0] == 1  # torch's weights_only unpickler judged it
     assert "ran" not in capsys.readouterr().out
+
+
+def test_a_load_reads_no_process_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load(into=) keeps its budget by reservation alone: it never reads this process's memory
+    (smaps of a process holding a large state dict: tens of milliseconds), and such a budget
+    refuses to sample rather than compare against a baseline it never read."""
+    from parallel_dcp.engine import memory, process_memory
+
+    sd = optimizer_like()
+    write("pdcp", sd, tmp_path / "ckpt")
+    reads = [0]
+    real = process_memory.ChargeReader.charge
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reads[0] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(process_memory.ChargeReader, "charge", counted)
+    into = empty_like_state(sd)
+    parallel_dcp.load(tmp_path / "ckpt", into=into, workers=2)
+    assert_same(into, stock_load(sd, tmp_path / "ckpt"))
+    assert reads[0] == 0  # was 1: the governor's baseline
+    budget = memory.MemoryGovernor(1 << 30, measure=False)
+    budget.reserve(1 << 20, "a tensor")
+    with pytest.raises(RuntimeError, match="reservation alone"):
+        budget.read([])
+    assert reads[0] == 0
