@@ -13,6 +13,11 @@
       ▼                                                                          ▼
     done                                          DCP's FileSystemReader.read_data (counted)
 
+Whole small records for whole dense CPU tensors (optimizer state: tens of thousands of them) come
+planned as plain columns instead (``small``: no request per key) and are read by the same threads
+as units of their own (formats/small_reads.py), checked in bulk against one parsed record of each
+shape (formats/record_batch.py).
+
 Pages of freshly allocated targets are faulted in by the reading threads, in parallel. Threads
 keep the targets in private memory; each holds at most one batch buffer (``BATCH_BYTES``) and
 one gap buffer.

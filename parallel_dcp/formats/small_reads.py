@@ -82,7 +82,6 @@ class SmallUnit:
         self.name = name
         self.entries = entries
         self.templates = templates
-        self.nbytes = sum(entry[1] for entry in entries)
 
     def run(self, where: Location, cancel: threading.Event, io: str = "buffered") -> tuple[ReadStats, list[Request]]:
         stats, fallback = ReadStats(), list[Request]()
