@@ -159,7 +159,7 @@ def test_every_key_is_checked_against_its_own_record_even_past_the_metadata_chec
     chunked: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The readers' own check (formats/read_units.py, formats/fast_read.py) holds without
-    ``check_records``: the second key on a record is compared with the record too."""
+    the records' overlap check: the second key on a record is compared with the record too."""
     _rewrite(chunked, lambda m: _point(m, MetadataIndex("v", torch.Size([0])), MetadataIndex("n.x", torch.Size([0]))))
     monkeypatch.setattr("parallel_dcp.storage.metadata_check._check_records", lambda *args: None)
     with pytest.raises(CorruptCheckpointError, match=r"one record|holds float32"):

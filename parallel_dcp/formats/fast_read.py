@@ -21,6 +21,9 @@ shape (formats/record_batch.py).
 Pages of freshly allocated targets are faulted in by the reading threads, in parallel. Threads
 keep the targets in private memory; each holds at most one batch buffer (``BATCH_BYTES``) and
 one gap buffer.
+
+Longer than 300 lines because the three kinds of unit (records, small records as columns,
+compressed records) are cut and run by one read loop, with one fallback to DCP's reader.
 """
 
 from __future__ import annotations

@@ -359,7 +359,7 @@ def record_layout(where: object, record: Record) -> RecordLayout | None:
     if layout is None:
         return None
     # Every request is checked, not only the first: each names its own key, dtype and chunk
-    # (check_records refuses two keys on one record; this holds even without it).
+    # (the metadata check refuses two keys on one record; this holds even without it).
     for req in record.requests:
         checked_layout(
             where, req.item.storage_index.fqn, record.offset, None, None, record.length, req.dtype, req.chunk, layout

@@ -7,7 +7,8 @@ A reader trusts three things ``.metadata`` says, and each can be crafted:
   which a reader would leave as ``torch.empty`` garbage or the caller's old values.
 - **records** (``storage_data``): no two entries (two keys, or two chunks of one key) name the
   same bytes of a shard. A record shared by two keys would be read as the second key's dtype and
-  shape too (float bits read as int32, or a longer shape reading past the tensor).
+  shape too (float bits read as int32, or a longer shape reading past the tensor). Checked over
+  the records' columns in storage/metadata_check.py.
 - **nesting** (``planner_data``): the path each key is rebuilt at. DCP's ``unflatten_state_dict``
   trusts it: an index of 10**8 builds a list of 10**8 entries, two keys on one path drop one of
   them silently, a ``None`` becomes a dict key.
@@ -16,15 +17,14 @@ The chunk check costs O(n log n) for the layouts DCP writes (chunks split along 
 or a regular grid of them) and falls back to a pairwise test, bounded in total work, for any
 other layout; a layout too irregular to check within that bound is refused rather than trusted.
 
-Longer than 300 lines because the three checks share one walk over the records and one error
-vocabulary; split, each would re-read what the others already hold.
+Longer than 300 lines because the chunk and nesting checks share one error vocabulary and the
+layouts' fast paths.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,6 @@ __all__ = [
     "PairBudget",
     "check_chunks",
     "check_planner_data",
-    "check_records",
     "check_shards",
     "describe_index",
 ]
@@ -227,25 +226,6 @@ def check_shards(path: Location, metadata: Any, keys: list[str] | None = None) -
             raise CorruptCheckpointError(
                 f"{path} is damaged: shard {name} has {size} bytes but the metadata records data up to byte {end} "
                 "(truncated file)"
-            )
-
-
-def check_records(storage: Mapping[Any, Any], where: object) -> None:
-    """No two entries of ``storage_data`` share bytes of a shard (the same offset, or ranges that
-    overlap): each key's chunk is read from its own record, checked against its own dtype and shape.
-
-    Raises:
-        CorruptCheckpointError: naming both keys.
-    """
-    spans: list[tuple[str, int, int, object]] = []
-    for index, info in storage.items():
-        spans.append((str(info.relative_path), int(info.offset), int(info.length), index))
-    spans.sort(key=lambda s: (s[0], s[1], s[2]))
-    for (name, offset, length, index), (next_name, next_offset, _, next_index) in itertools.pairwise(spans):
-        if name == next_name and (next_offset < offset + length or next_offset == offset):
-            raise CorruptCheckpointError(
-                f"{where}: {describe_index(index)} and {describe_index(next_index)} share bytes of {name} "
-                f"(records at bytes {offset} and {next_offset}): one record cannot hold two chunks"
             )
 
 
