@@ -18,6 +18,7 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy
@@ -31,6 +32,9 @@ from parallel_dcp.formats.base import Entry
 from parallel_dcp.formats.memory_format import MemorySource
 
 __all__ = ["RemoteMemorySource"]
+
+_dtype, _shape = attrgetter("dtype"), attrgetter("shape")
+_first, _second = itemgetter(0), itemgetter(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +55,13 @@ class _Layout:
         return _layout(first, chunk.sizes, self.strides, self.itemsize)
 
     def memory(self) -> int:
-        """What a worker allocates: the span copied, and DCP's copy of a view with gaps."""
-        return self.span + (self.nbytes if self.span != self.nbytes else 0)
+        """What a worker allocates: see :func:`_copied`."""
+        return _copied(self.span, self.nbytes)
+
+
+def _copied(span: int, nbytes: int) -> int:
+    """What a worker allocates for a tensor: the span copied, and DCP's copy of a view with gaps."""
+    return span + (nbytes if span != nbytes else 0)
 
 
 def _layout(address: int, sizes: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> _Layout:
@@ -72,38 +81,60 @@ def _layout(address: int, sizes: tuple[int, ...], strides: tuple[int, ...], item
 
 @dataclass
 class RemoteMemorySource(MemorySource):
-    """A :class:`MemorySource` whose pickled form carries where each tensor lies, not its bytes."""
+    """A :class:`MemorySource` whose pickled form carries where each tensor lies, not its bytes.
+
+    In the coordinator each tensor is one row of columns (``_where``: address and strides; the
+    sizes :class:`MemorySource` keeps), not a :class:`_Layout`: those are built in the workers,
+    from the columns the pickle carries.
+    """
 
     _owner: int = 0
     _layouts: dict[str, _Layout] = field(default_factory=dict, repr=False)
+    _where: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._owner = os.getpid()
+        flat, sizes, where = self._flat, self._sizes, self._where
         for key in self.entries:
-            tensor = self._flat[key]
-            if type(tensor) not in lean._PLAIN or tensor.device.type != "cpu":
+            tensor = flat[key]
+            if type(tensor) not in lean._PLAIN:  # (off the CPU: refused by MemorySource's check)
                 raise InvalidStateDictError(
                     f"{key!r} is a {type(tensor).__name__} on {tensor.device}: a Saver writes plain CPU tensors; "
                     "save this state dict with parallel_dcp.save"
                 )
-            self._layouts[key] = _layout(
-                tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size()
-            )
+            strides = tensor.stride()
+            where[key] = (tensor.data_ptr(), strides)
+            nbytes = sizes[key][0]
+            if tensor.is_contiguous():  # its span is its bytes (torch's rule is _layout's)
+                sizes[key] = (nbytes, _copied(nbytes, nbytes))
+            else:
+                sizes[key] = (nbytes, self._layout_of(key).memory())
+
+    def _layout_of(self, key: str) -> _Layout:
+        """``key``'s layout: built on unpickling in a worker, from the columns in the coordinator."""
+        layout = self._layouts.get(key)
+        if layout is not None:
+            return layout
+        address, strides = self._where[key]
+        entry = self.entries[key]
+        return _layout(address, entry.shape, strides, entry.dtype.itemsize)
 
     def __getstate__(self) -> dict[str, Any]:
         # Columns of plain ints and strings, not one dataclass per key: pickling 50,000 Entry and
         # _Layout objects costs the coordinator ~10 us a key, these columns a fraction of that.
         state = dict(self.__dict__)
-        state["state_dict"], state["_flat"], state["entries"] = None, {}, {}
-        dtypes = {dtype: str(dtype).removeprefix("torch.") for dtype in {e.dtype for e in self.entries.values()}}
-        layouts = self._layouts
+        state["state_dict"], state["_flat"], state["entries"], state["_sizes"], state["_where"] = None, {}, {}, {}, {}
+        entries = self.entries.values()
+        dtypes = list(map(_dtype, entries))
+        names = {dtype: str(dtype).removeprefix("torch.") for dtype in set(dtypes)}
+        where = self._where.values()  # in the entries' order: filled in the same pass
         state["_layouts"] = (
             tuple(self.entries),
-            [dtypes[e.dtype] for e in self.entries.values()],
-            [e.shape for e in self.entries.values()],
-            [layouts[k].strides for k in self.entries],
-            [layouts[k].address for k in self.entries],
+            list(map(names.__getitem__, dtypes)),
+            list(map(_shape, entries)),
+            list(map(_second, where)),
+            list(map(_first, where)),
         )
         return state
 
@@ -121,10 +152,11 @@ class RemoteMemorySource(MemorySource):
         return True
 
     def copied_bytes(self, key: str) -> int:
-        return self._layouts[key].memory()
+        sizes = self._sizes.get(key)
+        return sizes[1] if sizes is not None else self._layout_of(key).memory()
 
     def chunk_memory(self, chunk: Chunk) -> int:
-        return self._layouts[chunk.key].narrow(chunk).memory()
+        return self._layout_of(chunk.key).narrow(chunk).memory()
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """The tensors of ``keys``, copied in one gathered read into one buffer: each tensor owns
