@@ -70,21 +70,8 @@ class Entry:
         return n
 
 
-_new = object.__new__
-# The slots' own setters (what the frozen constructor reaches through object.__setattr__).
-_set_key, _set_dtype, _set_shape, _set_file = (Entry.__dict__[n].__set__ for n in ("key", "dtype", "shape", "file"))
-
-
 def entry_of(key: str, tensor: torch.Tensor, file: str = "") -> Entry:
-    """The entry of a tensor torch made. Its shape passed torch's own size checks, so the
-    constructor's check is skipped: built once per key of a 50,000-key state dict before any
-    worker starts, through the slots directly (half the cost of the frozen constructor)."""
-    entry = _new(Entry)
-    _set_key(entry, key)
-    _set_dtype(entry, tensor.dtype)
-    _set_shape(entry, tuple(tensor.shape))
-    _set_file(entry, file)
-    return entry
+    return Entry(key, tensor.dtype, tuple(tensor.shape), file)
 
 
 @dataclass
@@ -165,15 +152,9 @@ class Source(ABC):
         return self.entries[key].nbytes
 
     def tensor_sizes(self) -> dict[str, tuple[int, int]]:
-        """``(Entry.nbytes, copied_bytes)`` of every tensor, where opening the source measured them
-        in the one pass that listed its keys (an in-memory state dict); empty otherwise, and a job
-        then sizes each key itself."""
+        """``(Entry.nbytes, copied_bytes)`` per tensor where opening the source measured them in its
+        one pass over the keys (an in-memory state dict); else empty: a job sizes each key itself."""
         return {}
-
-    def largest_tensor_bytes(self) -> int | None:
-        """The largest tensor's ``Entry.nbytes`` where opening the source kept it (no tensor needs
-        splitting below it); None otherwise."""
-        return None
 
     def transient_bytes(self, key: str) -> int:
         """The part of :meth:`copied_bytes` (and :meth:`chunk_memory`) that a read frees before

@@ -87,9 +87,9 @@ class Job:
         ``admit(key, chunks, bytes)`` (the governor's ``admit_units``) runs before each tensor's
         chunks are built."""
         entries = self.source.entries
-        largest = self.source.largest_tensor_bytes()
-        if largest is not None and largest <= threshold:
-            return self  # nothing to split, known without a pass over the keys
+        known = self.source.tensor_sizes()
+        if known and max(map(itemgetter(0), known.values())) <= threshold:
+            return self  # no tensor of the source needs splitting (one C pass over its sizes)
         if not any(entry.nbytes > threshold for entry in map(entries.get, self.keys) if entry is not None):
             return self  # nothing to split: this job, with the sizes it computed already (50,000 keys: 0.1 s)
         taken = set(self.keys)
