@@ -243,10 +243,14 @@ def prepare_io(target: Target, options: Options, *, probe: bool = True) -> Optio
     return dataclasses.replace(options, io=target.io)
 
 
+_new_tuple = tuple.__new__
+
+
 def _items(job: Job) -> list[Item]:
     sizes = job.sizes()
     if type(job.source).transient_bytes is Source.transient_bytes:  # reads through no buffer: all 0
-        return [Item(key, nbytes, memory) for key, (nbytes, memory) in sizes.items()]
+        # The tuples made directly (Item's generated __new__ is a Python call per key).
+        return [_new_tuple(Item, (key, nbytes, memory, 0)) for key, (nbytes, memory) in sizes.items()]
     transient = job.transient
     return [Item(key, nbytes, memory, transient(key)) for key, (nbytes, memory) in sizes.items()]
 
