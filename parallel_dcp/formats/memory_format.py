@@ -21,19 +21,10 @@ from parallel_dcp.formats.validate import check_tensor, flatten_checked
 
 __all__ = ["MemorySource"]
 
-# Entry's slots' setters, which its frozen constructor reaches through object.__setattr__.
-_set_key, _set_dtype, _set_shape, _set_file = (Entry.__dict__[n].__set__ for n in ("key", "dtype", "shape", "file"))
-
-
-def _entry(key: str, tensor: torch.Tensor) -> Entry:
-    """The entry of a tensor torch made: its shape passed torch's own checks, so the constructor's
-    is skipped and the slots are set directly (half its cost, once per key of a 50,000-key save)."""
-    entry = object.__new__(Entry)
-    _set_key(entry, key)
-    _set_dtype(entry, tensor.dtype)
-    _set_shape(entry, tuple(tensor.shape))
-    _set_file(entry, "")
-    return entry
+# Entry's slots' setters, which its frozen constructor reaches through object.__setattr__: the
+# pass below sets them directly, skipping the constructor's shape check (a tensor torch made passed
+# torch's own), at half its cost, once per key of a 50,000-key save.
+_SETTERS = tuple(Entry.__dict__[name].__set__ for name in ("key", "dtype", "shape", "file"))
 
 
 @dataclass
@@ -52,6 +43,7 @@ class MemorySource(Source):
         self._flat = flat
         entries, values, sizes = self.entries, self.values, self._sizes
         tensor, plain_types, strided = torch.Tensor, lean._PLAIN, torch.strided
+        new, (set_key, set_dtype, set_shape, set_file) = object.__new__, _SETTERS
         plain = True
         for key, value in flat.items():
             if not isinstance(value, tensor):
@@ -60,7 +52,11 @@ class MemorySource(Source):
             # The common case in three attribute reads; anything else gets the full check and its message.
             if not (value.is_cpu and value.layout == strided and not value.is_quantized):
                 check_tensor(key, value)
-            entry = entries[key] = _entry(key, value)
+            entry = entries[key] = new(Entry)  # Entry(key, value.dtype, tuple(value.shape)), unchecked
+            set_key(entry, key)
+            set_dtype(entry, value.dtype)
+            set_shape(entry, tuple(value.shape))
+            set_file(entry, "")
             # Contiguous: written from the shared pages as it is (copied_bytes 0). This class's
             # rule, not an override's: a subclass re-sizes in its own pass.
             if type(value) in plain_types:

@@ -18,7 +18,7 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import Any
 
 import numpy
@@ -34,7 +34,6 @@ from parallel_dcp.formats.memory_format import MemorySource
 __all__ = ["RemoteMemorySource"]
 
 _dtype, _shape = attrgetter("dtype"), attrgetter("shape")
-_first, _second = itemgetter(0), itemgetter(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,58 +82,54 @@ def _layout(address: int, sizes: tuple[int, ...], strides: tuple[int, ...], item
 class RemoteMemorySource(MemorySource):
     """A :class:`MemorySource` whose pickled form carries where each tensor lies, not its bytes.
 
-    In the coordinator each tensor is one row of columns (``_where``: address and strides; the
-    sizes :class:`MemorySource` keeps), not a :class:`_Layout`: those are built in the workers,
-    from the columns the pickle carries.
+    In the coordinator a tensor is its sizes (the columns :class:`MemorySource` keeps, with what a
+    worker copies) and the tensor itself; no :class:`_Layout` per key: the workers build those
+    from the columns the pickle carries (addresses and strides, read in one C pass each).
     """
 
     _owner: int = 0
     _layouts: dict[str, _Layout] = field(default_factory=dict, repr=False)
-    _where: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._owner = os.getpid()
-        flat, sizes, where = self._flat, self._sizes, self._where
-        for key in self.entries:
-            tensor = flat[key]
-            if type(tensor) not in lean._PLAIN:  # (off the CPU: refused by MemorySource's check)
-                raise InvalidStateDictError(
-                    f"{key!r} is a {type(tensor).__name__} on {tensor.device}: a Saver writes plain CPU tensors; "
-                    "save this state dict with parallel_dcp.save"
-                )
-            strides = tensor.stride()
-            where[key] = (tensor.data_ptr(), strides)
-            nbytes = sizes[key][0]
-            if tensor.is_contiguous():  # its span is its bytes (torch's rule is _layout's)
-                sizes[key] = (nbytes, _copied(nbytes, nbytes))
-            else:
-                sizes[key] = (nbytes, self._layout_of(key).memory())
+        tensors = list(map(self._flat.__getitem__, self.entries))
+        if not self._plain:
+            key, tensor = next((k, t) for k, t in zip(self.entries, tensors, strict=True) if type(t) not in lean._PLAIN)
+            raise InvalidStateDictError(
+                f"{key!r} is a {type(tensor).__name__} on {tensor.device}: a Saver writes plain CPU tensors; "
+                "save this state dict with parallel_dcp.save"
+            )
+        # What a worker copies: a contiguous tensor's span is its bytes (torch's rule is _layout's).
+        contiguous = map(torch.Tensor.is_contiguous, tensors)
+        self._sizes = {
+            key: (nbytes, _copied(nbytes, nbytes) if whole else self._layout_of(key).memory())
+            for (key, (nbytes, _)), whole in zip(self._sizes.items(), contiguous, strict=True)
+        }
 
     def _layout_of(self, key: str) -> _Layout:
-        """``key``'s layout: built on unpickling in a worker, from the columns in the coordinator."""
+        """``key``'s layout: built on unpickling in a worker, from the tensor in the coordinator."""
         layout = self._layouts.get(key)
         if layout is not None:
             return layout
-        address, strides = self._where[key]
-        entry = self.entries[key]
-        return _layout(address, entry.shape, strides, entry.dtype.itemsize)
+        tensor = self._flat[key]
+        return _layout(tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.element_size())
 
     def __getstate__(self) -> dict[str, Any]:
         # Columns of plain ints and strings, not one dataclass per key: pickling 50,000 Entry and
         # _Layout objects costs the coordinator ~10 us a key, these columns a fraction of that.
         state = dict(self.__dict__)
-        state["state_dict"], state["_flat"], state["entries"], state["_sizes"], state["_where"] = None, {}, {}, {}, {}
+        state["state_dict"], state["_flat"], state["entries"], state["_sizes"] = None, {}, {}, {}
         entries = self.entries.values()
         dtypes = list(map(_dtype, entries))
         names = {dtype: str(dtype).removeprefix("torch.") for dtype in set(dtypes)}
-        where = self._where.values()  # in the entries' order: filled in the same pass
+        tensors = list(map(self._flat.__getitem__, self.entries))
         state["_layouts"] = (
             tuple(self.entries),
             list(map(names.__getitem__, dtypes)),
             list(map(_shape, entries)),
-            list(map(_second, where)),
-            list(map(_first, where)),
+            list(map(torch.Tensor.stride, tensors)),
+            list(map(torch.Tensor.data_ptr, tensors)),
         )
         return state
 
