@@ -158,3 +158,21 @@ def test_a_save_of_every_kind_of_key_reads_back(tmp_path: Path) -> None:
     back = parallel_dcp.load(tmp_path / "ckpt")
     assert torch.equal(back["strided"], state["strided"]) and torch.equal(back["rows"], state["rows"])
     assert torch.equal(back["transposed"], state["transposed"]) and back["step"] == 7
+
+
+def test_an_optimizers_long_list_of_param_ids_costs_no_call_per_id() -> None:
+    from parallel_dcp.engine.threads import plain_value
+    from parallel_dcp.formats.validate import flatten_checked
+
+    ids = list(range(20_000))
+    state = {"optimizer": {"state": {"0": {"step": torch.ones(1)}}, "param_groups": [{"lr": 0.1, "params": ids}]}}
+    profile = cProfile.Profile()
+    profile.enable()
+    flat, _ = flatten_checked(state)
+    plain = plain_value(flat["optimizer.param_groups.0.params"])
+    profile.disable()
+    assert plain and flat["optimizer.param_groups.0.params"] is ids  # kept whole, as DCP keeps it
+    calls = sum(row[1] for row in pstats.Stats(profile).stats.values())  # type: ignore[attr-defined]
+    assert calls < 200, f"{calls} calls for one list of 20,000 ids (before: one or more per id)"
+    # A list that is not all scalars still gets the full rule.
+    assert not plain_value([1, 2, object()]) and plain_value([1, (2, "x"), {"a": None}])

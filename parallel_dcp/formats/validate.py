@@ -41,9 +41,14 @@ def check_tensor(key: str, tensor: torch.Tensor) -> None:
         raise InvalidStateDictError(f"tensor {key!r} {problem}")
 
 
+_SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
 def _terminal_list(value: list[Any]) -> bool:
     """DCP's rule for a list: kept whole (one value) unless it holds a tensor, a mapping, or a
     list that is not kept whole itself."""
+    if set(map(type, value)) <= _SCALARS:  # plain scalars (25,000 param ids): one C pass
+        return True
     for entry in value:
         if isinstance(entry, (Mapping, torch.Tensor)) or (isinstance(entry, list) and not _terminal_list(entry)):
             return False
@@ -98,7 +103,7 @@ def _flatten(state_dict: Mapping[Any, Any]) -> tuple[dict[str, Any], dict[str, t
                     raise InvalidStateDictError(f"two keys flatten to the same name: duplicated flatten key {name}")
                 flat[name] = value
                 mapping[name] = (*path, key)
-            elif isinstance(value, Mapping):
+            elif type(value) is dict or isinstance(value, Mapping):  # a plain dict before the ABC check
                 walk((*path, key), f"{name}.", value)
             elif isinstance(value, list) and not _terminal_list(value):
                 walk_list((*path, key), name, value)
