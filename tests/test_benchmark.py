@@ -657,3 +657,21 @@ def test_quantized_suite_runs_and_prints_its_summary(tmp_path: Path) -> None:
         line = next(line for line in run.stdout.splitlines() if line.startswith(f"{label}: parallel_dcp w=2 vs stock"))
         assert " w=2 vs w=1: " in line and "MiB limit: held in every run" in line, line
     assert list(target.iterdir()) == []
+
+
+def test_the_disk_summary_puts_the_conversion_beside_the_combined_limit_by_the_devices_own_time() -> None:
+    from parallel_dcp.benchmark.disk_report import disk_summary, disk_summary_lines
+
+    rows: dict[str, dict[str, Any]] = {
+        "convert safetensors w=2": {"median_s": 1.5, "details": {}},
+        "convert safetensors w=2 io=buffered": {"median_s": 1.6, "details": {}},
+        "device read+write x2": {"median_s": 2.0, "details": {"device_s": 1.2}},  # wall with fio's start
+        "stock load_file + dcp.save t=2": {"median_s": 3.0, "details": {}},
+    }
+    summary = disk_summary(rows, 2**30)
+    assert summary["combined_limit_s"] == 1.2
+    assert summary["convert_of_combined_limit"] == pytest.approx(0.8)
+    assert summary["convert_buffered_of_combined_limit"] == pytest.approx(0.75)
+    assert any("combined read+write limit (1.200 s" in line and "80%" in line for line in disk_summary_lines(summary))
+    rows["device read+write x2"]["details"] = {}  # the built-in probe without its own time: the wall time
+    assert disk_summary(rows, 2**30)["convert_of_combined_limit"] == pytest.approx(2.0 / 1.5)

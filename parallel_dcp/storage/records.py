@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import struct
 import zipfile
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["LEAN_DTYPES", "LEAN_MAX_BYTES", "Template", "storage_bytes", "template_for"]
+__all__ = ["LEAN_DTYPES", "LEAN_MAX_BYTES", "Template", "class_template", "storage_bytes", "template_for"]
 
 # The round-trip matrix's dtypes (tests/test_roundtrip.py), each checked by tests/test_records.py.
 LEAN_DTYPES = frozenset(
@@ -123,6 +125,67 @@ def template_for(tensor: torch.Tensor) -> Template | None:
         _cache.clear()  # a job of ever new shapes: keep memory bounded, rebuild on demand
     _cache[key] = template
     return template
+
+
+def class_template(dtype: torch.dtype, shape: tuple[int, ...]) -> Template | None:
+    """The record every contiguous CPU tensor of ``dtype`` and ``shape`` gets from the shard writer
+    (:func:`template_for` up to :data:`LEAN_MAX_BYTES`, torch.save's own record above), split
+    around its bytes, so that a record can be written from bytes that never become a tensor
+    (storage.read_ahead). None where the writer would not write the class that way: the CRC on
+    (the record then depends on the bytes), a dtype not checked bit for bit.
+
+    Above :data:`LEAN_MAX_BYTES` the record is what torch.save writes for an uninitialised tensor of
+    the class, with the data's one write left out rather than copied (no byte of it is read while
+    the CRC is off), so torch.save's own serialization id is kept: what the writer's torch.save of
+    the real tensor gives, bit for bit (``tests/test_read_ahead.py``).
+    """
+    if not _crc_off() or dtype not in LEAN_DTYPES:
+        return None
+    stride = tuple(torch.empty(shape, dtype=dtype, device="meta").stride())
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes <= LEAN_MAX_BYTES:
+        return template_for(torch.empty(shape, dtype=dtype))
+    key = (dtype, shape, stride, _alignment())
+    if key not in _cache:
+        if len(_cache) >= _CACHE_LIMIT:
+            _cache.clear()
+        _cache[key] = _build_unread(torch.empty(shape, dtype=dtype), nbytes)
+    return _cache[key]
+
+
+class _Capture:
+    """A stream torch.save writes to: every write kept, except the one of the storage's bytes."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.before = bytearray()
+        self.after = bytearray()
+        self.skipped = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if view.nbytes == self.nbytes and not self.skipped:
+            self.skipped += 1
+        else:
+            (self.after if self.skipped else self.before).extend(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        """Nothing is buffered."""
+
+
+def _build_unread(dummy: torch.Tensor, nbytes: int) -> Template | None:
+    capture = _Capture(nbytes)
+    torch.save(dummy, capture)  # type: ignore[arg-type]
+    prefix = bytes(capture.before)
+    at = prefix.rfind(b"PK\x03\x04")
+    if capture.skipped != 1 or at < 0:
+        return None
+    _, *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(prefix, at)
+    name = prefix[at + _LOCAL_HEADER.size : at + _LOCAL_HEADER.size + name_length]
+    if at + _LOCAL_HEADER.size + name_length + extra_length != len(prefix) or not name.endswith(b"/data/0"):
+        return None  # the skipped write was not the storage's record: torch.save writes this class
+    return Template(prefix, bytes(capture.after), nbytes)
 
 
 def storage_bytes(tensor: torch.Tensor) -> memoryview:
