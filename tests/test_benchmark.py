@@ -202,6 +202,24 @@ def _scenario() -> Scenario:
     return scenario
 
 
+def test_a_limit_row_that_measured_the_devices_own_seconds_counts_those() -> None:
+    """fio's wall time adds its own start (0.3-0.5 s here): a limit row that reports the device's
+    seconds (fio's job run time) is the limit by those, so no row looks faster than the device."""
+    scenario = _scenario()
+    plain = next(m for m in scenario.measured if m.case.name == "plain write x2")
+    plain.details["device_s"] = 0.25
+    rows = row_figures(scenario)
+    assert rows["parallel_dcp w=2"]["of_limit"] == pytest.approx(0.25)
+    from parallel_dcp.benchmark.disk_report import disk_summary
+
+    rows = {
+        "device direct write x2": {"median_s": 0.5, "details": {"device_s": 0.25}},
+        "save w=2 io=auto": {"median_s": 1.0, "details": {}},
+    }
+    summary = disk_summary(rows, 2**30)
+    assert summary["save_of_direct_limit"] == pytest.approx(0.25)
+
+
 def test_ratios_are_taken_between_medians_of_the_same_scenario() -> None:
     scenario = _scenario()
     rows = row_figures(scenario)
