@@ -202,6 +202,24 @@ def _scenario() -> Scenario:
     return scenario
 
 
+def test_a_limit_row_that_measured_the_devices_own_seconds_counts_those() -> None:
+    """fio's wall time adds its own start (0.3-0.5 s here): a limit row that reports the device's
+    seconds (fio's job run time) is the limit by those, so no row looks faster than the device."""
+    scenario = _scenario()
+    plain = next(m for m in scenario.measured if m.case.name == "plain write x2")
+    plain.details["device_s"] = 0.25
+    rows = row_figures(scenario)
+    assert rows["parallel_dcp w=2"]["of_limit"] == pytest.approx(0.25)
+    from parallel_dcp.benchmark.disk_report import disk_summary
+
+    rows = {
+        "device direct write x2": {"median_s": 0.5, "details": {"device_s": 0.25}},
+        "save w=2 io=auto": {"median_s": 1.0, "details": {}},
+    }
+    summary = disk_summary(rows, 2**30)
+    assert summary["save_of_direct_limit"] == pytest.approx(0.25)
+
+
 def test_ratios_are_taken_between_medians_of_the_same_scenario() -> None:
     scenario = _scenario()
     rows = row_figures(scenario)
@@ -414,6 +432,31 @@ def test_executor_projections_from_pieces() -> None:
     )
     assert any(line.startswith("  projected threads: x16 1.82x") for line in lines)
     assert any("governor reading at 8 workers: cheap 0.100" in line for line in lines)
+
+
+def test_a_probe_of_many_tensors_is_busy_on_a_subset_scaled_per_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from parallel_dcp.benchmark import pieces
+
+    monkeypatch.setattr(pieces, "BUSY_PROBE_KEYS", 8)
+    state = {"optimizer": {f"{i}": {"exp_avg": torch.randn(64 + i)} for i in range(20)}}
+    probe = pieces.probe_executors(state, str(tmp_path), rounds=1, sync=False)
+    for kind in pieces.PROBED:
+        got = probe[kind]
+        sub = got["busy_probe"]
+        assert (sub["keys"], sub["of_keys"]) == (8, 20)
+        assert sub["scale"] == pytest.approx(got["alone_seconds"] / sub["alone_seconds"])
+        assert got["busy_thread_seconds"] == pytest.approx(sub["busy_thread_seconds"] * sub["scale"])
+        assert got["busy_process_seconds"] == pytest.approx(sub["busy_process_seconds"] * sub["scale"])
+    executors = pieces.executor_projections(probe, nbytes=4096, keys=20)
+    assert executors["threads"]["busy_probe"]["keys"] == 8
+    lines = pieces.executor_lines(executors, None)
+    assert any(line.startswith("  threads: busy rows probed on 8 of 20 tensors") for line in lines)
+    assert list(tmp_path.iterdir()) == []
+    # A state dict of no more tensors than that is probed busy in full.
+    small = pieces.probe_executors({"w": torch.ones(4)}, str(tmp_path), rounds=1, sync=False)
+    assert all("busy_probe" not in small[kind] for kind in pieces.PROBED)
 
 
 def test_staggered_work() -> None:

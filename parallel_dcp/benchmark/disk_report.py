@@ -36,11 +36,10 @@ def disk_summary(rows: dict[str, dict[str, Any]], nbytes: int) -> dict[str, Any]
     convert, convert_buffered = converts.get(False), converts.get(True)
     # The combined limit: the device's own seconds where the row measured them (fio's job run time,
     # without its start-up), else the row's wall time.
-    both_row = next((r for n, r in rows.items() if n.startswith("device read+write")), None)
-    both = (both_row["details"].get("device_s") or both_row.get("median_s")) if both_row else None
+    both = _device_seconds(rows, "device read+write")
     growth = next((r["details"].get("page_cache_growth") for n, r in rows.items() if "io=auto" in n), None)
     return {
-        "save_of_direct_limit": ratio(median("device direct write"), save),
+        "save_of_direct_limit": ratio(_device_seconds(rows, "device direct write"), save),
         "save_vs_stock": ratio(median("stock dcp t="), save),
         "save_io": next((r["details"].get("io") for n, r in rows.items() if "io=auto" in n), None),
         "save_buffered_vs_auto": ratio(buffered, save),
@@ -60,6 +59,15 @@ def disk_summary(rows: dict[str, dict[str, Any]], nbytes: int) -> dict[str, Any]
             n: r["details"]["page_cache_growth"] for n, r in rows.items() if "page_cache_growth" in r["details"]
         },
     }
+
+
+def _device_seconds(rows: dict[str, dict[str, Any]], prefix: str) -> float | None:
+    """A device-limit row's seconds: the device's own where the row measured them (fio's job run
+    time, without its start-up), else the row's wall time."""
+    row = next((r for n, r in rows.items() if n.startswith(prefix)), None)
+    if row is None:
+        return None
+    return row.get("details", {}).get("device_s") or row.get("median_s")
 
 
 def _reads(rows: dict[str, dict[str, Any]], label: str) -> dict[str, Any]:

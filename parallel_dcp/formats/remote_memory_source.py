@@ -18,6 +18,7 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import numpy
@@ -31,6 +32,8 @@ from parallel_dcp.formats.base import Entry
 from parallel_dcp.formats.memory_format import MemorySource
 
 __all__ = ["RemoteMemorySource"]
+
+_dtype, _shape = attrgetter("dtype"), attrgetter("shape")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +54,13 @@ class _Layout:
         return _layout(first, chunk.sizes, self.strides, self.itemsize)
 
     def memory(self) -> int:
-        """What a worker allocates: the span copied, and DCP's copy of a view with gaps."""
-        return self.span + (self.nbytes if self.span != self.nbytes else 0)
+        """What a worker allocates: see :func:`_copied`."""
+        return _copied(self.span, self.nbytes)
+
+
+def _copied(span: int, nbytes: int) -> int:
+    """What a worker allocates for a tensor: the span copied, and DCP's copy of a view with gaps."""
+    return span + (nbytes if span != nbytes else 0)
 
 
 def _layout(address: int, sizes: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> _Layout:
@@ -72,7 +80,12 @@ def _layout(address: int, sizes: tuple[int, ...], strides: tuple[int, ...], item
 
 @dataclass
 class RemoteMemorySource(MemorySource):
-    """A :class:`MemorySource` whose pickled form carries where each tensor lies, not its bytes."""
+    """A :class:`MemorySource` whose pickled form carries where each tensor lies, not its bytes.
+
+    In the coordinator a tensor is its sizes (the columns :class:`MemorySource` keeps, with what a
+    worker copies) and the tensor itself; no :class:`_Layout` per key: the workers build those
+    from the columns the pickle carries (addresses and strides, read in one C pass each).
+    """
 
     _owner: int = 0
     _layouts: dict[str, _Layout] = field(default_factory=dict, repr=False)
@@ -80,30 +93,43 @@ class RemoteMemorySource(MemorySource):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._owner = os.getpid()
-        for key in self.entries:
-            tensor = self._flat[key]
-            if type(tensor) not in lean._PLAIN or tensor.device.type != "cpu":
-                raise InvalidStateDictError(
-                    f"{key!r} is a {type(tensor).__name__} on {tensor.device}: a Saver writes plain CPU tensors; "
-                    "save this state dict with parallel_dcp.save"
-                )
-            self._layouts[key] = _layout(
-                tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size()
+        tensors = list(map(self._flat.__getitem__, self.entries))
+        if not self._plain:
+            key, tensor = next((k, t) for k, t in zip(self.entries, tensors, strict=True) if type(t) not in lean._PLAIN)
+            raise InvalidStateDictError(
+                f"{key!r} is a {type(tensor).__name__} on {tensor.device}: a Saver writes plain CPU tensors; "
+                "save this state dict with parallel_dcp.save"
             )
+        # What a worker copies: a contiguous tensor's span is its bytes (torch's rule is _layout's).
+        contiguous = map(torch.Tensor.is_contiguous, tensors)
+        self._sizes = {
+            key: (nbytes, _copied(nbytes, nbytes) if whole else self._layout_of(key).memory())
+            for (key, (nbytes, _)), whole in zip(self._sizes.items(), contiguous, strict=True)
+        }
+
+    def _layout_of(self, key: str) -> _Layout:
+        """``key``'s layout: built on unpickling in a worker, from the tensor in the coordinator."""
+        layout = self._layouts.get(key)
+        if layout is not None:
+            return layout
+        tensor = self._flat[key]
+        return _layout(tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.element_size())
 
     def __getstate__(self) -> dict[str, Any]:
         # Columns of plain ints and strings, not one dataclass per key: pickling 50,000 Entry and
         # _Layout objects costs the coordinator ~10 us a key, these columns a fraction of that.
         state = dict(self.__dict__)
-        state["state_dict"], state["_flat"], state["entries"] = None, {}, {}
-        dtypes = {dtype: str(dtype).removeprefix("torch.") for dtype in {e.dtype for e in self.entries.values()}}
-        layouts = self._layouts
+        state["state_dict"], state["_flat"], state["entries"], state["_sizes"] = None, {}, {}, {}
+        entries = self.entries.values()
+        dtypes = list(map(_dtype, entries))
+        names = {dtype: str(dtype).removeprefix("torch.") for dtype in set(dtypes)}
+        tensors = list(map(self._flat.__getitem__, self.entries))
         state["_layouts"] = (
             tuple(self.entries),
-            [dtypes[e.dtype] for e in self.entries.values()],
-            [e.shape for e in self.entries.values()],
-            [layouts[k].strides for k in self.entries],
-            [layouts[k].address for k in self.entries],
+            list(map(names.__getitem__, dtypes)),
+            list(map(_shape, entries)),
+            list(map(torch.Tensor.stride, tensors)),
+            list(map(torch.Tensor.data_ptr, tensors)),
         )
         return state
 
@@ -121,10 +147,11 @@ class RemoteMemorySource(MemorySource):
         return True
 
     def copied_bytes(self, key: str) -> int:
-        return self._layouts[key].memory()
+        sizes = self._sizes.get(key)
+        return sizes[1] if sizes is not None else self._layout_of(key).memory()
 
     def chunk_memory(self, chunk: Chunk) -> int:
-        return self._layouts[chunk.key].narrow(chunk).memory()
+        return self._layout_of(chunk.key).narrow(chunk).memory()
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """The tensors of ``keys``, copied in one gathered read into one buffer: each tensor owns
