@@ -192,21 +192,21 @@ def test_whole_tensors_are_read_where_they_live(
     disk: Path, monkeypatch: pytest.MonkeyPatch, small_probe: None, small_spans: None, io: str
 ) -> None:
     src = folder(disk / "hf", release())
-    reads: list[tuple[int, int, int]] = []
+    reads: list[tuple[int, list[tuple[int, int]]]] = []
     real = ShardFile.read_into
 
-    def spy(self: ShardFile, view: memoryview, offset: int) -> int:
+    def spy(self: ShardFile, views: list[memoryview], offset: int) -> int:
         import numpy
 
-        reads.append((numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data, offset, view.nbytes))
-        return real(self, view, offset)
+        reads.append((offset, [(numpy.frombuffer(v, dtype=numpy.uint8).ctypes.data, v.nbytes) for v in views]))
+        return real(self, views, offset)
 
     monkeypatch.setattr(ShardFile, "read_into", spy)
     loaded = parallel_dcp.load(src, workers=2, io=io)
     assert_same(loaded, stock(src))
-    # every read lands in its destination with the alignment O_DIRECT needs (no bounce buffer)
-    assert reads and [r for r in reads if r[0] % ALIGN or r[1] % ALIGN or r[2] % ALIGN] == []
-    assert max(n for *_, n in reads) <= span_read.REQUEST_BYTES
+    # every read lands in its destinations with the alignment O_DIRECT needs (no bounce buffer)
+    assert reads and [r for r in reads if r[0] % ALIGN or any(a % ALIGN or n % ALIGN for a, n in r[1])] == []
+    assert max(sum(n for _, n in views) for _, views in reads) <= span_read.REQUEST_BYTES
     # a large tensor owns its memory (freed with it), at most a page either side more than it holds
     for key in ("a.embed", "b.proj", "c.head"):
         storage = loaded[key].untyped_storage()
@@ -218,6 +218,33 @@ def test_whole_tensors_are_read_where_they_live(
         assert loaded[key].untyped_storage().nbytes() == loaded[key].nbytes, key
 
 
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_each_file_is_read_as_it_lies_in_full_requests_each_byte_once(
+    disk: Path, monkeypatch: pytest.MonkeyPatch, small_spans: None, io: str
+) -> None:
+    """Requests run on across span boundaries (small tensors between large ones cost no read of
+    their own), and a page two spans share is read once and copied, not read twice."""
+    src = folder(disk / "hf", release())
+    reads: dict[str, list[tuple[int, int]]] = {}
+    real = ShardFile.read_into
+
+    def spy(self: ShardFile, views: list[memoryview], offset: int) -> int:
+        reads.setdefault(self.path.name, []).append((offset, sum(v.nbytes for v in views)))
+        return real(self, views, offset)
+
+    monkeypatch.setattr(ShardFile, "read_into", spy)
+    assert_same(parallel_dcp.load(src, workers=2, io=io), stock(src))
+    assert len(reads) == 2
+    for name, requests in reads.items():
+        requests.sort()
+        first, end = requests[0][0], requests[-1][0] + requests[-1][1]
+        # one run from the first tensor's page to the last tensor's page, each byte read once
+        assert [o for o, _ in requests] == list(range(first, end, span_read.REQUEST_BYTES)), name
+        assert all(n == span_read.REQUEST_BYTES for _, n in requests[:-1]), name
+        header = (src / name).stat().st_size - sum(t.nbytes for t in load_file(str(src / name)).values())
+        assert first == header // ALIGN * ALIGN and end == -(-(src / name).stat().st_size // ALIGN) * ALIGN, name
+
+
 def test_a_file_truncated_after_its_header_is_refused_before_any_span_is_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_spans: None
 ) -> None:
@@ -225,7 +252,7 @@ def test_a_file_truncated_after_its_header_is_refused_before_any_span_is_read(
     shard = src / "model-00002-of-00002.safetensors"
     source_size = shard.stat().st_size
     reads: list[int] = []
-    monkeypatch.setattr(ShardFile, "read_into", lambda self, view, offset: reads.append(offset) or 0)
+    monkeypatch.setattr(ShardFile, "read_into", lambda self, views, offset: reads.append(offset) or 0)
     real_plan = span_read.plan_spans
 
     def truncate_then_plan(tensors: list[tuple[str, str, int, torch.dtype, tuple[int, ...]]]) -> list[span_read.Span]:
@@ -307,9 +334,9 @@ def test_keys_read_only_the_spans_of_the_selected_tensors(
     reads: list[int] = []
     real = ShardFile.read_into
 
-    def spy(self: ShardFile, view: memoryview, offset: int) -> int:
-        reads.append(view.nbytes)
-        return real(self, view, offset)
+    def spy(self: ShardFile, views: list[memoryview], offset: int) -> int:
+        reads.append(sum(v.nbytes for v in views))
+        return real(self, views, offset)
 
     monkeypatch.setattr(ShardFile, "read_into", spy)
     loaded = parallel_dcp.load(src, keys=["b.proj"], workers=2, io="buffered")

@@ -130,6 +130,49 @@ def test_auto_follows_the_measurement(
     assert {mode for *_, mode in device.reads} == {True, False}  # both modes really read
 
 
+class NoisyFirstBlock(FakeDevice):
+    """Direct reads slowed to a third for the first ``slow`` of them (a neighbour's burst on a
+    busy machine), then at their own rate."""
+
+    def __init__(self, direct: float, buffered: float, slow: int) -> None:
+        super().__init__(direct, buffered)
+        self.slow = slow
+
+    def read(self, shard: ShardFile, offset: int, view: memoryview) -> None:
+        with self.lock:
+            slowed = shard.direct and self.slow > 0
+            self.slow -= slowed
+            if slowed:
+                self.now += 2 * view.nbytes / self.rates[True]
+        super().read(shard, offset, view)
+
+
+def test_one_noisy_block_does_not_choose_buffered(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Direct 1.5 GB/s, buffered 1.0, but the first block's first direct round read at a third:
+    that block has buffered ahead (0.75 against 1.0), so a second block runs, has direct ahead,
+    and the medians over both choose direct."""
+    device = NoisyFirstBlock(1.5e9, 1.0e9, slow=2)
+    monkeypatch.setattr(read_probe, "_clock", device.clock)
+    monkeypatch.setattr(read_probe, "_read_slice", device.read)
+    sample = sparse_file(disk / "shard.distcp", 1 << 30)
+    choice = read_choice.read_choice("auto", disk, [sample], streams=2)
+    assert (choice.reads, choice.reason) == ("direct", "measured")
+    assert choice.probe_blocks == 2 and len(device.reads) == 2 * 4 * 2
+    assert choice.direct_bytes_per_s == pytest.approx((0.75e9 + 1.5e9) / 2)
+    assert choice.buffered_bytes_per_s == pytest.approx(1.0e9)
+
+
+@pytest.mark.parametrize(("direct", "buffered", "blocks"), [(1.5e9, 1.0e9, 1), (1.0e9, 1.4e9, 3)])
+def test_a_second_block_runs_only_where_buffered_led(
+    disk: Path, monkeypatch: pytest.MonkeyPatch, direct: float, buffered: float, blocks: int
+) -> None:
+    device = fake(monkeypatch, direct, buffered)
+    sample = sparse_file(disk / "shard.distcp", 1 << 30)
+    choice = read_choice.read_choice("auto", disk, [sample], streams=2)
+    assert choice.probe_blocks == blocks and len(device.reads) == blocks * 4 * 2
+    assert choice.reads == ("direct" if direct > buffered else "buffered")
+
+
 @pytest.mark.parametrize(("direct", "buffered", "expect_direct"), [(3e9, 1e9, True), (1e9, 3e9, False)])
 def test_load_and_fast_reader_read_as_measured(
     disk: Path,

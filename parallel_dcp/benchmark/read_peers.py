@@ -17,6 +17,7 @@ __all__ = ["PEER_THREADS", "fio_read", "peer_rows", "version"]
 
 PEER_THREADS = 16
 _FIO_BLOCK = 8 << 20
+_FST_ODIRECT = "FASTSAFETENSORS_ODIRECT"
 
 
 def version(name: str) -> str | None:
@@ -66,9 +67,11 @@ def peer_rows(files: list[str], baseline: str, limit: str, prepare: Callable[[],
         def fastsafetensors(out: str, direct: bool = direct) -> dict[str, Any]:
             from fastsafetensors import SafeTensorsFileLoader
 
-            loader = SafeTensorsFileLoader(
-                None, device="cpu", nogds=True, disable_cache=direct, set_numa=False, max_threads=PEER_THREADS
-            )
+            # O_DIRECT or not is its environment variable (0.5 reads every local file with O_DIRECT
+            # unless it is "0"; disable_cache only keeps its own cache of shuffled tensors)
+            before = os.environ.get(_FST_ODIRECT)
+            os.environ[_FST_ODIRECT] = "1" if direct else "0"
+            loader = SafeTensorsFileLoader(None, device="cpu", nogds=True, set_numa=False, max_threads=PEER_THREADS)
             try:
                 loader.add_filenames({0: files})
                 buffers = loader.copy_files_to_device()
@@ -76,6 +79,10 @@ def peer_rows(files: list[str], baseline: str, limit: str, prepare: Callable[[],
                 buffers.close()
             finally:
                 loader.close()
+                if before is None:
+                    os.environ.pop(_FST_ODIRECT, None)
+                else:
+                    os.environ[_FST_ODIRECT] = before
             return {"tensors": len(tensors), "version": fst}
 
         rows.append(

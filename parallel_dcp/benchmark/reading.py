@@ -200,8 +200,9 @@ def read_cases(state_dict: Any, root: str, workers: int) -> tuple[list[Case], li
         f"[hf]: {len(shards)} safetensors shards with their index; [dcp]: the same tensors saved by parallel_dcp",
         "cold: before each run, echo 3 > /proc/sys/vm/drop_caches (when root) and posix_fadvise(DONTNEED)"
         " on every file",
-        f"peers: fastsafetensors {version('fastsafetensors') or '(absent)'} on the CPU (nogds; direct = its default"
-        f" disable_cache=True), Run:ai model streamer {version('runai-model-streamer') or '(absent)'} (its defaults)",
+        f"peers: fastsafetensors {version('fastsafetensors') or '(absent)'} on the CPU (nogds; direct = its default,"
+        " buffered = FASTSAFETENSORS_ODIRECT=0), Run:ai model streamer"
+        f" {version('runai-model-streamer') or '(absent)'} (its defaults)",
         "x stock: over stock load_file + touch (safetensors' mmap, one byte of every page read); of limit: over"
         " the plain direct read",
         "fio's rows time fio's start-up too; the summary's best plain read takes fio's own runtime (its median,"

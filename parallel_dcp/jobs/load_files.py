@@ -13,7 +13,7 @@ open_source (headers only; links only within the source's tree; torch.save: weig
   ▼
 tensors whose bytes lie plainly in a file (Source.raw_ranges):
   - whole, as stored, no caller's memory: formats/span_read, fresh page-aligned memory laid
-    out as in the file, read straight into (O_DIRECT without a bounce buffer), two requests in
+    out as in the file, read straight into (O_DIRECT without a bounce buffer), four requests in
     flight per thread; the tensors are views of it (a large one owns its memory)
   - into the caller's tensors, or cast: formats/range_read (preadv in place, or O_DIRECT
     through the thread's aligned buffers; a staging buffer where a cast is needed)
@@ -55,7 +55,11 @@ from parallel_dcp.storage.read_probe import probe_memory
 
 __all__ = ["DIRECT_TIE", "SPAN_REQUESTS_PER_THREAD", "load_any"]
 
-SPAN_REQUESTS_PER_THREAD = 2
+# Reads in flight per reading thread, for reads that hold no buffer (formats/span_read): measured
+# on this project's VM disk, 8 requests of 1 MiB in flight are the device's best (span_read).
+SPAN_REQUESTS_PER_THREAD = 4
+# They hold no memory, but past this many a node's cores gain nothing from more.
+SPAN_READERS_MAX = 64
 # Buffered must be measured faster than direct by more than this for whole tensors read in place.
 DIRECT_TIE = 1.10
 
@@ -209,7 +213,8 @@ def _load(
     total = sum(t.nbytes for t in targets.values()) + sum(source.entries[k].nbytes for k in spanned)
     with progress.Progress(total=total, enabled=options.progress, desc="load") as bar:
         # reads that hold no buffer keep a second request in flight per thread: the device's queue
-        targets |= read_spans(spans, threads * SPAN_REQUESTS_PER_THREAD, choice.io, on_tick=bar.refresh)
+        readers = min(threads * SPAN_REQUESTS_PER_THREAD, SPAN_READERS_MAX)
+        targets |= read_spans(spans, readers, choice.io, on_tick=bar.refresh)
         read_pieces(pieces, threads, choice.io, on_tick=bar.refresh)
         _read_mapped(source, mapped, targets, threads)
     source.release()

@@ -143,11 +143,25 @@ class ShardFile:
             if views and got:
                 views = [views[0][got:], *views[1:]]
 
-    def read_into(self, view: memoryview, offset: int) -> int:
-        """One read of up to ``view.nbytes`` bytes at ``offset`` straight into ``view`` (no bounce
-        buffer: with O_DIRECT the caller aligns the view's address, ``offset`` and its length to
-        ALIGN); the bytes read, 0 at the end of the file."""
-        return os.preadv(self.fd, [view], offset)
+    def read_into(self, views: list[memoryview], offset: int) -> int:
+        """The file's bytes from ``offset`` straight into ``views``, one after the other (no bounce
+        buffer: with O_DIRECT the caller aligns ``offset`` and every view's address and length to
+        ALIGN), until they are full or the file ends; the bytes read (fewer only at the end of the
+        file)."""
+        got = 0
+        while views:
+            n = os.preadv(self.fd, views, offset + got)
+            if n <= 0:
+                break
+            got += n
+            while views and n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views = views[1:]
+            if views and n:
+                if n % ALIGN:  # an unaligned count ends a direct read: the end of the file
+                    break
+                views = [views[0][n:], *views[1:]]
+        return got
 
     def stream(self) -> Iterator[memoryview]:
         """The whole file, in order, in pieces of up to :data:`PIECE_BYTES` (direct: straight from

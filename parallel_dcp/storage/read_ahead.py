@@ -190,16 +190,8 @@ class ReadAhead:
         piece = self._pieces[k]
         view = memoryview(self._buffers[k % self.ring.depth])
         try:
-            shard = self._files[piece.file]
-            got = 0
-            while got < piece.length:
-                n = shard.read_into(view[got : piece.length], piece.at + got)
-                if n <= 0:
-                    break
-                got += n
-                if n % ALIGN:  # the end of the file
-                    break
-            return got
+            # until the piece is full or the file ends (a short, unaligned count: the end of the file)
+            return self._files[piece.file].read_into([view[: piece.length]], piece.at)
         finally:
             view.release()
 

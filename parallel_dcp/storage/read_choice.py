@@ -44,6 +44,8 @@ class ReadChoice:
         probed: the file the measurement read (None when not measured).
         probe_seconds: what the measurement took (once per file system and process: a later
             choice on the same file system reports the first one's figures).
+        probe_blocks: the measurement's ABBA blocks (storage.read_probe: more than one only
+            where buffered led the first; the rates are then medians over them).
     """
 
     io: str
@@ -53,6 +55,7 @@ class ReadChoice:
     buffered_bytes_per_s: float | None = None
     probed: str | None = None
     probe_seconds: float = 0.0
+    probe_blocks: int = 0
 
     @property
     def measured(self) -> bool:
@@ -66,7 +69,7 @@ class ReadChoice:
         return (
             f"reads {self.reads}: measured cold direct {self.direct_bytes_per_s / 2**30:.2f} GiB/s, "
             f"buffered {self.buffered_bytes_per_s / 2**30:.2f} GiB/s on {self.probed} "
-            f"(a {self.probe_seconds:.2f} s probe, once per file system and process)"
+            f"(a {self.probe_seconds:.2f} s probe of {self.probe_blocks} block(s), once per file system and process)"
         )
 
 
@@ -181,4 +184,5 @@ def _measure(candidates: list[str], streams: int) -> ReadChoice:
         buffered_bytes_per_s=rates.buffered,
         probed=sample,
         probe_seconds=time.perf_counter() - start,
+        probe_blocks=rates.blocks,
     )

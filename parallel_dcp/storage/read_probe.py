@@ -14,7 +14,11 @@ without writing anything:
     round 2: buffered  ── then a page at the end of each read-ahead window after its slices is
     round 3: buffered     read untimed, which waits out the kernel's read-ahead still in flight
     round 4: direct       (ABBA: a drift of the device during the probe cancels out)
-      │ each mode's rate = its bytes / its rounds' time
+      │ a block: each mode's rate = its bytes / its rounds' time
+      │ direct at least as fast: done. Buffered ahead: up to PROBE_BLOCKS blocks in all (as the
+      │   files hold), stopping once a block has direct ahead again; each mode's rate is the
+      │   median over the blocks, so one noisy block (a busy machine: buffered 1.39x ahead in
+      │   one block while whole loads read direct faster) does not decide alone
       ▼
     the spans dropped from the page cache again: the job finds the files cold, as they were
 
@@ -25,10 +29,11 @@ read-ahead, in flight when it ends, lands in the gap and is waited out before th
 starts instead of slowing it down. Both modes read through the job's own code
 (storage.direct_read.ShardFile: aligned 4 MiB pieces, the next in flight, bounce buffers in place
 before the clock starts, for direct; one preadv per slice for buffered) with as many streams as
-the job's reading threads (at most PROBE_STREAMS). The probe times at most
-``4 * PROBE_STREAMS * PROBE_SLICE`` bytes (64 MiB), and stops after its first direct and buffered
-rounds once it has taken PROBE_MAX_S. Each stream holds one slice buffer and the direct reader's
-bounce buffers: no more than a reading thread of the job reserves (jobs/load.py).
+the job's reading threads (at most PROBE_STREAMS). A block times at most
+``4 * PROBE_STREAMS * PROBE_SLICE`` bytes (64 MiB; the probe at most PROBE_BLOCKS of them), and
+the probe stops after its first direct and buffered rounds once it has taken PROBE_MAX_S. Each
+stream holds one slice buffer and the direct reader's bounce buffers: no more than a reading
+thread of the job reserves (jobs/load.py).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,8 +71,11 @@ PROBE_MAX_S = 2.0
 # The read-ahead window assumed where sysfs does not tell it, and the most a gap is sized for.
 _DEFAULT_READAHEAD = 8 << 20
 _MAX_READAHEAD = 64 << 20
-# The order of the rounds: direct, buffered, buffered, direct.
+# The order of the rounds of a block: direct, buffered, buffered, direct.
 _ROUNDS = (True, False, False, True)
+# Blocks a probe may run: a second and third only where the first (or second) measured buffered
+# ahead, and each mode's rate is then the median over the blocks (one noisy block decides nothing).
+PROBE_BLOCKS = 3
 _POPULATED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 _SYNC_RANGE = 1 | 2 | 4  # SYNC_FILE_RANGE_WAIT_BEFORE | _WRITE | _WAIT_AFTER
 
@@ -94,6 +103,7 @@ class ReadRates:
     nbytes: int
     slice_bytes: int
     streams: int
+    blocks: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +133,9 @@ def slices(sizes: list[int], streams: int, readahead: int = _DEFAULT_READAHEAD) 
         slots = [(f, k * step) for f, size in enumerate(sizes) for k in range(size // step - 1, -1, -1)]
         for count in range(max(1, min(streams, PROBE_STREAMS)), 0, -1):
             if len(slots) >= len(_ROUNDS) * count:
-                return Plan(length, gap, [slots[r * count : (r + 1) * count] for r in range(len(_ROUNDS))])
+                blocks = min(PROBE_BLOCKS, len(slots) // (len(_ROUNDS) * count))
+                rounds = len(_ROUNDS) * blocks
+                return Plan(length, gap, [slots[r * count : (r + 1) * count] for r in range(rounds)])
     return None
 
 
@@ -157,11 +169,15 @@ def measure_reads(paths: Sequence[str | os.PathLike[str]], streams: int = 1) -> 
         buffers = [mmap.mmap(-1, plan.length, flags=_POPULATED) for _ in range(count)]
         for index, shard in enumerate(held):
             _cold(shard.fd, plan.span(index))
-        seconds = {True: 0.0, False: 0.0}
-        timed = {True: 0, False: 0}
+        blocks: list[dict[bool, list[float]]] = []  # per ABBA block: each mode's seconds and bytes
         started = _clock()
         with cf.ThreadPoolExecutor(max_workers=count, thread_name_prefix="pdcp-read-probe") as pool:
-            for number, (is_direct, slots) in enumerate(zip(_ROUNDS, plan.rounds, strict=True)):
+            for number, slots in enumerate(plan.rounds):
+                is_direct = _ROUNDS[number % len(_ROUNDS)]
+                if number % len(_ROUNDS) == 0:
+                    if blocks and _direct_holds(blocks[-1]):
+                        break  # direct kept its lead: nothing to confirm
+                    blocks.append({True: [0.0, 0.0], False: [0.0, 0.0]})
                 shards = [ShardFile(files[f], io="direct" if is_direct else "buffered") for f, _ in slots]
                 try:
                     if is_direct and not all(shard.direct for shard in shards):
@@ -169,11 +185,11 @@ def measure_reads(paths: Sequence[str | os.PathLike[str]], streams: int = 1) -> 
                         return ReadRates(direct=None, buffered=None, nbytes=0, slice_bytes=plan.length, streams=count)
                     for shard in shards:
                         shard.prepare()  # the bounce buffers in place before the clock starts, as in a running job
-                    seconds[is_direct] += _round(pool, shards, [o for _, o in slots], buffers)
+                    blocks[-1][is_direct][0] += _round(pool, shards, [o for _, o in slots], buffers)
                 finally:
                     for shard in shards:
                         shard.close()
-                timed[is_direct] += plan.length * count
+                blocks[-1][is_direct][1] += plan.length * count
                 if not is_direct:
                     for f, offset in slots:
                         _settle(files[f], offset, plan, buffers[0])
@@ -181,18 +197,30 @@ def measure_reads(paths: Sequence[str | os.PathLike[str]], streams: int = 1) -> 
                     break
         for index, shard in enumerate(held):
             _cold(shard.fd, plan.span(index))
+        measured = [b for b in blocks if b[True][1] and b[False][1]]
         return ReadRates(
-            direct=timed[True] / max(seconds[True], 1e-9),
-            buffered=timed[False] / max(seconds[False], 1e-9),
-            nbytes=timed[True],
+            direct=statistics.median([_rate(b[True]) for b in measured]),
+            buffered=statistics.median([_rate(b[False]) for b in measured]),
+            nbytes=int(sum(b[True][1] for b in measured)),
             slice_bytes=plan.length,
             streams=count,
+            blocks=len(measured),
         )
     finally:
         for shard in held:
             shard.close()
         for buffer in buffers:
             buffer.close()
+
+
+def _rate(timed: list[float]) -> float:
+    """Bytes per second of [seconds, bytes]."""
+    return timed[1] / max(timed[0], 1e-9)
+
+
+def _direct_holds(block: dict[bool, list[float]]) -> bool:
+    """Whether a block measured direct at least as fast as buffered."""
+    return bool(block[True][1] and block[False][1]) and _rate(block[True]) >= _rate(block[False])
 
 
 def _round(pool: cf.ThreadPoolExecutor, shards: list[ShardFile], offsets: list[int], buffers: list[mmap.mmap]) -> float:
