@@ -148,8 +148,8 @@ def test_an_item_over_the_limit_fails_before_any_write(tmp_path: Path) -> None:
     # The limit leaves room for the two workers' planned resting cost (WORKER_MEMORY_BYTES each).
     with parallel_dcp.Saver(workers=2, memory_limit="48MiB") as saver:
         with pytest.raises(MemoryLimitExceeded, match=r"'big' needs .* more than the memory limit 48\.0 MiB"):
-            # 64 MiB, copied by a worker, never split
-            saver.save({"big": torch.zeros(16 * MiB)}, tmp_path / "ckpt", chunk_size="1GiB")
+            # a view with gaps: its 128 MiB span copied by a worker, then DCP's 64 MiB copy; never split
+            saver.save({"big": torch.zeros(32 * MiB)[::2]}, tmp_path / "ckpt", chunk_size="1GiB")
         assert list(tmp_path.iterdir()) == []
         saver.save({"w": torch.ones(4)}, tmp_path / "ckpt")  # the workers are still there to use
 

@@ -45,11 +45,14 @@ from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.formats.metadata_pickle import dict_fragment
 from parallel_dcp.storage.manifest import FileDigest
+from parallel_dcp.storage.pending import PendingTensor
 from parallel_dcp.storage.writers import ShardWriter
 
 __all__ = ["LeanPart", "build", "encode", "lean_eligible", "write_part"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# What write_part writes as a tensor record: a tensor, or one another process holds (a Saver's).
+_TENSORS = (torch.Tensor, PendingTensor)
 
 
 @dataclass(slots=True)
@@ -88,15 +91,15 @@ def file_name(part_idx: int, file_tag: str) -> str:
 def write_part(
     writer: ShardWriter,
     whole: dict[str, Any],
-    chunks: Sequence[tuple[Chunk, torch.Tensor]],
+    chunks: Sequence[tuple[Chunk, torch.Tensor | PendingTensor]],
     part_idx: int,
     file_tag: str,
 ) -> LeanPart:
     """Write one task's keys and chunks as one shard file, laid out as :func:`partial_save` lays
     it out (values first, then whole tensors in order, then chunks)."""
     name = file_name(part_idx, file_tag)
-    values = [(key, value) for key, value in whole.items() if not isinstance(value, torch.Tensor)]
-    tensors = [(key, value) for key, value in whole.items() if isinstance(value, torch.Tensor)]
+    values = [(key, value) for key, value in whole.items() if not isinstance(value, _TENSORS)]
+    tensors = [(key, value) for key, value in whole.items() if isinstance(value, _TENSORS)]
     placed = writer.write_records(
         name, [_pickled(v) for _, v in values], [t for _, t in tensors] + [t for _, t in chunks]
     )

@@ -3,13 +3,21 @@
     coordinator (holds the state dict)             worker (started before the state dict existed)
     ──────────────────────────────────             ──────────────────────────────────────────────
     flatten, check; per tensor: address,           unpickles the source: entries, values, layouts
-    shape, strides, dtype (no bytes)  ── pickle ─▶ read(keys): a fresh buffer per tensor, filled by
-                                                   process_vm_readv from the coordinator (one copy,
-                                                   GIL released), viewed with the same strides
+    shape, strides, dtype (no bytes)  ── pickle ─▶ read(keys):
+                                                   - a tensor of >= PENDING_MIN_BYTES whose storage
+                                                     is exactly its bytes: a PendingTensor; the
+                                                     writer copies it with process_vm_readv straight
+                                                     into its aligned buffer (one copy, GIL released,
+                                                     no fresh memory: storage/pending.py)
+                                                   - smaller ones: one gathered read (a call per
+                                                     1,024 tensors) into one fresh buffer
+                                                   - a view with gaps: its span copied, then DCP's
+                                                     copy of its elements
 
-The worker copies a tensor's bytes instead of sharing its pages, so every read is charged in full
-(``copied_bytes``, ``chunk_memory``): admission plans for it. The coordinator must keep the tensors
-alive and unchanged until the save returns (it does: the caller is inside ``save``).
+Only what is copied into fresh memory is charged (``copied_bytes``, ``chunk_memory``): admission
+plans for it; a pending tensor costs the writer's buffers, which the task's stream charges already.
+The coordinator must keep the tensors alive and unchanged until the save returns (it does: the
+caller is inside ``save``).
 """
 
 from __future__ import annotations
@@ -29,8 +37,13 @@ from parallel_dcp.errors import InvalidStateDictError
 from parallel_dcp.formats import lean
 from parallel_dcp.formats.base import Entry
 from parallel_dcp.formats.memory_format import MemorySource
+from parallel_dcp.storage.pending import PendingTensor
 
-__all__ = ["RemoteMemorySource"]
+__all__ = ["PENDING_MIN_BYTES", "RemoteMemorySource"]
+
+# Tensors at least this large are copied by the writer, straight into its buffers; a smaller one
+# costs more in per-tensor calls (a copy call, a fill) than its copy through a gathered buffer.
+PENDING_MIN_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +63,16 @@ class _Layout:
         first = self.address + chunk.start * self.strides[chunk.dim] * self.itemsize
         return _layout(first, chunk.sizes, self.strides, self.itemsize)
 
+    def pending(self) -> bool:
+        """Whether the writer copies these bytes itself, straight into its buffers: large enough,
+        and the span exactly the elements (contiguous, or a dense permutation: the storage)."""
+        return self.span == self.nbytes >= PENDING_MIN_BYTES
+
     def memory(self) -> int:
-        """What a worker allocates: the span copied, and DCP's copy of a view with gaps."""
+        """What a worker allocates: nothing for a pending tensor; else the span copied, and DCP's
+        copy of a view with gaps."""
+        if self.pending():
+            return 0
         return self.span + (self.nbytes if self.span != self.nbytes else 0)
 
 
@@ -126,24 +147,41 @@ class RemoteMemorySource(MemorySource):
     def chunk_memory(self, chunk: Chunk) -> int:
         return self._layouts[chunk.key].narrow(chunk).memory()
 
-    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The tensors of ``keys``, copied in one gathered read into one buffer: each tensor owns
-        just its bytes of it (an alias, as ``exact_storage`` makes), so writers see whole tensors."""
+    def read(self, keys: Iterable[str]) -> dict[str, Any]:  # type: ignore[override]
+        """The tensors of ``keys``, in order: a :class:`PendingTensor` for each large one whose
+        storage is exactly its bytes (the writer copies it); the others copied in one gathered
+        read into one buffer, each owning just its bytes of it (an alias, as ``exact_storage``
+        makes), so writers see whole tensors."""
         keys = list(keys)
-        layouts = [self._layouts[key] for key in keys]
-        buffer = numpy.empty(sum(layout.span for layout in layouts), dtype=numpy.uint8)
+        out: dict[str, Any] = dict.fromkeys(keys)
+        copied = []
+        for key in keys:
+            layout = self._layouts[key]
+            if layout.pending():
+                out[key] = self._pending(key, layout)
+            else:
+                copied.append((key, layout))
+        buffer = numpy.empty(sum(layout.span for _, layout in copied), dtype=numpy.uint8)
         if buffer.size:
-            read_gathered(self._owner, [(layout.address, layout.span) for layout in layouts], buffer.ctypes.data)
-        out: dict[str, torch.Tensor] = {}
+            read_gathered(self._owner, [(layout.address, layout.span) for _, layout in copied], buffer.ctypes.data)
         offset = 0
-        for key, layout in zip(keys, layouts, strict=True):
+        for key, layout in copied:
             piece = torch.from_numpy(buffer[offset : offset + layout.span])
             out[key] = self._shaped(key, layout, piece)
             offset += layout.span
         return out
 
-    def read_chunk(self, chunk: Chunk) -> torch.Tensor:
-        return self._fetch(chunk.key, self._layouts[chunk.key].narrow(chunk))
+    def read_chunk(self, chunk: Chunk) -> Any:  # type: ignore[override]
+        layout = self._layouts[chunk.key].narrow(chunk)
+        return self._pending(chunk.key, layout) if layout.pending() else self._fetch(chunk.key, layout)
+
+    def _pending(self, key: str, layout: _Layout) -> PendingTensor:
+        owner, address = self._owner, layout.address
+
+        def fill(offset: int, nbytes: int, destination: int) -> None:
+            read_into(owner, address + offset, nbytes, destination)
+
+        return PendingTensor(self.entries[key].dtype, layout.sizes, layout.strides, layout.nbytes, fill)
 
     def _fetch(self, key: str, layout: _Layout) -> torch.Tensor:
         buffer = torch.empty(layout.span, dtype=torch.uint8)

@@ -6,7 +6,8 @@
     saver.save(sd, p)   the pipeline of parallel_dcp.save (plan, stage, run, commit, publish) on
        │                  those workers: the job (keys, tensor addresses) is pickled once and each
        │                  worker copies it out of the caller; then each task's tensor bytes, the
-       │                  same way (formats/remote_memory_source.py)
+       │                  same way, straight into the writer's buffers (formats/remote_memory_source.py,
+       │                  storage/pending.py), which each worker keeps from one task to the next
     failure             the pool is stopped (as save does), the next save starts a new one
     close()             workers asked to exit and reaped, then the fork server stopped (unless
                           it ran before: it may serve the caller's own processes)
@@ -35,6 +36,7 @@ from parallel_dcp.jobs import pipeline
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.targets import DcpTarget, Job, prepare_io
 from parallel_dcp.options import Options
+from parallel_dcp.storage.direct_write import DEPTH, keep_buffers
 
 __all__ = ["SaverWorkers"]
 
@@ -82,6 +84,11 @@ _server = _ServerUsers()
 os.register_at_fork(after_in_child=_server.forget)
 
 
+def _worker_start() -> None:
+    """In each worker: keep the aligned write buffers from one task (and save) to the next."""
+    keep_buffers(DEPTH)
+
+
 def _no_job(task: Task) -> Any:
     raise RuntimeError(f"task {task.index} reached a Saver worker without its job")
 
@@ -117,7 +124,7 @@ class SaverWorkers:
 
     def _start(self) -> float:
         started = time.perf_counter()
-        pool = WorkerPool(self.workers, _no_job, fork_server=_PRELOAD)
+        pool = WorkerPool(self.workers, _no_job, initializer=_worker_start, fork_server=_PRELOAD)
         try:
             probe = bytearray(_PROBE)
             results = list(pool.run([Task(0, (), 0)], handler=_Probe(RemoteBytes.of(probe))))
