@@ -221,6 +221,59 @@ def test_a_module_folders_own_weights_come_along(tmp_path: Path) -> None:
     assert (out / "original" / "params.json").read_bytes() == b"{}"
 
 
+def test_verify_checks_the_files_in_copied_folders(tmp_path: Path) -> None:
+    """The manifest records the folders' files apart from the plain names (an older reader keeps
+    reading ``files``), and ``verify`` hashes each: a flipped byte in a Dense head's weights, a
+    truncated pooling config, a missing file, are all found."""
+    _st_folder(tmp_path / "hf")
+    (tmp_path / "hf" / "modules.json").write_bytes(b'[{"path": "1_Pooling"}, {"path": "2_Dense"}]')
+    out = tmp_path / "out"
+    parallel_dcp.convert(tmp_path / "hf", out, to="safetensors", workers=1)
+    document = json.loads((out / ".parallel_dcp.json").read_bytes())
+    assert all("/" not in name for name in document["files"])
+    assert {"1_Pooling/config.json", "2_Dense/model.safetensors"} <= set(document["folder_files"])
+    assert parallel_dcp.verify(out, workers=1).ok
+    dense = out / "2_Dense" / "model.safetensors"
+    data = bytearray(dense.read_bytes())
+    data[3] ^= 0x20
+    dense.write_bytes(bytes(data))
+    (out / "1_Pooling" / "config.json").write_bytes(FOLDERS["1_Pooling/config.json"][:-1])
+    os.unlink(out / "original" / "params.json")
+    problems = parallel_dcp.verify(out, workers=1).problems
+    assert any("2_Dense/model.safetensors: checksum" in p for p in problems), problems
+    assert any("1_Pooling/config.json" in p and "truncated" in p for p in problems), problems
+    assert any("original/params.json: missing" in p for p in problems), problems
+
+
+def test_verify_refuses_a_copied_folder_swapped_for_a_symlink(tmp_path: Path) -> None:
+    """A folder of the output replaced by a link to elsewhere is named, never read through (the
+    file it would reach holds the very bytes the manifest records)."""
+    _st_folder(tmp_path / "hf")
+    out = tmp_path / "out"
+    parallel_dcp.convert(tmp_path / "hf", out, to="safetensors", workers=1)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(out / "1_Pooling", elsewhere)
+    shutil.rmtree(out / "1_Pooling")
+    (out / "1_Pooling").symlink_to(elsewhere)
+    report = parallel_dcp.verify(out, workers=1)
+    assert not report.ok
+    assert any("1_Pooling" in p and "symlink" in p for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize("name", ["../outside.txt", "1_Pooling/../../outside.txt", "/etc/hostname", "plain.txt"])
+def test_a_manifest_naming_a_folder_file_outside_the_output_is_refused(tmp_path: Path, name: str) -> None:
+    _st_folder(tmp_path / "hf")
+    out = tmp_path / "out"
+    parallel_dcp.convert(tmp_path / "hf", out, to="safetensors", workers=1)
+    (tmp_path / "outside.txt").write_bytes(b"secret")
+    manifest = out / ".parallel_dcp.json"
+    document = json.loads(manifest.read_bytes())
+    document["folder_files"][name] = {"size": 6}
+    manifest.write_text(json.dumps(document))
+    with pytest.raises(parallel_dcp.CorruptCheckpointError, match="not"):
+        parallel_dcp.verify(out, workers=1)
+
+
 def test_a_modules_json_that_is_not_a_list_copies_no_folder_weights(tmp_path: Path) -> None:
     _st_folder(tmp_path / "hf")
     (tmp_path / "hf" / "modules.json").write_bytes(b'{"path": "2_Dense"}')

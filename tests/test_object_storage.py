@@ -418,3 +418,6 @@ def test_a_folders_side_folders_go_to_object_storage(
     assert _names(s3, f"{bucket}/st/1_Pooling") == ["config.json"]
     assert s3.cat(f"{bucket}/st/1_Pooling/config.json") == b'{"pooling_mode_mean_tokens": true}'
     assert parallel_dcp.verify(f"s3://{bucket}/st", storage_options=options).ok
+    s3.pipe(f"{bucket}/st/1_Pooling/config.json", b'{"pooling_mode_mean_tokens": fals}')
+    report = parallel_dcp.verify(f"s3://{bucket}/st", storage_options=options)
+    assert any("1_Pooling/config.json" in p for p in report.problems), report.problems

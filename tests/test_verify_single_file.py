@@ -71,6 +71,31 @@ def test_single_safetensors_carries_checksums_that_stock_readers_ignore(dcp_dir:
     assert report.manifest and report.files_checked == 1
 
 
+def test_a_single_safetensors_file_is_hashed_once(
+    dcp_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its checksums live in its header: the bytes written are not hashed a second time for a
+    digest nothing records. The log is a file, so the writing worker (a fork) adds to it too."""
+    from parallel_dcp.storage import manifest
+
+    log = tmp_path / "hashed.log"
+    update = manifest.Hasher.update
+
+    def counting(self: manifest.Hasher, data: object) -> None:
+        if self._hash is not None:
+            with open(log, "a") as f:
+                f.write(f"{memoryview(data).nbytes}\n")  # type: ignore[arg-type]
+        update(self, data)
+
+    monkeypatch.setattr(manifest.Hasher, "update", counting)
+    out = tmp_path / "x.safetensors"
+    parallel_dcp.convert(dcp_dir, out, workers=1)
+    hashed = sum(int(line) for line in log.read_text().split())
+    data_bytes = sum(t.numel() * t.element_size() for t in _state().values())
+    assert data_bytes <= hashed < 1.5 * data_bytes
+    assert parallel_dcp.verify(out, workers=1).ok
+
+
 def test_verify_finds_a_flipped_byte_in_a_single_safetensors_file(dcp_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "x.safetensors"
     parallel_dcp.convert(dcp_dir, out, workers=1)

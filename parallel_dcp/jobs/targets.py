@@ -477,10 +477,10 @@ class ShardedTarget(Target):
         shards = sorted(digests.keys() - {self._index_name})
         # Files the conversion made (a quantized config.json) win over the source's copies.
         copied = read_copies(self.copies) | self.extra_files
-        # The manifest names plain files only (verify refuses any other name): files in copied
-        # folders (1_Pooling/config.json) are committed without a checksum.
+        # Files in copied folders (1_Pooling/config.json) are recorded apart from the plain names.
         digests.update((name, _digest_of(data, options)) for name, data in copied.items() if "/" not in name)
-        manifest = manifest_bytes(digests, job.source.fingerprint(), save_id=staging.save_id)
+        folders = {name: _digest_of(data, options) for name, data in copied.items() if "/" in name}
+        manifest = manifest_bytes(digests, job.source.fingerprint(), staging.save_id, folders)
         # Shards are renamed into place, then the index (the commit), then the copied files and
         # the manifest. Shard names are fixed: between the first rename and the index's, new
         # shards sit beside the old index (the documented window of an overwrite).
@@ -525,6 +525,9 @@ class FileTarget(Target):
         writer = self.format.write
         if self.format.write_verifiable is not None:  # the file carries its own checksums
             writer = partial(self.format.write_verifiable, checksums=options.checksums)
+            # Its checksums are in its header; the stream's own digest goes nowhere (no sidecar):
+            # counting the bytes is enough, hashing them a second time is not.
+            options = dataclasses.replace(options, checksums=False)
         file_format = dataclasses.replace(self.format, write=writer)
         if isinstance(where, Remote):
             return _write_remote(where, file_format, data, task.nbytes, options, mapping)

@@ -5,7 +5,8 @@ DCP stores no checksums: a flipped byte in a shard loads silently. At commit, pa
 
     {"tool": "parallel_dcp", "version": "0.1.0", "created": "...", "checksum": "xxh3_64",
      "source": {"kind": ..., "path": ..., "files": {name: {"size", "mtime_ns"}}},
-     "files": {"__0_0.distcp": {"size": 123, "xxh3_64": "9f..."}, ".metadata": {...}}}
+     "files": {"__0_0.distcp": {"size": 123, "xxh3_64": "9f..."}, ".metadata": {...}},
+     "folder_files": {"1_Pooling/config.json": {...}}}      (files of folders copied beside it)
 
 Shard checksums are computed as the bytes are written (no second read); xxh3 runs at ~10 GiB/s a
 core, which still costs about a tenth of a save to /dev/shm: ``checksums=False`` (``--no-checksums``)
@@ -39,9 +40,11 @@ from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = [
     "EMBEDDED_KEY",
+    "FOLDER_FILES_KEY",
     "MANIFEST_FILE",
     "FileDigest",
     "Hasher",
+    "check_folder_name",
     "embedded_record",
     "file_digest",
     "manifest_bytes",
@@ -56,6 +59,9 @@ _CHUNK = 8 * 1024 * 1024
 # format allows string values only).
 EMBEDDED_KEY = "parallel_dcp"
 _SIDECAR_SUFFIX = ".manifest.json"
+# The manifest's record of the files in folders copied beside the output (a key of its own: a
+# reader that knows only ``files`` keeps reading plain names there).
+FOLDER_FILES_KEY = "folder_files"
 
 
 def sidecar_name(name: str) -> str:
@@ -88,9 +94,12 @@ class Hasher:
         return FileDigest(self.size, self._hash.hexdigest() if self._hash is not None else None)
 
 
-def file_digest(path: str | os.PathLike[str] | Remote, *, checksum: bool = True, start: int = 0) -> FileDigest:
+def file_digest(
+    path: str | os.PathLike[str] | Remote, *, checksum: bool = True, start: int = 0, no_links: bool = False
+) -> FileDigest:
     """Size and checksum of a file (from byte ``start`` on: a safetensors file's data section),
-    read in 8 MiB pieces (only its size when ``checksum`` is False)."""
+    read in 8 MiB pieces (only its size when ``checksum`` is False). ``no_links``: ``path`` is a
+    realpath, and no component of it may be a symlink (a file in a folder of the output)."""
     if isinstance(path, Remote):
         total = path.size()
         if not checksum:
@@ -106,7 +115,7 @@ def file_digest(path: str | os.PathLike[str] | Remote, *, checksum: bool = True,
         return hasher.result()
     # by the one rule for reading (storage.safe_reader): never through a symlink, never a FIFO,
     # no further than the size the open file has
-    with open_bounded(path) as f:
+    with open_bounded(path, no_links=no_links) as f:
         if not checksum:
             return FileDigest(max(0, f.raw.size - start), None)  # type: ignore[attr-defined]
         hasher = Hasher()
@@ -159,11 +168,19 @@ def read_embedded(metadata: Any, where: object) -> tuple[FileDigest, FileDigest]
         raise CorruptCheckpointError(f"{where}: the checksums in its header are not readable: {exc}") from exc
 
 
-def manifest_bytes(files: dict[str, FileDigest], source: dict[str, Any], save_id: str | None = None) -> bytes:
+def manifest_bytes(
+    files: dict[str, FileDigest],
+    source: dict[str, Any],
+    save_id: str | None = None,
+    folder_files: dict[str, FileDigest] | None = None,
+) -> bytes:
     """The manifest document recording ``files`` (and what the output was made from).
 
     ``save_id`` is the save that wrote it, also recorded in its ``.metadata`` (``storage_meta``):
     a manifest whose save id differs from its ``.metadata``'s is stale, not a sign of corruption.
+    ``folder_files``: files in folders copied beside the output (``1_Pooling/config.json``),
+    recorded under a key of their own, so a reader that knows only plain names (an older
+    parallel_dcp) still reads ``files`` as before.
     """
     document = {
         "tool": "parallel_dcp",
@@ -174,7 +191,19 @@ def manifest_bytes(files: dict[str, FileDigest], source: dict[str, Any], save_id
         "source": source,
         "files": {name: _digest_entry(d) for name, d in sorted(files.items())},
     }
+    if folder_files:
+        document[FOLDER_FILES_KEY] = {name: _digest_entry(d) for name, d in sorted(folder_files.items())}
     return (json.dumps(document, indent=1) + "\n").encode()
+
+
+def check_folder_name(name: object, where: object) -> str:
+    """``name`` if it is a relative path of plain names (``1_Pooling/config.json``); else
+    CorruptCheckpointError (each component as :func:`~parallel_dcp.storage.location.check_name`)."""
+    if not isinstance(name, str) or "/" not in name:
+        raise CorruptCheckpointError(f"{where} records {name!r} among the folders' files, which is not in a folder")
+    for part in name.split("/"):
+        check_name(part, where)
+    return name
 
 
 def read_manifest(
@@ -200,6 +229,9 @@ def read_manifest(
         if document.get("checksum") != ALGORITHM:
             raise ValueError(f"unknown checksum {document.get('checksum')!r}")
         files = {check_name(name, path): _parse_digest(v) for name, v in document["files"].items()}
+        if of_file is None:  # files in copied folders, each opened later without following a link
+            folders = document.get(FOLDER_FILES_KEY, {})
+            files |= {check_folder_name(name, path): _parse_digest(v) for name, v in folders.items()}
         if of_file is not None and set(files) != {of_file}:
             raise ValueError(f"it records {sorted(files)}, not {of_file} alone")
     except CorruptCheckpointError:
