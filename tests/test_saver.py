@@ -6,6 +6,7 @@ import gc
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -250,3 +251,25 @@ def test_two_savers_share_the_fork_server_and_closing_one_leaves_the_other_worki
         assert result.executor == "saver"
     assert_same(_stock_load(tmp_path / "ckpt", sd), sd)
     assert not psutil.Process().children()
+
+
+class _SwitchProbe:
+    """A value pickled by the coordinator: notes the switch interval while the save runs."""
+
+    seen: list[float] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        _SwitchProbe.seen.append(sys.getswitchinterval())
+        return {}
+
+
+def test_the_coordinator_takes_the_gil_back_promptly_during_a_save_and_restores_it(tmp_path: Path) -> None:
+    from parallel_dcp.jobs.saver import COORDINATOR_SWITCH_S
+
+    before = sys.getswitchinterval()
+    assert before > COORDINATOR_SWITCH_S
+    _SwitchProbe.seen.clear()
+    with parallel_dcp.Saver(workers=1) as saver:
+        saver.save({"w": torch.ones(4), "probe": _SwitchProbe()}, tmp_path / "ckpt")
+    assert _SwitchProbe.seen and set(_SwitchProbe.seen) == {COORDINATOR_SWITCH_S}
+    assert sys.getswitchinterval() == before

@@ -20,9 +20,12 @@ save runs as ``parallel_dcp.save`` does, forking its workers.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from parallel_dcp._compat import forget_inherited_fork_server, fork_server_pid, running_servers, stop_fork_server
@@ -38,7 +41,15 @@ from parallel_dcp.jobs.targets import DcpTarget, Job, prepare_io
 from parallel_dcp.options import Options
 from parallel_dcp.storage.direct_write import DEPTH, keep_buffers
 
-__all__ = ["SaverWorkers"]
+__all__ = ["COORDINATOR_SWITCH_S", "SaverWorkers"]
+
+# During a save on these workers the caller's thread mostly waits on them. Each time it wakes (a
+# result, the watchdog's sample) or comes back from a system call while a busy Python thread of the
+# caller holds the GIL, it waits out the switch interval (5 ms by default) before it runs again:
+# planning, dispatching and committing then take several times longer. During the save it asks for
+# the GIL back after this long instead (restored after; while the coordinator sleeps, the busy
+# thread runs undisturbed).
+COORDINATOR_SWITCH_S = 0.0005
 
 _PROBE = b"parallel_dcp reads the caller's memory"
 # Imported once in the fork server, so that no worker imports them itself (~1 s of CPU each):
@@ -82,6 +93,22 @@ class _ServerUsers:
 
 _server = _ServerUsers()
 os.register_at_fork(after_in_child=_server.forget)
+
+
+@contextmanager
+def prompt_gil() -> Iterator[None]:
+    """Lower the interpreter's switch interval to :data:`COORDINATOR_SWITCH_S` for the block
+    (unless it is lower already), then restore it (unless someone changed it meanwhile)."""
+    before = sys.getswitchinterval()
+    if before <= COORDINATOR_SWITCH_S:
+        yield
+        return
+    sys.setswitchinterval(COORDINATOR_SWITCH_S)
+    try:
+        yield
+    finally:
+        if sys.getswitchinterval() == COORDINATOR_SWITCH_S:
+            sys.setswitchinterval(before)
 
 
 def _worker_start() -> None:
@@ -147,6 +174,10 @@ class SaverWorkers:
     def save(self, state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult | None:
         """The save on these workers; None where the kernel refused their reads of this process
         (warned once): the caller then saves as ``parallel_dcp.save`` does, forking per save."""
+        with prompt_gil():
+            return self._save(state_dict, path, options)
+
+    def _save(self, state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult | None:
         if os.getpid() != self.owner:
             raise RuntimeError(
                 f"this Saver belongs to process {self.owner}, not to its fork {os.getpid()}: "
