@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import psutil
 import pytest
@@ -256,7 +256,7 @@ def test_two_savers_share_the_fork_server_and_closing_one_leaves_the_other_worki
 class _SwitchProbe:
     """A value pickled by the coordinator: notes the switch interval while the save runs."""
 
-    seen: list[float] = []
+    seen: ClassVar[list[float]] = []
 
     def __getstate__(self) -> dict[str, Any]:
         _SwitchProbe.seen.append(sys.getswitchinterval())
