@@ -135,3 +135,18 @@ def test_tensors_from_the_pending_size_up_are_written_from_the_caller() -> None:
     source = RemoteMemorySource("x", state_dict=sd)
     read = source.read(["under", "at"])
     assert isinstance(read["under"], torch.Tensor) and isinstance(read["at"], PendingTensor)
+
+
+@pytest.mark.parametrize(("compress", "crc32"), [("zstd", False), (None, True)])
+def test_compressed_records_and_crc_records_read_what_the_caller_holds(
+    tmp_path: Path, compress: str | None, crc32: bool
+) -> None:
+    # compressed: each large tensor streamed through the scratch into its zstd frame; with the CRC
+    # on, no template: each tensor copied here (and charged) and written by torch.save
+    sd = {"big": torch.randn(512, 1024), "cols": torch.randn(256, 2048)[:, :1024], "small": torch.ones(3)}
+    source = RemoteMemorySource("x", state_dict=sd, pending_writes=not crc32)
+    assert source.copied_bytes("big") == (sd["big"].nbytes if crc32 else 0)
+    with parallel_dcp.Saver(workers=2) as saver:
+        saver.save(sd, tmp_path / "ckpt", compress=compress, crc32=crc32, chunk_size="1MiB")
+    assert_same(parallel_dcp.load(tmp_path / "ckpt"), sd)
+    assert parallel_dcp.verify(tmp_path / "ckpt").ok

@@ -38,6 +38,7 @@ from parallel_dcp.formats import lean
 from parallel_dcp.formats.base import Entry
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.storage.pending import PendingTensor
+from parallel_dcp.storage.records import LEAN_DTYPES
 
 __all__ = ["PENDING_MIN_BYTES", "RemoteMemorySource"]
 
@@ -68,13 +69,6 @@ class _Layout:
         and the span exactly the elements (contiguous, or a dense permutation: the storage)."""
         return self.span == self.nbytes >= PENDING_MIN_BYTES
 
-    def memory(self) -> int:
-        """What a worker allocates: nothing for a pending tensor; else the span copied, and DCP's
-        copy of a view with gaps."""
-        if self.pending():
-            return 0
-        return self.span + (self.nbytes if self.span != self.nbytes else 0)
-
 
 def _layout(address: int, sizes: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> _Layout:
     numel = math.prod(sizes)
@@ -95,6 +89,10 @@ def _layout(address: int, sizes: tuple[int, ...], strides: tuple[int, ...], item
 class RemoteMemorySource(MemorySource):
     """A :class:`MemorySource` whose pickled form carries where each tensor lies, not its bytes."""
 
+    # Whether the writer may copy large tensors itself (PendingTensor): only where it writes them
+    # from a record template (torch.save's CRC off, a tested dtype) and on the lean path (no value
+    # that DCP's planner must see); else every tensor is copied here and charged.
+    pending_writes: bool = True
     _owner: int = 0
     _layouts: dict[str, _Layout] = field(default_factory=dict, repr=False)
 
@@ -111,6 +109,7 @@ class RemoteMemorySource(MemorySource):
             self._layouts[key] = _layout(
                 tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size()
             )
+        self.pending_writes = self.pending_writes and lean.lean_eligible(self._flat.values())
 
     def __getstate__(self) -> dict[str, Any]:
         # Columns of plain ints and strings, not one dataclass per key: pickling 50,000 Entry and
@@ -142,10 +141,20 @@ class RemoteMemorySource(MemorySource):
         return True
 
     def copied_bytes(self, key: str) -> int:
-        return self._layouts[key].memory()
+        return self._memory(key, self._layouts[key])
 
     def chunk_memory(self, chunk: Chunk) -> int:
-        return self._layouts[chunk.key].narrow(chunk).memory()
+        return self._memory(chunk.key, self._layouts[chunk.key].narrow(chunk))
+
+    def _pends(self, key: str, layout: _Layout) -> bool:
+        return self.pending_writes and layout.pending() and self.entries[key].dtype in LEAN_DTYPES
+
+    def _memory(self, key: str, layout: _Layout) -> int:
+        """What a worker allocates to read ``layout``: nothing where the writer copies it (see
+        ``_Layout.pending``); else the span copied, and DCP's copy of a view with gaps."""
+        if self._pends(key, layout):
+            return 0
+        return layout.span + (layout.nbytes if layout.span != layout.nbytes else 0)
 
     def read(self, keys: Iterable[str]) -> dict[str, Any]:  # type: ignore[override]
         """The tensors of ``keys``, in order: a :class:`PendingTensor` for each large one whose
@@ -157,7 +166,7 @@ class RemoteMemorySource(MemorySource):
         copied = []
         for key in keys:
             layout = self._layouts[key]
-            if layout.pending():
+            if self._pends(key, layout):
                 out[key] = self._pending(key, layout)
             else:
                 copied.append((key, layout))
@@ -173,7 +182,7 @@ class RemoteMemorySource(MemorySource):
 
     def read_chunk(self, chunk: Chunk) -> Any:  # type: ignore[override]
         layout = self._layouts[chunk.key].narrow(chunk)
-        return self._pending(chunk.key, layout) if layout.pending() else self._fetch(chunk.key, layout)
+        return self._pending(chunk.key, layout) if self._pends(chunk.key, layout) else self._fetch(chunk.key, layout)
 
     def _pending(self, key: str, layout: _Layout) -> PendingTensor:
         owner, address = self._owner, layout.address

@@ -198,7 +198,7 @@ class SaverWorkers:
         held = [*([server] if server else []), *pool.pids]
         governor = MemoryGovernor(options.memory_ceiling(), held=held, charges=self._charges)
         with gc_paused():
-            source = RemoteMemorySource(str(path), state_dict=state_dict)
+            source = RemoteMemorySource(str(path), state_dict=state_dict, pending_writes=not options.crc32)
             job = Job(source, source.keys())
         try:
             result = pipeline.run_job(job, target, options, governor, start=start, pool=pool)

@@ -284,14 +284,20 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
                 if isinstance(tensor, PendingTensor):
                     pending = tensor
                     template = records.class_template(pending.dtype, pending.shape, pending.strides)
-                    if template is not None and compressor is None:
+                    if template is not None:
                         offset = stream.tell()
-                        stream.write(template.prefix)
-                        stream.write_filled(pending)  # type: ignore[attr-defined]  # a _RecordingStream
-                        stream.write(template.suffix)
+                        if compressor is None:
+                            stream.write(template.prefix)
+                            stream.write_filled(pending)  # type: ignore[attr-defined]  # a _RecordingStream
+                            stream.write(template.suffix)
+                        else:
+                            with compressor.record(template.size()) as out:
+                                out.write(template.prefix)
+                                _write_through_scratch(out, pending)
+                                out.write(template.suffix)
                         placed.append((offset, stream.tell() - offset))
                         continue
-                    tensor = pending.materialize()  # compressed, or a class torch.save writes
+                    tensor = pending.materialize()  # a class torch.save must write (its source charges it)
                 tensor = tensor.detach().cpu()
                 if tensor.untyped_storage().nbytes() != tensor.nbytes:
                     tensor = tensor.clone()  # never write more than the tensor's elements
@@ -306,6 +312,15 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
             if self.sync_files:
                 os.fsync(stream.fileno())
         return placed
+
+
+def _write_through_scratch(stream: Any, tensor: PendingTensor) -> None:
+    """``tensor``'s bytes into ``stream`` (a record's compressor), a scratch's worth at a time."""
+    view, at = scratch()
+    for offset in range(0, tensor.nbytes, SCRATCH_BYTES):
+        n = min(SCRATCH_BYTES, tensor.nbytes - offset)
+        tensor.fill(offset, n, at)
+        stream.write(view[:n])
 
 
 def _write_record(stream: Any, tensor: torch.Tensor, template: records.Template | None) -> None:
