@@ -202,6 +202,24 @@ def _scenario() -> Scenario:
     return scenario
 
 
+def test_a_limit_row_that_measured_the_devices_own_seconds_counts_those() -> None:
+    """fio's wall time adds its own start (0.3-0.5 s here): a limit row that reports the device's
+    seconds (fio's job run time) is the limit by those, so no row looks faster than the device."""
+    scenario = _scenario()
+    plain = next(m for m in scenario.measured if m.case.name == "plain write x2")
+    plain.details["device_s"] = 0.25
+    rows = row_figures(scenario)
+    assert rows["parallel_dcp w=2"]["of_limit"] == pytest.approx(0.25)
+    from parallel_dcp.benchmark.disk_report import disk_summary
+
+    rows = {
+        "device direct write x2": {"median_s": 0.5, "details": {"device_s": 0.25}},
+        "save w=2 io=auto": {"median_s": 1.0, "details": {}},
+    }
+    summary = disk_summary(rows, 2**30)
+    assert summary["save_of_direct_limit"] == pytest.approx(0.25)
+
+
 def test_ratios_are_taken_between_medians_of_the_same_scenario() -> None:
     scenario = _scenario()
     rows = row_figures(scenario)
@@ -632,3 +650,21 @@ def test_quantized_suite_runs_and_prints_its_summary(tmp_path: Path) -> None:
         line = next(line for line in run.stdout.splitlines() if line.startswith(f"{label}: parallel_dcp w=2 vs stock"))
         assert " w=2 vs w=1: " in line and "MiB limit: held in every run" in line, line
     assert list(target.iterdir()) == []
+
+
+def test_the_disk_summary_puts_the_conversion_beside_the_combined_limit_by_the_devices_own_time() -> None:
+    from parallel_dcp.benchmark.disk_report import disk_summary, disk_summary_lines
+
+    rows: dict[str, dict[str, Any]] = {
+        "convert safetensors w=2": {"median_s": 1.5, "details": {}},
+        "convert safetensors w=2 io=buffered": {"median_s": 1.6, "details": {}},
+        "device read+write x2": {"median_s": 2.0, "details": {"device_s": 1.2}},  # wall with fio's start
+        "stock load_file + dcp.save t=2": {"median_s": 3.0, "details": {}},
+    }
+    summary = disk_summary(rows, 2**30)
+    assert summary["combined_limit_s"] == 1.2
+    assert summary["convert_of_combined_limit"] == pytest.approx(0.8)
+    assert summary["convert_buffered_of_combined_limit"] == pytest.approx(0.75)
+    assert any("combined read+write limit (1.200 s" in line and "80%" in line for line in disk_summary_lines(summary))
+    rows["device read+write x2"]["details"] = {}  # the built-in probe without its own time: the wall time
+    assert disk_summary(rows, 2**30)["convert_of_combined_limit"] == pytest.approx(2.0 / 1.5)

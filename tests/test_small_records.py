@@ -214,3 +214,202 @@ def test_when_the_templates_fill_their_room_records_are_parsed_one_by_one(
     assert_same(into, stock_load(sd, tmp_path / "ckpt"))
     assert stats.fast == 2 * COUNT
     assert parses[0] >= 2 * COUNT  # every record parsed on its own
+
+
+# --- read as columns (formats/small_reads.py) and .metadata checked in columns (storage/metadata_check.py)
+
+
+@pytest.mark.parametrize("kind", ["stock", "pdcp"])
+def test_whole_small_records_build_no_read_item_per_key(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load(into=) of many whole small records plans them as plain columns: no read item and no
+    request object per key (each cost more than reading the record); the result is stock's."""
+    from parallel_dcp.jobs import load as load_job
+
+    sd = optimizer_like()
+    write(kind, sd, tmp_path / "ckpt")
+    expected = stock_load(sd, tmp_path / "ckpt")
+    built = [0]
+    real_item, real_request = load_job.ReadItem, load_job.fast_read.Request
+
+    def item(*args: Any, **kwargs: Any) -> Any:
+        built[0] += 1
+        return real_item(*args, **kwargs)
+
+    def request(*args: Any, **kwargs: Any) -> Any:
+        built[0] += 1
+        return real_request(*args, **kwargs)
+
+    monkeypatch.setattr(load_job, "ReadItem", item)
+    monkeypatch.setattr(load_job.fast_read, "Request", request)
+    into = empty_like_state(sd)
+    stats = parallel_dcp.ReadStats()
+    parallel_dcp.load(tmp_path / "ckpt", into=into, workers=2, stats=stats)
+    assert_same(into, expected)
+    assert stats.fast == 2 * COUNT and stats.fallback == 0
+    # only the pickled values of param-free state (none here) would need one: was 2 per key (960)
+    assert built[0] == 0
+
+
+def test_records_read_in_many_windows_through_one_reused_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parses: list[int]
+) -> None:
+    """Windows of a few records each (a tiny BATCH_BYTES), read one after another into one buffer
+    that still holds the last window's bytes: every record lands whole and equal, and a record of
+    each shape is still parsed once, not once per window."""
+    from parallel_dcp.formats import small_reads
+
+    sd = optimizer_like()
+    write("stock", sd, tmp_path / "ckpt")
+    expected = stock_load(sd, tmp_path / "ckpt")
+    windows: list[int] = []
+    real_read = small_reads._File.read
+
+    def read(self: Any, offset: int, views: list[memoryview]) -> None:
+        windows.append(offset)
+        real_read(self, offset, views)
+
+    monkeypatch.setattr(small_reads, "BATCH_BYTES", 4096)
+    monkeypatch.setattr(small_reads._File, "read", read)
+    into = empty_like_state(sd)
+    parallel_dcp.load(tmp_path / "ckpt", into=into, workers=1)
+    assert_same(into, expected)
+    assert len(windows) > 2 * COUNT // 4  # a few records a window
+    shapes = {(tuple(t.shape), t.dtype) for v in sd["optimizer"]["state"].values() for t in v.values()}
+    assert parses[0] <= len(shapes)
+
+
+def test_a_record_past_its_files_end_is_refused_before_any_copy(tmp_path: Path) -> None:
+    """A shard cut short: the small-record path refuses it, naming the file, and leaves the
+    caller's tensors as they were (the check runs before the first read)."""
+    sd = optimizer_like()
+    write("pdcp", sd, tmp_path / "ckpt")
+    shard = max((tmp_path / "ckpt").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    into = empty_like_state(sd)
+    for v in into["optimizer"]["state"].values():
+        for t in v.values():
+            t.fill_(7)
+    with pytest.raises(CorruptCheckpointError, match=rf"{shard.name}.*(truncated|bytes)"):
+        parallel_dcp.load(tmp_path / "ckpt", into=into, workers=1)
+    assert all(bool((t == 7).all()) for v in into["optimizer"]["state"].values() for t in v.values())
+
+
+def test_metadata_of_whole_chunks_is_checked_without_the_general_geometry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key of one whole chunk is checked inline (dtype, sizes, the chunk at the origin): the
+    general chunk geometry runs for none of them; a key split in chunks still goes through it."""
+    from parallel_dcp.storage import metadata_check
+    from parallel_dcp.storage.metadata import read_metadata
+
+    sd = optimizer_like()
+    write("pdcp", sd, tmp_path / "ckpt")
+    calls: list[str] = []
+    real = metadata_check.check_chunks
+
+    def counted(key: str, *args: Any, **kwargs: Any) -> None:
+        calls.append(key)
+        real(key, *args, **kwargs)
+
+    monkeypatch.setattr(metadata_check, "check_chunks", counted)
+    metadata = read_metadata(tmp_path / "ckpt")
+    assert len(metadata.state_dict_metadata) == 2 * COUNT
+    assert calls == []
+    # the general path still refuses what it refused: a whole chunk of a size that is not the tensor's
+    key = "optimizer.state.1.exp_avg"
+    meta = metadata.state_dict_metadata[key]
+    meta.chunks[0].sizes = torch.Size([s + 1 for s in meta.size])
+    with pytest.raises(CorruptCheckpointError, match=r"optimizer\.state\.1\.exp_avg"):
+        metadata_check.check_metadata_fields(metadata, "x")
+    assert calls == [key]
+
+
+def test_a_planted_global_in_metadata_is_still_refused(tmp_path: Path) -> None:
+    """The allow-list unpickler reads .metadata before the column checks: a global outside the
+    list is refused by name, nothing of it run, and no shard is read."""
+    from parallel_dcp import UnsafeCheckpointError
+
+    sd = optimizer_like()
+    write("pdcp", sd, tmp_path / "ckpt")
+
+    class Planted:
+        def __reduce__(self) -> Any:
+            return (print, ("ran",))
+
+    metadata = pickle.loads((tmp_path / "ckpt" / ".metadata").read_bytes())
+    metadata.storage_meta = Planted()  # type: ignore[assignment]
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsafeCheckpointError, match=r"builtins\.print"):
+        parallel_dcp.load(tmp_path / "ckpt", into=empty_like_state(sd), workers=1)
+
+
+class _Planted:
+    """A value whose unpickling would call a function (print) if anything let it."""
+
+    def __reduce__(self) -> Any:
+        return (print, ("ran",))
+
+
+def test_a_value_of_builtins_skips_torchs_python_unpickler_and_a_global_is_still_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An optimizer's param_groups (dicts, numbers, a list of one index per parameter) is read by
+    the C unpickler with no global allowed, not by torch's weights_only unpickler (Python, ~2.5 us
+    an element); a value that names a global still goes to weights_only=True and is refused."""
+    from parallel_dcp import UnsafeCheckpointError
+    from parallel_dcp.storage import metadata as metadata_module
+
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(5000)), "name": None}]
+    sd = {"state": {"0": torch.randn(8)}, "param_groups": groups}
+    dcp.save(sd, storage_writer=FileSystemWriter(str(tmp_path / "ckpt")), no_dist=True)
+    torch_loads = [0]
+    real_load = metadata_module.torch.load
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        torch_loads[0] += 1
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(metadata_module.torch, "load", counted)
+    into = {"state": {"0": torch.empty(8)}, "param_groups": [{"lr": 0.0, "betas": (0, 0), "params": [], "name": 1}]}
+    parallel_dcp.load(tmp_path / "ckpt", into=into, workers=1)
+    assert into["param_groups"] == groups and torch.equal(into["state"]["0"], sd["state"]["0"])
+    assert torch_loads[0] == 0  # was 1 per value (4 here)
+
+    dcp.save(
+        {"w": torch.ones(2), "x": _Planted()}, storage_writer=FileSystemWriter(str(tmp_path / "bad")), no_dist=True
+    )
+    capsys.readouterr()
+    with pytest.raises(UnsafeCheckpointError, match=r"'x'.*weights_only"):
+        parallel_dcp.load(tmp_path / "bad", workers=1)
+    assert torch_loads[0] == 1  # torch's weights_only unpickler judged it
+    assert "ran" not in capsys.readouterr().out
+
+
+def test_a_load_reads_no_process_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load(into=) keeps its budget by reservation alone: it never reads this process's memory
+    (smaps of a process holding a large state dict: tens of milliseconds), and such a budget
+    refuses to sample rather than compare against a baseline it never read."""
+    from parallel_dcp.engine import memory, process_memory
+
+    sd = optimizer_like()
+    write("pdcp", sd, tmp_path / "ckpt")
+    reads = [0]
+    real = process_memory.ChargeReader.charge
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reads[0] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(process_memory.ChargeReader, "charge", counted)
+    into = empty_like_state(sd)
+    parallel_dcp.load(tmp_path / "ckpt", into=into, workers=2)
+    assert_same(into, stock_load(sd, tmp_path / "ckpt"))
+    assert reads[0] == 0  # was 1: the governor's baseline
+    budget = memory.MemoryGovernor(1 << 30, measure=False)
+    budget.reserve(1 << 20, "a tensor")
+    with pytest.raises(RuntimeError, match="reservation alone"):
+        budget.read([])
+    assert reads[0] == 0

@@ -159,9 +159,9 @@ def test_every_key_is_checked_against_its_own_record_even_past_the_metadata_chec
     chunked: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The readers' own check (formats/read_units.py, formats/fast_read.py) holds without
-    ``check_records``: the second key on a record is compared with the record too."""
+    the records' overlap check: the second key on a record is compared with the record too."""
     _rewrite(chunked, lambda m: _point(m, MetadataIndex("v", torch.Size([0])), MetadataIndex("n.x", torch.Size([0]))))
-    monkeypatch.setattr("parallel_dcp.storage.metadata.check_records", lambda storage, where: None)
+    monkeypatch.setattr("parallel_dcp.storage.metadata_check._check_records", lambda *args: None)
     with pytest.raises(CorruptCheckpointError, match=r"one record|holds float32"):
         parallel_dcp.load(chunked, workers=2)
     with pytest.raises(CorruptCheckpointError, match=r"one record|holds float32"):
@@ -178,7 +178,7 @@ def test_two_keys_on_one_compressed_record_are_refused(tmp_path: Path, monkeypat
     with pytest.raises(CorruptCheckpointError, match=r"share bytes"):
         parallel_dcp.load(ckpt, workers=1)
     # and past the metadata check, the compressed read path refuses it too (never a silent cast)
-    monkeypatch.setattr("parallel_dcp.storage.metadata.check_records", lambda storage, where: None)
+    monkeypatch.setattr("parallel_dcp.storage.metadata_check._check_records", lambda *args: None)
     with pytest.raises(CorruptCheckpointError, match=r"one record|holds float32"):
         parallel_dcp.load(ckpt, workers=1)
     # DCP's reader path (BoundedReader), in a worker: its CorruptCheckpointError, as the pool reports it

@@ -4,13 +4,15 @@ when it is on PATH, else a built-in probe) and plain parallel reads (direct or b
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import mmap
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["direct_write_probe", "fio_write", "plain_read"]
+__all__ = ["direct_write_probe", "fio_read_write", "fio_write", "plain_read", "read_write_probe"]
 
 _BLOCK = 8 << 20
 
@@ -38,11 +40,15 @@ def direct_write_probe(nbytes: int, writers: int, out: str) -> dict[str, Any]:
 
 
 def fio_write(nbytes: int, writers: int, out: str) -> dict[str, Any]:
+    """fio's O_DIRECT write of ``nbytes`` by ``writers`` jobs, fsynced. ``device_s`` in the result:
+    the slowest job's run time as fio measured it; the wall time adds fio's own start (creating
+    its files and threads: 0.3-0.5 s here), which is not the device's."""
     os.makedirs(out)
     size = max(1, nbytes // writers >> 20)
-    subprocess.run(
+    done = subprocess.run(
         [
             "fio",
+            "--output-format=json",
             "--name=limit",
             f"--directory={out}",
             "--rw=write",
@@ -53,12 +59,12 @@ def fio_write(nbytes: int, writers: int, out: str) -> dict[str, Any]:
             f"--numjobs={writers}",
             f"--size={size}m",
             "--end_fsync=1",
-            "--group_reporting",
         ],
         check=True,
         capture_output=True,
     )
-    return {"tool": "fio (direct, libaio, iodepth 8)"}
+    jobs = json.loads(done.stdout)["jobs"]
+    return {"tool": "fio (direct, libaio, iodepth 8)", "device_s": max(j["job_runtime"] for j in jobs) / 1000}
 
 
 def plain_read(paths: list[str], readers: int, direct: bool) -> Callable[[str], None]:
@@ -80,3 +86,65 @@ def plain_read(paths: list[str], readers: int, direct: bool) -> Callable[[str], 
             list(pool.map(read, paths))
 
     return run
+
+
+def fio_read_write(source: str, writers: int, out: str) -> dict[str, Any]:
+    """The combined limit of a conversion of ``source``: fio reads all of it and writes as many bytes
+    at the same time (``writers`` jobs each way, direct, libaio, iodepth 8, 8 MiB blocks, the
+    output fsynced). Where the device serves reads and writes independently this takes as long as
+    the slower of the two alone; where they share it, as long as both one after the other.
+    ``device_s`` in the result: the slowest job's run time as fio measured it (without fio's start)."""
+    os.makedirs(out)
+    total = os.path.getsize(source) >> 20
+    share = max(1, total // writers)
+    block = f"--bs={min(8, share)}m"
+    common = ["--direct=1", "--ioengine=libaio", "--iodepth=8", f"--numjobs={writers}", f"--size={share}m", block]
+    done = subprocess.run(
+        [
+            "fio",
+            "--output-format=json",
+            "--name=read",
+            f"--filename={source}",
+            "--rw=read",
+            f"--offset_increment={share}m",
+            *common,
+            "--name=write",
+            f"--directory={out}",
+            "--rw=write",
+            "--end_fsync=1",
+            *common,
+        ],
+        check=True,
+        capture_output=True,
+    )
+    jobs = json.loads(done.stdout)["jobs"]
+    # fio's own start (creating the files, its threads) takes a few tenths of a second that are
+    # not the device's: the limit is the slowest job's run time, as fio measured it.
+    return {
+        "tool": "fio (direct, libaio, iodepth 8; reads and writes at once)",
+        "device_s": max(j["job_runtime"] for j in jobs) / 1000,
+    }
+
+
+def read_write_probe(source: str, writers: int, out: str) -> dict[str, Any]:
+    """As :func:`fio_read_write` without fio: ``writers`` threads read a share of ``source`` each with
+    8 MiB O_DIRECT preads while the built-in probe writes as many bytes."""
+    size = os.path.getsize(source)
+    share = -(-size // writers // _BLOCK) * _BLOCK
+
+    def read(index: int) -> None:
+        buffer = mmap.mmap(-1, _BLOCK)
+        fd = os.open(source, os.O_RDONLY | os.O_DIRECT)
+        try:
+            for offset in range(index * share, min(size, (index + 1) * share), _BLOCK):
+                os.preadv(fd, [buffer], offset)
+        finally:
+            os.close(fd)
+            buffer.close()
+
+    began = time.perf_counter()
+    with cf.ThreadPoolExecutor(writers + 1) as pool:
+        writing = pool.submit(direct_write_probe, size, writers, out)
+        list(pool.map(read, range(writers)))
+        writing.result()
+    return {"tool": "built-in O_DIRECT probe (reads and writes at once)", "device_s": time.perf_counter() - began}

@@ -28,14 +28,27 @@ def disk_summary(rows: dict[str, dict[str, Any]], nbytes: int) -> dict[str, Any]
         if n.startswith("plain read") and "(stock-written)" not in n and r["median_s"]
     ]
     best_read = min(reads) if reads else None
+    converts = {
+        ("io=buffered" in n): float(r["median_s"])
+        for n, r in rows.items()
+        if n.startswith("convert safetensors") and r["median_s"]
+    }
+    convert, convert_buffered = converts.get(False), converts.get(True)
+    # The combined limit: the device's own seconds where the row measured them (fio's job run time,
+    # without its start-up), else the row's wall time.
+    both = _device_seconds(rows, "device read+write")
     growth = next((r["details"].get("page_cache_growth") for n, r in rows.items() if "io=auto" in n), None)
     return {
-        "save_of_direct_limit": ratio(median("device direct write"), save),
+        "save_of_direct_limit": ratio(_device_seconds(rows, "device direct write"), save),
         "save_vs_stock": ratio(median("stock dcp t="), save),
         "save_io": next((r["details"].get("io") for n, r in rows.items() if "io=auto" in n), None),
         "save_buffered_vs_auto": ratio(buffered, save),
         "checksums_share": (save - unchecked) / save if save and unchecked else None,
         "convert_vs_stock": ratio(median("stock load_file"), median("convert safetensors")),
+        "combined_limit_s": both,
+        "convert_of_combined_limit": ratio(both, convert),
+        "convert_buffered_of_combined_limit": ratio(both, convert_buffered),
+        "convert_buffered_vs_auto": ratio(convert_buffered, convert),
         "load_into_of_best_read": ratio(best_read, median("load into")),
         "fast_reader_of_best_read": ratio(best_read, median("FastReader")),
         "load_into_vs_stock": ratio(median("stock dcp.load"), median("load into")),
@@ -46,6 +59,15 @@ def disk_summary(rows: dict[str, dict[str, Any]], nbytes: int) -> dict[str, Any]
             n: r["details"]["page_cache_growth"] for n, r in rows.items() if "page_cache_growth" in r["details"]
         },
     }
+
+
+def _device_seconds(rows: dict[str, dict[str, Any]], prefix: str) -> float | None:
+    """A device-limit row's seconds: the device's own where the row measured them (fio's job run
+    time, without its start-up), else the row's wall time."""
+    row = next((r for n, r in rows.items() if n.startswith(prefix)), None)
+    if row is None:
+        return None
+    return row.get("details", {}).get("device_s") or row.get("median_s")
 
 
 def _reads(rows: dict[str, dict[str, Any]], label: str) -> dict[str, Any]:
@@ -97,6 +119,10 @@ def disk_summary_lines(s: dict[str, Any]) -> list[str]:
         f"{num(s['save_buffered_vs_auto'], '.2f')}x the time of io=auto",
         f"checksums' share of the save time: {num(s['checksums_share'], '.0%')} (target <= 5%)",
         f"safetensors -> DCP vs load_file + dcp.save: {num(s['convert_vs_stock'], '.2f')}x (target >= 2.5x)",
+        f"safetensors -> DCP of the combined read+write limit ({num(s['combined_limit_s'], '.3f')} s: the source "
+        f"read and as many bytes written at once): {num(s['convert_of_combined_limit'], '.0%')} "
+        f"(target >= 85%); through the mmap (io=buffered) {num(s['convert_buffered_of_combined_limit'], '.0%')}, "
+        f"{num(s['convert_buffered_vs_auto'], '.2f')}x the time of io=auto",
         *_read_lines(s.get("reads", {}), num),
         f"verify vs stock dcp.load + torch.equal: {num(s['verify_vs_stock'], '.2f')}x (target >= 1.2x)",
         f"page-cache growth after a save with io=auto: {num(s['page_cache_growth_of_checkpoint'], '.1%')} of the "

@@ -3,7 +3,9 @@
 Every ratio is taken between medians of the same run (same state dict, same target, same sync
 setting, interleaved repetitions): ``speedup`` is the baseline's median time over the row's
 (above 1: the row is faster), ``of_limit`` the plain write's median time at the same process
-count over the row's (1.0: as fast as writing ready buffers).
+count over the row's (1.0: as fast as writing ready buffers). A limit row that measured the
+device's own seconds (``device_s`` in its details: fio's job run time, without fio's start-up)
+counts those, not its wall time.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def row_figures(scenario: Scenario) -> dict[str, dict[str, Any]]:
     ok has ``error`` set and None for every figure.
     """
     medians = {m.case.name: _median(m.walls) if m.walls and not m.error else None for m in scenario.measured}
+    limits = {m.case.name: m.details.get("device_s") or medians[m.case.name] for m in scenario.measured}
     rows: dict[str, dict[str, Any]] = {}
     for m in scenario.measured:
         case, median = m.case, medians[m.case.name]
@@ -83,7 +86,7 @@ def row_figures(scenario: Scenario) -> dict[str, dict[str, Any]]:
             "baseline": case.baseline,
             "speedup": _ratio(medians.get(case.baseline) if case.baseline else None, median),
             "limit": case.limit,
-            "of_limit": _ratio(medians.get(case.limit) if case.limit else None, median),
+            "of_limit": _ratio(limits.get(case.limit) if case.limit else None, median),
             "samples_s": list(m.walls),
             "details": dict(m.details),
             "note": case.note,

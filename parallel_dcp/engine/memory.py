@@ -245,19 +245,26 @@ class MemoryGovernor:
         interval: float = 0.05,
         held: Sequence[int] = (),
         charges: ChargeReader | None = None,
+        measure: bool = True,
     ) -> None:
         """``held``: processes that exist before the job and stay after it (a ``Saver``'s fork
         server and workers): their memory now is part of the baseline, and every reading counts
         them (the workers' and the fork server's shared pages are split among all of them).
-        ``charges``: a reader that outlives the job (it knows those processes' code shares)."""
+        ``charges``: a reader that outlives the job (it knows those processes' code shares).
+        ``measure=False``: a budget kept by reservation alone (:meth:`reserve`, :meth:`check_item`),
+        never sampled: the tree's memory now is not read (a read of this process's pages costs
+        tens of milliseconds when it holds a large state dict)."""
         self.limit = limit
         self.interval = interval
         self._me = psutil.Process()
         self._charges = charges or ChargeReader()
         self._held = list(held)
         pids = [self._me.pid, *self._held]
-        self.baseline = sum(charged for charged, _ in self._charge_all(pids, self._charges.plan(pids)))
-        self._rss_baseline = _rss(self._me)
+        self.measured = measure
+        self.baseline = (
+            sum(charged for charged, _ in self._charge_all(pids, self._charges.plan(pids))) if measure else 0
+        )
+        self._rss_baseline = _rss(self._me) if measure else 0
         self.peak = 0
         # What each worker keeps for the whole job beside its idle cost, such as its connection
         # to object storage (opened at its first task, after the idle workers were measured).
@@ -367,6 +374,8 @@ class MemoryGovernor:
         otherwise the tree is read (~1 ms a process; in full before refusing). Workers ``held``
         (a Saver's) are idle in the baseline: nothing to add.
         """
+        if not self.measured:
+            raise RuntimeError("a budget kept by reservation alone (measure=False) cannot sample the tree")
         started = time.perf_counter()
         try:
             self._settle(list(worker_pids), planned)
@@ -466,6 +475,8 @@ class MemoryGovernor:
         """One sample of the tree. Cheap (O(1) counters, or ``smaps_rollup`` where they moved:
         process_memory.ChargeReader) unless ``exact``: then every process's full smaps is read
         (~4-9 ms a process that has imported torch)."""
+        if not self.measured:
+            raise RuntimeError("a budget kept by reservation alone (measure=False) cannot sample the tree")
         started = time.monotonic()
         workers = list(worker_pids)
         pids = [self._me.pid, *workers, *(pid for pid in self._held if pid not in workers)]
@@ -499,6 +510,8 @@ class MemoryGovernor:
             MemoryLimitExceeded: naming the worker with the most private memory (which the caller
                 then kills with all the others).
         """
+        if not self.measured:
+            raise RuntimeError("a budget kept by reservation alone (measure=False) cannot sample the tree")
         now = time.monotonic()
         if now < self._next_sample:
             return

@@ -13,9 +13,17 @@
       ▼                                                                          ▼
     done                                          DCP's FileSystemReader.read_data (counted)
 
+Whole small records for whole dense CPU tensors (optimizer state: tens of thousands of them) come
+planned as plain columns instead (``small``: no request per key) and are read by the same threads
+as units of their own (formats/small_reads.py), checked in bulk against one parsed record of each
+shape (formats/record_batch.py).
+
 Pages of freshly allocated targets are faulted in by the reading threads, in parallel. Threads
 keep the targets in private memory; each holds at most one batch buffer (``BATCH_BYTES``) and
 one gap buffer.
+
+Longer than 300 lines because the three kinds of unit (records, small records as columns,
+compressed records) are cut and run by one read loop, with one fallback to DCP's reader.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from parallel_dcp.formats.read_units import (
     thread_memory,
 )
 from parallel_dcp.formats.record_batch import TemplateCache
+from parallel_dcp.formats.small_reads import Entry, SmallUnit, small_units
 from parallel_dcp.storage.compression import is_compressed
 from parallel_dcp.storage.direct_read import vanished
 from parallel_dcp.storage.location import Location
@@ -51,6 +60,7 @@ from parallel_dcp.storage.metadata import reading
 
 __all__ = [
     "BATCH_BYTES",
+    "Entry",
     "ReadStats",
     "Request",
     "read_requests",
@@ -92,9 +102,10 @@ def _pieces(req: Request, threads: int) -> list[Request]:
     return out
 
 
-def _units(requests: list[Request], threads: int) -> list[Unit]:
+def _units(requests: list[Request], threads: int, templates: TemplateCache) -> list[Unit]:
     """Records grouped by file in offset order, cut into about 4 units per thread; the pieces of
-    a large region are records of their own."""
+    a large region are records of their own; ``templates``: one per read (a record of each shape
+    is parsed once, not per unit)."""
     files: dict[str, dict[tuple[int, int], Record]] = {}
     for whole in requests:
         for req in _pieces(whole, threads):
@@ -108,7 +119,6 @@ def _units(requests: list[Request], threads: int) -> list[Unit]:
             record.requests.append(req)
     work = {id(r): _work(r) for records in files.values() for r in records.values()}
     share = max(sum(work.values()) // (4 * threads), SMALL_RECORD)
-    templates = TemplateCache()  # one per read: a record of each shape is parsed once, not per unit
     units = []
     for name, records in files.items():
         current: list[Record] = []
@@ -209,9 +219,11 @@ def read_requests(
     budget: MemoryGovernor | None = None,
     on_tick: Callable[[], None] | None = None,
     io: str = "buffered",
+    small: dict[str, list[Entry]] | None = None,
 ) -> ReadStats:
     """Read every request into its target; pickled values go to ``on_bytes(item, raw bytes)``;
-    ``io``: how local shards are read (resolved: see storage.io_mode).
+    ``io``: how local shards are read (resolved: see storage.io_mode); ``small``: whole small
+    records by file, read as columns (formats/small_reads.py).
 
     Raises:
         CorruptCheckpointError: a shard is missing bytes, or a record contradicts ``.metadata``.
@@ -233,8 +245,10 @@ def read_requests(
             _admit_compressed(reqs, budget)
     stats = ReadStats()
     # compressed records: decompressed on the same threads, in about 4 shares per thread, largest first
-    units: list[Unit | CompressedRecord] = [*_compressed_units(list(compressed.values()), threads)]
-    units += _units(fast, threads)
+    units: list[Unit | SmallUnit | CompressedRecord] = [*_compressed_units(list(compressed.values()), threads)]
+    templates = TemplateCache()  # one per read: a record of each shape is parsed once, not per unit
+    units += _units(fast, threads, templates)
+    units += small_units(small or {}, threads, templates)
     cancel = threading.Event()
     if units:
         with cf.ThreadPoolExecutor(
@@ -242,7 +256,7 @@ def read_requests(
         ) as pool:
             pending = {
                 pool.submit(unit.run, where, cancel, io)
-                if isinstance(unit, Unit)
+                if isinstance(unit, (Unit, SmallUnit))
                 else pool.submit(unit.run, where, cancel)
                 for unit in units
             }

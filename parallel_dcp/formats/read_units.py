@@ -44,6 +44,8 @@ __all__ = [
     "Record",
     "Request",
     "Unit",
+    "checked_layout",
+    "record_layout",
     "thread_memory",
 ]
 
@@ -304,33 +306,7 @@ class Unit:
         return rest
 
     def _layout(self, file: _File, record: Record) -> RecordLayout | None:
-        assert record.head is not None and record.tail is not None
-        first = record.requests[0]
-        try:
-            layout = parse_record(record.head, record.tail, record.length)
-        except ValueError as exc:
-            key = first.item.storage_index.fqn
-            raise CorruptCheckpointError(
-                f"{file.where}: the record of {key!r} at byte {record.offset} is damaged: {exc}"
-            ) from exc
-        if layout is None:
-            return None
-        # Every request is checked, not only the first: each names its own key, dtype and chunk
-        # (check_records refuses two keys on one record; this holds even without it).
-        for req in record.requests:
-            key, dtype, chunk = req.item.storage_index.fqn, req.dtype, req.chunk
-            if layout.dtype != dtype or layout.size != chunk:
-                raise CorruptCheckpointError(
-                    f"{file.where}: the record of {key!r} at byte {record.offset} holds {dtype_name(layout.dtype)} "
-                    f"{list(layout.size)} but .metadata says {dtype_name(dtype)} {list(chunk)}"
-                )
-        itemsize, chunk = layout.dtype.itemsize, first.chunk
-        if (layout.storage_offset + math.prod(chunk)) * itemsize > layout.data_bytes:
-            raise CorruptCheckpointError(
-                f"{file.where}: the record of {first.item.storage_index.fqn!r} at byte {record.offset} has "
-                f"{layout.data_bytes} data bytes, fewer than its {list(chunk)} {dtype_name(layout.dtype)} elements need"
-            )
-        return layout if is_row_major(layout.size, layout.stride) else None
+        return record_layout(file.where, record)
 
     def _plan(
         self,
@@ -366,6 +342,70 @@ class Unit:
         if into is not target:
             staged.append((into, target))
         return True
+
+
+def record_layout(where: object, record: Record) -> RecordLayout | None:
+    """The layout of ``record`` (its head and tail read), checked against what each of its
+    requests says (.metadata): None when it is not a plain row-major tensor (DCP's reader serves it).
+
+    Raises:
+        CorruptCheckpointError: the record is damaged or contradicts .metadata, naming its key.
+    """
+    assert record.head is not None and record.tail is not None
+    first = record.requests[0]
+    layout = checked_layout(
+        where, first.item.storage_index.fqn, record.offset, record.head, record.tail, record.length, None, ()
+    )
+    if layout is None:
+        return None
+    # Every request is checked, not only the first: each names its own key, dtype and chunk
+    # (the metadata check refuses two keys on one record; this holds even without it).
+    for req in record.requests:
+        checked_layout(
+            where, req.item.storage_index.fqn, record.offset, None, None, record.length, req.dtype, req.chunk, layout
+        )
+    return layout if is_row_major(layout.size, layout.stride) else None
+
+
+def checked_layout(
+    where: object,
+    key: str,
+    offset: int,
+    head: memoryview | None,
+    tail: memoryview | None,
+    length: int,
+    dtype: torch.dtype | None,
+    chunk: tuple[int, ...],
+    layout: RecordLayout | None = None,
+) -> RecordLayout | None:
+    """The layout of the record of ``key`` at byte ``offset`` (parsed from ``head`` and ``tail``
+    unless ``layout`` is given); when ``dtype`` is given, checked to hold that dtype and ``chunk``
+    (what .metadata says) with every element's bytes. None: not a tensor record of one storage.
+
+    Raises:
+        CorruptCheckpointError: the record is damaged or contradicts .metadata, naming ``key``.
+    """
+    if layout is None:
+        assert head is not None and tail is not None
+        try:
+            layout = parse_record(head, tail, length)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{where}: the record of {key!r} at byte {offset} is damaged: {exc}") from exc
+        if layout is None:
+            return None
+    if dtype is None:
+        return layout
+    if layout.dtype != dtype or layout.size != chunk:
+        raise CorruptCheckpointError(
+            f"{where}: the record of {key!r} at byte {offset} holds {dtype_name(layout.dtype)} "
+            f"{list(layout.size)} but .metadata says {dtype_name(dtype)} {list(chunk)}"
+        )
+    if (layout.storage_offset + math.prod(chunk)) * layout.dtype.itemsize > layout.data_bytes:
+        raise CorruptCheckpointError(
+            f"{where}: the record of {key!r} at byte {offset} has {layout.data_bytes} data bytes, fewer than "
+            f"its {list(chunk)} {dtype_name(layout.dtype)} elements need"
+        )
+    return layout
 
 
 def _read_segments(file: _File, segments: list[tuple[int, memoryview]]) -> None:

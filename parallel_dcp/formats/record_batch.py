@@ -9,7 +9,7 @@ shape are checked against one record parsed in full instead:
       │ .metadata by the caller ──▶ its Template: the bytes every record of that key must hold
       │ outside its data and the spans that legitimately vary (CRC-32s, torch's serialization id)
       ▼
-    check_batch: per batch buffer, the varying spans of every record zeroed in one scatter (torch,
+    check_batch: per batch buffer, the varying spans of every record zeroed in one scatter (numpy,
     no Python call per record; put back after), then each record two memcmps against its template
       │ equal: the record has the template's layout (parse_record reads nothing that may differ);
       │        its data is copied straight into its tensor, one memmove per record
@@ -21,11 +21,11 @@ counted in ``read_units.thread_memory()``.
 
 from __future__ import annotations
 
-import array
 import threading
 from dataclasses import dataclass
+from typing import Any
 
-import torch
+import numpy
 
 from parallel_dcp.formats.dcp_records import RecordLayout, varying_spans
 
@@ -53,15 +53,16 @@ class Template:
     its tensor's bytes are ``nbytes`` at ``data_start``."""
 
     layout: RecordLayout
-    spans: torch.Tensor
+    spans: numpy.ndarray[Any, numpy.dtype[numpy.int64]]
     head: bytes
     tail: bytes
     data_start: int
     nbytes: int
+    tail_offset: int  # where ``tail`` starts in a record
 
     def cost(self) -> int:
         """The bytes it holds (roughly: its buffers and objects)."""
-        return len(self.head) + len(self.tail) + 8 * self.spans.numel() + 512
+        return len(self.head) + len(self.tail) + 8 * self.spans.size + 512
 
 
 def make_template(record: memoryview, layout: RecordLayout, numel: int) -> Template | None:
@@ -80,11 +81,12 @@ def make_template(record: memoryview, layout: RecordLayout, numel: int) -> Templ
     itemsize = layout.dtype.itemsize
     return Template(
         layout,
-        torch.tensor(positions, dtype=torch.int64),
+        numpy.array(positions, dtype=numpy.int64),
         bytes(zeroed[: layout.data_offset]),
         bytes(zeroed[layout.data_offset + layout.data_bytes :]),
         layout.data_offset + layout.storage_offset * itemsize,
         numel * itemsize,
+        layout.data_offset + layout.data_bytes,
     )
 
 
@@ -122,11 +124,12 @@ class TemplateCache:
 def check_batch(batch: bytearray, starts: list[int], templates: list[Template]) -> list[bool]:
     """Whether the record at each of ``starts`` (offsets in ``batch``) holds
     its template's bytes outside its data and varying spans. The varying spans of the records are
-    zeroed in one scatter per step of at most :data:`_SPAN_STEP` bytes (their bytes saved and put
-    back after), then each record is two ``bytes`` comparisons (memcmp) against its template.
+    zeroed in one scatter per step of at most :data:`_SPAN_STEP` bytes (numpy: one thread, no
+    Python call per record; their bytes saved and put back after), then each record is two
+    in-place comparisons (``bytearray.startswith``: a memcmp, no copy) against its template.
     """
     out: list[bool] = []
-    most = max(t.spans.numel() for t in templates) if templates else 0
+    most = max(t.spans.size for t in templates) if templates else 0
     step = max(1, _SPAN_STEP // max(most, 1))
     for first in range(0, len(starts), step):
         out += _check_step(batch, starts[first : first + step], templates[first : first + step])
@@ -134,37 +137,26 @@ def check_batch(batch: bytearray, starts: list[int], templates: list[Template]) 
 
 
 def _check_step(batch: bytearray, starts: list[int], templates: list[Template]) -> list[bool]:
-    data = torch.frombuffer(batch, dtype=torch.uint8)
-    distinct = list({id(t): t for t in templates}.values())
-    number = {id(t): i for i, t in enumerate(distinct)}
-    counts_of = torch.tensor([t.spans.numel() for t in distinct], dtype=torch.int64)
-    offsets_of = torch.cumsum(counts_of, 0) - counts_of
-    all_spans = torch.cat([t.spans for t in distinct])
-    kinds = _int64([number[id(t)] for t in templates])
-    count = counts_of[kinds]
-    record = torch.repeat_interleave(torch.arange(len(starts)), count)
-    within = torch.arange(record.numel(), dtype=torch.int64) - (torch.cumsum(count, 0) - count)[record]
-    position = all_spans[offsets_of[kinds][record] + within]
-    position += _int64(starts)[record]
-    del record, within
+    data = numpy.frombuffer(batch, dtype=numpy.uint8)
+    # the varying bytes' places, template by template: its records' starts plus its spans
+    groups: dict[int, tuple[Template, list[int]]] = {}
+    for at, template in zip(starts, templates, strict=True):
+        group = groups.get(id(template))
+        if group is None:
+            groups[id(template)] = (template, [at])
+        else:
+            group[1].append(at)
+    position = numpy.concatenate(
+        [
+            (numpy.array(ats, dtype=numpy.int64)[:, None] + template.spans[None, :]).ravel()
+            for template, ats in groups.values()
+        ]
+    )
     saved = data[position]
     data[position] = 0
-    try:
-        out = []
-        for at, template in zip(starts, templates, strict=True):
-            layout = template.layout
-            end = at + layout.data_offset + layout.data_bytes
-            out.append(
-                batch[at : at + layout.data_offset] == template.head
-                and batch[end : end + len(template.tail)] == template.tail
-            )
-        return out
-    finally:
-        data[position] = saved
-
-
-def _int64(values: list[int]) -> torch.Tensor:
-    """A list of ints as an int64 tensor (through an array: torch.tensor of a list is ~10x slower)."""
-    return (
-        torch.frombuffer(array.array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
-    )
+    out = [
+        batch.startswith(template.head, at) and batch.startswith(template.tail, at + template.tail_offset)
+        for at, template in zip(starts, templates, strict=True)
+    ]
+    data[position] = saved
+    return out

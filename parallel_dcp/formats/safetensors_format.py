@@ -34,6 +34,7 @@ from parallel_dcp.storage.direct_read import ShardFile, direct_read_memory
 from parallel_dcp.storage.io_mode import uses_direct
 from parallel_dcp.storage.location import MIN_PART_BYTES, Location, Remote, listdir, new_file_mode
 from parallel_dcp.storage.manifest import EMBEDDED_KEY, FileDigest, Hasher, embedded_record, read_embedded
+from parallel_dcp.storage.read_ahead import Span
 from parallel_dcp.storage.safe_files import open_regular
 
 __all__ = [
@@ -146,6 +147,10 @@ class SafetensorsSource(Source):
     # Local keys read with O_DIRECT (use_direct_reads): the same, and the resolved io mode.
     _direct: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     _io: str = field(default="buffered", repr=False)
+    # Local keys a DCP conversion writes straight from the file, read ahead (stream_reads): key ->
+    # (file, first byte of its data), and how those files are read.
+    _spans: dict[str, tuple[str, int]] = field(default_factory=dict, repr=False)
+    stream_io: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.kind = "safetensors"
@@ -229,6 +234,28 @@ class SafetensorsSource(Source):
                     raise CorruptCheckpointError(f"{file}: the header of {key!r} changed while opening")
                 self._direct[key] = (start + first, start + end)
         self._io = io
+
+    def stream_reads(self, io: str) -> None:
+        """Let a conversion's workers write this source's tensors from their files' bytes, read
+        ahead through a small ring (storage.read_ahead, jobs/streamed.py), never as tensors of their
+        own; ``io``: how those files are read (read_choice's ``io``). Nothing on object storage."""
+        if isinstance(self.location, Remote):
+            return
+        self._spans = {key: (found.file, found.offset) for key, found in self.raw_ranges().items()}
+        self.stream_io = io
+
+    def span(self, key: str, chunk: Chunk | None = None) -> Span | None:
+        """Where the bytes of ``key`` (or of its ``chunk``, when it is rows: one run of bytes) lie,
+        for a source set to :meth:`stream_reads`; None when they are not one local run."""
+        if self.stream_io is None or key not in self._spans:
+            return None
+        entry, (file, start) = self.entries[key], self._spans[key]
+        if chunk is None:
+            return Span(file, start, entry.nbytes)
+        if chunk.dim != 0:
+            return None
+        nbytes = chunk.nbytes(entry.dtype.itemsize)
+        return Span(file, start + chunk.start * (nbytes // max(1, chunk.stop - chunk.start)), nbytes)
 
     def raw_ranges(self) -> dict[str, RawRange]:
         """Every tensor of a local source: its data offsets from the header, checked against what

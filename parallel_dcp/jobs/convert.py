@@ -39,6 +39,7 @@ from parallel_dcp.jobs.quantization import (
 )
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
+from parallel_dcp.jobs.streamed import stream_source
 from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.storage.io_mode import resolve_io
@@ -157,6 +158,8 @@ def convert_one(
         # (measured on ext4: 2.05 s vs 1.73 s and 1.65 vs 0.91 CPU s for a cold 1 GiB conversion).
         source.use_direct_reads(resolve_io(options.io, source.location, writing=False))
     try:
+        if not dry_run:  # a DCP output takes the bytes of the source's files straight, reading ahead
+            stream_source(source, target, options, governor)
         steps = _Steps(rename, quantization, preset, model_config, copy_files_from, rename_strict)
         job = _convert_job(source, target, dtype, keys, steps)
         copies = files_to_copy(

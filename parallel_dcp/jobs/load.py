@@ -55,6 +55,8 @@ from parallel_dcp.formats import fast_read
 from parallel_dcp.formats.compressed_read import bounded_reader
 from parallel_dcp.formats.dcp_format import read_keys
 from parallel_dcp.formats.fast_read import ReadStats
+from parallel_dcp.formats.read_units import SMALL_RECORD
+from parallel_dcp.formats.validate import flatten_structure
 from parallel_dcp.jobs.key_patterns import select
 from parallel_dcp.options import Options, usable_cores
 from parallel_dcp.partial import extract_metadata, partial_load
@@ -144,7 +146,7 @@ def _load(
         return _load_with_processes(location, metadata, keys, options, trust_pickle)
     if into is not None and (options.retries or options.task_timeout is not None):
         raise ValueError("into= is filled by threads in this process: retries and task_timeout need worker processes")
-    flat_into, into_paths = _compat.flatten_state_dict(into) if into is not None else ({}, {})
+    flat_into, into_paths = _flatten_into(into) if into is not None else ({}, {})
     if into is not None:
         selected = list(flat_into) if keys is None else select(list(flat_into), keys, "into")
         _check_present(selected, metadata, location)
@@ -152,12 +154,21 @@ def _load(
         selected = _selected(metadata, keys, location)
     metas = {k: m for k in selected if isinstance(m := metadata.state_dict_metadata[k], TensorStorageMetadata)}
     if into is not None:
+        tensor = torch.Tensor
         for key, meta in metas.items():
-            _check_target(key, flat_into[key], meta)
+            value = flat_into[key]
+            if not (  # the common case in a few reads; anything else gets the full check and its message
+                type(value) is tensor
+                and value.dtype == meta.properties.dtype
+                and value.shape == meta.size
+                and value.is_contiguous()
+                and not value.is_meta
+            ):
+                _check_target(key, value, meta)
     # Kept by reservation alone: everything the read holds is set aside before it starts (the
     # output when it allocates, each thread's buffers); no sampling (reading PSS walks every page
     # table, as long as the read itself), and a thread could not be killed anyway.
-    budget = MemoryGovernor(options.memory_ceiling())
+    budget = MemoryGovernor(options.memory_ceiling(), measure=False)
     if into is None:
         budget.reserve(sum(_nbytes(m) for m in metas.values()), f"loading {len(selected)} keys from {location}")
     if isinstance(location, Remote):  # this process's connection to object storage, shared by the threads
@@ -174,27 +185,29 @@ def _load(
     threads = max(1, min(wanted, room // per_thread))
     budget.reserve(threads * per_thread, f"read buffers for {threads} threads")
     check_shards(location, metadata, selected)
-    targets = {
-        # detached: the same memory, filled without autograd seeing an in-place write to a leaf
-        k: flat_into[k].detach() if into is not None else torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        for k, m in metas.items()
-    }
+    targets = (  # not detached yet: a whole small record is copied by address (_requests)
+        {k: flat_into[k] for k in metas}
+        if into is not None
+        else {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in metas.items()}
+    )
     values: dict[str, Any] = {}
 
     def on_bytes(item: ReadItem, data: bytes) -> None:
         values[item.dest_index.fqn] = unpickle_value(item.dest_index.fqn, io.BytesIO(data), trust_pickle=trust_pickle)
 
-    requests = _requests(metadata, selected, targets, location)
+    requests, small = _requests(metadata, selected, targets, location)
     # auto: direct or buffered as measured on this file system (once per process), inside the
     # threads' reserved buffers (the probe holds no more per stream than a reading thread)
     choice = (
         ReadChoice("buffered", "buffered", "a tight memory limit: more reading threads instead of aligned buffers")
         if tight
-        else read_choice(options.io, location, _files(location, requests), streams=threads)
+        else read_choice(options.io, location, _files(location, requests, small), streams=threads)
     )
     io_mode = choice.io
-    with progress.Progress(total=sum(_nbytes(m) for m in metas.values()), enabled=options.progress, desc="load") as bar:
-        done = fast_read.read_requests(location, requests, threads, on_bytes, budget, on_tick=bar.refresh, io=io_mode)
+    with progress.Progress(total=sum(t.nbytes for t in targets.values()), enabled=options.progress, desc="load") as bar:
+        done = fast_read.read_requests(
+            location, requests, threads, on_bytes, budget, on_tick=bar.refresh, io=io_mode, small=small
+        )
     done.read_choice = choice
     if stats is not None:
         stats.add(done)
@@ -207,6 +220,14 @@ def _load(
     return _compat.unflatten_state_dict(
         {k: flat[k] for k in selected}, {k: planner_data.get(k, (k,)) for k in selected}
     )
+
+
+def _flatten_into(into: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
+    """``into`` flattened by DCP's rules (the keys it was saved under), in one pass."""
+    try:
+        return flatten_structure(into)
+    except InvalidStateDictError:  # a key that is not a string: DCP's own flattening names it as DCP does
+        return _compat.flatten_state_dict(into)
 
 
 def _check_target(key: str, value: Any, meta: TensorStorageMetadata) -> None:
@@ -275,13 +296,18 @@ def _overlaps_itself(tensor: torch.Tensor) -> bool:
 
 def _requests(
     metadata: Metadata, selected: list[str], targets: dict[str, torch.Tensor], where: Location
-) -> list[fast_read.Request]:
-    """One request per stored chunk each key overlaps (a whole-tensor chunk: its read item directly)."""
+) -> tuple[list[fast_read.Request], dict[str, list[fast_read.Entry]]]:
+    """One request per stored chunk each key overlaps (a whole-tensor chunk: its read item
+    directly), and apart, by file, the whole small records for whole dense CPU tensors (read as
+    columns, formats/small_reads.py: no read item per key)."""
     storage = metadata.storage_data or {}
     out: list[fast_read.Request] = []
+    small: dict[str, list[fast_read.Entry]] = {}
     origins: dict[int, torch.Size] = {}  # one per rank, shared by every read item
+    whole = _whole_records(storage, selected)
+    tensors = metadata.state_dict_metadata
     for key in selected:
-        meta = metadata.state_dict_metadata[key]
+        meta = tensors[key]
         if not isinstance(meta, TensorStorageMetadata):
             index = MetadataIndex(key)
             zero = torch.Size([0])
@@ -289,15 +315,34 @@ def _requests(
             out.append(fast_read.Request(item, _info(storage, index, where), (), None, None))
             continue
         target = targets[key]
+        chunks = meta.chunks
+        found = whole.get(key) if len(chunks) == 1 else None
+        if found is not None and chunks[0].offsets == found[0] and chunks[0].sizes == meta.size:
+            # the common case: one whole chunk, stored at the origin
+            origin, info = found
+            length = info.length
+            if (
+                length <= SMALL_RECORD
+                and not getattr(info, "transform_descriptors", None)  # not compressed
+                and target.is_cpu
+                and target.is_contiguous()
+            ):
+                small.setdefault(info.relative_path, []).append(
+                    (info.offset, length, key, target, info, meta.properties.dtype, tuple(meta.size))
+                )
+                continue
         rank = len(meta.size)
         origin = origins.get(rank) or origins.setdefault(rank, torch.Size([0] * rank))
-        if len(meta.chunks) == 1 and meta.chunks[0].offsets == origin and meta.chunks[0].sizes == meta.size:
+        if len(chunks) == 1 and chunks[0].offsets == origin and chunks[0].sizes == meta.size:
+            info = _info(storage, MetadataIndex(key, origin), where)
             index = MetadataIndex(key, origin)
             item = ReadItem(LoadItemType.TENSOR, index, origin, index, origin, meta.size)
             # the whole stored chunk into the whole target: no region to cut
-            whole = (item, _info(storage, index, where), tuple(meta.size), meta.properties.dtype, target)
-            out.append(fast_read.Request(*whole))
+            # (detached: the same memory, filled without autograd seeing an in-place write to a leaf)
+            whole_chunk = (item, info, tuple(meta.size), meta.properties.dtype, target.detach())
+            out.append(fast_read.Request(*whole_chunk))
             continue
+        target = target.detach()
         items = create_read_items_for_chunk_list(key, meta, [ChunkStorageMetadata(origin, meta.size)])
         sizes = {tuple(c.offsets): tuple(c.sizes) for c in meta.chunks}
         for item in items:
@@ -309,14 +354,28 @@ def _requests(
             out.append(
                 fast_read.Request(item, _info(storage, item.storage_index, where), chunk, meta.properties.dtype, region)
             )
-    return out
+    return out, small
 
 
-def _files(where: Location, requests: list[fast_read.Request]) -> list[Path]:
+def _whole_records(storage: dict[Any, Any], selected: list[str]) -> dict[str, tuple[Any, Any]]:
+    """(offset, info) of a record of each key at offset 0 in every dimension, by key, in one pass
+    over ``storage_data`` (cheaper than an index object per key to look each up; the caller checks
+    that the offset is the one its tensor's rank has)."""
+    if len(selected) < len(storage) // 8:
+        return {}
+    return {
+        index.fqn: (index.offset, info)
+        for index, info in storage.items()
+        if index.offset is not None and not any(index.offset)
+    }
+
+
+def _files(where: Location, requests: list[fast_read.Request], small: dict[str, list[Any]]) -> list[Path]:
     """The local shard files the requests read (none on object storage)."""
     if isinstance(where, Remote):
         return []
-    return [where / name for name in dict.fromkeys(str(r.info.relative_path) for r in requests)]
+    names = [*small, *(str(r.info.relative_path) for r in requests)]
+    return [where / name for name in dict.fromkeys(names)]
 
 
 def _info(storage: dict[Any, Any], index: MetadataIndex, where: Location) -> Any:

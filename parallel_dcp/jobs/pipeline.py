@@ -59,6 +59,7 @@ from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs import fallback
 from parallel_dcp.jobs.staged import stage_job
+from parallel_dcp.jobs.streamed import streamed_data
 from parallel_dcp.jobs.targets import Job, Target
 from parallel_dcp.options import Options
 from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
@@ -142,7 +143,10 @@ class TaskHandler:
 
     def __call__(self, task: Task) -> Any:
         try:
-            result = self.target.write(self.job, task, self.job.read(task.keys), self.staging, self.options)
+            # A conversion to DCP writes what it can straight from the source's files, reading ahead.
+            with streamed_data(self.job, self.target, task) as streamed:
+                data = streamed if streamed is not None else self.job.read(task.keys)
+                result = self.target.write(self.job, task, data, self.staging, self.options)
             if self.recorder is not None:  # the task's files are complete: its done record, for resume
                 self.recorder(task, result)
             return self.target.outgoing(self.job, result)

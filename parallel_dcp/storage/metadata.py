@@ -12,15 +12,13 @@ runs code through it. Every read path here uses :class:`SafeLoadPlanner` /
 :func:`safe_empty_planner`, which unpickle with ``weights_only=True`` and refuse anything more
 with :class:`UnsafeCheckpointError` naming the key, unless the caller passed ``trust_pickle``.
 
-Longer than 300 lines because reading ``.metadata`` safely is one job: the bounded open by the one
-rule, the allow-list unpickler, the memory check and the geometry checks.
+The checks of what the file holds are in storage/metadata_check.py (and storage/geometry.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
 import pickle
 from collections.abc import Iterator, Sequence
@@ -28,7 +26,7 @@ from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from parallel_dcp import _compat
@@ -40,8 +38,10 @@ from parallel_dcp.errors import (
     UnsafeCheckpointError,
     describe_keys,
 )
-from parallel_dcp.storage.geometry import PairBudget, check_chunks, check_planner_data, check_records, check_shards
-from parallel_dcp.storage.location import Location, Remote, check_name, file_size, listdir, locate
+from parallel_dcp.storage.geometry import check_shards
+from parallel_dcp.storage.location import Location, Remote, file_size, listdir, locate
+from parallel_dcp.storage.metadata_check import check_metadata_fields
+from parallel_dcp.storage.plain_values import plain_value
 from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = [
@@ -181,10 +181,6 @@ def _open_metadata(file: Any, checkpoint: object) -> Iterator[tuple[BinaryIO, in
         yield stream, stream.raw.size  # type: ignore[attr-defined]
 
 
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def check_metadata(metadata: Metadata, file: object) -> None:
     """Every name plain, every size and offset possible; before anything else is read.
 
@@ -193,80 +189,11 @@ def check_metadata(metadata: Metadata, file: object) -> None:
             built without the fields they must have (a crafted or damaged pickle can do that).
     """
     try:
-        _check_metadata(metadata, file)
+        check_metadata_fields(metadata, file)
     except CorruptCheckpointError:
         raise
     except (AttributeError, TypeError, ValueError, OverflowError) as exc:
         raise CorruptCheckpointError(f"{file}: malformed metadata ({type(exc).__name__}: {exc})") from exc
-
-
-# A zstd frame is blocks of at most 128 KiB of output, each behind a 3-byte header: what a
-# compressed record's stored bytes can decompress to, at most (a claimed size past it is a lie).
-_ZSTD_BLOCK_BYTES = 128 * 1024
-_ZSTD_MOST_OUT_PER_BYTE = _ZSTD_BLOCK_BYTES // 3 + 1
-
-
-def _check_metadata(metadata: Metadata, file: object) -> None:
-    if not isinstance(metadata.state_dict_metadata, dict):
-        raise CorruptCheckpointError(f"{file}: state_dict_metadata is not a mapping")
-    pairs = PairBudget()
-    for key, meta in metadata.state_dict_metadata.items():
-        if not isinstance(key, str):
-            raise CorruptCheckpointError(f"{file}: a key is not a string ({key!r})")
-        if isinstance(meta, TensorStorageMetadata):
-            dtype = getattr(meta.properties, "dtype", None)
-            if not isinstance(dtype, torch.dtype) or not all(_count(n) for n in meta.size):
-                raise CorruptCheckpointError(f"{file}: key {key!r} has an impossible dtype or size {meta.size}")
-            check_chunks(key, meta.size, meta.chunks, file, pairs)
-        elif not isinstance(meta, BytesStorageMetadata):
-            raise CorruptCheckpointError(f"{file}: key {key!r} has storage metadata of type {type(meta).__name__}")
-    storage = metadata.storage_data or {}
-    if not isinstance(storage, dict):
-        raise CorruptCheckpointError(f"{file}: storage_data is not a mapping")
-    stored: dict[str, int] = {}
-    compressed: set[str] = set()
-    plain: set[str] = set()  # names already checked: a shard holds thousands of records
-    for index, info in storage.items():
-        name = getattr(info, "relative_path", None)
-        if type(name) is not str or name not in plain:
-            check_name(name, f"{file} (key {getattr(index, 'fqn', index)!r})")
-            plain.add(name)  # type: ignore[arg-type]  # check_name passed: a str
-        if not (_count(getattr(info, "offset", None)) and _count(getattr(info, "length", None))):
-            where = f"{file} (key {getattr(index, 'fqn', index)!r})"
-            raise CorruptCheckpointError(
-                f"{where}: impossible offset {getattr(info, 'offset', None)!r} or length "
-                f"{getattr(info, 'length', None)!r}"
-            )
-        fqn = getattr(index, "fqn", None)
-        descriptors = getattr(info, "transform_descriptors", None)
-        if descriptors:
-            if not isinstance(descriptors, (list, tuple)) or not all(isinstance(d, str) for d in descriptors):
-                where = f"{file} (key {getattr(index, 'fqn', index)!r})"
-                raise CorruptCheckpointError(f"{where}: impossible transform descriptors {descriptors!r}")
-            # a compressed record holds fewer bytes than its tensor; its reader bounds what it
-            # decompresses by the tensor's size instead (storage/compression.py)
-            compressed.add(str(fqn))
-        stored[str(fqn)] = stored.get(str(fqn), 0) + int(info.length)
-    check_records(storage, file)
-    # What a reader allocates is bounded by what is stored (and check_shards bounds that by the
-    # files' real sizes): a tensor's chunks tile it (check_chunks), and each chunk's bytes are in
-    # its records.
-    for key, meta in metadata.state_dict_metadata.items():
-        if not isinstance(meta, TensorStorageMetadata):
-            continue
-        needed = math.prod(meta.size) * meta.properties.dtype.itemsize
-        if needed > stored.get(key, 0) and key not in compressed:
-            raise CorruptCheckpointError(
-                f"{file}: key {key!r} claims {math.prod(meta.size)} elements but {stored.get(key, 0)} stored "
-                "bytes: impossible sizes"
-            )
-        if key in compressed and needed > _ZSTD_MOST_OUT_PER_BYTE * stored.get(key, 0) + _ZSTD_BLOCK_BYTES:
-            raise CorruptCheckpointError(
-                f"{file}: key {key!r} claims {math.prod(meta.size)} elements ({needed} bytes) but its "
-                f"{stored.get(key, 0)} stored zstd bytes can hold at most {_ZSTD_MOST_OUT_PER_BYTE}x that: "
-                "impossible sizes"
-            )
-    check_planner_data(metadata.planner_data, list(metadata.state_dict_metadata), file)
 
 
 @contextlib.contextmanager
@@ -292,6 +219,10 @@ def unpickle_value(key: str, data: io.BytesIO, *, trust_pickle: bool = False) ->
         UnsafeCheckpointError: the value needs more than ``weights_only=True`` allows (nothing ran).
         CorruptCheckpointError: the record is not a readable ``torch.save`` record.
     """
+    plain, value = plain_value(data)
+    if plain:
+        return value
+    data.seek(0)
     try:
         return torch.load(data, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as exc:

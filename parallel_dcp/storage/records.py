@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -126,32 +127,42 @@ def template_for(tensor: torch.Tensor) -> Template | None:
     return template
 
 
-def class_template(dtype: torch.dtype, shape: tuple[int, ...], strides: tuple[int, ...]) -> Template | None:
-    """The record template of the class (``dtype``, ``shape``, ``strides``) whatever its size, for
-    a tensor whose bytes are elsewhere (:class:`~parallel_dcp.storage.pending.PendingTensor`);
-    None when torch.save must write it.
+def class_template(
+    dtype: torch.dtype, shape: tuple[int, ...], strides: tuple[int, ...] | None = None
+) -> Template | None:
+    """The record every CPU tensor of ``dtype``, ``shape`` and ``strides`` (contiguous when None;
+    else a dense permutation: a storage exactly its bytes) gets from the shard writer
+    (:func:`template_for` up to :data:`LEAN_MAX_BYTES`, torch.save's own record above), split
+    around its bytes, so that a record can be written from bytes that never become a tensor
+    (storage.read_ahead). None where the writer would not write the class that way: the CRC on
+    (the record then depends on the bytes), a dtype not checked bit for bit.
 
-    Up to :data:`LEAN_MAX_BYTES` this is :func:`template_for`'s template. Above, torch.save writes
-    an uninitialised tensor of the class (its pages never touched: no memory) into a stream that
-    keeps every write but the one of the storage's bytes, which torch.save makes in one piece."""
-    key = (dtype, tuple(shape), tuple(strides), _alignment())
-    if key in _cache:
-        return _cache[key]
+    Above :data:`LEAN_MAX_BYTES` the record is what torch.save writes for an uninitialised tensor of
+    the class, with the data's one write left out rather than copied (no byte of it is read while
+    the CRC is off), so torch.save's own serialization id is kept: what the writer's torch.save of
+    the real tensor gives, bit for bit (``tests/test_read_ahead.py``).
+    """
     if not _crc_off() or dtype not in LEAN_DTYPES or _fills_uninitialised():
         return None
-    dummy = torch.empty_strided(tuple(shape), tuple(strides), dtype=dtype)
-    if dummy.nbytes <= LEAN_MAX_BYTES:
-        return template_for(dummy)
-    template = _build_around(dummy)
-    if len(_cache) >= _CACHE_LIMIT:
-        _cache.clear()
-    _cache[key] = template
-    return template
+    shape = tuple(shape)
+    stride = tuple(strides) if strides is not None else tuple(torch.empty(shape, dtype=dtype, device="meta").stride())
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes <= LEAN_MAX_BYTES:
+        return template_for(torch.empty_strided(shape, stride, dtype=dtype))
+    key = (dtype, shape, stride, _alignment())
+    if key not in _cache:
+        dummy = torch.empty_strided(shape, stride, dtype=dtype)  # never touched: no memory taken
+        if dummy.untyped_storage().nbytes() != nbytes:
+            return None  # a storage larger than the elements: DCP clones such a tensor
+        if len(_cache) >= _CACHE_LIMIT:
+            _cache.clear()
+        _cache[key] = _build_unread(dummy, nbytes)
+    return _cache[key]
 
 
 def _fills_uninitialised() -> bool:
-    """torch fills every new tensor (deterministic mode's fill_uninitialized_memory): a dummy of
-    a large class would then be written in full."""
+    """torch fills every new tensor (deterministic mode's fill_uninitialized_memory): a dummy of a
+    large class would then be written in full, in memory nobody budgeted."""
     try:
         from torch.utils import deterministic
 
@@ -160,94 +171,39 @@ def _fills_uninitialised() -> bool:
         return True
 
 
-class _CutStream:
-    """What torch.save writes, but for the one write of ``nbytes`` at ``address`` (the storage)."""
+class _Capture:
+    """A stream torch.save writes to: every write kept, except the one of the storage's bytes."""
 
-    def __init__(self, address: int, nbytes: int) -> None:
-        self.address, self.nbytes = address, nbytes
-        self.before: list[bytes] = []
-        self.after: list[bytes] = []
-        self.cuts = 0
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.before = bytearray()
+        self.after = bytearray()
+        self.skipped = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        if view.nbytes == self.nbytes and view.nbytes and _address(view) == self.address:
-            self.cuts += 1
+        if view.nbytes == self.nbytes and not self.skipped:
+            self.skipped += 1
         else:
-            (self.after if self.cuts else self.before).append(bytes(view))
+            (self.after if self.skipped else self.before).extend(view)
         return view.nbytes
 
     def flush(self) -> None:
         """Nothing is buffered."""
 
 
-def _build_around(dummy: torch.Tensor) -> Template | None:
-    cut = _CutStream(dummy.data_ptr(), dummy.nbytes)
-    torch.save(dummy, cut)  # type: ignore[arg-type]
-    if cut.cuts != 1:
-        return None  # not written in one piece: torch.save writes this class
-    prefix, suffix = b"".join(cut.before), b"".join(cut.after)
-    record = _Gapped(prefix, dummy.nbytes, suffix)
-    start = _data_offset(record)
-    if start != len(prefix):
+def _build_unread(dummy: torch.Tensor, nbytes: int) -> Template | None:
+    capture = _Capture(nbytes)
+    torch.save(dummy, capture)  # type: ignore[arg-type]
+    prefix = bytes(capture.before)
+    at = prefix.rfind(b"PK\x03\x04")
+    if capture.skipped != 1 or at < 0:
         return None
-    found = _serialization_id(record, start, start + dummy.nbytes)
-    if found is not None:  # in the suffix: after the tensor's bytes
-        at, digits = found[0] - start - dummy.nbytes, found[1]
-        suffix = suffix[:at] + digits + suffix[at + len(digits) :]
-    return Template(prefix, suffix, dummy.nbytes)
-
-
-class _Gapped(io.RawIOBase):
-    """A record read as a file whose tensor bytes (``gap`` of them, after ``prefix``) are not
-    there: zipfile reads only the headers around them."""
-
-    def __init__(self, prefix: bytes, gap: int, suffix: bytes) -> None:
-        self.prefix, self.gap, self.suffix = prefix, gap, suffix
-        self.size = len(prefix) + gap + len(suffix)
-        self.position = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.position = [offset, self.position + offset, self.size + offset][whence]
-        return self.position
-
-    def tell(self) -> int:
-        return self.position
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.span(self.position, min(self.size, self.position + len(buffer)))
-        buffer[: len(data)] = data
-        self.position += len(data)
-        return len(data)
-
-    def span(self, start: int, end: int) -> bytes:
-        """Bytes ``start:end`` (zeros in the gap; only headers are asked for)."""
-        head = len(self.prefix)
-        tail = head + self.gap
-        out = self.prefix[start:end] if start < head else b""
-        if end > head and start < tail:
-            out += bytes(min(end, tail) - max(start, head))
-        if end > tail:
-            out += self.suffix[max(start, tail) - tail : end - tail]
-        return out
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: slice) -> bytes:
-        return self.span(*index.indices(self.size)[:2])
-
-
-def _address(view: memoryview) -> int:
-    import numpy
-
-    return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
+    _, *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(prefix, at)
+    name = prefix[at + _LOCAL_HEADER.size : at + _LOCAL_HEADER.size + name_length]
+    if at + _LOCAL_HEADER.size + name_length + extra_length != len(prefix) or not name.endswith(b"/data/0"):
+        return None  # the skipped write was not the storage's record: torch.save writes this class
+    return Template(prefix, bytes(capture.after), nbytes)
 
 
 def storage_bytes(tensor: torch.Tensor) -> memoryview:
@@ -275,26 +231,23 @@ def _build(tensor: torch.Tensor) -> Template | None:
     return Template(record[:start], record[end:], tensor.nbytes)
 
 
-def _members(record: bytes | _Gapped) -> list[zipfile.ZipInfo] | None:
+def _members(record: bytes) -> list[zipfile.ZipInfo] | None:
     try:
-        with zipfile.ZipFile(record if isinstance(record, _Gapped) else io.BytesIO(record)) as archive:
+        with zipfile.ZipFile(io.BytesIO(record)) as archive:
             return archive.infolist()
     except zipfile.BadZipFile:
         return None
 
 
-def _payload_offset(record: bytes | _Gapped, info: zipfile.ZipInfo) -> int | None:
+def _payload_offset(record: bytes, info: zipfile.ZipInfo) -> int | None:
     """Where the bytes of the zip member ``info`` start in ``record`` (after its local header)."""
-    header = record[info.header_offset : info.header_offset + _LOCAL_HEADER.size]
-    if len(header) != _LOCAL_HEADER.size:
-        return None
-    signature, *_, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+    signature, *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(record, info.header_offset)
     if signature != b"PK\x03\x04":
         return None
     return int(info.header_offset + _LOCAL_HEADER.size + name_length + extra_length)
 
 
-def _data_offset(record: bytes | _Gapped) -> int | None:
+def _data_offset(record: bytes) -> int | None:
     """Where the bytes of the one storage record (``<archive>/data/0``) start in ``record``."""
     members = _members(record) or []
     infos = [i for i in members if i.filename.endswith("/data/0")]
@@ -309,25 +262,15 @@ def _fixed_serialization_id(record: bytes, data_start: int, data_end: int) -> by
     ``data_start:data_end``) replaced by as many digits taken from a hash of the record without
     the id and the tensor's bytes; as it is where there is no such member or its CRC is set (it
     would no longer match)."""
-    found = _serialization_id(record, data_start, data_end)
-    if found is None:
-        return record
-    start, digits = found
-    return record[:start] + digits + record[start + len(digits) :]
-
-
-def _serialization_id(record: bytes | _Gapped, data_start: int, data_end: int) -> tuple[int, bytes] | None:
-    """Where the serialization id lies in ``record`` and the digits that replace it (see
-    :func:`_fixed_serialization_id`), or None to keep the record as it is."""
     ids = [i for i in _members(record) or [] if i.filename.endswith("/.data/serialization_id")]
     if len(ids) != 1 or ids[0].CRC != 0 or ids[0].compress_type != zipfile.ZIP_STORED:
-        return None
+        return record
     start = _payload_offset(record, ids[0])
     if start is None or start < data_end:
-        return None
+        return record
     end = start + ids[0].file_size
     hashed = record[:data_start] + record[data_end:start] + record[end:]
     digits = "".join(str(b % 10) for b in hashlib.blake2b(hashed, digest_size=64).digest())
     if end - start > len(digits) or end > len(record):
-        return None
-    return start, digits[: end - start].encode()
+        return record
+    return record[:start] + digits[: end - start].encode() + record[end:]

@@ -30,6 +30,7 @@ from parallel_dcp.storage.direct_write import new_file
 from parallel_dcp.storage.location import Remote, RemoteFileSystem
 from parallel_dcp.storage.manifest import FileDigest, Hasher
 from parallel_dcp.storage.pending import SCRATCH_BYTES, PendingTensor, scratch
+from parallel_dcp.storage.read_ahead import StreamedTensor
 
 __all__ = ["ShardWriter"]
 
@@ -257,17 +258,18 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
         return future
 
     def write_records(
-        self, name: str, values: list[io.BytesIO], tensors: list[torch.Tensor | PendingTensor]
+        self, name: str, values: list[io.BytesIO], tensors: list[torch.Tensor | StreamedTensor | PendingTensor]
     ) -> list[tuple[int, int]]:
         """Write file ``name``: each value (already serialized), then each tensor as one torch.save
         record, as DCP writes them; the (offset, length) of each, values first.
 
         A tensor whose storage holds more than its elements is cloned first, as DCP does; tensors of
         the cases :mod:`parallel_dcp.storage.records` knows are written from a cached record template.
-        A :class:`PendingTensor` (another process's tensor) is copied once, straight into the
-        stream's buffer (:meth:`_RecordingStream.write_filled`), between its class's template.
-        With compression, each record goes through its own zstd frame, a piece at a time; offsets and
-        lengths are those of the stored (compressed) bytes.
+        A :class:`~parallel_dcp.storage.read_ahead.StreamedTensor` is written from its template and
+        the source's bytes (never compressed). A :class:`PendingTensor` (another process's tensor)
+        is copied once, straight into the stream's buffer (:meth:`_RecordingStream.write_filled`),
+        between its class's template. With compression, each record goes through its own zstd
+        frame, a piece at a time; offsets and lengths are those of the stored (compressed) bytes.
         """
         placed: list[tuple[int, int]] = []
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
@@ -298,6 +300,13 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
                         placed.append((offset, stream.tell() - offset))
                         continue
                     tensor = pending.materialize()  # a class torch.save must write (its source charges it)
+                if isinstance(tensor, StreamedTensor):  # its bytes come from the source file, read ahead
+                    if compressor is not None:
+                        raise ValueError("a streamed record is written uncompressed")
+                    offset = stream.tell()
+                    tensor.write_record(stream)
+                    placed.append((offset, stream.tell() - offset))
+                    continue
                 tensor = tensor.detach().cpu()
                 if tensor.untyped_storage().nbytes() != tensor.nbytes:
                     tensor = tensor.clone()  # never write more than the tensor's elements

@@ -1,0 +1,205 @@
+"""Whole small records into whole dense tensors, planned and read as plain columns.
+
+A checkpoint of optimizer state holds tens of thousands of records of a few KiB, each one whole
+tensor. Built the general way (formats/fast_read.py), every record costs a read item, a request
+and a record object before a byte is read, and as much again to check and copy it: more than the
+read itself. Here a record is one tuple (:data:`Entry`), planned by the caller from ``.metadata``:
+
+    entries of one shard, sorted by offset, cut into about 4 units per thread
+      │ unit (one thread): one read per window of adjacent records (<= BATCH_BYTES, gaps
+      │ <= GAP_BYTES between them)
+      │   the first record of each (length, dtype, shape): parsed by the allow-list parser and
+      │   checked against .metadata (read_units.checked_layout) ─▶ its template (record_batch)
+      │   every record: checked byte for byte against its template in bulk (check_batch), its
+      │   data copied into its tensor, one memmove
+      │   a record unlike its template, or of a key without one: parsed and checked on its own
+      │   (a damaged one is refused, naming its key)
+      │ a record that is not a plain row-major tensor ──▶ a Request for DCP's reader
+      ▼
+    the tensors, filled
+
+Every entry is a whole stored chunk (offsets 0, sizes the tensor's) of at most SMALL_RECORD bytes,
+uncompressed, for a whole CPU tensor that is contiguous (the caller checks all of that). Each
+thread holds one window buffer and the check's temporaries: read_units.thread_memory() counts them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from operator import itemgetter
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+from parallel_dcp.engine import progress
+from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.formats.dcp_records import is_row_major
+from parallel_dcp.formats.read_units import (
+    BATCH_BYTES,
+    GAP_BYTES,
+    SMALL_RECORD,
+    ReadStats,
+    Request,
+    _File,
+    checked_layout,
+)
+from parallel_dcp.formats.record_batch import Template, TemplateCache, check_batch, make_template
+from parallel_dcp.storage.direct_write import address
+from parallel_dcp.storage.location import Location
+
+__all__ = ["Entry", "SmallUnit", "small_units"]
+
+# (offset, length, key, target, storage info, dtype, shape): one record, as .metadata says
+Entry = tuple[int, int, str, torch.Tensor, Any, torch.dtype, tuple[int, ...]]
+_UNKNOWN = object()
+
+
+def small_units(files: dict[str, list[Entry]], threads: int, templates: TemplateCache) -> list[SmallUnit]:
+    """The entries of each file, sorted by offset, cut into about 4 units per thread (by bytes)."""
+    total = sum(entry[1] for entries in files.values() for entry in entries)
+    share = max(total // (4 * max(threads, 1)), SMALL_RECORD)
+    units: list[SmallUnit] = []
+    for name, entries in files.items():
+        entries.sort(key=itemgetter(0))
+        first = size = 0
+        for i, entry in enumerate(entries):
+            if size and size + entry[1] > share:
+                units.append(SmallUnit(name, entries[first:i], templates))
+                first, size = i, 0
+            size += entry[1]
+        if size or first < len(entries):
+            units.append(SmallUnit(name, entries[first:], templates))
+    return units
+
+
+class SmallUnit:
+    """Entries of one file (sorted by offset), read by one thread."""
+
+    def __init__(self, name: str, entries: list[Entry], templates: TemplateCache) -> None:
+        self.name = name
+        self.entries = entries
+        self.templates = templates
+
+    def run(self, where: Location, cancel: threading.Event, io: str = "buffered") -> tuple[ReadStats, list[Request]]:
+        stats, fallback = ReadStats(), list[Request]()
+        file = _File(where, self.name, io)
+        try:
+            last = self.entries[-1]
+            if last[0] + last[1] > file.size:
+                keys = sorted({entry[2] for entry in self.entries if entry[0] + entry[1] > file.size})
+                raise CorruptCheckpointError(
+                    f"{file.where} has {file.size} bytes but .metadata records {keys[:4]} up to byte "
+                    f"{last[0] + last[1]} (truncated file)"
+                )
+            seen: dict[tuple[Any, ...], Template | None] = {}  # this unit's templates, looked up without the lock
+            windows = self._windows()
+            # one buffer for every window: its pages are faulted in once, not once per window
+            buffer = bytearray(max(end - self.entries[first][0] for first, _, end in windows))
+            for first, stop, end in windows:
+                if cancel.is_set():
+                    return stats, []
+                self._window(file, buffer, self.entries[first:stop], end, seen, stats, fallback)
+            progress.report(stats.bytes)
+            progress.flush()
+        finally:
+            stats.reads = file.reads
+            file.close()
+        return stats, fallback
+
+    def _windows(self) -> list[tuple[int, int, int]]:
+        """(first, stop, end) entries read by one read each, up to byte ``end``: adjacent records,
+        at most BATCH_BYTES."""
+        out = []
+        entries = self.entries
+        first = 0
+        start, end = entries[0][0], entries[0][0] + entries[0][1]
+        for i in range(1, len(entries)):
+            offset, length = entries[i][0], entries[i][1]
+            if offset - end > GAP_BYTES or offset + length - start > BATCH_BYTES:
+                out.append((first, i, end))
+                first, start, end = i, offset, offset + length
+            end = max(end, offset + length)
+        out.append((first, len(entries), end))
+        return out
+
+    def _window(
+        self,
+        file: _File,
+        raw: bytearray,
+        entries: list[Entry],
+        end: int,
+        seen: dict[tuple[Any, ...], Template | None],
+        stats: ReadStats,
+        fallback: list[Request],
+    ) -> None:
+        start = entries[0][0]
+        view = memoryview(raw)
+        file.read(start, [view[: end - start]])
+        checked: list[Entry] = []
+        starts: list[int] = []
+        chosen: list[Template] = []
+        rest: list[Entry] = []
+        templates = self.templates
+        for entry in entries:
+            offset, length, key, target, _, dtype, shape = entry
+            tkey = (length, dtype, shape)
+            template = seen.get(tkey, _UNKNOWN)
+            if template is _UNKNOWN:
+                known, template = templates.get(tkey)
+                if not known:
+                    if templates.full:  # no room for its template: parsed on its own
+                        rest.append(entry)
+                        continue
+                    record = view[offset - start : offset - start + length]
+                    layout = checked_layout(file.where, key, offset, record, record, length, dtype, shape)
+                    if layout is not None and is_row_major(layout.size, layout.stride):
+                        template = make_template(record, layout, target.numel())
+                    template = templates.put(tkey, template)
+                seen[tkey] = template
+            if template is None:
+                rest.append(entry)
+                continue
+            checked.append(entry)
+            starts.append(offset - start)
+            chosen.append(template)  # type: ignore[arg-type]  # a Template: None and unknown are gone
+        base = address(view)
+        memmove = ctypes.memmove
+        copied = nbytes = 0
+        for entry, at, template, same in zip(checked, starts, chosen, check_batch(raw, starts, chosen), strict=True):
+            if same:
+                if template.nbytes:
+                    memmove(entry[3].data_ptr(), base + at + template.data_start, template.nbytes)
+                copied += 1
+                nbytes += template.nbytes
+            else:
+                rest.append(entry)
+        for entry in rest:  # each parsed and checked on its own
+            offset, length, key, target, _, dtype, shape = entry
+            record = view[offset - start : offset - start + length]
+            layout = checked_layout(file.where, key, offset, record, record, length, dtype, shape)
+            if layout is None or not is_row_major(layout.size, layout.stride):
+                fallback.append(_request(entry))
+                continue
+            size = target.numel() * dtype.itemsize
+            if size:
+                memmove(
+                    target.data_ptr(),
+                    base + offset - start + layout.data_offset + layout.storage_offset * dtype.itemsize,
+                    size,
+                )
+            copied += 1
+            nbytes += size
+        stats.fast += copied
+        stats.bytes += nbytes
+
+
+def _request(entry: Entry) -> Request:
+    """The general request for an entry that DCP's reader serves."""
+    _, _, key, target, info, dtype, shape = entry
+    origin = torch.Size([0] * len(shape))
+    index = MetadataIndex(key, origin)
+    item = ReadItem(LoadItemType.TENSOR, index, origin, index, origin, torch.Size(shape))
+    return Request(item, info, shape, dtype, target.detach())
