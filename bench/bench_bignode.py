@@ -9,9 +9,10 @@ python bench/bench_bignode.py --rounds 5 --dir /tmp --out bignode.json [--only g
   without 1 GiB the workers inherited from the coordinator (page tables walked per reading).
 - ``gil``: a save of 1 GiB (64 bf16 tensors) alone and beside one busy Python thread in the
   caller, per executor (auto, threads, processes, a Saver's workers), on /dev/shm and on ``--dir``.
-- ``start``: what a save spends starting its workers against the state dict's size (0.5, 1, 2 GiB):
-  ``SaveResult.phases["fork"]`` of save(executor="processes") and of a Saver's second save, and a
-  bare ``os.fork`` of the process holding the state dict.
+- ``start``: what a save spends starting its workers against the state dict's size (``--sizes``,
+  written under ``--start-dir``): ``SaveResult.phases["fork"]`` of save(executor="processes"), of a
+  Saver's second save and of save()'s kept workers (beside a busy thread), and a bare ``os.fork``
+  of the process holding the state dict.
 - ``tail``: the coordinator's serial seconds per key at 50,000 small tensors (phases plan + merge
   + commit), save against a Saver.
 
@@ -128,11 +129,14 @@ def gil(rounds: int, where: list[str], workers: int, kinds: list[str], modes: tu
 
 
 def start(rounds: int, root: str, workers: int, sizes: list[float]) -> list[dict[str, Any]]:
+    """Per size: a bare fork of the process holding the state dict, ``phases["fork"]`` of
+    save(executor="processes"), of a Saver's save (its workers started before), and of save()'s
+    kept workers (the default executor beside a busy Python thread: the path a Saver takes)."""
     rows = []
     with parallel_dcp.Saver(workers=workers) as saver, tempfile.TemporaryDirectory(dir=root) as tmp:
         for gib in sizes:
             sd = {f"w{i}": torch.ones(int(gib * GiB) // 64 // 4) for i in range(64)}
-            forks, saves, savers = [], [], []
+            forks, saves, savers, kept, kept_used = [], [], [], [], set()
             for _ in range(rounds):
                 began = time.perf_counter()
                 pid = os.fork()
@@ -140,23 +144,38 @@ def start(rounds: int, root: str, workers: int, sizes: list[float]) -> list[dict
                     os._exit(0)
                 forks.append(time.perf_counter() - began)
                 os.waitpid(pid, 0)
-                result = parallel_dcp.save(sd, f"{tmp}/p", workers=workers, executor="processes")
+                result = parallel_dcp.save(sd, f"{tmp}/p", workers=workers, executor="processes", sync_files=False)
                 saves.append(result.phases["fork"])
                 shutil.rmtree(f"{tmp}/p")
-                result = saver.save(sd, f"{tmp}/s")
+                result = saver.save(sd, f"{tmp}/s", sync_files=False)
                 savers.append(result.phases["fork"])
                 shutil.rmtree(f"{tmp}/s")
+                stop = threading.Event()
+                busy = threading.Thread(target=_busy, args=(stop,), daemon=True)
+                busy.start()
+                time.sleep(0.2)  # busy before the save, as a data loader is
+                try:
+                    result = parallel_dcp.save(sd, f"{tmp}/k", workers=workers, sync_files=False)
+                finally:
+                    stop.set()
+                    busy.join()
+                kept.append(result.phases["fork"])
+                kept_used.add(result.executor)
+                shutil.rmtree(f"{tmp}/k")
             rows.append(
                 {
                     "gib": gib,
                     "bare_fork_s": statistics.median(forks),
                     "save_processes_fork_phase_s": statistics.median(saves),
                     "saver_fork_phase_s": statistics.median(savers),
+                    "kept_workers_fork_phase_s": statistics.median(kept),
+                    "kept_workers_executor": sorted(kept_used),  # "saver": the kept workers ran it
+                    "fork_phases_s": {"processes": saves, "saver": savers, "kept": kept},
                 }
             )
             print(rows[-1], flush=True)
             del sd
-        rows.append({"saver_start_s": saver.start_seconds, "workers": workers})
+        rows.append({"saver_start_s": saver.start_seconds, "workers": workers, "dir": root})
     return rows
 
 
@@ -197,6 +216,7 @@ def main() -> None:
     parser.add_argument("--only", default="governor,gil,start,tail")
     parser.add_argument("--out", default=None)
     parser.add_argument("--sizes", default="0.5,2,4", help="start: state dict sizes in GiB (the issue asks 0.5,2,8)")
+    parser.add_argument("--start-dir", default="/dev/shm", help="start: where its saves write (8 GiB: the disk)")
     parser.add_argument("--kinds", default="auto,threads,processes,saver", help="gil: executors (saver: a Saver)")
     parser.add_argument("--modes", default=",".join(_MODES), help="gil: alone, beside a busy thread, a busy process")
     args = parser.parse_args()
@@ -213,7 +233,7 @@ def main() -> None:
         modes = tuple(m for m in _MODES if m in args.modes.split(","))
         report["gil"] = gil(args.rounds, ["/dev/shm", args.dir], 1, args.kinds.split(","), modes)
     if "start" in only:
-        report["start"] = start(args.rounds, "/dev/shm", args.workers, [float(g) for g in args.sizes.split(",")])
+        report["start"] = start(args.rounds, args.start_dir, args.workers, [float(g) for g in args.sizes.split(",")])
     if "tail" in only:
         report["tail"] = tail(args.rounds, "/dev/shm", args.workers)
     report["load_average_at_end"] = os.getloadavg()

@@ -434,6 +434,31 @@ def test_executor_projections_from_pieces() -> None:
     assert any("governor reading at 8 workers: cheap 0.100" in line for line in lines)
 
 
+def test_a_probe_of_many_tensors_is_busy_on_a_subset_scaled_per_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from parallel_dcp.benchmark import pieces
+
+    monkeypatch.setattr(pieces, "BUSY_PROBE_KEYS", 8)
+    state = {"optimizer": {f"{i}": {"exp_avg": torch.randn(64 + i)} for i in range(20)}}
+    probe = pieces.probe_executors(state, str(tmp_path), rounds=1, sync=False)
+    for kind in pieces.PROBED:
+        got = probe[kind]
+        sub = got["busy_probe"]
+        assert (sub["keys"], sub["of_keys"]) == (8, 20)
+        assert sub["scale"] == pytest.approx(got["alone_seconds"] / sub["alone_seconds"])
+        assert got["busy_thread_seconds"] == pytest.approx(sub["busy_thread_seconds"] * sub["scale"])
+        assert got["busy_process_seconds"] == pytest.approx(sub["busy_process_seconds"] * sub["scale"])
+    executors = pieces.executor_projections(probe, nbytes=4096, keys=20)
+    assert executors["threads"]["busy_probe"]["keys"] == 8
+    lines = pieces.executor_lines(executors, None)
+    assert any(line.startswith("  threads: busy rows probed on 8 of 20 tensors") for line in lines)
+    assert list(tmp_path.iterdir()) == []
+    # A state dict of no more tensors than that is probed busy in full.
+    small = pieces.probe_executors({"w": torch.ones(4)}, str(tmp_path), rounds=1, sync=False)
+    assert all("busy_probe" not in small[kind] for kind in pieces.PROBED)
+
+
 def test_staggered_work() -> None:
     from parallel_dcp.benchmark.scaling import staggered_work_seconds
 

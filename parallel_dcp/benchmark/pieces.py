@@ -14,11 +14,20 @@
                default where it resolved to threads); speedup = measured wall alone / T(N)
 
 A projection, labelled as one: storage is not the bottleneck, and the inputs are this run's.
+
+    busy rows  a state dict of more than BUSY_PROBE_KEYS tensors (50,000 small ones) is saved
+               alone in full, but beside the busy thread and process on its first BUSY_PROBE_KEYS
+               tensors only (alone too, in the same round): writer threads beside a busy thread
+               take the GIL back at every record, and the full dict's probe ran past 11 minutes.
+               Those busy times are scaled per key, by the full dict's time alone over the
+               subset's (G, a ratio, is the subset's), and labelled so in the output and the JSON
+               (``busy_probe``: keys probed, of how many, the subset's own seconds, the scale).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -30,14 +39,17 @@ from typing import Any
 
 import parallel_dcp
 from parallel_dcp.benchmark.scaling import PROJECTED_COUNTS, staggered_work_seconds
+from parallel_dcp.benchmark.writers import flat_tensors
 
-__all__ = ["PROBED", "executor_lines", "executor_projections", "probe_executors"]
+__all__ = ["BUSY_PROBE_KEYS", "PROBED", "executor_lines", "executor_projections", "probe_executors"]
 
 # "default" is save() with no executor given; "saver" is a Saver's second save.
 PROBED = ("default", "threads", "processes", "saver")
 _BUSY = ("thread", "process")
 _GIL_BOUND = ("threads",)  # executors whose writers share the caller's interpreter
 _GiB = 2**30
+# Beside a busy thread, a state dict of more tensors than this is probed on this many (see above).
+BUSY_PROBE_KEYS = 2000
 
 
 def _busy(stop: threading.Event) -> None:
@@ -84,47 +96,67 @@ def _beside(mode: str) -> Iterator[None]:
 
 def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict[str, Any]:
     """Medians per executor of a save alone, beside a busy thread and beside a busy process (see
-    the module docstring)."""
+    the module docstring: a state dict of many tensors is probed busy on a subset, scaled per key)."""
+    tensors = flat_tensors(state_dict)
+    subset = dict(itertools.islice(tensors.items(), BUSY_PROBE_KEYS)) if len(tensors) > BUSY_PROBE_KEYS else None
     alone: dict[str, list[tuple[float, float, dict[str, float], str]]] = {kind: [] for kind in PROBED}
     busy: dict[tuple[str, str], list[float]] = {(kind, mode): [] for kind in PROBED for mode in _BUSY}
+    subset_alone: dict[str, list[float]] = {kind: [] for kind in PROBED}
     out = f"{root}/probe"
     with parallel_dcp.Saver(workers=1) as saver:
 
-        def once(kind: str) -> Any:
+        def once(kind: str, sd: Any) -> Any:
             if kind == "saver":
-                return saver.save(state_dict, out, sync_files=sync)
+                return saver.save(sd, out, sync_files=sync)
             if kind == "default":  # no executor given: what a user gets
-                return parallel_dcp.save(state_dict, out, workers=1, sync_files=sync)
-            return parallel_dcp.save(state_dict, out, workers=1, sync_files=sync, executor=kind)
+                return parallel_dcp.save(sd, out, workers=1, sync_files=sync)
+            return parallel_dcp.save(sd, out, workers=1, sync_files=sync, executor=kind)
 
-        first = once("saver")  # the Saver's first save: it starts its workers
+        def timed(kind: str, sd: Any, mode: str) -> tuple[float, Any]:
+            with _beside(mode):
+                began = time.perf_counter()
+                result = once(kind, sd)
+                wall = time.perf_counter() - began
+            shutil.rmtree(out)
+            return wall, result
+
+        first = once("saver", state_dict)  # the Saver's first save: it starts its workers
         shutil.rmtree(out)
         for _ in range(max(1, rounds)):
             for kind in PROBED:
-                for mode in ("alone", *_BUSY):
-                    with _beside(mode):
-                        began = time.perf_counter()
-                        result = once(kind)
-                        wall = time.perf_counter() - began
-                    shutil.rmtree(out)
-                    if mode != "alone":
-                        busy[(kind, mode)].append(wall)
-                    else:
-                        inside = sum(w.seconds for w in result.per_worker)
-                        alone[kind].append((wall, inside, dict(result.phases), result.executor))
+                wall, result = timed(kind, state_dict, "alone")
+                inside = sum(w.seconds for w in result.per_worker)
+                alone[kind].append((wall, inside, dict(result.phases), result.executor))
+                if subset is not None:
+                    subset_alone[kind].append(timed(kind, subset, "alone")[0])
+                for mode in _BUSY:
+                    busy[(kind, mode)].append(timed(kind, subset if subset is not None else state_dict, mode)[0])
         start_seconds = saver.start_seconds
     found: dict[str, Any] = {}
     for kind in PROBED:
         runs = alone[kind]
         wall = _median([r[0] for r in runs])
+        thread, process = _median(busy[(kind, "thread")]), _median(busy[(kind, "process")])
+        scale = 1.0
+        if subset is not None:
+            scale = wall / _median(subset_alone[kind])
         found[kind] = {
             "executor_used": runs[-1][3],
             "alone_seconds": wall,
-            "busy_thread_seconds": _median(busy[(kind, "thread")]),
-            "busy_process_seconds": _median(busy[(kind, "process")]),
+            "busy_thread_seconds": thread * scale,
+            "busy_process_seconds": process * scale,
             "worker_seconds": _median([r[1] for r in runs]),
             "phases": {name: _median([r[2].get(name, 0.0) for r in runs]) for name in runs[0][2]},
         }
+        if subset is not None:
+            found[kind]["busy_probe"] = {
+                "keys": len(subset),
+                "of_keys": len(tensors),
+                "alone_seconds": _median(subset_alone[kind]),
+                "busy_thread_seconds": thread,
+                "busy_process_seconds": process,
+                "scale": scale,
+            }
     found["saver"]["first_save_start_seconds"] = first.phases.get("fork", 0.0)
     found["saver"]["saver_start_seconds"] = start_seconds
     return found
@@ -169,6 +201,8 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
             "gil_capped": capped,
             "rows": rows,
         }
+        if "busy_probe" in got:  # the busy rows were probed on a subset, scaled per key
+            found[kind]["busy_probe"] = got["busy_probe"]
     return found
 
 
@@ -181,6 +215,13 @@ def executor_lines(executors: dict[str, Any], governor: list[dict[str, Any]] | N
     """Printed pieces and projection per executor; every projected figure says so."""
     lines = ["PIECES (measured in this run, workers=1: alone, beside one busy Python thread, beside one busy process):"]
     for kind, e in executors.items():
+        if "busy_probe" in e:
+            sub = e["busy_probe"]
+            lines.append(
+                f"  {kind}: busy rows probed on {sub['keys']:,} of {sub['of_keys']:,} tensors (alone"
+                f" {sub['alone_seconds']:.3f} s, busy thread {sub['busy_thread_seconds']:.3f} s, busy process"
+                f" {sub['busy_process_seconds']:.3f} s), scaled per key by {sub['scale']:.2f} below"
+            )
         lines.append(
             f"  {kind} ({e['executor_used']}): alone {e['measured_seconds_alone']:.3f} s, busy thread"
             f" {e['measured_seconds_busy_thread']:.3f} s, busy process {e['measured_seconds_busy_process']:.3f} s,"

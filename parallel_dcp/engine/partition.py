@@ -9,9 +9,13 @@ entries spread as evenly as a few large embeddings do.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import itemgetter
 from typing import NamedTuple
 
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES
@@ -91,12 +95,12 @@ def partition(
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    keys = [item.key for item in items]
-    if len(set(keys)) != len(keys):
+    if len(set(map(_key, items))) != len(items):
         raise ValueError("partition needs unique keys")
     if not items:
         return []
-    total = sum(item.cost for item in items)
+    # Column sums (C loops over the named tuples): this runs once over every key of a 50,000-key job.
+    total = sum(map(_nbytes, items)) + ITEM_OVERHEAD_BYTES * len(items)
     wanted = max(workers * TASKS_PER_WORKER, 1)
     wanted = min(wanted, max(workers, math.ceil(total / MIN_TASK_BYTES)))
     n_bins = min(len(items), wanted)
@@ -106,18 +110,15 @@ def partition(
         buffers = memory + item.memory - item.transient if memory_adds_up else max(memory, item.memory)
         return buffers + ITEM_MEMORY_BYTES
 
-    ordered = sorted(items, key=_cost, reverse=True)
     # Where every item in one task would fit, no bin can overflow: plain LPT, memory added after.
-    everything = (
-        TASK_MEMORY_BYTES
-        + sum((it.memory - it.transient if memory_adds_up else it.memory) + ITEM_MEMORY_BYTES for it in items)
-        + max((it.transient for it in items), default=0)
-    )
+    kept = sum(map(_memory, items)) - (sum(map(_transient, items)) if memory_adds_up else 0)
+    everything = TASK_MEMORY_BYTES + kept + ITEM_MEMORY_BYTES * len(items) + max(map(_transient, items))
     if everything <= cap:
-        largest = _cost(ordered[0])
+        largest = max(map(_nbytes, items)) + ITEM_OVERHEAD_BYTES
         if largest * _SMALL_ITEMS_PER_BIN <= total / n_bins:
             return _tasks(_ranges(items, n_bins, total), memory_adds_up)
-        return _tasks(_lpt(ordered, n_bins), memory_adds_up)
+        return _tasks(_lpt(sorted(items, key=_cost, reverse=True), n_bins), memory_adds_up)
+    ordered = sorted(items, key=_cost, reverse=True)
     # Greedy LPT: each item, largest first, into the cheapest bin whose memory still fits it;
     # a new bin when none does. ``memory`` holds what a bin's items keep, ``transient`` the
     # largest read buffer among them (freed before the next item is read).
@@ -125,7 +126,17 @@ def partition(
     memory = [0] * n_bins
     transient = [0] * n_bins
     heap = [(0, i) for i in range(n_bins)]
-    for item in ordered:
+    lightest = _lightest_after(ordered, memory_adds_up)
+
+    def closed(i: int, after: int) -> bool:
+        """Bin ``i`` fits none of the items after ``after``: it leaves the heap for good, so
+        that a full bin is skipped once, not once per later item (keys x bins)."""
+        kept, largest_read = lightest[after]
+        if not memory_adds_up:
+            return TASK_MEMORY_BYTES + max(memory[i], kept) + ITEM_MEMORY_BYTES > cap
+        return TASK_MEMORY_BYTES + memory[i] + kept + ITEM_MEMORY_BYTES + max(transient[i], largest_read) > cap
+
+    for at, item in enumerate(ordered):
         skipped = []
         while (
             heap
@@ -149,7 +160,8 @@ def partition(
             transient[i] = max(transient[i], item.transient)
         heapq.heappush(heap, (cost + item.cost, i))
         for entry in skipped:
-            heapq.heappush(heap, entry)
+            if not closed(entry[1], at):
+                heapq.heappush(heap, entry)
 
     return _ranked(bins, [m + t for m, t in zip(memory, transient, strict=True)])
 
@@ -158,20 +170,37 @@ def _cost(item: Item) -> int:
     return item.nbytes + ITEM_OVERHEAD_BYTES
 
 
+def _lightest_after(ordered: list[Item], memory_adds_up: bool) -> list[tuple[float, float]]:
+    """For each position ``j`` of ``ordered``, lower bounds of what any item after ``j`` adds to a
+    bin: the least it keeps (its memory, less its read buffer when memory adds up) and the least
+    read buffer; past the last item, bounds that no bin fits (nothing is left to place)."""
+    bounds: list[tuple[float, float]] = [(0.0, 0.0)] * len(ordered)
+    kept: float = math.inf
+    largest_read: float = math.inf
+    for j in range(len(ordered) - 1, -1, -1):
+        bounds[j] = (kept, largest_read)
+        item = ordered[j]
+        kept = min(kept, item.memory - item.transient if memory_adds_up else item.memory)
+        largest_read = min(largest_read, item.transient)
+    return bounds
+
+
+_key, _nbytes, _memory, _transient = (itemgetter(i) for i in range(4))  # Item's fields, as columns
+
+
 def _ranges(items: Sequence[Item], n_bins: int, total: int) -> list[list[Item]]:
     """Consecutive runs of ``items`` (in their given order), each of about ``total / n_bins``:
     no run is off by more than one item's cost, and a task's keys stay together in the output
-    (its part of ``.metadata`` is one piece, in the source's order)."""
-    bins: list[list[Item]] = [[] for _ in range(n_bins)]
-    done, i = 0, 0
-    for item in items:
-        cost = item.nbytes + ITEM_OVERHEAD_BYTES
-        # The item goes where its middle falls: cuts land within half an item of the ideal.
-        while i < n_bins - 1 and (done + cost / 2) * n_bins >= (i + 1) * total:
-            i += 1
-        bins[i].append(item)
-        done += cost
-    return bins
+    (its part of ``.metadata`` is one piece, in the source's order).
+
+    An item goes where its middle falls (cuts land within half an item of the ideal): item ``j``
+    is in run ``i`` when ``i * total <= middle_j * n_bins < (i + 1) * total``. With ``2 * middle``
+    (whole numbers) increasing along the items, each of the ``n_bins - 1`` cuts is one bisection:
+    linear in the items, whatever the number of runs."""
+    costs = [nbytes + ITEM_OVERHEAD_BYTES for nbytes in map(_nbytes, items)]
+    middles = [2 * done + cost for done, cost in zip(accumulate(costs, initial=0), costs)]  # 2x each middle
+    cuts = [0] + [bisect_left(middles, -(-2 * i * total // n_bins)) for i in range(1, n_bins)] + [len(items)]
+    return [list(items[start:stop]) for start, stop in itertools.pairwise(cuts)]
 
 
 def _lpt(ordered: list[Item], n_bins: int) -> list[list[Item]]:
@@ -189,25 +218,25 @@ def _tasks(bins: list[list[Item]], memory_adds_up: bool) -> list[Task]:
     """Tasks of ``bins`` with the memory the checked loop of :func:`partition` would have added up."""
     held = []
     for b in bins:
-        memory = transient = 0
+        if memory_adds_up:  # in columns: the sum of what each item keeps, and the largest read buffer
+            kept = sum(map(_memory, b)) - sum(map(_transient, b)) + ITEM_MEMORY_BYTES * len(b)
+            held.append(kept + max(map(_transient, b), default=0))
+            continue
+        memory = 0
         for item in b:
-            if memory_adds_up:
-                memory += item.memory - item.transient + ITEM_MEMORY_BYTES
-                transient = max(transient, item.transient)
-            else:
-                memory = max(memory, item.memory) + ITEM_MEMORY_BYTES
-        held.append(memory + transient)
+            memory = max(memory, item.memory) + ITEM_MEMORY_BYTES
+        held.append(memory)
     return _ranked(bins, held)
 
 
 def _ranked(bins: list[list[Item]], held: list[int]) -> list[Task]:
     """The non-empty bins as tasks ``0..n-1``, costliest first."""
     filled = sorted(
-        ((b, m) for b, m in zip(bins, held, strict=True) if b),
-        key=lambda bm: sum(it.nbytes + ITEM_OVERHEAD_BYTES for it in bm[0]),
+        ((b, m, sum(map(_nbytes, b))) for b, m in zip(bins, held, strict=True) if b),
+        key=lambda bmn: bmn[2] + ITEM_OVERHEAD_BYTES * len(bmn[0]),
         reverse=True,
     )
     return [
-        Task(index=i, keys=tuple(it.key for it in b), nbytes=sum(it.nbytes for it in b), memory=TASK_MEMORY_BYTES + m)
-        for i, (b, m) in enumerate(filled)
+        Task(index=i, keys=tuple(map(_key, b)), nbytes=nbytes, memory=TASK_MEMORY_BYTES + m)
+        for i, (b, m, nbytes) in enumerate(filled)
     ]

@@ -127,12 +127,16 @@ class ThreadPool:
                 on_tick()
 
 
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
 def plain_value(value: Any) -> bool:
     """True for values whose pickling runs no user code (so a writer thread may pickle them)."""
     if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
         return True
     if isinstance(value, (list, tuple)):
-        return all(plain_value(v) for v in value)
+        # A list of plain scalars (an optimizer's 25,000 param ids) in one C pass over the types.
+        return set(map(type, value)) <= _ATOMS or all(plain_value(v) for v in value)
     if isinstance(value, dict):
         return all(isinstance(k, str) and plain_value(v) for k, v in value.items())
     return False

@@ -151,6 +151,11 @@ class Source(ABC):
         """Memory a worker allocates to read ``key`` (a source on disk: all its bytes)."""
         return self.entries[key].nbytes
 
+    def tensor_sizes(self) -> dict[str, tuple[int, int]]:
+        """``(Entry.nbytes, copied_bytes)`` per tensor where opening the source measured them in its
+        one pass over the keys (an in-memory state dict); else empty: a job sizes each key itself."""
+        return {}
+
     def transient_bytes(self, key: str) -> int:
         """The part of :meth:`copied_bytes` (and :meth:`chunk_memory`) that a read frees before
         it returns (a buffer the bytes pass through), so a task holds it for one key at a time."""

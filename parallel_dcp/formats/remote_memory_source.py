@@ -26,6 +26,7 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import numpy
@@ -46,6 +47,8 @@ __all__ = ["PENDING_MIN_BYTES", "RemoteMemorySource"]
 # costs more in per-tensor calls (a copy call, a fill) than its copy through a gathered buffer.
 PENDING_MIN_BYTES = 64 * 1024
 
+_dtype, _shape = attrgetter("dtype"), attrgetter("shape")
+
 
 @dataclass(frozen=True, slots=True)
 class _Layout:
@@ -64,10 +67,19 @@ class _Layout:
         first = self.address + chunk.start * self.strides[chunk.dim] * self.itemsize
         return _layout(first, chunk.sizes, self.strides, self.itemsize)
 
+    def memory(self) -> int:
+        """What a worker allocates: see :func:`_copied`."""
+        return _copied(self.span, self.nbytes)
+
     def pending(self) -> bool:
-        """Whether the writer copies these bytes itself, straight into its buffers: large enough,
-        and the span exactly the elements (contiguous, or a dense permutation: the storage)."""
+        """Whether the writer may copy these bytes itself, straight into its buffers: large
+        enough, and the span exactly the elements (contiguous, or a dense permutation: the storage)."""
         return self.span == self.nbytes >= PENDING_MIN_BYTES
+
+
+def _copied(span: int, nbytes: int) -> int:
+    """What a worker allocates for a tensor: the span copied, and DCP's copy of a view with gaps."""
+    return span + (nbytes if span != nbytes else 0)
 
 
 def _layout(address: int, sizes: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> _Layout:
@@ -87,7 +99,12 @@ def _layout(address: int, sizes: tuple[int, ...], strides: tuple[int, ...], item
 
 @dataclass
 class RemoteMemorySource(MemorySource):
-    """A :class:`MemorySource` whose pickled form carries where each tensor lies, not its bytes."""
+    """A :class:`MemorySource` whose pickled form carries where each tensor lies, not its bytes.
+
+    In the coordinator a tensor is its sizes (the columns :class:`MemorySource` keeps, with what a
+    worker copies) and the tensor itself; no :class:`_Layout` per key: the workers build those
+    from the columns the pickle carries (addresses and strides, read in one C pass each).
+    """
 
     # Whether the writer may copy large tensors itself (PendingTensor): only where it writes them
     # from a record template (torch.save's CRC off, a tested dtype) and on the lean path (no value
@@ -99,31 +116,51 @@ class RemoteMemorySource(MemorySource):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._owner = os.getpid()
-        for key in self.entries:
-            tensor = self._flat[key]
-            if type(tensor) not in lean._PLAIN or tensor.device.type != "cpu":
-                raise InvalidStateDictError(
-                    f"{key!r} is a {type(tensor).__name__} on {tensor.device}: a Saver writes plain CPU tensors; "
-                    "save this state dict with parallel_dcp.save"
-                )
-            self._layouts[key] = _layout(
-                tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size()
+        tensors = list(map(self._flat.__getitem__, self.entries))
+        if not self._plain:
+            key, tensor = next((k, t) for k, t in zip(self.entries, tensors, strict=True) if type(t) not in lean._PLAIN)
+            raise InvalidStateDictError(
+                f"{key!r} is a {type(tensor).__name__} on {tensor.device}: a Saver writes plain CPU tensors; "
+                "save this state dict with parallel_dcp.save"
             )
-        self.pending_writes = self.pending_writes and lean.lean_eligible(self._flat.values())
+        self.pending_writes = self.pending_writes and lean.lean_eligible(self.values.values())
+        # What a worker copies: a contiguous tensor's span is its bytes (torch's rule is _layout's);
+        # nothing for a tensor the writer copies itself.
+        contiguous = map(torch.Tensor.is_contiguous, tensors)
+        pends = self.pending_writes
+        self._sizes = {
+            key: (
+                nbytes,
+                (0 if pends and nbytes >= PENDING_MIN_BYTES and self.entries[key].dtype in LEAN_DTYPES else nbytes)
+                if whole
+                else self._memory(key, self._layout_of(key)),
+            )
+            for (key, (nbytes, _)), whole in zip(self._sizes.items(), contiguous, strict=True)
+        }
+
+    def _layout_of(self, key: str) -> _Layout:
+        """``key``'s layout: built on unpickling in a worker, from the tensor in the coordinator."""
+        layout = self._layouts.get(key)
+        if layout is not None:
+            return layout
+        tensor = self._flat[key]
+        return _layout(tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.element_size())
 
     def __getstate__(self) -> dict[str, Any]:
         # Columns of plain ints and strings, not one dataclass per key: pickling 50,000 Entry and
         # _Layout objects costs the coordinator ~10 us a key, these columns a fraction of that.
         state = dict(self.__dict__)
-        state["state_dict"], state["_flat"], state["entries"] = None, {}, {}
-        dtypes = {dtype: str(dtype).removeprefix("torch.") for dtype in {e.dtype for e in self.entries.values()}}
-        layouts = self._layouts
+        state["state_dict"], state["_flat"], state["entries"], state["_sizes"] = None, {}, {}, {}
+        entries = self.entries.values()
+        dtypes = list(map(_dtype, entries))
+        names = {dtype: str(dtype).removeprefix("torch.") for dtype in set(dtypes)}
+        tensors = list(map(self._flat.__getitem__, self.entries))
         state["_layouts"] = (
             tuple(self.entries),
-            [dtypes[e.dtype] for e in self.entries.values()],
-            [e.shape for e in self.entries.values()],
-            [layouts[k].strides for k in self.entries],
-            [layouts[k].address for k in self.entries],
+            list(map(names.__getitem__, dtypes)),
+            list(map(_shape, entries)),
+            list(map(torch.Tensor.stride, tensors)),
+            list(map(torch.Tensor.data_ptr, tensors)),
         )
         return state
 
@@ -141,20 +178,19 @@ class RemoteMemorySource(MemorySource):
         return True
 
     def copied_bytes(self, key: str) -> int:
-        return self._memory(key, self._layouts[key])
+        sizes = self._sizes.get(key)
+        return sizes[1] if sizes is not None else self._memory(key, self._layout_of(key))
 
     def chunk_memory(self, chunk: Chunk) -> int:
-        return self._memory(chunk.key, self._layouts[chunk.key].narrow(chunk))
+        return self._memory(chunk.key, self._layout_of(chunk.key).narrow(chunk))
 
     def _pends(self, key: str, layout: _Layout) -> bool:
         return self.pending_writes and layout.pending() and self.entries[key].dtype in LEAN_DTYPES
 
     def _memory(self, key: str, layout: _Layout) -> int:
         """What a worker allocates to read ``layout``: nothing where the writer copies it (see
-        ``_Layout.pending``); else the span copied, and DCP's copy of a view with gaps."""
-        if self._pends(key, layout):
-            return 0
-        return layout.span + (layout.nbytes if layout.span != layout.nbytes else 0)
+        :meth:`_Layout.pending`); else :meth:`_Layout.memory`."""
+        return 0 if self._pends(key, layout) else layout.memory()
 
     def read(self, keys: Iterable[str]) -> dict[str, Any]:  # type: ignore[override]
         """The tensors of ``keys``, in order: a :class:`PendingTensor` for each large one whose
@@ -165,7 +201,7 @@ class RemoteMemorySource(MemorySource):
         out: dict[str, Any] = dict.fromkeys(keys)
         copied = []
         for key in keys:
-            layout = self._layouts[key]
+            layout = self._layout_of(key)
             if self._pends(key, layout):
                 out[key] = self._pending(key, layout)
             else:
@@ -181,7 +217,7 @@ class RemoteMemorySource(MemorySource):
         return out
 
     def read_chunk(self, chunk: Chunk) -> Any:  # type: ignore[override]
-        layout = self._layouts[chunk.key].narrow(chunk)
+        layout = self._layout_of(chunk.key).narrow(chunk)
         return self._pending(chunk.key, layout) if self._pends(chunk.key, layout) else self._fetch(chunk.key, layout)
 
     def _pending(self, key: str, layout: _Layout) -> PendingTensor:

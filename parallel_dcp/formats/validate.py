@@ -9,7 +9,7 @@ import torch
 
 from parallel_dcp.errors import InvalidStateDictError
 
-__all__ = ["flatten_checked", "flatten_structure"]
+__all__ = ["check_tensor", "flatten_checked", "flatten_structure"]
 
 
 def _check_keys(value: Any, path: str) -> None:
@@ -26,7 +26,8 @@ def _check_keys(value: Any, path: str) -> None:
             _check_keys(inner, f"{path}.{i}")
 
 
-def _check_tensor(key: str, tensor: torch.Tensor) -> None:
+def check_tensor(key: str, tensor: torch.Tensor) -> None:
+    """Raise InvalidStateDictError, naming ``key``, for a tensor that cannot be saved faithfully."""
     problem = None
     if tensor.is_meta or tensor.device.type == "meta":
         problem = "is a meta tensor (it has no data)"
@@ -40,9 +41,14 @@ def _check_tensor(key: str, tensor: torch.Tensor) -> None:
         raise InvalidStateDictError(f"tensor {key!r} {problem}")
 
 
+_SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
 def _terminal_list(value: list[Any]) -> bool:
     """DCP's rule for a list: kept whole (one value) unless it holds a tensor, a mapping, or a
     list that is not kept whole itself."""
+    if set(map(type, value)) <= _SCALARS:  # plain scalars (25,000 param ids): one C pass
+        return True
     for entry in value:
         if isinstance(entry, (Mapping, torch.Tensor)) or (isinstance(entry, list) and not _terminal_list(entry)):
             return False
@@ -66,6 +72,7 @@ def _flatten(state_dict: Mapping[Any, Any]) -> tuple[dict[str, Any], dict[str, t
     """
     flat: dict[str, Any] = {}
     mapping: dict[str, tuple[Any, ...]] = {}
+    tensor = torch.Tensor
 
     def leaf(path: tuple[Any, ...], name: str, value: Any) -> None:
         if isinstance(value, tuple):
@@ -91,7 +98,12 @@ def _flatten(state_dict: Mapping[Any, Any]) -> tuple[dict[str, Any], dict[str, t
                 _check_keys(node, prefix[:-1])  # raises, naming the key, unless a str subclass
                 key = str(key)  # what DCP's traversal does with it
             name = prefix + key
-            if isinstance(value, Mapping):
+            if isinstance(value, tensor):  # the common leaf, before the slower Mapping check
+                if name in flat:
+                    raise InvalidStateDictError(f"two keys flatten to the same name: duplicated flatten key {name}")
+                flat[name] = value
+                mapping[name] = (*path, key)
+            elif type(value) is dict or isinstance(value, Mapping):  # a plain dict before the ABC check
                 walk((*path, key), f"{name}.", value)
             elif isinstance(value, list) and not _terminal_list(value):
                 walk_list((*path, key), name, value)
@@ -102,8 +114,12 @@ def _flatten(state_dict: Mapping[Any, Any]) -> tuple[dict[str, Any], dict[str, t
     return flat, mapping
 
 
-def flatten_checked(state_dict: Any) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
-    """Flatten ``state_dict`` the way DCP does, refusing input that cannot be saved faithfully.
+def flatten_checked(
+    state_dict: Any, *, check_tensors: bool = True
+) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
+    """Flatten ``state_dict`` the way DCP does, refusing input that cannot be saved faithfully
+    (``check_tensors=False``: every check but :func:`check_tensor`, for a caller that runs it in
+    its own pass over the keys).
 
     Returns:
         ``(flat, mapping)``: flattened keys to values, and each key's path in the original
@@ -116,11 +132,12 @@ def flatten_checked(state_dict: Any) -> tuple[dict[str, Any], dict[str, tuple[An
     if not isinstance(state_dict, Mapping):
         raise InvalidStateDictError(f"a state dict must be a mapping, got {type(state_dict).__name__}")
     flat, mapping = _flatten(state_dict)
-    strided, cpu = torch.strided, "cpu"
+    if not check_tensors:
+        return flat, mapping
+    strided = torch.strided
     for key, value in flat.items():
         # The common case in three attribute reads; anything else gets the full check and its message.
-        if isinstance(value, torch.Tensor) and not (
-            value.device.type == cpu and value.layout == strided and not value.is_quantized
-        ):
-            _check_tensor(key, value)
+        plain = isinstance(value, torch.Tensor) and value.is_cpu and value.layout == strided
+        if isinstance(value, torch.Tensor) and not (plain and not value.is_quantized):
+            check_tensor(key, value)
     return flat, mapping

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,7 @@ class Job:
         """Each unit's place in ``keys``: where its entries go in ``.metadata`` (built once per
         process, on first use)."""
         if not self._positions and self.keys:
-            self._positions.update((unit, i) for i, unit in enumerate(self.keys))
+            self._positions.update(zip(self.keys, range(len(self.keys))))
         return self._positions
 
     def source_keys(self) -> list[str]:
@@ -87,6 +88,9 @@ class Job:
         ``admit(key, chunks, bytes)`` (the governor's ``admit_units``) runs before each tensor's
         chunks are built."""
         entries = self.source.entries
+        known = self.source.tensor_sizes()
+        if known and max(map(itemgetter(0), known.values())) <= threshold:
+            return self  # no tensor of the source needs splitting (one C pass over its sizes)
         if not any(entry.nbytes > threshold for entry in map(entries.get, self.keys) if entry is not None):
             return self  # nothing to split: this job, with the sizes it computed already (50,000 keys: 0.1 s)
         taken = set(self.keys)
@@ -115,8 +119,14 @@ class Job:
         """(bytes written, memory needed) of every unit, in ``keys`` order: the planning passes
         over 50,000 keys read this dict instead of calling :meth:`out_bytes` and :meth:`memory`."""
         if len(self._ordered_sizes) != len(self.keys):
+            known = self._sizes
+            if not known and self.dtype is None:  # uncast whole tensors: as the source sized them
+                known.update(self.source.tensor_sizes())
+            for unit in self.keys:
+                if unit not in known:  # values, chunks, casts
+                    self._sized(unit)
             self._ordered_sizes.clear()
-            self._ordered_sizes.update((unit, self._sized(unit)) for unit in self.keys)
+            self._ordered_sizes.update(zip(self.keys, map(known.__getitem__, self.keys)))
         return self._ordered_sizes
 
     def out_bytes(self, unit: str) -> int:
@@ -236,9 +246,16 @@ def prepare_io(target: Target, options: Options, *, probe: bool = True) -> Optio
     return dataclasses.replace(options, io=target.io)
 
 
+_new_tuple = tuple.__new__
+
+
 def _items(job: Job) -> list[Item]:
+    sizes = job.sizes()
+    if type(job.source).transient_bytes is Source.transient_bytes:  # reads through no buffer: all 0
+        # The tuples made directly (Item's generated __new__ is a Python call per key).
+        return [_new_tuple(Item, (key, nbytes, memory, 0)) for key, (nbytes, memory) in sizes.items()]
     transient = job.transient
-    return [Item(key, nbytes, memory, transient(key)) for key, (nbytes, memory) in job.sizes().items()]
+    return [Item(key, nbytes, memory, transient(key)) for key, (nbytes, memory) in sizes.items()]
 
 
 def _whole_file_memory(items: list[Item]) -> int:
@@ -288,7 +305,7 @@ class DcpTarget(Target):
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)
-        io = self.io_memory(sum(it.nbytes for it in items))  # one file per task: one stream
+        io = self.io_memory(sum(map(itemgetter(1), items)))  # one file per task: one stream
         tasks = partition(items, workers, max_task_memory=max(1, budget - io))
         # A task on the lean path (plain tensors) holds no DCP planner: a smaller fixed cost. It was
         # measured for local files; an upload to object storage keeps the full figure.

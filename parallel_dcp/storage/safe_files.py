@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import functools
 import os
 import stat
 from pathlib import Path
@@ -264,6 +265,7 @@ def rename_name(directory: int, source: str, target: str, *, replace: bool) -> N
     os.unlink(source, dir_fd=directory)
 
 
+@functools.cache  # find_library runs ldconfig in a subprocess: once per process, not per rename
 def _renameat2() -> Any:
     libc_name = ctypes.util.find_library("c")
     return getattr(ctypes.CDLL(libc_name, use_errno=True), "renameat2", None) if libc_name else None
