@@ -6,10 +6,11 @@ import gc
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import psutil
 import pytest
@@ -148,8 +149,8 @@ def test_an_item_over_the_limit_fails_before_any_write(tmp_path: Path) -> None:
     # The limit leaves room for the two workers' planned resting cost (WORKER_MEMORY_BYTES each).
     with parallel_dcp.Saver(workers=2, memory_limit="48MiB") as saver:
         with pytest.raises(MemoryLimitExceeded, match=r"'big' needs .* more than the memory limit 48\.0 MiB"):
-            # 64 MiB, copied by a worker, never split
-            saver.save({"big": torch.zeros(16 * MiB)}, tmp_path / "ckpt", chunk_size="1GiB")
+            # a view with gaps: its 128 MiB span copied by a worker, then DCP's 64 MiB copy; never split
+            saver.save({"big": torch.zeros(32 * MiB)[::2]}, tmp_path / "ckpt", chunk_size="1GiB")
         assert list(tmp_path.iterdir()) == []
         saver.save({"w": torch.ones(4)}, tmp_path / "ckpt")  # the workers are still there to use
 
@@ -250,3 +251,25 @@ def test_two_savers_share_the_fork_server_and_closing_one_leaves_the_other_worki
         assert result.executor == "saver"
     assert_same(_stock_load(tmp_path / "ckpt", sd), sd)
     assert not psutil.Process().children()
+
+
+class _SwitchProbe:
+    """A value pickled by the coordinator: notes the switch interval while the save runs."""
+
+    seen: ClassVar[list[float]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        _SwitchProbe.seen.append(sys.getswitchinterval())
+        return {}
+
+
+def test_the_coordinator_takes_the_gil_back_promptly_during_a_save_and_restores_it(tmp_path: Path) -> None:
+    from parallel_dcp.jobs.saver import COORDINATOR_SWITCH_S
+
+    before = sys.getswitchinterval()
+    assert before > COORDINATOR_SWITCH_S
+    _SwitchProbe.seen.clear()
+    with parallel_dcp.Saver(workers=1) as saver:
+        saver.save({"w": torch.ones(4), "probe": _SwitchProbe()}, tmp_path / "ckpt")
+    assert _SwitchProbe.seen and set(_SwitchProbe.seen) == {COORDINATOR_SWITCH_S}
+    assert sys.getswitchinterval() == before

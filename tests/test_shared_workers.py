@@ -62,7 +62,7 @@ def test_small_saves_never_start_them(tmp_path: Path) -> None:
     assert not psutil.Process().children()
 
 
-def test_alone_a_large_save_runs_on_writer_threads_and_beside_a_thread_on_kept_workers(
+def test_alone_a_large_save_runs_on_writer_threads_and_beside_a_thread_or_while_warm_on_kept_workers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(shared_workers, "MIN_BYTES", 2 * MiB)
@@ -98,9 +98,16 @@ def test_alone_a_large_save_runs_on_writer_threads_and_beside_a_thread_on_kept_w
         busy.join()
     assert beside.executor == "saver"
     assert shared_workers._workers is not None  # kept for the next save beside a busy thread
-    again = parallel_dcp.save(_state(), tmp_path / "again", workers=1)  # alone again: threads, faster
-    assert again.executor == "threads"
-    assert _shards(tmp_path / "alone") == _shards(tmp_path / "beside") == _shards(tmp_path / "again")
+    again = parallel_dcp.save(_state(), tmp_path / "again", workers=1)  # alone, but they are warm
+    assert again.executor == "saver"
+    other_count = parallel_dcp.save(_state(), tmp_path / "two", workers=2)  # none warm for 2: no start
+    assert other_count.executor == "threads" and shared_workers._workers is not None
+    assert shared_workers._workers.workers == 1
+    shared_workers.stop()
+    cold = parallel_dcp.save(_state(), tmp_path / "cold", workers=1)  # alone and cold: threads
+    assert cold.executor == "threads" and shared_workers._workers is None
+    shards = _shards(tmp_path / "alone")
+    assert shards == _shards(tmp_path / "beside") == _shards(tmp_path / "again") == _shards(tmp_path / "cold")
 
 
 def test_torchs_own_busy_threads_do_not_count() -> None:

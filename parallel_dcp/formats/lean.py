@@ -45,14 +45,16 @@ from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.formats.metadata_pickle import dict_fragment
 from parallel_dcp.storage.manifest import FileDigest
+from parallel_dcp.storage.pending import PendingTensor
 from parallel_dcp.storage.read_ahead import StreamedTensor
 from parallel_dcp.storage.writers import ShardWriter
 
 __all__ = ["LeanPart", "build", "encode", "lean_eligible", "write_part"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-# What write_part writes as a tensor record: a tensor, or one whose bytes are read ahead from a file.
-_TENSORS = (torch.Tensor, StreamedTensor)
+# What write_part writes as a tensor record: a tensor, one whose bytes are read ahead from a file,
+# or one another process holds (a Saver's).
+_TENSORS = (torch.Tensor, StreamedTensor, PendingTensor)
 
 
 @dataclass(slots=True)
@@ -91,7 +93,7 @@ def file_name(part_idx: int, file_tag: str) -> str:
 def write_part(
     writer: ShardWriter,
     whole: dict[str, Any],
-    chunks: Sequence[tuple[Chunk, torch.Tensor | StreamedTensor]],
+    chunks: Sequence[tuple[Chunk, torch.Tensor | StreamedTensor | PendingTensor]],
     part_idx: int,
     file_tag: str,
 ) -> LeanPart:

@@ -3,13 +3,21 @@
     coordinator (holds the state dict)             worker (started before the state dict existed)
     ──────────────────────────────────             ──────────────────────────────────────────────
     flatten, check; per tensor: address,           unpickles the source: entries, values, layouts
-    shape, strides, dtype (no bytes)  ── pickle ─▶ read(keys): a fresh buffer per tensor, filled by
-                                                   process_vm_readv from the coordinator (one copy,
-                                                   GIL released), viewed with the same strides
+    shape, strides, dtype (no bytes)  ── pickle ─▶ read(keys):
+                                                   - a tensor of >= PENDING_MIN_BYTES whose storage
+                                                     is exactly its bytes: a PendingTensor; the
+                                                     writer copies it with process_vm_readv straight
+                                                     into its aligned buffer (one copy, GIL released,
+                                                     no fresh memory: storage/pending.py)
+                                                   - smaller ones: one gathered read (a call per
+                                                     1,024 tensors) into one fresh buffer
+                                                   - a view with gaps: its span copied, then DCP's
+                                                     copy of its elements
 
-The worker copies a tensor's bytes instead of sharing its pages, so every read is charged in full
-(``copied_bytes``, ``chunk_memory``): admission plans for it. The coordinator must keep the tensors
-alive and unchanged until the save returns (it does: the caller is inside ``save``).
+Only what is copied into fresh memory is charged (``copied_bytes``, ``chunk_memory``): admission
+plans for it; a pending tensor costs the writer's buffers, which the task's stream charges already.
+The coordinator must keep the tensors alive and unchanged until the save returns (it does: the
+caller is inside ``save``).
 """
 
 from __future__ import annotations
@@ -30,8 +38,14 @@ from parallel_dcp.errors import InvalidStateDictError
 from parallel_dcp.formats import lean
 from parallel_dcp.formats.base import Entry
 from parallel_dcp.formats.memory_format import MemorySource
+from parallel_dcp.storage.pending import PendingTensor
+from parallel_dcp.storage.records import LEAN_DTYPES
 
-__all__ = ["RemoteMemorySource"]
+__all__ = ["PENDING_MIN_BYTES", "RemoteMemorySource"]
+
+# Tensors at least this large are copied by the writer, straight into its buffers; a smaller one
+# costs more in per-tensor calls (a copy call, a fill) than its copy through a gathered buffer.
+PENDING_MIN_BYTES = 64 * 1024
 
 _dtype, _shape = attrgetter("dtype"), attrgetter("shape")
 
@@ -56,6 +70,11 @@ class _Layout:
     def memory(self) -> int:
         """What a worker allocates: see :func:`_copied`."""
         return _copied(self.span, self.nbytes)
+
+    def pending(self) -> bool:
+        """Whether the writer may copy these bytes itself, straight into its buffers: large
+        enough, and the span exactly the elements (contiguous, or a dense permutation: the storage)."""
+        return self.span == self.nbytes >= PENDING_MIN_BYTES
 
 
 def _copied(span: int, nbytes: int) -> int:
@@ -87,6 +106,10 @@ class RemoteMemorySource(MemorySource):
     from the columns the pickle carries (addresses and strides, read in one C pass each).
     """
 
+    # Whether the writer may copy large tensors itself (PendingTensor): only where it writes them
+    # from a record template (torch.save's CRC off, a tested dtype) and on the lean path (no value
+    # that DCP's planner must see); else every tensor is copied here and charged.
+    pending_writes: bool = True
     _owner: int = 0
     _layouts: dict[str, _Layout] = field(default_factory=dict, repr=False)
 
@@ -100,10 +123,18 @@ class RemoteMemorySource(MemorySource):
                 f"{key!r} is a {type(tensor).__name__} on {tensor.device}: a Saver writes plain CPU tensors; "
                 "save this state dict with parallel_dcp.save"
             )
-        # What a worker copies: a contiguous tensor's span is its bytes (torch's rule is _layout's).
+        self.pending_writes = self.pending_writes and lean.lean_eligible(self.values.values())
+        # What a worker copies: a contiguous tensor's span is its bytes (torch's rule is _layout's);
+        # nothing for a tensor the writer copies itself.
         contiguous = map(torch.Tensor.is_contiguous, tensors)
+        pends = self.pending_writes
         self._sizes = {
-            key: (nbytes, _copied(nbytes, nbytes) if whole else self._layout_of(key).memory())
+            key: (
+                nbytes,
+                (0 if pends and nbytes >= PENDING_MIN_BYTES and self.entries[key].dtype in LEAN_DTYPES else nbytes)
+                if whole
+                else self._memory(key, self._layout_of(key)),
+            )
             for (key, (nbytes, _)), whole in zip(self._sizes.items(), contiguous, strict=True)
         }
 
@@ -148,29 +179,54 @@ class RemoteMemorySource(MemorySource):
 
     def copied_bytes(self, key: str) -> int:
         sizes = self._sizes.get(key)
-        return sizes[1] if sizes is not None else self._layout_of(key).memory()
+        return sizes[1] if sizes is not None else self._memory(key, self._layout_of(key))
 
     def chunk_memory(self, chunk: Chunk) -> int:
-        return self._layout_of(chunk.key).narrow(chunk).memory()
+        return self._memory(chunk.key, self._layout_of(chunk.key).narrow(chunk))
 
-    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The tensors of ``keys``, copied in one gathered read into one buffer: each tensor owns
-        just its bytes of it (an alias, as ``exact_storage`` makes), so writers see whole tensors."""
+    def _pends(self, key: str, layout: _Layout) -> bool:
+        return self.pending_writes and layout.pending() and self.entries[key].dtype in LEAN_DTYPES
+
+    def _memory(self, key: str, layout: _Layout) -> int:
+        """What a worker allocates to read ``layout``: nothing where the writer copies it (see
+        :meth:`_Layout.pending`); else :meth:`_Layout.memory`."""
+        return 0 if self._pends(key, layout) else layout.memory()
+
+    def read(self, keys: Iterable[str]) -> dict[str, Any]:  # type: ignore[override]
+        """The tensors of ``keys``, in order: a :class:`PendingTensor` for each large one whose
+        storage is exactly its bytes (the writer copies it); the others copied in one gathered
+        read into one buffer, each owning just its bytes of it (an alias, as ``exact_storage``
+        makes), so writers see whole tensors."""
         keys = list(keys)
-        layouts = [self._layouts[key] for key in keys]
-        buffer = numpy.empty(sum(layout.span for layout in layouts), dtype=numpy.uint8)
+        out: dict[str, Any] = dict.fromkeys(keys)
+        copied = []
+        for key in keys:
+            layout = self._layout_of(key)
+            if self._pends(key, layout):
+                out[key] = self._pending(key, layout)
+            else:
+                copied.append((key, layout))
+        buffer = numpy.empty(sum(layout.span for _, layout in copied), dtype=numpy.uint8)
         if buffer.size:
-            read_gathered(self._owner, [(layout.address, layout.span) for layout in layouts], buffer.ctypes.data)
-        out: dict[str, torch.Tensor] = {}
+            read_gathered(self._owner, [(layout.address, layout.span) for _, layout in copied], buffer.ctypes.data)
         offset = 0
-        for key, layout in zip(keys, layouts, strict=True):
+        for key, layout in copied:
             piece = torch.from_numpy(buffer[offset : offset + layout.span])
             out[key] = self._shaped(key, layout, piece)
             offset += layout.span
         return out
 
-    def read_chunk(self, chunk: Chunk) -> torch.Tensor:
-        return self._fetch(chunk.key, self._layouts[chunk.key].narrow(chunk))
+    def read_chunk(self, chunk: Chunk) -> Any:  # type: ignore[override]
+        layout = self._layout_of(chunk.key).narrow(chunk)
+        return self._pending(chunk.key, layout) if self._pends(chunk.key, layout) else self._fetch(chunk.key, layout)
+
+    def _pending(self, key: str, layout: _Layout) -> PendingTensor:
+        owner, address = self._owner, layout.address
+
+        def fill(offset: int, nbytes: int, destination: int) -> None:
+            read_into(owner, address + offset, nbytes, destination)
+
+        return PendingTensor(self.entries[key].dtype, layout.sizes, layout.strides, layout.nbytes, fill)
 
     def _fetch(self, key: str, layout: _Layout) -> torch.Tensor:
         buffer = torch.empty(layout.span, dtype=torch.uint8)

@@ -6,7 +6,8 @@
     saver.save(sd, p)   the pipeline of parallel_dcp.save (plan, stage, run, commit, publish) on
        │                  those workers: the job (keys, tensor addresses) is pickled once and each
        │                  worker copies it out of the caller; then each task's tensor bytes, the
-       │                  same way (formats/remote_memory_source.py)
+       │                  same way, straight into the writer's buffers (formats/remote_memory_source.py,
+       │                  storage/pending.py), which each worker keeps from one task to the next
     failure             the pool is stopped (as save does), the next save starts a new one
     close()             workers asked to exit and reaped, then the fork server stopped (unless
                           it ran before: it may serve the caller's own processes)
@@ -19,9 +20,12 @@ save runs as ``parallel_dcp.save`` does, forking its workers.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from parallel_dcp._compat import forget_inherited_fork_server, fork_server_pid, running_servers, stop_fork_server
@@ -35,8 +39,17 @@ from parallel_dcp.jobs import pipeline
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.targets import DcpTarget, Job, prepare_io
 from parallel_dcp.options import Options
+from parallel_dcp.storage.direct_write import DEPTH, keep_buffers
 
-__all__ = ["SaverWorkers"]
+__all__ = ["COORDINATOR_SWITCH_S", "SaverWorkers"]
+
+# During a save on these workers the caller's thread mostly waits on them. Each time it wakes (a
+# result, the watchdog's sample) or comes back from a system call while a busy Python thread of the
+# caller holds the GIL, it waits out the switch interval (5 ms by default) before it runs again:
+# planning, dispatching and committing then take several times longer. During the save it asks for
+# the GIL back after this long instead (restored after; while the coordinator sleeps, the busy
+# thread runs undisturbed).
+COORDINATOR_SWITCH_S = 0.0005
 
 _PROBE = b"parallel_dcp reads the caller's memory"
 # Imported once in the fork server, so that no worker imports them itself (~1 s of CPU each):
@@ -82,6 +95,27 @@ _server = _ServerUsers()
 os.register_at_fork(after_in_child=_server.forget)
 
 
+@contextmanager
+def prompt_gil() -> Iterator[None]:
+    """Lower the interpreter's switch interval to :data:`COORDINATOR_SWITCH_S` for the block
+    (unless it is lower already), then restore it (unless someone changed it meanwhile)."""
+    before = sys.getswitchinterval()
+    if before <= COORDINATOR_SWITCH_S:
+        yield
+        return
+    sys.setswitchinterval(COORDINATOR_SWITCH_S)
+    try:
+        yield
+    finally:
+        if sys.getswitchinterval() == COORDINATOR_SWITCH_S:
+            sys.setswitchinterval(before)
+
+
+def _worker_start() -> None:
+    """In each worker: keep the aligned write buffers from one task (and save) to the next."""
+    keep_buffers(DEPTH)
+
+
 def _no_job(task: Task) -> Any:
     raise RuntimeError(f"task {task.index} reached a Saver worker without its job")
 
@@ -117,7 +151,7 @@ class SaverWorkers:
 
     def _start(self) -> float:
         started = time.perf_counter()
-        pool = WorkerPool(self.workers, _no_job, fork_server=_PRELOAD)
+        pool = WorkerPool(self.workers, _no_job, initializer=_worker_start, fork_server=_PRELOAD)
         try:
             probe = bytearray(_PROBE)
             results = list(pool.run([Task(0, (), 0)], handler=_Probe(RemoteBytes.of(probe))))
@@ -140,6 +174,10 @@ class SaverWorkers:
     def save(self, state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult | None:
         """The save on these workers; None where the kernel refused their reads of this process
         (warned once): the caller then saves as ``parallel_dcp.save`` does, forking per save."""
+        with prompt_gil():
+            return self._save(state_dict, path, options)
+
+    def _save(self, state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult | None:
         if os.getpid() != self.owner:
             raise RuntimeError(
                 f"this Saver belongs to process {self.owner}, not to its fork {os.getpid()}: "
@@ -160,7 +198,7 @@ class SaverWorkers:
         held = [*([server] if server else []), *pool.pids]
         governor = MemoryGovernor(options.memory_ceiling(), held=held, charges=self._charges)
         with gc_paused():
-            source = RemoteMemorySource(str(path), state_dict=state_dict)
+            source = RemoteMemorySource(str(path), state_dict=state_dict, pending_writes=not options.crc32)
             job = Job(source, source.keys())
         try:
             result = pipeline.run_job(job, target, options, governor, start=start, pool=pool)

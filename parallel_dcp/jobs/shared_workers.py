@@ -2,12 +2,14 @@
 
 With ``executor="auto"`` (the default), an in-memory state dict holding at least ``MIN_BYTES`` of
 tensors, saved while another Python thread of the caller is busy (it kept a quarter of a core busy over
-its life: ``other_threads``), is saved as a ``parallel_dcp.Saver`` saves it: by workers forked from
-a fork server (torch imported, none of the caller's memory) that copy the tensors straight out of
-the caller with ``process_vm_readv``. The bytes never pass through the caller's interpreter, so a
-busy Python thread in the caller (a data loader, a heartbeat) does not slow the save down by
-taking the GIL back at every buffer, and starting the workers does not grow with what the caller
-holds. Alone, the save runs on writer threads as before (faster there: no copy into the workers).
+its life: ``other_threads``), or while the kept workers run (``warm``: started by such a save), is
+saved as a ``parallel_dcp.Saver`` saves it: by workers forked from a fork server (torch imported,
+none of the caller's memory) that copy the tensors straight out of the caller with
+``process_vm_readv``, into their write buffers. The bytes never pass through the caller's
+interpreter, so a busy Python thread in the caller (a data loader, a heartbeat) does not slow the
+save down by taking the GIL back at every buffer, and starting the workers does not grow with what
+the caller holds. Alone with no kept workers running, the save runs on writer threads as before:
+a one-off save does not pay the fork server's start.
 
 Lifetime (one pool per process):
 
@@ -41,7 +43,7 @@ from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.saver import SaverWorkers
 from parallel_dcp.options import Options
 
-__all__ = ["IDLE_SECONDS", "MIN_BYTES", "eligible", "save", "stop"]
+__all__ = ["IDLE_SECONDS", "MIN_BYTES", "eligible", "save", "stop", "warm"]
 
 MIN_BYTES = 256 * 2**20
 IDLE_SECONDS = 60.0
@@ -59,14 +61,28 @@ _timer: threading.Timer | None = None
 def eligible(state_dict: Any, options: Options) -> bool:
     """Whether ``save`` runs on the kept workers: the default executor, one process (not a
     distributed rank, not a resume), at least MIN_BYTES of tensors among the first values, and
-    another thread of this process busy (the GIL convoy they avoid). Alone, writer threads in
-    this process are faster (no copy into the workers: measured 0.47 s against 0.85 s for 1 GiB
-    on /dev/shm at one worker) and pay no fork server start (2-3 s on a loaded 2-core VM, once)."""
+    either another thread of this process busy (the GIL convoy they avoid) or the kept workers
+    already running with this worker count (warm: they copy the tensors once, straight into their
+    write buffers, as fast as writer threads alone on disk and within ~15% on /dev/shm; see
+    docs/performance.md). Alone and cold, writer threads run it: starting the fork server costs
+    more than the save (1-3 s, once) and gains nothing there."""
     if options.executor != "auto" or options.distributed or options.resume:
         return False
-    if not other_threads():
+    if not other_threads() and not warm(options.worker_count(2**31)):
         return False
     return _tensor_bytes_reach(state_dict, MIN_BYTES)
+
+
+def warm(workers: int) -> bool:
+    """Whether this process's kept workers are running, ``workers`` of them, and usable."""
+    kept = _workers
+    return (
+        kept is not None
+        and kept.owner == os.getpid()
+        and kept.workers == workers
+        and kept.refused is None
+        and kept._pool is not None
+    )
 
 
 def other_threads() -> bool:

@@ -42,6 +42,7 @@ from parallel_dcp.storage.io_mode import resolve_io, uses_direct
 from parallel_dcp.storage.location import Remote, locate, upload_memory
 from parallel_dcp.storage.manifest import FileDigest, Hasher, manifest_bytes, sidecar_name
 from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
+from parallel_dcp.storage.pending import PendingTensor
 from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck
 from parallel_dcp.storage.staging import stage_directory, stage_file
@@ -172,6 +173,8 @@ class Job:
             elif unit not in data:
                 data[unit] = self.source.values[unit]
         for unit, value in data.items():
+            if isinstance(value, PendingTensor) and self.out_dtype(value.dtype) != value.dtype:
+                value = value.materialize()  # cast: the bytes must be here
             if isinstance(value, torch.Tensor) and self.out_dtype(value.dtype) != value.dtype:
                 data[unit] = value.to(self.out_dtype(value.dtype))
         return data

@@ -17,8 +17,9 @@ import contextlib
 import ctypes
 import mmap
 import os
+import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -28,7 +29,18 @@ import numpy
 from parallel_dcp.storage.io_mode import ALIGN
 from parallel_dcp.storage.safe_files import create_new, open_directory
 
-__all__ = ["BUFFER_BYTES", "DEPTH", "MEMMOVE_BYTES", "DirectFile", "address", "direct_write_memory", "new_file"]
+__all__ = [
+    "BUFFER_BYTES",
+    "DEPTH",
+    "FILL_PIECE_BYTES",
+    "MEMMOVE_BYTES",
+    "DirectFile",
+    "address",
+    "direct_write_memory",
+    "keep_buffers",
+    "kept_buffers",
+    "new_file",
+]
 
 # Large enough that the device sees big requests, small enough that DEPTH of them stay cheap.
 BUFFER_BYTES = 8 << 20
@@ -46,6 +58,9 @@ def direct_write_memory() -> int:
     return BUFFER_BYTES * DEPTH + _THREADS_BYTES
 
 
+# A fill copies and hashes this much at a time (cache-sized: hashed before it leaves the cache).
+FILL_PIECE_BYTES = 1024 * 1024
+
 # Copies at least this large go through memmove (no GIL); smaller ones through the buffer protocol.
 MEMMOVE_BYTES = 256 << 10
 
@@ -53,6 +68,45 @@ MEMMOVE_BYTES = 256 << 10
 def address(view: memoryview) -> int:
     """The address of a contiguous buffer's first byte (read-only buffers too)."""
     return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
+
+
+# Buffers of finished files this process keeps for its next file (see keep_buffers).
+_spare: list[mmap.mmap] = []
+_spare_lock = threading.Lock()
+_keep = 0
+
+
+def keep_buffers(count: int) -> None:
+    """Keep up to ``count`` buffers of finished files for the next files this process writes
+    (default 0: none). A worker that lives on between saves (a ``parallel_dcp.Saver``'s) sets it
+    to :data:`DEPTH`: its files then fill pages already there, not fresh ones that fault in one
+    at a time (8 MiB a buffer), at the price of holding them while idle. 0 unmaps the kept ones."""
+    global _keep
+    with _spare_lock:
+        _keep = count
+        while len(_spare) > count:
+            _spare.pop().close()
+
+
+def kept_buffers() -> int:
+    """How many buffers this process keeps now."""
+    return len(_spare)
+
+
+def _take(size: int) -> mmap.mmap:
+    with _spare_lock:
+        if size == BUFFER_BYTES and _spare:
+            return _spare.pop()
+    return mmap.mmap(-1, size)
+
+
+def _give(buffer: mmap.mmap) -> bool:
+    """Keep ``buffer`` for the next file; False when it is not kept (the caller unmaps it)."""
+    with _spare_lock:
+        if len(buffer) != BUFFER_BYTES or len(_spare) >= _keep:
+            return False
+        _spare.append(buffer)
+        return True
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -80,7 +134,7 @@ class DirectFile:
             raise ValueError("buffer_bytes must be a multiple of 4096 and depth >= 2")
         self._fd = fd
         self._size = buffer_bytes
-        self._buffers = [mmap.mmap(-1, buffer_bytes) for _ in range(depth)]
+        self._buffers = [_take(buffer_bytes) for _ in range(depth)]
         self._views = [memoryview(b) for b in self._buffers]
         self._addresses = [address(v) for v in self._views]
         self._free: deque[int] = deque(range(1, depth))
@@ -115,6 +169,25 @@ class DirectFile:
             if self._fill == self._size:
                 self._submit()
         return total
+
+    def write_filled(
+        self, nbytes: int, fill: Callable[[int, int, int], None], done: Callable[[memoryview], None]
+    ) -> None:
+        """Write ``nbytes`` that ``fill(offset, n, address)`` copies straight into the aligned
+        buffers (no copy of ours), :data:`FILL_PIECE_BYTES` at a time; ``done`` sees each piece
+        where it landed, right after it is filled (the caller hashes it there)."""
+        if self._error is not None:
+            raise self._error
+        offset = 0
+        while offset < nbytes:
+            n = min(self._size - self._fill, nbytes - offset, FILL_PIECE_BYTES)
+            fill(offset, n, self._addresses[self._current] + self._fill)
+            with self._views[self._current][self._fill : self._fill + n] as piece:
+                done(piece)
+            self._fill += n
+            offset += n
+            if self._fill == self._size:
+                self._submit()
 
     def tell(self) -> int:
         return self._start + self._fill
@@ -161,6 +234,8 @@ class DirectFile:
         for view in self._views:
             view.release()
         for buffer in self._buffers:
+            if self._error is None and _give(buffer):
+                continue
             # A failed write's traceback may still hold a slice of its buffer: that buffer is
             # then unmapped when the traceback goes, not here.
             with contextlib.suppress(BufferError):

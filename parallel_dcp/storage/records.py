@@ -127,8 +127,11 @@ def template_for(tensor: torch.Tensor) -> Template | None:
     return template
 
 
-def class_template(dtype: torch.dtype, shape: tuple[int, ...]) -> Template | None:
-    """The record every contiguous CPU tensor of ``dtype`` and ``shape`` gets from the shard writer
+def class_template(
+    dtype: torch.dtype, shape: tuple[int, ...], strides: tuple[int, ...] | None = None
+) -> Template | None:
+    """The record every CPU tensor of ``dtype``, ``shape`` and ``strides`` (contiguous when None;
+    else a dense permutation: a storage exactly its bytes) gets from the shard writer
     (:func:`template_for` up to :data:`LEAN_MAX_BYTES`, torch.save's own record above), split
     around its bytes, so that a record can be written from bytes that never become a tensor
     (storage.read_ahead). None where the writer would not write the class that way: the CRC on
@@ -139,18 +142,33 @@ def class_template(dtype: torch.dtype, shape: tuple[int, ...]) -> Template | Non
     the CRC is off), so torch.save's own serialization id is kept: what the writer's torch.save of
     the real tensor gives, bit for bit (``tests/test_read_ahead.py``).
     """
-    if not _crc_off() or dtype not in LEAN_DTYPES:
+    if not _crc_off() or dtype not in LEAN_DTYPES or _fills_uninitialised():
         return None
-    stride = tuple(torch.empty(shape, dtype=dtype, device="meta").stride())
+    shape = tuple(shape)
+    stride = tuple(strides) if strides is not None else tuple(torch.empty(shape, dtype=dtype, device="meta").stride())
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes <= LEAN_MAX_BYTES:
-        return template_for(torch.empty(shape, dtype=dtype))
+        return template_for(torch.empty_strided(shape, stride, dtype=dtype))
     key = (dtype, shape, stride, _alignment())
     if key not in _cache:
+        dummy = torch.empty_strided(shape, stride, dtype=dtype)  # never touched: no memory taken
+        if dummy.untyped_storage().nbytes() != nbytes:
+            return None  # a storage larger than the elements: DCP clones such a tensor
         if len(_cache) >= _CACHE_LIMIT:
             _cache.clear()
-        _cache[key] = _build_unread(torch.empty(shape, dtype=dtype), nbytes)
+        _cache[key] = _build_unread(dummy, nbytes)
     return _cache[key]
+
+
+def _fills_uninitialised() -> bool:
+    """torch fills every new tensor (deterministic mode's fill_uninitialized_memory): a dummy of a
+    large class would then be written in full, in memory nobody budgeted."""
+    try:
+        from torch.utils import deterministic
+
+        return bool(torch.are_deterministic_algorithms_enabled() and deterministic.fill_uninitialized_memory)  # type: ignore[attr-defined]
+    except (ImportError, AttributeError):
+        return True
 
 
 class _Capture:

@@ -29,6 +29,7 @@ from parallel_dcp.storage.compression import DESCRIPTOR, Compression, RecordComp
 from parallel_dcp.storage.direct_write import new_file
 from parallel_dcp.storage.location import Remote, RemoteFileSystem
 from parallel_dcp.storage.manifest import FileDigest, Hasher
+from parallel_dcp.storage.pending import SCRATCH_BYTES, PendingTensor, scratch
 from parallel_dcp.storage.read_ahead import StreamedTensor
 
 __all__ = ["ShardWriter"]
@@ -48,7 +49,7 @@ class _RecordingStream:
     ``fileno`` (which fsync uses) see them as written."""
 
     def __init__(self, stream: Any, owner: _Recording, hasher: Hasher) -> None:
-        self._stream = stream
+        self._stream: Any = stream
         self._owner = owner
         self._hasher = hasher
         self._gathered = bytearray()
@@ -82,6 +83,41 @@ class _RecordingStream:
                 raise
             self._hasher.update(piece)
             progress.report(piece.nbytes)
+
+    def write_filled(self, tensor: PendingTensor) -> None:
+        """Write the bytes of ``tensor``, copied once by its ``fill``: straight into the aligned
+        buffers of an O_DIRECT stream, else through this thread's reused scratch (a buffered
+        stream copies into the page cache anyway); each piece hashed where it landed."""
+        self.write_gathered()
+        source_failed = False
+
+        def fill(offset: int, n: int, at: int) -> None:
+            nonlocal source_failed
+            try:
+                tensor.fill(offset, n, at)
+            except OSError:
+                source_failed = True  # the source's error, not the file system's
+                raise
+
+        direct = getattr(self._stream, "write_filled", None)
+        try:
+            if direct is not None:
+                direct(tensor.nbytes, fill, self._done)
+                return
+            view, at = scratch()
+            for offset in range(0, tensor.nbytes, SCRATCH_BYTES):
+                n = min(SCRATCH_BYTES, tensor.nbytes - offset)
+                fill(offset, n, at)
+                self._stream.write(view[:n])
+                self._done(view[:n])
+        except OSError as exc:
+            if not source_failed:
+                self._owner.error = exc
+            raise
+
+    def _done(self, piece: memoryview) -> None:
+        self._hasher.update(piece)
+        progress.report(piece.nbytes)
 
     def tell(self) -> int:
         return int(self._stream.tell()) + len(self._gathered)
@@ -222,7 +258,7 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
         return future
 
     def write_records(
-        self, name: str, values: list[io.BytesIO], tensors: list[torch.Tensor | StreamedTensor]
+        self, name: str, values: list[io.BytesIO], tensors: list[torch.Tensor | StreamedTensor | PendingTensor]
     ) -> list[tuple[int, int]]:
         """Write file ``name``: each value (already serialized), then each tensor as one torch.save
         record, as DCP writes them; the (offset, length) of each, values first.
@@ -230,8 +266,10 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
         A tensor whose storage holds more than its elements is cloned first, as DCP does; tensors of
         the cases :mod:`parallel_dcp.storage.records` knows are written from a cached record template.
         A :class:`~parallel_dcp.storage.read_ahead.StreamedTensor` is written from its template and
-        the source's bytes (never compressed). With compression, each record goes through its own
-        zstd frame, a piece at a time; offsets and lengths are those of the stored (compressed) bytes.
+        the source's bytes (never compressed). A :class:`PendingTensor` (another process's tensor)
+        is copied once, straight into the stream's buffer (:meth:`_RecordingStream.write_filled`),
+        between its class's template. With compression, each record goes through its own zstd
+        frame, a piece at a time; offsets and lengths are those of the stored (compressed) bytes.
         """
         placed: list[tuple[int, int]] = []
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
@@ -245,6 +283,23 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
                         out.write(value.getbuffer())
                 placed.append((offset, stream.tell() - offset))
             for tensor in tensors:
+                if isinstance(tensor, PendingTensor):
+                    pending = tensor
+                    template = records.class_template(pending.dtype, pending.shape, pending.strides)
+                    if template is not None:
+                        offset = stream.tell()
+                        if compressor is None:
+                            stream.write(template.prefix)
+                            stream.write_filled(pending)  # type: ignore[attr-defined]  # a _RecordingStream
+                            stream.write(template.suffix)
+                        else:
+                            with compressor.record(template.size()) as out:
+                                out.write(template.prefix)
+                                _write_through_scratch(out, pending)
+                                out.write(template.suffix)
+                        placed.append((offset, stream.tell() - offset))
+                        continue
+                    tensor = pending.materialize()  # a class torch.save must write (its source charges it)
                 if isinstance(tensor, StreamedTensor):  # its bytes come from the source file, read ahead
                     if compressor is not None:
                         raise ValueError("a streamed record is written uncompressed")
@@ -266,6 +321,15 @@ class ShardWriter(_compat.NoExistingCheckpointProbe, FileSystemWriter):
             if self.sync_files:
                 os.fsync(stream.fileno())
         return placed
+
+
+def _write_through_scratch(stream: Any, tensor: PendingTensor) -> None:
+    """``tensor``'s bytes into ``stream`` (a record's compressor), a scratch's worth at a time."""
+    view, at = scratch()
+    for offset in range(0, tensor.nbytes, SCRATCH_BYTES):
+        n = min(SCRATCH_BYTES, tensor.nbytes - offset)
+        tensor.fill(offset, n, at)
+        stream.write(view[:n])
 
 
 def _write_record(stream: Any, tensor: torch.Tensor, template: records.Template | None) -> None:
