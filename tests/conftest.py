@@ -87,3 +87,14 @@ def empty_like_state(sd: Any) -> Any:
     if isinstance(sd, list):
         return [empty_like_state(v) for v in sd]
     return None
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Path:
+    """A directory where O_DIRECT works (tmp_path on a block file system), else skip."""
+    from parallel_dcp.storage import io_mode
+
+    refusal = io_mode.direct_refusal(tmp_path)
+    if refusal is not None:
+        pytest.skip(f"no O_DIRECT here: {refusal}")
+    return tmp_path

@@ -37,15 +37,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def disk(tmp_path: Path) -> Path:
-    """A directory where O_DIRECT works (tmp_path on a block file system), else skip."""
-    refusal = io_mode.direct_refusal(tmp_path)
-    if refusal is not None:
-        pytest.skip(f"no O_DIRECT here: {refusal}")
-    return tmp_path
-
-
-@pytest.fixture
 def small_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     """64 KiB direct buffers and pieces: test data of a few MiB cycles through many of them."""
     monkeypatch.setattr(direct_write, "BUFFER_BYTES", 64 << 10)

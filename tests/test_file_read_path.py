@@ -42,14 +42,6 @@ def fresh_choices() -> Iterator[None]:
 
 
 @pytest.fixture
-def disk(tmp_path: Path) -> Path:
-    refusal = io_mode.direct_refusal(tmp_path)
-    if refusal is not None:
-        pytest.skip(f"no O_DIRECT here: {refusal}")
-    return tmp_path
-
-
-@pytest.fixture
 def small_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """Probe slices and the direct-read threshold scaled down: files of a few MiB are measured
     and read like files of gigabytes."""

@@ -21,7 +21,7 @@ from parallel_dcp.formats import open_source
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.jobs import streamed
 from parallel_dcp.jobs.targets import DcpTarget, Job
-from parallel_dcp.storage import io_mode, read_ahead, read_choice, records
+from parallel_dcp.storage import read_ahead, read_choice, records
 from parallel_dcp.storage.read_ahead import ReadAhead, Ring, Span, StreamedTensor, ring_for
 
 MiB = 1 << 20
@@ -35,14 +35,6 @@ def crc_off() -> Iterator[None]:
     yield
     torch.serialization.set_crc32_options(before)
     read_choice.forget_read_choices()
-
-
-@pytest.fixture
-def disk(tmp_path: Path) -> Path:
-    refusal = io_mode.direct_refusal(tmp_path)
-    if refusal is not None:
-        pytest.skip(f"no O_DIRECT here: {refusal}")
-    return tmp_path
 
 
 def _shards(path: Path) -> list[bytes]:

@@ -37,14 +37,6 @@ def fresh_choices() -> Iterator[None]:
 
 
 @pytest.fixture
-def disk(tmp_path: Path) -> Path:
-    refusal = io_mode.direct_refusal(tmp_path)
-    if refusal is not None:
-        pytest.skip(f"no O_DIRECT here: {refusal}")
-    return tmp_path
-
-
-@pytest.fixture
 def shm() -> Iterator[Path]:
     if io_mode.file_system_type("/dev/shm") != "tmpfs":
         pytest.skip("/dev/shm is not a tmpfs here")
