@@ -21,6 +21,10 @@ the rest (dequantized pairs, strided torch.save views, object storage): Source.r
   same number of threads, copied (and cast) into the destination
   ▼
 the source's nesting (torch.save) or its flat names (safetensors), or ``into`` itself
+
+Longer than 300 lines because it is the one place where every file-format load is planned before
+any read (keys, ``into``, ``dtype``, memory, the read choice); the readers themselves live in
+``formats/``.
 """
 
 from __future__ import annotations

@@ -175,9 +175,9 @@ class SaverWorkers:
         """The save on these workers; None where the kernel refused their reads of this process
         (warned once): the caller then saves as ``parallel_dcp.save`` does, forking per save."""
         with prompt_gil():
-            return self._save(state_dict, path, options)
+            return self._save_here(state_dict, path, options)
 
-    def _save(self, state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult | None:
+    def _save_here(self, state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult | None:
         if os.getpid() != self.owner:
             raise RuntimeError(
                 f"this Saver belongs to process {self.owner}, not to its fork {os.getpid()}: "

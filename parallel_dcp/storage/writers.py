@@ -2,6 +2,10 @@
 
 It writes stock DCP files (plain or compressed records); it differs from ``FileSystemWriter`` only in
 what it reports.
+
+Longer than 300 lines because the recording stream (hashing what is written, gathering small
+writes, filling a pending tensor in place from the caller's memory) and the record writer that
+feeds it share the shard's one stream and its state; split, each half would reach into the other.
 """
 
 from __future__ import annotations
