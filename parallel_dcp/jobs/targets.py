@@ -542,9 +542,7 @@ class FileTarget(Target):
         writer = self.format.write
         if self.format.write_verifiable is not None:  # the file carries its own checksums
             writer = partial(self.format.write_verifiable, checksums=options.checksums)
-            # Its checksums are in its header; the stream's own digest goes nowhere (no sidecar):
-            # counting the bytes is enough, hashing them a second time is not.
-            options = dataclasses.replace(options, checksums=False)
+            options = dataclasses.replace(options, checksums=False)  # no sidecar: count, do not hash again
         file_format = dataclasses.replace(self.format, write=writer)
         if isinstance(where, Remote):
             return _write_remote(where, file_format, data, task.nbytes, options, mapping)
