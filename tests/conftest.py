@@ -98,3 +98,16 @@ def disk(tmp_path: Path) -> Path:
     if refusal is not None:
         pytest.skip(f"no O_DIRECT here: {refusal}")
     return tmp_path
+
+
+def shards_by_task(path: Path) -> dict[int, bytes]:
+    """A DCP checkpoint's shard bytes by task index (names carry the save id, which differs
+    between saves, so two saves compare by task)."""
+    import re
+
+    found = {}
+    for shard in path.glob("*.distcp"):
+        match = re.fullmatch(r"__(\d+)_\w+_0\.distcp", shard.name)
+        assert match, shard.name
+        found[int(match.group(1))] = shard.read_bytes()
+    return found

@@ -7,7 +7,6 @@ import json
 import mmap
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -30,7 +29,7 @@ from parallel_dcp import CorruptCheckpointError, InvalidDestinationError, Option
 from parallel_dcp.storage import direct_read, direct_write, io_mode
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.direct_write import DirectFile
-from tests.conftest import assert_same
+from tests.conftest import assert_same, shards_by_task
 from tests.faults import FillDisk
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,16 +40,6 @@ def small_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     """64 KiB direct buffers and pieces: test data of a few MiB cycles through many of them."""
     monkeypatch.setattr(direct_write, "BUFFER_BYTES", 64 << 10)
     monkeypatch.setattr(direct_read, "PIECE_BYTES", 64 << 10)
-
-
-def _shards(path: Path) -> dict[int, bytes]:
-    """Shard bytes by task index (names carry the save id, which differs between saves)."""
-    found = {}
-    for shard in path.glob("*.distcp"):
-        match = re.fullmatch(r"__(\d+)_\w+_0\.distcp", shard.name)
-        assert match, shard.name
-        found[int(match.group(1))] = shard.read_bytes()
-    return found
 
 
 CASES: dict[str, Any] = {
@@ -74,8 +63,8 @@ def test_direct_and_buffered_shards_are_the_same_bytes_and_stock_readable(
     buffered = parallel_dcp.save(sd, disk / "buffered", workers=2, io="buffered", **chunking)
     assert (direct.io, buffered.io) == ("direct", "buffered")
     assert direct.tasks == buffered.tasks
-    assert _shards(disk / "direct") == _shards(disk / "buffered")
-    assert any(len(b) % 4096 for b in _shards(disk / "direct").values())  # tails were truncated back
+    assert shards_by_task(disk / "direct") == shards_by_task(disk / "buffered")
+    assert any(len(b) % 4096 for b in shards_by_task(disk / "direct").values())  # tails were truncated back
     manifests = [json.loads((disk / d / ".parallel_dcp.json").read_text())["files"] for d in ("direct", "buffered")]
     digests = [sorted(v["xxh3_64"] for n, v in m.items() if n.endswith(".distcp")) for m in manifests]
     assert digests[0] == digests[1]  # checksums taken on the way to the device, the same either way
@@ -133,7 +122,7 @@ def test_auto_uses_direct_only_for_large_files(disk: Path, monkeypatch: pytest.M
     assert parallel_dcp.save(sd, disk / "small", workers=1).io == "buffered"
     monkeypatch.setattr(io_mode, "DIRECT_MIN_BYTES", 1 << 20)
     assert parallel_dcp.save(sd, disk / "large", workers=1).io == "direct"
-    assert _shards(disk / "small") == _shards(disk / "large")
+    assert shards_by_task(disk / "small") == shards_by_task(disk / "large")
 
 
 @pytest.fixture
@@ -343,7 +332,7 @@ def test_a_safetensors_source_is_read_with_direct_io(disk: Path, monkeypatch: py
     results = {io: parallel_dcp.convert(disk / "m.safetensors", disk / io, io=io, chunk_size="512KiB") for io in
                ("direct", "buffered")}  # fmt: skip
     assert {io: r.io for io, r in results.items()} == {"direct": "direct", "buffered": "buffered"}  # type: ignore[union-attr]
-    assert _shards(disk / "direct") == _shards(disk / "buffered")
+    assert shards_by_task(disk / "direct") == shards_by_task(disk / "buffered")
     assert_same(parallel_dcp.load(disk / "direct"), sd)
     data = (disk / "m.safetensors").read_bytes()
     (disk / "m.safetensors").write_bytes(data[: len(data) - 5000])

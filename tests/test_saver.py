@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import signal
 import sys
 import threading
@@ -20,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 import parallel_dcp
 from parallel_dcp import MemoryLimitExceeded, WorkerCrashed
 from parallel_dcp.engine.remote_memory import RemoteBytes, refusal
-from tests.conftest import assert_same
+from tests.conftest import assert_same, shards_by_task
 
 MiB = 2**20
 
@@ -43,15 +42,6 @@ def _state() -> dict[str, Any]:
         "name": "run",
         "lrs": [0.1, 0.01],
     }
-
-
-def _shards(path: Path) -> dict[int, bytes]:
-    found = {}
-    for shard in path.glob("*.distcp"):
-        match = re.fullmatch(r"__(\d+)_\w+_0\.distcp", shard.name)
-        assert match, shard.name
-        found[int(match.group(1))] = shard.read_bytes()
-    return found
 
 
 def _stock_load(path: Path, like: dict[str, Any]) -> dict[str, Any]:
@@ -86,10 +76,12 @@ def test_saves_reuse_the_workers_and_write_what_save_writes(tmp_path: Path) -> N
     assert second.phases["fork"] < second.seconds
     reference = parallel_dcp.save(sd, tmp_path / "reference", workers=2, executor="processes")
     assert second.tasks == reference.tasks and second.bytes == reference.bytes
-    assert _shards(tmp_path / "second") == _shards(tmp_path / "reference")  # the fresh bytes, not stale ones
+    assert shards_by_task(tmp_path / "second") == shards_by_task(
+        tmp_path / "reference"
+    )  # the fresh bytes, not stale ones
     assert_same(_stock_load(tmp_path / "second", sd), sd)
     assert parallel_dcp.verify(tmp_path / "second").ok
-    assert _shards(tmp_path / "first") != _shards(tmp_path / "second")
+    assert shards_by_task(tmp_path / "first") != shards_by_task(tmp_path / "second")
 
 
 def test_split_tensors_are_read_chunk_by_chunk(tmp_path: Path) -> None:
