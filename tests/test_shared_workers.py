@@ -16,8 +16,7 @@ import torch
 
 import parallel_dcp
 from parallel_dcp.jobs import shared_workers
-from tests.conftest import assert_same
-from tests.test_saver import _shards
+from tests.conftest import assert_same, shards_by_task
 
 MiB = 2**20
 
@@ -51,7 +50,7 @@ def test_a_large_save_runs_on_kept_workers_and_writes_what_the_others_write(
     threads = parallel_dcp.save(sd, tmp_path / "threads", workers=2, executor="threads")
     processes = parallel_dcp.save(sd, tmp_path / "processes", workers=2, executor="processes")
     assert threads.executor == "threads" and processes.executor == "processes"  # explicit choices kept
-    assert _shards(tmp_path / "second") == _shards(tmp_path / "processes")
+    assert shards_by_task(tmp_path / "second") == shards_by_task(tmp_path / "processes")
     assert_same(parallel_dcp.load(tmp_path / "second"), sd)
     assert parallel_dcp.verify(tmp_path / "second").ok
 
@@ -106,8 +105,8 @@ def test_alone_a_large_save_runs_on_writer_threads_and_beside_a_thread_or_while_
     shared_workers.stop()
     cold = parallel_dcp.save(_state(), tmp_path / "cold", workers=1)  # alone and cold: threads
     assert cold.executor == "threads" and shared_workers._workers is None
-    shards = _shards(tmp_path / "alone")
-    assert shards == _shards(tmp_path / "beside") == _shards(tmp_path / "again") == _shards(tmp_path / "cold")
+    shards = shards_by_task(tmp_path / "alone")
+    assert all(shards_by_task(tmp_path / name) == shards for name in ("beside", "again", "cold"))
 
 
 def test_torchs_own_busy_threads_do_not_count() -> None:
