@@ -262,7 +262,9 @@ class MemoryGovernor:
         pids = [self._me.pid, *self._held]
         self.measured = measure
         self.baseline = (
-            sum(charged for charged, _ in self._charge_all(pids, self._charges.plan(pids))) if measure else 0
+            self._charges.carried + sum(charged for charged, _ in self._charge_all(pids, self._charges.plan(pids)))
+            if measure
+            else 0
         )
         self._rss_baseline = _rss(self._me) if measure else 0
         self.peak = 0
@@ -484,7 +486,8 @@ class MemoryGovernor:
         # Each read walks a process's page tables in the kernel (the GIL is released meanwhile):
         # several threads, so reading 64 workers on a big node costs a few reads' time, not 64.
         found = self._charge_all(pids, how)
-        total = sum(charged for charged, _ in found)
+        # Plus the shares that may have moved to processes not rolled up since (ChargeReader.carried).
+        total = self._charges.carried + sum(charged for charged, _ in found)
         private = {pid: uss for pid, (charged, uss) in zip(workers, found[1:], strict=False) if charged or uss}
         added = total - self.baseline
         # Keep the watchdog's share of one core near 1/_SAMPLING_SHARE however large the tree.
