@@ -133,8 +133,28 @@ def _reading(reader: ChargeReader, pids: list[int], *, exact: bool = False) -> t
 
 def _tree(reader: ChargeReader, pids: list[int]) -> int:
     """The tree's charge as the governor sums it: every process's, plus the carried shares."""
-    _, charges = _reading(reader, pids)
+    known = set(reader._known)
+    how, charges = _reading(reader, pids)
+    # the cost bound: besides first readings, never more processes rolled up or read in full
+    # than the budget allows
+    again = sum(1 for pid, read in zip(pids, how, strict=True) if read != process_memory.CHEAP and pid in known)
+    assert again <= process_memory.rollup_budget(len(known))
     return sum(charges) + reader.carried
+
+
+def _settled(reader: ChargeReader, pids: list[int], exact: int) -> list[int]:
+    """Readings until the tree's charge is within 4 MiB of ``exact`` (at most 8: each reading rolls
+    up the process that drifted most as soon as the CPU credit allows), each never more than
+    4 MiB under it; their charges. What it may miss: the kernel's RSS counters lag a little, and
+    the shares of data files (not program code) that two processes map, such as the locale
+    archive (3 MiB here), move to the survivor when one exits; only its next full reading (every
+    ``_CODE_REFRESH_S``) sees that, as before this reader rolled up within a budget."""
+    found = [_tree(reader, pids)]
+    while abs(found[-1] - exact) >= 4 * MiB and len(found) < 8:
+        found.append(_tree(reader, pids))
+    assert min(found) >= exact - 4 * MiB, f"{[f / MiB for f in found]} MiB, exact {exact / MiB:.1f}"
+    assert abs(found[-1] - exact) < 4 * MiB, f"{[f / MiB for f in found]} MiB, exact {exact / MiB:.1f}"
+    return found
 
 
 def test_an_allocation_is_charged_in_full() -> None:
@@ -163,8 +183,9 @@ def test_an_allocation_is_charged_in_full() -> None:
 
 def test_pages_copied_on_write_are_charged_to_the_tree() -> None:
     """A fork's writes turn shared pages private without moving any resident size: the copying
-    process's faults show it, it is rolled up, and the share its parent gained meanwhile is carried
-    until the parent's own rollup; the tree's cheap charge then agrees with the exact one."""
+    process's faults show it and it is charged each as a copy; once rolled up, the share its
+    parent gained meanwhile is carried until the parent's own rollup; the tree's cheap charge
+    agrees with the exact one within a few readings, never under it."""
     subject = _Subject()
     try:
         subject.do("alloc 64")
@@ -174,25 +195,20 @@ def test_pages_copied_on_write_are_charged_to_the_tree() -> None:
         _reading(reader, pids)
         exact_before = sum(charged_memory(pid)[0] for pid in pids)
         subject.do("cow")
-        rollups = reader.rollups
-        first = _tree(reader, pids)
-        assert reader.rollups - rollups == process_memory.rollup_budget(2) == 1  # the copier, not both
-        second = _tree(reader, pids)
         exact = sum(charged_memory(pid)[0] for pid in pids)
+        found = _settled(reader, pids, exact)
         subject.do("end")
     finally:
         subject.close()
     assert 62 * MiB <= exact - exact_before <= 68 * MiB
-    assert first >= exact - 2 * MiB  # never under: the parent's unseen share is carried
-    assert abs(first - exact) < 4 * MiB
-    assert abs(second - exact) < 4 * MiB
+    assert found[0] >= exact_before + 62 * MiB  # the copies at once, upper bound or rollup
 
 
 def test_the_tree_charge_is_never_under_the_exact_one_while_shares_move() -> None:
     """Against the full reading of every process after each change (a fork, copies on write, a
     shared block freed by one sharer, a private one freed, a sharer exiting), readings rolling up
-    one process each: never more than 2 MiB under the exact charge (the kernel's RSS counters
-    lag a little), and within 4 MiB of it by the second reading after the change."""
+    at most one process each: never more than 4 MiB under the exact charge, and within 4 MiB of
+    it a few readings after the change (_settled)."""
     subject = _Subject()
     try:
         subject.do("alloc 32")
@@ -205,10 +221,7 @@ def test_the_tree_charge_is_never_under_the_exact_one_while_shares_move() -> Non
             subject.do(change)
             if change == "end":
                 pids = [subject.pid]
-            first, second = _tree(reader, pids), _tree(reader, pids)
-            exact = sum(charged_memory(pid)[0] for pid in pids)
-            assert first >= exact - 2 * MiB, f"after {change}: {first / MiB:.1f} MiB, exact {exact / MiB:.1f}"
-            assert abs(second - exact) < 4 * MiB, f"after {change}: {second / MiB:.1f} MiB, exact {exact / MiB:.1f}"
+            _settled(reader, pids, sum(charged_memory(pid)[0] for pid in pids))
     finally:
         subject.close()
 
@@ -389,6 +402,30 @@ def test_a_reading_rolls_up_at_most_its_budget(monkeypatch: pytest.MonkeyPatch) 
     plan = reader.plan(pids)
     assert process_memory.rollup_budget(40) == 3
     assert [pid for pid, how in zip(pids, plan, strict=True) if how != process_memory.CHEAP] == [38, 39, 40]
+
+
+def test_costly_rollups_wait_for_the_credit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers that inherited a large state dict: each rollup walks its pages (20 ms here). Eight
+    of them allocating at every reading get one rollup per 5 readings (0.5 ms of CPU a process a
+    reading), the one whose counters drifted most each time."""
+    now = [100.0]
+    counters: dict[int, process_memory._Counters] = {}
+    monkeypatch.setattr(process_memory.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(process_memory, "_counters", lambda pid: counters.get(pid, process_memory._Counters(0, 0, 0)))
+    reader = ChargeReader()
+    pids = list(range(1, 9))
+    reader._known = {pid: _known(100.0, anon=64 * MiB) for pid in pids}
+    for known in reader._known.values():
+        known.cost = 0.02
+    reader._members = frozenset(pids)
+    rolled = []
+    for reading in range(40):
+        for pid in pids:  # every process freed more since its last rollup
+            counters[pid] = process_memory._Counters(64 * MiB - (reading + 1) * pid * MiB, 0, 0)
+        plan = reader.plan(pids)
+        rolled += [pid for pid, how in zip(pids, plan, strict=True) if how != process_memory.CHEAP]
+    assert len(rolled) == 40 * 8 * process_memory._READ_CPU_S / 0.02 == 8
+    assert set(rolled) == {8}  # no charge() call: 8 stays the most drifted
 
 
 def test_the_counters_bound_the_charge_between_rollups() -> None:

@@ -127,13 +127,18 @@ _FAULT_SLACK = 512 * 1024
 # of them allocated cost 1.5 ms a process a reading. The others are charged their counters' upper
 # bound until their turn.
 _ROLLUP_SHARE = 16
+# ... and within a CPU credit of this many seconds a process a reading (rollup_budget).
+_READ_CPU_S = 0.0005
+_READ_CPU_MIN_S = 0.002  # a small tree: about one torch process's rollup a reading
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 CHEAP, ROLLUP, FULL = 0, 1, 2  # how a reading reads one process (ChargeReader.plan)
 
 
 def rollup_budget(processes: int) -> int:
-    """How many of ``processes`` known processes one reading rolls up or reads in full, at most."""
+    """How many of ``processes`` known processes one reading rolls up or reads in full, at most;
+    fewer where their last rollups cost more CPU than the reader's credit (``_READ_CPU_S`` a
+    process a reading, saved up while unused) holds."""
     return max(1, -(-processes // _ROLLUP_SHARE))
 
 
@@ -162,6 +167,8 @@ class _Known:
     shared_away: int | None = None
     rolled_seq: int = 0  # the reading of the last rollup or full reading
     last: int = 0  # the last charge given
+    cost: float = 0.0  # CPU seconds its last rollup took
+    full_cost: float = 0.0  # and its last full reading
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +199,7 @@ class ChargeReader:
         self._members: frozenset[int] = frozenset()
         self._counters: dict[int, _Counters] = {}  # read by plan, for this reading's charges
         self._carries: list[_Carry] = []
+        self._credit = 0.0  # CPU seconds the next readings may spend on rollups (_plan)
         self.full_reads = 0  # how many processes were read in full, over all readings
         self.rollups = 0  # how many were rolled up (counted by charge)
         self.readings = 0
@@ -243,26 +251,44 @@ class ChargeReader:
             for pid, known in self._known.items():
                 if pid != carry.source and known.rolled_seq <= carry.seq:
                     waiting[pid] = waiting.get(pid, 0) + carry.amount
-        budget = rollup_budget(len(self._known))
-        if FULL not in plan and self._known:
-            at, stalest = min((self._known[pid].at, i) for i, pid in enumerate(pids) if pid in self._known)
-            if now - at >= _CODE_REFRESH_S:
-                plan[stalest] = FULL
-                budget -= 1
-        due: list[tuple[int, float, int]] = []  # (-bytes a rollup would settle, last rollup, index)
+        # Candidates, most useful first: those whose bound drifted (or that a carry waits on), by
+        # the bytes a rollup would settle; then the stalest full reading once due; then by age.
+        due: list[tuple[int, float, int, int]] = []  # (tier, order, index, how)
+        stalest: tuple[float, int] | None = None
         for i, pid in enumerate(pids):
             entry = self._known.get(pid)
-            if entry is None or plan[i] != CHEAP:
+            if entry is None:
                 continue
             counters = _counters(pid)
             if counters is None:
                 continue
             self._counters[pid] = counters
             drift = _drift(entry, counters) + waiting.get(pid, 0)
-            if drift > _FAULT_SLACK or now - entry.rolled_at >= _ROLLUP_REFRESH_S:
-                due.append((-drift, entry.rolled_at, i))
-        for _, _, i in sorted(due)[: max(0, budget)]:
-            plan[i] = ROLLUP
+            if drift > _FAULT_SLACK:
+                due.append((0, -drift, i, ROLLUP))
+            elif now - entry.rolled_at >= _ROLLUP_REFRESH_S:
+                due.append((2, entry.rolled_at, i, ROLLUP))
+            if stalest is None or entry.at < stalest[0]:
+                stalest = (entry.at, i)
+        if stalest is not None and now - stalest[0] >= _CODE_REFRESH_S and FULL not in plan:
+            due.append((1, stalest[0], stalest[1], FULL))
+        # Within a count (one process in _ROLLUP_SHARE) and a CPU credit (_READ_CPU_S a process a
+        # reading, saved up while unused): a rollup of a worker that inherited a large state dict
+        # costs 10-20 ms, more than one in 16 of them may take at every reading.
+        credit_per_reading = max(_READ_CPU_MIN_S, _READ_CPU_S * len(self._known))
+        dearest = max((max(known.cost, known.full_cost) for known in self._known.values()), default=0.0)
+        self._credit = min(self._credit + credit_per_reading, 4 * credit_per_reading + dearest)
+        budget = rollup_budget(len(self._known))
+        for _, _, i, how in sorted(due):
+            if budget <= 0 or plan[i] != CHEAP:
+                continue
+            entry = self._known[pids[i]]
+            cost = entry.full_cost if how == FULL else entry.cost
+            if cost > self._credit:
+                break  # not yet: the credit builds up for it, the others wait their turn
+            self._credit -= cost
+            plan[i] = how
+            budget -= 1
         return plan
 
     def charge(self, pid: int, how: int) -> tuple[int, int]:
@@ -277,8 +303,10 @@ class ChargeReader:
             if how == CHEAP:
                 known.last = bound[0]
                 return bound
+            started = time.thread_time()
             rollup = _rollup_anon(pid)
             if rollup is not None:
+                known.cost = time.thread_time() - started
                 anon, private, _ = rollup
                 self.rollups += 1
                 charged = max(0, known.exact + anon - known.exact_anon + max(0, counters.file - known.exact_file))
@@ -299,9 +327,12 @@ class ChargeReader:
         return self._full(pid)
 
     def _full(self, pid: int) -> tuple[int, int]:
+        started = time.thread_time()
         counters = _counters(pid)
         rollup = _rollup_anon(pid)
+        rolled = time.thread_time()
         charged, private, pss = _exact(pid)
+        done = time.thread_time()
         if counters is None or not (pss or private):
             self._known.pop(pid, None)
             return charged, private
@@ -321,6 +352,8 @@ class ChargeReader:
                 _shared_away(rollup, counters),
                 self.readings,
                 charged,
+                rolled - started,
+                done - started,
             )
         return charged, private
 
