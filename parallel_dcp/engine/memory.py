@@ -18,9 +18,11 @@ Two mechanisms enforce the ceiling:
 - a watchdog (while workers run): every 50 ms the resident sizes (cheap) are summed; while that
   upper bound is under the ceiling, the tree's charges are read only about once a second, for the
   reported peak. Otherwise they are read every 50 ms, or less often where reading a large tree
-  costs more than 5% of a core. A reading costs ~0.01 ms of CPU a process whose counters did not
-  move, ~2 ms where they did (``smaps_rollup``), on top of each process's exact charge read in full
-  once (process_memory.ChargeReader); a reading over
+  costs more than 5% of a core. A reading costs ~0.01-0.05 ms of CPU a process whose counters did
+  not move; where they did, their upper bound, and a ``smaps_rollup`` for at most one process in
+  16 within a CPU credit of 0.5 ms a process a reading (0.25 ms a process at 64 workers that all
+  allocated), on top of each process's exact charge read in full once
+  (process_memory.ChargeReader); a reading over
   the ceiling is measured again, exactly (every full smaps), before acting, and then the worker
   with the most private memory is killed and the job fails with
   :class:`MemoryLimitExceeded` naming it, its keys and the figures.
