@@ -47,6 +47,9 @@ A reading is thus never below the exact charge by more than the counters' jitter
 KiB a process), and above it by at most what the counters cannot tell apart (faults that were not
 copies, pages freed, carried shares) until the next rollups settle it; before acting on a breach
 the governor reads every process in full.
+
+Longer than 300 lines because the charge model and its reader are one argument: the counters'
+bound, the rollup budget and the carried shares are each safe only beside the others.
 """
 
 from __future__ import annotations
