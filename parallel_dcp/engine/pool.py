@@ -77,6 +77,16 @@ class _NewHandler:
     pickled: RemoteBytes
 
 
+@dataclass(frozen=True, slots=True)
+class _TaskPart:
+    """A task with the part of the job only it needs (``WorkerPool.run(parts=)``): the worker runs
+    ``handler.with_part(part, task)(task)``, so a handler that outlives one job is sent without the
+    job's per-key data and each worker receives only its own tasks' keys."""
+
+    task: Task
+    part: Any
+
+
 def _worker_main(
     conn: Any, handler: Callable[[Task], Any], initializer: Callable[[], None] | None, coordinator: int | None
 ) -> None:
@@ -105,12 +115,15 @@ def _worker_main(
             except BaseException as exc:  # reported with the run's first task on this worker
                 broken = exc
             continue
-        task: Task = message
+        task: Task = message.task if isinstance(message, _TaskPart) else message
         start = time.perf_counter()
         try:
             if broken is not None:
                 raise broken
-            value = handler(task)
+            run = handler
+            if isinstance(message, _TaskPart):  # reading its part of the job is the task's work (and error)
+                run = handler.with_part(message.part, task)  # type: ignore[attr-defined]
+            value = run(task)
             reply: tuple[Any, ...] = ("ok", time.perf_counter() - start, value)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             reply = ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc())
@@ -228,6 +241,7 @@ class WorkerPool:
         self._procs: list[Any] = [None] * workers
         self._unstarted = deque(range(workers))
         self._new_handler: _NewHandler | None = None
+        self._parts: Callable[[Task], Any] | None = None
         self._primed: set[int] = set()
         try:
             for _ in range(workers if start is None else max(1, min(start, workers))):
@@ -279,6 +293,7 @@ class WorkerPool:
         retries: int = 0,
         on_tick: Callable[[], None] | None = None,
         handler: Callable[[Task], Any] | None = None,
+        parts: Callable[[Task], Any] | None = None,
     ) -> Iterator[TaskResult[Any]]:
         """Run every task, yielding results as they complete (in completion order).
 
@@ -293,6 +308,9 @@ class WorkerPool:
             on_tick: called every few tens of milliseconds while tasks run (a progress bar).
             handler: runs this run's tasks instead of the pool's own (a pool that outlives one
                 job); pickled once here, each worker copies it before its first task.
+            parts: ``parts(task)`` is sent with each task (made when the task is dispatched), and
+                the worker runs ``handler.with_part(part, task)(task)``: the job's per-key data then
+                travels per task, so no worker receives the keys of tasks it does not run.
 
         Raises:
             WorkerError: a task raised; ``__cause__`` is the worker's traceback.
@@ -306,6 +324,7 @@ class WorkerPool:
         idle = deque(w for w, proc in enumerate(self._procs) if proc is not None)
         pickled = bytearray(pickle.dumps(handler, protocol=pickle.HIGHEST_PROTOCOL)) if handler is not None else None
         self._new_handler = _NewHandler(RemoteBytes.of(pickled)) if pickled is not None else None
+        self._parts = parts
         self._primed = set()
         tick = governor.interval if governor is not None else None
         if on_tick is not None:
@@ -366,6 +385,7 @@ class WorkerPool:
             raise
         finally:
             self._new_handler = None
+            self._parts = None
             del pickled  # the workers copied it before their first task
 
     @staticmethod
@@ -394,7 +414,7 @@ class WorkerPool:
                 if self._new_handler is not None and worker not in self._primed:
                     self._primed.add(worker)
                     _send(self._conns[worker], self._new_handler)
-                _send(self._conns[worker], task)
+                _send(self._conns[worker], task if self._parts is None else _TaskPart(task, self._parts(task)))
             running[worker] = (task, time.monotonic())
 
     def _check_timeouts(self, running: dict[int, tuple[Task, float]], task_timeout: float) -> None:
