@@ -74,14 +74,15 @@ def test_each_saver_worker_receives_only_its_own_tasks_keys(tmp_path: Path, monk
         sent.clear()
         result = saver.save(large, tmp_path / "l", chunk_size="256KiB")
     handlers = [m for _, m in sent if isinstance(m, tuple)]
-    parts = [m for _, m in sent if isinstance(m, pool_module._TaskPart)]
-    assert len(handlers) == 3 and len(parts) == result.tasks >= 3
+    assert len(handlers) == 3
     for _, handler in handlers:  # the shell: no key, no value, no path in the nesting
         assert handler.job.keys == () and handler.job.chunks == {}
         assert handler.job.source.entries == {} and handler.job.source.values == {}
         assert handler.job.source.mapping == {} and handler.job.source._layouts == {}
     # What every worker receives once does not grow with the keys (2,000 keys: ~100 KB before).
     assert abs(handlers[0][0] - handlers_small[0][0]) < 64
+    parts = [m for _, m in sent if isinstance(m, pool_module._TaskPart)]
+    assert len(parts) == result.tasks >= 3
     # Each task's part holds its own units and the columns of their source keys, nothing else.
     received: Counter[str] = Counter()
     for message in parts:
@@ -96,6 +97,8 @@ def test_each_saver_worker_receives_only_its_own_tasks_keys(tmp_path: Path, monk
     assert any(message.part.chunks for message in parts)  # "big" was split
     assert chunked <= {"big"}  # a split tensor's key goes with each task holding a chunk of it
     assert len(received) == result.keys  # every key sent, each once but for the split one
+    # Each worker's loading of the shell is reported, outside its tasks' seconds.
+    assert len(result.per_worker) == 3 and all(w.setup_seconds > 0 for w in result.per_worker)
     # The bytes and .metadata are what save() writes with forked workers.
     reference = parallel_dcp.save(large, tmp_path / "ref", workers=3, chunk_size="256KiB", executor="processes")
     assert result.tasks == reference.tasks
@@ -142,6 +145,7 @@ def test_forked_workers_build_nothing_per_key_of_the_whole_job(tmp_path: Path, m
     sd = {f"k{i}": torch.full((4,), float(i)) for i in range(3000)}
     result = parallel_dcp.save(sd, tmp_path / "ckpt", workers=2, executor="processes")
     assert result.workers == 2
+    assert all(w.setup_seconds == 0 for w in result.per_worker)  # nothing to load: inherited
     calls = log.read_text().split()
     assert calls and set(calls) == {"inherited"}
     assert_same(parallel_dcp.load(tmp_path / "ckpt"), sd)

@@ -66,6 +66,9 @@ class TaskResult(Generic[R]):
     worker: int
     seconds: float
     value: R
+    # Seconds the worker spent before this task loading the run's handler (its first task of a
+    # run that brings one: the per-job cost each worker pays, outside every task's seconds).
+    setup: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,7 @@ def _worker_main(
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent(coordinator)
     broken: BaseException | None = None  # a run's handler that could not be loaded
+    setup = 0.0  # seconds spent loading it, reported with the next task's result
     # Objects inherited from the coordinator (the state dict's tensors and dicts) go to the
     # permanent generation: the worker's collections skip them instead of copying their pages.
     gc.freeze()
@@ -110,10 +114,12 @@ def _worker_main(
         if message is None:
             return
         if isinstance(message, _NewHandler):
+            began = time.perf_counter()
             try:
                 handler, broken = _load_handler(message), None
             except BaseException as exc:  # reported with the run's first task on this worker
                 broken = exc
+            setup = time.perf_counter() - began
             continue
         task: Task = message.task if isinstance(message, _TaskPart) else message
         start = time.perf_counter()
@@ -124,7 +130,8 @@ def _worker_main(
             if isinstance(message, _TaskPart):  # reading its part of the job is the task's work (and error)
                 run = handler.with_part(message.part, task)  # type: ignore[attr-defined]
             value = run(task)
-            reply: tuple[Any, ...] = ("ok", time.perf_counter() - start, value)
+            reply: tuple[Any, ...] = ("ok", time.perf_counter() - start, value, setup)
+            setup = 0.0
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             reply = ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc())
         try:
@@ -448,7 +455,7 @@ class WorkerPool:
                 exitcode=proc.exitcode,
             )
         if reply[0] == "ok":
-            return TaskResult(task=task, worker=worker, seconds=reply[1], value=reply[2])
+            return TaskResult(task=task, worker=worker, seconds=reply[1], value=reply[2], setup=reply[3])
         _, error_type, message, remote_tb = reply
         error = WorkerError(
             f"worker {worker} raised {error_type}: {message} (task {task.index}, keys {describe_keys(task.keys)})",

@@ -75,12 +75,15 @@ _RECORD_OVERHEAD = 1024
 
 @dataclass(frozen=True, slots=True)
 class WorkerStats:
-    """What one worker did: tasks run, bytes written, seconds spent inside its tasks."""
+    """What one worker did: tasks run, bytes written, seconds spent inside its tasks, and
+    ``setup_seconds`` spent loading the job before its first task (a Saver's workers, which
+    receive each job; 0 for forked workers and threads, which inherit it)."""
 
     worker: int
     tasks: int
     bytes: int
     seconds: float
+    setup_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,5 +481,7 @@ def _per_worker(results: list[TaskResult[Any]]) -> list[WorkerStats]:
     stats: dict[int, WorkerStats] = {}
     for r in results:
         old = stats.get(r.worker, WorkerStats(r.worker, 0, 0, 0.0))
-        stats[r.worker] = WorkerStats(r.worker, old.tasks + 1, old.bytes + r.task.nbytes, old.seconds + r.seconds)
+        stats[r.worker] = WorkerStats(
+            r.worker, old.tasks + 1, old.bytes + r.task.nbytes, old.seconds + r.seconds, old.setup_seconds + r.setup
+        )
     return [stats[w] for w in sorted(stats)]
