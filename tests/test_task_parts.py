@@ -86,7 +86,7 @@ def test_each_saver_worker_receives_only_its_own_tasks_keys(tmp_path: Path, monk
     # Each task's part holds its own units and the columns of their source keys, nothing else.
     received: Counter[str] = Counter()
     for message in parts:
-        units, part = message.task.keys, message.part
+        units, part = message.task.keys, pickle.loads(message.part)
         assert len(part.positions) == len(units)
         keys = {part.chunks[u].key if u in part.chunks else u for u in units}
         assert set(part.source.keys) | set(part.source.values) == keys
@@ -94,7 +94,7 @@ def test_each_saver_worker_receives_only_its_own_tasks_keys(tmp_path: Path, monk
         received.update(part.source.keys)
         received.update(list(part.source.values))
     chunked = {k for k, n in received.items() if n > 1}
-    assert any(message.part.chunks for message in parts)  # "big" was split
+    assert any(pickle.loads(message.part).chunks for message in parts)  # "big" was split
     assert chunked <= {"big"}  # a split tensor's key goes with each task holding a chunk of it
     assert len(received) == result.keys  # every key sent, each once but for the split one
     # Each worker's loading of the shell is reported, outside its tasks' seconds.
@@ -149,3 +149,29 @@ def test_forked_workers_build_nothing_per_key_of_the_whole_job(tmp_path: Path, m
     calls = log.read_text().split()
     assert calls and set(calls) == {"inherited"}
     assert_same(parallel_dcp.load(tmp_path / "ckpt"), sd)
+
+
+def test_parts_are_made_ahead_in_dispatch_order_and_again_for_a_retried_task() -> None:
+    from parallel_dcp.engine.partition import Task
+    from parallel_dcp.jobs.task_parts import JobParts, part_job
+
+    sd = {f"k{i}": torch.full((3,), float(i)) for i in range(9)} | {"n": 5}
+    source = RemoteMemorySource("x", state_dict=sd)
+    job = Job(source, source.keys())
+    tasks = [Task(i, tuple(source.keys()[3 * i : 3 * i + 3]), 36) for i in range(3)] + [Task(3, ("n",), 0)]
+    parts = JobParts(job, source, tasks)
+    first = parts(tasks[0])
+    parts.ahead()  # the worker runs task 0: task 1's part is made meanwhile
+    assert list(parts._made) == [1]
+    assert parts(tasks[1]) == parts._make(tasks[1]) and parts._made == {}
+    parts.ahead()
+    parts.ahead()  # task 2, then the value-only task 3
+    assert list(parts._made) == [2, 3]
+    parts.ahead()  # nothing left to make
+    assert parts(tasks[0]) == first  # a retried task gets its part again
+    worker = part_job(pickle.loads(pickle.dumps(parts.shell)), parts(tasks[3]), tasks[3])
+    assert worker.keys == ("n",) and worker.source.values == {"n": 5} and worker.source.entries == {}
+    assert worker.positions() == {"n": 9}
+    worker = part_job(pickle.loads(pickle.dumps(parts.shell)), parts(tasks[2]), tasks[2])
+    assert worker.positions() == {"k6": 6, "k7": 7, "k8": 8}
+    assert {k: v.tolist() for k, v in worker.read(worker.keys).items()} == {f"k{i}": [float(i)] * 3 for i in (6, 7, 8)}

@@ -315,9 +315,11 @@ class WorkerPool:
             on_tick: called every few tens of milliseconds while tasks run (a progress bar).
             handler: runs this run's tasks instead of the pool's own (a pool that outlives one
                 job); pickled once here, each worker copies it before its first task.
-            parts: ``parts(task)`` is sent with each task (made when the task is dispatched), and
-                the worker runs ``handler.with_part(part, task)(task)``: the job's per-key data then
-                travels per task, so no worker receives the keys of tasks it does not run.
+            parts: ``parts(task)`` is sent with each task (made when the task is dispatched, or
+                earlier by ``parts.ahead()`` if it has one: called before each wait on the
+                workers), and the worker runs ``handler.with_part(part, task)(task)``: the job's
+                per-key data then travels per task, so no worker receives the keys of tasks it
+                does not run.
 
         Raises:
             WorkerError: a task raised; ``__cause__`` is the worker's traceback.
@@ -352,6 +354,9 @@ class WorkerPool:
                         governor.add_worker()
                     idle.append(worker)
                     self._dispatch(pending, idle, running, governor)
+                ahead = getattr(self._parts, "ahead", None)
+                if ahead is not None and pending:  # the next task's part, made while the workers work
+                    ahead()
                 # Map what we wait on to workers now: a worker restarted below gets new ones.
                 owners: dict[Any, int] = {self._procs[w].sentinel: w for w in running}
                 owners.update({id(self._conns[w]): w for w in running})
@@ -375,6 +380,9 @@ class WorkerPool:
                     else:
                         yield result
                     idle.append(worker)
+                # The freed workers take their next tasks before the watchdog's reading (up to a
+                # tenth of a second once a second, under load), not after it.
+                self._dispatch(pending, idle, running, governor)
                 if governor is not None:  # idle workers too: what they keep still counts
                     governor.watch(
                         {
