@@ -2,8 +2,9 @@
 
     coordinator (holds the state dict)             worker (started before the state dict existed)
     ──────────────────────────────────             ──────────────────────────────────────────────
-    flatten, check; per tensor: address,           unpickles the source: entries, values, layouts
-    shape, strides, dtype (no bytes)  ── pickle ─▶ read(keys):
+    flatten, check; shell() once, and per task     with_part(part): a source of the task's keys
+    part(keys): its tensors' addresses, shapes,    only (entries, values, layouts), on the shell
+    strides, dtypes (no bytes)        ── pickle ─▶ read(keys):
                                                    - a tensor of >= PENDING_MIN_BYTES whose storage
                                                      is exactly its bytes: a PendingTensor; the
                                                      writer copies it with process_vm_readv straight
