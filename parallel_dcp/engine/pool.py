@@ -131,9 +131,9 @@ def _worker_main(
                 run = handler.with_part(message.part, task)  # type: ignore[attr-defined]
             value = run(task)
             reply: tuple[Any, ...] = ("ok", time.perf_counter() - start, value, setup)
-            setup = 0.0
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             reply = ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc())
+        setup = 0.0  # reported with this run's first task on this worker only
         try:
             _send(conn, reply)
         except Exception as exc:  # a result that cannot be pickled is the task's error, not a crash
