@@ -4,9 +4,11 @@ O_DIRECT reads whole pages of the file into whole pages of memory: a destination
 and file offset differ by a multiple of ALIGN takes the file's pages straight in, any other goes
 through a bounce buffer and a copy (storage/direct_read.py). ``torch.empty`` puts a large tensor
 64 bytes into a page, while a DCP record's bytes start anywhere in a page of the shard (after the
-record's header), so a load into fresh tensors copied every byte once more, and faulted in every
-destination page from user space (measured, 2 GiB on this project's 2-core VM: 0.25 s of copying
-and ~0.3 s of faults beyond the kernel's own zeroing, about half the load's CPU).
+record's header), so a load into fresh tensors copied every byte once more and faulted in every
+destination page from user space. Measured on this project's 2-core VM (dcpread3 notes): copying
+2 GiB out of a reused buffer costs 0.25 s of CPU, into fresh memory 0.9 s (the kernel zeroing the
+pages alone, MADV_POPULATE_WRITE: 0.58 s); a cold 2 GiB direct load took 1.02 s of CPU with every
+byte bounced, 0.74 s with its tensors seated.
 
 So a fresh tensor of a large record gets a ``room``: its bytes and one page more. Once the
 record's header is parsed (its bytes' file offset known), :func:`seat` moves the tensor inside
