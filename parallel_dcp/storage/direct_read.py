@@ -30,10 +30,10 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.storage.direct_jobs import Job, plan_direct
 from parallel_dcp.storage.direct_write import MEMMOVE_BYTES, address
 from parallel_dcp.storage.io_mode import ALIGN, uses_direct
 from parallel_dcp.storage.safe_files import open_regular, vanished
@@ -209,13 +209,13 @@ class ShardFile:
             at, index = at + got, 1 - index
 
     def _read_direct(self, offset: int, views: list[memoryview]) -> None:
-        jobs = _plan_direct(offset, [v for v in views if v.nbytes], min(REQUEST_BYTES, PIECE_BYTES))
+        jobs = plan_direct(offset, [v for v in views if v.nbytes], min(REQUEST_BYTES, PIECE_BYTES))
         if not jobs:
             return
         if not self._buffers:
             self._buffers = _take_buffers()
         free = list(range(len(self._buffers)))
-        flight: collections.deque[tuple[_Job, int, cf.Future[int]]] = collections.deque()
+        flight: collections.deque[tuple[Job, int, cf.Future[int]]] = collections.deque()
         try:
             for job in jobs:
                 if len(flight) == len(self._buffers):
@@ -233,7 +233,7 @@ class ShardFile:
                 with contextlib.suppress(Exception):
                     read.result()
 
-    def _finish(self, job: _Job, index: int, read: cf.Future[int], free: list[int]) -> None:
+    def _finish(self, job: Job, index: int, read: cf.Future[int], free: list[int]) -> None:
         """Wait for ``job``'s read; copy a bounced one out of buffer ``index``, then free it."""
         got = read.result()
         if job.at + got < job.needed:
@@ -275,66 +275,3 @@ class ShardFile:
             return got
         finally:
             view.release()
-
-
-@dataclass(slots=True)
-class _Job:
-    """One aligned read of the file's bytes ``at``..``at + length``: straight into ``into`` (the
-    destination's own memory, aligned as the file) or into a bounce buffer, whose bytes are then
-    copied into ``parts`` ((file offset, view) each); ``needed``: the file must hold the bytes up
-    to here (an aligned read may come back short only beyond them, at the end of the file)."""
-
-    at: int
-    length: int
-    needed: int
-    into: memoryview | None = None
-    parts: list[tuple[int, memoryview]] = field(default_factory=list)
-
-
-def _plan_direct(offset: int, views: list[memoryview], most: int) -> list[_Job]:
-    """The aligned reads that fill ``views`` (the file's bytes from ``offset``, one after the
-    other), in file order, each at most ``most`` bytes: the whole pages of a view whose memory is
-    aligned as the file (its address and file offset equal modulo ALIGN) are read straight into
-    it; its first and last partial page, and views aligned otherwise, through a bounce buffer
-    (neighbouring such bytes share one read)."""
-    jobs: list[_Job] = []
-    bounce: _Job | None = None
-
-    def bounced(position: int, view: memoryview) -> None:
-        nonlocal bounce
-        while view.nbytes:
-            if bounce is None or position >= bounce.at + most:
-                bounce = _Job(_down(position), 0, 0)
-                jobs.append(bounce)
-            n = min(view.nbytes, bounce.at + most - position)
-            bounce.parts.append((position, view[:n]))
-            bounce.needed = position + n
-            bounce.length = _up(bounce.needed) - bounce.at
-            position, view = position + n, view[n:]
-
-    position = offset
-    for view in views:
-        end = position + view.nbytes
-        first, last = _up(position), _down(end)
-        if (address(view) - position) % ALIGN or first >= last:
-            bounced(position, view)
-            position = end
-            continue
-        if first > position:
-            bounced(position, view[: first - position])
-        bounce = None  # bytes after these pages start a bounce read of their own
-        for at in range(first, last, most):
-            n = min(most, last - at)
-            jobs.append(_Job(at, n, at + n, into=view[at - position : at - position + n]))
-        if end > last:
-            bounced(last, view[last - position :])
-        position = end
-    return jobs
-
-
-def _down(n: int) -> int:
-    return n - n % ALIGN
-
-
-def _up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
