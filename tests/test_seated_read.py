@@ -181,3 +181,15 @@ def test_seat_puts_a_tensor_where_its_file_offset_is(monkeypatch: pytest.MonkeyP
             room[landing : landing + tensor.nbytes].copy_(data.view(torch.uint8))
             seated.shift(tensor, room, landing)
             assert torch.equal(tensor, data)
+
+
+def test_a_truncated_shard_of_large_records_is_refused_and_named(disk: Path) -> None:
+    """Seating changes where the bytes land, not what is admitted: a shard cut inside a large
+    record is refused (by name) before any of it is read into the fresh tensors."""
+    sd = {k: t for k, t in _state().items() if t.nbytes > seated.ROOM_MIN_BYTES}
+    parallel_dcp.save(sd, disk / "ckpt", workers=1)
+    shard = max((disk / "ckpt").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    os.truncate(shard, shard.stat().st_size - 3 * MiB)
+    with pytest.raises(parallel_dcp.CorruptCheckpointError, match="truncated") as raised:
+        parallel_dcp.load(disk / "ckpt", workers=2, io="direct")
+    assert shard.name in str(raised.value)
