@@ -54,8 +54,9 @@ from parallel_dcp.storage.location import Location
 
 __all__ = ["Entry", "SmallUnit", "small_units"]
 
-# (offset, length, key, target, storage info, dtype, shape): one record, as .metadata says
-Entry = tuple[int, int, str, torch.Tensor, Any, torch.dtype, tuple[int, ...]]
+# (offset, length, key, target, storage info, dtype, shape, the target's data address): one record,
+# as .metadata says (the address taken by the planner, which touched the tensor anyway)
+Entry = tuple[int, int, str, torch.Tensor, Any, torch.dtype, tuple[int, ...], int]
 _UNKNOWN = object()
 
 
@@ -167,7 +168,7 @@ class SmallUnit:
         for entry in unlike:  # its varying spans were zeroed: its bytes as they are in the file
             file.read(entry[0], [view[entry[0] - start : entry[0] - start + entry[1]]])
         for entry in rest + unlike:  # each parsed and checked on its own
-            offset, length, key, target, _, dtype, shape = entry
+            offset, length, key, target, _, dtype, shape, _ = entry
             record = view[offset - start : offset - start + length]
             layout = checked_layout(file.where, key, offset, record, record, length, dtype, shape)
             if layout is None or not is_row_major(layout.size, layout.stride):
@@ -196,7 +197,7 @@ class SmallUnit:
             return template
         if templates.full:  # no room for its template: parsed on its own
             return None
-        offset, length, key, target, _, dtype, shape = entry
+        offset, length, key, target, _, dtype, shape, _ = entry
         record = view[offset - start : offset - start + length]
         layout = checked_layout(file.where, key, offset, record, record, length, dtype, shape)
         if layout is not None and is_row_major(layout.size, layout.stride):
@@ -236,7 +237,7 @@ def _check_and_copy(
             head, tail, tail_offset, data_start, size = parts[row]
             if same(head, at) and same(tail, at + tail_offset):
                 if size:
-                    memmove(entry[3].data_ptr(), base + at + data_start, size)
+                    memmove(entry[7], base + at + data_start, size)
                 copied += 1
                 nbytes += size
             else:
@@ -246,7 +247,7 @@ def _check_and_copy(
 
 def _request(entry: Entry) -> Request:
     """The general request for an entry that DCP's reader serves."""
-    _, _, key, target, info, dtype, shape = entry
+    _, _, key, target, info, dtype, shape, _ = entry
     origin = torch.Size([0] * len(shape))
     index = MetadataIndex(key, origin)
     item = ReadItem(LoadItemType.TENSOR, index, origin, index, origin, torch.Size(shape))

@@ -162,7 +162,9 @@ def _load(
         selected = _selected(metadata, keys, location)
     metas = {k: m for k in selected if isinstance(m := metadata.state_dict_metadata[k], TensorStorageMetadata)}
     whole = columns.tensors  # (dtype, shape) of each key of one whole chunk, without touching its objects
-    dense: dict[str, torch.Tensor] = {}  # targets that are dense CPU tensors of the stored dtype and shape
+    # targets that are dense CPU tensors of the stored dtype and shape, and their data addresses
+    # (taken while the tensor is at hand: a later first touch of it is a cache miss)
+    dense: dict[str, tuple[torch.Tensor, int]] = {}
     if into is not None:
         tensor = torch.Tensor
         for key, meta in metas.items():
@@ -177,7 +179,7 @@ def _load(
                 and not value.is_meta
             ):
                 if value.is_cpu:
-                    dense[key] = value
+                    dense[key] = (value, value.data_ptr())
             else:
                 _check_target(key, value, meta)
     # Kept by reservation alone: everything the read holds is set aside before it starts (the
@@ -205,7 +207,7 @@ def _load(
         else {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in metas.items()}
     )
     if into is None:
-        dense = targets
+        dense = {key: (target, target.data_ptr()) for key, target in targets.items()}
     values: dict[str, Any] = {}
 
     def on_bytes(item: ReadItem, data: bytes) -> None:
@@ -365,7 +367,7 @@ def _requests(
 
 
 def _small_records(
-    columns: WholeRecords, selected: list[str], dense: dict[str, torch.Tensor]
+    columns: WholeRecords, selected: list[str], dense: dict[str, tuple[torch.Tensor, int]]
 ) -> dict[str, list[fast_read.Entry]]:
     """By file, an entry for each selected tensor stored whole (one chunk at the origin) in one
     uncompressed record of at most SMALL_RECORD bytes, whose target is a dense CPU tensor of its
@@ -384,7 +386,7 @@ def _small_records(
         stored = whole(key)
         if stored is None:  # not one whole chunk: the general way
             continue
-        entry = (offset, length, key, target, info, stored[0], stored[1])
+        entry = (offset, length, key, target[0], info, stored[0], stored[1], target[1])
         found = small.get(name)
         if found is None:
             small[name] = [entry]
