@@ -21,7 +21,6 @@ from parallel_dcp import CorruptCheckpointError
 from parallel_dcp.formats import dcp_records, read_units, small_reads
 from parallel_dcp.formats.dcp_records import parse_record, varying_spans
 from parallel_dcp.formats.record_batch import SpanTable, Template, check_batch, make_template
-from parallel_dcp.storage import scatter_copy
 from tests.conftest import assert_same, empty_like_state
 
 SHAPES = [(16,), (4, 8), (33,), (2, 3, 5)]
@@ -89,21 +88,6 @@ def test_many_small_records_load_bit_for_bit_with_one_parse_per_shape(
     dcp.load(through, storage_reader=reader, no_dist=True)
     assert_same(through, expected)
     assert parses[0] <= 2 * len(shapes)
-
-
-@pytest.mark.parametrize("kind", ["stock", "pdcp"])
-def test_many_small_records_load_bit_for_bit_where_the_kernel_refuses_scatter_copies(
-    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Without process_vm_writev (seccomp, not Linux) every record is copied by memmove: the same."""
-    monkeypatch.setattr(scatter_copy, "_call", [None])
-    sd = optimizer_like()
-    write(kind, sd, tmp_path / "ckpt")
-    into = empty_like_state(sd)
-    stats = parallel_dcp.ReadStats()
-    parallel_dcp.load(tmp_path / "ckpt", into=into, workers=2, stats=stats)
-    assert_same(into, stock_load(sd, tmp_path / "ckpt"))
-    assert stats.fast == 2 * COUNT and not scatter_copy.scatter_copy_available()
 
 
 def _records(path: Path) -> list[tuple[str, Any]]:

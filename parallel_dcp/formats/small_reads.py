@@ -51,7 +51,6 @@ from parallel_dcp.formats.read_units import (
 from parallel_dcp.formats.record_batch import SpanTable, Template, TemplateCache, make_template
 from parallel_dcp.storage.direct_write import address
 from parallel_dcp.storage.location import Location
-from parallel_dcp.storage.scatter_copy import scatter_copy
 
 __all__ = ["Entry", "SmallUnit", "small_units"]
 
@@ -215,45 +214,34 @@ def _check_and_copy(
     unlike: list[Entry],
 ) -> tuple[int, int]:
     """Each checked record (at ``starts`` in ``raw``) compared with its template (``chosen[row]``),
-    and when equal, its data copied into its tensor (all of a step's in one scatter_copy); a record
-    unlike its template goes to ``unlike``. Its varying spans are zeroed in bulk first and left zeroed in ``raw`` (a
+    and when equal, its data copied into its tensor in the same pass; a record unlike its template
+    goes to ``unlike``. Its varying spans are zeroed in bulk first and left zeroed in ``raw`` (a
     record in ``unlike`` must be read again); they lie outside every record's data
     (dcp_records.varying_spans), so the data is copied as it was read. The count and bytes copied.
     """
     if not checked:
         return 0, 0
     table = SpanTable(chosen)
-    heads = [t.head for t in chosen]
-    tails = [t.tail for t in chosen]
-    tail_offsets = [t.tail_offset for t in chosen]
-    data_start = numpy.array([t.data_start for t in chosen], dtype=numpy.int64)
-    size = numpy.array([t.nbytes for t in chosen], dtype=numpy.int64)
+    parts = [(t.head, t.tail, t.tail_offset, t.data_start, t.nbytes) for t in chosen]
     data = numpy.frombuffer(raw, dtype=numpy.uint8)
     at_all = numpy.array(starts, dtype=numpy.int64)
     row_all = numpy.array(rows, dtype=numpy.intp)
     base = address(memoryview(raw))
+    memmove = ctypes.memmove
     same = raw.startswith
     copied = nbytes = 0
     for first in range(0, len(checked), table.step):
         stop = first + table.step
-        at, row = at_all[first:stop], row_all[first:stop]
-        table.zero(data, at, row)
-        ok = numpy.array(
-            [
-                same(heads[r], a) and same(tails[r], a + tail_offsets[r])
-                for a, r in zip(starts[first:stop], rows[first:stop], strict=True)
-            ],
-            dtype=bool,
-        )
-        if not ok.all():
-            unlike += [checked[first + int(i)] for i in numpy.flatnonzero(~ok)]
-        good = row[ok]
-        lengths = size[good]
-        targets = numpy.array([entry[7] for entry in checked[first:stop]], dtype=numpy.int64)[ok]
-        # in one call per ~1,000 records, without the GIL (storage.scatter_copy)
-        scatter_copy(base + at[ok] + data_start[good], targets, lengths)
-        copied += len(good)
-        nbytes += int(lengths.sum())
+        table.zero(data, at_all[first:stop], row_all[first:stop])
+        for entry, at, row in zip(checked[first:stop], starts[first:stop], rows[first:stop], strict=True):
+            head, tail, tail_offset, data_start, size = parts[row]
+            if same(head, at) and same(tail, at + tail_offset):
+                if size:
+                    memmove(entry[7], base + at + data_start, size)
+                copied += 1
+                nbytes += size
+            else:
+                unlike.append(entry)
     return copied, nbytes
 
 
