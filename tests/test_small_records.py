@@ -21,6 +21,8 @@ from parallel_dcp import CorruptCheckpointError
 from parallel_dcp.formats import dcp_records, read_units, small_reads
 from parallel_dcp.formats.dcp_records import parse_record, varying_spans
 from parallel_dcp.formats.record_batch import SpanTable, Template, check_batch, make_template
+from parallel_dcp.storage import metadata_check
+from parallel_dcp.storage.metadata import read_metadata_columns
 from tests.conftest import assert_same, empty_like_state
 
 SHAPES = [(16,), (4, 8), (33,), (2, 3, 5)]
@@ -466,3 +468,32 @@ def test_a_load_reads_no_process_memory(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(RuntimeError, match="reservation alone"):
         budget.read([])
     assert reads[0] == 0
+
+
+@pytest.mark.parametrize("kind", ["stock", "pdcp"])
+def test_the_checks_columns_say_what_the_metadata_objects_say(tmp_path: Path, kind: str) -> None:
+    """load(into=) plans small records from the columns the .metadata check leaves
+    (storage.metadata_check.WholeRecords), not from the objects: they must agree with them, and a
+    key whose record is not at the origin (or not one whole chunk) is not in them."""
+    sd = optimizer_like()
+    sd["split"] = torch.arange(6.0)
+    write(kind, sd, tmp_path / "ckpt")
+    metadata, columns = read_metadata_columns(tmp_path / "ckpt")
+    tensors = {
+        key: (meta.properties.dtype, tuple(meta.size))
+        for key, meta in metadata.state_dict_metadata.items()
+        if hasattr(meta, "chunks") and len(meta.chunks) == 1 and not any(meta.chunks[0].offsets)
+    }
+    assert columns.tensors == tensors
+    records = [
+        (index.fqn, info.relative_path, info.offset, info.length, info)
+        for index, info in metadata.storage_data.items()
+        if index.offset is not None and not any(index.offset)
+    ]
+    assert columns.records == records
+    # a record moved off the origin in the index: no longer a whole record of its key
+    index = next(i for i in metadata.storage_data if i.fqn == "split")
+    moved = type(index)(index.fqn, torch.Size([1]), index.index)
+    metadata.storage_data[moved] = metadata.storage_data.pop(index)
+    again = metadata_check.check_metadata_fields(metadata, "x")
+    assert "split" not in {record[0] for record in again.records}
