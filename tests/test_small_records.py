@@ -10,6 +10,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -17,9 +18,11 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 
 import parallel_dcp
 from parallel_dcp import CorruptCheckpointError
-from parallel_dcp.formats import dcp_records, read_units
+from parallel_dcp.formats import dcp_records, read_units, small_reads
 from parallel_dcp.formats.dcp_records import parse_record, varying_spans
-from parallel_dcp.formats.record_batch import Template, check_batch, make_template
+from parallel_dcp.formats.record_batch import SpanTable, Template, check_batch, make_template
+from parallel_dcp.storage import metadata_check
+from parallel_dcp.storage.metadata import read_metadata_columns
 from tests.conftest import assert_same, empty_like_state
 
 SHAPES = [(16,), (4, 8), (33,), (2, 3, 5)]
@@ -139,6 +142,58 @@ def test_a_record_whose_directory_differs_is_not_taken_for_its_template(tmp_path
     _damage(tmp_path / "ckpt", victim, rename_pickle)
     with pytest.raises(CorruptCheckpointError, match=r"optimizer\.state\.6\.exp_avg"):
         parallel_dcp.load(tmp_path / "ckpt", into=empty_like_state(sd))
+
+
+def test_a_record_unlike_its_template_is_parsed_from_its_bytes_as_in_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bulk check zeroes every checked record's varying spans in the window buffer and leaves
+    them zeroed; a record that then differs from its template is parsed on its own from its bytes
+    as they are in the shard (read again), never from the zeroed copy."""
+    sd = optimizer_like()
+    write("stock", sd, tmp_path / "ckpt")
+    victim = "optimizer.state.14.exp_avg"
+
+    def other_shape(record: bytearray) -> None:
+        record[record.find(b"K!") + 1] = 34
+
+    _damage(tmp_path / "ckpt", victim, other_shape)
+    info = next(info for fqn, info in _records(tmp_path / "ckpt") if fqn == victim)
+    on_disk = (tmp_path / "ckpt" / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+    seen: dict[str, bytes] = {}
+    real = small_reads.checked_layout
+
+    def spy(where: Any, key: str, offset: int, record: memoryview, *args: Any) -> Any:
+        seen.setdefault(key, bytes(record))
+        seen[key] = bytes(record)  # the last parse of the key: the one that decides
+        return real(where, key, offset, record, *args)
+
+    monkeypatch.setattr(small_reads, "checked_layout", spy)
+    with pytest.raises(CorruptCheckpointError, match=r"optimizer\.state\.14\.exp_avg"):
+        parallel_dcp.load(tmp_path / "ckpt", into=empty_like_state(sd), workers=1)
+    assert seen[victim] == on_disk
+
+
+def test_span_table_zeroes_the_varying_spans_of_every_record_at_once() -> None:
+    """SpanTable zeroes exactly each record's own template's spans (rows of different widths)."""
+    a, b = _torch_record(torch.arange(16.0)), _torch_record(torch.arange(8, dtype=torch.int64))
+    templates = []
+    for record in (a, b):
+        layout = parse_record(memoryview(record), memoryview(record), len(record))
+        assert layout is not None
+        template = make_template(memoryview(record), layout, layout.data_bytes // layout.dtype.itemsize)
+        assert template is not None
+        templates.append(template)
+    batch = bytearray(a + b + a)
+    starts = [0, len(a), len(a) + len(b)]
+    rows = [0, 1, 0]
+    expected = bytearray(batch)
+    for at, row in zip(starts, rows, strict=True):
+        for p in templates[row].spans:
+            expected[at + int(p)] = 0
+    table = SpanTable(templates)
+    table.zero(numpy.frombuffer(batch, dtype=numpy.uint8), numpy.array(starts), numpy.array(rows))
+    assert batch == expected and batch != bytearray(a + b + a)
 
 
 def _torch_record(tensor: torch.Tensor) -> bytes:
@@ -413,3 +468,32 @@ def test_a_load_reads_no_process_memory(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(RuntimeError, match="reservation alone"):
         budget.read([])
     assert reads[0] == 0
+
+
+@pytest.mark.parametrize("kind", ["stock", "pdcp"])
+def test_the_checks_columns_say_what_the_metadata_objects_say(tmp_path: Path, kind: str) -> None:
+    """load(into=) plans small records from the columns the .metadata check leaves
+    (storage.metadata_check.WholeRecords), not from the objects: they must agree with them, and a
+    key whose record is not at the origin (or not one whole chunk) is not in them."""
+    sd = optimizer_like()
+    sd["split"] = torch.arange(6.0)
+    write(kind, sd, tmp_path / "ckpt")
+    metadata, columns = read_metadata_columns(tmp_path / "ckpt")
+    tensors = {
+        key: (meta.properties.dtype, tuple(meta.size))
+        for key, meta in metadata.state_dict_metadata.items()
+        if hasattr(meta, "chunks") and len(meta.chunks) == 1 and not any(meta.chunks[0].offsets)
+    }
+    assert columns.tensors == tensors
+    records = [
+        (index.fqn, info.relative_path, info.offset, info.length, info)
+        for index, info in metadata.storage_data.items()
+        if index.offset is not None and not any(index.offset)
+    ]
+    assert columns.records == records
+    # a record moved off the origin in the index: no longer a whole record of its key
+    index = next(i for i in metadata.storage_data if i.fqn == "split")
+    moved = type(index)(index.fqn, torch.Size([1]), index.index)
+    metadata.storage_data[moved] = metadata.storage_data.pop(index)
+    again = metadata_check.check_metadata_fields(metadata, "x")
+    assert "split" not in {record[0] for record in again.records}

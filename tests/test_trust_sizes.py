@@ -154,14 +154,14 @@ def test_load_with_retries_plans_in_linear_time(tmp_path: Path, monkeypatch: pyt
     ckpt = tmp_path / "ckpt"
     keys = 1500
     parallel_dcp.save({f"k{i}": torch.full((2,), float(i)) for i in range(keys)}, ckpt, workers=1)
-    real = load_job.read_metadata
+    real = load_job.read_metadata_columns
 
     def counting(*args: Any, **kwargs: Any) -> Any:
-        metadata = real(*args, **kwargs)
+        metadata, columns = real(*args, **kwargs)
         metadata.storage_data = _CountingStorage(metadata.storage_data)
-        return metadata
+        return metadata, columns
 
-    monkeypatch.setattr(load_job, "read_metadata", counting)
+    monkeypatch.setattr(load_job, "read_metadata_columns", counting)
     _CountingStorage.walked = 0
     loaded = parallel_dcp.load(ckpt, workers=1, retries=1)
     assert loaded["k1499"].tolist() == [1499.0, 1499.0]

@@ -29,7 +29,7 @@ import numpy
 
 from parallel_dcp.formats.dcp_records import RecordLayout, varying_spans
 
-__all__ = ["CHECK_BYTES", "Template", "TemplateCache", "check_batch", "make_template"]
+__all__ = ["CHECK_BYTES", "SpanTable", "Template", "TemplateCache", "check_batch", "make_template"]
 
 # The most varying bytes one template may have (torch's records: 7 CRC-32s in the directory, a
 # few in descriptors and local headers, a 40-byte serialization id: about 100).
@@ -119,6 +119,35 @@ class TemplateCache:
             self._found[key] = template
             self._bytes += cost
             return template
+
+
+class SpanTable:
+    """The varying spans of a few templates as one padded table (a row per template), so the spans
+    of many records are zeroed by broadcasting alone: no Python call per record, and one scatter
+    (nothing saved or put back: a caller that needs a record as it was read reads it again).
+
+    A row shorter than the longest repeats its first span byte (zeroed twice).
+    """
+
+    def __init__(self, templates: list[Template]) -> None:
+        self.templates = templates
+        width = max((t.spans.size for t in templates), default=0)
+        table = numpy.zeros((len(templates), width), dtype=numpy.int64)
+        for row, template in enumerate(templates):
+            table[row, : template.spans.size] = template.spans
+            if template.spans.size:
+                table[row, template.spans.size :] = template.spans[0]
+        self.table = table
+        # records per scatter: each varying byte holds a few int64 temporaries (CHECK_BYTES)
+        self.step = max(1, _SPAN_STEP // max(width, 1))
+
+    def zero(
+        self, data: numpy.ndarray[Any, Any], starts: numpy.ndarray[Any, Any], rows: numpy.ndarray[Any, Any]
+    ) -> None:
+        """Zero the varying spans of the records at ``starts`` (offsets in ``data``) whose
+        templates are ``rows`` (at most :attr:`step` records)."""
+        if self.table.shape[1]:
+            data[(starts[:, None] + self.table[rows]).ravel()] = 0
 
 
 def check_batch(batch: bytearray, starts: list[int], templates: list[Template]) -> list[bool]:

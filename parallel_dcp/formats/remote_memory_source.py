@@ -19,6 +19,10 @@ Only what is copied into fresh memory is charged (``copied_bytes``, ``chunk_memo
 plans for it; a pending tensor costs the writer's buffers, which the task's stream charges already.
 The coordinator must keep the tensors alive and unchanged until the save returns (it does: the
 caller is inside ``save``).
+
+Longer than 300 lines because the coordinator's side (the shell and the per-task parts, built
+in columns) and the worker's side (reading those parts back) must agree field by field: kept
+together, a change to one is seen beside the other.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ read itself. Here a record is one tuple (:data:`Entry`), planned by the caller f
       │ <= GAP_BYTES between them)
       │   the first record of each (length, dtype, shape): parsed by the allow-list parser and
       │   checked against .metadata (read_units.checked_layout) ─▶ its template (record_batch)
-      │   every record: checked byte for byte against its template in bulk (check_batch), its
-      │   data copied into its tensor, one memmove
+      │   every record: its varying spans zeroed in bulk (record_batch.SpanTable), then in one
+      │   pass checked byte for byte against its template and its data copied into its tensor
+      │   (two memcmps, one memmove)
       │   a record unlike its template, or of a key without one: parsed and checked on its own
       │   (a damaged one is refused, naming its key)
       │ a record that is not a plain row-major tensor ──▶ a Request for DCP's reader
@@ -30,6 +31,7 @@ import threading
 from operator import itemgetter
 from typing import Any
 
+import numpy
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
@@ -46,14 +48,15 @@ from parallel_dcp.formats.read_units import (
     _File,
     checked_layout,
 )
-from parallel_dcp.formats.record_batch import Template, TemplateCache, check_batch, make_template
+from parallel_dcp.formats.record_batch import SpanTable, Template, TemplateCache, make_template
 from parallel_dcp.storage.direct_write import address
 from parallel_dcp.storage.location import Location
 
 __all__ = ["Entry", "SmallUnit", "small_units"]
 
-# (offset, length, key, target, storage info, dtype, shape): one record, as .metadata says
-Entry = tuple[int, int, str, torch.Tensor, Any, torch.dtype, tuple[int, ...]]
+# (offset, length, key, target, storage info, dtype, shape, the target's data address): one record,
+# as .metadata says (the address taken by the planner, which touched the tensor anyway)
+Entry = tuple[int, int, str, torch.Tensor, Any, torch.dtype, tuple[int, ...], int]
 _UNKNOWN = object()
 
 
@@ -140,44 +143,32 @@ class SmallUnit:
         file.read(start, [view[: end - start]])
         checked: list[Entry] = []
         starts: list[int] = []
+        rows: list[int] = []  # each checked record's template, as its row in ``chosen``
+        used: dict[int, int] = {}  # id(template) -> its row
         chosen: list[Template] = []
         rest: list[Entry] = []
         templates = self.templates
         for entry in entries:
-            offset, length, key, target, _, dtype, shape = entry
-            tkey = (length, dtype, shape)
+            tkey = (entry[1], entry[5], entry[6])  # (length, dtype, shape)
             template = seen.get(tkey, _UNKNOWN)
             if template is _UNKNOWN:
-                known, template = templates.get(tkey)
-                if not known:
-                    if templates.full:  # no room for its template: parsed on its own
-                        rest.append(entry)
-                        continue
-                    record = view[offset - start : offset - start + length]
-                    layout = checked_layout(file.where, key, offset, record, record, length, dtype, shape)
-                    if layout is not None and is_row_major(layout.size, layout.stride):
-                        template = make_template(record, layout, target.numel())
-                    template = templates.put(tkey, template)
-                seen[tkey] = template
+                template = seen[tkey] = self._template(file, view, start, entry, tkey, templates)
             if template is None:
                 rest.append(entry)
                 continue
+            row = used.get(id(template))
+            if row is None:
+                row = used[id(template)] = len(chosen)
+                chosen.append(template)  # type: ignore[arg-type]  # a Template: None and unknown are gone
             checked.append(entry)
-            starts.append(offset - start)
-            chosen.append(template)  # type: ignore[arg-type]  # a Template: None and unknown are gone
-        base = address(view)
-        memmove = ctypes.memmove
-        copied = nbytes = 0
-        for entry, at, template, same in zip(checked, starts, chosen, check_batch(raw, starts, chosen), strict=True):
-            if same:
-                if template.nbytes:
-                    memmove(entry[3].data_ptr(), base + at + template.data_start, template.nbytes)
-                copied += 1
-                nbytes += template.nbytes
-            else:
-                rest.append(entry)
-        for entry in rest:  # each parsed and checked on its own
-            offset, length, key, target, _, dtype, shape = entry
+            starts.append(entry[0] - start)
+            rows.append(row)
+        unlike: list[Entry] = []
+        copied, nbytes = _check_and_copy(raw, checked, starts, rows, chosen, unlike)
+        for entry in unlike:  # its varying spans were zeroed: its bytes as they are in the file
+            file.read(entry[0], [view[entry[0] - start : entry[0] - start + entry[1]]])
+        for entry in rest + unlike:  # each parsed and checked on its own
+            offset, length, key, target, _, dtype, shape, _ = entry
             record = view[offset - start : offset - start + length]
             layout = checked_layout(file.where, key, offset, record, record, length, dtype, shape)
             if layout is None or not is_row_major(layout.size, layout.stride):
@@ -185,9 +176,9 @@ class SmallUnit:
                 continue
             size = target.numel() * dtype.itemsize
             if size:
-                memmove(
+                ctypes.memmove(
                     target.data_ptr(),
-                    base + offset - start + layout.data_offset + layout.storage_offset * dtype.itemsize,
+                    address(view) + offset - start + layout.data_offset + layout.storage_offset * dtype.itemsize,
                     size,
                 )
             copied += 1
@@ -195,10 +186,68 @@ class SmallUnit:
         stats.fast += copied
         stats.bytes += nbytes
 
+    @staticmethod
+    def _template(
+        file: _File, view: memoryview, start: int, entry: Entry, tkey: tuple[Any, ...], templates: TemplateCache
+    ) -> Template | None:
+        """The template of ``entry``'s (length, dtype, shape): the read's, or made from this record
+        (parsed and checked against .metadata); None: its records are parsed one by one."""
+        known, template = templates.get(tkey)
+        if known:
+            return template
+        if templates.full:  # no room for its template: parsed on its own
+            return None
+        offset, length, key, target, _, dtype, shape, _ = entry
+        record = view[offset - start : offset - start + length]
+        layout = checked_layout(file.where, key, offset, record, record, length, dtype, shape)
+        if layout is not None and is_row_major(layout.size, layout.stride):
+            template = make_template(record, layout, target.numel())
+        return templates.put(tkey, template)
+
+
+def _check_and_copy(
+    raw: bytearray,
+    checked: list[Entry],
+    starts: list[int],
+    rows: list[int],
+    chosen: list[Template],
+    unlike: list[Entry],
+) -> tuple[int, int]:
+    """Each checked record (at ``starts`` in ``raw``) compared with its template (``chosen[row]``),
+    and when equal, its data copied into its tensor in the same pass; a record unlike its template
+    goes to ``unlike``. Its varying spans are zeroed in bulk first and left zeroed in ``raw`` (a
+    record in ``unlike`` must be read again); they lie outside every record's data
+    (dcp_records.varying_spans), so the data is copied as it was read. The count and bytes copied.
+    """
+    if not checked:
+        return 0, 0
+    table = SpanTable(chosen)
+    parts = [(t.head, t.tail, t.tail_offset, t.data_start, t.nbytes) for t in chosen]
+    data = numpy.frombuffer(raw, dtype=numpy.uint8)
+    at_all = numpy.array(starts, dtype=numpy.int64)
+    row_all = numpy.array(rows, dtype=numpy.intp)
+    base = address(memoryview(raw))
+    memmove = ctypes.memmove
+    same = raw.startswith
+    copied = nbytes = 0
+    for first in range(0, len(checked), table.step):
+        stop = first + table.step
+        table.zero(data, at_all[first:stop], row_all[first:stop])
+        for entry, at, row in zip(checked[first:stop], starts[first:stop], rows[first:stop], strict=True):
+            head, tail, tail_offset, data_start, size = parts[row]
+            if same(head, at) and same(tail, at + tail_offset):
+                if size:
+                    memmove(entry[7], base + at + data_start, size)
+                copied += 1
+                nbytes += size
+            else:
+                unlike.append(entry)
+    return copied, nbytes
+
 
 def _request(entry: Entry) -> Request:
     """The general request for an entry that DCP's reader serves."""
-    _, _, key, target, info, dtype, shape = entry
+    _, _, key, target, info, dtype, shape, _ = entry
     origin = torch.Size([0] * len(shape))
     index = MetadataIndex(key, origin)
     item = ReadItem(LoadItemType.TENSOR, index, origin, index, origin, torch.Size(shape))

@@ -61,9 +61,17 @@ from parallel_dcp.jobs.key_patterns import select
 from parallel_dcp.options import Options, usable_cores
 from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.storage.direct_read import direct_read_memory
+from parallel_dcp.storage.geometry import check_shard_sizes
 from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, locate
-from parallel_dcp.storage.metadata import SafeLoadPlanner, check_shards, read_metadata, reading, unpickle_value
+from parallel_dcp.storage.metadata import (
+    SafeLoadPlanner,
+    check_shards,
+    read_metadata_columns,
+    reading,
+    unpickle_value,
+)
+from parallel_dcp.storage.metadata_check import WholeRecords
 from parallel_dcp.storage.read_choice import ReadChoice, read_choice
 
 __all__ = ["check_target", "load"]
@@ -141,7 +149,7 @@ def _load(
 ) -> dict[str, Any]:
     _compat.check_torch()
     location = locate(path, options.storage_options)
-    metadata = read_metadata(location, memory_limit=options.memory_ceiling())
+    metadata, columns = read_metadata_columns(location, memory_limit=options.memory_ceiling())
     if into is None and (options.retries or options.task_timeout is not None):
         return _load_with_processes(location, metadata, keys, options, trust_pickle)
     if into is not None and (options.retries or options.task_timeout is not None):
@@ -153,17 +161,26 @@ def _load(
     else:
         selected = _selected(metadata, keys, location)
     metas = {k: m for k in selected if isinstance(m := metadata.state_dict_metadata[k], TensorStorageMetadata)}
+    whole = columns.tensors  # (dtype, shape) of each key of one whole chunk, without touching its objects
+    # targets that are dense CPU tensors of the stored dtype and shape, and their data addresses
+    # (taken while the tensor is at hand: a later first touch of it is a cache miss)
+    dense: dict[str, tuple[torch.Tensor, int]] = {}
     if into is not None:
         tensor = torch.Tensor
         for key, meta in metas.items():
             value = flat_into[key]
-            if not (  # the common case in a few reads; anything else gets the full check and its message
+            known = whole.get(key)
+            dtype, shape = known if known is not None else (meta.properties.dtype, meta.size)
+            if (  # the common case in a few reads; anything else gets the full check and its message
                 type(value) is tensor
-                and value.dtype == meta.properties.dtype
-                and value.shape == meta.size
+                and value.dtype == dtype
+                and value.shape == shape
                 and value.is_contiguous()
                 and not value.is_meta
             ):
+                if value.is_cpu:
+                    dense[key] = (value, value.data_ptr())
+            else:
                 _check_target(key, value, meta)
     # Kept by reservation alone: everything the read holds is set aside before it starts (the
     # output when it allocates, each thread's buffers); no sampling (reading PSS walks every page
@@ -186,9 +203,8 @@ def _load(
     per_thread = fast_read.thread_memory() + (direct_read_memory() if io_mode != "buffered" else 0)
     threads = max(1, min(wanted, room // per_thread))
     budget.reserve(threads * per_thread, f"read buffers for {threads} threads")
-    check_shards(location, metadata, selected)
     rooms: dict[str, torch.Tensor] = {}
-    if into is not None:  # not detached yet: a whole small record is copied by address (_requests)
+    if into is not None:  # not detached yet: a whole small record is copied by address (_small_records)
         targets = {k: flat_into[k] for k in metas}
     else:
         targets = {}
@@ -196,12 +212,16 @@ def _load(
             targets[key], space = seated.fresh(meta.properties.dtype, tuple(meta.size))
             if space is not None:
                 rooms[key] = space
+        # a seated target moves inside its room (formats/seated.py): never read as a small record
+        dense = {key: (target, target.data_ptr()) for key, target in targets.items() if key not in rooms}
     values: dict[str, Any] = {}
 
     def on_bytes(item: ReadItem, data: bytes) -> None:
         values[item.dest_index.fqn] = unpickle_value(item.dest_index.fqn, io.BytesIO(data), trust_pickle=trust_pickle)
 
-    requests, small = _requests(metadata, selected, targets, location, rooms)
+    small = _small_records(columns, selected, dense)
+    requests, small = _requests(metadata, selected, targets, location, small, rooms)
+    check_shard_sizes(location, _shard_ends(requests, small))  # before anything is read
     # auto: direct or buffered as measured on this file system (once per process), inside the
     # threads' reserved buffers (the probe holds no more per stream than a reading thread)
     choice = (
@@ -305,20 +325,22 @@ def _requests(
     selected: list[str],
     targets: dict[str, torch.Tensor],
     where: Location,
+    small: dict[str, list[fast_read.Entry]],
     rooms: dict[str, torch.Tensor] | None = None,
 ) -> tuple[list[fast_read.Request], dict[str, list[fast_read.Entry]]]:
     """One request per stored chunk each key overlaps (a whole-tensor chunk: its read item
     directly; a fresh target in its room, ``rooms``, is seated by the reader: formats/seated.py),
-    and apart, by file, the whole small records for whole dense CPU tensors (read as columns,
-    formats/small_reads.py: no read item per key)."""
+    for every selected key but those of the whole small records ``small`` (by file, read as
+    columns, formats/small_reads.py: no read item per key), returned with them."""
     rooms = rooms or {}
     storage = metadata.storage_data or {}
     out: list[fast_read.Request] = []
-    small: dict[str, list[fast_read.Entry]] = {}
+    planned = {entry[2] for entries in small.values() for entry in entries}
     origins: dict[int, torch.Size] = {}  # one per rank, shared by every read item
-    whole = _whole_records(storage, selected)
     tensors = metadata.state_dict_metadata
     for key in selected:
+        if key in planned:
+            continue
         meta = tensors[key]
         if not isinstance(meta, TensorStorageMetadata):
             index = MetadataIndex(key)
@@ -328,21 +350,6 @@ def _requests(
             continue
         target = targets[key]
         chunks = meta.chunks
-        found = whole.get(key) if len(chunks) == 1 else None
-        if found is not None and chunks[0].offsets == found[0] and chunks[0].sizes == meta.size:
-            # the common case: one whole chunk, stored at the origin
-            origin, info = found
-            length = info.length
-            if (
-                length <= SMALL_RECORD
-                and not getattr(info, "transform_descriptors", None)  # not compressed
-                and target.is_cpu
-                and target.is_contiguous()
-            ):
-                small.setdefault(info.relative_path, []).append(
-                    (info.offset, length, key, target, info, meta.properties.dtype, tuple(meta.size))
-                )
-                continue
         rank = len(meta.size)
         origin = origins.get(rank) or origins.setdefault(rank, torch.Size([0] * rank))
         if len(chunks) == 1 and chunks[0].offsets == origin and chunks[0].sizes == meta.size:
@@ -376,17 +383,43 @@ def _requests(
     return out, small
 
 
-def _whole_records(storage: dict[Any, Any], selected: list[str]) -> dict[str, tuple[Any, Any]]:
-    """(offset, info) of a record of each key at offset 0 in every dimension, by key, in one pass
-    over ``storage_data`` (cheaper than an index object per key to look each up; the caller checks
-    that the offset is the one its tensor's rank has)."""
-    if len(selected) < len(storage) // 8:
-        return {}
-    return {
-        index.fqn: (index.offset, info)
-        for index, info in storage.items()
-        if index.offset is not None and not any(index.offset)
-    }
+def _small_records(
+    columns: WholeRecords, selected: list[str], dense: dict[str, tuple[torch.Tensor, int]]
+) -> dict[str, list[fast_read.Entry]]:
+    """By file, an entry for each selected tensor stored whole (one chunk at the origin) in one
+    uncompressed record of at most SMALL_RECORD bytes, whose target is a dense CPU tensor of its
+    dtype and shape (``dense``): from the columns the metadata check left (no object of the
+    metadata touched again, no read item or request per key)."""
+    small: dict[str, list[fast_read.Entry]] = {}
+    records = columns.records
+    if len(selected) < len(records) // 8:  # a few keys of many: each goes the general way
+        return small
+    whole = columns.tensors.get
+    target_of = dense.get
+    for key, name, offset, length, info in records:
+        target = target_of(key)
+        if target is None or length > SMALL_RECORD:
+            continue
+        stored = whole(key)
+        if stored is None:  # not one whole chunk: the general way
+            continue
+        entry = (offset, length, key, target[0], info, stored[0], stored[1], target[1])
+        found = small.get(name)
+        if found is None:
+            small[name] = [entry]
+        else:
+            found.append(entry)
+    return small
+
+
+def _shard_ends(requests: list[fast_read.Request], small: dict[str, list[fast_read.Entry]]) -> dict[str, int]:
+    """The end of the last byte the plan reads from each shard."""
+    ends = {name: max(entry[0] + entry[1] for entry in entries) for name, entries in small.items()}
+    for request in requests:
+        name, end = request.info.relative_path, int(request.info.offset) + int(request.info.length)
+        if end > ends.get(name, -1):
+            ends[name] = end
+    return ends
 
 
 def _files(where: Location, requests: list[fast_read.Request], small: dict[str, list[Any]]) -> list[Path]:

@@ -38,6 +38,7 @@ __all__ = [
     "PairBudget",
     "check_chunks",
     "check_planner_data",
+    "check_shard_sizes",
     "check_shards",
     "describe_index",
 ]
@@ -214,6 +215,17 @@ def check_shards(path: Location, metadata: Any, keys: list[str] | None = None) -
                 needed[check_name(name, path)] = end
             elif end > needed[name]:
                 needed[name] = end
+    check_shard_sizes(path, needed)
+
+
+def check_shard_sizes(path: Location, needed: dict[str, int]) -> None:
+    """Refuse, before reading, shard files that are missing or shorter than ``needed`` (name ->
+    the end of the last byte read from it; every name already checked plain, as .metadata's
+    check does for each of its names).
+
+    Raises:
+        CorruptCheckpointError: naming the shard.
+    """
     present = set(listdir(path))
     for name, end in needed.items():
         if name not in present:

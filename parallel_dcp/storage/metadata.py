@@ -40,7 +40,7 @@ from parallel_dcp.errors import (
 )
 from parallel_dcp.storage.geometry import check_shards
 from parallel_dcp.storage.location import Location, Remote, file_size, listdir, locate
-from parallel_dcp.storage.metadata_check import check_metadata_fields
+from parallel_dcp.storage.metadata_check import WholeRecords, check_metadata_fields
 from parallel_dcp.storage.plain_values import plain_value
 from parallel_dcp.storage.safe_reader import open_bounded
 
@@ -50,6 +50,7 @@ __all__ = [
     "check_metadata",
     "check_shards",
     "read_metadata",
+    "read_metadata_columns",
     "reading",
     "safe_empty_planner",
     "unpickle_value",
@@ -109,12 +110,19 @@ def read_metadata(path: str | os.PathLike[str] | Remote, *, memory_limit: int | 
         CorruptCheckpointError: the file is truncated, has bytes after its pickle, or is not a
             DCP metadata pickle.
     """
+    return read_metadata_columns(path, memory_limit=memory_limit)[0]
+
+
+def read_metadata_columns(
+    path: str | os.PathLike[str] | Remote, *, memory_limit: int | None = None
+) -> tuple[Metadata, WholeRecords]:
+    """:func:`read_metadata`, and what its check found in passing (storage.metadata_check.WholeRecords)."""
     file = locate(path) / ".metadata"
     with _open_metadata(file, path) as (f, size):
         return _read_metadata(file, f, size, memory_limit)
 
 
-def _read_metadata(file: Location, f: BinaryIO, size: int, memory_limit: int | None) -> Metadata:
+def _read_metadata(file: Location, f: BinaryIO, size: int, memory_limit: int | None) -> tuple[Metadata, WholeRecords]:
     need = size * METADATA_MEMORY_FACTOR
     # (a small file needs no look at the machine's memory: inspect reads only the checkpoint)
     limit = memory_limit if memory_limit is not None else default_limit() if need > _SMALL else need
@@ -137,8 +145,7 @@ def _read_metadata(file: Location, f: BinaryIO, size: int, memory_limit: int | N
         raise CorruptCheckpointError(f"{file} holds bytes after its pickle (not a file DCP wrote)")
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{file} does not hold DCP Metadata but {type(metadata).__name__}")
-    check_metadata(metadata, file)
-    return metadata
+    return metadata, check_metadata(metadata, file)
 
 
 def _no_checkpoint(checkpoint: object, file: Location) -> FileNotFoundError:
@@ -181,15 +188,16 @@ def _open_metadata(file: Any, checkpoint: object) -> Iterator[tuple[BinaryIO, in
         yield stream, stream.raw.size  # type: ignore[attr-defined]
 
 
-def check_metadata(metadata: Metadata, file: object) -> None:
-    """Every name plain, every size and offset possible; before anything else is read.
+def check_metadata(metadata: Metadata, file: object) -> WholeRecords:
+    """Every name plain, every size and offset possible; before anything else is read. Returns
+    what the check found in passing (whole chunks and their records, as columns).
 
     Raises:
         CorruptCheckpointError: anything impossible, including objects of the allowed classes
             built without the fields they must have (a crafted or damaged pickle can do that).
     """
     try:
-        check_metadata_fields(metadata, file)
+        return check_metadata_fields(metadata, file)
     except CorruptCheckpointError:
         raise
     except (AttributeError, TypeError, ValueError, OverflowError) as exc:

@@ -19,6 +19,7 @@ What is refused is exactly what the object-by-object check refused (tests/test_m
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy
@@ -34,7 +35,7 @@ from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.geometry import PairBudget, check_chunks, check_planner_data, describe_index
 from parallel_dcp.storage.location import check_name
 
-__all__ = ["check_metadata_fields"]
+__all__ = ["WholeRecords", "check_metadata_fields"]
 
 # A zstd frame is blocks of at most 128 KiB of output, each behind a 3-byte header: what a
 # compressed record's stored bytes can decompress to, at most (a claimed size past it is a lie).
@@ -49,17 +50,36 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def check_metadata_fields(metadata: Metadata, file: object) -> None:
+@dataclass(frozen=True, slots=True)
+class WholeRecords:
+    """What the check found in passing, as plain columns, for a reader of many small records (so it
+    need not walk the metadata's objects again: each first touch of one is a cache miss):
+
+    - ``tensors``: key -> (dtype, shape as a tuple) of each tensor key stored as one whole chunk
+      at the origin, with int sizes;
+    - ``records``: (key, file name, offset, length, storage info) of each uncompressed record
+      stored at the origin (every offset of its index 0), in ``storage_data``'s order.
+
+    A key in both has its one chunk in that record; its name, offset and length are checked.
+    """
+
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    records: list[tuple[str, str, int, int, Any]]
+
+
+def check_metadata_fields(metadata: Metadata, file: object) -> WholeRecords:
     """See storage.metadata.check_metadata (which turns a malformed object's AttributeError or
-    TypeError into CorruptCheckpointError)."""
+    TypeError into CorruptCheckpointError); what it found in passing."""
     tensors = metadata.state_dict_metadata
     if not isinstance(tensors, dict):
         raise CorruptCheckpointError(f"{file}: state_dict_metadata is not a mapping")
-    needed = _check_tensors(tensors, file)
+    whole: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    needed = _check_tensors(tensors, file, whole)
     storage = metadata.storage_data or {}
     if not isinstance(storage, dict):
         raise CorruptCheckpointError(f"{file}: storage_data is not a mapping")
-    stored, compressed = _check_storage(storage, file)
+    records: list[tuple[str, str, int, int, Any]] = []
+    stored, compressed = _check_storage(storage, file, records)
     # What a reader allocates is bounded by what is stored (and check_shards bounds that by the
     # files' real sizes): a tensor's chunks tile it (check_chunks), and each chunk's bytes are in
     # its records.
@@ -78,14 +98,19 @@ def check_metadata_fields(metadata: Metadata, file: object) -> None:
                 f"hold at most {_ZSTD_MOST_OUT_PER_BYTE}x that: impossible sizes"
             )
     check_planner_data(metadata.planner_data, list(tensors), file)
+    return WholeRecords(whole, records)
 
 
-def _check_tensors(tensors: dict[Any, Any], file: object) -> dict[str, int]:
-    """Each tensor key's chunks tile it; the bytes each tensor key needs."""
+def _check_tensors(
+    tensors: dict[Any, Any], file: object, whole: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+) -> dict[str, int]:
+    """Each tensor key's chunks tile it; the bytes each tensor key needs. Adds to ``whole`` the
+    (dtype, shape) of each key stored as one whole chunk at the origin."""
     pairs = PairBudget()
     needed: dict[str, int] = {}
     size_type, chunk_type, dtype_type = torch.Size, ChunkStorageMetadata, torch.dtype
     numels: dict[torch.Size, int | None] = {}  # sizes met, all dims ints > 0: their element counts
+    shapes: dict[torch.Size, tuple[int, ...]] = {}  # the same sizes, as plain tuples
     zeros: dict[int, torch.Size] = {}  # the origin of each rank
     for key, meta in tensors.items():
         if type(key) is not str and not isinstance(key, str):
@@ -109,6 +134,8 @@ def _check_tensors(tensors: dict[Any, Any], file: object) -> dict[str, int]:
                     and type(chunk.offsets) is size_type
                 ):
                     needed[key] = numel * dtype.itemsize
+                    shape = shapes.get(size)
+                    whole[key] = (dtype, shape if shape is not None else shapes.setdefault(size, tuple(size)))
                     continue
         if isinstance(meta, TensorStorageMetadata):
             dtype = getattr(meta.properties, "dtype", None)
@@ -121,9 +148,12 @@ def _check_tensors(tensors: dict[Any, Any], file: object) -> dict[str, int]:
     return needed
 
 
-def _check_storage(storage: dict[Any, Any], file: object) -> tuple[dict[str, int], set[str]]:
+def _check_storage(
+    storage: dict[Any, Any], file: object, at_origin: list[tuple[str, str, int, int, Any]]
+) -> tuple[dict[str, int], set[str]]:
     """Every record's name plain, offset and length possible, no two records sharing a byte; the
-    bytes stored for each key, and the keys with compressed records."""
+    bytes stored for each key, and the keys with compressed records. Adds to ``at_origin`` each
+    uncompressed record stored at the origin (see WholeRecords)."""
     stored: dict[str, int] = {}
     compressed: set[str] = set()
     plain: dict[str, int] = {}  # names already checked (a shard holds thousands of records), numbered
@@ -153,6 +183,10 @@ def _check_storage(storage: dict[Any, Any], file: object) -> tuple[dict[str, int
             # a compressed record holds fewer bytes than its tensor; its reader bounds what it
             # decompresses by the tensor's size instead (storage/compression.py)
             compressed.add(key)
+        else:
+            origin = getattr(index, "offset", None)
+            if type(origin) is torch.Size and not any(origin) and type(fqn) is str:
+                at_origin.append((fqn, name, offset, length, info))  # type: ignore[arg-type]  # a str: checked
         stored[key] = stored.get(key, 0) + length
         names.append(number)
         offsets.append(offset)
