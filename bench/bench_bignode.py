@@ -2,11 +2,12 @@
 
 python bench/bench_bignode.py --rounds 5 --dir /tmp --out bignode.json [--only governor,gil,start,tail]
 
-- ``governor``: CPU seconds a memory reading costs per process at 8, 32 and 64 idle workers that
+- ``governor``: CPU seconds a memory reading costs per process at 8, 32 and 64 workers that
   imported torch (forked; oversubscribed on a small machine: CPU time, not wall time, is the
-  figure): cheap (O(1) counters; smaps_rollup where they moved), every process rolled up, and exact
-  (every full smaps), with and
-  without 1 GiB the workers inherited from the coordinator (page tables walked per reading).
+  figure): cheap (idle: O(1) counters), all moved (every worker mapped, wrote and unmapped 4 MiB
+  since the last reading: at most one process in 16 rolled up), every process rolled up, and exact
+  (every full smaps), with and without 1 GiB the workers inherited from the coordinator (page
+  tables walked per rollup).
 - ``gil``: a save of 1 GiB (64 bf16 tensors) alone and beside one busy Python thread in the
   caller, per executor (auto, threads, processes, a Saver's workers), on /dev/shm and on ``--dir``.
 - ``start``: what a save spends starting its workers against the state dict's size (``--sizes``,

@@ -435,11 +435,21 @@ def test_executor_projections_from_pieces() -> None:
     saver = {row["workers"]: row for row in found["saver"]["rows"]}
     assert saver[64]["projected_speedup"] > {row["workers"]: row for row in processes["rows"]}[64]["projected_speedup"]
     lines = executor_lines(
-        found, [{"workers": 8, "cheap_ms_per_process": 0.1, "rollup_ms_per_process": 0.2, "exact_ms_per_process": 5.0}]
+        found,
+        [
+            {
+                "workers": 8,
+                "cheap_ms_per_process": 0.1,
+                "moved_ms_per_process": 0.15,
+                "moved_reads_per_reading": 1,
+                "rollup_ms_per_process": 0.2,
+                "exact_ms_per_process": 5.0,
+            }
+        ],
     )
     assert any(line.startswith("  projected threads: x16 1.82x") for line in lines)
     assert any("coordinator phases 0.101, per-job in each worker 0.030, other 0.069" in line for line in lines)
-    assert any("governor reading at 8 workers: cheap 0.100" in line for line in lines)
+    assert any("governor reading at 8 workers: cheap 0.100, all moved 0.150 (1 rolled up)" in line for line in lines)
 
 
 def test_a_probe_of_many_tensors_is_busy_on_a_subset_scaled_per_key(

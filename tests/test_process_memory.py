@@ -63,7 +63,8 @@ def test_program_code_is_left_out_and_everything_else_counts() -> None:
 # processes on the node map and unmap, which move its PSS). Commands on stdin, one a line, each
 # answered "ok": alloc N / shm N (N MiB of private / shared anonymous memory, written), fork (a
 # child sharing everything, its pid answered), cow (the child writes every page of the memory
-# allocated so far: copies on write), end (the child exits).
+# allocated so far: copies on write), free (the subject unmaps its oldest block; the child keeps
+# its own), end (the child exits).
 SUBJECT = textwrap.dedent(
     """\
     import mmap, os, sys, torch
@@ -92,6 +93,8 @@ SUBJECT = textwrap.dedent(
         elif cmd == "cow":
             os.write(go_w, b"c")
             os.read(done_r, 1)
+        elif cmd == "free":
+            held.pop(0).close()
         elif cmd == "end":
             os.write(go_w, b"e")
             os.waitpid(child, 0)
@@ -128,6 +131,32 @@ def _reading(reader: ChargeReader, pids: list[int], *, exact: bool = False) -> t
     return how, [reader.charge(pid, read)[0] for pid, read in zip(pids, how, strict=True)]
 
 
+def _tree(reader: ChargeReader, pids: list[int]) -> int:
+    """The tree's charge as the governor sums it: every process's, plus the carried shares."""
+    known = set(reader._known)
+    how, charges = _reading(reader, pids)
+    # the cost bound: besides first readings, never more processes rolled up or read in full
+    # than the budget allows
+    again = sum(1 for pid, read in zip(pids, how, strict=True) if read != process_memory.CHEAP and pid in known)
+    assert again <= process_memory.rollup_budget(len(known))
+    return sum(charges) + reader.carried
+
+
+def _settled(reader: ChargeReader, pids: list[int], exact: int) -> list[int]:
+    """Readings until the tree's charge is within 4 MiB of ``exact`` (at most 8: each reading rolls
+    up the process that drifted most as soon as the CPU credit allows), each never more than
+    4 MiB under it; their charges. What it may miss: the kernel's RSS counters lag a little, and
+    the shares of data files (not program code) that two processes map, such as the locale
+    archive (3 MiB here), move to the survivor when one exits; only its next full reading (every
+    ``_CODE_REFRESH_S``) sees that, as before this reader rolled up within a budget."""
+    found = [_tree(reader, pids)]
+    while abs(found[-1] - exact) >= 4 * MiB and len(found) < 8:
+        found.append(_tree(reader, pids))
+    assert min(found) >= exact - 4 * MiB, f"{[f / MiB for f in found]} MiB, exact {exact / MiB:.1f}"
+    assert abs(found[-1] - exact) < 4 * MiB, f"{[f / MiB for f in found]} MiB, exact {exact / MiB:.1f}"
+    return found
+
+
 def test_an_allocation_is_charged_in_full() -> None:
     """Private and shared anonymous memory, by the exact reading and by the counters alone."""
     subject = _Subject()
@@ -154,8 +183,9 @@ def test_an_allocation_is_charged_in_full() -> None:
 
 def test_pages_copied_on_write_are_charged_to_the_tree() -> None:
     """A fork's writes turn shared pages private without moving any resident size: the copying
-    process's faults show it, and the next reading rolls every process up (the sharers' shares
-    grew too); the tree's cheap charge then agrees with the exact one."""
+    process's faults show it and it is charged each as a copy; once rolled up, the share its
+    parent gained meanwhile is carried until the parent's own rollup; the tree's cheap charge
+    agrees with the exact one within a few readings, never under it."""
     subject = _Subject()
     try:
         subject.do("alloc 64")
@@ -165,16 +195,35 @@ def test_pages_copied_on_write_are_charged_to_the_tree() -> None:
         _reading(reader, pids)
         exact_before = sum(charged_memory(pid)[0] for pid in pids)
         subject.do("cow")
-        _, first = _reading(reader, pids)
-        how, second = _reading(reader, pids)
         exact = sum(charged_memory(pid)[0] for pid in pids)
+        found = _settled(reader, pids, exact)
         subject.do("end")
     finally:
         subject.close()
     assert 62 * MiB <= exact - exact_before <= 68 * MiB
-    assert how == [process_memory.ROLLUP, process_memory.ROLLUP]
-    assert sum(first) >= exact_before + 31 * MiB  # the copier's share at once, upper bound or rollup
-    assert abs(sum(second) - exact) < 4 * MiB
+    assert found[0] >= exact_before + 62 * MiB  # the copies at once, upper bound or rollup
+
+
+def test_the_tree_charge_is_never_under_the_exact_one_while_shares_move() -> None:
+    """Against the full reading of every process after each change (a fork, copies on write, a
+    shared block freed by one sharer, a private one freed, a sharer exiting), readings rolling up
+    at most one process each: never more than 4 MiB under the exact charge, and within 4 MiB of
+    it a few readings after the change (_settled)."""
+    subject = _Subject()
+    try:
+        subject.do("alloc 32")
+        subject.do("alloc 32")
+        (child,) = (int(line) for line in subject.do("fork"))
+        pids = [subject.pid, child]
+        reader = ChargeReader()
+        _tree(reader, pids)
+        for change in ("cow", "free", "free", "alloc 16", "end"):
+            subject.do(change)
+            if change == "end":
+                pids = [subject.pid]
+            _settled(reader, pids, sum(charged_memory(pid)[0] for pid in pids))
+    finally:
+        subject.close()
 
 
 NEIGHBOUR = "import sys, torch; torch.ones(8).sum(); print('up', flush=True); sys.stdin.read()"
@@ -290,7 +339,7 @@ def test_the_cheap_reading_charges_what_the_full_one_does_on_torch_processes() -
             assert proc.stdout.readline().strip() == b"grown"
         before = reader.full_reads
         plan = reader.plan(pids)
-        assert not any(plan) and reader.full_reads == before
+        assert process_memory.FULL not in plan and reader.full_reads == before
         cheap = [reader.charge(pid, how)[0] for pid, how in zip(pids, plan, strict=True)]
         rolled = [reader.charge(pid, process_memory.ROLLUP)[0] for pid in pids]
         exact = [charged_memory(pid)[0] for pid in pids]
@@ -304,48 +353,95 @@ def test_the_cheap_reading_charges_what_the_full_one_does_on_torch_processes() -
         assert got > 48 * MiB  # the 16 + 32 MiB each child holds are in the cheap reading
 
 
+def _known(at: float, anon: int = 0, faults: int = 0, seq: int = 0) -> process_memory._Known:
+    counters = process_memory._Counters(anon, 0, faults)
+    return process_memory._Known(0, 0, 0, at, 0, 0, counters, at, 0, 0, seq)
+
+
 def test_which_processes_a_reading_reads_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
     cheap, rollup, full = process_memory.CHEAP, process_memory.ROLLUP, process_memory.FULL
     now = [100.0]
+    counters: dict[int, process_memory._Counters] = {}
     monkeypatch.setattr(process_memory.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(process_memory, "_counters", lambda pid: counters.get(pid, process_memory._Counters(0, 0, 0)))
     reader = ChargeReader()
-
-    def known(at: float) -> process_memory._Known:
-        return process_memory._Known(0, 0, 0, at, 0, 0, process_memory._Counters(0, 0, 0), at, 0)
-
-    reader._known = {1: known(100.0)}  # 1 was read in full at 100 s
+    reader._known = {1: _known(100.0)}  # 1 was read in full at 100 s
     reader._members = frozenset({1})
     assert reader.plan([1]) == [cheap]
-    now[0] = 100.5  # a new worker: it is read in full, the other rolled up (a fork moves anon shares)
-    assert reader.plan([1, 2]) == [rollup, full]
-    reader._known[2] = known(100.5)
+    now[0] = 100.5  # a new worker: it is read in full, no other (a fork moves no charge up)
+    assert reader.plan([1, 2]) == [cheap, full]
+    reader._known[2] = _known(100.5)
     assert reader.plan([1, 2]) == [cheap, cheap]
-    reader._shares_moved = True  # a rollup saw pages copied on write: everyone rolled up, once
-    assert reader.plan([1, 2]) == [rollup, rollup]
-    assert reader.plan([1, 2]) == [cheap, cheap]
+    counters[2] = process_memory._Counters(0, 0, 1024)  # 4 MiB of faults that added nothing
+    assert reader.plan([1, 2]) == [cheap, rollup]
+    now[0] = 100.0 + process_memory._ROLLUP_REFRESH_S  # 1 is due a rollup by age, 2 first (drift)
+    assert reader.plan([1, 2]) == [cheap, rollup]
+    counters.clear()
+    assert reader.plan([1, 2]) == [rollup, cheap]  # oldest rollup first (2's was at 100.5)
     now[0] = 100.0 + process_memory._CODE_REFRESH_S
-    assert reader.plan([1, 2]) == [full, cheap]  # the oldest full reading is renewed, one a reading
-    reader._known[1] = known(now[0])
+    assert reader.plan([1, 2]) == [full, cheap]  # the oldest full reading is renewed, within the budget
+    reader._known[1] = _known(now[0])
     assert reader.plan([1, 2], exact=True) == [full, full]
-    assert reader.plan([1]) == [rollup]  # a worker left
-    assert set(reader._known) == {1}
+    reader._known = {1: _known(now[0]), 2: _known(now[0])}
+    assert reader.plan([1]) == [cheap] and set(reader._known) == {1}  # a worker left
 
 
-def test_the_counters_decide_when_a_rollup_is_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_reading_rolls_up_at_most_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every one of 40 processes allocated and freed: a reading rolls up 3 of them (one in 16),
+    the ones whose counters drifted most; the rest are charged their counters' bound."""
     now = [100.0]
+    counters: dict[int, process_memory._Counters] = {}
     monkeypatch.setattr(process_memory.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(process_memory, "_counters", lambda pid: counters.get(pid, process_memory._Counters(0, 0, 0)))
     reader = ChargeReader()
+    pids = list(range(1, 41))
+    reader._known = {pid: _known(100.0, anon=64 * MiB) for pid in pids}
+    reader._members = frozenset(pids)
+    for pid in pids:  # freed pid MiB since the last rollup
+        counters[pid] = process_memory._Counters(64 * MiB - pid * MiB, 0, 0)
+    plan = reader.plan(pids)
+    assert process_memory.rollup_budget(40) == 3
+    assert [pid for pid, how in zip(pids, plan, strict=True) if how != process_memory.CHEAP] == [38, 39, 40]
+
+
+def test_costly_rollups_wait_for_the_credit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers that inherited a large state dict: each rollup walks its pages (20 ms here). Eight
+    of them allocating at every reading get one rollup per 5 readings (0.5 ms of CPU a process a
+    reading), the one whose counters drifted most each time."""
+    now = [100.0]
+    counters: dict[int, process_memory._Counters] = {}
+    monkeypatch.setattr(process_memory.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(process_memory, "_counters", lambda pid: counters.get(pid, process_memory._Counters(0, 0, 0)))
+    reader = ChargeReader()
+    pids = list(range(1, 9))
+    reader._known = {pid: _known(100.0, anon=64 * MiB) for pid in pids}
+    for known in reader._known.values():
+        known.cost = 0.02
+    reader._members = frozenset(pids)
+    rolled = []
+    for reading in range(40):
+        for pid in pids:  # every process freed more since its last rollup
+            counters[pid] = process_memory._Counters(64 * MiB - (reading + 1) * pid * MiB, 0, 0)
+        plan = reader.plan(pids)
+        rolled += [pid for pid, how in zip(pids, plan, strict=True) if how != process_memory.CHEAP]
+    assert len(rolled) == 40 * 8 * process_memory._READ_CPU_S / 0.02 == 8
+    assert set(rolled) == {8}  # no charge() call: 8 stays the most drifted
+
+
+def test_the_counters_bound_the_charge_between_rollups() -> None:
     page = process_memory._PAGE
     then = process_memory._Counters(anon=10 * MiB, file=4 * MiB, faults=1000)
     known = process_memory._Known(20 * MiB, 10 * MiB, 4 * MiB, 100.0, 21 * MiB, 5 * MiB, then, 100.0, 11 * MiB)
     counters = process_memory._Counters
-    # grew by 8 MiB in 2,048 faults: charged the growth, nothing copied
-    assert reader._cheap(known, counters(18 * MiB, 4 * MiB, 1000 + 2048)) == (29 * MiB, 13 * MiB)
+    bound, drift = process_memory._bound, process_memory._drift
+    # grew by 8 MiB in 2,048 faults: charged the growth, nothing copied, no drift
+    now = counters(18 * MiB, 4 * MiB, 1000 + 2048)
+    assert bound(known, now) == (29 * MiB, 13 * MiB) and drift(known, now) == 0
     # 64 faults that added nothing (copies on write, at most): charged as if each copied a page
-    assert reader._cheap(known, counters(10 * MiB, 4 * MiB, 1000 + 64)) == (21 * MiB + 64 * page, 5 * MiB + 64 * page)
+    now = counters(10 * MiB, 4 * MiB, 1000 + 64)
+    assert bound(known, now) == (21 * MiB + 64 * page, 5 * MiB + 64 * page) and drift(known, now) == 64 * page
     # a data file mapped in: charged by its resident size
-    assert reader._cheap(known, counters(10 * MiB, 12 * MiB, 1000)) == (29 * MiB, 5 * MiB)
-    assert reader._cheap(known, counters(9 * MiB, 4 * MiB, 1000)) is None  # freed: maybe shared pages
-    assert reader._cheap(known, counters(10 * MiB, 4 * MiB, 1000 + 1024)) is None  # 4 MiB of faults: roll up
-    now[0] += process_memory._ROLLUP_REFRESH_S
-    assert reader._cheap(known, then) is None  # a second since the last rollup
+    assert bound(known, counters(10 * MiB, 12 * MiB, 1000)) == (29 * MiB, 5 * MiB)
+    # freed: still charged (maybe shared pages, whose shares moved to a sibling); a rollup settles it
+    now = counters(9 * MiB, 4 * MiB, 1000)
+    assert bound(known, now) == (21 * MiB, 5 * MiB) and drift(known, now) == MiB

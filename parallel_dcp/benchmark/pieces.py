@@ -256,7 +256,8 @@ def executor_lines(executors: dict[str, Any], governor: list[dict[str, Any]] | N
     for row in governor or []:
         lines.append(
             f"  governor reading at {row['workers']} workers: cheap {row['cheap_ms_per_process']:.3f},"
-            f" rollup {row['rollup_ms_per_process']:.3f}, exact {row['exact_ms_per_process']:.3f} ms CPU/process"
+            f" all moved {row['moved_ms_per_process']:.3f} ({row['moved_reads_per_reading']:g} rolled up),"
+            f" every rollup {row['rollup_ms_per_process']:.3f}, exact {row['exact_ms_per_process']:.3f} ms CPU/process"
         )
     lines.append("  projected speedup per executor (T(N) = S + max(W(N), G*P if GIL-bound); not a measurement):")
     for kind, e in executors.items():

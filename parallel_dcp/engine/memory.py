@@ -18,9 +18,11 @@ Two mechanisms enforce the ceiling:
 - a watchdog (while workers run): every 50 ms the resident sizes (cheap) are summed; while that
   upper bound is under the ceiling, the tree's charges are read only about once a second, for the
   reported peak. Otherwise they are read every 50 ms, or less often where reading a large tree
-  costs more than 5% of a core. A reading costs ~0.01 ms of CPU a process whose counters did not
-  move, ~2 ms where they did (``smaps_rollup``), on top of each process's exact charge read in full
-  once (process_memory.ChargeReader); a reading over
+  costs more than 5% of a core. A reading costs ~0.01-0.05 ms of CPU a process whose counters did
+  not move; where they did, their upper bound, and a ``smaps_rollup`` for at most one process in
+  16 within a CPU credit of 0.5 ms a process a reading (0.25 ms a process at 64 workers that all
+  allocated), on top of each process's exact charge read in full once
+  (process_memory.ChargeReader); a reading over
   the ceiling is measured again, exactly (every full smaps), before acting, and then the worker
   with the most private memory is killed and the job fails with
   :class:`MemoryLimitExceeded` naming it, its keys and the figures.
@@ -262,7 +264,9 @@ class MemoryGovernor:
         pids = [self._me.pid, *self._held]
         self.measured = measure
         self.baseline = (
-            sum(charged for charged, _ in self._charge_all(pids, self._charges.plan(pids))) if measure else 0
+            self._charges.carried + sum(charged for charged, _ in self._charge_all(pids, self._charges.plan(pids)))
+            if measure
+            else 0
         )
         self._rss_baseline = _rss(self._me) if measure else 0
         self.peak = 0
@@ -484,7 +488,8 @@ class MemoryGovernor:
         # Each read walks a process's page tables in the kernel (the GIL is released meanwhile):
         # several threads, so reading 64 workers on a big node costs a few reads' time, not 64.
         found = self._charge_all(pids, how)
-        total = sum(charged for charged, _ in found)
+        # Plus the shares that may have moved to processes not rolled up since (ChargeReader.carried).
+        total = self._charges.carried + sum(charged for charged, _ in found)
         private = {pid: uss for pid, (charged, uss) in zip(workers, found[1:], strict=False) if charged or uss}
         added = total - self.baseline
         # Keep the watchdog's share of one core near 1/_SAMPLING_SHARE however large the tree.

@@ -16,26 +16,40 @@ job's processes that map it). What the charge leaves out is loading code, which 
 pays once and shares; not what a job's memory limit is about.
 
 Reading ``smaps`` costs ~4-9 ms of CPU for a process that has imported torch (one text record
-per mapping, hundreds of them; parsed in Python), ``smaps_rollup`` ~1.8 ms (the kernel still walks
-every page table), ``/proc/<pid>/status`` and ``stat`` ~0.01 ms (counters the kernel keeps). So
-:class:`ChargeReader` reads a process in full once, and then adds to that exact charge only what
-no neighbour can move:
+per mapping, hundreds of them; parsed in Python), ``smaps_rollup`` 0.6-1.5 ms (the kernel walks
+every page table: 8 ms in a worker that inherited a 1 GiB state dict, most of it checking how many
+processes map each shared page), ``/proc/<pid>/status`` and ``stat`` ~0.01 ms (counters the
+kernel keeps). So :class:`ChargeReader` reads a process in full once, and then adds to that exact
+charge only what no neighbour can move:
 
 - anonymous and shared-memory pages (``Pss_Anon + Pss_Shmem`` from ``smaps_rollup``): anonymous
   pages are shared only with the process's own forks, whose starts and exits are the tree's own
-  changes (they force a rollup of every process);
+  changes;
 - file pages by their resident size (``RssFile`` growth, never below the exact reading): a data
   file mapped in (a source) is charged at most in full; a neighbour mapping or unmapping the same
-  libraries moves PSS but not RSS;
-- while a process's counters show no fault beyond what its resident anonymous size grew by
-  (``/proc/<pid>/stat`` minor faults, ``status`` RssAnon/RssShmem/RssFile), even the rollup is
-  skipped: the charge is the last rollup's plus that growth plus every fault that did not add a
-  resident page (an upper bound on pages copied on write). Past a few faults, a shrink, or a
-  second since the last rollup, the rollup is read.
+  libraries moves PSS but not RSS.
 
-A reading is an upper bound of the exact charge within a few hundred KiB a process, never below
-it by more than the pages a sibling copied on write since its last rollup; before acting on a
-breach the governor reads every process in full.
+Between two rollups of a process, its O(1) counters (``/proc/<pid>/stat`` minor faults, ``status``
+RssAnon/RssShmem/RssFile) give an upper bound: the last rollup's charge plus its anonymous growth
+since, plus every fault that added no resident page (an upper bound on pages copied on write),
+with pages freed still charged. A reading rolls up at most one process in ``_ROLLUP_SHARE``
+(those whose bound drifted most from the truth), so its cost stays a fraction of a rollup per
+process however many of them allocated or freed since the last one.
+
+Shares move between processes: when a process frees or copies a page it shared, or exits, the
+other sharers' PSS grows while their counters stay still. The tree's sum stays an upper bound as
+long as the releasing process is charged its bound; once its rollup lowers its charge, what it
+gave up (no more than the drop, nor than what the others held of its pages and no longer do) is
+*carried* (:attr:`ChargeReader.carried`) in every total until each other process has been rolled
+up since.
+
+A reading is thus never below the exact charge by more than the counters' jitter (a few hundred
+KiB a process), and above it by at most what the counters cannot tell apart (faults that were not
+copies, pages freed, carried shares) until the next rollups settle it; before acting on a breach
+the governor reads every process in full.
+
+Longer than 300 lines because the charge model and its reader are one argument: the counters'
+bound, the rollup budget and the carried shares are each safe only beside the others.
 """
 
 from __future__ import annotations
@@ -77,36 +91,58 @@ def _exact(pid: int) -> tuple[int, int, int]:
     return _charge_and_pss(text)
 
 
-def _rollup_anon(pid: int) -> tuple[int, int] | None:
-    """(Pss_Anon + Pss_Shmem, private) bytes from ``/proc/<pid>/smaps_rollup``; None where the
-    kernel has no rollup or no per-kind split (before Linux 5.9), or it cannot be read."""
+def _rollup_anon(pid: int) -> tuple[int, int, int] | None:
+    """(Pss_Anon + Pss_Shmem, private, Anonymous - Pss_Anon) bytes from ``/proc/<pid>/smaps_rollup``;
+    None where the kernel has no rollup or no per-kind split (before Linux 5.9), or it cannot be
+    read. The last is what other processes hold of the anonymous pages this one maps (a page
+    mapped by k processes: k-1 of its k parts, at least what this one holds of it)."""
     try:
         with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
             text = rollup.read()
     except OSError:
         return None
-    anon = private = 0
+    anon = shmem = private = resident = 0
     split = False
     for line in text.splitlines():
         head, _, rest = line.partition(b":")
-        if head in (b"Pss_Anon", b"Pss_Shmem"):
-            anon += int(rest.split()[0])
+        if head == b"Pss_Anon":
+            anon = int(rest.split()[0])
             split = True
+        elif head == b"Pss_Shmem":
+            shmem = int(rest.split()[0])
         elif head in (b"Private_Clean", b"Private_Dirty"):
             private += int(rest.split()[0])
-    return (anon * 1024, private * 1024) if split else None
+        elif head == b"Anonymous":
+            resident = int(rest.split()[0])
+    return ((anon + shmem) * 1024, private * 1024, max(0, resident - anon) * 1024) if split else None
 
 
 # A process's exact charge is read again at least this often (seconds), one process per reading:
 # the growth in RssFile (code paged in) it may have added is an over-count, never an under-count.
 _CODE_REFRESH_S = 5.0
-# A process is rolled up (smaps_rollup) at least this often, and whenever it faulted in more than
-# _FAULT_SLACK bytes beyond what its resident anonymous memory grew by since the last rollup.
+# A process whose counters show more than _FAULT_SLACK bytes of drift (faults that added no
+# resident page, pages freed) since its last rollup is due one, and any process a second after it.
 _ROLLUP_REFRESH_S = 1.0
 _FAULT_SLACK = 512 * 1024
+# At most one process in _ROLLUP_SHARE (at least one) is rolled up or read in full per reading,
+# besides processes never read before: a rollup walks every page table of the process (1.5 ms a
+# torch process, 8 ms one that inherited a 1 GiB state dict), so rolling every process up when all
+# of them allocated cost 1.5 ms a process a reading. The others are charged their counters' upper
+# bound until their turn.
+_ROLLUP_SHARE = 16
+# ... and within a CPU credit of this many seconds a process a reading (rollup_budget).
+_READ_CPU_S = 0.0005
+_READ_CPU_MIN_S = 0.002  # a small tree: about one torch process's rollup a reading
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 CHEAP, ROLLUP, FULL = 0, 1, 2  # how a reading reads one process (ChargeReader.plan)
+
+
+def rollup_budget(processes: int) -> int:
+    """How many of ``processes`` known processes one reading rolls up or reads in full, at most;
+    fewer where their last rollups cost more CPU than the reader's credit (``_READ_CPU_S`` a
+    process a reading, saved up while unused) holds."""
+    return max(1, -(-processes // _ROLLUP_SHARE))
 
 
 @dataclass(slots=True)
@@ -129,48 +165,133 @@ class _Known:
     counters: _Counters  # the counters then
     rolled_at: float
     rolled_anon: int  # Pss_Anon + Pss_Shmem then
+    # Resident anonymous and shared-memory bytes less their PSS at the last rollup: what the other
+    # sharers hold of the pages this process maps; None once a fork may have shared more.
+    shared_away: int | None = None
+    rolled_seq: int = 0  # the reading of the last rollup or full reading
+    last: int = 0  # the last charge given
+    cost: float = 0.0  # CPU seconds its last rollup took
+    full_cost: float = 0.0  # and its last full reading
+
+
+@dataclass(frozen=True, slots=True)
+class _Carry:
+    """Bytes of PSS that may have moved from ``source`` to processes not rolled up since reading
+    ``seq`` (``source`` freed or copied shared pages, or exited): counted until each has been."""
+
+    amount: int
+    seq: int
+    source: int
 
 
 class ChargeReader:
     """The charges of a process tree, read cheaply and repeatedly (module docstring).
 
     :meth:`plan` says how a reading reads each process: in full (``FULL``) a process never read in
-    full, the one whose full reading is oldest once older than ``_CODE_REFRESH_S``, or all of them
-    when the caller asks for an exact reading (before acting on a breach); ``ROLLUP`` every
-    process once the set of processes changed (a fork or exit moves the anonymous shares);
-    otherwise ``CHEAP`` (the counters decide, :meth:`charge`). :meth:`charge` reads one process
-    (thread-safe for distinct pids: the reads release the GIL in the kernel).
+    full, or all of them when the caller asks for an exact reading (before acting on a breach);
+    otherwise ``CHEAP`` (the counters' upper bound, :meth:`charge`) except for at most
+    :func:`rollup_budget` processes: ``ROLLUP`` those whose counters drifted most, or that a carry
+    waits on, or a second after their last rollup, and ``FULL`` the stalest full reading once older
+    than ``_CODE_REFRESH_S``. :meth:`charge` reads one process (thread-safe for distinct pids: the
+    reads release the GIL in the kernel); :attr:`carried` is what the tree may hold beyond the sum
+    of the charges (shares moved from a process to others not read since), part of every total.
     """
 
     def __init__(self) -> None:
         self._known: dict[int, _Known] = {}
         self._members: frozenset[int] = frozenset()
+        self._counters: dict[int, _Counters] = {}  # read by plan, for this reading's charges
+        self._carries: list[_Carry] = []
+        self._credit = 0.0  # CPU seconds the next readings may spend on rollups (_plan)
         self.full_reads = 0  # how many processes were read in full, over all readings
         self.rollups = 0  # how many were rolled up (counted by charge)
-        # A rollup saw shared anonymous pages turn private (copy on write): the other sharers'
-        # shares grew too, so the next reading rolls every process up.
-        self._shares_moved = False
         self.readings = 0
+
+    @property
+    def carried(self) -> int:
+        """Bytes the tree may hold beyond the sum of its charges (see :class:`_Carry`), as of the
+        charges read so far."""
+        self._expire()
+        return sum(carry.amount for carry in self._carries)
+
+    def _expire(self) -> None:
+        """Drop the carries every process but their source has been rolled up (or read) since."""
+        self._carries = [
+            carry
+            for carry in self._carries
+            if any(known.rolled_seq <= carry.seq for pid, known in self._known.items() if pid != carry.source)
+        ]
 
     def plan(self, pids: Sequence[int], *, exact: bool = False) -> list[int]:
         """For each of ``pids``: how this reading reads it (``CHEAP``, ``ROLLUP`` or ``FULL``)."""
         now = time.monotonic()
         members = frozenset(pids)
         self.readings += 1
+        self._counters = {}
+        for pid in self._members - members:  # exited: its shares of pages others map move to them
+            gone = self._known.pop(pid, None)
+            if gone is not None and gone.last:
+                away = gone.last if gone.shared_away is None else min(gone.last, gone.shared_away + _FAULT_SLACK)
+                self._carries.append(_Carry(away, self.readings, pid))
+        self._known = {pid: known for pid, known in self._known.items() if pid in members}
+        if self._members and members - self._members:  # a fork: pages newly shared with the child
+            for known in self._known.values():
+                known.shared_away = None
+        self._members = members
         if exact:
+            self._carries = []  # every process is read in full: nothing moved unseen
             plan = [FULL] * len(pids)
         else:
-            changed = members != self._members or self._shares_moved
-            self._shares_moved = False
-            plan = [FULL if pid not in self._known else ROLLUP if changed else CHEAP for pid in pids]
-            known = [(self._known[pid].at, i) for i, pid in enumerate(pids) if pid in self._known]
-            if known and FULL not in plan:
-                at, oldest = min(known)
-                if now - at >= _CODE_REFRESH_S:
-                    plan[oldest] = FULL
-        self._members = members
-        self._known = {pid: known for pid, known in self._known.items() if pid in members}
+            plan = self._plan(pids, now)
         self.full_reads += plan.count(FULL)
+        return plan
+
+    def _plan(self, pids: Sequence[int], now: float) -> list[int]:
+        self._expire()
+        plan = [CHEAP if pid in self._known else FULL for pid in pids]
+        waiting: dict[int, int] = {}  # pid -> bytes of carries waiting on its rollup
+        for carry in self._carries:
+            for pid, known in self._known.items():
+                if pid != carry.source and known.rolled_seq <= carry.seq:
+                    waiting[pid] = waiting.get(pid, 0) + carry.amount
+        # Candidates, most useful first: those whose bound drifted (or that a carry waits on), by
+        # the bytes a rollup would settle; then the stalest full reading once due; then by age.
+        due: list[tuple[int, float, int, int]] = []  # (tier, order, index, how)
+        stalest: tuple[float, int] | None = None
+        for i, pid in enumerate(pids):
+            entry = self._known.get(pid)
+            if entry is None:
+                continue
+            counters = _counters(pid)
+            if counters is None:
+                continue
+            self._counters[pid] = counters
+            drift = _drift(entry, counters) + waiting.get(pid, 0)
+            if drift > _FAULT_SLACK:
+                due.append((0, -drift, i, ROLLUP))
+            elif now - entry.rolled_at >= _ROLLUP_REFRESH_S:
+                due.append((2, entry.rolled_at, i, ROLLUP))
+            if stalest is None or entry.at < stalest[0]:
+                stalest = (entry.at, i)
+        if stalest is not None and now - stalest[0] >= _CODE_REFRESH_S and FULL not in plan:
+            due.append((1, stalest[0], stalest[1], FULL))
+        # Within a count (one process in _ROLLUP_SHARE) and a CPU credit (_READ_CPU_S a process a
+        # reading, saved up while unused): a rollup of a worker that inherited a large state dict
+        # costs 10-20 ms, more than one in 16 of them may take at every reading.
+        credit_per_reading = max(_READ_CPU_MIN_S, _READ_CPU_S * len(self._known))
+        dearest = max((max(known.cost, known.full_cost) for known in self._known.values()), default=0.0)
+        self._credit = min(self._credit + credit_per_reading, 4 * credit_per_reading + dearest)
+        budget = rollup_budget(len(self._known))
+        for _, _, i, how in sorted(due):
+            if budget <= 0 or plan[i] != CHEAP:
+                continue
+            entry = self._known[pids[i]]
+            cost = entry.full_cost if how == FULL else entry.cost
+            if cost > self._credit:
+                break  # not yet: the credit builds up for it, the others wait their turn
+            self._credit -= cost
+            plan[i] = how
+            budget -= 1
         return plan
 
     def charge(self, pid: int, how: int) -> tuple[int, int]:
@@ -178,47 +299,97 @@ class ChargeReader:
         it is gone. Exact where the kernel offers no rollup or the process was never read in full."""
         known = self._known.get(pid)
         if how != FULL and known is not None:
-            counters = _counters(pid)
+            counters = self._counters.pop(pid, None) or _counters(pid)
             if counters is None:
                 return 0, 0
-            cheap = self._cheap(known, counters) if how == CHEAP else None
-            if cheap is not None:
-                return cheap
+            bound = _bound(known, counters)
+            if how == CHEAP:
+                known.last = bound[0]
+                return bound
+            started = time.thread_time()
             rollup = _rollup_anon(pid)
             if rollup is not None:
-                anon, private = rollup
+                known.cost = time.thread_time() - started
+                anon, private, _ = rollup
                 self.rollups += 1
                 charged = max(0, known.exact + anon - known.exact_anon + max(0, counters.file - known.exact_file))
-                if (anon - known.rolled_anon) - (counters.anon - known.counters.anon) > _FAULT_SLACK:
-                    self._shares_moved = True
+                shared_away = _shared_away(rollup, counters)
+                # Shares this process gave up (pages freed or copied on write) went to the other
+                # sharers, whose charges do not show it until their own rollup: carried till then.
+                # No more than the bound's excess over this rollup, nor than what the others held
+                # of its pages and no longer do.
+                moved = max(0, bound[0] - charged)
+                if known.shared_away is not None:
+                    moved = min(moved, max(0, known.shared_away - shared_away) + _FAULT_SLACK)
+                if moved > _FAULT_SLACK:
+                    self._carries.append(_Carry(moved, self.readings, pid))
                 known.charged, known.private, known.counters = charged, private, counters
                 known.rolled_at, known.rolled_anon = time.monotonic(), anon
+                known.shared_away, known.rolled_seq, known.last = shared_away, self.readings, charged
                 return charged, private
         return self._full(pid)
 
-    def _cheap(self, known: _Known, now: _Counters) -> tuple[int, int] | None:
-        then = known.counters
-        grown = now.anon - then.anon
-        faults = (now.faults - then.faults) * _PAGE
-        if grown < 0 or faults - grown > _FAULT_SLACK or time.monotonic() - known.rolled_at >= _ROLLUP_REFRESH_S:
-            return None  # pages freed (maybe shared ones) or copied on write: read the rollup
-        # Every fault that did not add a resident page may have copied a shared one (upper bound).
-        copied = max(0, faults - grown)
-        files = max(0, now.file - known.exact_file) - max(0, then.file - known.exact_file)
-        return known.charged + grown + copied + files, known.private + grown + copied
-
     def _full(self, pid: int) -> tuple[int, int]:
+        started = time.thread_time()
         counters = _counters(pid)
         rollup = _rollup_anon(pid)
+        rolled = time.thread_time()
         charged, private, pss = _exact(pid)
+        done = time.thread_time()
         if counters is None or not (pss or private):
             self._known.pop(pid, None)
             return charged, private
         if rollup is not None:
             now = time.monotonic()
             anon = rollup[0]
-            self._known[pid] = _Known(charged, anon, counters.file, now, charged, private, counters, now, anon)
+            self._known[pid] = _Known(
+                charged,
+                anon,
+                counters.file,
+                now,
+                charged,
+                private,
+                counters,
+                now,
+                anon,
+                _shared_away(rollup, counters),
+                self.readings,
+                charged,
+                rolled - started,
+                done - started,
+            )
         return charged, private
+
+
+def _shared_away(rollup: tuple[int, int, int], counters: _Counters) -> int:
+    """What the other sharers hold of this process's anonymous and shared-memory pages: resident
+    size less PSS (a page mapped by k processes: k-1 of k parts elsewhere, at least its own 1/k).
+    The anonymous part from the rollup itself; shared memory's resident size only from the
+    counters (``RssAnon + RssShmem`` less the rollup's anonymous PSS and ``shared``, an upper
+    bound of the shared-memory part)."""
+    anon, _, shared = rollup
+    return max(shared, counters.anon - anon)
+
+
+def _drift(known: _Known, now: _Counters) -> int:
+    """Bytes by which the counters' bound may exceed a rollup: faults that added no resident page
+    (counted as copies on write) and pages freed (still charged) since the last rollup."""
+    then = known.counters
+    grown = now.anon - then.anon
+    faults = max(0, now.faults - then.faults) * _PAGE
+    return max(0, faults - max(0, grown)) + max(0, -grown)
+
+
+def _bound(known: _Known, now: _Counters) -> tuple[int, int]:
+    """(charged, private) bytes from the counters alone, never below a rollup's: the last rollup
+    plus anonymous growth since, plus every fault that added no resident page (an upper bound on
+    pages copied on write), plus file growth; pages freed still count (they may have been shared:
+    their share moved to a sibling whose counters do not show it)."""
+    then = known.counters
+    grown = max(0, now.anon - then.anon)
+    copied = max(0, (now.faults - then.faults) * _PAGE - grown)
+    files = max(0, now.file - known.exact_file) - max(0, then.file - known.exact_file)
+    return known.charged + grown + copied + files, known.private + grown + copied
 
 
 def _counters(pid: int) -> _Counters | None:
