@@ -43,3 +43,43 @@ def test_a_worker_the_memory_limit_cannot_afford_is_never_forked() -> None:
         results = list(pool.run(tasks(4, memory=need), governor=governor))
         assert len(pool.pids) == 1
         assert len({r.value for r in results}) == 1
+
+
+def _private_bytes(pid: int) -> int:
+    import psutil
+
+    return int(psutil.Process(pid).memory_full_info().uss)
+
+
+def test_the_coordinators_collections_do_not_copy_its_heap_into_the_workers() -> None:
+    """A full collection in the coordinator writes every tracked object's header: without the
+    pool freezing the heap, each page it writes is copied for the worker sharing it (the tree
+    then holds the heap twice, charged to the job: seen as a breach of a 32 MiB limit in a
+    long-lived test process). The worker's private memory must not grow by the heap's size."""
+    import gc
+
+    heap = [{"key": i, "value": [i, str(i)]} for i in range(300_000)]  # ~55 MiB of objects
+    frozen_before = gc.get_freeze_count()
+    with WorkerPool(1, _pid_after_a_moment) as pool:
+        (worker,) = pool.pids
+        time.sleep(0.2)  # the worker is waiting for its first task
+        before = _private_bytes(worker)
+        gc.collect()
+        grown = _private_bytes(worker) - before
+        assert grown < 8 * 2**20, f"the worker's private memory grew {grown / 2**20:.1f} MiB"
+    assert gc.get_freeze_count() == frozen_before  # thawed when the workers are gone
+    assert len(heap) == 300_000
+
+
+def test_a_callers_own_frozen_heap_stays_frozen() -> None:
+    """A program that froze its objects itself (a pre-fork server's habit) keeps them frozen."""
+    import gc
+
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with WorkerPool(1, _pid_after_a_moment) as pool:
+            assert pool.pids
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()

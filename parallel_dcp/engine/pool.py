@@ -175,6 +175,21 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _freeze_heap() -> bool:
+    """Move this process's objects to the garbage collector's permanent generation, so that its
+    collections, while forked workers share its pages, do not write to them: a full collection
+    writes every tracked object's header, and each page written is copied, once for the parent
+    and once for the worker sharing it. Measured: a coordinator holding 190 MiB of Python objects
+    grew a forked worker's private memory by 186 MiB with one ``gc.collect()``, charged to the job
+    under its memory limit. True when this call froze them (the caller then ``gc.unfreeze()``s
+    when its workers are gone); False where objects were frozen already (by the caller's own
+    program: its choice stands, and it is not undone)."""
+    if gc.get_freeze_count():
+        return False
+    gc.freeze()
+    return True
+
+
 @functools.cache
 def _libc() -> Any:
     name = ctypes.util.find_library("c")
@@ -250,6 +265,8 @@ class WorkerPool:
         self._new_handler: _NewHandler | None = None
         self._parts: Callable[[Task], Any] | None = None
         self._primed: set[int] = set()
+        # Forked workers share this process's pages: keep its collections off them till the end.
+        self._froze_heap = not self._fork_server and _freeze_heap()
         try:
             for _ in range(workers if start is None else max(1, min(start, workers))):
                 self._start(self._unstarted.popleft())
@@ -499,6 +516,9 @@ class WorkerPool:
                 conn.close()
         self._procs = [None] * len(self._procs)
         self._conns = [None] * len(self._conns)
+        if self._froze_heap:
+            self._froze_heap = False
+            gc.unfreeze()
 
 
 def _hint(exitcode: int | None) -> str:
