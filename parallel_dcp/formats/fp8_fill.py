@@ -98,8 +98,16 @@ class _Fill:
         end = offset + nbytes
         if nbytes <= 0:
             return
+        try:
+            self._fill(offset, end, address)
+        finally:
+            if end >= self.rows * self.cols * itemsize:  # the last piece: a task's later units reuse the heap
+                self._codes = self._tiled = self._index = self._scratch = self._table = None
+
+    def _fill(self, offset: int, end: int, address: int) -> None:
+        itemsize = self.dtype.itemsize
         if offset % itemsize == 0 and end % itemsize == 0:
-            target = _tensor_at(address, nbytes).view(self.dtype)
+            target = _tensor_at(address, end - offset).view(self.dtype)
             self._into(offset // itemsize, end // itemsize, target)
             return
         if self._scratch is None:
