@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# First: a Ctrl-C while the command imports the rest is one line, not a traceback.
+from parallel_dcp import _command_start as _command_start
 from parallel_dcp._version import __version__ as __version__
 from parallel_dcp.api import _check_torch
 from parallel_dcp.api.convert import convert as convert

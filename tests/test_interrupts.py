@@ -35,6 +35,20 @@ class SlowTorch(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, SlowTorch())
 """
 
+# A finder that waits inside the package's own import, before the command's main() has run (the
+# window in which a Ctrl-C used to print a KeyboardInterrupt traceback).
+_SLOW_PACKAGE = """
+import importlib.abc, pathlib, sys, time
+class SlowPackage(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "parallel_dcp.api":
+            sys.meta_path.remove(self)
+            pathlib.Path(MARKER).write_text("importing parallel_dcp")
+            time.sleep(120)
+        return None
+sys.meta_path.insert(0, SlowPackage())
+"""
+
 # A fork that signals both sides at once: the parent right after the fork, the worker at its
 # first instant (as a Ctrl-C to the process group does while workers start).
 _FORK_SIGNALS = """
@@ -98,6 +112,22 @@ def test_ctrl_c_while_torch_imports_is_one_line_and_130(tmp_path: Path, source: 
     assert code == 130, err
     assert err.strip() == "parallel-dcp: interrupted; nothing was committed", err
     assert not (tmp_path / "dst" / ".metadata").exists()
+
+
+def test_ctrl_c_while_the_package_imports_is_one_line_and_130(tmp_path: Path, source: Path) -> None:
+    code, err = _run(tmp_path, _SLOW_PACKAGE, ["convert", str(source), str(tmp_path / "dst")], signal_on_marker=True)
+    assert code == 130, err
+    assert err.strip() == "parallel-dcp: interrupted", err
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_library_import_keeps_the_callers_sigint_handling() -> None:
+    """Only the command takes SIGINT while it imports: a program importing parallel_dcp keeps
+    Python's own handler (its Ctrl-C raises KeyboardInterrupt as before)."""
+    code = "import signal, parallel_dcp; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "True", out.stderr
 
 
 def test_ctrl_c_while_workers_fork_stops_the_job(tmp_path: Path, source: Path) -> None:
