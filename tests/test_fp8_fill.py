@@ -19,7 +19,7 @@ import parallel_dcp
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.dequantized_source import dequantized_source
 from parallel_dcp.formats.fp8_fill import fp8_pending
-from parallel_dcp.formats.quantized import DEQUANTIZE_WORK_BYTES, dequantize_fp8
+from parallel_dcp.formats.quantized import DEQUANTIZE_WORK_BYTES, dequantize_fp8, dequantize_work_bytes
 from parallel_dcp.jobs import convert as convert_job
 from parallel_dcp.jobs.quantization import write_computed
 from parallel_dcp.jobs.targets import Job, target_for
@@ -89,6 +89,39 @@ def test_a_filled_weight_holds_no_temporary_of_its_size() -> None:
                 pending.fill(offset, n, destination.data_ptr() + 1 + offset)
             offset += n
     assert sampler.peak <= DEQUANTIZE_WORK_BYTES + 2 * MiB < expected.numel(), sampler.peak / MiB
+    assert torch.equal(destination[1:], expected)
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "block"),
+    [
+        (5504, 2048, (128, 128)),
+        (16, 24, (128, 128)),
+        (3, 300, (2, 2)),
+        (130, 70_000, (128, 128)),
+        (2, 300_000, (1, 128)),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_what_a_fill_holds_is_within_the_units_work_bound(
+    rows: int, cols: int, block: tuple[int, int], dtype: torch.dtype
+) -> None:
+    """Counted: every buffer a fill keeps between pieces (index, tiled offsets, scratch, table) sums
+    to at most dequantize_work_bytes of the weight's elements, the work its unit is charged, for
+    large, small, wide and small-block weights, pieces aligned or not; all of it goes with the last piece."""
+    weight, scale = fp8_pair(rows, cols, block)
+    pending = fp8_pending(weight, scale, dtype, block)
+    bound = dequantize_work_bytes(weight.numel())
+    destination = torch.empty(pending.nbytes + 1, dtype=torch.uint8)
+    offset, most = 0, 0
+    for n in cut(pending.nbytes, 3, 1 << 20):
+        pending.fill(offset, n, destination.data_ptr() + 1 + offset)
+        offset += n
+        if offset < pending.nbytes:
+            most = max(most, pending.fill.held())  # type: ignore[attr-defined]
+    assert most <= bound, (most, bound)
+    assert pending.fill.held() == 0  # type: ignore[attr-defined]
+    expected = dequantize_fp8(weight, scale, dtype, block).view(-1).view(torch.uint8)
     assert torch.equal(destination[1:], expected)
 
 

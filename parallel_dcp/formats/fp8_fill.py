@@ -80,18 +80,30 @@ class _Fill:
         first_cb = col0 // bc
         ncb = (col0 + self.cols - 1) // bc - first_cb + 1 if self.cols else 0
         self.ncb = ncb
+        # A strip: at most STRIP_ELEMENTS, never more than the weight's elements. Each buffer below
+        # holds at most 4 B an element of it (the scratch: the dtype's size), the flat route's table
+        # too (float32 products and their dtype copy), so all of them stay within 16 B an element:
+        # dequantize_work_bytes, what the unit is charged.
+        self.step = min(STRIP_ELEMENTS, self.rows * self.cols)
         # The flat route: a row block's table (ncb x 256) no larger than a quarter of its elements
-        # (dequantize_fp8's own rule for a table), a row within the strip, a contiguous weight.
+        # (dequantize_fp8's own rule for a table) nor than 4 B an element of the strip, a row
+        # within the strip, a contiguous weight.
         self.flat = (
-            0 < self.cols <= STRIP_ELEMENTS
+            0 < self.cols <= self.step
             and ncb * 256 * 4 <= min(br, self.rows) * self.cols
+            and ncb * 256 * (4 + dtype.itemsize) <= 4 * self.step
             and weight.is_contiguous()
         )
         self._codes: torch.Tensor | None = None  # the weight's bytes, flat
-        self._tiled: torch.Tensor | None = None  # each column's block offset, tiled over a strip
+        self._tiled: torch.Tensor | None = None  # each column's block offset, over whole rows of a strip
         self._index: torch.Tensor | None = None  # the strip's int32 indices, reused
         self._scratch: torch.Tensor | None = None  # an unaligned piece's elements, reused
         self._table: tuple[int, torch.Tensor] | None = None  # (row block, its products)
+
+    def held(self) -> int:
+        """The bytes of the buffers this fill holds now (between two pieces)."""
+        buffers = [self._tiled, self._index, self._scratch, self._table[1] if self._table else None]
+        return sum(b.nbytes for b in buffers if b is not None)
 
     def __call__(self, offset: int, nbytes: int, address: int) -> None:
         itemsize = self.dtype.itemsize
@@ -111,7 +123,7 @@ class _Fill:
             self._into(offset // itemsize, end // itemsize, target)
             return
         if self._scratch is None:
-            self._scratch = torch.empty(STRIP_ELEMENTS + 1, dtype=self.dtype)
+            self._scratch = torch.empty(self.step, dtype=self.dtype)  # an unaligned piece: at most a strip
         buffer = self._scratch
         raw = buffer.view(torch.uint8)
         while offset < end:
@@ -150,18 +162,18 @@ class _Fill:
         cols, br = self.cols, self.block[0]
         if self._codes is None:
             self._codes = self.weight.view(torch.uint8).reshape(-1)
-            step = min(STRIP_ELEMENTS, self.rows * cols)
             bc, col0 = self.block[1], self.col0
             pattern = (torch.arange(col0, col0 + cols) // bc - col0 // bc).to(torch.int32).mul_(256)
-            self._tiled = pattern.repeat(-(-(step + cols) // cols))[: step + cols]
-            self._index = torch.empty(step, dtype=torch.int32)
+            self._tiled = pattern.repeat(self.step // cols)  # whole rows, at most the strip
+            self._index = torch.empty(self.step, dtype=torch.int32)
         assert self._tiled is not None and self._index is not None
+        tiled = self._tiled.numel()
         at = 0
         while first < last:
             r, c = divmod(first, cols)
             rb = (self.row0 + r) // br
             block_end = ((rb + 1) * br - self.row0) * cols  # the row block's last element, + 1
-            n = min(last, block_end, first + STRIP_ELEMENTS) - first
+            n = min(last, block_end, first + tiled - c) - first  # c + n within the tiled rows
             index = self._index[:n]
             index.copy_(self._codes[first : first + n])
             index.add_(self._tiled[c : c + n])
