@@ -270,12 +270,14 @@ def test_large_regions_are_read_in_pieces_by_several_threads(
 ) -> None:
     from parallel_dcp.formats import fast_read
 
+    # Buffered: a fresh tensor read direct stays whole, its own pages read in place with several
+    # reads in flight (test_seated_read.py); the caller's tensors (FastReader below) are cut.
     path, sd = written
     whole = ReadStats()
-    parallel_dcp.load(path, workers=2, stats=whole)
+    parallel_dcp.load(path, workers=2, stats=whole, io="buffered")
     monkeypatch.setattr(fast_read, "PIECE_BYTES", 64 * 1024)  # the 1.1 MiB tensors become ~9 pieces each
     stats = ReadStats()
-    assert_same(parallel_dcp.load(path, workers=2, stats=stats), sd)
+    assert_same(parallel_dcp.load(path, workers=2, stats=stats, io="buffered"), sd)
     assert stats.fallback == 0 and stats.fast == whole.fast  # pieces count once per read item
     assert stats.reads > whole.reads  # the pieces were read apart
     reader = parallel_dcp.FastReader(path, workers=2)

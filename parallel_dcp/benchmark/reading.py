@@ -8,7 +8,7 @@ and ``posix_fadvise(DONTNEED)`` on every file read, which needs no privilege):
            stock load_file + touch (safetensors' mmap, every page touched: the baseline)
            fastsafetensors direct / buffered, 16 threads    Run:ai streamer (its defaults)
            (each when installed: the ``.[bench]`` extra; else a row saying why)
-    [dcp]  load w=N (defaults) | load w=N io=buffered | stock dcp alloc load
+    [dcp]  load w=N (defaults) | load w=N io=buffered | load w=N io=direct | stock dcp alloc load
     limits, per copy: fio (direct, libaio, iodepth 8, N jobs) when on PATH; plain reads xN
            (8 MiB preadv, direct and buffered); the limit a row is held to is the fastest
 """
@@ -156,8 +156,6 @@ def read_cases(state_dict: Any, root: str, workers: int) -> tuple[list[Case], li
     cases: list[Case] = []
     for tag, path in (("hf", folder), ("dcp", ckpt)):
         for label, options in (("", {}), (" io=buffered", {"io": "buffered"}), (" io=direct", {"io": "direct"})):
-            if tag == "dcp" and label == " io=direct":
-                continue
             cases.append(
                 Case(
                     name=f"load w={n}{label} [{tag}]",

@@ -72,9 +72,11 @@ _TICK_S = 0.1
 
 def _pieces(req: Request, threads: int) -> list[Request]:
     """A large region cut into row ranges (of its first dimension longer than 1, all dims before
-    it being 1: each range stays one contiguous run), so that threads share one large record."""
+    it being 1: each range stays one contiguous run), so that threads share one large record; a
+    fresh target to be seated (formats/seated.py) stays whole: the direct reader keeps DEPTH reads
+    of it in flight (storage/direct_read.py)."""
     target = req.target
-    if target is None or threads < 2 or target.numel() * target.element_size() <= 2 * PIECE_BYTES:
+    if target is None or req.room is not None or threads < 2 or target.nbytes <= 2 * PIECE_BYTES:
         return [req]
     lengths = list(req.item.lengths)
     dim = next((d for d, n in enumerate(lengths) if n > 1), None)
@@ -231,6 +233,7 @@ def read_requests(
     """
     fast: list[Request] = []
     slow: list[Request] = []
+    seating = io != "buffered"  # buffered (or object storage): no target is seated, large ones are cut
     compressed: dict[tuple[str, int], list[Request]] = {}
     for req in requests:
         if is_compressed(req.info) and req.item.type != LoadItemType.BYTE_IO and req.target is not None:
@@ -239,6 +242,8 @@ def read_requests(
                 _check_shared(shared[0], req)
             shared.append(req)
             continue
+        if not seating:
+            req.room = None
         (slow if req.item.type == LoadItemType.BYTE_IO or req.unfit else fast).append(req)
     if budget is not None:
         for reqs in compressed.values():

@@ -30,6 +30,7 @@ from parallel_dcp.engine.memory import ZSTD_DECOMPRESS_BYTES
 from parallel_dcp.errors import CorruptCheckpointError, dtype_name
 from parallel_dcp.formats.dcp_records import HEAD_BYTES, TAIL_BYTES, RecordLayout, is_row_major, parse_record
 from parallel_dcp.formats.record_batch import CHECK_BYTES, TemplateCache, check_batch, make_template
+from parallel_dcp.formats.seated import seat, shift
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.direct_write import address
 from parallel_dcp.storage.location import Location, Remote
@@ -80,6 +81,7 @@ class Request:
     target: torch.Tensor | None
     unfit: bool = False
     piece: int = 0  # a large region is cut into pieces 0, 1, ...; only piece 0 is counted
+    room: torch.Tensor | None = None  # a fresh whole target's room (formats/seated.py)
 
 
 @dataclass
@@ -197,12 +199,13 @@ class Unit:
             self._read_windows(file)
             segments: list[tuple[int, memoryview]] = []
             staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+            shifted: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # seated targets (formats/seated.py)
             for record in self._bulk(file, stats) if self.templates is not None else self.records:
                 if cancel.is_set():
                     return stats, []
                 layout = self._layout(file, record)
                 for req in record.requests:
-                    if layout is None or not self._plan(req, record, layout, segments, staged):
+                    if layout is None or not self._plan(req, record, layout, segments, staged, shifted):
                         fallback.append(req)
                     else:
                         stats.fast += req.piece == 0
@@ -213,6 +216,8 @@ class Unit:
             _read_segments(file, segments)
             for stage, target in staged:
                 target.copy_(stage)
+            for target, room, landing in shifted:
+                shift(target, room, landing)
             progress.report(stats.bytes)
             progress.flush()
         finally:
@@ -315,6 +320,7 @@ class Unit:
         layout: RecordLayout,
         segments: list[tuple[int, memoryview]],
         staged: list[tuple[torch.Tensor, torch.Tensor]],
+        shifted: list[tuple[torch.Tensor, torch.Tensor, int]],
     ) -> bool:
         """Add the reads of one request; False when it is left to DCP's reader."""
         target = req.target
@@ -332,6 +338,12 @@ class Unit:
             return False
         base = layout.data_offset + layout.storage_offset * itemsize
         whole = record.length <= SMALL_RECORD
+        if req.room is not None and not whole and into is target:  # a fresh whole target (formats/seated.py)
+            room, req.room = req.room, None
+            landing = seat(target, room, record.offset + base)
+            segments.append((record.offset + base, _memory(room, landing, target.nbytes)))
+            shifted.append((target, room, landing))  # moved down in place once read, where it must be
+            return True
         for stored, element, count in runs:
             dest = _memory(into, element, count * itemsize)
             if whole:

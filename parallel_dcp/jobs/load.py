@@ -51,7 +51,7 @@ from parallel_dcp.errors import (
     describe_keys,
     dtype_name,
 )
-from parallel_dcp.formats import fast_read
+from parallel_dcp.formats import fast_read, seated
 from parallel_dcp.formats.compressed_read import bounded_reader
 from parallel_dcp.formats.dcp_format import read_keys
 from parallel_dcp.formats.fast_read import ReadStats
@@ -170,7 +170,9 @@ def _load(
     # table, as long as the read itself), and a thread could not be killed anyway.
     budget = MemoryGovernor(options.memory_ceiling(), measure=False)
     if into is None:
-        budget.reserve(sum(_nbytes(m) for m in metas.values()), f"loading {len(selected)} keys from {location}")
+        # each large fresh tensor with a page of room (formats/seated.py)
+        output = sum(seated.room_bytes(_nbytes(m)) for m in metas.values())
+        budget.reserve(output, f"loading {len(selected)} keys from {location}")
     if isinstance(location, Remote):  # this process's connection to object storage, shared by the threads
         budget.reserve(CLIENT_MEMORY, f"the object storage client for {location}")
     io_mode = resolve_io(options.io, location, writing=False)
@@ -185,17 +187,21 @@ def _load(
     threads = max(1, min(wanted, room // per_thread))
     budget.reserve(threads * per_thread, f"read buffers for {threads} threads")
     check_shards(location, metadata, selected)
-    targets = (  # not detached yet: a whole small record is copied by address (_requests)
-        {k: flat_into[k] for k in metas}
-        if into is not None
-        else {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in metas.items()}
-    )
+    rooms: dict[str, torch.Tensor] = {}
+    if into is not None:  # not detached yet: a whole small record is copied by address (_requests)
+        targets = {k: flat_into[k] for k in metas}
+    else:
+        targets = {}
+        for key, meta in metas.items():
+            targets[key], space = seated.fresh(meta.properties.dtype, tuple(meta.size))
+            if space is not None:
+                rooms[key] = space
     values: dict[str, Any] = {}
 
     def on_bytes(item: ReadItem, data: bytes) -> None:
         values[item.dest_index.fqn] = unpickle_value(item.dest_index.fqn, io.BytesIO(data), trust_pickle=trust_pickle)
 
-    requests, small = _requests(metadata, selected, targets, location)
+    requests, small = _requests(metadata, selected, targets, location, rooms)
     # auto: direct or buffered as measured on this file system (once per process), inside the
     # threads' reserved buffers (the probe holds no more per stream than a reading thread)
     choice = (
@@ -295,11 +301,17 @@ def _overlaps_itself(tensor: torch.Tensor) -> bool:
 
 
 def _requests(
-    metadata: Metadata, selected: list[str], targets: dict[str, torch.Tensor], where: Location
+    metadata: Metadata,
+    selected: list[str],
+    targets: dict[str, torch.Tensor],
+    where: Location,
+    rooms: dict[str, torch.Tensor] | None = None,
 ) -> tuple[list[fast_read.Request], dict[str, list[fast_read.Entry]]]:
     """One request per stored chunk each key overlaps (a whole-tensor chunk: its read item
-    directly), and apart, by file, the whole small records for whole dense CPU tensors (read as
-    columns, formats/small_reads.py: no read item per key)."""
+    directly; a fresh target in its room, ``rooms``, is seated by the reader: formats/seated.py),
+    and apart, by file, the whole small records for whole dense CPU tensors (read as columns,
+    formats/small_reads.py: no read item per key)."""
+    rooms = rooms or {}
     storage = metadata.storage_data or {}
     out: list[fast_read.Request] = []
     small: dict[str, list[fast_read.Entry]] = {}
@@ -339,8 +351,15 @@ def _requests(
             item = ReadItem(LoadItemType.TENSOR, index, origin, index, origin, meta.size)
             # the whole stored chunk into the whole target: no region to cut
             # (detached: the same memory, filled without autograd seeing an in-place write to a leaf)
-            whole_chunk = (item, info, tuple(meta.size), meta.properties.dtype, target.detach())
-            out.append(fast_read.Request(*whole_chunk))
+            room = rooms.get(key)  # a fresh target: seated by its own object (no autograd to keep out)
+            whole_chunk = (
+                item,
+                info,
+                tuple(meta.size),
+                meta.properties.dtype,
+                target if room is not None else target.detach(),
+            )
+            out.append(fast_read.Request(*whole_chunk, room=room))
             continue
         target = target.detach()
         items = create_read_items_for_chunk_list(key, meta, [ChunkStorageMetadata(origin, meta.size)])
