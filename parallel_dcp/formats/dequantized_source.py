@@ -31,6 +31,7 @@ import torch
 from parallel_dcp.engine.chunks import split
 from parallel_dcp.errors import QuantizationError, describe_keys
 from parallel_dcp.formats.base import Entry, Source
+from parallel_dcp.formats.fp8_fill import fp8_pending
 from parallel_dcp.formats.quantized import (
     DEFAULT_BLOCK,
     E8M0_NAN,
@@ -68,6 +69,10 @@ class DequantizedSource(WrappedSource):
     dtype: torch.dtype = torch.bfloat16
     block: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)
     pairs: dict[str, Pair] = field(default_factory=dict)  # output key -> its pair
+    # Whether an FP8 pair is read as a PendingTensor that the shard writer fills by dequantizing
+    # into its own buffers (formats.fp8_fill): set by the conversion for a DCP output written from
+    # record templates (:func:`writes_computed`); a unit then holds no output tensor, and counts none.
+    computed_writes: bool = False
 
     def _stored(self, keys: Iterable[str]) -> list[str]:
         """The inner keys that ``keys`` read."""
@@ -113,16 +118,20 @@ class DequantizedSource(WrappedSource):
                 return True
         return False
 
-    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    def read(self, keys: Iterable[str]) -> dict[str, Any]:  # type: ignore[override]
         keys = list(keys)
         data = self._inner().read(self._stored(keys))
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, Any] = {}
         for key in keys:
             pair = self.pairs.get(key)
             if pair is None:
                 out[key] = data[key]
             elif pair.kind == "fp8":
-                out[key] = dequantize_fp8(data.pop(pair.values), data.pop(pair.scale), self.dtype, self.block)
+                weight, scale = data.pop(pair.values), data.pop(pair.scale)
+                if self._computed(pair):
+                    out[key] = fp8_pending(weight, scale, self.dtype, self.block)
+                else:
+                    out[key] = dequantize_fp8(weight, scale, self.dtype, self.block)
             else:
                 out[key] = self._mxfp4(data.pop(pair.values), data.pop(pair.scale))
         return out
@@ -131,6 +140,10 @@ class DequantizedSource(WrappedSource):
         if mxfp4_is_experts(tuple(blocks.shape)):
             return dequantize_mxfp4_experts(blocks, scales, self.dtype)
         return dequantize_mxfp4(blocks, scales, self.dtype)
+
+    def _computed(self, pair: Pair) -> bool:
+        """Whether ``pair`` is read as a PendingTensor the writer fills (see ``computed_writes``)."""
+        return self.computed_writes and pair.kind == "fp8"
 
     def _stored_dim(self, pair: Pair, dim: int) -> int | None:
         """The dimension of ``pair``'s stored values that output dimension ``dim`` runs along;
@@ -142,7 +155,7 @@ class DequantizedSource(WrappedSource):
             return {0: 0, 2: 1}.get(dim)  # [E, G * B * 2, N] from [E, N, G, B]
         return dim if dim < len(shape) - 2 else None
 
-    def read_chunk(self, chunk: Chunk) -> torch.Tensor:
+    def read_chunk(self, chunk: Chunk) -> Any:  # type: ignore[override]
         pair = self.pairs.get(chunk.key)
         inner = self._inner()
         if pair is None:
@@ -155,6 +168,8 @@ class DequantizedSource(WrappedSource):
         scale = inner.read([pair.scale])[pair.scale]
         if pair.kind == "fp8":
             row0, col0 = (chunk.start, 0) if chunk.dim == 0 else (0, chunk.start)
+            if self._computed(pair):
+                return fp8_pending(piece, scale, self.dtype, self.block, row0=row0, col0=col0)
             return dequantize_fp8(piece, scale, self.dtype, self.block, row0=row0, col0=col0)
         return self._mxfp4(piece, scale.narrow(dim, chunk.start, chunk.stop - chunk.start))
 
@@ -169,7 +184,7 @@ class DequantizedSource(WrappedSource):
         if pair is None:
             return self._inner().copied_bytes(key)
         inner = self._inner()
-        out = self.entries[key].nbytes
+        out = 0 if self._computed(pair) else self.entries[key].nbytes
         work = dequantize_work_bytes(self.entries[key].nbytes // self.dtype.itemsize)
         return inner.copied_bytes(pair.values) + inner.copied_bytes(pair.scale) + out + work
 
@@ -183,7 +198,7 @@ class DequantizedSource(WrappedSource):
             return self.copied_bytes(chunk.key) + chunk.nbytes(self.dtype.itemsize)
         stored = inner.entries[pair.values]
         read = inner.chunk_memory(dataclasses.replace(chunk, key=pair.values, dim=dim, shape=stored.shape))
-        out = chunk.nbytes(self.dtype.itemsize)
+        out = 0 if self._computed(pair) else chunk.nbytes(self.dtype.itemsize)
         return read + inner.copied_bytes(pair.scale) + out + dequantize_work_bytes(chunk.nbytes(1))
 
     def transient_bytes(self, key: str) -> int:

@@ -58,6 +58,7 @@ __all__ = [
     "dequantize_mxfp4_experts",
     "dequantize_work_bytes",
     "fp8_scale_shape",
+    "fp8_values",
     "mxfp4_is_experts",
     "mxfp4_shape",
     "quantize_fp8",
@@ -107,9 +108,11 @@ def dequantize_fp8(
     *,
     row0: int = 0,
     col0: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``weight`` (rows ``row0:`` and columns ``col0:`` of a block-scaled FP8 weight) dequantized
-    to ``dtype`` with ``scale``, the whole weight's scale tensor (global block coordinates).
+    to ``dtype`` with ``scale``, the whole weight's scale tensor (global block coordinates);
+    written into ``out`` (``dtype``, the weight's shape) when given, else into a new tensor.
 
     Each value is ``dtype(float32(code) * float32(scale))``, the product stock computes (its
     ``float32 block * 0-dim scale`` promotes the scale to float32), rounded once. The weight is
@@ -131,11 +134,15 @@ def dequantize_fp8(
     if weight.dtype not in FP8_DTYPES:
         raise ValueError(f"block-scaled dequantization needs an FP8 weight, not {dtype_name(weight.dtype)}")
     rows, cols = weight.shape
-    out = torch.empty((rows, cols), dtype=dtype)
+    if out is None:
+        out = torch.empty((rows, cols), dtype=dtype)
+    elif out.dtype != dtype or tuple(out.shape) != (rows, cols):
+        wanted = f"{dtype_name(dtype)} {[rows, cols]}"
+        raise ValueError(f"out must be {wanted}, not {dtype_name(out.dtype)} {list(out.shape)}")
     if rows == 0 or cols == 0:
         return out
     br, bc = block
-    codes = _fp8_values(weight.dtype)
+    codes = fp8_values(weight.dtype)
     raw = weight.view(torch.uint8)
     col_step = min(cols, STRIP_ELEMENTS)
     row_step = max(1, STRIP_ELEMENTS // col_step)
@@ -191,7 +198,7 @@ def dequantize_work_bytes(elements: int) -> int:
     return _WORK_PER_ELEMENT * min(max(elements, 0), STRIP_ELEMENTS)
 
 
-def _fp8_values(dtype: torch.dtype) -> torch.Tensor:
+def fp8_values(dtype: torch.dtype) -> torch.Tensor:
     """Every code of an FP8 ``dtype`` as float32, by torch's own conversion (made on first use)."""
     table = _FP8_TABLES.get(dtype)
     if table is None:

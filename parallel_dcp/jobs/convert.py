@@ -36,6 +36,7 @@ from parallel_dcp.jobs.quantization import (
     dequantize_step,
     prepare_target,
     quantize_step,
+    write_computed,
 )
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
@@ -162,6 +163,7 @@ def convert_one(
             stream_source(source, target, options, governor)
         steps = _Steps(rename, quantization, preset, model_config, copy_files_from, rename_strict)
         job = _convert_job(source, target, dtype, keys, steps)
+        write_computed(job, target, options)  # FP8 dequantized straight into a DCP writer's buffers
         copies = files_to_copy(
             source,
             directory_output=isinstance(target, ShardedTarget),

@@ -16,14 +16,24 @@ from dataclasses import dataclass
 import torch
 
 from parallel_dcp.errors import QuantizationError, describe_keys, plural
+from parallel_dcp.formats import lean
 from parallel_dcp.formats.base import Source
-from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_source
+from parallel_dcp.formats.dequantized_source import DequantizedSource, block_size_of, dequantized_source
 from parallel_dcp.formats.quantized import FP8_DTYPES, MAX_BLOCK
 from parallel_dcp.formats.quantized_pairs import SCALE_SUFFIX
 from parallel_dcp.formats.quantizing_source import DEFAULT_RULE, parse_quantize, quantizing_source
-from parallel_dcp.jobs.targets import ShardedTarget, Target
+from parallel_dcp.jobs.targets import DcpTarget, Job, ShardedTarget, Target
+from parallel_dcp.options import Options
+from parallel_dcp.storage.records import LEAN_DTYPES, fills_uninitialised
 
-__all__ = ["Quantization", "check_pairs_named", "dequantize_step", "prepare_target", "quantize_step"]
+__all__ = [
+    "Quantization",
+    "check_pairs_named",
+    "dequantize_step",
+    "prepare_target",
+    "quantize_step",
+    "write_computed",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +81,24 @@ class Quantization:
 def dequantize_step(source: Source, quantization: Quantization) -> Source:
     """``source`` seen dequantized (before keys are selected: ``keys`` names output tensors)."""
     return dequantized_source(source, quantization.dequantize_dtype, block_size_of(source, quantization.block_size))
+
+
+def write_computed(job: Job, target: Target, options: Options) -> None:
+    """Let the shard writer dequantize FP8 weights straight into its buffers (formats.fp8_fill):
+    for a DCP output (lean path: no value DCP's planner must see) whose records come from class
+    templates (torch.save's CRC off, a tested dtype, no fill of new tensors), where the job writes
+    the dequantized dtype as it is. Set before planning: a unit then counts no output tensor."""
+    source = job.source
+    if (
+        isinstance(source, DequantizedSource)
+        and isinstance(target, DcpTarget)
+        and not options.crc32
+        and source.dtype in LEAN_DTYPES
+        and job.out_dtype(source.dtype) == source.dtype
+        and not fills_uninitialised()
+        and lean.lean_eligible(source.values.values())
+    ):
+        source.computed_writes = True
 
 
 def quantize_step(

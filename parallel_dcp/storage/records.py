@@ -34,7 +34,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["LEAN_DTYPES", "LEAN_MAX_BYTES", "Template", "class_template", "storage_bytes", "template_for"]
+__all__ = [
+    "LEAN_DTYPES",
+    "LEAN_MAX_BYTES",
+    "Template",
+    "class_template",
+    "fills_uninitialised",
+    "storage_bytes",
+    "template_for",
+]
 
 # The round-trip matrix's dtypes (tests/test_roundtrip.py), each checked by tests/test_records.py.
 LEAN_DTYPES = frozenset(
@@ -142,7 +150,7 @@ def class_template(
     the CRC is off), so torch.save's own serialization id is kept: what the writer's torch.save of
     the real tensor gives, bit for bit (``tests/test_read_ahead.py``).
     """
-    if not _crc_off() or dtype not in LEAN_DTYPES or _fills_uninitialised():
+    if not _crc_off() or dtype not in LEAN_DTYPES or fills_uninitialised():
         return None
     shape = tuple(shape)
     stride = tuple(strides) if strides is not None else tuple(torch.empty(shape, dtype=dtype, device="meta").stride())
@@ -160,7 +168,7 @@ def class_template(
     return _cache[key]
 
 
-def _fills_uninitialised() -> bool:
+def fills_uninitialised() -> bool:
     """torch fills every new tensor (deterministic mode's fill_uninitialized_memory): a dummy of a
     large class would then be written in full, in memory nobody budgeted."""
     try:
