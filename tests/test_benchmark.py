@@ -348,6 +348,8 @@ def test_scaling_suite_projects_from_its_own_measurements(tmp_path: Path) -> Non
             assert e["start_seconds_per_worker"] >= 0 and e["start_seconds_per_worker_per_gib"] >= 0
             assert {16, 64, 128} <= {row["workers"] for row in e["rows"]}
             assert all(row["projected_speedup"] > 0 for row in e["rows"])
+        assert projection["executors"]["processes"]["serial_parts"]["worker_job_seconds"] == 0  # inherited
+        assert projection["executors"]["saver"]["serial_parts"]["worker_job_seconds"] > 0
         saver = projection["probe"]["saver"]
         assert saver["saver_start_seconds"] > 0 and saver["first_save_start_seconds"] >= 0
     governor = scenarios["scaling:llm/" + str(target) + "/sync-on"]["projection"]["governor"]
@@ -405,7 +407,7 @@ def test_executor_projections_from_pieces() -> None:
             "default": probe("threads", 1.0, 1.25, 0.9, 0.0),
             "threads": probe("threads", 1.0, 1.55, 0.9, 0.0),
             "processes": probe("processes", 1.0, 1.1, 0.8, 0.05),
-            "saver": probe("saver", 1.0, 1.1, 0.8, 0.001),
+            "saver": probe("saver", 1.0, 1.1, 0.8, 0.001) | {"worker_job_seconds": 0.03},
         },
         nbytes=2 * 2**30,
         keys=1000,
@@ -425,12 +427,18 @@ def test_executor_projections_from_pieces() -> None:
     assert not processes["gil_capped"] and processes["start_seconds_per_worker_per_gib"] == pytest.approx(0.025)
     work = {row["workers"]: row for row in processes["rows"]}[16]["projected_seconds"] - 0.2
     assert sum(max(0.0, work - 0.05 * i) for i in range(16)) == pytest.approx(0.8, rel=1e-6)
+    # The Saver's serial seconds: its coordinator's phases, each worker's per-job part, the rest.
+    parts = found["saver"]["serial_parts"]
+    assert parts["coordinator_phases_seconds"] == pytest.approx(0.101)
+    assert parts["worker_job_seconds"] == pytest.approx(0.03)
+    assert parts["other_seconds"] == pytest.approx(0.2 - 0.101 - 0.03)
     saver = {row["workers"]: row for row in found["saver"]["rows"]}
     assert saver[64]["projected_speedup"] > {row["workers"]: row for row in processes["rows"]}[64]["projected_speedup"]
     lines = executor_lines(
         found, [{"workers": 8, "cheap_ms_per_process": 0.1, "rollup_ms_per_process": 0.2, "exact_ms_per_process": 5.0}]
     )
     assert any(line.startswith("  projected threads: x16 1.82x") for line in lines)
+    assert any("coordinator phases 0.101, per-job in each worker 0.030, other 0.069" in line for line in lines)
     assert any("governor reading at 8 workers: cheap 0.100" in line for line in lines)
 
 

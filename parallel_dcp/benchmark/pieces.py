@@ -5,10 +5,15 @@
                it takes a core but not the GIL), with the default executor ("auto"), "threads",
                "processes" and a Saver's workers (the Saver started and saved once before the
                rounds, so every timed Saver save is a second save)
-    per run    wall seconds, worker seconds (SaveResult.per_worker, summed: P), phases, executor
-    pieces     S = wall - P (serial), F = phases["fork"] (worker start: one fork for processes,
-               the Saver's second-save start), G = min(1, (busy thread - busy process) / alone):
-               the GIL-held share, what a thread that wants the GIL costs beyond the core it takes
+    per run    wall seconds, worker seconds (SaveResult.per_worker, summed: P), phases, executor,
+               and the slowest worker's per-job seconds (``setup_seconds``: a Saver's worker loading
+               the job's shell before its first task; 0 where workers inherit the job)
+    pieces     S = wall - P (serial), printed and in the JSON split into the coordinator's phases
+               (plan, fork, merge, commit), the per-job part of each worker (paid side by side, so
+               once at any count) and the rest (dispatch, results); F = phases["fork"] (worker
+               start: one fork for processes, the Saver's second-save start),
+               G = min(1, (busy thread - busy process) / alone): the GIL-held share, what a
+               thread that wants the GIL costs beyond the core it takes
     model      T(N) = S + max(W(N), G * P)     W(N): scaling.staggered_work_seconds(P, N, F)
                G only caps executors that write in the caller's interpreter (threads, and the
                default where it resolved to threads); speedup = measured wall alone / T(N)
@@ -99,7 +104,7 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
     the module docstring: a state dict of many tensors is probed busy on a subset, scaled per key)."""
     tensors = flat_tensors(state_dict)
     subset = dict(itertools.islice(tensors.items(), BUSY_PROBE_KEYS)) if len(tensors) > BUSY_PROBE_KEYS else None
-    alone: dict[str, list[tuple[float, float, dict[str, float], str]]] = {kind: [] for kind in PROBED}
+    alone: dict[str, list[tuple[float, float, dict[str, float], str, float]]] = {kind: [] for kind in PROBED}
     busy: dict[tuple[str, str], list[float]] = {(kind, mode): [] for kind in PROBED for mode in _BUSY}
     subset_alone: dict[str, list[float]] = {kind: [] for kind in PROBED}
     out = f"{root}/probe"
@@ -126,7 +131,10 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
             for kind in PROBED:
                 wall, result = timed(kind, state_dict, "alone")
                 inside = sum(w.seconds for w in result.per_worker)
-                alone[kind].append((wall, inside, dict(result.phases), result.executor))
+                # What a worker spends on the job outside its tasks (a Saver's: loading the job's
+                # shell), the slowest worker's: part of the serial seconds at any worker count.
+                setup = max((w.setup_seconds for w in result.per_worker), default=0.0)
+                alone[kind].append((wall, inside, dict(result.phases), result.executor, setup))
                 if subset is not None:
                     subset_alone[kind].append(timed(kind, subset, "alone")[0])
                 for mode in _BUSY:
@@ -146,6 +154,7 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
             "busy_thread_seconds": thread * scale,
             "busy_process_seconds": process * scale,
             "worker_seconds": _median([r[1] for r in runs]),
+            "worker_job_seconds": _median([r[4] for r in runs]),
             "phases": {name: _median([r[2].get(name, 0.0) for r in runs]) for name in runs[0][2]},
         }
         if subset is not None:
@@ -171,6 +180,11 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
         wall, work = got["alone_seconds"], got["worker_seconds"]
         serial = max(0.0, wall - work)
         start = min(got["phases"].get("fork", 0.0), serial)  # S holds the first start
+        # S = wall - P, split: the coordinator's own phases, each worker's per-job part (in
+        # parallel, so counted once), and the rest (dispatch, results, waits between them).
+        phases = got["phases"]
+        coordinator = sum(phases.get(name, 0.0) for name in ("plan", "fork", "merge", "commit"))
+        per_job = got.get("worker_job_seconds", 0.0)
         # What the busy thread costs beyond the busy process's core: the GIL's part.
         extra = got["busy_thread_seconds"] - got["busy_process_seconds"]
         share = min(1.0, max(0.0, extra / wall)) if wall > 0 else 0.0
@@ -193,6 +207,11 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
             "serial_seconds": serial,
             "serial_seconds_per_gib": serial / gib,
             "serial_us_per_key": serial / keys * 1e6,
+            "serial_parts": {
+                "coordinator_phases_seconds": coordinator,
+                "worker_job_seconds": per_job,
+                "other_seconds": serial - coordinator - per_job,
+            },
             "worker_seconds": work,
             "worker_seconds_per_gib": work / gib,
             "start_seconds_per_worker": start,
@@ -215,6 +234,7 @@ def executor_lines(executors: dict[str, Any], governor: list[dict[str, Any]] | N
     """Printed pieces and projection per executor; every projected figure says so."""
     lines = ["PIECES (measured in this run, workers=1: alone, beside one busy Python thread, beside one busy process):"]
     for kind, e in executors.items():
+        parts = e["serial_parts"]
         if "busy_probe" in e:
             sub = e["busy_probe"]
             lines.append(
@@ -227,7 +247,9 @@ def executor_lines(executors: dict[str, Any], governor: list[dict[str, Any]] | N
             f" {e['measured_seconds_busy_thread']:.3f} s, busy process {e['measured_seconds_busy_process']:.3f} s,"
             f" GIL-held share {e['gil_held_share']:.2f};"
             f" serial {e['serial_seconds']:.3f} s ({e['serial_seconds_per_gib']:.3f} s/GiB,"
-            f" {e['serial_us_per_key']:.1f} us/key), worker {e['worker_seconds_per_gib']:.3f} s/GiB,"
+            f" {e['serial_us_per_key']:.1f} us/key: coordinator phases {parts['coordinator_phases_seconds']:.3f},"
+            f" per-job in each worker {parts['worker_job_seconds']:.3f}, other {parts['other_seconds']:.3f}),"
+            f" worker {e['worker_seconds_per_gib']:.3f} s/GiB,"
             f" start {e['start_seconds_per_worker'] * 1e3:.1f} ms/worker"
             f" ({e['start_seconds_per_worker_per_gib'] * 1e3:.1f} ms/GiB)"
         )

@@ -66,6 +66,9 @@ class TaskResult(Generic[R]):
     worker: int
     seconds: float
     value: R
+    # Seconds the worker spent before this task loading the run's handler (its first task of a
+    # run that brings one: the per-job cost each worker pays, outside every task's seconds).
+    setup: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,16 @@ class _NewHandler:
     the coordinator sends each worker a few bytes, however large the job."""
 
     pickled: RemoteBytes
+
+
+@dataclass(frozen=True, slots=True)
+class _TaskPart:
+    """A task with the part of the job only it needs (``WorkerPool.run(parts=)``): the worker runs
+    ``handler.with_part(part, task)(task)``, so a handler that outlives one job is sent without the
+    job's per-key data and each worker receives only its own tasks' keys."""
+
+    task: Task
+    part: Any
 
 
 def _worker_main(
@@ -87,6 +100,7 @@ def _worker_main(
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent(coordinator)
     broken: BaseException | None = None  # a run's handler that could not be loaded
+    setup = 0.0  # seconds spent loading it, reported with the next task's result
     # Objects inherited from the coordinator (the state dict's tensors and dicts) go to the
     # permanent generation: the worker's collections skip them instead of copying their pages.
     gc.freeze()
@@ -100,20 +114,26 @@ def _worker_main(
         if message is None:
             return
         if isinstance(message, _NewHandler):
+            began = time.perf_counter()
             try:
                 handler, broken = _load_handler(message), None
             except BaseException as exc:  # reported with the run's first task on this worker
                 broken = exc
+            setup = time.perf_counter() - began
             continue
-        task: Task = message
+        task: Task = message.task if isinstance(message, _TaskPart) else message
         start = time.perf_counter()
         try:
             if broken is not None:
                 raise broken
-            value = handler(task)
-            reply: tuple[Any, ...] = ("ok", time.perf_counter() - start, value)
+            run = handler
+            if isinstance(message, _TaskPart):  # reading its part of the job is the task's work (and error)
+                run = handler.with_part(message.part, task)  # type: ignore[attr-defined]
+            value = run(task)
+            reply: tuple[Any, ...] = ("ok", time.perf_counter() - start, value, setup)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             reply = ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc())
+        setup = 0.0  # reported with this run's first task on this worker only
         try:
             _send(conn, reply)
         except Exception as exc:  # a result that cannot be pickled is the task's error, not a crash
@@ -228,6 +248,7 @@ class WorkerPool:
         self._procs: list[Any] = [None] * workers
         self._unstarted = deque(range(workers))
         self._new_handler: _NewHandler | None = None
+        self._parts: Callable[[Task], Any] | None = None
         self._primed: set[int] = set()
         try:
             for _ in range(workers if start is None else max(1, min(start, workers))):
@@ -279,6 +300,7 @@ class WorkerPool:
         retries: int = 0,
         on_tick: Callable[[], None] | None = None,
         handler: Callable[[Task], Any] | None = None,
+        parts: Callable[[Task], Any] | None = None,
     ) -> Iterator[TaskResult[Any]]:
         """Run every task, yielding results as they complete (in completion order).
 
@@ -293,6 +315,11 @@ class WorkerPool:
             on_tick: called every few tens of milliseconds while tasks run (a progress bar).
             handler: runs this run's tasks instead of the pool's own (a pool that outlives one
                 job); pickled once here, each worker copies it before its first task.
+            parts: ``parts(task)`` is sent with each task (made when the task is dispatched, or
+                earlier by ``parts.ahead()`` if it has one: called before each wait on the
+                workers), and the worker runs ``handler.with_part(part, task)(task)``: the job's
+                per-key data then travels per task, so no worker receives the keys of tasks it
+                does not run.
 
         Raises:
             WorkerError: a task raised; ``__cause__`` is the worker's traceback.
@@ -306,6 +333,7 @@ class WorkerPool:
         idle = deque(w for w, proc in enumerate(self._procs) if proc is not None)
         pickled = bytearray(pickle.dumps(handler, protocol=pickle.HIGHEST_PROTOCOL)) if handler is not None else None
         self._new_handler = _NewHandler(RemoteBytes.of(pickled)) if pickled is not None else None
+        self._parts = parts
         self._primed = set()
         tick = governor.interval if governor is not None else None
         if on_tick is not None:
@@ -326,6 +354,9 @@ class WorkerPool:
                         governor.add_worker()
                     idle.append(worker)
                     self._dispatch(pending, idle, running, governor)
+                ahead = getattr(self._parts, "ahead", None)
+                if ahead is not None and pending:  # the next task's part, made while the workers work
+                    ahead()
                 # Map what we wait on to workers now: a worker restarted below gets new ones.
                 owners: dict[Any, int] = {self._procs[w].sentinel: w for w in running}
                 owners.update({id(self._conns[w]): w for w in running})
@@ -349,6 +380,9 @@ class WorkerPool:
                     else:
                         yield result
                     idle.append(worker)
+                # The freed workers take their next tasks before the watchdog's reading (up to a
+                # tenth of a second once a second, under load), not after it.
+                self._dispatch(pending, idle, running, governor)
                 if governor is not None:  # idle workers too: what they keep still counts
                     governor.watch(
                         {
@@ -366,6 +400,7 @@ class WorkerPool:
             raise
         finally:
             self._new_handler = None
+            self._parts = None
             del pickled  # the workers copied it before their first task
 
     @staticmethod
@@ -394,7 +429,7 @@ class WorkerPool:
                 if self._new_handler is not None and worker not in self._primed:
                     self._primed.add(worker)
                     _send(self._conns[worker], self._new_handler)
-                _send(self._conns[worker], task)
+                _send(self._conns[worker], task if self._parts is None else _TaskPart(task, self._parts(task)))
             running[worker] = (task, time.monotonic())
 
     def _check_timeouts(self, running: dict[int, tuple[Task, float]], task_timeout: float) -> None:
@@ -428,7 +463,7 @@ class WorkerPool:
                 exitcode=proc.exitcode,
             )
         if reply[0] == "ok":
-            return TaskResult(task=task, worker=worker, seconds=reply[1], value=reply[2])
+            return TaskResult(task=task, worker=worker, seconds=reply[1], value=reply[2], setup=reply[3])
         _, error_type, message, remote_tb = reply
         error = WorkerError(
             f"worker {worker} raised {error_type}: {message} (task {task.index}, keys {describe_keys(task.keys)})",

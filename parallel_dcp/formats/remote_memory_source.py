@@ -2,8 +2,9 @@
 
     coordinator (holds the state dict)             worker (started before the state dict existed)
     ──────────────────────────────────             ──────────────────────────────────────────────
-    flatten, check; per tensor: address,           unpickles the source: entries, values, layouts
-    shape, strides, dtype (no bytes)  ── pickle ─▶ read(keys):
+    flatten, check; shell() once, and per task     with_part(part): a source of the task's keys
+    part(keys): its tensors' addresses, shapes,    only (entries, values, layouts), on the shell
+    strides, dtypes (no bytes)        ── pickle ─▶ read(keys):
                                                    - a tensor of >= PENDING_MIN_BYTES whose storage
                                                      is exactly its bytes: a PendingTensor; the
                                                      writer copies it with process_vm_readv straight
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -41,7 +42,7 @@ from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.storage.pending import PendingTensor
 from parallel_dcp.storage.records import LEAN_DTYPES
 
-__all__ = ["PENDING_MIN_BYTES", "RemoteMemorySource"]
+__all__ = ["PENDING_MIN_BYTES", "RemoteMemorySource", "SourcePart"]
 
 # Tensors at least this large are copied by the writer, straight into its buffers; a smaller one
 # costs more in per-tensor calls (a copy call, a fill) than its copy through a gathered buffer.
@@ -75,6 +76,37 @@ class _Layout:
         """Whether the writer may copy these bytes itself, straight into its buffers: large
         enough, and the span exactly the elements (contiguous, or a dense permutation: the storage)."""
         return self.span == self.nbytes >= PENDING_MIN_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class SourcePart:
+    """The columns a worker reads a task's keys from (:meth:`RemoteMemorySource.part`): per tensor
+    its key, dtype, sizes, strides and address in the coordinator; the task's other values and
+    its keys' paths in the nesting (DCP's ``planner_data``)."""
+
+    keys: list[str]
+    dtypes: list[torch.dtype]
+    shapes: list[tuple[int, ...]]
+    strides: list[tuple[int, ...]]
+    addresses: list[int]
+    values: dict[str, Any]
+    mapping: dict[str, tuple[Any, ...]]
+
+
+def _rebuilt(
+    keys: Iterable[str],
+    dtypes: Iterable[torch.dtype],
+    shapes: Iterable[Any],
+    strides: Iterable[Any],
+    addresses: Iterable[int],
+) -> tuple[dict[str, Entry], dict[str, _Layout]]:
+    """In a worker: the entries and layouts of the tensors the columns describe."""
+    entries: dict[str, Entry] = {}
+    layouts: dict[str, _Layout] = {}
+    for key, dtype, shape, stride, address in zip(keys, dtypes, shapes, strides, addresses, strict=True):
+        entries[key] = Entry(key, dtype, shape)
+        layouts[key] = _layout(address, shape, stride, dtype.itemsize)
+    return entries, layouts
 
 
 def _copied(span: int, nbytes: int) -> int:
@@ -167,12 +199,43 @@ class RemoteMemorySource(MemorySource):
     def __setstate__(self, state: dict[str, Any]) -> None:
         keys, dtype_names, shapes, strides, addresses = state.pop("_layouts")
         self.__dict__.update(state)
-        dtypes = {name: getattr(torch, name) for name in set(dtype_names)}
-        self.entries, self._layouts = {}, {}
-        for key, name, shape, stride, address in zip(keys, dtype_names, shapes, strides, addresses, strict=True):
-            dtype = dtypes[name]
-            self.entries[key] = Entry(key, dtype, shape)
-            self._layouts[key] = _layout(address, shape, stride, dtype.itemsize)
+        names = {name: getattr(torch, name) for name in set(dtype_names)}
+        dtypes = map(names.__getitem__, dtype_names)
+        self.entries, self._layouts = _rebuilt(keys, dtypes, shapes, strides, addresses)
+
+    def shell(self) -> RemoteMemorySource:
+        """In the coordinator: this source without any key (what every worker of a pool that
+        outlives one job receives once; each task's keys come with it: :meth:`part`)."""
+        shell = object.__new__(type(self))
+        shell.__dict__.update(self.__dict__)
+        shell.state_dict, shell._flat, shell._sizes, shell._layouts = None, {}, {}, {}
+        shell.entries, shell.values, shell.mapping = {}, {}, {}
+        return shell
+
+    def part(self, keys: Sequence[str]) -> SourcePart:
+        """In the coordinator: what a worker needs to read ``keys`` and nothing else, in columns
+        (a few C passes over ``keys``; no object per key)."""
+        entries, values, mapping = self.entries, self.values, self.mapping
+        tensor_keys = list(filter(entries.__contains__, keys))
+        listed = list(map(entries.__getitem__, tensor_keys))
+        tensors = list(map(self._flat.__getitem__, tensor_keys))
+        return SourcePart(
+            tensor_keys,
+            list(map(_dtype, listed)),
+            list(map(_shape, listed)),
+            list(map(torch.Tensor.stride, tensors)),
+            list(map(torch.Tensor.data_ptr, tensors)),
+            {key: values[key] for key in keys if key in values} if values else {},
+            {key: mapping[key] for key in keys if key in mapping},
+        )
+
+    def with_part(self, part: SourcePart) -> RemoteMemorySource:
+        """In a worker, on the shell: a source of ``part``'s keys only."""
+        source = object.__new__(type(self))
+        source.__dict__.update(self.__dict__)
+        source.entries, source._layouts = _rebuilt(part.keys, part.dtypes, part.shapes, part.strides, part.addresses)
+        source.values, source.mapping, source._sizes = part.values, part.mapping, {}
+        return source
 
     def plain_tensors(self) -> bool:
         return True

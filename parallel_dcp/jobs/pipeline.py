@@ -62,6 +62,7 @@ from parallel_dcp.jobs import fallback
 from parallel_dcp.jobs.staged import stage_job
 from parallel_dcp.jobs.streamed import streamed_data
 from parallel_dcp.jobs.targets import Job, Target
+from parallel_dcp.jobs.task_parts import job_parts, part_job
 from parallel_dcp.options import Options
 from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
 from parallel_dcp.storage.protocol import WriteLocation
@@ -74,12 +75,15 @@ _RECORD_OVERHEAD = 1024
 
 @dataclass(frozen=True, slots=True)
 class WorkerStats:
-    """What one worker did: tasks run, bytes written, seconds spent inside its tasks."""
+    """What one worker did: tasks run, bytes written, seconds spent inside its tasks, and
+    ``setup_seconds`` spent loading the job before its first task (a Saver's workers, which
+    receive each job; 0 for forked workers and threads, which inherit it)."""
 
     worker: int
     tasks: int
     bytes: int
     seconds: float
+    setup_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +141,11 @@ class TaskHandler:
         # The job without its planning caches (sizes, positions: rebuilt where needed).
         job = Job(self.job.source, self.job.keys, self.job.dtype, self.job.chunks)
         return (TaskHandler, (job, self.target, self.staging, self.options, self.recorder))
+
+    def with_part(self, part: Any, task: Task) -> TaskHandler:
+        """In a worker of a pool that outlives one job: this handler, whose job is the shell, for
+        ``task``'s part of the job only (:mod:`parallel_dcp.jobs.task_parts`)."""
+        return dataclasses.replace(self, job=part_job(self.job, part, task))
 
     def prepare(self) -> None:
         """In a worker that did not fork for this job: what ``_worker_setup`` does at a fork."""
@@ -427,13 +436,16 @@ def run_tasks(
         if pool is not None:
             if phases is not None:
                 phases["fork"] = time.perf_counter() - began
+            # Each worker receives the job's shell once and each task's keys with the task.
+            parts = job_parts(job, tasks)
             for result in pool.run(
                 tasks,
                 governor=governor,
                 task_timeout=options.task_timeout,
                 retries=options.retries,
                 on_tick=bar.refresh,
-                handler=handler,
+                handler=handler if parts is None else dataclasses.replace(handler, job=parts.shell),
+                parts=parts,
             ):
                 results.append(result)
                 progress.advance(result.task.nbytes)  # its workers do not share the bar's counter
@@ -446,6 +458,7 @@ def run_tasks(
                     results.append(result)
                     bar.refresh()
         else:
+            job.positions()  # built here once, inherited by every fork (not once per worker)
             # One worker forked before the first task; the others as the work needs them.
             with WorkerPool(workers, handler, initializer=_worker_setup(options), start=1) as pool:
                 if phases is not None:
@@ -468,5 +481,7 @@ def _per_worker(results: list[TaskResult[Any]]) -> list[WorkerStats]:
     stats: dict[int, WorkerStats] = {}
     for r in results:
         old = stats.get(r.worker, WorkerStats(r.worker, 0, 0, 0.0))
-        stats[r.worker] = WorkerStats(r.worker, old.tasks + 1, old.bytes + r.task.nbytes, old.seconds + r.seconds)
+        stats[r.worker] = WorkerStats(
+            r.worker, old.tasks + 1, old.bytes + r.task.nbytes, old.seconds + r.seconds, old.setup_seconds + r.setup
+        )
     return [stats[w] for w in sorted(stats)]

@@ -4,10 +4,12 @@
        │                  └ N workers forked from it (a few ms each, whatever the caller holds)
        │                  probe: one worker copies a few bytes out of the caller (process_vm_readv)
     saver.save(sd, p)   the pipeline of parallel_dcp.save (plan, stage, run, commit, publish) on
-       │                  those workers: the job (keys, tensor addresses) is pickled once and each
-       │                  worker copies it out of the caller; then each task's tensor bytes, the
-       │                  same way, straight into the writer's buffers (formats/remote_memory_source.py,
-       │                  storage/pending.py), which each worker keeps from one task to the next
+       │                  those workers: each worker copies the job's shell (no key) out of the
+       │                  caller once, and receives with each task only that task's keys, tensor
+       │                  addresses and layouts (jobs/task_parts.py); then the task's tensor bytes,
+       │                  copied out of the caller straight into the writer's buffers
+       │                  (formats/remote_memory_source.py, storage/pending.py), which each worker
+       │                  keeps from one task to the next
     failure             the pool is stopped (as save does), the next save starts a new one
     close()             workers asked to exit and reaped, then the fork server stopped (unless
                           it ran before: it may serve the caller's own processes)
