@@ -165,6 +165,7 @@ def test_the_measurement_is_budgeted_under_the_memory_limit(
 ) -> None:
     src = folder(disk / "hf", release())
     fake(monkeypatch, 1e9, 3e9)
+    monkeypatch.setattr(read_probe, "PROBE_SLICE", 16 << 20)  # the buffer it sets aside: more than the output
     need = read_probe.probe_memory(2)
     before = read_choice.read_probe_count()
     stats = parallel_dcp.ReadStats()

@@ -59,12 +59,14 @@ def small_probe(monkeypatch: pytest.MonkeyPatch) -> None:
 
 class FakeDevice:
     """A device where direct and buffered reads move ``rates[mode]`` bytes per second; records
-    every read the probe makes (file, offset, bytes, mode)."""
+    every read the probe makes (file, offset, bytes, mode) and every round (mode, offset, bytes,
+    its readers' descriptors)."""
 
     def __init__(self, direct: float, buffered: float) -> None:
         self.rates = {True: direct, False: buffered}
         self.now = 0.0
         self.reads: list[tuple[Path, int, int, bool]] = []
+        self.rounds: list[tuple[bool, int, int, set[int]]] = []
         self.lock = threading.Lock()
 
     def clock(self) -> float:
@@ -78,11 +80,26 @@ class FakeDevice:
             self.now += view.nbytes / self.rates[shard.direct]
 
 
-def fake(monkeypatch: pytest.MonkeyPatch, direct: float, buffered: float) -> FakeDevice:
-    device = FakeDevice(direct, buffered)
+def install(monkeypatch: pytest.MonkeyPatch, device: FakeDevice) -> FakeDevice:
+    real_round = read_probe._round
+    real_read = device.read
+
+    def counted_round(pool: object, shards: list[ShardFile], offset: int, buffer: memoryview) -> float:
+        device.rounds.append((shards[0].direct, offset, buffer.nbytes, {shard.fd for shard in shards}))
+        return real_round(pool, shards, offset, buffer)  # type: ignore[arg-type]
+
+    def counted_read(shard: ShardFile, offset: int, view: memoryview) -> None:
+        assert shard.fd in device.rounds[-1][3]  # read through one of the round's readers
+        real_read(shard, offset, view)
+
     monkeypatch.setattr(read_probe, "_clock", device.clock)
-    monkeypatch.setattr(read_probe, "_read_slice", device.read)
+    monkeypatch.setattr(read_probe, "_round", counted_round)
+    monkeypatch.setattr(read_probe, "_read_slice", counted_read)
     return device
+
+
+def fake(monkeypatch: pytest.MonkeyPatch, direct: float, buffered: float) -> FakeDevice:
+    return install(monkeypatch, FakeDevice(direct, buffered))
 
 
 def sparse_file(path: Path, nbytes: int) -> Path:
@@ -143,13 +160,11 @@ def test_one_noisy_block_does_not_choose_buffered(disk: Path, monkeypatch: pytes
     """Direct 1.5 GB/s, buffered 1.0, but the first block's first direct round read at a third:
     that block has buffered ahead (0.75 against 1.0), so a second block runs, has direct ahead,
     and the medians over both choose direct."""
-    device = NoisyFirstBlock(1.5e9, 1.0e9, slow=2)
-    monkeypatch.setattr(read_probe, "_clock", device.clock)
-    monkeypatch.setattr(read_probe, "_read_slice", device.read)
-    sample = sparse_file(disk / "shard.distcp", 1 << 30)
+    sample = sparse_file(disk / "shard.distcp", 1 << 30)  # rounds of 16 MiB: 1/64 of it
+    device = install(monkeypatch, NoisyFirstBlock(1.5e9, 1.0e9, slow=16 * MiB // direct_read.REQUEST_BYTES))
     choice = read_choice.read_choice("auto", disk, [sample], streams=2)
     assert (choice.reads, choice.reason) == ("direct", "measured")
-    assert choice.probe_blocks == 2 and len(device.reads) == 2 * 4 * 2
+    assert choice.probe_blocks == 2 and len(device.rounds) == 2 * 4
     assert choice.direct_bytes_per_s == pytest.approx((0.75e9 + 1.5e9) / 2)
     assert choice.buffered_bytes_per_s == pytest.approx(1.0e9)
 
@@ -161,7 +176,7 @@ def test_a_second_block_runs_only_where_buffered_led(
     device = fake(monkeypatch, direct, buffered)
     sample = sparse_file(disk / "shard.distcp", 1 << 30)
     choice = read_choice.read_choice("auto", disk, [sample], streams=2)
-    assert choice.probe_blocks == blocks and len(device.reads) == blocks * 4 * 2
+    assert choice.probe_blocks == blocks and len(device.rounds) == blocks * 4
     assert choice.reads == ("direct" if direct > buffered else "buffered")
 
 
@@ -241,11 +256,11 @@ def test_the_probe_reads_only_the_file_the_job_reads(disk: Path, monkeypatch: py
 
 
 @pytest.mark.parametrize(
-    "sizes", [[8 * MiB], [64 * MiB], [100 * MiB], [1 << 30], [40 * MiB, 30 * MiB, 20 * MiB], [70 * MiB, 70 * MiB]]
+    "sizes",
+    [[8 * MiB], [64 * MiB], [100 * MiB], [1 << 30], [2 << 30], [40 * MiB, 30 * MiB, 20 * MiB], [70 * MiB, 70 * MiB]],
 )
-@pytest.mark.parametrize("streams", [1, 2, 8])
-def test_probe_plan_stays_inside_the_files_and_reads_each_place_once(sizes: list[int], streams: int) -> None:
-    plan = read_probe.slices(sizes, streams, readahead=8 * MiB)
+def test_probe_plan_stays_inside_the_files_and_reads_each_place_once(sizes: list[int]) -> None:
+    plan = read_probe.slices(sizes, readahead=8 * MiB)
     if plan is None:
         assert sum(size // (read_probe.MIN_SLICE + 16 * MiB) for size in sizes) < 4
         return
@@ -258,9 +273,11 @@ def test_probe_plan_stays_inside_the_files_and_reads_each_place_once(sizes: list
     for earlier, later in zip(plan.rounds, plan.rounds[1:], strict=False):
         for f, low in later:
             assert all(low < high for g, high in earlier if g == f)
-    assert len(plan.rounds[0]) <= min(streams, read_probe.PROBE_STREAMS)
-    if sizes == [1 << 30]:
-        assert plan.length == read_probe.PROBE_SLICE and len(plan.rounds[0]) == min(streams, 2)
+    # one run per round (the job reads one file's requests in order), at most 1/64 of the bytes
+    assert all(len(round_) == 1 for round_ in plan.rounds)
+    assert plan.length == read_probe.MIN_SLICE or plan.length * read_probe.PROBE_FRACTION <= sum(sizes)
+    if sizes == [2 << 30]:
+        assert plan.length == read_probe.PROBE_SLICE == 32 * MiB  # four read-ahead windows of 8 MiB
 
 
 def test_small_shards_are_probed_across_files_with_full_slices(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -269,8 +286,51 @@ def test_small_shards_are_probed_across_files_with_full_slices(disk: Path, monke
     files = [sparse_file(disk / f"__{i}_0.distcp", 60 * MiB) for i in range(6)]  # none holds 4 rounds alone
     choice = read_choice.read_choice("auto", disk, files, streams=2)
     assert choice.reason == "measured" and choice.reads == "buffered"
-    assert {n for _, _, n, _ in device.reads} == {read_probe.PROBE_SLICE}
+    assert {n for _, _, n, _ in device.rounds} == {4 * MiB}  # 360 MiB / 64, rounded down to a power of 2
     assert len({path for path, *_ in device.reads}) > 1 and {p for p, *_ in device.reads} <= set(files)
+
+
+def test_the_probe_reads_each_run_as_the_job_reads_it(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each round is one run of the file, read in the job's requests (REQUEST_BYTES, in order)
+    by as many readers as the job runs (4 per reading thread), each through its own descriptor."""
+    device = fake(monkeypatch, 1e9, 2e9)
+    sample = sparse_file(disk / "shard.distcp", 1 << 30)
+    read_choice.read_choice("auto", disk, [sample], streams=2)
+    assert device.rounds
+    request = direct_read.REQUEST_BYTES
+    for direct, offset, nbytes, descriptors in device.rounds:
+        run = sorted((o, n) for _, o, n, mode in device.reads if mode == direct and offset <= o < offset + nbytes)
+        assert run == [(offset + k, request) for k in range(0, nbytes, request)]
+        assert len(descriptors) == read_probe.probe_readers(2) == 8
+
+
+class ReadAheadRamp(FakeDevice):
+    """A device whose buffered reads are slow for the first ``window`` bytes of a run (the
+    kernel's read-ahead not yet ahead of the readers) and fast after; direct reads keep one rate."""
+
+    def __init__(self, direct: float, slow: float, fast: float, window: int) -> None:
+        super().__init__(direct, fast)
+        self.slow, self.window = slow, window
+
+    def read(self, shard: ShardFile, offset: int, view: memoryview) -> None:
+        with self.lock:
+            start = self.rounds[-1][1]
+            if not shard.direct and offset - start < self.window:
+                self.now += view.nbytes / self.slow - view.nbytes / self.rates[False]
+        super().read(shard, offset, view)
+
+
+def test_buffered_reads_are_measured_past_the_read_ahead_ramp(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buffered reads 0.8 GB/s for the first 8 MiB of a run, 2.4 GB/s after; direct 1.2 GB/s: a
+    whole load reads buffered faster, and so does the probe's 32 MiB run of a 2 GiB folder (an
+    8 MiB slice, as the probe read before, saw only the ramp and chose direct)."""
+    device = install(monkeypatch, ReadAheadRamp(1.2e9, slow=0.8e9, fast=2.4e9, window=8 * MiB))
+    files = [sparse_file(disk / f"model-0000{i}.safetensors", 1 << 30) for i in range(2)]
+    choice = read_choice.read_choice("auto", disk, files, streams=2)
+    assert {n for _, _, n, _ in device.rounds} == {32 * MiB}
+    assert (choice.reads, choice.reason) == ("buffered", "measured")
+    assert choice.buffered_bytes_per_s is not None and choice.direct_bytes_per_s is not None
+    assert choice.buffered_bytes_per_s > choice.direct_bytes_per_s
 
 
 def test_tmpfs_reads_buffered_without_probing(shm: Path) -> None:

@@ -111,8 +111,8 @@ def read_choice(
       chosen. A file system that refuses O_DIRECT on it is remembered as buffered. Files too
       small to measure keep the rule: direct for large files.
 
-    The measurement holds at most ``streams`` times :data:`~parallel_dcp.storage.read_probe.PROBE_SLICE`
-    plus the direct reader's buffers (``direct_read_memory()``) per stream, while it runs.
+    The measurement reads as a job with ``streams`` reading threads does and holds at most
+    :data:`~parallel_dcp.storage.read_probe.PROBE_SLICE` (one run's buffer) while it runs.
 
     Raises:
         InvalidDestinationError: ``io="direct"`` where O_DIRECT is not used.

@@ -7,34 +7,40 @@ without writing anything:
 
     the largest files the job is about to read anyway (never another)
       │ the probed spans: written back if dirty, dropped from the page cache (cold pages)
-      │ slots of S bytes (S <= PROBE_SLICE), each followed by a gap that nothing times,
-      │ from the top of the largest file down, then the next file
+      │ slots of one run of L bytes each (L: PROBE_SLICE, 32 MiB, or less: at most 1/PROBE_FRACTION
+      │ of the files' bytes), each followed by a gap that nothing times, from the top of the
+      │ largest file down, then the next file
       ▼
-    round 1: direct    ── `streams` slices at once, each by its own thread (as the job reads)
-    round 2: buffered  ── then a page at the end of each read-ahead window after its slices is
-    round 3: buffered     read untimed, which waits out the kernel's read-ahead still in flight
-    round 4: direct       (ABBA: a drift of the device during the probe cancels out)
+    round 1: direct    ── one run, read as the job reads a file (formats/span_read.py): requests
+    round 2: buffered     of REQUEST_BYTES (1 MiB) taken in order by READERS_PER_STREAM readers
+    round 3: buffered     per reading thread of the job (8 for 2), each through its own
+    round 4: direct       descriptor, into fresh memory; after a buffered run a page at the end
+      │                   of each read-ahead window after it is read untimed, which waits out the
+      │                   kernel's read-ahead still in flight (ABBA: a drift of the device
+      │                   during the probe cancels out)
       │ a block: each mode's rate = its bytes / its rounds' time
       │ direct at least as fast: done. Buffered ahead: up to PROBE_BLOCKS blocks in all (as the
       │   files hold), stopping once a block has direct ahead again; each mode's rate is the
-      │   median over the blocks, so one noisy block (a busy machine: buffered 1.39x ahead in
-      │   one block while whole loads read direct faster) does not decide alone
+      │   median over the blocks, so one noisy block does not decide alone
       ▼
     the spans dropped from the page cache again: the job finds the files cold, as they were
 
+Why one long run read by the job's readers: a buffered read of a whole file is served by the
+kernel's read-ahead, which grows over the first few MiB of a sequential run to its full window
+(``/sys/class/bdi/<dev>/read_ahead_kb``, 8 MiB on this project's VM) and then stays ahead of the
+readers. Before, the probe read separate 8 MiB slices with 2 threads, each slice one preadv:
+buffered never left the ramp, and the probe saw a tie (1.21 against 1.21 GiB/s) where whole cold
+loads read buffered 5-17% faster. A run of 32 MiB is four full windows past the ramp.
+
 Fairness: each round reads below every earlier one, and read-ahead only runs forward, so no round
 reads pages that an earlier buffered round had the kernel fetch; a gap is at least twice the
-device's read-ahead window (``/sys/class/bdi/<dev>/read_ahead_kb``), so a buffered round's
-read-ahead, in flight when it ends, lands in the gap and is waited out before the next round
-starts instead of slowing it down. Both modes read through the job's own code
-(storage.direct_read.ShardFile: aligned 4 MiB pieces, the next in flight, bounce buffers in place
-before the clock starts, for direct; one preadv per slice for buffered) with as many streams as
-the job's reading threads (at most PROBE_STREAMS). A block times at most
-``4 * PROBE_STREAMS * PROBE_SLICE`` bytes (64 MiB; the probe at most PROBE_BLOCKS of them), and
-the probe stops after its first direct and buffered rounds once it has taken PROBE_MAX_S. Each
-stream holds one slice buffer and the direct reader's bounce buffers: no more than a reading
-thread of the job reserves (jobs/load.py).
-"""
+device's read-ahead window, so a buffered round's read-ahead, in flight when it ends, lands in the
+gap and is waited out before the next round starts instead of slowing it down. Both modes read
+through the job's own reader (storage.direct_read.ShardFile.read_into: in place, no bounce
+buffer). What it costs: a block times 4 runs (2 of each mode: 128 MiB for a 2 GiB load, about
+0.1 s on this VM), the probe at most PROBE_BLOCKS blocks, and it stops after its first direct and
+buffered rounds once it has taken PROBE_MAX_S. It holds one run's buffer (PROBE_SLICE at most)
+while it runs."""
 
 from __future__ import annotations
 
@@ -44,27 +50,38 @@ import ctypes
 import mmap
 import os
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallel_dcp.storage.direct_read import ShardFile, direct_read_memory
+from parallel_dcp.storage.direct_read import REQUEST_BYTES, ShardFile
 from parallel_dcp.storage.io_mode import ALIGN
 
 __all__ = [
     "MIN_SLICE",
+    "PROBE_FRACTION",
     "PROBE_MAX_S",
+    "PROBE_READERS",
     "PROBE_SLICE",
-    "PROBE_STREAMS",
+    "READERS_PER_STREAM",
     "ReadRates",
     "measure_reads",
     "probe_memory",
+    "probe_readers",
     "slices",
 ]
 
-PROBE_SLICE = 8 << 20
-PROBE_STREAMS = 2
+# A round: one run of the file of at most PROBE_SLICE bytes (a few read-ahead windows: a buffered
+# read reaches the kernel's full window, as a whole load's does), and no more than
+# 1 / PROBE_FRACTION of the bytes of the files measured.
+PROBE_SLICE = 32 << 20
+PROBE_FRACTION = 64
+# The job's readers (jobs/load_files.py: SPAN_REQUESTS_PER_THREAD per reading thread, each taking
+# the next REQUEST_BYTES of the file), at most PROBE_READERS.
+READERS_PER_STREAM = 4
+PROBE_READERS = 16
 # Below this a slice measures the request's latency more than the device's rate.
 MIN_SLICE = 1 << 20
 PROBE_MAX_S = 2.0
@@ -76,7 +93,6 @@ _ROUNDS = (True, False, False, True)
 # Blocks a probe may run: a second and third only where the first (or second) measured buffered
 # ahead, and each mode's rate is then the median over the blocks (one noisy block decides nothing).
 PROBE_BLOCKS = 3
-_POPULATED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 _SYNC_RANGE = 1 | 2 | 4  # SYNC_FILE_RANGE_WAIT_BEFORE | _WRITE | _WAIT_AFTER
 
 # Test seams: the clock, and the read of one slice (a test fakes a device where one mode is faster).
@@ -84,19 +100,28 @@ _clock = time.perf_counter
 
 
 def _read_slice(shard: ShardFile, offset: int, view: memoryview) -> None:
-    shard.read(offset, [view])
+    """One request, as the job's reader reads it (formats/span_read.py: in place, no bounce buffer)."""
+    if shard.read_into([view], offset) < view.nbytes:
+        raise OSError(f"{shard.path} ended inside the bytes the read probe measures (at {offset})")
+
+
+def probe_readers(streams: int) -> int:
+    """The readers a measurement for a job with ``streams`` reading threads runs at once."""
+    return max(1, min(streams * READERS_PER_STREAM, PROBE_READERS))
 
 
 def probe_memory(streams: int) -> int:
-    """What a measurement with ``streams`` reading threads holds while it runs: a slice buffer and
-    the direct reader's bounce buffers per stream (at most PROBE_STREAMS streams)."""
-    return max(1, min(streams, PROBE_STREAMS)) * (PROBE_SLICE + direct_read_memory())
+    """What a measurement holds while it runs: one round's buffer (the readers read into it in
+    place, as the job's readers read into its tensors: no bounce buffer), whatever ``streams``."""
+    del streams
+    return PROBE_SLICE
 
 
 @dataclass(frozen=True, slots=True)
 class ReadRates:
     """What :func:`measure_reads` found: bytes per second of each mode, over ``nbytes`` timed of
-    each (both None, nothing read, when the file system refused O_DIRECT on the sample)."""
+    each (both None, nothing read, when the file system refused O_DIRECT on the sample);
+    ``slice_bytes``: the length of each round's run; ``streams``: the readers that read it."""
 
     direct: float | None
     buffered: float | None
@@ -122,20 +147,23 @@ class Plan:
         return max(ends, default=0)
 
 
-def slices(sizes: list[int], streams: int, readahead: int = _DEFAULT_READAHEAD) -> Plan | None:
-    """Where to probe files of ``sizes`` bytes (the largest first) with up to ``streams``
-    streams; None when they cannot hold four rounds of slices of at least :data:`MIN_SLICE` and
-    their gaps. Larger slices are preferred to more streams. Within a file the rounds go from the
-    top down (see the module docstring); a small file adds its few slots after a larger one."""
-    for length in (PROBE_SLICE, PROBE_SLICE // 2, PROBE_SLICE // 4, MIN_SLICE):
+def slices(sizes: list[int], readahead: int = _DEFAULT_READAHEAD) -> Plan | None:
+    """Where to probe files of ``sizes`` bytes (the largest first): one run per round, of the
+    longest length (PROBE_SLICE, halved down to :data:`MIN_SLICE`) that is at most
+    1 / PROBE_FRACTION of their bytes and leaves room for four rounds and their gaps; None when
+    they cannot hold four rounds of :data:`MIN_SLICE`. Within a file the rounds go from the top
+    down (see the module docstring); a small file adds its few slots after a larger one."""
+    length = PROBE_SLICE
+    while length > MIN_SLICE and length * PROBE_FRACTION > sum(sizes):
+        length //= 2
+    while length >= MIN_SLICE:
         gap = max(length, 2 * readahead)
         step = length + gap
         slots = [(f, k * step) for f, size in enumerate(sizes) for k in range(size // step - 1, -1, -1)]
-        for count in range(max(1, min(streams, PROBE_STREAMS)), 0, -1):
-            if len(slots) >= len(_ROUNDS) * count:
-                blocks = min(PROBE_BLOCKS, len(slots) // (len(_ROUNDS) * count))
-                rounds = len(_ROUNDS) * blocks
-                return Plan(length, gap, [slots[r * count : (r + 1) * count] for r in range(rounds)])
+        if len(slots) >= len(_ROUNDS):
+            rounds = len(_ROUNDS) * min(PROBE_BLOCKS, len(slots) // len(_ROUNDS))
+            return Plan(length, gap, [[slot] for slot in slots[:rounds]])
+        length //= 2
     return None
 
 
@@ -149,8 +177,9 @@ def readahead_bytes(device: int) -> int:
 
 
 def measure_reads(paths: Sequence[str | os.PathLike[str]], streams: int = 1) -> ReadRates | None:
-    """Cold direct against cold buffered reads of slices of ``paths`` (files of one file system,
-    the largest first; see the module docstring); None when they are too small to measure.
+    """Cold direct against cold buffered reads of runs of ``paths`` (files of one file system,
+    the largest first; see the module docstring), each read as a job with ``streams`` reading
+    threads reads it; None when they are too small to measure.
 
     Raises:
         OSError, UnsafeCheckpointError, CorruptCheckpointError: as the job's own read of them
@@ -158,41 +187,43 @@ def measure_reads(paths: Sequence[str | os.PathLike[str]], streams: int = 1) -> 
     """
     files = [Path(p) for p in paths]
     held: list[ShardFile] = []  # one buffered descriptor per file, for the page-cache hints
-    buffers: list[mmap.mmap] = []
+    buffer: mmap.mmap | None = None
     try:
         for path in files:
             held.append(ShardFile(path, io="buffered"))
-        plan = slices([h.size for h in held], streams, readahead_bytes(os.fstat(held[0].fd).st_dev))
+        plan = slices([h.size for h in held], readahead_bytes(os.fstat(held[0].fd).st_dev))
         if plan is None:
             return None
-        count = len(plan.rounds[0])
-        buffers = [mmap.mmap(-1, plan.length, flags=_POPULATED) for _ in range(count)]
+        readers = probe_readers(streams)
         for index, shard in enumerate(held):
             _cold(shard.fd, plan.span(index))
         blocks: list[dict[bool, list[float]]] = []  # per ABBA block: each mode's seconds and bytes
         started = _clock()
-        with cf.ThreadPoolExecutor(max_workers=count, thread_name_prefix="pdcp-read-probe") as pool:
-            for number, slots in enumerate(plan.rounds):
+        with cf.ThreadPoolExecutor(max_workers=readers, thread_name_prefix="pdcp-read-probe") as pool:
+            for number, [(file, offset)] in enumerate(plan.rounds):
                 is_direct = _ROUNDS[number % len(_ROUNDS)]
                 if number % len(_ROUNDS) == 0:
                     if blocks and _direct_holds(blocks[-1]):
                         break  # direct kept its lead: nothing to confirm
                     blocks.append({True: [0.0, 0.0], False: [0.0, 0.0]})
-                shards = [ShardFile(files[f], io="direct" if is_direct else "buffered") for f, _ in slots]
+                # one descriptor per reader, as each of the job's readers opens its own
+                shards = [ShardFile(files[file], io="direct" if is_direct else "buffered") for _ in range(readers)]
                 try:
                     if is_direct and not all(shard.direct for shard in shards):
                         # the file system refused O_DIRECT on this file: nothing to compare
-                        return ReadRates(direct=None, buffered=None, nbytes=0, slice_bytes=plan.length, streams=count)
-                    for shard in shards:
-                        shard.prepare()  # the bounce buffers in place before the clock starts, as in a running job
-                    blocks[-1][is_direct][0] += _round(pool, shards, [o for _, o in slots], buffers)
+                        return ReadRates(direct=None, buffered=None, nbytes=0, slice_bytes=plan.length, streams=readers)
+                    # fresh memory, its pages faulted in inside the reads, as the job's tensors are
+                    buffer = mmap.mmap(-1, plan.length)
+                    blocks[-1][is_direct][0] += _round(pool, shards, offset, memoryview(buffer))
                 finally:
                     for shard in shards:
                         shard.close()
-                blocks[-1][is_direct][1] += plan.length * count
+                    if buffer is not None:
+                        buffer.close()
+                        buffer = None
+                blocks[-1][is_direct][1] += plan.length
                 if not is_direct:
-                    for f, offset in slots:
-                        _settle(files[f], offset, plan, buffers[0])
+                    _settle(files[file], offset, plan)
                 if number >= 1 and _clock() - started > PROBE_MAX_S:
                     break
         for index, shard in enumerate(held):
@@ -203,13 +234,13 @@ def measure_reads(paths: Sequence[str | os.PathLike[str]], streams: int = 1) -> 
             buffered=statistics.median([_rate(b[False]) for b in measured]),
             nbytes=int(sum(b[True][1] for b in measured)),
             slice_bytes=plan.length,
-            streams=count,
+            streams=readers,
             blocks=len(measured),
         )
     finally:
         for shard in held:
             shard.close()
-        for buffer in buffers:
+        if buffer is not None:
             buffer.close()
 
 
@@ -223,28 +254,37 @@ def _direct_holds(block: dict[bool, list[float]]) -> bool:
     return bool(block[True][1] and block[False][1]) and _rate(block[True]) >= _rate(block[False])
 
 
-def _round(pool: cf.ThreadPoolExecutor, shards: list[ShardFile], offsets: list[int], buffers: list[mmap.mmap]) -> float:
-    """Seconds for ``len(offsets)`` slices read at once, one per stream."""
+def _round(pool: cf.ThreadPoolExecutor, shards: list[ShardFile], offset: int, buffer: memoryview) -> float:
+    """Seconds for the run of ``buffer.nbytes`` bytes at ``offset``, read as the job reads a file:
+    requests of REQUEST_BYTES, each reader (one per shard) taking the next in order."""
+    requests = iter(range(0, buffer.nbytes, REQUEST_BYTES))
+    lock = threading.Lock()
+
+    def reader(shard: ShardFile) -> None:
+        while True:
+            with lock:
+                at = next(requests, None)
+            if at is None:
+                return
+            _read_slice(shard, offset + at, buffer[at : at + REQUEST_BYTES])
+
     start = _clock()
-    futures = [
-        pool.submit(_read_slice, shard, offset, memoryview(buffer))
-        for shard, offset, buffer in zip(shards, offsets, buffers, strict=True)
-    ]
+    futures = [pool.submit(reader, shard) for shard in shards]
     for future in futures:
         future.result()
     return _clock() - start
 
 
-def _settle(path: Path, offset: int, plan: Plan, buffer: mmap.mmap) -> None:
+def _settle(path: Path, offset: int, plan: Plan) -> None:
     """Wait out the read-ahead a buffered slice left in flight: one page at the end of each of the
     two read-ahead windows after it, read untimed on a descriptor without read-ahead (a page being
     read ahead is waited for; a page that is not costs one small read, and starts no new
     read-ahead)."""
     shard = ShardFile(path, io="buffered")
+    page = memoryview(bytearray(ALIGN))
     try:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(shard.fd, 0, 0, os.POSIX_FADV_RANDOM)
-        page = memoryview(buffer)[:ALIGN]
         end = offset + plan.length
         for at in (end + plan.gap // 2 - ALIGN, end + plan.gap - ALIGN):
             shard.read(at, [page])
