@@ -40,7 +40,11 @@ through the job's own reader (storage.direct_read.ShardFile.read_into: in place,
 buffer). What it costs: a block times 4 runs (2 of each mode: 128 MiB for a 2 GiB load, about
 0.1 s on this VM), the probe at most PROBE_BLOCKS blocks, and it stops after its first direct and
 buffered rounds once it has taken PROBE_MAX_S. It holds one run's buffer (PROBE_SLICE at most)
-while it runs."""
+while it runs.
+
+Longer than 300 lines because the plan of the runs, their timing and the pages dropped again after
+them must agree on every offset: kept in one module, each is read beside the others.
+"""
 
 from __future__ import annotations
 
