@@ -358,13 +358,20 @@ def _known(at: float, anon: int = 0, faults: int = 0, seq: int = 0) -> process_m
     return process_memory._Known(0, 0, 0, at, 0, 0, counters, at, 0, 0, seq)
 
 
-def test_which_processes_a_reading_reads_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
-    cheap, rollup, full = process_memory.CHEAP, process_memory.ROLLUP, process_memory.FULL
+def _faked_reader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[ChargeReader, list[float], dict[int, process_memory._Counters]]:
+    """A ChargeReader on a faked clock (``now[0]``) and faked counters (``counters[pid]``)."""
     now = [100.0]
     counters: dict[int, process_memory._Counters] = {}
     monkeypatch.setattr(process_memory.time, "monotonic", lambda: now[0])
     monkeypatch.setattr(process_memory, "_counters", lambda pid: counters.get(pid, process_memory._Counters(0, 0, 0)))
-    reader = ChargeReader()
+    return ChargeReader(), now, counters
+
+
+def test_which_processes_a_reading_reads_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    cheap, rollup, full = process_memory.CHEAP, process_memory.ROLLUP, process_memory.FULL
+    reader, now, counters = _faked_reader(monkeypatch)
     reader._known = {1: _known(100.0)}  # 1 was read in full at 100 s
     reader._members = frozenset({1})
     assert reader.plan([1]) == [cheap]
@@ -389,11 +396,7 @@ def test_which_processes_a_reading_reads_in_full(monkeypatch: pytest.MonkeyPatch
 def test_a_reading_rolls_up_at_most_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every one of 40 processes allocated and freed: a reading rolls up 3 of them (one in 16),
     the ones whose counters drifted most; the rest are charged their counters' bound."""
-    now = [100.0]
-    counters: dict[int, process_memory._Counters] = {}
-    monkeypatch.setattr(process_memory.time, "monotonic", lambda: now[0])
-    monkeypatch.setattr(process_memory, "_counters", lambda pid: counters.get(pid, process_memory._Counters(0, 0, 0)))
-    reader = ChargeReader()
+    reader, _now, counters = _faked_reader(monkeypatch)
     pids = list(range(1, 41))
     reader._known = {pid: _known(100.0, anon=64 * MiB) for pid in pids}
     reader._members = frozenset(pids)
@@ -408,11 +411,7 @@ def test_costly_rollups_wait_for_the_credit(monkeypatch: pytest.MonkeyPatch) -> 
     """Workers that inherited a large state dict: each rollup walks its pages (20 ms here). Eight
     of them allocating at every reading get one rollup per 5 readings (0.5 ms of CPU a process a
     reading), the one whose counters drifted most each time."""
-    now = [100.0]
-    counters: dict[int, process_memory._Counters] = {}
-    monkeypatch.setattr(process_memory.time, "monotonic", lambda: now[0])
-    monkeypatch.setattr(process_memory, "_counters", lambda pid: counters.get(pid, process_memory._Counters(0, 0, 0)))
-    reader = ChargeReader()
+    reader, _now, counters = _faked_reader(monkeypatch)
     pids = list(range(1, 9))
     reader._known = {pid: _known(100.0, anon=64 * MiB) for pid in pids}
     for known in reader._known.values():

@@ -266,12 +266,6 @@ class ShardFile:
     def _pread(self, index: int, at: int, length: int) -> int:
         view = memoryview(self._buffers[index])
         try:
-            got = 0
-            while got < length:
-                n = os.preadv(self.fd, [view[got:length]], at + got)
-                got += max(n, 0)
-                if n <= 0 or n % ALIGN:  # the end of the file
-                    break
-            return got
+            return self._pread_to(view, at, length)
         finally:
             view.release()
