@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import time
 import warnings
@@ -38,6 +39,16 @@ def private_tmpdir() -> Iterator[Path]:
             os.environ["TMPDIR"] = saved[0]
         tempfile.tempdir = saved[1]
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def sigint_delivered() -> None:
+    """The Ctrl-C tests need SIGINT to arrive, as it does from a terminal. A suite started in the
+    background by a shell without job control (``tools/test &``, ``nohup``) inherits SIGINT
+    ignored, and every process it starts would too: the test process takes Python's own handler
+    back (its children, started by exec, then begin with SIGINT's default action)."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
