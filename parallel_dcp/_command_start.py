@@ -11,6 +11,7 @@ A program that imports parallel_dcp as a library keeps its own SIGINT handling u
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -33,7 +34,8 @@ def _launched_as_command() -> bool:
 
 
 def _interrupted(signum: int, frame: FrameType | None) -> None:
-    os.write(2, f"{_COMMAND}: interrupted\n".encode())
+    with contextlib.suppress(OSError):  # stderr closed: the exit code still says it
+        os.write(2, f"{_COMMAND}: interrupted\n".encode())
     os._exit(130)
 
 
