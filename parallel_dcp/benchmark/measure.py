@@ -19,6 +19,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import random
 import resource
 import shutil
 import threading
@@ -238,10 +239,27 @@ def run_order(cases: Sequence[Case]) -> list[Case]:
     return sorted(cases, key=lambda case: case.procs)
 
 
+def round_order(cases: Sequence[Case], round_index: int, shuffled: bool) -> list[Case]:
+    """The order of one round: :func:`run_order`, or (``shuffled``) an order of its own for each
+    round, the same in every run of the benchmark (seeded by the round): no row always runs right
+    after the same one, whose leftovers (the memory it just released) would favour it every time."""
+    ordered = run_order(cases)
+    if shuffled:
+        random.Random(round_index).shuffle(ordered)
+    return ordered
+
+
 def run_interleaved(
-    cases: Sequence[Case], reps: int, warmup: int, root: str, progress: Callable[[str], None] | None = None
+    cases: Sequence[Case],
+    reps: int,
+    warmup: int,
+    root: str,
+    progress: Callable[[str], None] | None = None,
+    *,
+    shuffled: bool = False,
 ) -> list[Measured]:
-    """Run every case ``warmup + reps`` times, interleaved, each into a fresh ``root/out``.
+    """Run every case ``warmup + reps`` times, interleaved, each into a fresh ``root/out``
+    (``shuffled``: each round in its own order, :func:`round_order`).
 
     Returns:
         One :class:`Measured` per case, in the order of ``cases``. A case that raised has its
@@ -250,7 +268,7 @@ def run_interleaved(
     results = {case.name: Measured(case=case, error=case.unavailable) for case in cases}
     out = os.path.join(root, "out")
     for round_index in range(warmup + reps):
-        for case in run_order(cases):
+        for case in round_order(cases, round_index, shuffled):
             measured = results[case.name]
             if measured.error is None:
                 if progress is not None:
