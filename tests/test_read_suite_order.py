@@ -39,12 +39,17 @@ def test_each_round_of_a_shuffled_suite_runs_every_row_once_in_an_order_of_its_o
     assert [c.name for c in round_order(cases, 3, shuffled=False)] == [c.name for c in run_order(cases)]
 
 
-def test_run_interleaved_follows_the_round_orders(tmp_path: Path) -> None:
+def test_run_interleaved_follows_the_round_orders_and_records_what_ran_before(tmp_path: Path) -> None:
     log: list[str] = []
     cases = _cases(5, log)
-    run_interleaved(cases, reps=2, warmup=1, root=str(tmp_path), shuffled=True)
-    expected = [c.name for r in range(3) for c in round_order(cases, r, shuffled=True)]
-    assert log == expected
+    measured = run_interleaved(cases, reps=2, warmup=1, root=str(tmp_path), shuffled=True)
+    rounds = [[c.name for c in round_order(cases, r, shuffled=True)] for r in range(3)]
+    assert log == [name for order in rounds for name in order]
+    for m in measured:  # each timed repetition names the row just before it in its round
+        assert len(m.after) == len(m.walls) == 2
+        for order, after in zip(rounds[1:], m.after, strict=True):
+            at = order.index(m.case.name)
+            assert after == (order[at - 1] if at else None)
 
 
 def _rows(times: dict[str, float]) -> dict[str, dict[str, object]]:
