@@ -23,8 +23,6 @@ buffered one (the read suite now runs each round in its own order: parallel_dcp/
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
-import mmap
 import os
 import resource
 import shutil
@@ -39,26 +37,6 @@ from parallel_dcp.benchmark.disk import drop_caches
 from parallel_dcp.benchmark.reading import _write_folder
 from parallel_dcp.benchmark.writers import flat_tensors
 from parallel_dcp.synthetic import llm_like
-
-_BLOCK = 8 << 20
-
-
-def _read_all(files: list[str], direct: bool, readers: int) -> None:
-    """The files whole, a file per thread (the untimed predecessor)."""
-
-    def read(path: str) -> None:
-        buffer = mmap.mmap(-1, _BLOCK)
-        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-        try:
-            at = 0
-            while (got := os.preadv(fd, [buffer], at)) > 0:
-                at += got
-        finally:
-            os.close(fd)
-            buffer.close()
-
-    with cf.ThreadPoolExecutor(readers) as pool:
-        list(pool.map(read, files))
 
 
 def main() -> None:
@@ -90,7 +68,7 @@ def main() -> None:
                         continue
                     if not drop_caches():
                         raise SystemExit("needs root: the page cache is dropped before every read")
-                    _read_all(files, direct, n)
+                    plain_read(files, n, direct)("")  # the predecessor, untimed
                     drop_caches()
                     time.sleep(idle)
                     before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
