@@ -11,7 +11,8 @@ import pytest
 
 from parallel_dcp.benchmark.device import queued_read
 from parallel_dcp.benchmark.measure import Case, round_order, run_interleaved, run_order
-from parallel_dcp.benchmark.reading import plain_rows, read_summary
+from parallel_dcp.benchmark.read_peers import fresh_row, plain_rows
+from parallel_dcp.benchmark.reading import read_summary
 
 
 def _cases(count: int, log: list[str] | None = None) -> list[Case]:
@@ -62,11 +63,14 @@ def test_a_copy_is_held_to_its_fastest_plain_read_whichever_it_is() -> None:
     times["plain read 8x1M buffered [hf]"] = 1.0  # the loader's readers, buffered: the fastest here
     times["plain read x2 direct [dcp]"] = 1.5
     times |= {"load w=2 [hf]": 1.25, "load w=2 [dcp]": 1.5, "stock load_file + touch [hf]": 2.5}
+    times[fresh_row("hf", n)] = 0.5  # faster than every plain read, yet never the limit: not a plain read
     rows = _rows(times)
     rows["fio direct x2 [dcp]"] = {"median_s": 3.0, "details": {"fio_seconds": [1.2, 1.2, 1.4]}}
     summary = read_summary(rows, n)
     assert summary["hf"]["best_plain_read"] == "plain read 8x1M buffered [hf]"
     assert summary["hf"]["share_of_best_plain_read"] == 1.0 / 1.25
+    assert summary["hf"]["share_of_fresh_plain_read"] == 0.5 / 1.25  # beside it, as its own figure
+    assert summary["dcp"]["share_of_fresh_plain_read"] is None  # not run
     # fio's own job time (not its wall time, which holds its start-up) when it is the fastest
     assert summary["dcp"]["best_plain_read"] == "fio direct x2 [dcp] (job time)"
     assert summary["dcp"]["share_of_best_plain_read"] == 1.2 / 1.5
@@ -87,7 +91,10 @@ def test_the_queued_read_reads_every_byte_of_every_file(tmp_path: Path, monkeypa
         return got
 
     monkeypatch.setattr(os, "preadv", preadv)
-    queued_read(files, 3, 1 << 20, direct=False)("")
-    for path in files:
-        size = os.path.getsize(path)
-        assert sum(got for s, _, got in seen if s == size) == size
+    for fresh in (False, True):  # into ready buffers, and into one fresh mapping of all the bytes
+        seen.clear()
+        queued_read(files, 3, 1 << 20, direct=False, fresh=fresh)("")
+        for path in files:
+            size = os.path.getsize(path)
+            assert sum(got for s, _, got in seen if s == size) == size
+            assert sorted(at for s, at, _ in seen if s == size) == list(range(0, size, 1 << 20))

@@ -12,7 +12,8 @@ and ``posix_fadvise(DONTNEED)`` on every file read, which needs no privilege):
     limits, per copy: fio (direct, libaio, iodepth 8, N jobs) when on PATH; plain reads xN
            (a file per thread, 8 MiB preadv, direct and buffered) and queued reads 4N x 1 MiB
            (the loader's readers: one queue of 1 MiB requests, file by file); the limit a row is
-           held to is the fastest
+           held to is the fastest. Beside them, not a limit: the queued direct read into fresh
+           memory, as a load's new tensors (their pages faulted in inside the reads)
 order: each round runs the rows in an order of its own (seeded, the same in every run of the
 suite). On this project's VM a cold buffered read's kernel CPU (the copy out of the page cache)
 depends on the memory its page cache lands on: 0.3 s per 2 GiB right after an earlier buffered
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -34,13 +34,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import parallel_dcp
-from parallel_dcp.benchmark.device import plain_read, queued_read
 from parallel_dcp.benchmark.disk import drop_caches
 from parallel_dcp.benchmark.measure import Case
-from parallel_dcp.benchmark.read_peers import fio_read, peer_rows, version
+from parallel_dcp.benchmark.read_peers import fresh_row, limit_rows, peer_rows, plain_rows, version
 from parallel_dcp.benchmark.writers import flat_tensors
-from parallel_dcp.formats.span_read import REQUEST_BYTES
-from parallel_dcp.jobs.load_files import SPAN_REQUESTS_PER_THREAD
 
 __all__ = ["read_cases", "read_summary"]
 
@@ -93,56 +90,6 @@ def _touch(tensors: dict[str, torch.Tensor]) -> None:
     for tensor in tensors.values():
         if tensor.numel():
             tensor.reshape(-1).view(torch.uint8)[::_PAGE].sum()
-
-
-def plain_rows(tag: str, n: int) -> list[str]:
-    """The plain reads of a copy at ``n`` workers: a file per thread (xN), and the loader's queue
-    of 1 MiB requests (its readers), each direct and buffered."""
-    queued = n * SPAN_REQUESTS_PER_THREAD
-    return [
-        f"plain read {kind} [{tag}]"
-        for kind in (f"x{n} direct", f"x{n} buffered", f"{queued}x1M direct", f"{queued}x1M buffered")
-    ]
-
-
-def _limit_rows(tag: str, files: list[str], n: int, prepare: Callable[[], bool]) -> list[Case]:
-    fio = shutil.which("fio") is not None
-    queued = n * SPAN_REQUESTS_PER_THREAD
-    return [
-        Case(
-            name=f"fio direct x{n} [{tag}]",
-            family="fio read",
-            procs=n,
-            run=fio_read(files, n),
-            prepare=prepare,
-            core=False,
-            unavailable=None if fio else "fio is not on PATH",
-        ),
-        Case(
-            name=f"plain read x{n} direct [{tag}]",
-            family="plain read direct",
-            procs=n,
-            run=plain_read(files, n, True),
-            prepare=prepare,
-        ),
-        Case(
-            name=f"plain read x{n} buffered [{tag}]",
-            family="plain read buffered",
-            procs=n,
-            run=plain_read(files, n, False),
-            prepare=prepare,
-        ),
-        *(
-            Case(
-                name=f"plain read {queued}x1M {mode} [{tag}]",
-                family=f"queued read {mode}",
-                procs=n,
-                run=queued_read(files, queued, REQUEST_BYTES, mode == "direct"),
-                prepare=prepare,
-            )
-            for mode in ("direct", "buffered")
-        ),
-    ]
 
 
 def read_cases(state_dict: Any, root: str, workers: int) -> tuple[list[Case], list[str]]:
@@ -224,7 +171,7 @@ def read_cases(state_dict: Any, root: str, workers: int) -> tuple[list[Case], li
                     limit=limits[tag],
                 )
             )
-        cases += _limit_rows(tag, shards if tag == "hf" else distcp, n, prepare)
+        cases += limit_rows(tag, shards if tag == "hf" else distcp, n, prepare)
     notes = [
         f"[hf]: {len(shards)} safetensors shards with their index; [dcp]: the same tensors saved by parallel_dcp",
         "cold: before each run, echo 3 > /proc/sys/vm/drop_caches (when root) and posix_fadvise(DONTNEED)"
@@ -263,7 +210,10 @@ def read_summary(rows: dict[str, dict[str, Any]], workers: int) -> dict[str, Any
         best = timed_limits[best_name] if best_name else None
         ours = median(f"load w={n} [{tag}]")
         timed = {p: t for p in peers if (t := median(p))} if tag == "hf" else {}
+        fresh = median(fresh_row(tag, n))
         result[tag] = {
+            "fresh_plain_read_s": fresh,
+            "share_of_fresh_plain_read": fresh / ours if fresh and ours else None,
             "read_choice": rows.get(f"load w={n} [{tag}]", {}).get("details", {}).get("read_choice"),
             "best_plain_read": best_name,
             "best_plain_read_s": best,
@@ -286,6 +236,11 @@ def read_summary_lines(s: dict[str, Any]) -> list[str]:
             f" (target >= 95%; {r.get('best_plain_read') or 'none ran'}); vs stock load_file + touch:"
             f" {num(r.get('vs_stock_load_file'), '.2f')}x (target >= 1x)"
         )
+        if r.get("share_of_fresh_plain_read"):
+            lines.append(
+                f"[{tag}] load w={n} (defaults) of the same queued read into fresh memory (what a reader that hands"
+                f" out new tensors pays for their pages): {num(r['share_of_fresh_plain_read'], '.0%')}"
+            )
         if r.get("read_choice"):
             lines.append(f"[{tag}] load w={n} (defaults) {r['read_choice']}")
         for peer, ratio in r.get("vs_peers", {}).items():
