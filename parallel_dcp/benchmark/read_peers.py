@@ -158,29 +158,17 @@ def limit_rows(tag: str, files: list[str], n: int, prepare: Callable[[], bool]) 
             core=False,
             unavailable=None if fio else "fio is not on PATH",
         ),
-        Case(
-            name=f"plain read x{n} direct [{tag}]",
-            family="plain read direct",
-            procs=n,
-            run=plain_read(files, n, True),
-            prepare=prepare,
-        ),
-        Case(
-            name=f"plain read x{n} buffered [{tag}]",
-            family="plain read buffered",
-            procs=n,
-            run=plain_read(files, n, False),
-            prepare=prepare,
-        ),
         *(
-            Case(
-                name=f"plain read {queued}x1M {mode} [{tag}]",
-                family=f"queued read {mode}",
-                procs=n,
-                run=queued_read(files, queued, REQUEST_BYTES, mode == "direct"),
-                prepare=prepare,
-            )
+            Case(name=f"plain read {kind} [{tag}]", family=family, procs=n, run=run, prepare=prepare)
             for mode in ("direct", "buffered")
+            for kind, family, run in (
+                (f"x{n} {mode}", f"plain read {mode}", plain_read(files, n, mode == "direct")),
+                (
+                    f"{queued}x1M {mode}",
+                    f"queued read {mode}",
+                    queued_read(files, queued, REQUEST_BYTES, mode == "direct"),
+                ),
+            )
         ),
         Case(  # not a limit: what a reader that hands out new memory can reach (its pages faulted in)
             name=fresh_row(tag, n),
