@@ -1,13 +1,15 @@
 """A shard opened for reading: never through a symlink, regular files only, O_DIRECT when asked.
 
 Buffered: ``preadv`` straight into the destination buffers. Direct (:meth:`ShardFile.read`): the
-span is read in aligned requests of :data:`REQUEST_BYTES` (1 MiB) by helper threads, :data:`DEPTH`
-in flight per reading thread, so the device always has requests queued from each (the readers of
-:mod:`parallel_dcp.formats.fast_read` run several such threads). The whole pages of a destination
-whose memory is aligned as the file (address and file offset equal modulo ALIGN: a fresh load
-target is placed so, formats/seated.py) are read straight into it; its partial first and last
-pages, and destinations aligned otherwise (the caller's tensors), go through a ring of DEPTH
-page-aligned bounce buffers and are copied out. No page of the shard enters the page cache.
+span is read in aligned requests of :data:`REQUEST_BYTES` (1 MiB) by helper threads, :data:`FLIGHT`
+in flight per process, shared by the reading threads reading at the moment (the readers of
+:mod:`parallel_dcp.formats.fast_read` run several such threads; one left alone keeps them all).
+The whole pages of a destination whose memory is aligned as the file (address and file offset
+equal modulo ALIGN: a fresh load target is placed so, formats/seated.py) are read straight into
+it; its partial first and last pages, and destinations aligned otherwise (the caller's tensors),
+go through a ring of DEPTH bounce buffers in huge pages (one device request per read) and are
+copied out. :meth:`ShardFile.read_spans` reads separate spans (a unit's record heads and tails)
+with their reads in flight together. No page of the shard enters the page cache.
 
 Before, every byte went through 4 MiB bounce buffers: a cold 2 GiB DCP load spent about 0.3 s of
 CPU on the copies and on faulting in the fresh destinations from user space, and reached 69% of a
@@ -16,6 +18,9 @@ straight into place, reached 95%.
 
 A file that vanished (the checkpoint was replaced or removed while it was read) and a file shorter
 than ``.metadata`` says are :class:`~parallel_dcp.errors.CorruptCheckpointError`, never a raw OSError.
+
+Longer than 300 lines because the direct pipeline (the bounce ring and its slots, the reads in
+flight shared across reading threads, the whole-file stream) is one piece of state per open shard.
 """
 
 from __future__ import annotations
