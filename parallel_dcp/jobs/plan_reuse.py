@@ -1,0 +1,248 @@
+"""Saves of one layout on the same workers, listed, planned and parted once (a Saver's checkpoints).
+
+A training loop saves a state dict of the same keys, shapes and dtypes again and again. The
+coordinator's per-key work (50,000 keys: several us a key) is the serial part that caps a save on
+many cores. A :class:`PlanReuse` (one per ``SaverWorkers``: a Saver, or the workers ``save()``
+keeps) does that work for the first save of a layout only:
+
+    save n (a layout not seen before)          save n + 1 (the same layout)
+    ─────────────────────────────────          ────────────────────────────
+    open: flatten; list, check and size        open: flatten; the layout's columns compared
+      every tensor (RemoteMemorySource)          with save n's (C passes, no object per key):
+    remember the layout's columns                save n's listing over save n + 1's tensors
+    plan: the same decisions every save (limit, workers, chunk size, each item against the limit:
+      O(1) or per task), then the partition, which depends on the layout and those decisions
+      only; kept by them (a limit at least the whole job's memory: one entry, whatever it is)
+    parts: each task's keys and addresses,     parts: save n's pickled bytes, where the tensors
+      pickled (jobs/task_parts.py)               lie where they lay and the task holds no
+                                                 non-tensor value; the others made again
+
+The layout (:class:`Layout`) is what the listing and the plan depend on: every key in order, its
+nesting, each tensor's type, dtype, shape and strides (that it is a CPU strided tensor: checked
+again), each other value's key and size (``Source.value_bytes``), and whether the writers copy
+large tensors themselves (``pending_writes``). Not in it: where the tensors lie (the parts carry
+addresses: compared, the parts made again where they moved), storage shared between tensors (a
+worker copies each tensor's own bytes; nothing is planned by storage), the values' contents (sent
+with each task). A layout that differs in anything is listed and planned afresh, as the first.
+
+The memo holds no tensor and no value of a past save: the listing is kept without them.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from operator import attrgetter, itemgetter
+from typing import Any
+
+import torch
+
+from parallel_dcp.engine.partition import Item, Task, one_task_memory
+from parallel_dcp.formats import lean
+from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
+from parallel_dcp.formats.validate import flatten_checked
+from parallel_dcp.jobs.targets import Job
+
+__all__ = ["Layout", "PlanReuse"]
+
+_dtype, _shape, _is_cpu, _layout = attrgetter("dtype"), attrgetter("shape"), attrgetter("is_cpu"), attrgetter("layout")
+_stride, _address = torch.Tensor.stride, torch.Tensor.data_ptr
+# Values DCP walks into (or checks inside, a tuple): a state dict holding one is not flat.
+_NESTING = (Mapping, list, tuple)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Layout:
+    """A save's layout in columns (see the module docstring); compared, never hashed by value."""
+
+    keys: tuple[str, ...]
+    mapping: dict[str, tuple[Any, ...]]
+    tensor_keys: tuple[str, ...]
+    value_keys: tuple[str, ...]
+    types: list[type]
+    dtypes: list[torch.dtype]
+    shapes: list[torch.Size]
+    strides: list[tuple[int, ...]]
+    value_sizes: list[int]
+    pending_writes: bool
+    flat: bool  # no nesting: a later state dict is compared key by key without flattening it
+
+
+class PlanReuse:
+    """The listing, the partitions and the pickled parts of the last layout saved (see the module
+    docstring). ``reused``: how many saves found the previous save's layout (for tests and benchmarks)."""
+
+    def __init__(self) -> None:
+        self.reused = 0
+        self._layout: Layout | None = None
+        self._listing: RemoteMemorySource | None = None  # the last source, without its tensors or values
+        self._opened: weakref.ref[RemoteMemorySource] | None = None  # this save's source
+        self._addresses: list[int] = []  # where this save's tensors lie, in tensor_keys order
+        # Per (dtype, chunks) of a job over this layout: its items, their bytes, one task's memory.
+        self._items: dict[Any, tuple[list[Item], int, int]] = {}
+        self._tasks: dict[Any, list[Task]] = {}
+        # Pickled parts of the tasks in _parted (the same Task objects), made for _parted_at.
+        self._parts: dict[int, bytes] = {}
+        self._parted: list[Task] = []
+        self._parted_at: list[int] = []
+        # The sizes and places a job over this layout computed (Job's caches: no tensor in them).
+        self._caches: tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]], dict[str, int]] = ({}, {}, {})
+
+    def __reduce__(self) -> Any:
+        # Sent to workers with the target: the memo is the coordinator's, a worker gets none of it.
+        return (PlanReuse, ())
+
+    def job(self, state_dict: Any, path: str, *, pending_writes: bool) -> Job:
+        """The job of this save, every key of ``state_dict`` to ``path``: the last save's listing
+        (and its job's sizes and places, made while it planned) over ``state_dict`` where the
+        layout is the same, else ``state_dict`` listed afresh (which raises what opening raises)."""
+        layout = self._layout
+        if self._listing is not None and layout is not None:
+            found = self._reopen(self._listing, layout, state_dict, path, pending_writes)
+            if found is not None:
+                self.reused += 1
+                return Job(self._opening(found), layout.keys, None, {}, *self._caches)
+        source = self._open(state_dict, path, pending_writes)
+        job = Job(source, source.keys())
+        self._caches = (job._sizes, job._ordered_sizes, job._positions)  # filled as it is planned
+        return job
+
+    def _open(self, state_dict: Any, path: str, pending_writes: bool) -> RemoteMemorySource:
+        source = RemoteMemorySource(path, state_dict=state_dict, pending_writes=pending_writes)
+        tensors = list(map(source._flat.__getitem__, source.entries))
+        self._layout = Layout(
+            keys=source.keys(),
+            mapping=source.mapping,
+            tensor_keys=tuple(source.entries),
+            value_keys=tuple(source.values),
+            types=list(map(type, tensors)),
+            dtypes=list(map(_dtype, tensors)),
+            shapes=list(map(_shape, tensors)),
+            strides=list(map(_stride, tensors)),
+            value_sizes=list(map(source.value_bytes, source.values)),
+            pending_writes=source.pending_writes,
+            flat=_flat_layout(source.keys(), source.mapping, source.values),
+        )
+        self._listing = source.reopened(None, {}, {}, path)
+        self._items.clear()
+        self._tasks.clear()
+        self._forget_parts()
+        self._addresses = list(map(_address, tensors))
+        return self._opening(source)
+
+    def _opening(self, source: RemoteMemorySource) -> RemoteMemorySource:
+        self._opened = weakref.ref(source)
+        return source
+
+    def _reopen(
+        self, listing: RemoteMemorySource, layout: Layout, state_dict: Any, path: str, pending_writes: bool
+    ) -> RemoteMemorySource | None:
+        """``listing`` over ``state_dict`` when its layout is ``layout``; None when anything differs."""
+        flat = _flat_as_before(state_dict, layout)
+        if flat is None:
+            try:
+                flat, mapping = flatten_checked(state_dict, check_tensors=False)
+            except Exception:
+                return None  # opening afresh raises it, with its message
+            if tuple(flat) != layout.keys or mapping != layout.mapping:
+                return None
+        tensors = list(map(flat.__getitem__, layout.tensor_keys))
+        if list(map(type, tensors)) != layout.types or not all(map(_is_cpu, tensors)):
+            return None
+        if set(map(_layout, tensors)) - {torch.strided}:
+            return None
+        try:  # a dtype decides quantized; strides raise for a sparse tensor (refused above)
+            same = (
+                list(map(_dtype, tensors)) == layout.dtypes
+                and list(map(_shape, tensors)) == layout.shapes
+                and list(map(_stride, tensors)) == layout.strides
+            )
+        except RuntimeError:
+            return None
+        values = {key: flat[key] for key in layout.value_keys}
+        if not same or any(isinstance(value, torch.Tensor) for value in values.values()):
+            return None
+        if (pending_writes and lean.lean_eligible(values.values())) != layout.pending_writes:
+            return None
+        source = listing.reopened(state_dict, flat, values, path)
+        if list(map(source.value_bytes, layout.value_keys)) != layout.value_sizes:
+            return None
+        self._addresses = list(map(_address, tensors))
+        return source
+
+    def tasks(
+        self,
+        job: Job,
+        workers: int,
+        budget: int,
+        items: Callable[[Any], list[Item]],
+        room: Callable[[int, int], int],
+        plan: Callable[[list[Item], int, int], list[Task]],
+        decision: tuple[Any, ...],
+    ) -> list[Task]:
+        """``plan(items(job), workers, budget)`` (a target's partition of ``job``), kept by what it
+        depends on: the job's shape over this layout, ``workers``, the target's ``decision`` (its
+        I/O mode and what sizes its streams) and the room a task has (``room(bytes of the items,
+        budget)``) where it binds: the partition does not depend on it where one task could hold
+        every item (``one_task_memory``)."""
+        opened = self._opened() if self._opened is not None else None
+        if opened is None or job.source is not opened:
+            return plan(items(job), workers, budget)
+        shape = (job.dtype, tuple(job.chunks.items()))
+        found = self._items.get(shape)
+        if found is None:
+            listed = items(job)
+            whole = one_task_memory(listed) if listed else 0
+            found = self._items[shape] = (listed, sum(map(itemgetter(1), listed)), whole)
+        listed, nbytes, whole = found
+        cap = room(nbytes, budget)
+        key = (shape, workers, decision, None if whole <= cap else cap)
+        tasks = self._tasks.get(key)
+        if tasks is None:
+            tasks = self._tasks[key] = plan(listed, workers, budget)
+        return list(tasks)
+
+    def parts(self, tasks: Sequence[Task]) -> dict[int, bytes]:
+        """The pickled parts kept for ``tasks`` (a job part per task index, to take and to fill):
+        valid while the tasks are the same and the tensors lie where they lay when the parts were made."""
+        same = len(tasks) == len(self._parted) and all(map(_is, tasks, self._parted))
+        if not same or self._addresses != self._parted_at:
+            self._forget_parts()
+            self._parted, self._parted_at = list(tasks), self._addresses
+        return self._parts
+
+    def _forget_parts(self) -> None:
+        self._parts = {}
+        self._parted, self._parted_at = [], []
+
+
+def _flat_as_before(state_dict: Any, layout: Layout) -> dict[str, Any] | None:
+    """``state_dict`` flattened, in C passes, where it and ``layout`` are flat (every key a string
+    naming a tensor or a plain value, as DCP flattens it: no nesting) and it has the layout's
+    keys in order; None otherwise (the caller flattens it as a first save does). Its tensors'
+    types are compared by the caller: a mapping or a list in a tensor's place fails there."""
+    if not layout.flat or type(state_dict) not in (dict, collections.OrderedDict):
+        return None
+    if tuple(state_dict) != layout.keys or set(map(type, state_dict)) - {str}:
+        return None
+    if any(isinstance(state_dict[key], _NESTING) for key in layout.value_keys):
+        return None
+    return dict(state_dict)
+
+
+def _flat_layout(keys: tuple[str, ...], mapping: dict[str, tuple[Any, ...]], values: dict[str, Any]) -> bool:
+    """Whether a state dict of these flattened ``keys`` was flat: each key its own path, no value
+    a container that DCP walks or checks (see :func:`_flat_as_before`)."""
+    if any(isinstance(value, _NESTING) for value in values.values()):
+        return False
+    return all(map(_is_own_path, keys, map(mapping.__getitem__, keys)))
+
+
+def _is_own_path(key: str, path: tuple[Any, ...]) -> bool:
+    return len(path) == 1 and type(path[0]) is str and path[0] == key
+
+
+def _is(a: object, b: object) -> bool:
+    return a is b
