@@ -257,3 +257,7 @@ def test_the_partition_is_kept_by_the_room_only_where_the_room_binds(tmp_path: P
     assert tasks(whole // 8) == tight and len(made) == 2
     other = memo.tasks(job, 4, 2**40, targets._items, target._room, plan, ("another",))
     assert other == roomy and len(made) == 3  # another target decision: planned again
+    for step in range(10):  # a binding room that moves every save: planned each time, a few kept
+        budget = whole // 8 + 4096 * (step + 1)
+        assert tasks(budget) == target._plan(True, targets._items(job), 4, budget)
+    assert len(memo._tasks) <= 4

@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -51,6 +51,9 @@ _meta = attrgetter("dtype", "shape", "is_cpu", "layout")
 _stride, _address = torch.Tensor.stride, torch.Tensor.data_ptr
 # Values DCP walks into (or checks inside, a tuple): a state dict holding one is not flat.
 _NESTING = (Mapping, list, tuple)
+# Partitions (and item lists) kept per layout: a few decisions (worker counts, limits) at a time.
+_KEPT = 4
+V = TypeVar("V")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -189,13 +192,13 @@ class PlanReuse:
         if found is None:
             listed = items(job)
             whole = one_task_memory(listed) if listed else 0
-            found = self._items[shape] = (listed, sum(map(itemgetter(1), listed)), whole)
+            found = _keep(self._items, shape, (listed, sum(map(itemgetter(1), listed)), whole))
         listed, nbytes, whole = found
         cap = room(nbytes, budget)
         key = (shape, workers, decision, None if whole <= cap else cap)
         tasks = self._tasks.get(key)
         if tasks is None:
-            tasks = self._tasks[key] = plan(listed, workers, budget)
+            tasks = _keep(self._tasks, key, plan(listed, workers, budget))
         return list(tasks)
 
     def parts(self, tasks: Sequence[Task]) -> dict[int, bytes]:
@@ -236,6 +239,16 @@ def _flat_layout(keys: tuple[str, ...], mapping: dict[str, tuple[Any, ...]], val
 
 def _is_own_path(key: str, path: tuple[Any, ...]) -> bool:
     return len(path) == 1 and type(path[0]) is str and path[0] == key
+
+
+def _keep(memo: dict[Any, V], key: Any, value: V) -> V:
+    """``memo[key] = value``, the oldest entries dropped past ``_KEPT``: where the limit binds and
+    moves from save to save (the default, half the memory available), each save plans anew, and
+    a long training run must not keep every plan it made."""
+    memo[key] = value
+    while len(memo) > _KEPT:
+        del memo[next(iter(memo))]
+    return value
 
 
 def _is(a: object, b: object) -> bool:
