@@ -193,11 +193,11 @@ def test_a_changed_state_dict_writes_what_a_fresh_save_writes(
     _assert_same_checkpoint(tmp_path / "third", tmp_path / "save")
 
 
-def test_a_flat_state_dict_is_compared_without_flattening_and_a_nested_value_is_seen(tmp_path: Path) -> None:
+def test_a_state_dict_walked_along_its_nesting_sees_a_value_that_nests_now(tmp_path: Path) -> None:
     sd: dict[str, Any] = {f"k{i}": torch.full((3,), float(i)) for i in range(50)} | {"step": 1}
     with parallel_dcp.Saver(workers=2) as saver:
         saver.save(sd, tmp_path / "a")
-        assert _memo(saver)._layout is not None and _memo(saver)._layout.flat
+        assert _memo(saver)._layout is not None and _memo(saver)._layout.nesting is not None
         sd["step"] = 2
         saver.save(sd, tmp_path / "b")
         assert _memo(saver).reused == 1

@@ -30,9 +30,8 @@ The memo holds no tensor and no value of a past save: the listing is kept withou
 
 from __future__ import annotations
 
-import collections
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from typing import Any, TypeVar
@@ -41,6 +40,7 @@ import torch
 
 from parallel_dcp.engine.partition import Item, Task, one_task_memory
 from parallel_dcp.formats import lean
+from parallel_dcp.formats.nesting import Skeleton, leaves, skeleton
 from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
 from parallel_dcp.formats.validate import flatten_checked
 from parallel_dcp.jobs.targets import Job
@@ -49,8 +49,6 @@ __all__ = ["Layout", "PlanReuse"]
 
 _meta = attrgetter("dtype", "shape", "is_cpu", "layout")
 _stride, _address = torch.Tensor.stride, torch.Tensor.data_ptr
-# Values DCP walks into (or checks inside, a tuple): a state dict holding one is not flat.
-_NESTING = (Mapping, list, tuple)
 # Partitions (and item lists) kept per layout: a few decisions (worker counts, limits) at a time.
 _KEPT = 4
 V = TypeVar("V")
@@ -69,7 +67,7 @@ class Layout:
     strides: list[tuple[int, ...]]
     value_sizes: list[int]
     pending_writes: bool
-    flat: bool  # no nesting: a later state dict is compared key by key without flattening it
+    nesting: Skeleton | None  # the containers flattened (formats/nesting.py): None, flatten again
 
 
 class PlanReuse:
@@ -124,7 +122,7 @@ class PlanReuse:
             strides=list(map(_stride, tensors)),
             value_sizes=list(map(source.value_bytes, source.values)),
             pending_writes=source.pending_writes,
-            flat=_flat_layout(source.keys(), source.mapping, source.values),
+            nesting=skeleton(state_dict),
         )
         self._listing = source.reopened(None, {}, {}, path)
         self._items.clear()
@@ -141,8 +139,10 @@ class PlanReuse:
         self, listing: RemoteMemorySource, layout: Layout, state_dict: Any, path: str, pending_writes: bool
     ) -> RemoteMemorySource | None:
         """``listing`` over ``state_dict`` when its layout is ``layout``; None when anything differs."""
-        flat = _flat_as_before(state_dict, layout)
-        if flat is None:
+        found = leaves(layout.nesting, state_dict) if layout.nesting is not None else None
+        if found is not None:  # nested as before: DCP would give its leaves the same names and paths
+            flat = dict(zip(layout.keys, found, strict=True))
+        else:
             try:
                 flat, mapping = flatten_checked(state_dict, check_tensors=False)
             except Exception:
@@ -213,32 +213,6 @@ class PlanReuse:
     def _forget_parts(self) -> None:
         self._parts = {}
         self._parted, self._parted_at = [], []
-
-
-def _flat_as_before(state_dict: Any, layout: Layout) -> dict[str, Any] | None:
-    """``state_dict`` flattened, in C passes, where it and ``layout`` are flat (every key a string
-    naming a tensor or a plain value, as DCP flattens it: no nesting) and it has the layout's
-    keys in order; None otherwise (the caller flattens it as a first save does). Its tensors'
-    types are compared by the caller: a mapping or a list in a tensor's place fails there."""
-    if not layout.flat or type(state_dict) not in (dict, collections.OrderedDict):
-        return None
-    if tuple(state_dict) != layout.keys or set(map(type, state_dict)) - {str}:
-        return None
-    if any(isinstance(state_dict[key], _NESTING) for key in layout.value_keys):
-        return None
-    return dict(state_dict)
-
-
-def _flat_layout(keys: tuple[str, ...], mapping: dict[str, tuple[Any, ...]], values: dict[str, Any]) -> bool:
-    """Whether a state dict of these flattened ``keys`` was flat: each key its own path, no value
-    a container that DCP walks or checks (see :func:`_flat_as_before`)."""
-    if any(isinstance(value, _NESTING) for value in values.values()):
-        return False
-    return all(map(_is_own_path, keys, map(mapping.__getitem__, keys)))
-
-
-def _is_own_path(key: str, path: tuple[Any, ...]) -> bool:
-    return len(path) == 1 and type(path[0]) is str and path[0] == key
 
 
 def _keep(memo: dict[Any, V], key: Any, value: V) -> V:
