@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import re
+import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -97,8 +98,8 @@ def test_a_second_save_of_the_same_layout_is_planned_once_and_writes_what_save_w
         second = saver.save(sd, tmp_path / "second")
         assert _memo(saver).reused == 1
     assert partitions.calls == 0  # the plan was the first save's
-    # Only a task holding a non-tensor value (the step, the name) has its part made again.
-    assert 0 < parts.calls < second.tasks == first.tasks
+    assert parts.calls == 0  # and so were the parts (a task's values, the step, sent as they are now)
+    assert second.tasks == first.tasks
     parallel_dcp.save(sd, tmp_path / "save", workers=2, executor="processes")
     with parallel_dcp.Saver(workers=2) as fresh:
         fresh.save(sd, tmp_path / "fresh")
@@ -218,15 +219,19 @@ def test_bad_input_after_a_good_save_fails_as_it_fails_a_first_save(tmp_path: Pa
         assert not (tmp_path / "second").exists()
 
 
-def test_the_memo_keeps_no_tensor_of_a_past_save(tmp_path: Path) -> None:
+def test_the_memo_keeps_no_tensor_and_no_value_of_a_past_save(tmp_path: Path) -> None:
     sd = _state()
+    name = "".join(["run-", str(id(sd))])  # made here: nothing else holds it
+    sd["name"] = name
     tensor = weakref.ref(sd["model"]["w"])
     with parallel_dcp.Saver(workers=2) as saver:
         saver.save(sd, tmp_path / "first")
+        saver.save(sd, tmp_path / "second")  # its parts kept too
         del sd
         gc.collect()
         assert tensor() is None
-        assert _memo(saver)._layout is not None  # the layout is kept, its tensors are not
+        assert sys.getrefcount(name) == 2  # this frame's and getrefcount's own
+        assert _memo(saver)._layout is not None and _memo(saver)._parts  # the layout is kept, its data is not
 
 
 def _items(n: int, memory: int) -> list[Item]:

@@ -44,6 +44,7 @@ from parallel_dcp.formats.nesting import Skeleton, leaves, skeleton
 from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
 from parallel_dcp.formats.validate import flatten_checked
 from parallel_dcp.jobs.targets import Job
+from parallel_dcp.jobs.task_parts import JobPart
 
 __all__ = ["Layout", "PlanReuse"]
 
@@ -84,7 +85,7 @@ class PlanReuse:
         self._items: dict[Any, tuple[list[Item], int, int]] = {}
         self._tasks: dict[Any, list[Task]] = {}
         # Pickled parts of the tasks in _parted (the same Task objects), made for _parted_at.
-        self._parts: dict[int, bytes] = {}
+        self._parts: dict[int, bytes | JobPart] = {}
         self._parted: list[Task] = []
         self._parted_at: list[int] = []
         # The sizes and places a job over this layout computed (Job's caches: no tensor in them).
@@ -201,7 +202,7 @@ class PlanReuse:
             tasks = _keep(self._tasks, key, plan(listed, workers, budget))
         return list(tasks)
 
-    def parts(self, tasks: Sequence[Task]) -> dict[int, bytes]:
+    def parts(self, tasks: Sequence[Task]) -> dict[int, bytes | JobPart]:
         """The pickled parts kept for ``tasks`` (a job part per task index, to take and to fill):
         valid while the tasks are the same and the tensors lie where they lay when the parts were made."""
         same = len(tasks) == len(self._parted) and all(map(_is, tasks, self._parted))
