@@ -209,6 +209,19 @@ def test_a_state_dict_walked_along_its_nesting_sees_a_value_that_nests_now(tmp_p
     _assert_same_checkpoint(tmp_path / "c", tmp_path / "save")
 
 
+def test_layouts_saved_in_turn_are_each_reused(tmp_path: Path) -> None:
+    model, optim = _state()["model"], _state()["optim"]
+    with parallel_dcp.Saver(workers=2) as saver:
+        for step in range(3):  # a loop that checkpoints its model and its optimizer apart
+            saver.save(model, tmp_path / f"model{step}")
+            saver.save(optim, tmp_path / f"optim{step}")
+        assert _memo(saver).reused == 4
+    parallel_dcp.save(model, tmp_path / "model", workers=2, executor="processes")
+    parallel_dcp.save(optim, tmp_path / "optim", workers=2, executor="processes")
+    _assert_same_checkpoint(tmp_path / "model2", tmp_path / "model")
+    _assert_same_checkpoint(tmp_path / "optim2", tmp_path / "optim")
+
+
 def test_bad_input_after_a_good_save_fails_as_it_fails_a_first_save(tmp_path: Path) -> None:
     sd = _state()
     with parallel_dcp.Saver(workers=2) as saver:
@@ -231,7 +244,7 @@ def test_the_memo_keeps_no_tensor_and_no_value_of_a_past_save(tmp_path: Path) ->
         gc.collect()
         assert tensor() is None
         assert sys.getrefcount(name) == 2  # this frame's and getrefcount's own
-        assert _memo(saver)._layout is not None and _memo(saver)._parts  # the layout is kept, its data is not
+        assert _memo(saver)._layout is not None and _memo(saver)._kept[0].parts  # the layout is kept, its data is not
 
 
 def _items(n: int, memory: int) -> list[Item]:
@@ -255,7 +268,8 @@ def test_the_partition_is_kept_by_the_room_only_where_the_room_binds(tmp_path: P
 
     roomy = tasks(2**40)
     assert tasks(2**40 + 12345) == roomy and made == [2**40]  # both above the whole job's memory
-    whole = memo._items[(None, ())][2]
+    assert memo._current is not None
+    whole = memo._current.items[(None, ())][2]
     assert tasks(whole) == roomy and len(made) == 1
     tight = tasks(whole // 8)  # binding: planned, and planned as without the memo
     assert len(made) == 2 and tight == target._plan(True, targets._items(job), 4, whole // 8)
@@ -265,4 +279,4 @@ def test_the_partition_is_kept_by_the_room_only_where_the_room_binds(tmp_path: P
     for step in range(10):  # a binding room that moves every save: planned each time, a few kept
         budget = whole // 8 + 4096 * (step + 1)
         assert tasks(budget) == target._plan(True, targets._items(job), 4, budget)
-    assert len(memo._tasks) <= 4
+    assert len(memo._current.tasks) <= 4
