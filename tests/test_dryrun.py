@@ -45,15 +45,20 @@ def llm_state(layers: int = 4, d: int = 512) -> dict[str, Any]:
 
 
 # The prediction is what both workers hold when their largest moments coincide; whether they
-# coincide in one run is timing: the highest of several runs finds it (5 missed it once in a
-# full-suite run: 27-58 MiB measured against 84 MiB in a run alone).
-RUNS = 8
+# coincide in one run is timing: on a loaded machine 8 runs of the sharded conversion measured
+# 72-146 MiB against 130 MiB quiet (5 runs missed it once in a full-suite run: 27-58 MiB against
+# 84 MiB alone). So runs go on until one lands within the tolerance, at most MAX_RUNS: a peak
+# above the prediction fails at once, one never reached fails after MAX_RUNS.
+MIN_RUNS, MAX_RUNS = 2, 16
+# A reading of the tree (psutil's smaps of 3 torch processes) takes 30 ms quiet and 150 ms at a
+# load of 8 on 2 cores: a peak is held longer than that.
+HOLD = 0.25
 
 
 @pytest.fixture(autouse=True)
 def held_peaks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every piece a shard writer emits takes 4 ms longer, a large record (8 MiB or more) and
-    every shard file are held 0.1 s once written, the file before it is closed (workers inherit
+    every shard file are held HOLD once written, the file before it is closed (workers inherit
     all this by fork).
 
     On a quiet machine a task writes a 30 MiB record from the page cache in a few milliseconds,
@@ -71,13 +76,13 @@ def held_peaks(monkeypatch: pytest.MonkeyPatch) -> None:
         time.sleep(0.004)
         emit(self, view)
         if view.nbytes >= 8 * MiB:  # a large record (a strided view's copy) is held a while once written
-            time.sleep(0.1)
+            time.sleep(HOLD)
 
     @contextlib.contextmanager
     def held_create(self: Any, path: Any, mode: str) -> Iterator[Any]:
         with create(self, path, mode) as stream:
             yield stream
-            time.sleep(0.1)
+            time.sleep(HOLD)
 
     monkeypatch.setattr(writers._RecordingStream, "_emit", slow_emit)
     monkeypatch.setattr(writers._LocalRecording, "create_stream", held_create)
@@ -85,17 +90,19 @@ def held_peaks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _measure(plan: Callable[[], Any], real: Callable[[], Any]) -> tuple[DryRunPlan, int, float]:
     """The prediction against the peak of the real run, as the independent sampler measures it
-    (the highest of a few runs: a sampler reads the tree every 2 ms and can still miss a peak)."""
+    (the highest of several runs: a sampler reads the tree every 2 ms and can still miss a peak)."""
     predicted = plan()
     assert isinstance(predicted, DryRunPlan)
-    peaks = []
-    for _ in range(RUNS):
+    peaks: list[int] = []
+    while len(peaks) < MAX_RUNS:
         with PeakSampler() as sampler:
             result = real()
         assert isinstance(result, parallel_dcp.SaveResult) and result.tasks == predicted.tasks
         peaks.append(sampler.peak)
-    peak = max(peaks)
-    error = (predicted.predicted_peak_memory - peak) / peak
+        peak = max(peaks)
+        error = (predicted.predicted_peak_memory - peak) / peak
+        if error < -TOLERANCE or (len(peaks) >= MIN_RUNS and error <= TOLERANCE):
+            break
     print(
         f"\n{predicted.source} -> {predicted.path}: predicted {predicted.predicted_peak_memory / MiB:.1f} MiB, "
         f"measured {peak / MiB:.1f} MiB (runs: {', '.join(f'{p / MiB:.1f}' for p in peaks)}), error {error:+.0%} "
