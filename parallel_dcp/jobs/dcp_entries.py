@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.formats import lean, metadata_pickle
+from parallel_dcp.formats.base import Source
 from parallel_dcp.partial import merge_metadata
 
-if TYPE_CHECKING:
-    from parallel_dcp.jobs.targets import Job
+
+class Job(Protocol):  # what this module reads of a jobs.targets.Job (importing it would be a cycle)
+    @property
+    def source(self) -> Source: ...
+    @property
+    def keys(self) -> tuple[str, ...]: ...
+    @property
+    def chunks(self) -> dict[str, Chunk]: ...
+
 
 __all__ = ["remaining_entries"]
 
