@@ -590,9 +590,20 @@ def test_read_suite_compares_every_reader_cold_on_both_copies(tmp_path: Path) ->
         "stock dcp alloc load [dcp]",
         "plain read x2 direct [dcp]",
         "plain read x2 buffered [dcp]",
+        # the loader's readers (4 per worker, one queue of 1 MiB requests): a plain read too
+        "plain read 8x1M direct [hf]",
+        "plain read 8x1M buffered [hf]",
+        "plain read 8x1M direct [dcp]",
+        "plain read 8x1M buffered [dcp]",
+        "plain read 8x1M direct into fresh memory [hf]",  # beside them: what new tensors cost
+        "plain read 8x1M direct into fresh memory [dcp]",
     ):
         assert rows[name]["status"] == "ok", (name, rows[name]["error"])
         assert rows[name]["gib_per_s"] > 0
+    for tag in ("hf", "dcp"):  # the limit is named, and is one of the plain reads or fio's job time
+        assert scenario["summary"][tag]["best_plain_read"].startswith(("plain read", "fio direct"))
+        assert "fresh memory" not in scenario["summary"][tag]["best_plain_read"]
+        assert scenario["summary"][tag]["share_of_fresh_plain_read"] > 0
     for name in ("load w=2 [hf]", "load w=2 [dcp]"):
         assert rows[name]["details"]["fallback"] == 0  # every tensor read straight from the files
         # how the files were read (io="auto": measured, or the rule where the files are too small)

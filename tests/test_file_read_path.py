@@ -370,6 +370,6 @@ def test_whole_tensors_are_read_buffered_only_when_clearly_faster(
     stats = parallel_dcp.ReadStats()
     assert_same(parallel_dcp.load(src, workers=2, stats=stats), stock(src))
     assert stats.read_choice is not None and stats.read_choice.measured and stats.read_choice.reads == reads
-    # the file system's measurement itself stays as measured (the DCP path and into= follow it)
+    # the margin is the file system's measurement's own: the DCP path and into= follow it too
     measured = read_choice.read_choice("auto", src, list(src.glob("*.safetensors")), streams=2)
-    assert measured.reads == ("buffered" if buffered > direct else "direct")
+    assert measured.reads == reads

@@ -19,6 +19,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import random
 import resource
 import shutil
 import threading
@@ -83,6 +84,9 @@ class Measured:
     peaks: list[int] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    # the row that ran just before each timed repetition (None: first in its round): what it left
+    # behind (memory it released, pages it dropped) can set a cold read's time (reading.py)
+    after: list[str | None] = field(default_factory=list)
 
 
 def cpu_seconds() -> float:
@@ -212,7 +216,7 @@ def _describe(exc: BaseException) -> str:
     return text[:_ERROR_CHARS]
 
 
-def _run_once(measured: Measured, out: str, keep: bool) -> None:
+def _run_once(measured: Measured, out: str, keep: bool, after: str | None = None) -> None:
     release_free_memory()
     if measured.case.prepare is not None:
         measured.case.prepare()
@@ -227,6 +231,7 @@ def _run_once(measured: Measured, out: str, keep: bool) -> None:
     finally:
         shutil.rmtree(out, ignore_errors=True)
     if keep:
+        measured.after.append(after)
         measured.walls.append(wall)
         measured.cpus.append(max(0.0, cpu - memory.cpu_seconds))
         measured.peaks.append(memory.added)
@@ -238,10 +243,27 @@ def run_order(cases: Sequence[Case]) -> list[Case]:
     return sorted(cases, key=lambda case: case.procs)
 
 
+def round_order(cases: Sequence[Case], round_index: int, shuffled: bool) -> list[Case]:
+    """The order of one round: :func:`run_order`, or (``shuffled``) an order of its own for each
+    round, the same in every run of the benchmark (seeded by the round): no row always runs right
+    after the same one, whose leftovers (the memory it just released) would favour it every time."""
+    ordered = run_order(cases)
+    if shuffled:
+        random.Random(round_index).shuffle(ordered)
+    return ordered
+
+
 def run_interleaved(
-    cases: Sequence[Case], reps: int, warmup: int, root: str, progress: Callable[[str], None] | None = None
+    cases: Sequence[Case],
+    reps: int,
+    warmup: int,
+    root: str,
+    progress: Callable[[str], None] | None = None,
+    *,
+    shuffled: bool = False,
 ) -> list[Measured]:
-    """Run every case ``warmup + reps`` times, interleaved, each into a fresh ``root/out``.
+    """Run every case ``warmup + reps`` times, interleaved, each into a fresh ``root/out``
+    (``shuffled``: each round in its own order, :func:`round_order`).
 
     Returns:
         One :class:`Measured` per case, in the order of ``cases``. A case that raised has its
@@ -250,10 +272,12 @@ def run_interleaved(
     results = {case.name: Measured(case=case, error=case.unavailable) for case in cases}
     out = os.path.join(root, "out")
     for round_index in range(warmup + reps):
-        for case in run_order(cases):
+        previous: str | None = None
+        for case in round_order(cases, round_index, shuffled):
             measured = results[case.name]
             if measured.error is None:
                 if progress is not None:
                     progress(f"round {round_index + 1}/{warmup + reps}: {case.name}")
-                _run_once(measured, out, keep=round_index >= warmup)
+                _run_once(measured, out, keep=round_index >= warmup, after=previous)
+                previous = case.name
     return [results[case.name] for case in cases]

@@ -1,19 +1,23 @@
 """The readers ``bench --suite read`` holds parallel_dcp to, beside stock: fastsafetensors and the
-Run:ai model streamer (each when installed: the ``.[bench]`` extra; else a row saying why), and fio
-reading the same files with O_DIRECT (when on PATH) as the device's limit."""
+Run:ai model streamer (each when installed: the ``.[bench]`` extra; else a row saying why), and the
+device's limit: fio reading the same files with O_DIRECT (when on PATH) and the plain reads."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Callable
 from typing import Any
 
+from parallel_dcp.benchmark.device import plain_read, queued_read
 from parallel_dcp.benchmark.measure import Case
+from parallel_dcp.formats.span_read import REQUEST_BYTES
+from parallel_dcp.jobs.load_files import SPAN_REQUESTS_PER_THREAD
 
-__all__ = ["PEER_THREADS", "fio_read", "peer_rows", "version"]
+__all__ = ["PEER_THREADS", "fio_read", "fresh_row", "limit_rows", "peer_rows", "plain_rows", "version"]
 
 PEER_THREADS = 16
 _FIO_BLOCK = 8 << 20
@@ -122,3 +126,55 @@ def peer_rows(files: list[str], baseline: str, limit: str, prepare: Callable[[],
         )
     )
     return rows
+
+
+def plain_rows(tag: str, n: int) -> list[str]:
+    """The plain reads of a copy at ``n`` workers: a file per thread (xN), and the loader's queue
+    of 1 MiB requests (its readers), each direct and buffered."""
+    queued = n * SPAN_REQUESTS_PER_THREAD
+    return [
+        f"plain read {kind} [{tag}]"
+        for kind in (f"x{n} direct", f"x{n} buffered", f"{queued}x1M direct", f"{queued}x1M buffered")
+    ]
+
+
+def fresh_row(tag: str, n: int) -> str:
+    """The loader's queued direct read into fresh memory (one new mapping of all the bytes)."""
+    return f"plain read {n * SPAN_REQUESTS_PER_THREAD}x1M direct into fresh memory [{tag}]"
+
+
+def limit_rows(tag: str, files: list[str], n: int, prepare: Callable[[], bool]) -> list[Case]:
+    """The rows a copy's reads are held to (fio, the plain reads of :func:`plain_rows`) and the
+    queued read into fresh memory beside them, each cold (``prepare``)."""
+    fio = shutil.which("fio") is not None
+    queued = n * SPAN_REQUESTS_PER_THREAD
+    return [
+        Case(
+            name=f"fio direct x{n} [{tag}]",
+            family="fio read",
+            procs=n,
+            run=fio_read(files, n),
+            prepare=prepare,
+            core=False,
+            unavailable=None if fio else "fio is not on PATH",
+        ),
+        *(
+            Case(name=f"plain read {kind} [{tag}]", family=family, procs=n, run=run, prepare=prepare)
+            for mode in ("direct", "buffered")
+            for kind, family, run in (
+                (f"x{n} {mode}", f"plain read {mode}", plain_read(files, n, mode == "direct")),
+                (
+                    f"{queued}x1M {mode}",
+                    f"queued read {mode}",
+                    queued_read(files, queued, REQUEST_BYTES, mode == "direct"),
+                ),
+            )
+        ),
+        Case(  # not a limit: what a reader that hands out new memory can reach (its pages faulted in)
+            name=fresh_row(tag, n),
+            family="queued read direct fresh",
+            procs=n,
+            run=queued_read(files, queued, REQUEST_BYTES, True, fresh=True),
+            prepare=prepare,
+        ),
+    ]

@@ -10,14 +10,22 @@ and ``posix_fadvise(DONTNEED)`` on every file read, which needs no privilege):
            (each when installed: the ``.[bench]`` extra; else a row saying why)
     [dcp]  load w=N (defaults) | load w=N io=buffered | load w=N io=direct | stock dcp alloc load
     limits, per copy: fio (direct, libaio, iodepth 8, N jobs) when on PATH; plain reads xN
-           (8 MiB preadv, direct and buffered); the limit a row is held to is the fastest
+           (a file per thread, 8 MiB preadv, direct and buffered) and queued reads 4N x 1 MiB
+           (the loader's readers: one queue of 1 MiB requests, file by file); the limit a row is
+           held to is the fastest. Beside them, not a limit: the queued direct read into fresh
+           memory, as a load's new tensors (their pages faulted in inside the reads)
+order: each round runs the rows in an order of its own (seeded, the same in every run of the
+suite). On this project's VM a cold buffered read's kernel CPU (the copy out of the page cache)
+depends on the memory its page cache lands on: 0.3 s per 2 GiB right after an earlier buffered
+read's pages were dropped, 1.5-2.8 s otherwise (bench/read-memory-state.txt). In one fixed order
+a buffered row that always runs right after a row releasing 2 GiB wins by its place, not by how
+it reads: the 1.18 s against 1.35 s direct of bench/quiet-run-2026-12-05c.txt.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -26,10 +34,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import parallel_dcp
-from parallel_dcp.benchmark.device import plain_read
 from parallel_dcp.benchmark.disk import drop_caches
 from parallel_dcp.benchmark.measure import Case
-from parallel_dcp.benchmark.read_peers import fio_read, peer_rows, version
+from parallel_dcp.benchmark.read_peers import fresh_row, limit_rows, peer_rows, plain_rows, version
 from parallel_dcp.benchmark.writers import flat_tensors
 
 __all__ = ["read_cases", "read_summary"]
@@ -83,35 +90,6 @@ def _touch(tensors: dict[str, torch.Tensor]) -> None:
     for tensor in tensors.values():
         if tensor.numel():
             tensor.reshape(-1).view(torch.uint8)[::_PAGE].sum()
-
-
-def _limit_rows(tag: str, files: list[str], n: int, prepare: Callable[[], bool]) -> list[Case]:
-    fio = shutil.which("fio") is not None
-    return [
-        Case(
-            name=f"fio direct x{n} [{tag}]",
-            family="fio read",
-            procs=n,
-            run=fio_read(files, n),
-            prepare=prepare,
-            core=False,
-            unavailable=None if fio else "fio is not on PATH",
-        ),
-        Case(
-            name=f"plain read x{n} direct [{tag}]",
-            family="plain read direct",
-            procs=n,
-            run=plain_read(files, n, True),
-            prepare=prepare,
-        ),
-        Case(
-            name=f"plain read x{n} buffered [{tag}]",
-            family="plain read buffered",
-            procs=n,
-            run=plain_read(files, n, False),
-            prepare=prepare,
-        ),
-    ]
 
 
 def read_cases(state_dict: Any, root: str, workers: int) -> tuple[list[Case], list[str]]:
@@ -193,7 +171,7 @@ def read_cases(state_dict: Any, root: str, workers: int) -> tuple[list[Case], li
                     limit=limits[tag],
                 )
             )
-        cases += _limit_rows(tag, shards if tag == "hf" else distcp, n, prepare)
+        cases += limit_rows(tag, shards if tag == "hf" else distcp, n, prepare)
     notes = [
         f"[hf]: {len(shards)} safetensors shards with their index; [dcp]: the same tensors saved by parallel_dcp",
         "cold: before each run, echo 3 > /proc/sys/vm/drop_caches (when root) and posix_fadvise(DONTNEED)"
@@ -202,7 +180,9 @@ def read_cases(state_dict: Any, root: str, workers: int) -> tuple[list[Case], li
         " buffered = FASTSAFETENSORS_ODIRECT=0), Run:ai model streamer"
         f" {version('runai-model-streamer') or '(absent)'} (its defaults)",
         "x stock: over stock load_file + touch (safetensors' mmap, one byte of every page read); of limit: over"
-        " the plain direct read",
+        " the plain direct read (a file per thread); the summary holds each copy to its best plain read",
+        "order: each round runs the rows in its own seeded order (a buffered read's cost here depends on what"
+        " ran just before it; see reading.py)",
         "fio's rows time fio's start-up too; the summary's best plain read takes fio's own runtime (its median,"
         " warm-up runs included) beside the plain reads' medians",
     ]
@@ -223,13 +203,19 @@ def read_summary(rows: dict[str, dict[str, Any]], workers: int) -> dict[str, Any
     peers = [name for name in rows if name.startswith(("fastsafetensors", "Run:ai"))]
     for tag in ("hf", "dcp"):
         fio = rows.get(f"fio direct x{n} [{tag}]", {}).get("details", {}).get("fio_seconds") or []
-        limits = [statistics.median(fio) if fio else None]
-        limits += [median(f"plain read x{n} {kind} [{tag}]") for kind in ("direct", "buffered")]
-        best = min((t for t in limits if t), default=None)
+        limits = {f"fio direct x{n} [{tag}] (job time)": statistics.median(fio) if fio else None}
+        limits |= {name: median(name) for name in plain_rows(tag, n)}
+        timed_limits = {name: t for name, t in limits.items() if t}
+        best_name = min(timed_limits, key=timed_limits.__getitem__, default=None)
+        best = timed_limits[best_name] if best_name else None
         ours = median(f"load w={n} [{tag}]")
         timed = {p: t for p in peers if (t := median(p))} if tag == "hf" else {}
+        fresh = median(fresh_row(tag, n))
         result[tag] = {
+            "fresh_plain_read_s": fresh,
+            "share_of_fresh_plain_read": fresh / ours if fresh and ours else None,
             "read_choice": rows.get(f"load w={n} [{tag}]", {}).get("details", {}).get("read_choice"),
+            "best_plain_read": best_name,
             "best_plain_read_s": best,
             "share_of_best_plain_read": best / ours if best and ours else None,
             "vs_stock_load_file": stock / ours if stock and ours else None,
@@ -247,8 +233,14 @@ def read_summary_lines(s: dict[str, Any]) -> list[str]:
         r = s.get(tag, {})
         lines.append(
             f"[{tag}] load w={n} (defaults) of the best plain read: {num(r.get('share_of_best_plain_read'), '.0%')}"
-            f" (target >= 95%); vs stock load_file + touch: {num(r.get('vs_stock_load_file'), '.2f')}x (target >= 1x)"
+            f" (target >= 95%; {r.get('best_plain_read') or 'none ran'}); vs stock load_file + touch:"
+            f" {num(r.get('vs_stock_load_file'), '.2f')}x (target >= 1x)"
         )
+        if r.get("share_of_fresh_plain_read"):
+            lines.append(
+                f"[{tag}] load w={n} (defaults) of the same queued read into fresh memory (what a reader that hands"
+                f" out new tensors pays for their pages): {num(r['share_of_fresh_plain_read'], '.0%')}"
+            )
         if r.get("read_choice"):
             lines.append(f"[{tag}] load w={n} (defaults) {r['read_choice']}")
         for peer, ratio in r.get("vs_peers", {}).items():

@@ -88,6 +88,7 @@ def row_figures(scenario: Scenario) -> dict[str, dict[str, Any]]:
             "limit": case.limit,
             "of_limit": _ratio(limits.get(case.limit) if case.limit else None, median),
             "samples_s": list(m.walls),
+            "samples_after": list(m.after),
             "details": dict(m.details),
             "note": case.note,
             "status": "not run" if case.unavailable else "failed" if m.error else "ok",

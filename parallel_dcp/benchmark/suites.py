@@ -197,7 +197,8 @@ def _scenario(suite: str, target: Target, sync: bool, dicts: StateDicts, config:
     try:
         cases, scenario.notes, samples = _cases(suite, sd, root, sync, config)
         progress = _say if config.verbose else None
-        scenario.measured = run_interleaved(cases, config.reps, config.warmup, root, progress)
+        # the read suite's rows in a new order each round (measure.round_order; reading.py says why)
+        scenario.measured = run_interleaved(cases, config.reps, config.warmup, root, progress, shuffled=suite == "read")
         if samples is not None:
             scenario.projection = project(samples, scenario.measured, config.warmup, scenario.tensors)
             scenario.projection |= _pieces(suite, sd, root, sync, config, scenario)

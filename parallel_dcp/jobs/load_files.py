@@ -30,7 +30,6 @@ any read (keys, ``into``, ``dtype``, memory, the read choice); the readers thems
 from __future__ import annotations
 
 import concurrent.futures as cf
-import dataclasses
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -54,7 +53,7 @@ from parallel_dcp.jobs.load import check_target
 from parallel_dcp.options import Options, usable_cores
 from parallel_dcp.storage.direct_read import direct_read_memory
 from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
-from parallel_dcp.storage.read_choice import ReadChoice, read_choice
+from parallel_dcp.storage.read_choice import BUFFERED_MARGIN, ReadChoice, read_choice
 from parallel_dcp.storage.read_probe import probe_memory
 
 __all__ = ["DIRECT_TIE", "SPAN_REQUESTS_PER_THREAD", "load_any"]
@@ -64,8 +63,9 @@ __all__ = ["DIRECT_TIE", "SPAN_REQUESTS_PER_THREAD", "load_any"]
 SPAN_REQUESTS_PER_THREAD = 4
 # They hold no memory, but past this many a node's cores gain nothing from more.
 SPAN_READERS_MAX = 64
-# Buffered must be measured faster than direct by more than this for whole tensors read in place.
-DIRECT_TIE = 1.10
+# Buffered must be measured faster than direct by more than this (now for every reader:
+# storage.read_choice.BUFFERED_MARGIN; this name stays for whole tensors read in place).
+DIRECT_TIE = BUFFERED_MARGIN
 
 
 def load_any(
@@ -212,8 +212,6 @@ def _load(
     pieces = [p for p in pieces if p.nbytes]  # an empty tensor has nothing to read
     threads = _threads(options, budget, source, pieces, mapped)
     choice = _read_choice(options, budget, source, [p.file for p in pieces] + [s.file for s in spans], threads)
-    if spans:
-        choice = _direct_on_a_tie(choice)
     total = sum(t.nbytes for t in targets.values()) + sum(source.entries[k].nbytes for k in spanned)
     with progress.Progress(total=total, enabled=options.progress, desc="load") as bar:
         # reads that hold no buffer keep a second request in flight per thread: the device's queue
@@ -273,22 +271,6 @@ def _read_choice(
             return ReadChoice("auto", "direct", "no room under the memory limit to measure: direct for large files")
         budget.reserve(extra, "the read measurement's buffers")
     return read_choice(options.io, source.location, files, streams=threads)
-
-
-def _direct_on_a_tie(choice: ReadChoice) -> ReadChoice:
-    """Whole tensors read where they live: direct unless buffered measured faster by more than
-    DIRECT_TIE. A direct read lands in the tensor with no copy, a buffered one is copied out of
-    the page cache (which it also fills, on a shared node); within the margin the 64 MiB probe
-    cannot tell the modes apart (a busy 2-core VM: 0.90 vs 0.92 GiB/s, while whole loads read
-    12% faster direct)."""
-    direct, buffered = choice.direct_bytes_per_s, choice.buffered_bytes_per_s
-    if choice.reads != "buffered" or choice.reason != "measured" or direct is None or buffered is None:
-        return choice
-    if direct * DIRECT_TIE < buffered:
-        return choice
-    return dataclasses.replace(
-        choice, io="auto", reads="direct", reason=f"measured (within {DIRECT_TIE - 1:.0%}: direct)"
-    )
 
 
 def _read_mapped(source: Source, keys: list[str], targets: dict[str, torch.Tensor], threads: int) -> None:
