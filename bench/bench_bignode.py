@@ -1,6 +1,7 @@
 """Big-node pieces (issue 30), each measured on its own: what caps a save on many cores.
 
 python bench/bench_bignode.py --rounds 5 --dir /tmp --out bignode.json [--only governor,gil,start,tail]
+    [--workers N]  (every piece's workers; default: gil 1, start and tail 2)
 
 - ``governor``: CPU seconds a memory reading costs per process at 8, 32 and 64 workers that
   imported torch (forked; oversubscribed on a small machine: CPU time, not wall time, is the
@@ -213,7 +214,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="a directory on the disk")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--workers", type=int, default=None, help="workers of every piece (default: gil 1, start and tail 2)"
+    )
     parser.add_argument("--only", default="governor,gil,start,tail")
     parser.add_argument("--out", default=None)
     parser.add_argument("--sizes", default="0.5,2,4", help="start: state dict sizes in GiB (the issue asks 0.5,2,8)")
@@ -232,11 +235,12 @@ def main() -> None:
         report["governor"] = governor(args.rounds)
     if "gil" in only:
         modes = tuple(m for m in _MODES if m in args.modes.split(","))
-        report["gil"] = gil(args.rounds, ["/dev/shm", args.dir], 1, args.kinds.split(","), modes)
+        report["gil"] = gil(args.rounds, ["/dev/shm", args.dir], args.workers or 1, args.kinds.split(","), modes)
     if "start" in only:
-        report["start"] = start(args.rounds, args.start_dir, args.workers, [float(g) for g in args.sizes.split(",")])
+        sizes = [float(g) for g in args.sizes.split(",")]
+        report["start"] = start(args.rounds, args.start_dir, args.workers or 2, sizes)
     if "tail" in only:
-        report["tail"] = tail(args.rounds, "/dev/shm", args.workers)
+        report["tail"] = tail(args.rounds, "/dev/shm", args.workers or 2)
     report["load_average_at_end"] = os.getloadavg()
     if args.out:
         with open(args.out, "w") as out:

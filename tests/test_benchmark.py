@@ -722,3 +722,19 @@ def test_the_disk_summary_puts_the_conversion_beside_the_combined_limit_by_the_d
     assert any("combined read+write limit (1.200 s" in line and "80%" in line for line in disk_summary_lines(summary))
     rows["device read+write x2"]["details"] = {}  # the built-in probe without its own time: the wall time
     assert disk_summary(rows, 2**30)["convert_of_combined_limit"] == pytest.approx(2.0 / 1.5)
+
+
+def test_one_state_dict_of_the_scaling_suite_runs_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--suite scaling:small`` (or ``scaling:llm``): one of the two scenarios, sized on its own."""
+    import argparse
+
+    from parallel_dcp.benchmark import suites
+    from parallel_dcp.benchmark.config import BenchConfig, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = BenchConfig.from_args(parser.parse_args([*TINY, "--suite", "scaling:small", "--targets", str(tmp_path)]))
+    ran: list[str] = []
+    monkeypatch.setattr(suites, "_scenario", lambda suite, *rest: ran.append(suite) or suite)
+    suites.run_all(config)
+    assert ran == ["scaling:small"]

@@ -37,6 +37,14 @@ class Saver:
     kernel refuses that (Yama ``kernel.yama.ptrace_scope`` >= 1), a RuntimeWarning says so at
     creation and each save forks its workers as :func:`parallel_dcp.save` does.
 
+    A save of a state dict laid out as the previous save's (the same keys in the same order and
+    nesting; each tensor's type, dtype, shape and strides; each other value's size) is not listed
+    and planned again: the previous save's listing and partition are reused (decided again only
+    where the memory limit binds), and so is each task's description for the workers where the
+    tensors lie where they lay. What changed in the values (the tensors' bytes, a step counter) is
+    what is written, bit for bit as a fresh save writes it; any other change is planned afresh.
+    The Saver keeps no tensor or value of a past save.
+
     Lifetime rules:
 
     - Use it as a context manager, or call :meth:`close`: the workers exit and are reaped and the

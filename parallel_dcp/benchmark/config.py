@@ -19,6 +19,8 @@ SUITES = (
     "convert",
     "lopsided",
     "scaling",
+    "scaling:llm",  # one of the scaling suite's two state dicts (a run of each fits a shorter slot)
+    "scaling:small",
     "load",
     "load-small",
     "compress",
@@ -37,6 +39,8 @@ _HELD = {
     "convert": 2.0,
     "lopsided": 1.0,
     "scaling": 1.0,
+    "scaling:llm": 1.0,
+    "scaling:small": 1.0,
     "load": 2.0,
     "load-small": 2.0,
     "compress": 2.0,
@@ -74,6 +78,8 @@ def _check_fits(suites: tuple[str, ...], gib: float, small: int) -> None:
         "small": many,
         "load-small": many,
         "scaling": llm + many,  # both state dicts are kept
+        "scaling:llm": llm,
+        "scaling:small": many,
         "compress": llm * 1.6,  # built as fp32+bf16, then cast to bf16
         "quantized": llm,
         "disk": llm,

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES
 
-__all__ = ["Item", "Task", "partition"]
+__all__ = ["Item", "Task", "one_task_memory", "partition"]
 
 # What one item costs beyond its bytes, in byte-equivalents: about 40 us of Python work per
 # ``torch.save`` record at ~1.5 GiB/s.
@@ -62,6 +62,15 @@ class Task:
     keys: tuple[str, ...]
     nbytes: int
     memory: int = 0
+
+
+def one_task_memory(items: Sequence[Item], *, memory_adds_up: bool = True) -> int:
+    """The memory of one task holding every item of ``items`` (not empty). Under a
+    ``max_task_memory`` at least this, :func:`partition` gives the same tasks whatever the limit
+    (a planner that outlives one job keys its memo on that: ``jobs/plan_reuse.py``)."""
+    kept: int = sum(map(_memory, items)) - (sum(map(_transient, items)) if memory_adds_up else 0)
+    largest_read: int = max(map(_transient, items))
+    return TASK_MEMORY_BYTES + kept + ITEM_MEMORY_BYTES * len(items) + largest_read
 
 
 def partition(
@@ -111,9 +120,7 @@ def partition(
         return buffers + ITEM_MEMORY_BYTES
 
     # Where every item in one task would fit, no bin can overflow: plain LPT, memory added after.
-    kept = sum(map(_memory, items)) - (sum(map(_transient, items)) if memory_adds_up else 0)
-    everything = TASK_MEMORY_BYTES + kept + ITEM_MEMORY_BYTES * len(items) + max(map(_transient, items))
-    if everything <= cap:
+    if one_task_memory(items, memory_adds_up=memory_adds_up) <= cap:
         largest = max(map(_nbytes, items)) + ITEM_OVERHEAD_BYTES
         if largest * _SMALL_ITEMS_PER_BIN <= total / n_bins:
             return _tasks(_ranges(items, n_bins, total), memory_adds_up)

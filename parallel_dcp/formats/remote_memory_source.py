@@ -207,6 +207,17 @@ class RemoteMemorySource(MemorySource):
         dtypes = map(names.__getitem__, dtype_names)
         self.entries, self._layouts = _rebuilt(keys, dtypes, shapes, strides, addresses)
 
+    def reopened(self, state_dict: Any, flat: dict[str, Any], values: dict[str, Any], path: str) -> RemoteMemorySource:
+        """In the coordinator: this source's listing (entries, sizes, nesting) over ``state_dict``
+        (flattened: ``flat``; its non-tensor ``values``), which the caller found laid out as this
+        one's, key by key (:mod:`parallel_dcp.jobs.plan_reuse`), saved to ``path``: no pass over
+        the keys here."""
+        source = object.__new__(type(self))
+        source.__dict__.update(self.__dict__)
+        source.state_dict, source._flat, source.values, source.path = state_dict, flat, values, path
+        source._owner, source._layouts = os.getpid(), {}
+        return source
+
     def shell(self) -> RemoteMemorySource:
         """In the coordinator: this source without any key (what every worker of a pool that
         outlives one job receives once; each task's keys come with it: :meth:`part`)."""

@@ -9,7 +9,7 @@ import torch
 
 from parallel_dcp.errors import InvalidStateDictError
 
-__all__ = ["check_tensor", "flatten_checked", "flatten_structure"]
+__all__ = ["check_tensor", "flatten_checked", "flatten_structure", "terminal_list"]
 
 
 def _check_keys(value: Any, path: str) -> None:
@@ -44,13 +44,13 @@ def check_tensor(key: str, tensor: torch.Tensor) -> None:
 _SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
-def _terminal_list(value: list[Any]) -> bool:
+def terminal_list(value: list[Any]) -> bool:
     """DCP's rule for a list: kept whole (one value) unless it holds a tensor, a mapping, or a
     list that is not kept whole itself."""
     if set(map(type, value)) <= _SCALARS:  # plain scalars (25,000 param ids): one C pass
         return True
     for entry in value:
-        if isinstance(entry, (Mapping, torch.Tensor)) or (isinstance(entry, list) and not _terminal_list(entry)):
+        if isinstance(entry, (Mapping, torch.Tensor)) or (isinstance(entry, list) and not terminal_list(entry)):
             return False
     return True
 
@@ -87,7 +87,7 @@ def _flatten(state_dict: Mapping[Any, Any]) -> tuple[dict[str, Any], dict[str, t
             inner, at = (*path, i), f"{name}.{i}"
             if isinstance(entry, Mapping):
                 walk(inner, f"{at}.", entry)
-            elif isinstance(entry, list) and not _terminal_list(entry):
+            elif isinstance(entry, list) and not terminal_list(entry):
                 walk_list(inner, at, entry)
             else:
                 leaf(inner, at, entry)
@@ -105,7 +105,7 @@ def _flatten(state_dict: Mapping[Any, Any]) -> tuple[dict[str, Any], dict[str, t
                 mapping[name] = (*path, key)
             elif type(value) is dict or isinstance(value, Mapping):  # a plain dict before the ABC check
                 walk((*path, key), f"{name}.", value)
-            elif isinstance(value, list) and not _terminal_list(value):
+            elif isinstance(value, list) and not terminal_list(value):
                 walk_list((*path, key), name, value)
             else:
                 leaf((*path, key), name, value)

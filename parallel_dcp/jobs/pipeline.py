@@ -437,7 +437,7 @@ def run_tasks(
             if phases is not None:
                 phases["fork"] = time.perf_counter() - began
             # Each worker receives the job's shell once and each task's keys with the task.
-            parts = job_parts(job, tasks)
+            parts = job_parts(job, tasks, target.plans.parts(job, tasks) if target.plans is not None else None)
             for result in pool.run(
                 tasks,
                 governor=governor,

@@ -36,10 +36,10 @@ from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import WorkerPool, gc_paused
 from parallel_dcp.engine.process_memory import ChargeReader
 from parallel_dcp.engine.remote_memory import RemoteBytes, refusal
-from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
 from parallel_dcp.jobs import pipeline
 from parallel_dcp.jobs.pipeline import SaveResult
-from parallel_dcp.jobs.targets import DcpTarget, Job, prepare_io
+from parallel_dcp.jobs.plan_reuse import PlanReuse
+from parallel_dcp.jobs.targets import DcpTarget, prepare_io
 from parallel_dcp.options import Options
 from parallel_dcp.storage.direct_write import DEPTH, keep_buffers
 
@@ -141,6 +141,7 @@ class SaverWorkers:
         self.owner = os.getpid()
         self.refused: str | None = None
         self._charges = ChargeReader()  # knows the workers' code shares from one save to the next
+        self._plans = PlanReuse()  # the last layout saved: its listing, partitions and parts
         self._pool: WorkerPool | None = None
         _server.acquire()
         self._released = False
@@ -199,9 +200,10 @@ class SaverWorkers:
         server = fork_server_pid()
         held = [*([server] if server else []), *pool.pids]
         governor = MemoryGovernor(options.memory_ceiling(), held=held, charges=self._charges)
+        # A layout saved before is listed, planned and parted as it was (jobs/plan_reuse.py).
+        target.plans = self._plans
         with gc_paused():
-            source = RemoteMemorySource(str(path), state_dict=state_dict, pending_writes=not options.crc32)
-            job = Job(source, source.keys())
+            job = self._plans.job(state_dict, str(path), pending_writes=not options.crc32)
         try:
             result = pipeline.run_job(job, target, options, governor, start=start, pool=pool)
         except BaseException:

@@ -34,8 +34,9 @@ from parallel_dcp.formats import FILE_FORMATS, FORMATS, lean, metadata_pickle
 from parallel_dcp.formats.base import FileFormat, Source, index_json
 from parallel_dcp.formats.dcp_format import ChunkSavePlanner
 from parallel_dcp.jobs.copy_files import read_copies
+from parallel_dcp.jobs.dcp_entries import remaining_entries
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
-from parallel_dcp.partial import merge_metadata, partial_save
+from parallel_dcp.partial import partial_save
 from parallel_dcp.storage.compression import Compression
 from parallel_dcp.storage.direct_write import direct_write_memory, new_file
 from parallel_dcp.storage.io_mode import resolve_io, uses_direct
@@ -189,6 +190,7 @@ class Target(ABC):
     tensors_only = False
     splits_tensors = False
     merge_seconds: float = 0.0  # of the last commit: joining the tasks' results (SaveResult.phases)
+    plans: Any = None  # a Saver's memo of its last layout (jobs/plan_reuse.py: PlanReuse)
     # The destination's resolved I/O mode (see prepare_io); ``direct_capable``: this kind of output
     # writes its files through storage.direct_write when the mode says so.
     io: str = "buffered"
@@ -304,13 +306,24 @@ class DcpTarget(Target):
         return super().io_memory(nbytes) + compressor
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
-        items = _items(job)
-        io = self.io_memory(sum(map(itemgetter(1), items)))  # one file per task: one stream
-        tasks = partition(items, workers, max_task_memory=max(1, budget - io))
+        plain = job.source.plain_tensors()
+        if self.plans is not None:  # a Saver's: the partition of a layout it planned before, kept
+            decision = (self.io, str(self.compression), type(self.path), plain)
+            kept: list[Task] = self.plans.tasks(
+                job, workers, budget, _items, self._room, partial(self._plan, plain), decision
+            )
+            return kept
+        return self._plan(plain, _items(job), workers, budget)
+
+    def _room(self, nbytes: int, budget: int) -> int:  # items of nbytes, one file per task: one stream
+        return max(1, budget - self.io_memory(nbytes))
+
+    def _plan(self, plain: bool, items: list[Item], workers: int, budget: int) -> list[Task]:
+        tasks = partition(items, workers, max_task_memory=self._room(sum(map(itemgetter(1), items)), budget))
         # A task on the lean path (plain tensors) holds no DCP planner: a smaller fixed cost. It was
         # measured for local files; an upload to object storage keeps the full figure.
         local = not isinstance(self.path, Remote)
-        saved = TASK_MEMORY_BYTES - LEAN_TASK_MEMORY_BYTES if local and job.source.plain_tensors() else 0
+        saved = TASK_MEMORY_BYTES - LEAN_TASK_MEMORY_BYTES if local and plain else 0
         return [dataclasses.replace(t, memory=t.memory - saved + self.io_memory(t.nbytes)) for t in tasks]
 
     def write(self, job: Job, task: Task, data: dict[str, Any], staging: WriteLocation, options: Options) -> Any:
@@ -349,7 +362,7 @@ class DcpTarget(Target):
             # The workers pickled their whole keys' entries; what is left is built here. Each
             # piece goes where its first unit is in the job, so .metadata keeps the job's order.
             runs = [run for r in results if isinstance(r, lean.LeanPart) for run in r.runs]
-            runs += _remaining_entries(job, results)
+            runs += remaining_entries(job, results)
             runs.sort(key=lambda run: run[0])
             self.merge_seconds = time.perf_counter() - began
             # What FileSystemWriter.finish records besides the entries.
@@ -367,39 +380,6 @@ def _encoded(job: Job, result: Any) -> Any:
     """``result`` with a lean part's whole keys pickled (:func:`lean.encode`), unless they are already."""
     plain = isinstance(result, lean.LeanPart) and (bool(result.values) or any(t[5] is None for t in result.tensors))
     return lean.encode(result, job.source.mapping, job.positions()) if plain else result
-
-
-def _remaining_entries(job: Job, results: list[Any]) -> list[tuple[int, tuple[bytes, bytes, bytes]]]:
-    """The ``.metadata`` entries no worker pickled, one piece per key at its place in the job:
-    chunks of split tensors (one entry per tensor, its chunks from several parts) and tasks that
-    went through DCP's planner (DTensor, ...)."""
-    leftovers = [r for r in results if isinstance(r, lean.LeanPart) and (r.values or r.tensors)]
-    parts = [lean.build(leftovers)] if leftovers else []
-    parts += [(r[0], [r[1]]) for r in results if not isinstance(r, lean.LeanPart)]
-    if not parts:
-        return []
-    merged = merge_metadata([m for m, _ in parts]) if len(parts) > 1 else parts[0][0]
-    stored: dict[str, list[Any]] = {}
-    for _, writes in parts:
-        for ws in writes:
-            for w in ws:
-                stored.setdefault(w.index.fqn, []).append(w)
-    place: dict[str, int] = {}
-    for i, unit in enumerate(job.keys):
-        chunk = job.chunks.get(unit)
-        place.setdefault(chunk.key if chunk else unit, i)
-    return [
-        (
-            place.get(key, len(job.keys)),
-            (
-                metadata_pickle.dict_fragment({key: entry}),
-                # Nesting comes from the whole source, not from the parts (which were saved flat).
-                metadata_pickle.dict_fragment({key: job.source.mapping.get(key, (key,))}),
-                metadata_pickle.dict_fragment({w.index: w.storage_data for w in stored.get(key, [])}),
-            ),
-        )
-        for key, entry in merged.state_dict_metadata.items()
-    ]
 
 
 class ShardedTarget(Target):

@@ -1,0 +1,248 @@
+"""Saves of one layout on the same workers, listed, planned and parted once (a Saver's checkpoints).
+
+A training loop saves a state dict of the same keys, shapes and dtypes again and again. The
+coordinator's per-key work (50,000 keys: several us a key) is the serial part that caps a save on
+many cores. A :class:`PlanReuse` (one per ``SaverWorkers``: a Saver, or the workers ``save()``
+keeps) does that work for the first save of a layout only:
+
+    save n (a layout not seen before)          save n + 1 (the same layout)
+    ─────────────────────────────────          ────────────────────────────
+    open: flatten; list, check and size        open: flatten; the layout's columns compared
+      every tensor (RemoteMemorySource)          with save n's (C passes, no object per key):
+    remember the layout's columns                save n's listing over save n + 1's tensors
+    plan: the same decisions every save (limit, workers, chunk size, each item against the limit:
+      O(1) or per task), then the partition, which depends on the layout and those decisions
+      only; kept by them (a limit at least the whole job's memory: one entry, whatever it is)
+    parts: each task's keys and addresses,     parts: save n's pickled bytes, where the tensors
+      pickled (jobs/task_parts.py)               lie where they lay and the task holds no
+                                                 non-tensor value; the others made again
+
+The layout (:class:`Layout`) is what the listing and the plan depend on: every key in order, its
+nesting, each tensor's type, dtype, shape and strides (that it is a CPU strided tensor: checked
+again), each other value's key and size (``Source.value_bytes``), and whether the writers copy
+large tensors themselves (``pending_writes``). Not in it: where the tensors lie (the parts carry
+addresses: compared, the parts made again where they moved), storage shared between tensors (a
+worker copies each tensor's own bytes; nothing is planned by storage), the values' contents (sent
+with each task). A layout that differs in anything is listed and planned afresh, as the first.
+
+The memo holds no tensor and no value of a past save: the listing is kept without them. It keeps
+the last ``LAYOUTS`` layouts (a loop that saves its model and its optimizer in turn finds both).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from operator import attrgetter, itemgetter
+from typing import Any, TypeVar
+
+import torch
+
+from parallel_dcp.engine.partition import Item, Task, one_task_memory
+from parallel_dcp.formats import lean
+from parallel_dcp.formats.nesting import Skeleton, leaves, skeleton
+from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
+from parallel_dcp.formats.validate import flatten_checked
+from parallel_dcp.jobs.targets import Job
+from parallel_dcp.jobs.task_parts import JobPart
+
+__all__ = ["LAYOUTS", "Layout", "PlanReuse"]
+
+_meta = attrgetter("dtype", "shape", "is_cpu", "layout")
+_stride, _address = torch.Tensor.stride, torch.Tensor.data_ptr
+# Partitions (and item lists) kept per layout: a few decisions (worker counts, limits) at a time.
+_KEPT = 4
+# Layouts kept: a training loop's model and optimizer, saved in turn, and a few more.
+LAYOUTS = 4
+V = TypeVar("V")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Layout:
+    """A save's layout in columns (see the module docstring); compared, never hashed by value."""
+
+    keys: tuple[str, ...]
+    mapping: dict[str, tuple[Any, ...]]
+    tensor_keys: tuple[str, ...]
+    value_keys: tuple[str, ...]
+    types: list[type]
+    metas: list[tuple[torch.dtype, torch.Size, bool, torch.layout]]  # _meta's: dtype, shape, on the CPU, strided
+    strides: list[tuple[int, ...]]
+    value_sizes: list[int]
+    pending_writes: bool
+    nesting: Skeleton | None  # the containers flattened (formats/nesting.py): None, flatten again
+
+
+class _Kept:
+    """What is kept of one layout: its listing (no tensor, no value), its job's sizes and places,
+    its partitions, and its tasks' parts with the addresses they were made for."""
+
+    def __init__(self, layout: Layout, listing: RemoteMemorySource, job: Job, addresses: list[int]) -> None:
+        self.layout = layout
+        self.listing = listing
+        self.caches = (job._sizes, job._ordered_sizes, job._positions)  # filled as the job is planned
+        self.addresses = addresses  # where the current save's tensors lie, in tensor_keys order
+        # Per (dtype, chunks) of a job over this layout: its items, their bytes, one task's memory.
+        self.items: dict[Any, tuple[list[Item], int, int]] = {}
+        self.tasks: dict[Any, list[Task]] = {}
+        # Pickled parts of the tasks in ``parted`` (the same Task objects), made for ``parted_at``.
+        self.parts: dict[int, bytes | JobPart] = {}
+        self.parted: list[Task] = []
+        self.parted_at: list[int] = []
+
+
+class PlanReuse:
+    """The listing, the partitions and the parts of the last ``LAYOUTS`` layouts saved (a training
+    loop may save its model and its optimizer in turn; see the module docstring). ``reused``: how
+    many saves found a layout saved before (for tests and benchmarks)."""
+
+    def __init__(self) -> None:
+        self.reused = 0
+        self._kept: list[_Kept] = []  # the most recently used first
+        self._opened: weakref.ref[RemoteMemorySource] | None = None  # this save's source
+        self._current: _Kept | None = None  # and its layout's
+
+    def __reduce__(self) -> Any:
+        # Sent to workers with the target: the memo is the coordinator's, a worker gets none of it.
+        return (PlanReuse, ())
+
+    @property
+    def _layout(self) -> Layout | None:
+        """The layout of the last save (tests)."""
+        return self._kept[0].layout if self._kept else None
+
+    def job(self, state_dict: Any, path: str, *, pending_writes: bool) -> Job:
+        """The job of this save, every key of ``state_dict`` to ``path``: a kept layout's listing
+        (and its job's sizes and places, made while it planned) over ``state_dict`` where the
+        layout is the same, else ``state_dict`` listed afresh (which raises what opening raises)."""
+        for kept in self._kept:
+            found = _reopen(kept, state_dict, path, pending_writes)
+            if found is not None:
+                self.reused += 1
+                self._kept.remove(kept)
+                self._kept.insert(0, kept)
+                return Job(self._opening(found, kept), kept.layout.keys, None, {}, *kept.caches)
+        source = RemoteMemorySource(path, state_dict=state_dict, pending_writes=pending_writes)
+        tensors = list(map(source._flat.__getitem__, source.entries))
+        layout = Layout(
+            keys=source.keys(),
+            mapping=source.mapping,
+            tensor_keys=tuple(source.entries),
+            value_keys=tuple(source.values),
+            types=list(map(type, tensors)),
+            metas=list(map(_meta, tensors)),
+            strides=list(map(_stride, tensors)),
+            value_sizes=list(map(source.value_bytes, source.values)),
+            pending_writes=source.pending_writes,
+            nesting=skeleton(state_dict),
+        )
+        job = Job(source, layout.keys)
+        kept = _Kept(layout, source.reopened(None, {}, {}, path), job, list(map(_address, tensors)))
+        self._kept.insert(0, kept)
+        del self._kept[LAYOUTS:]
+        self._opening(source, kept)
+        return job
+
+    def _opening(self, source: RemoteMemorySource, kept: _Kept) -> RemoteMemorySource:
+        self._opened, self._current = weakref.ref(source), kept
+        return source
+
+    def _this_save(self, job: Job) -> _Kept | None:
+        """The kept layout of ``job``'s source, where it is this save's (else None: plan as without a memo)."""
+        opened = self._opened() if self._opened is not None else None
+        return self._current if opened is not None and job.source is opened else None
+
+    def tasks(
+        self,
+        job: Job,
+        workers: int,
+        budget: int,
+        items: Callable[[Any], list[Item]],
+        room: Callable[[int, int], int],
+        plan: Callable[[list[Item], int, int], list[Task]],
+        decision: tuple[Any, ...],
+    ) -> list[Task]:
+        """``plan(items(job), workers, budget)`` (a target's partition of ``job``), kept by what it
+        depends on: the job's shape over this layout, ``workers``, the target's ``decision`` (its
+        I/O mode and what sizes its streams) and the room a task has (``room(bytes of the items,
+        budget)``) where it binds: the partition does not depend on it where one task could hold
+        every item (``one_task_memory``)."""
+        kept = self._this_save(job)
+        if kept is None:
+            return plan(items(job), workers, budget)
+        shape = (job.dtype, tuple(job.chunks.items()))
+        found = kept.items.get(shape)
+        if found is None:
+            listed = items(job)
+            whole = one_task_memory(listed) if listed else 0
+            found = _keep(kept.items, shape, (listed, sum(map(itemgetter(1), listed)), whole))
+        listed, nbytes, whole = found
+        cap = room(nbytes, budget)
+        key = (shape, workers, decision, None if whole <= cap else cap)
+        tasks = kept.tasks.get(key)
+        if tasks is None:
+            tasks = _keep(kept.tasks, key, plan(listed, workers, budget))
+        return list(tasks)
+
+    def parts(self, job: Job, tasks: Sequence[Task]) -> dict[int, bytes | JobPart] | None:
+        """The parts kept for ``tasks`` of ``job`` (a job part per task index, to take and to
+        fill; None: not this save's job): valid while the tasks are the same and the tensors lie
+        where they lay when the parts were made."""
+        kept = self._this_save(job)
+        if kept is None:
+            return None
+        same = len(tasks) == len(kept.parted) and all(map(_is, tasks, kept.parted))
+        if not same or kept.addresses != kept.parted_at:
+            kept.parts = {}
+            kept.parted, kept.parted_at = list(tasks), kept.addresses
+        return kept.parts
+
+
+def _reopen(kept: _Kept, state_dict: Any, path: str, pending_writes: bool) -> RemoteMemorySource | None:
+    """``kept``'s listing over ``state_dict`` when its layout is ``kept``'s (noting where its
+    tensors lie); None when anything differs."""
+    layout = kept.layout
+    found = leaves(layout.nesting, state_dict) if layout.nesting is not None else None
+    if found is not None:  # nested as before: DCP would give its leaves the same names and paths
+        flat = dict(zip(layout.keys, found, strict=True))
+    else:
+        try:
+            flat, mapping = flatten_checked(state_dict, check_tensors=False)
+        except Exception:
+            return None  # opening afresh raises it, with its message
+        if tuple(flat) != layout.keys or mapping != layout.mapping:
+            return None
+    tensors = list(map(flat.__getitem__, layout.tensor_keys))
+    if list(map(type, tensors)) != layout.types:
+        return None
+    # One pass reads dtype, shape, device and layout together: each pass over 50,000 tensors
+    # spread in memory costs 0.3-0.5 us a key however little it reads (a dtype decides quantized).
+    try:  # strides: no tensor of another layout gets this far (one that raises: none does)
+        same = list(map(_meta, tensors)) == layout.metas and list(map(_stride, tensors)) == layout.strides
+    except RuntimeError:
+        return None
+    values = {key: flat[key] for key in layout.value_keys}
+    if not same or any(isinstance(value, torch.Tensor) for value in values.values()):
+        return None
+    if (pending_writes and lean.lean_eligible(values.values())) != layout.pending_writes:
+        return None
+    source = kept.listing.reopened(state_dict, flat, values, path)
+    if list(map(source.value_bytes, layout.value_keys)) != layout.value_sizes:
+        return None
+    kept.addresses = list(map(_address, tensors))
+    return source
+
+
+def _keep(memo: dict[Any, V], key: Any, value: V) -> V:
+    """``memo[key] = value``, the oldest entries dropped past ``_KEPT``: where the limit binds and
+    moves from save to save (the default, half the memory available), each save plans anew, and
+    a long training run must not keep every plan it made."""
+    memo[key] = value
+    while len(memo) > _KEPT:
+        del memo[next(iter(memo))]
+    return value
+
+
+def _is(a: object, b: object) -> bool:
+    return a is b

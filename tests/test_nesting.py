@@ -1,0 +1,98 @@
+"""A state dict walked along the nesting of an earlier one (formats/nesting.py) gives the leaves
+DCP's flattening gives, or None wherever the nesting differs."""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from parallel_dcp.formats.nesting import leaves, skeleton
+from parallel_dcp.formats.validate import flatten_checked
+from tests.test_validate import nestings
+
+
+def _renewed(sd: Any) -> Any:
+    """The same nesting, every container and tensor new (a training loop's next state_dict())."""
+    return copy.deepcopy(sd)
+
+
+@pytest.mark.parametrize("name", list(nestings()))
+def test_leaves_are_what_flattening_gives_in_its_order(name: str) -> None:
+    sd = nestings()[name]
+    shape = skeleton(sd)
+    if shape is None:  # a tuple leaf or a key that is not a plain string: flattened each time
+        assert name in ("tuples", "str_subclass")
+        return
+    again = _renewed(sd)
+    found = leaves(shape, again)
+    assert found is not None
+    want = list(flatten_checked(again)[0].values())
+    assert len(found) == len(want) and all(a is b for a, b in zip(found, want, strict=True))
+
+
+def _base() -> dict[str, Any]:
+    t = torch.ones(2)
+    return {
+        "model": {"w": t, "b": torch.zeros(3)},
+        "optim": {"state": {"0": {"m": t, "v": t}}, "groups": [{"lr": 0.1, "params": [0, 1]}]},
+        "step": 3,
+    }
+
+
+def _rename(sd: dict[str, Any]) -> None:
+    sd["model"]["w2"] = sd["model"].pop("w")
+
+
+def _reorder(sd: dict[str, Any]) -> None:
+    sd["model"] = {"b": sd["model"]["b"], "w": sd["model"]["w"]}
+
+
+def _ordered(sd: dict[str, Any]) -> None:
+    sd["model"] = OrderedDict(sd["model"])
+
+
+def _longer_list(sd: dict[str, Any]) -> None:
+    sd["optim"]["groups"].append({"lr": 0.2, "params": [2]})
+
+
+def _walked_list(sd: dict[str, Any]) -> None:  # a list kept whole now holds a tensor: walked
+    sd["optim"]["groups"][0]["params"].append(torch.ones(1))
+
+
+def _leaf_to_mapping(sd: dict[str, Any]) -> None:
+    sd["step"] = {"n": 3}
+
+
+def _leaf_to_tuple(sd: dict[str, Any]) -> None:
+    sd["model"]["w"] = (torch.ones(2),)
+
+
+def _mapping_to_leaf(sd: dict[str, Any]) -> None:
+    sd["optim"]["state"] = 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [_rename, _reorder, _ordered, _longer_list, _walked_list, _leaf_to_mapping, _leaf_to_tuple, _mapping_to_leaf],
+)
+def test_another_nesting_is_refused(change: Callable[[dict[str, Any]], None]) -> None:
+    shape = skeleton(_base())
+    assert shape is not None
+    changed = _base()
+    assert leaves(shape, changed) is not None  # the same nesting: walked
+    change(changed)
+    assert leaves(shape, changed) is None
+
+
+def test_new_values_in_the_same_nesting_are_walked() -> None:
+    shape = skeleton(_base())
+    assert shape is not None
+    changed = _base()
+    changed["step"], changed["model"]["w"] = 4, torch.full((5,), 2.0)  # a value, a tensor (any shape)
+    found = leaves(shape, changed)
+    assert found is not None and found[0] is changed["model"]["w"] and found[-1] == 4
