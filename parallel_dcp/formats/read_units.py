@@ -142,6 +142,15 @@ class _File:
             self.where.read_into(offset, view)
             offset += view.nbytes
 
+    def read_spans(self, spans: list[tuple[int, list[memoryview]]]) -> None:
+        """Several separate spans, their reads in flight together where the file is local."""
+        if self.local is None:
+            for offset, views in spans:
+                self.read(offset, views)
+            return
+        self.reads += len(spans)
+        self.local.read_spans(spans)
+
 
 def _memory(tensor: torch.Tensor, element: int, nbytes: int) -> memoryview:
     address = tensor.data_ptr() + element * tensor.element_size()
@@ -235,6 +244,7 @@ class Unit:
                 windows.append((r.offset, r.offset + HEAD_BYTES, r, "head"))
                 windows.append((r.offset + r.length - TAIL_BYTES, r.offset + r.length, r, "tail"))
         windows.sort(key=lambda w: w[0])
+        spans: list[tuple[int, list[memoryview]]] = []
         i = 0
         while i < len(windows):
             start, stop, j = windows[i][0], windows[i][1], i + 1
@@ -242,7 +252,7 @@ class Unit:
                 stop, j = max(stop, windows[j][1]), j + 1
             raw = bytearray(stop - start)
             buffer = memoryview(raw)
-            file.read(start, [buffer])
+            spans.append((start, [buffer]))
             for w_start, w_stop, record, kind in windows[i:j]:
                 view = buffer[w_start - start : w_stop - start]
                 if kind in ("whole", "head"):
@@ -252,6 +262,7 @@ class Unit:
                 if kind == "whole":
                     record.batch, record.at = raw, w_start - start
             i = j
+        file.read_spans(spans)  # in flight together: one window per record, across the file
 
     def _bulk(self, file: _File, stats: ReadStats) -> list[Record]:
         """Copy the small records that hold a whole plain tensor for one whole dense target, each
