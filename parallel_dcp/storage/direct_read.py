@@ -114,8 +114,9 @@ def _huge_buffer(nbytes: int) -> mmap.mmap:
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(OSError):  # no transparent huge pages here: 4 KiB pages, as before
         buffer.madvise(advice)
-    buffer.write(bytes(nbytes))  # faulted in now (in huge pages where given), not by the first read
-    buffer.seek(0)
+    # Faulted in now (in huge pages where given), not by the first read: one byte written a page,
+    # so no temporary of the buffer's size exists (admission counts the buffers alone).
+    buffer[:: mmap.PAGESIZE] = bytes(len(range(0, nbytes, mmap.PAGESIZE)))
     return buffer
 
 
