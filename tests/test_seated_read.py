@@ -122,8 +122,10 @@ def _state() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("writer", ["parallel_dcp", "stock"])
 def test_fresh_large_tensors_are_read_in_place(disk: Path, monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
-    """A direct load into fresh tensors reads each large one's pages straight into its own memory
-    (before: every byte bounced and copied), whatever byte its record's data starts at."""
+    """Where the bounce buffers cannot be in huge pages, a direct load into fresh tensors reads each
+    large one's pages straight into its own memory (before: every byte bounced and copied),
+    whatever byte its record's data starts at."""
+    monkeypatch.setattr(seated, "rooms", lambda: True)
     sd = _state()
     path = disk / "ckpt"
     if writer == "stock":
@@ -151,6 +153,7 @@ def test_fresh_large_tensors_are_read_in_place(disk: Path, monkeypatch: pytest.M
 
 
 def test_the_rooms_page_is_charged_under_the_memory_limit(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(seated, "rooms", lambda: True)
     sd = _state()
     parallel_dcp.save(sd, disk / "ckpt", workers=1)
     reserved: list[tuple[int, str]] = []
@@ -167,7 +170,40 @@ def test_the_rooms_page_is_charged_under_the_memory_limit(disk: Path, monkeypatc
     assert output == [sum(t.nbytes for t in sd.values()) + large * ALIGN]
 
 
+@pytest.mark.parametrize("writer", ["parallel_dcp", "stock"])
+def test_with_huge_page_bounce_buffers_fresh_tensors_get_no_room_and_are_bounced(
+    disk: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    """Where the bounce buffers are in huge pages (one device request a read), fresh tensors are
+    plain ``torch.empty`` tensors filled through them, charged at their own size."""
+    monkeypatch.setattr(direct_read, "huge_pages", lambda: True)
+    monkeypatch.setattr(seated, "huge_pages", lambda: True)
+    sd = _state()
+    path = disk / "ckpt"
+    if writer == "stock":
+        dcp.save(sd, checkpoint_id=str(path), no_dist=True)
+    else:
+        parallel_dcp.save(sd, path, workers=2)
+    seen = _spy(monkeypatch)
+    reserved: list[tuple[int, str]] = []
+    reserve = MemoryGovernor.reserve
+
+    def spy(self: MemoryGovernor, nbytes: int, what: str) -> None:
+        reserved.append((nbytes, what))
+        reserve(self, nbytes, what)
+
+    monkeypatch.setattr(MemoryGovernor, "reserve", spy)
+    loaded = parallel_dcp.load(path, workers=2, io="direct")
+    assert_same(loaded, sd)
+    large = [k for k, t in sd.items() if t.nbytes > seated.ROOM_MIN_BYTES]
+    assert sum(seen["bounce"]) >= sum(sd[k].nbytes for k in large)  # every large tensor's bytes bounced
+    for key in large:
+        assert loaded[key].untyped_storage().nbytes() == loaded[key].nbytes, key  # no room
+    assert [n for n, what in reserved if what.startswith("loading")] == [sum(t.nbytes for t in sd.values())]
+
+
 def test_seat_puts_a_tensor_where_its_file_offset_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(seated, "rooms", lambda: True)  # rooms where the bounce buffers are in 4 KiB pages
     for dtype in (torch.uint8, torch.bfloat16, torch.float32, torch.float64):
         for offset in (0, 1, 3, 64, 4095, 4097, 12345):
             tensor, room = seated.fresh(dtype, (MiB // dtype.itemsize + 3,))

@@ -31,6 +31,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import mmap
 import os
 import threading
@@ -43,7 +44,7 @@ from parallel_dcp.storage.direct_write import MEMMOVE_BYTES, address
 from parallel_dcp.storage.io_mode import ALIGN, uses_direct
 from parallel_dcp.storage.safe_files import open_regular, vanished
 
-__all__ = ["DEPTH", "PIECE_BYTES", "REQUEST_BYTES", "ShardFile", "direct_read_memory", "vanished"]
+__all__ = ["DEPTH", "PIECE_BYTES", "REQUEST_BYTES", "ShardFile", "direct_read_memory", "huge_pages", "vanished"]
 
 PIECE_BYTES = 4 << 20
 # One direct read of :meth:`ShardFile.read` (at most PIECE_BYTES, its buffers' size): this disk
@@ -96,6 +97,16 @@ def _take_buffers() -> list[mmap.mmap]:
         _spare.pair = None
         return pair
     return [_huge_buffer(PIECE_BYTES) for _ in range(DEPTH)]
+
+
+@functools.cache
+def huge_pages() -> bool:
+    """Whether this kernel gives transparent huge pages to a buffer that asks (``MADV_HUGEPAGE``)."""
+    try:
+        setting = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in setting
 
 
 def _huge_buffer(nbytes: int) -> mmap.mmap:
