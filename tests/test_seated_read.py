@@ -120,18 +120,37 @@ def _state() -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("writer", ["parallel_dcp", "stock"])
-def test_fresh_large_tensors_are_read_in_place(disk: Path, monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
-    """Where the bounce buffers cannot be in huge pages, a direct load into fresh tensors reads each
-    large one's pages straight into its own memory (before: every byte bounced and copied),
-    whatever byte its record's data starts at."""
-    monkeypatch.setattr(seated, "rooms", lambda: True)
+def _saved(disk: Path, writer: str) -> tuple[dict[str, torch.Tensor], Path]:
+    """:func:`_state` saved to ``disk / "ckpt"`` by ``writer`` (parallel_dcp or stock DCP)."""
     sd = _state()
     path = disk / "ckpt"
     if writer == "stock":
         dcp.save(sd, checkpoint_id=str(path), no_dist=True)
     else:
         parallel_dcp.save(sd, path, workers=2)
+    return sd, path
+
+
+def _reservations(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """Every ``MemoryGovernor.reserve`` from now on: (bytes, what)."""
+    reserved: list[tuple[int, str]] = []
+    reserve = MemoryGovernor.reserve
+
+    def spy(self: MemoryGovernor, nbytes: int, what: str) -> None:
+        reserved.append((nbytes, what))
+        reserve(self, nbytes, what)
+
+    monkeypatch.setattr(MemoryGovernor, "reserve", spy)
+    return reserved
+
+
+@pytest.mark.parametrize("writer", ["parallel_dcp", "stock"])
+def test_fresh_large_tensors_are_read_in_place(disk: Path, monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
+    """Where the bounce buffers cannot be in huge pages, a direct load into fresh tensors reads each
+    large one's pages straight into its own memory (before: every byte bounced and copied),
+    whatever byte its record's data starts at."""
+    monkeypatch.setattr(seated, "rooms", lambda: True)
+    sd, path = _saved(disk, writer)
     seen = _spy(monkeypatch)
     loaded = parallel_dcp.load(path, workers=2, io="direct")
     assert_same(loaded, sd)
@@ -156,14 +175,7 @@ def test_the_rooms_page_is_charged_under_the_memory_limit(disk: Path, monkeypatc
     monkeypatch.setattr(seated, "rooms", lambda: True)
     sd = _state()
     parallel_dcp.save(sd, disk / "ckpt", workers=1)
-    reserved: list[tuple[int, str]] = []
-    reserve = MemoryGovernor.reserve
-
-    def spy(self: MemoryGovernor, nbytes: int, what: str) -> None:
-        reserved.append((nbytes, what))
-        reserve(self, nbytes, what)
-
-    monkeypatch.setattr(MemoryGovernor, "reserve", spy)
+    reserved = _reservations(monkeypatch)
     parallel_dcp.load(disk / "ckpt", workers=1, io="direct")
     large = sum(1 for t in sd.values() if t.nbytes > seated.ROOM_MIN_BYTES)
     output = [n for n, what in reserved if what.startswith("loading")]
@@ -178,21 +190,9 @@ def test_with_huge_page_bounce_buffers_fresh_tensors_get_no_room_and_are_bounced
     plain ``torch.empty`` tensors filled through them, charged at their own size."""
     monkeypatch.setattr(direct_read, "huge_pages", lambda: True)
     monkeypatch.setattr(seated, "huge_pages", lambda: True)
-    sd = _state()
-    path = disk / "ckpt"
-    if writer == "stock":
-        dcp.save(sd, checkpoint_id=str(path), no_dist=True)
-    else:
-        parallel_dcp.save(sd, path, workers=2)
+    sd, path = _saved(disk, writer)
     seen = _spy(monkeypatch)
-    reserved: list[tuple[int, str]] = []
-    reserve = MemoryGovernor.reserve
-
-    def spy(self: MemoryGovernor, nbytes: int, what: str) -> None:
-        reserved.append((nbytes, what))
-        reserve(self, nbytes, what)
-
-    monkeypatch.setattr(MemoryGovernor, "reserve", spy)
+    reserved = _reservations(monkeypatch)
     loaded = parallel_dcp.load(path, workers=2, io="direct")
     assert_same(loaded, sd)
     large = [k for k, t in sd.items() if t.nbytes > seated.ROOM_MIN_BYTES]
