@@ -122,3 +122,9 @@ def shards_by_task(path: Path) -> dict[int, bytes]:
         assert match, shard.name
         found[int(match.group(1))] = shard.read_bytes()
     return found
+
+
+def finished_task_records(out: Path) -> list[str]:
+    """The done records of a conversion's finished tasks in ``out``: sealed ones only (a ``.tmp``
+    record is still being written, and a kill then leaves its task unfinished)."""
+    return sorted(n for n in os.listdir(out) if n.startswith(".parallel_dcp.done.") and not n.endswith(".tmp"))

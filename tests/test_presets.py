@@ -27,7 +27,7 @@ from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.permuted_source import RowPermutation, permute_rows, permuted_source
 from parallel_dcp.storage.metadata import read_metadata
-from tests.conftest import assert_same
+from tests.conftest import assert_same, finished_task_records
 from tests.test_convert import write_hf_safetensors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -416,7 +416,7 @@ def test_a_failed_preset_conversion_resumes_only_with_it(tmp_path: Path, monkeyp
     def write(self: object, job: object, task: Any, data: object, staging: object, options: object) -> object:
         if task.index >= 1:
             deadline = time.monotonic() + 60
-            while not [n for n in os.listdir(out) if n.startswith(".parallel_dcp.done.")]:
+            while not finished_task_records(out):  # task 0 sealed its record: a kill now keeps it
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.02)

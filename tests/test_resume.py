@@ -27,7 +27,7 @@ from parallel_dcp import ResumeError, WorkerError
 from parallel_dcp.cli import main
 from parallel_dcp.jobs import targets
 from parallel_dcp.storage.resume import read_sealed, write_sealed
-from tests.conftest import assert_same, empty_like_state
+from tests.conftest import assert_same, empty_like_state, finished_task_records
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARD = 600_000  # two 256 KiB tensors a shard: four shards
@@ -64,19 +64,15 @@ def _source(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return path, sd
 
 
-def _records(out: Path) -> list[str]:
-    return sorted(n for n in os.listdir(out) if n.startswith(".parallel_dcp.done.") and not n.endswith(".tmp"))
-
-
 def _kill_midway(src: Path, out: Path, to: str) -> None:
     """Run the conversion in a child process and SIGKILL it once FINISHED tasks have recorded."""
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(src), str(out), str(FINISHED), to, str(SHARD)], cwd=ROOT)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and (not out.is_dir() or len(_records(out)) < FINISHED):
+        while time.monotonic() < deadline and (not out.is_dir() or len(finished_task_records(out)) < FINISHED):
             assert proc.poll() is None, "the conversion ended before it was killed"
             time.sleep(0.05)
-        assert len(_records(out)) == FINISHED
+        assert len(finished_task_records(out)) == FINISHED
         workers = psutil.Process(proc.pid).children()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -98,7 +94,7 @@ def _fail_midway(monkeypatch: pytest.MonkeyPatch, src: Path, out: Path, to: str,
         def write(self: Any, job: Any, task: Any, data: Any, staging: Any, options: Any, _o: Any = original) -> Any:
             if task.index >= FINISHED:
                 deadline = time.monotonic() + 60
-                while len(_records(out)) < FINISHED and time.monotonic() < deadline:
+                while len(finished_task_records(out)) < FINISHED and time.monotonic() < deadline:
                     time.sleep(0.02)
                 raise OSError(28, "No space left on device (injected)")
             return _o(self, job, task, data, staging, options)
@@ -107,7 +103,7 @@ def _fail_midway(monkeypatch: pytest.MonkeyPatch, src: Path, out: Path, to: str,
     with pytest.raises(WorkerError, match="No space left") as caught:
         parallel_dcp.convert(src, out, to=None if to == "dcp" else to, workers=4, shard_size=SHARD, **kwargs)
     monkeypatch.undo()
-    assert len(_records(out)) == FINISHED, "the finished tasks are left for resume"
+    assert len(finished_task_records(out)) == FINISHED, "the finished tasks are left for resume"
     # The error says what was kept and how to continue.
     notes = getattr(caught.value, "__notes__", [])
     assert any(f"{FINISHED} of " in note and "--resume" in note for note in notes), notes
@@ -203,7 +199,7 @@ def test_a_compressed_conversion_resumes_with_its_records_still_compressed(
 
 def _tamper_record(out: Path, edit: Any) -> None:
     """Rewrite task 0's done record through ``edit``, sealed again (an attacker can compute seals)."""
-    name = next(n for n in _records(out) if n.endswith(".0"))
+    name = next(n for n in finished_task_records(out) if n.endswith(".0"))
     record = read_sealed(out, name)
     assert record is not None
     edit(record)
@@ -237,7 +233,7 @@ def _flip(path: Path) -> None:
 
 
 def _edit_bytes(out: Path) -> None:
-    path = out / next(n for n in _records(out) if n.endswith(".0"))
+    path = out / next(n for n in finished_task_records(out) if n.endswith(".0"))
     text = path.read_text()
     path.write_text(text.replace('"task":0', '"task":0 ', 1).replace('"size":', '"size":1', 1))
 
@@ -280,7 +276,7 @@ def test_a_run_without_resume_removes_the_dead_conversion_with_a_warning(
         result = parallel_dcp.convert(src, out, workers=2)
     assert any("resume=True" in str(w.message) and "2 finished tasks" in str(w.message) for w in caught)
     assert not result.resumed and result.bytes_kept == 0
-    assert not _records(out)
+    assert not finished_task_records(out)
     assert_same(_read_output(out, "dcp", sd), sd)
 
 
@@ -328,7 +324,7 @@ def test_single_file_output_killed_before_its_commit_keeps_everything(tmp_path: 
     proc = subprocess.Popen([sys.executable, "-c", HELD_COMMIT, str(src), str(out)], cwd=ROOT)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not _records(tmp_path):
+        while time.monotonic() < deadline and not finished_task_records(tmp_path):
             assert proc.poll() is None, "the conversion ended before it was killed"
             time.sleep(0.05)
         workers = psutil.Process(proc.pid).children()
@@ -365,7 +361,7 @@ def test_a_resume_that_fails_leaves_the_finished_tasks_for_the_next(
     with pytest.raises(InsufficientSpaceError):
         parallel_dcp.convert(src, out, workers=2, resume=True)
     monkeypatch.undo()
-    assert len(_records(out)) == FINISHED and {n for n in before if n.endswith(".distcp")} <= set(os.listdir(out))
+    assert len(finished_task_records(out)) == FINISHED and {n for n in before if n.endswith(".distcp")} <= set(os.listdir(out))
     result = parallel_dcp.convert(src, out, workers=2, resume=True)
     assert result.resumed and result.bytes_kept > 0
     assert_same(_read_output(out, "dcp", sd), sd)

@@ -29,7 +29,7 @@ from parallel_dcp.errors import InvalidDestinationError, ParallelDCPError
 from parallel_dcp.storage.local_staging import LocalDirStaging
 from parallel_dcp.storage.ownership import LOCK_FILE, MANIFEST_FILE, METADATA_FILE, is_of_save, owner_name, temp_name
 from parallel_dcp.storage.resume import done_name, read_sealed, write_sealed
-from tests.conftest import assert_same
+from tests.conftest import assert_same, finished_task_records
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(240)
@@ -255,10 +255,6 @@ CONVERT_HELD = textwrap.dedent(
 )
 
 
-def _records(out: Path) -> list[str]:
-    return sorted(n for n in os.listdir(out) if n.startswith(".parallel_dcp.done.") and not n.endswith(".tmp"))
-
-
 def _partial_shards(out: Path) -> list[str]:
     """The staged shards of the tasks held mid-write (those from FINISHED on) that have bytes."""
     held = tuple(f".model-{i + 1:05d}-of-" for i in range(FINISHED, 8))
@@ -281,7 +277,7 @@ def _interrupt_midway(src: Path, out: Path) -> None:
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not (
-            out.is_dir() and len(_records(out)) >= FINISHED and _partial_shards(out)
+            out.is_dir() and len(finished_task_records(out)) >= FINISHED and _partial_shards(out)
         ):
             assert proc.poll() is None, "the conversion ended before it was interrupted"
             time.sleep(0.05)
@@ -322,7 +318,7 @@ def test_ctrl_c_mid_shard_leaves_nothing_that_blocks_the_next_run(
     (save_id,) = save_ids
     assert all(is_of_save(n, save_id) for n in names), names  # only the stopped save's own, kept files
     assert not _partial_shards(out), "the half-written shards were removed"
-    assert len(_records(out)) >= FINISHED
+    assert len(finished_task_records(out)) >= FINISHED
 
     # inspect tells what is there: an uncommitted safetensors output and the stopped save's files.
     assert cli.main(["inspect", str(out), "--json"]) == 0
@@ -366,7 +362,7 @@ def test_resume_through_a_symlinked_parent_keeps_the_finished_tasks(
     real = tmp_path / "real"
     real.mkdir()
     _kill_midway(src, real / "out", "safetensors")
-    finished = _records(real / "out")
+    finished = finished_task_records(real / "out")
     assert len(finished) >= FINISHED
     link = tmp_path / "link"
     link.symlink_to(real, target_is_directory=True)
