@@ -332,8 +332,19 @@ def test_scaling_suite_projects_from_its_own_measurements(tmp_path: Path) -> Non
         assert projection["serial_seconds"] >= 0 and projection["parallel_worker_seconds"] > 0
         assert set(projection["phases"]["1"]) == {"plan", "fork", "write", "merge", "commit"}
         # Issue 30 item 6: every executor probed alone and beside a busy thread, its pieces in the JSON.
-        assert set(projection["probe"]) == set(projection["executors"]) == {"default", "threads", "processes", "saver"}
+        assert (
+            set(projection["probe"])
+            == set(projection["executors"])
+            == {
+                "default",
+                "threads",
+                "processes",
+                "saver",
+                "saver_unchanged",
+            }
+        )
         assert projection["executors"]["saver"]["executor_used"] == "saver"
+        assert projection["executors"]["saver_unchanged"]["executor_used"] == "saver"
         assert projection["executors"]["threads"]["executor_used"] == "threads"
         assert projection["executors"]["threads"]["gil_capped"] is True
         assert projection["executors"]["processes"]["gil_capped"] is False
@@ -355,7 +366,7 @@ def test_scaling_suite_projects_from_its_own_measurements(tmp_path: Path) -> Non
     governor = scenarios["scaling:llm/" + str(target) + "/sync-on"]["projection"]["governor"]
     assert [row["workers"] for row in governor] == [8, 32, 64]
     assert all(row[f"{kind}_ms_per_process"] >= 0 for row in governor for kind in ("cheap", "rollup", "exact"))
-    for label in ("default", "threads", "processes", "saver"):
+    for label in ("default", "threads", "processes", "saver", "saver_unchanged"):
         assert run.stdout.count(f"projected {label}: x16 ") == 2
     assert run.stdout.count("governor reading at 64 workers") == 1
     assert list(target.iterdir()) == []

@@ -4,7 +4,8 @@
                busy Python thread in the caller, and beside one busy forked process (the control:
                it takes a core but not the GIL), with the default executor ("auto"), "threads",
                "processes" and a Saver's workers (the Saver started and saved once before the
-               rounds, so every timed Saver save is a second save)
+               rounds, so every timed Saver save is a second save), also with the promise that no
+               tensor was relaid in place ("saver_unchanged": ``layout_unchanged=True``)
     per run    wall seconds, worker seconds (SaveResult.per_worker, summed: P), phases, executor,
                and the slowest worker's per-job seconds (``setup_seconds``: a Saver's worker loading
                the job's shell before its first task; 0 where workers inherit the job)
@@ -48,8 +49,9 @@ from parallel_dcp.benchmark.writers import flat_tensors
 
 __all__ = ["BUSY_PROBE_KEYS", "PROBED", "executor_lines", "executor_projections", "probe_executors"]
 
-# "default" is save() with no executor given; "saver" is a Saver's second save.
-PROBED = ("default", "threads", "processes", "saver")
+# "default" is save() with no executor given; "saver" is a Saver's second save; "saver_unchanged"
+# the same with Saver.save(layout_unchanged=True).
+PROBED = ("default", "threads", "processes", "saver", "saver_unchanged")
 _BUSY = ("thread", "process")
 _GIL_BOUND = ("threads",)  # executors whose writers share the caller's interpreter
 _GiB = 2**30
@@ -111,8 +113,8 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
     with parallel_dcp.Saver(workers=1) as saver:
 
         def once(kind: str, sd: Any) -> Any:
-            if kind == "saver":
-                return saver.save(sd, out, sync_files=sync)
+            if kind in ("saver", "saver_unchanged"):
+                return saver.save(sd, out, sync_files=sync, layout_unchanged=kind == "saver_unchanged")
             if kind == "default":  # no executor given: what a user gets
                 return parallel_dcp.save(sd, out, workers=1, sync_files=sync)
             return parallel_dcp.save(sd, out, workers=1, sync_files=sync, executor=kind)
