@@ -419,10 +419,14 @@ def test_executor_projections_from_pieces() -> None:
             "threads": probe("threads", 1.0, 1.55, 0.9, 0.0),
             "processes": probe("processes", 1.0, 1.1, 0.8, 0.05),
             "saver": probe("saver", 1.0, 1.1, 0.8, 0.001) | {"worker_job_seconds": 0.03},
+            # The median of each run's wall - P, where the probe has it (not alone - worker seconds).
+            "saver_unchanged": probe("saver", 1.0, 1.1, 0.8, 0.001) | {"serial_seconds": 0.15},
         },
         nbytes=2 * 2**30,
         keys=1000,
     )
+    assert found["saver_unchanged"]["serial_seconds"] == pytest.approx(0.15)
+    assert found["saver"]["serial_seconds"] == pytest.approx(0.2)
     threads = found["threads"]
     assert threads["gil_held_share"] == pytest.approx(0.5) and threads["gil_capped"]
     assert threads["serial_seconds_per_gib"] == pytest.approx(0.05) and threads["serial_us_per_key"] == pytest.approx(
