@@ -216,7 +216,8 @@ def _load(
     pieces = [p for p in pieces if p.nbytes]  # an empty tensor has nothing to read
     # where the bounce buffers are in huge pages, whole tensors read direct go through them
     # (formats/bounced_read): each reading thread's ring is admitted with its other buffers
-    threads, bounce = _threads(options, budget, source, pieces, mapped, bool(spans) and bounced(options.io))
+    local = not isinstance(source.location, Remote)
+    threads, bounce = _threads(options, budget, source, pieces, mapped, bool(spans) and local and bounced(options.io))
     choice = _read_choice(options, budget, source, [p.file for p in pieces] + [s.file for s in spans], threads)
     total = sum(t.nbytes for t in targets.values()) + sum(source.entries[k].nbytes for k in spanned)
     with progress.Progress(total=total, enabled=options.progress, desc="load") as bar:
