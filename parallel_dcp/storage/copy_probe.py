@@ -146,8 +146,10 @@ def measure_copies(
             the files, or its writes to ``destination``, would.
     """
     files = [Path(p) for p in paths]
-    held = [ShardFile(path, io="buffered") for path in files]  # for the page-cache hints
+    held: list[ShardFile] = []  # one buffered descriptor per file, for the page-cache hints
     try:
+        for path in files:
+            held.append(ShardFile(path, io="buffered"))
         device = os.fstat(held[0].fd).st_dev
         copy_plan = plan([h.size for h in held], streams, read_probe.readahead_bytes(device))
         if copy_plan is None:
