@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +59,7 @@ class FakeDevice:
         self.rates = {True: ring, False: mmap}
         self.now = 0.0
         self.copies: list[tuple[Path, int, int, bool, Path]] = []
+        self.direct_writes: set[bool] = set()
         self.lock = threading.Lock()
 
     def clock(self) -> float:
@@ -75,6 +78,7 @@ def fake(monkeypatch: pytest.MonkeyPatch, ring: float, mmap: float) -> FakeDevic
         assert (directory / name).exists()  # written where the conversion writes, still there
         with device.lock:
             device.copies.append((path, offset, length, ring, directory))
+            device.direct_writes.add(direct_writes)
             device.now += length / device.rates[ring]
 
     monkeypatch.setattr(copy_probe, "_clock", device.clock)
@@ -141,6 +145,7 @@ def test_auto_follows_the_measurement_beside_the_writes(
     modes = [c[3] for c in device.copies]
     assert modes.count(True) == modes.count(False) == 4
     assert {c[4] for c in device.copies} == {disk / "out"}
+    assert device.direct_writes == {True} and result.io == "direct"  # written as the shards are
     assert not [n for n in os.listdir(disk / "out") if n.startswith(copy_probe.SCRATCH_PREFIX)]
     loads_as(disk / "out", tensors)
 
@@ -298,3 +303,22 @@ def test_the_cli_reports_the_choice_and_its_rates(
     (reported,) = json.loads(capsys.readouterr().out)
     assert reported["read_io"] == "direct"
     assert "ring 1.86 GiB/s" in reported["read_choice"] and "mmap 0.93 GiB/s" in reported["read_choice"]
+
+
+def test_a_destination_without_o_direct_is_measured_with_buffered_writes(
+    disk: Path, small_probe: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if io_mode.file_system_type("/dev/shm") != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    src, tensors = source(disk)
+    device = fake(monkeypatch, 1e9, 2e9)
+    shm = Path(tempfile.mkdtemp(prefix="pdcp-copychoice-", dir="/dev/shm"))
+    try:
+        result = parallel_dcp.convert(src, shm / "out", workers=2)
+        assert isinstance(result, parallel_dcp.SaveResult) and result.io == "buffered"
+        assert result.read_choice is not None and result.read_choice.reads == "buffered"
+        assert "buffered writes" in result.read_choice.summary()
+        assert device.direct_writes == {False} and {c[4] for c in device.copies} == {shm / "out"}
+        loads_as(shm / "out", tensors)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
