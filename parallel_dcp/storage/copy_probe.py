@@ -56,8 +56,8 @@ __all__ = ["MIN_RUN", "PROBE_FRACTION", "PROBE_RUN", "CopyPlan", "CopyRates", "m
 # window), and all runs of the four rounds together no more than 1 / PROBE_FRACTION of the files.
 # Below MIN_RUN the probe measures the setting up of each run (the writer's buffers faulted in, the
 # ring's threads) more than the device: on this project's VM, runs of 8 MiB at w=2 had the ring
-# ahead (0.45 against 0.37 GiB/s) where whole conversions were 11% faster through the mmap; runs of
-# 32 MiB had the two within 5%. A source too small for that is converted through the mmap unmeasured.
+# ahead (0.45 against 0.37 GiB/s) where whole conversions were 12% faster through the mmap; runs of
+# 32 MiB had the mmap ahead or the two tied. A source too small for that is converted through the mmap unmeasured.
 PROBE_RUN = 32 << 20
 MIN_RUN = 16 << 20
 PROBE_FRACTION = 4
