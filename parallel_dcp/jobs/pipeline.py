@@ -217,8 +217,8 @@ def run_job(
         writing = False
         try:
             staging.check_space(max(0, needed_space(job) - staged.bytes_kept))
-            if before_tasks is not None:
-                before_tasks(staging.location, min(workers, max(1, len(todo))))
+            if before_tasks is not None and todo:  # (a resume that kept every task runs none)
+                before_tasks(staging.location, min(workers, len(todo)))
             phases["plan"] = time.perf_counter() - start
             began = time.perf_counter()
             writing = True  # a failure from here to the commit leaves the finished tasks for resume
