@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 import parallel_dcp
 from parallel_dcp import cli
 from parallel_dcp.errors import CheckpointExistsError
-from parallel_dcp.storage import copy_choice, copy_probe, io_mode, read_choice
+from parallel_dcp.storage import copy_choice, copy_probe, io_mode, ownership, read_choice
 from parallel_dcp.storage.read_ahead import ReadAhead
 
 MiB = 1 << 20
@@ -76,6 +76,9 @@ def fake(monkeypatch: pytest.MonkeyPatch, ring: float, mmap: float) -> FakeDevic
     ) -> None:
         real_copy(path, offset, length, directory, name, ring, direct_writes)  # the real copy
         assert (directory / name).exists()  # written where the conversion writes, still there
+        # named as a temporary file of the save staged there: a leftover the next save removes
+        (owner,) = [n for n in os.listdir(directory) if n.startswith(".parallel_dcp.owner.")]
+        assert ownership.is_of_save(name, owner.removeprefix(".parallel_dcp.owner."))
         with device.lock:
             device.copies.append((path, offset, length, ring, directory))
             device.direct_writes.add(direct_writes)
@@ -146,7 +149,7 @@ def test_auto_follows_the_measurement_beside_the_writes(
     assert modes.count(True) == modes.count(False) == 4
     assert {c[4] for c in device.copies} == {disk / "out"}
     assert device.direct_writes == {True} and result.io == "direct"  # written as the shards are
-    assert not [n for n in os.listdir(disk / "out") if n.startswith(copy_probe.SCRATCH_PREFIX)]
+    assert not [n for n in os.listdir(disk / "out") if copy_probe.SCRATCH_NAME in n]
     loads_as(disk / "out", tensors)
 
 

@@ -56,8 +56,8 @@ def _measured(monkeypatch: pytest.MonkeyPatch, *, direct: float, buffered: float
     conversion's writes on every file system (as storage.copy_probe measures them); the source's
     files count as large enough to measure."""
 
-    def rates(files: object, destination: object, streams: int, *, direct_writes: bool) -> copy_probe.CopyRates:
-        return copy_probe.CopyRates(direct, buffered, 64 * MiB, 32 * MiB, streams, direct_writes)
+    def rates(files: object, destination: object, streams: int, **kwargs: bool) -> copy_probe.CopyRates:
+        return copy_probe.CopyRates(direct, buffered, 64 * MiB, 32 * MiB, streams, bool(kwargs["direct_writes"]))
 
     monkeypatch.setattr(copy_probe, "measure_copies", rates)
     monkeypatch.setattr(io_mode, "DIRECT_MIN_BYTES", 64 << 10)

@@ -203,7 +203,9 @@ def convert_one(
         def choose_reads(staging: WriteLocation, workers: int) -> None:
             # after every check of the job and its destination: the probe writes there
             if not isinstance(staging.root, Remote):
-                measured.append(measured_stream_source(job, target, options, governor, staging.root, workers))
+                measured.append(
+                    measured_stream_source(job, target, options, governor, staging.root, workers, staging.save_id)
+                )
 
         result = run_job(job, target, options, governor, start=start, before_tasks=choose_reads)
         choice = measured[0] if measured else asked

@@ -170,6 +170,7 @@ def measured_stream_source(
     governor: MemoryGovernor,
     directory: str | os.PathLike[str],
     workers: int,
+    save_id: str,
 ) -> ReadChoice | None:
     """Under ``io="auto"``, for a job converting a local safetensors source to an uncompressed
     local DCP checkpoint: set the source to be written from its files' bytes through the O_DIRECT
@@ -177,7 +178,8 @@ def measured_stream_source(
     beside the conversion's own writes into ``directory`` (its staging directory, which exists:
     called after every check of the job and its destination, before any worker starts), else
     keep the mmap (storage.copy_choice: once per source and destination file system and
-    process). Returns the choice; None where the job is not of that kind (nothing measured).
+    process; the probe's scratch files are named as temporary files of the save ``save_id``).
+    Returns the choice; None where the job is not of that kind (nothing measured).
 
     The measurement runs only where its buffers fit under the limit; otherwise auto keeps the mmap.
     """
@@ -202,7 +204,7 @@ def measured_stream_source(
     direct_writes = target.uses_direct(sizes[0][0])
     if governor.reserved + copy_probe.probe_memory(workers, direct_writes=direct_writes) > governor.limit:
         return ReadChoice("auto", "buffered", "no room under the memory limit to measure: the mmap")
-    choice = copy_choice(large, directory, workers, direct_writes=direct_writes)
+    choice = copy_choice(large, directory, workers, direct_writes=direct_writes, save_id=save_id)
     if choice.reads == "direct":
         source.stream_reads(choice.io)
     return choice

@@ -57,6 +57,7 @@ def copy_choice(
     streams: int,
     *,
     direct_writes: bool,
+    save_id: str,
 ) -> ReadChoice:
     """How a conversion writing into the directory ``destination`` with ``streams`` workers reads
     ``files`` (its local source files of at least ``io_mode.DIRECT_MIN_BYTES``, the largest
@@ -65,24 +66,25 @@ def copy_choice(
     Measured once per (source file system, destination file system) and process; a later
     conversion between the same two reports the first one's figures. A probe that cannot run
     (an error of the files or the destination: the conversion's own reads and writes report it)
-    keeps the mmap, remembering nothing."""
+    keeps the mmap, remembering nothing. ``save_id``: the save whose staging directory
+    ``destination`` is (the probe's scratch files are named as its temporary files)."""
     key = (os.stat(files[0]).st_dev, os.stat(destination).st_dev)
     with _lock:
         known = _choices.get(key)
         if known is None:
-            known = _measure([os.fspath(f) for f in files], Path(destination), streams, direct_writes)
+            known = _measure([os.fspath(f) for f in files], Path(destination), streams, direct_writes, save_id)
             if known.probed is not None:
                 _choices[key] = known
     return known
 
 
-def _measure(files: list[str], destination: Path, streams: int, direct_writes: bool) -> ReadChoice:
+def _measure(files: list[str], destination: Path, streams: int, direct_writes: bool, save_id: str) -> ReadChoice:
     global _probes
     _probes += 1
     writes = "direct" if direct_writes else "buffered"
     start = time.perf_counter()
     try:
-        rates = copy_probe.measure_copies(files, destination, streams, direct_writes=direct_writes)
+        rates = copy_probe.measure_copies(files, destination, streams, direct_writes=direct_writes, save_id=save_id)
     except (OSError, UnsafeCheckpointError, CorruptCheckpointError) as exc:
         return ReadChoice("auto", "buffered", f"could not measure {files[0]} beside writes to {destination}: {exc}")
     if rates is None:

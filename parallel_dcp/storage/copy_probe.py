@@ -10,8 +10,9 @@ destination file system) and process (storage.copy_choice), without root:
     the largest source files the conversion reads anyway (nothing else is read)
       │ the probed spans: written back if dirty, dropped from the page cache (cold pages)
       │ per round, one run of L bytes per stream (the conversion's workers), each stream copying
-      │ its run into a new hidden file in the destination's staging directory, written as the
-      │ conversion writes its shards (O_DIRECT through the aligned buffers, or buffered + fsync)
+      │ its run into a new file in the destination's staging directory (a temporary file of
+      │ the save, by name), written as the conversion writes its shards (O_DIRECT through the
+      │ aligned buffers, or buffered + fsync)
       ▼
     round 1: ring    ── storage.read_ahead.ReadAhead (O_DIRECT pieces read ahead) -> the writer
     round 2: mmap    ── the file's pages mapped, copied into the writer (the kernel reads around
@@ -47,6 +48,7 @@ from pathlib import Path
 from parallel_dcp.storage import read_ahead, read_probe
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.direct_write import direct_write_memory, new_file
+from parallel_dcp.storage.ownership import temp_name
 from parallel_dcp.storage.read_ahead import ReadAhead, Ring, Span
 from parallel_dcp.storage.safe_files import open_regular
 
@@ -63,7 +65,7 @@ MIN_RUN = 16 << 20
 PROBE_FRACTION = 4
 # The order of the rounds: ring (True), mmap, mmap, ring.
 _ROUNDS = (True, False, False, True)
-SCRATCH_PREFIX = ".parallel_dcp.copy-probe."
+SCRATCH_NAME = "parallel_dcp-copy-probe"
 
 # Test seams: the clock, and one stream's copy of one run (a test fakes a device where one wins).
 _clock = time.perf_counter
@@ -136,10 +138,14 @@ def measure_copies(
     streams: int,
     *,
     direct_writes: bool,
+    save_id: str,
 ) -> CopyRates | None:
     """The ring against the mmap, each copying runs of ``paths`` (the source files of one file
     system, the largest first) into new files in the directory ``destination`` with ``streams``
     streams at once (see the module docstring); None when the files are too small to measure.
+    The scratch files carry the names of temporary files of the save ``save_id``
+    (storage.ownership.temp_name), so that one a killed process left behind is that save's
+    leftover, which the next save to the destination removes.
 
     Raises:
         OSError, UnsafeCheckpointError, CorruptCheckpointError: as the conversion's own read of
@@ -166,7 +172,9 @@ def measure_copies(
         with cf.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="pdcp-copy-probe") as pool:
             for number, runs in enumerate(copy_plan.rounds):
                 ring = _ROUNDS[number]
-                timed[ring] += _round(pool, files, runs, copy_plan.length, Path(destination), ring, direct_writes)
+                timed[ring] += _round(
+                    pool, files, runs, copy_plan.length, Path(destination), ring, direct_writes, save_id
+                )
                 moved[ring] += copy_plan.length * len(runs)
                 if not ring:
                     for file, offset in runs:
@@ -194,10 +202,11 @@ def _round(
     directory: Path,
     ring: bool,
     direct_writes: bool,
+    save_id: str,
 ) -> float:
     """Seconds for the streams to copy their runs (read, written, on the device); the scratch
     files are removed afterwards, untimed."""
-    names = [f"{SCRATCH_PREFIX}{os.getpid()}.{secrets.token_hex(6)}" for _ in runs]
+    names = [temp_name(f"{SCRATCH_NAME}.{secrets.token_hex(6)}", save_id) for _ in runs]
     start = _clock()
     futures = [
         pool.submit(_copy, files[file], offset, length, directory, name, ring, direct_writes)
