@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 import parallel_dcp
 from parallel_dcp.errors import MemoryLimitExceeded
-from parallel_dcp.formats import range_read, span_read
+from parallel_dcp.formats import bounced_read, range_read, span_read
 from parallel_dcp.storage import io_mode, read_choice, read_probe
 from parallel_dcp.storage.direct_read import ShardFile
 from tests.conftest import assert_same
@@ -57,6 +57,13 @@ def small_spans(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(span_read, "OWN_BYTES", 64 << 10)
     monkeypatch.setattr(span_read, "SHARED_BYTES", 128 << 10)
     monkeypatch.setattr(span_read, "REQUEST_BYTES", 64 << 10)
+
+
+@pytest.fixture
+def in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No huge pages for the bounce buffers: whole tensors are read straight into place
+    (formats/span_read; where huge pages are given they are bounced: tests/test_bounced_read.py)."""
+    monkeypatch.setattr(bounced_read, "huge_pages", lambda: False)
 
 
 def release(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -100,6 +107,7 @@ def opened_modes(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
             opened.append(self.direct)
 
     monkeypatch.setattr(span_read, "ShardFile", Spy)
+    monkeypatch.setattr(bounced_read, "ShardFile", Spy)
     monkeypatch.setattr(range_read, "ShardFile", Spy)
     return opened
 
@@ -182,7 +190,7 @@ def test_the_measurement_is_budgeted_under_the_memory_limit(
 
 @pytest.mark.parametrize("io", ["direct", "buffered"])
 def test_whole_tensors_are_read_where_they_live(
-    disk: Path, monkeypatch: pytest.MonkeyPatch, small_probe: None, small_spans: None, io: str
+    disk: Path, monkeypatch: pytest.MonkeyPatch, small_probe: None, small_spans: None, in_place: None, io: str
 ) -> None:
     src = folder(disk / "hf", release())
     reads: list[tuple[int, list[tuple[int, int]]]] = []
@@ -213,7 +221,7 @@ def test_whole_tensors_are_read_where_they_live(
 
 @pytest.mark.parametrize("io", ["direct", "buffered"])
 def test_each_file_is_read_as_it_lies_in_full_requests_each_byte_once(
-    disk: Path, monkeypatch: pytest.MonkeyPatch, small_spans: None, io: str
+    disk: Path, monkeypatch: pytest.MonkeyPatch, small_spans: None, in_place: None, io: str
 ) -> None:
     """Requests run on across span boundaries (small tensors between large ones cost no read of
     their own), and a page two spans share is read once and copied, not read twice."""

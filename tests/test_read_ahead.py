@@ -21,7 +21,7 @@ from parallel_dcp.formats import open_source
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.jobs import streamed
 from parallel_dcp.jobs.targets import DcpTarget, Job
-from parallel_dcp.storage import read_ahead, read_choice, records
+from parallel_dcp.storage import copy_choice, copy_probe, io_mode, read_ahead, read_choice, records
 from parallel_dcp.storage.read_ahead import ReadAhead, Ring, Span, StreamedTensor, ring_for
 
 MiB = 1 << 20
@@ -32,9 +32,11 @@ def crc_off() -> Iterator[None]:
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)  # what every job's workers run with by default
     read_choice.forget_read_choices()
+    copy_choice.forget_copy_choices()
     yield
     torch.serialization.set_crc32_options(before)
     read_choice.forget_read_choices()
+    copy_choice.forget_copy_choices()
 
 
 def _shards(path: Path) -> list[bytes]:
@@ -50,10 +52,15 @@ def _source(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
 
 
 def _measured(monkeypatch: pytest.MonkeyPatch, *, direct: float, buffered: float) -> None:
-    """io="auto" finds these cold rates on every file system (as storage.read_choice measures them)."""
-    reads = "direct" if direct >= buffered else "buffered"
-    found = read_choice.ReadChoice("auto", reads, "measured", direct_bytes_per_s=direct, buffered_bytes_per_s=buffered)
-    monkeypatch.setattr(streamed, "read_choice", lambda *args, **kwargs: found)
+    """io="auto" finds these rates of the ring (``direct``) and the mmap (``buffered``) beside the
+    conversion's writes on every file system (as storage.copy_probe measures them); the source's
+    files count as large enough to measure."""
+
+    def rates(files: object, destination: object, streams: int, **kwargs: bool) -> copy_probe.CopyRates:
+        return copy_probe.CopyRates(direct, buffered, 64 * MiB, 32 * MiB, streams, bool(kwargs["direct_writes"]))
+
+    monkeypatch.setattr(copy_probe, "measure_copies", rates)
+    monkeypatch.setattr(io_mode, "DIRECT_MIN_BYTES", 64 << 10)
 
 
 def _events(log: Path) -> list[list[str]]:
@@ -227,7 +234,7 @@ def test_a_span_past_the_end_of_its_file_is_refused(tmp_path: Path) -> None:
     ("direct", "buffered", "ring"),
     [(2e9, 1e9, True), (1.05e9, 1e9, False), (1e9, 1.5e9, False)],
 )
-def test_auto_reads_ahead_through_the_direct_ring_only_where_direct_reads_measured_clearly_faster(
+def test_auto_reads_ahead_through_the_direct_ring_only_where_the_ring_measured_clearly_faster(
     disk: Path, monkeypatch: pytest.MonkeyPatch, direct: float, buffered: float, ring: bool
 ) -> None:
     tensors = {f"w{i}": torch.randn(512, 1024) for i in range(4)}

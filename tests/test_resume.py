@@ -361,7 +361,9 @@ def test_a_resume_that_fails_leaves_the_finished_tasks_for_the_next(
     with pytest.raises(InsufficientSpaceError):
         parallel_dcp.convert(src, out, workers=2, resume=True)
     monkeypatch.undo()
-    assert len(finished_task_records(out)) == FINISHED and {n for n in before if n.endswith(".distcp")} <= set(os.listdir(out))
+    assert len(finished_task_records(out)) == FINISHED and {n for n in before if n.endswith(".distcp")} <= set(
+        os.listdir(out)
+    )
     result = parallel_dcp.convert(src, out, workers=2, resume=True)
     assert result.resumed and result.bytes_kept > 0
     assert_same(_read_output(out, "dcp", sd), sd)

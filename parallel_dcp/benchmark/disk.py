@@ -154,9 +154,12 @@ def disk_cases(state_dict: Any, root: str, workers: int, sync: bool) -> tuple[li
     cases += _read_cases(ckpt, "", targets, n, cold)
     cases += _read_cases(stock_ckpt, " (stock-written)", targets, n, cold)
 
-    def convert(io: str) -> Callable[[str], None]:
-        def run(out: str) -> None:
-            parallel_dcp.convert(source, out, workers=n, sync_files=sync, io=io)
+    def convert(io: str) -> Callable[[str], dict[str, Any]]:
+        def run(out: str) -> dict[str, Any]:
+            result = parallel_dcp.convert(source, out, workers=n, sync_files=sync, io=io)
+            assert isinstance(result, parallel_dcp.SaveResult)
+            # how the source was read (io=auto: ring or mmap, as measured beside the writes)
+            return _choice_details(result.read_choice)
 
         return run
 
@@ -246,6 +249,8 @@ def _choice_details(choice: ReadChoice | None) -> dict[str, Any]:
             "probe_buffered_gib_s": round(choice.buffered_bytes_per_s / 2**30, 3),
             "probe_s": round(choice.probe_seconds, 3),
         }
+    if choice.beside_writes is not None:  # a conversion's: direct = the O_DIRECT ring, buffered = the mmap
+        details["probe_beside"] = choice.beside_writes
     return details
 
 

@@ -181,6 +181,9 @@ def _result_dict(result: SaveResult) -> dict[str, Any]:
         "bytes_kept": result.bytes_kept,
         "bytes_rewritten": result.bytes_rewritten,
         "io": result.io,
+        # how the source was read and why (io=auto: the rates measured beside the writes)
+        "read_io": result.read_choice.reads if result.read_choice is not None else None,
+        "read_choice": result.read_choice.summary() if result.read_choice is not None else None,
     }
 
 

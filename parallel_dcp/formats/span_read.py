@@ -1,5 +1,7 @@
 """Reading stored tensors into fresh memory laid out as in the file: each read lands where the
-tensor lives, with O_DIRECT when the read choice says direct (no bounce buffer, no copy).
+tensor lives, with O_DIRECT when the read choice says direct (no bounce buffer, no copy). Where the
+direct reader's bounce buffers are in huge pages and the reads are direct, ``load`` reads whole
+tensors through them instead (formats/bounced_read.py: one device request per 1 MiB read).
 
     whole tensors of a file (their stored dtype; no caller's memory to fill)
       │ plan_spans: a tensor of at least OWN_BYTES gets its own span, smaller neighbours share

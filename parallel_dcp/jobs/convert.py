@@ -40,11 +40,13 @@ from parallel_dcp.jobs.quantization import (
 )
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
-from parallel_dcp.jobs.streamed import stream_source
+from parallel_dcp.jobs.streamed import measured_stream_source, stream_source
 from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import Location, Remote, is_url, locate
+from parallel_dcp.storage.protocol import WriteLocation
+from parallel_dcp.storage.read_choice import ReadChoice
 
 __all__ = ["convert_one", "destinations", "parse_dtype", "select_keys"]
 
@@ -159,8 +161,12 @@ def convert_one(
         # (measured on ext4: 2.05 s vs 1.73 s and 1.65 vs 0.91 CPU s for a cold 1 GiB conversion).
         source.use_direct_reads(resolve_io(options.io, source.location, writing=False))
     try:
-        if not dry_run:  # a DCP output takes the bytes of the source's files straight, reading ahead
-            stream_source(source, target, options, governor)
+        asked: ReadChoice | None = None
+        if not dry_run and (options.io != "auto" or options.distributed):
+            # A DCP output takes the bytes of the source's files straight, reading ahead, as asked
+            # (io="direct"), or as the ranks' cold read probe says. Under io="auto" on one node the
+            # choice is measured beside the conversion's writes, once it is staged (below).
+            asked = stream_source(source, target, options, governor)
         steps = _Steps(rename, quantization, preset, model_config, copy_files_from, rename_strict)
         job = _convert_job(source, target, dtype, keys, steps)
         write_computed(job, target, options)  # FP8 dequantized straight into a DCP writer's buffers
@@ -192,7 +198,18 @@ def convert_one(
             if steps.done is not None:
                 plan.notes.append(steps.done.note)
             return plan
-        return run_job(job, target, options, governor, start=start)
+        measured: list[ReadChoice | None] = []
+
+        def choose_reads(staging: WriteLocation, workers: int) -> None:
+            # after every check of the job and its destination: the probe writes there
+            if not isinstance(staging.root, Remote):
+                measured.append(
+                    measured_stream_source(job, target, options, governor, staging.root, workers, staging.save_id)
+                )
+
+        result = run_job(job, target, options, governor, start=start, before_tasks=choose_reads)
+        choice = measured[0] if measured else asked
+        return dataclasses.replace(result, read_choice=choice) if choice is not None else result
     finally:
         source.close()
 

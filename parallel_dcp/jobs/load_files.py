@@ -12,9 +12,12 @@ open_source (headers only; links only within the source's tree; torch.save: weig
   │   (storage.read_choice; the probe's buffers set aside beside the threads' own)
   ▼
 tensors whose bytes lie plainly in a file (Source.raw_ranges):
-  - whole, as stored, no caller's memory: formats/span_read, fresh page-aligned memory laid
-    out as in the file, read straight into (O_DIRECT without a bounce buffer), four requests in
-    flight per thread; the tensors are views of it (a large one owns its memory)
+  - whole, as stored, no caller's memory, where the bounce buffers are in huge pages and the
+    reads are direct: formats/bounced_read, a fresh tensor each, filled through each thread's
+    ring of huge-page buffers (1 MiB reads, one device request each)
+  - else formats/span_read: fresh page-aligned memory laid out as in the file, read straight
+    into (O_DIRECT without a bounce buffer), four requests in flight per thread; the tensors are
+    views of it (a large one owns its memory)
   - into the caller's tensors, or cast: formats/range_read (preadv in place, or O_DIRECT
     through the thread's aligned buffers; a staging buffer where a cast is needed)
 the rest (dequantized pairs, strided torch.save views, object storage): Source.read on the
@@ -43,6 +46,7 @@ from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import KeyNotFoundError, describe_keys
 from parallel_dcp.formats import detect_format, open_source
 from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.bounced_read import bounce_memory, bounced, read_bounced
 from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_source
 from parallel_dcp.formats.fast_read import ReadStats
 from parallel_dcp.formats.range_read import Piece, pieces_of, read_pieces, staging_bytes
@@ -210,13 +214,20 @@ def _load(
         if key not in spanned:
             pieces += pieces_of(key, where.file, where.offset, source.entries[key].dtype, targets[key])
     pieces = [p for p in pieces if p.nbytes]  # an empty tensor has nothing to read
-    threads = _threads(options, budget, source, pieces, mapped)
+    # where the bounce buffers are in huge pages, whole tensors read direct go through them
+    # (formats/bounced_read): each reading thread's ring is admitted with its other buffers
+    local = not isinstance(source.location, Remote)
+    threads, bounce = _threads(options, budget, source, pieces, mapped, bool(spans) and local and bounced(options.io))
     choice = _read_choice(options, budget, source, [p.file for p in pieces] + [s.file for s in spans], threads)
     total = sum(t.nbytes for t in targets.values()) + sum(source.entries[k].nbytes for k in spanned)
     with progress.Progress(total=total, enabled=options.progress, desc="load") as bar:
         # reads that hold no buffer keep a second request in flight per thread: the device's queue
         readers = min(threads * SPAN_REQUESTS_PER_THREAD, SPAN_READERS_MAX)
-        targets |= read_spans(spans, readers, choice.io, on_tick=bar.refresh)
+        if bounce and bounced(choice.io):
+            whole = [(k, s.file, offset, d, shape) for s in spans for k, offset, d, shape in s.tensors]
+            targets |= read_bounced(whole, threads, choice.io, on_tick=bar.refresh)
+        else:
+            targets |= read_spans(spans, readers, choice.io, on_tick=bar.refresh)
         read_pieces(pieces, threads, choice.io, on_tick=bar.refresh)
         _read_mapped(source, mapped, targets, threads)
     source.release()
@@ -241,20 +252,27 @@ def _load(
     )
 
 
-def _threads(options: Options, budget: MemoryGovernor, source: Source, pieces: list[Piece], mapped: list[str]) -> int:
+def _threads(
+    options: Options, budget: MemoryGovernor, source: Source, pieces: list[Piece], mapped: list[str], bounce: bool
+) -> tuple[int, bool]:
     """As many reading threads as asked for (every usable core by default) whose buffers fit
-    under the limit beside what is set aside; the buffers are set aside too (a read of whole
-    tensors into fresh memory, formats/span_read, holds none)."""
+    under the limit beside what is set aside; the buffers are set aside too. A read of whole
+    tensors into fresh memory holds a ring of bounce buffers a thread where ``bounce`` stays
+    true (formats/bounced_read: where one ring fits), else none (formats/span_read)."""
     per_thread = staging_bytes(pieces) + (direct_read_memory() if pieces and options.io != "buffered" else 0)
     largest = max((source.copied_bytes(k) for k in mapped), default=0)
     for key in mapped:
         budget.check_item(key, per_thread + source.copied_bytes(key))
     per_thread += largest
-    wanted = options.workers if options.workers is not None else usable_cores()
     room = budget.limit - budget.reserved
+    # one ring a thread, read before the pieces and the mapped tensors (their buffers not yet held)
+    bounce = bounce and max(per_thread, bounce_memory()) <= room
+    if bounce:
+        per_thread = max(per_thread, bounce_memory())
+    wanted = options.workers if options.workers is not None else usable_cores()
     threads = max(1, min(wanted, room // per_thread if per_thread else wanted))
     budget.reserve(threads * per_thread, f"read buffers for {threads} threads")
-    return threads
+    return threads, bounce
 
 
 def _read_choice(

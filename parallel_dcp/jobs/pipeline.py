@@ -66,6 +66,7 @@ from parallel_dcp.jobs.task_parts import job_parts, part_job
 from parallel_dcp.options import Options
 from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
 from parallel_dcp.storage.protocol import WriteLocation
+from parallel_dcp.storage.read_choice import ReadChoice
 
 __all__ = ["SaveResult", "WorkerStats", "run_job", "terminate_as_interrupt"]
 
@@ -120,6 +121,9 @@ class SaveResult:
     resumed: bool = False
     # How the shards reached local files: "direct" (O_DIRECT, at least one file) or "buffered".
     io: str = "buffered"
+    # How a conversion read its local source and why (for ``io="auto"``: the rates measured;
+    # storage.copy_choice for safetensors -> DCP); None where no choice was made.
+    read_choice: ReadChoice | None = None
 
     @property
     def gib_per_s(self) -> float:
@@ -188,6 +192,7 @@ def run_job(
     *,
     start: float | None = None,
     pool: WorkerPool | None = None,
+    before_tasks: Callable[[WriteLocation, int], None] | None = None,
 ) -> SaveResult:
     """Plan, check, run and commit one job on this node (on ``pool``'s workers where given); on any
     failure the destination is as it was, except that a conversion leaves its finished tasks for
@@ -196,7 +201,9 @@ def run_job(
     :func:`parallel_dcp.jobs.runner.run_job` picks one.)
 
     ``governor`` must have been created before the source was opened, so that whatever opening
-    it loaded counts against the limit.
+    it loaded counts against the limit. ``before_tasks(staging, workers)`` runs once the job and
+    its destination are checked and staged, before any worker starts (a conversion measures how
+    to read its source there).
     """
     _compat.check_torch()
     start = time.perf_counter() if start is None else start
@@ -210,6 +217,8 @@ def run_job(
         writing = False
         try:
             staging.check_space(max(0, needed_space(job) - staged.bytes_kept))
+            if before_tasks is not None and todo:  # (a resume that kept every task runs none)
+                before_tasks(staging.location, min(workers, len(todo)))
             phases["plan"] = time.perf_counter() - start
             began = time.perf_counter()
             writing = True  # a failure from here to the commit leaves the finished tasks for resume

@@ -7,20 +7,29 @@ publish); distributed mode changes who runs which tasks and who commits.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.jobs import distributed, pipeline, resume
 from parallel_dcp.jobs.pipeline import SaveResult, terminate_as_interrupt
 from parallel_dcp.jobs.targets import Job, Target, prepare_io
 from parallel_dcp.options import Options
+from parallel_dcp.storage.protocol import WriteLocation
 
 __all__ = ["run_job"]
 
 
 def run_job(
-    job: Job, target: Target, options: Options, governor: MemoryGovernor, *, start: float | None = None
+    job: Job,
+    target: Target,
+    options: Options,
+    governor: MemoryGovernor,
+    *,
+    start: float | None = None,
+    before_tasks: Callable[[WriteLocation, int], None] | None = None,
 ) -> SaveResult:
-    """See :func:`parallel_dcp.jobs.pipeline.run_job`; with ``options.distributed``, as one rank."""
+    """See :func:`parallel_dcp.jobs.pipeline.run_job`; with ``options.distributed``, as one rank
+    (``before_tasks`` then does not run)."""
     if options.resume:
         resume.refuse_unsupported(job, target, options)  # before anything is written
     options = prepare_io(target, options)  # io="direct" where O_DIRECT cannot be used fails here
@@ -29,4 +38,4 @@ def run_job(
             return distributed.run_job(
                 job, target, options, governor, start=time.perf_counter() if start is None else start
             )
-    return pipeline.run_job(job, target, options, governor, start=start)
+    return pipeline.run_job(job, target, options, governor, start=start, before_tasks=before_tasks)

@@ -18,6 +18,7 @@ the same bytes, whichever way a task went.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +31,15 @@ from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.jobs.targets import DcpTarget, Job, Target
 from parallel_dcp.options import Options
+from parallel_dcp.storage import copy_probe, io_mode
+from parallel_dcp.storage.copy_choice import copy_choice
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.read_ahead import ReadAhead, Ring, Span, StreamedTensor, ring_for
 from parallel_dcp.storage.read_choice import ReadChoice, read_choice
 from parallel_dcp.storage.read_probe import probe_memory
 from parallel_dcp.storage.records import Template, class_template
 
-__all__ = ["STREAM_MARGIN", "StreamPlan", "stream_source", "streamed_data", "streamed_plan"]
+__all__ = ["STREAM_MARGIN", "StreamPlan", "measured_stream_source", "stream_source", "streamed_data", "streamed_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +55,9 @@ class StreamPlan:
     ring: Ring
 
 
-# Under io="auto", a conversion reads through the O_DIRECT ring only where direct reads measured at
-# least this much faster than buffered ones. Within it the mmap was faster: on this project's VM
+# Under io="auto" without a measurement beside the writes (measured_stream_source: the ranks of a
+# distributed conversion), a conversion reads through the O_DIRECT ring only where direct reads
+# measured at least this much faster than buffered ones. Within it the mmap was faster: on this project's VM
 # (read-ahead 8 MiB, probe direct 1.16 against buffered 1.14 GiB/s) a cold 1 GiB conversion at
 # w=2 took 1.50 s through the mmap against 1.79 s through the ring (medians of 5, one run), though
 # the ring used a fifth less CPU (0.79 against 1.00 s).
@@ -155,5 +159,52 @@ def stream_source(source: Source, target: Target, options: Options, governor: Me
     direct, buffered = choice.direct_bytes_per_s, choice.buffered_bytes_per_s
     clearly = direct is not None and buffered is not None and direct >= STREAM_MARGIN * buffered
     if options.io == "direct" or (choice.reads == "direct" and clearly):
+        source.stream_reads(choice.io)
+    return choice
+
+
+def measured_stream_source(
+    job: Job,
+    target: Target,
+    options: Options,
+    governor: MemoryGovernor,
+    directory: str | os.PathLike[str],
+    workers: int,
+    save_id: str,
+) -> ReadChoice | None:
+    """Under ``io="auto"``, for a job converting a local safetensors source to an uncompressed
+    local DCP checkpoint: set the source to be written from its files' bytes through the O_DIRECT
+    ring (:meth:`SafetensorsSource.stream_reads`) where the ring measured faster than the mmap
+    beside the conversion's own writes into ``directory`` (its staging directory, which exists:
+    called after every check of the job and its destination, before any worker starts), else
+    keep the mmap (storage.copy_choice: once per source and destination file system and
+    process; the probe's scratch files are named as temporary files of the save ``save_id``).
+    Returns the choice; None where the job is not of that kind (nothing measured).
+
+    The measurement runs only where its buffers fit under the limit; otherwise auto keeps the mmap.
+    """
+    source = job.source
+    if (
+        options.io != "auto"
+        or not isinstance(source, SafetensorsSource)
+        or not isinstance(target, DcpTarget)
+        or target.compression is not None
+        or isinstance(source.location, Remote)
+        or isinstance(target.path, Remote)
+        or not any(job.out_dtype(entry.dtype) == entry.dtype for entry in source.entries.values())
+    ):
+        return None  # nothing this job would stream
+    refusal = io_mode.direct_refusal(source.location, probe=False)
+    if refusal is not None:
+        return ReadChoice("buffered", "buffered", refusal)
+    sizes = sorted(((os.path.getsize(f), f) for f in source.files), reverse=True)
+    large = [f for size, f in sizes if size >= io_mode.DIRECT_MIN_BYTES]
+    if not large:
+        return ReadChoice("auto", "buffered", f"no file of at least {io_mode.DIRECT_MIN_BYTES >> 20} MiB: the mmap")
+    direct_writes = target.uses_direct(sizes[0][0])
+    if governor.reserved + copy_probe.probe_memory(workers, direct_writes=direct_writes) > governor.limit:
+        return ReadChoice("auto", "buffered", "no room under the memory limit to measure: the mmap")
+    choice = copy_choice(large, directory, workers, direct_writes=direct_writes, save_id=save_id)
+    if choice.reads == "direct":
         source.stream_reads(choice.io)
     return choice

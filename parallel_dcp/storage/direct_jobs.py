@@ -31,12 +31,14 @@ class Job:
     parts: list[tuple[int, memoryview]] = field(default_factory=list)
 
 
-def plan_direct(offset: int, views: list[memoryview], most: int) -> list[Job]:
+def plan_direct(offset: int, views: list[memoryview], most: int, *, in_place: bool = True) -> list[Job]:
     """The aligned reads that fill ``views`` (the file's bytes from ``offset``, one after the
     other), in file order, each at most ``most`` bytes: the whole pages of a view whose memory is
     aligned as the file (its address and file offset equal modulo ALIGN) are read straight into
     it; its first and last partial page, and views aligned otherwise, through a bounce buffer
-    (neighbouring such bytes share one read)."""
+    (neighbouring such bytes share one read). ``in_place=False``: every byte through a bounce
+    buffer, wherever its view lies (fresh memory in 4 KiB pages, which a bounced read into huge
+    pages outruns: formats/bounced_read.py)."""
     jobs: list[Job] = []
     bounce: Job | None = None
 
@@ -56,7 +58,7 @@ def plan_direct(offset: int, views: list[memoryview], most: int) -> list[Job]:
     for view in views:
         end = position + view.nbytes
         first, last = _up(position), _down(end)
-        if (address(view) - position) % ALIGN or first >= last:
+        if not in_place or (address(view) - position) % ALIGN or first >= last:
             bounced(position, view)
             position = end
             continue

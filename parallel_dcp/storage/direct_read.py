@@ -269,14 +269,18 @@ class ShardFile:
                 view.release()
             at, index = at + got, 1 - index
 
-    def read_spans(self, spans: list[tuple[int, list[memoryview]]]) -> None:
+    def read_spans(self, spans: list[tuple[int, list[memoryview]]], *, in_place: bool = True) -> None:
         """Fill several separate spans ((file offset, views) each, as :meth:`read`), their reads in
         flight together (DEPTH at a time) rather than one after the other: a unit's record heads
         and tails lie one per record across the file, and read one at a time a reading thread had a
-        single read in flight for each (formats/read_units.py)."""
+        single read in flight for each (formats/read_units.py). ``in_place=False`` (direct): every
+        byte through the bounce buffers, none straight into a view (storage/direct_jobs.py)."""
         if self.direct:
             most = _slot_bytes()
-            self._run_jobs([job for at, views in spans for job in plan_direct(at, [v for v in views if v], most)])
+            jobs = [
+                job for at, views in spans for job in plan_direct(at, [v for v in views if v], most, in_place=in_place)
+            ]
+            self._run_jobs(jobs)
             return
         if len(spans) < 2:
             for at, views in spans:

@@ -54,6 +54,10 @@ class ReadChoice:
             choice on the same file system reports the first one's figures).
         probe_blocks: the measurement's ABBA blocks (storage.read_probe: more than one only
             where buffered led the first; the rates are then medians over them).
+        beside_writes: for a conversion's source (storage.copy_choice), the writes the reads
+            were measured beside; ``reads`` is then ``"direct"`` for the O_DIRECT ring and
+            ``"buffered"`` for the mmap, and the rates are the bytes each moved (read and
+            written) per second. None for a reader's choice (cold reads alone).
     """
 
     io: str
@@ -64,6 +68,7 @@ class ReadChoice:
     probed: str | None = None
     probe_seconds: float = 0.0
     probe_blocks: int = 0
+    beside_writes: str | None = None
 
     @property
     def measured(self) -> bool:
@@ -74,6 +79,13 @@ class ReadChoice:
         if not self.measured:
             return f"reads {self.reads} ({self.reason})"
         assert self.direct_bytes_per_s is not None and self.buffered_bytes_per_s is not None
+        if self.beside_writes is not None:
+            return (
+                f"reads {'through the O_DIRECT ring' if self.reads == 'direct' else 'through the mmap'}: "
+                f"measured beside {self.beside_writes}: ring {self.direct_bytes_per_s / 2**30:.2f} GiB/s, "
+                f"mmap {self.buffered_bytes_per_s / 2**30:.2f} GiB/s on {self.probed} ({self.reason}; "
+                f"a {self.probe_seconds:.2f} s probe, once per source and destination file system and process)"
+            )
         return (
             f"reads {self.reads}: measured cold direct {self.direct_bytes_per_s / 2**30:.2f} GiB/s, "
             f"buffered {self.buffered_bytes_per_s / 2**30:.2f} GiB/s on {self.probed} "

@@ -71,9 +71,11 @@ __all__ = [
     "PROBE_SLICE",
     "READERS_PER_STREAM",
     "ReadRates",
+    "drop_cached",
     "measure_reads",
     "probe_memory",
     "probe_readers",
+    "settle_read_ahead",
     "slices",
 ]
 
@@ -200,7 +202,7 @@ def measure_reads(paths: Sequence[str | os.PathLike[str]], streams: int = 1) -> 
             return None
         readers = probe_readers(streams)
         for index, shard in enumerate(held):
-            _cold(shard.fd, plan.span(index))
+            drop_cached(shard.fd, plan.span(index))
         blocks: list[dict[bool, list[float]]] = []  # per ABBA block: each mode's seconds and bytes
         started = _clock()
         with cf.ThreadPoolExecutor(max_workers=readers, thread_name_prefix="pdcp-read-probe") as pool:
@@ -227,11 +229,11 @@ def measure_reads(paths: Sequence[str | os.PathLike[str]], streams: int = 1) -> 
                         buffer = None
                 blocks[-1][is_direct][1] += plan.length
                 if not is_direct:
-                    _settle(files[file], offset, plan)
+                    settle_read_ahead(files[file], offset, plan.length, plan.gap)
                 if number >= 1 and _clock() - started > PROBE_MAX_S:
                     break
         for index, shard in enumerate(held):
-            _cold(shard.fd, plan.span(index))
+            drop_cached(shard.fd, plan.span(index))
         measured = [b for b in blocks if b[True][1] and b[False][1]]
         return ReadRates(
             direct=statistics.median([_rate(b[True]) for b in measured]),
@@ -279,7 +281,7 @@ def _round(pool: cf.ThreadPoolExecutor, shards: list[ShardFile], offset: int, bu
     return _clock() - start
 
 
-def _settle(path: Path, offset: int, plan: Plan) -> None:
+def settle_read_ahead(path: Path, offset: int, length: int, gap: int) -> None:
     """Wait out the read-ahead a buffered slice left in flight: one page at the end of each of the
     two read-ahead windows after it, read untimed on a descriptor without read-ahead (a page being
     read ahead is waited for; a page that is not costs one small read, and starts no new
@@ -289,14 +291,14 @@ def _settle(path: Path, offset: int, plan: Plan) -> None:
     try:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(shard.fd, 0, 0, os.POSIX_FADV_RANDOM)
-        end = offset + plan.length
-        for at in (end + plan.gap // 2 - ALIGN, end + plan.gap - ALIGN):
+        end = offset + length
+        for at in (end + gap // 2 - ALIGN, end + gap - ALIGN):
             shard.read(at, [page])
     finally:
         shard.close()
 
 
-def _cold(fd: int, span: int) -> None:
+def drop_cached(fd: int, span: int) -> None:
     """Write back the span's dirty pages (a file written a moment ago) and drop its pages from the
     page cache, so that buffered reads of it are cold."""
     with contextlib.suppress(OSError, AttributeError):
