@@ -332,8 +332,19 @@ def test_scaling_suite_projects_from_its_own_measurements(tmp_path: Path) -> Non
         assert projection["serial_seconds"] >= 0 and projection["parallel_worker_seconds"] > 0
         assert set(projection["phases"]["1"]) == {"plan", "fork", "write", "merge", "commit"}
         # Issue 30 item 6: every executor probed alone and beside a busy thread, its pieces in the JSON.
-        assert set(projection["probe"]) == set(projection["executors"]) == {"default", "threads", "processes", "saver"}
+        assert (
+            set(projection["probe"])
+            == set(projection["executors"])
+            == {
+                "default",
+                "threads",
+                "processes",
+                "saver",
+                "saver_unchanged",
+            }
+        )
         assert projection["executors"]["saver"]["executor_used"] == "saver"
+        assert projection["executors"]["saver_unchanged"]["executor_used"] == "saver"
         assert projection["executors"]["threads"]["executor_used"] == "threads"
         assert projection["executors"]["threads"]["gil_capped"] is True
         assert projection["executors"]["processes"]["gil_capped"] is False
@@ -355,7 +366,7 @@ def test_scaling_suite_projects_from_its_own_measurements(tmp_path: Path) -> Non
     governor = scenarios["scaling:llm/" + str(target) + "/sync-on"]["projection"]["governor"]
     assert [row["workers"] for row in governor] == [8, 32, 64]
     assert all(row[f"{kind}_ms_per_process"] >= 0 for row in governor for kind in ("cheap", "rollup", "exact"))
-    for label in ("default", "threads", "processes", "saver"):
+    for label in ("default", "threads", "processes", "saver", "saver_unchanged"):
         assert run.stdout.count(f"projected {label}: x16 ") == 2
     assert run.stdout.count("governor reading at 64 workers") == 1
     assert list(target.iterdir()) == []
@@ -408,10 +419,14 @@ def test_executor_projections_from_pieces() -> None:
             "threads": probe("threads", 1.0, 1.55, 0.9, 0.0),
             "processes": probe("processes", 1.0, 1.1, 0.8, 0.05),
             "saver": probe("saver", 1.0, 1.1, 0.8, 0.001) | {"worker_job_seconds": 0.03},
+            # The median of each run's wall - P, where the probe has it (not alone - worker seconds).
+            "saver_unchanged": probe("saver", 1.0, 1.1, 0.8, 0.001) | {"serial_seconds": 0.15},
         },
         nbytes=2 * 2**30,
         keys=1000,
     )
+    assert found["saver_unchanged"]["serial_seconds"] == pytest.approx(0.15)
+    assert found["saver"]["serial_seconds"] == pytest.approx(0.2)
     threads = found["threads"]
     assert threads["gil_held_share"] == pytest.approx(0.5) and threads["gil_capped"]
     assert threads["serial_seconds_per_gib"] == pytest.approx(0.05) and threads["serial_us_per_key"] == pytest.approx(

@@ -19,7 +19,7 @@ import parallel_dcp
 from parallel_dcp.engine.partition import Item
 from parallel_dcp.errors import InvalidStateDictError
 from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
-from parallel_dcp.jobs import targets
+from parallel_dcp.jobs import plan_reuse, targets
 from parallel_dcp.jobs.plan_reuse import PlanReuse
 from parallel_dcp.jobs.targets import DcpTarget
 from tests.conftest import assert_same, shards_by_task
@@ -41,6 +41,8 @@ def _state() -> dict[str, Any]:
             "tied_a": shared,
             "tied_b": shared,  # one storage, two keys
             "big": torch.randn(160, 128),  # 80 KiB: the writer copies it itself
+            "square": torch.randn(32, 32),
+            "empty": torch.zeros(0),  # no bytes: its address is 0
         },
         "optim": {f"s{i}": torch.full((4,), float(i)) for i in range(40)},
         "step": 7,
@@ -160,6 +162,46 @@ def _value_to_nesting(sd: dict[str, Any]) -> None:
     sd["name"] = {"inner": "run"}
 
 
+# In place: the tensor object stays, its layout changes.
+def _set_other_memory(sd: dict[str, Any]) -> None:  # moved: the same layout, the bytes elsewhere
+    sd["model"]["w"].set_(torch.randn(128, 256))
+
+
+def _set_fewer_rows(sd: dict[str, Any]) -> None:  # the same storage and address, fewer rows
+    w = sd["model"]["w"]
+    w.set_(w.untyped_storage(), 0, (64, 256), (256, 1))
+
+
+def _data_other_memory(sd: dict[str, Any]) -> None:  # .data = keeps the version counter
+    sd["model"]["w"].data = torch.randn(128, 256)
+
+
+def _data_view(sd: dict[str, Any]) -> None:  # the same bytes, another shape
+    w = sd["model"]["w"]
+    w.data = w.data.view(256, 128)
+
+
+def _data_retyped(sd: dict[str, Any]) -> None:  # the same bytes and shape, another dtype
+    w = sd["model"]["w"]
+    w.data = w.data.view(torch.int32)
+
+
+def _resize_smaller(sd: dict[str, Any]) -> None:  # within its storage: the bytes stay
+    sd["model"]["w"].resize_(64, 256)
+
+
+def _resize_larger(sd: dict[str, Any]) -> None:  # reallocated
+    sd["optim"]["s3"].resize_(4096)
+
+
+def _transpose_in_place(sd: dict[str, Any]) -> None:  # the same shape, dtype and bytes; strides swapped
+    sd["model"]["square"].t_()
+
+
+def _as_strided_in_place(sd: dict[str, Any]) -> None:
+    sd["model"]["w"].as_strided_((128, 128), (256, 2))
+
+
 # (change, whether the second save reuses the first one's layout)
 CHANGES: list[tuple[Callable[[dict[str, Any]], None], bool]] = [
     (_clone_all, True),
@@ -174,6 +216,19 @@ CHANGES: list[tuple[Callable[[dict[str, Any]], None], bool]] = [
     (_longer_value, False),
     (_value_to_tensor, False),
     (_value_to_nesting, False),
+]
+# The same, in place (the tensor object stays): (change, reused, whether every tensor's bytes stay
+# where they were: the changes Saver.save(layout_unchanged=True) does not look for).
+IN_PLACE: list[tuple[Callable[[dict[str, Any]], None], bool, bool]] = [
+    (_set_other_memory, True, False),
+    (_set_fewer_rows, False, True),
+    (_data_other_memory, True, False),
+    (_data_view, False, True),
+    (_data_retyped, False, True),
+    (_resize_smaller, False, True),
+    (_resize_larger, False, False),
+    (_transpose_in_place, False, True),
+    (_as_strided_in_place, False, True),
 ]
 
 
@@ -192,6 +247,80 @@ def test_a_changed_state_dict_writes_what_a_fresh_save_writes(
     parallel_dcp.save(sd, tmp_path / "save", workers=2, executor="processes")
     _assert_same_checkpoint(tmp_path / "second", tmp_path / "save")
     _assert_same_checkpoint(tmp_path / "third", tmp_path / "save")
+
+
+def _each_change_saved_again(
+    tmp_path: Path, changes: list[Callable[[dict[str, Any]], None]], *, layout_unchanged: bool
+) -> dict[str, bool]:
+    """Per change (one Saver for all): a state dict saved, changed, saved again (with the promise
+    or not) and compared with a fresh save of it; whether the second save reused the layout."""
+    reused = {}
+    with parallel_dcp.Saver(workers=2) as saver:
+        for change in changes:
+            out = tmp_path / change.__name__
+            out.mkdir()
+            _memo(saver)._kept.clear()  # the layouts of the changes before are not this one's
+            sd = _state()
+            saver.save(sd, out / "first")
+            before = _memo(saver).reused
+            change(sd)
+            saver.save(sd, out / "second", layout_unchanged=layout_unchanged)
+            reused[change.__name__] = _memo(saver).reused > before
+            parallel_dcp.save(sd, out / "save", workers=2, executor="processes")
+            _assert_same_checkpoint(out / "second", out / "save")
+    return reused
+
+
+def test_a_state_dict_changed_in_place_writes_what_a_fresh_save_writes(tmp_path: Path) -> None:
+    reused = _each_change_saved_again(tmp_path, [c for c, _, _ in IN_PLACE], layout_unchanged=False)
+    assert reused == {c.__name__: r for c, r, _ in IN_PLACE}
+
+
+def test_with_the_promise_every_change_but_a_relayout_over_the_same_bytes_is_still_caught(tmp_path: Path) -> None:
+    moved = [(c, r) for c, r in CHANGES] + [(c, r) for c, r, same_bytes in IN_PLACE if not same_bytes]
+    reused = _each_change_saved_again(tmp_path, [c for c, _ in moved], layout_unchanged=True)
+    assert reused == {c.__name__: r for c, r in moved}
+
+
+class _Kinds:
+    """Counts the tensors whose dtype and shape plan_reuse reads."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.read = 0
+        original = plan_reuse._kind
+
+        def kind(tensor: torch.Tensor) -> Any:
+            self.read += 1
+            return original(tensor)
+
+        monkeypatch.setattr(plan_reuse, "_kind", kind)
+
+
+def test_with_the_promise_a_training_step_is_saved_without_reading_each_tensors_dtype_and_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sd = _state()
+    with parallel_dcp.Saver(workers=2) as saver:
+        saver.save(sd, tmp_path / "first")
+        kinds = _Kinds(monkeypatch)
+        with torch.no_grad():
+            for tensor in sd["optim"].values():
+                tensor.mul_(0.5)
+        sd["step"] = 8
+        saver.save(sd, tmp_path / "promised", layout_unchanged=True)
+        assert kinds.read == 0
+        saver.save(sd, tmp_path / "checked")  # no promise: every tensor compared
+        assert kinds.read == 10 + 40
+        assert _memo(saver).reused == 2
+        parallel_dcp.save(sd, tmp_path / "save", workers=2, executor="processes")
+        _transpose_in_place(sd)  # a broken promise is taken at its word: the layout before
+        saver.save(sd, tmp_path / "broken", layout_unchanged=True)
+        assert _memo(saver).reused == 3 and kinds.read == 50
+    _assert_same_checkpoint(tmp_path / "promised", tmp_path / "save")
+    _assert_same_checkpoint(tmp_path / "checked", tmp_path / "save")
+    # The strides it was promised: the square's bytes read in their order before the transpose.
+    square = parallel_dcp.load(tmp_path / "broken")["model"]["square"]
+    assert torch.equal(square, sd["model"]["square"].t()) and not torch.equal(square, sd["model"]["square"])
 
 
 def test_a_state_dict_walked_along_its_nesting_sees_a_value_that_nests_now(tmp_path: Path) -> None:
@@ -222,14 +351,33 @@ def test_layouts_saved_in_turn_are_each_reused(tmp_path: Path) -> None:
     _assert_same_checkpoint(tmp_path / "optim2", tmp_path / "optim")
 
 
+def _to_meta(sd: dict[str, Any]) -> None:
+    sd["model"]["w"] = torch.empty(128, 256, device="meta")
+
+
+def _empty_to_meta(sd: dict[str, Any]) -> None:  # no bytes before or after: address 0 both times
+    sd["model"]["empty"] = torch.empty(0, device="meta")
+
+
+def _to_sparse(sd: dict[str, Any]) -> None:
+    sd["model"]["w"] = torch.randn(128, 256).to_sparse()
+
+
 def test_bad_input_after_a_good_save_fails_as_it_fails_a_first_save(tmp_path: Path) -> None:
-    sd = _state()
     with parallel_dcp.Saver(workers=2) as saver:
-        saver.save(sd, tmp_path / "first")
-        sd["model"]["w"] = torch.empty(128, 256, device="meta")
-        with pytest.raises(InvalidStateDictError, match="meta"):
-            saver.save(sd, tmp_path / "second")
-        assert not (tmp_path / "second").exists()
+        for change in (_to_meta, _empty_to_meta, _to_sparse):
+            for promised in (False, True):
+                out = tmp_path / f"{change.__name__}-{promised}"
+                out.mkdir()
+                sd = _state()
+                saver.save(sd, out / "first")
+                change(sd)
+                with pytest.raises(InvalidStateDictError) as first:
+                    parallel_dcp.save(sd, out / "save", workers=2, executor="processes")
+                with pytest.raises(InvalidStateDictError) as second:
+                    saver.save(sd, out / "second", layout_unchanged=promised)
+                assert str(second.value) == str(first.value)
+                assert not (out / "second").exists()
 
 
 def test_the_memo_keeps_no_tensor_and_no_value_of_a_past_save(tmp_path: Path) -> None:

@@ -4,14 +4,16 @@
                busy Python thread in the caller, and beside one busy forked process (the control:
                it takes a core but not the GIL), with the default executor ("auto"), "threads",
                "processes" and a Saver's workers (the Saver started and saved once before the
-               rounds, so every timed Saver save is a second save)
-    per run    wall seconds, worker seconds (SaveResult.per_worker, summed: P), phases, executor,
+               rounds, so every timed Saver save is a second save), also with the promise that no
+               tensor was relaid in place ("saver_unchanged": ``layout_unchanged=True``)
+    per run    wall seconds, worker seconds (SaveResult.per_worker, summed: P), wall - P, phases, executor,
                and the slowest worker's per-job seconds (``setup_seconds``: a Saver's worker loading
                the job's shell before its first task; 0 where workers inherit the job)
-    pieces     S = wall - P (serial), printed and in the JSON split into the coordinator's phases
-               (plan, fork, merge, commit), the per-job part of each worker (paid side by side, so
-               once at any count) and the rest (dispatch, results); F = phases["fork"] (worker
-               start: one fork for processes, the Saver's second-save start),
+    pieces     S = wall - P (serial; the median of each run's own), printed and in the JSON split
+               into the coordinator's phases (plan, fork, merge, commit), the per-job part of each
+               worker (paid side by side, so once at any count) and the rest (dispatch, results);
+               F = phases["fork"] (worker start: one fork for processes, the Saver's second-save
+               start),
                G = min(1, (busy thread - busy process) / alone): the GIL-held share, what a
                thread that wants the GIL costs beyond the core it takes
     model      T(N) = S + max(W(N), G * P)     W(N): scaling.staggered_work_seconds(P, N, F)
@@ -48,8 +50,9 @@ from parallel_dcp.benchmark.writers import flat_tensors
 
 __all__ = ["BUSY_PROBE_KEYS", "PROBED", "executor_lines", "executor_projections", "probe_executors"]
 
-# "default" is save() with no executor given; "saver" is a Saver's second save.
-PROBED = ("default", "threads", "processes", "saver")
+# "default" is save() with no executor given; "saver" is a Saver's second save; "saver_unchanged"
+# the same with Saver.save(layout_unchanged=True).
+PROBED = ("default", "threads", "processes", "saver", "saver_unchanged")
 _BUSY = ("thread", "process")
 _GIL_BOUND = ("threads",)  # executors whose writers share the caller's interpreter
 _GiB = 2**30
@@ -111,8 +114,8 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
     with parallel_dcp.Saver(workers=1) as saver:
 
         def once(kind: str, sd: Any) -> Any:
-            if kind == "saver":
-                return saver.save(sd, out, sync_files=sync)
+            if kind in ("saver", "saver_unchanged"):
+                return saver.save(sd, out, sync_files=sync, layout_unchanged=kind == "saver_unchanged")
             if kind == "default":  # no executor given: what a user gets
                 return parallel_dcp.save(sd, out, workers=1, sync_files=sync)
             return parallel_dcp.save(sd, out, workers=1, sync_files=sync, executor=kind)
@@ -154,6 +157,9 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
             "busy_thread_seconds": thread * scale,
             "busy_process_seconds": process * scale,
             "worker_seconds": _median([r[1] for r in runs]),
+            # Each run's own wall - P: the median of the differences, not the difference of the
+            # medians (the worker part varies from run to run by more than S is).
+            "serial_seconds": _median([max(0.0, r[0] - r[1]) for r in runs]),
             "worker_job_seconds": _median([r[4] for r in runs]),
             "phases": {name: _median([r[2].get(name, 0.0) for r in runs]) for name in runs[0][2]},
         }
@@ -178,7 +184,7 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
     found: dict[str, Any] = {}
     for kind, got in probe.items():
         wall, work = got["alone_seconds"], got["worker_seconds"]
-        serial = max(0.0, wall - work)
+        serial = got.get("serial_seconds", max(0.0, wall - work))
         start = min(got["phases"].get("fork", 0.0), serial)  # S holds the first start
         # S = wall - P, split: the coordinator's own phases, each worker's per-job part (in
         # parallel, so counted once), and the rest (dispatch, results, waits between them).

@@ -19,11 +19,21 @@ keeps) does that work for the first save of a layout only:
 
 The layout (:class:`Layout`) is what the listing and the plan depend on: every key in order, its
 nesting, each tensor's type, dtype, shape and strides (that it is a CPU strided tensor: checked
-again), each other value's key and size (``Source.value_bytes``), and whether the writers copy
-large tensors themselves (``pending_writes``). Not in it: where the tensors lie (the parts carry
-addresses: compared, the parts made again where they moved), storage shared between tensors (a
-worker copies each tensor's own bytes; nothing is planned by storage), the values' contents (sent
-with each task). A layout that differs in anything is listed and planned afresh, as the first.
+again where its bytes moved), each other value's key and size (``Source.value_bytes``), and
+whether the writers copy large tensors themselves (``pending_writes``). Not in it: where the
+tensors lie (the parts carry addresses: compared, the parts made again where they moved), storage
+shared between tensors (a worker copies each tensor's own bytes; nothing is planned by storage),
+the values' contents (sent with each task). A layout that differs in anything is listed and
+planned afresh, as the first.
+
+In-place changes (the tensor object stays, its layout changes) are caught by the same columns:
+``set_`` and ``.data =`` to other memory and a ``resize_`` that reallocates move the bytes (the
+address and then everything is compared again); ``resize_`` in place, ``t_``, ``as_strided_``,
+``.data =`` a view of the same bytes change the shape, strides or dtype. Those three columns are
+two passes over the tensors (0.2-0.5 us a key each at 50,000 keys, each tensor a cache miss): a
+caller that knows its layout did not change says so (``Saver.save(layout_unchanged=True)``) and
+they are compared only for the tensors whose bytes moved; a broken promise (a tensor reshaped or
+retyped over the same bytes) is written with the shape, strides and dtype of the save before.
 
 The memo holds no tensor and no value of a past save: the listing is kept without them. It keeps
 the last ``LAYOUTS`` layouts (a loop that saves its model and its optimizer in turn finds both).
@@ -49,7 +59,7 @@ from parallel_dcp.jobs.task_parts import JobPart
 
 __all__ = ["LAYOUTS", "Layout", "PlanReuse"]
 
-_meta = attrgetter("dtype", "shape", "is_cpu", "layout")
+_kind = attrgetter("dtype", "shape")
 _stride, _address = torch.Tensor.stride, torch.Tensor.data_ptr
 # Partitions (and item lists) kept per layout: a few decisions (worker counts, limits) at a time.
 _KEPT = 4
@@ -67,7 +77,7 @@ class Layout:
     tensor_keys: tuple[str, ...]
     value_keys: tuple[str, ...]
     types: list[type]
-    metas: list[tuple[torch.dtype, torch.Size, bool, torch.layout]]  # _meta's: dtype, shape, on the CPU, strided
+    kinds: list[tuple[torch.dtype, torch.Size]]  # each tensor's dtype and shape
     strides: list[tuple[int, ...]]
     value_sizes: list[int]
     pending_writes: bool
@@ -112,12 +122,15 @@ class PlanReuse:
         """The layout of the last save (tests)."""
         return self._kept[0].layout if self._kept else None
 
-    def job(self, state_dict: Any, path: str, *, pending_writes: bool) -> Job:
+    def job(self, state_dict: Any, path: str, *, pending_writes: bool, layout_unchanged: bool = False) -> Job:
         """The job of this save, every key of ``state_dict`` to ``path``: a kept layout's listing
         (and its job's sizes and places, made while it planned) over ``state_dict`` where the
-        layout is the same, else ``state_dict`` listed afresh (which raises what opening raises)."""
+        layout is the same, else ``state_dict`` listed afresh (which raises what opening raises).
+        ``layout_unchanged``: the caller's promise that no tensor changed its dtype, shape or
+        strides in place since this layout's last save (those are then compared only for the
+        tensors that moved; see the module docstring)."""
         for kept in self._kept:
-            found = _reopen(kept, state_dict, path, pending_writes)
+            found = _reopen(kept, state_dict, path, pending_writes, layout_unchanged)
             if found is not None:
                 self.reused += 1
                 self._kept.remove(kept)
@@ -131,7 +144,7 @@ class PlanReuse:
             tensor_keys=tuple(source.entries),
             value_keys=tuple(source.values),
             types=list(map(type, tensors)),
-            metas=list(map(_meta, tensors)),
+            kinds=list(map(_kind, tensors)),
             strides=list(map(_stride, tensors)),
             value_sizes=list(map(source.value_bytes, source.values)),
             pending_writes=source.pending_writes,
@@ -199,9 +212,13 @@ class PlanReuse:
         return kept.parts
 
 
-def _reopen(kept: _Kept, state_dict: Any, path: str, pending_writes: bool) -> RemoteMemorySource | None:
+def _reopen(
+    kept: _Kept, state_dict: Any, path: str, pending_writes: bool, promised: bool = False
+) -> RemoteMemorySource | None:
     """``kept``'s listing over ``state_dict`` when its layout is ``kept``'s (noting where its
-    tensors lie); None when anything differs."""
+    tensors lie); None when anything differs. ``promised``: the caller promises that no tensor
+    changed its dtype, shape or strides in place (``Saver.save(layout_unchanged=True)``): those
+    are compared only where a tensor moved."""
     layout = kept.layout
     found = leaves(layout.nesting, state_dict) if layout.nesting is not None else None
     if found is not None:  # nested as before: DCP would give its leaves the same names and paths
@@ -216,22 +233,48 @@ def _reopen(kept: _Kept, state_dict: Any, path: str, pending_writes: bool) -> Re
     tensors = list(map(flat.__getitem__, layout.tensor_keys))
     if list(map(type, tensors)) != layout.types:
         return None
-    # One pass reads dtype, shape, device and layout together: each pass over 50,000 tensors
-    # spread in memory costs 0.3-0.5 us a key however little it reads (a dtype decides quantized).
+    # Each pass over 50,000 tensors spread in memory costs 0.2-0.5 us a key however little it
+    # reads, so the passes are the fewest that catch every change: where each tensor's bytes lie
+    # (a tensor of another layout, sparse or opaque, has none: data_ptr raises); on the CPU and
+    # strided only where that moved (see _unchecked); then dtype and shape together, and strides.
+    # The version counter would not do: ``.data =`` keeps it, every optimizer step bumps it.
     try:  # strides: no tensor of another layout gets this far (one that raises: none does)
-        same = list(map(_meta, tensors)) == layout.metas and list(map(_stride, tensors)) == layout.strides
+        addresses = list(map(_address, tensors))
+        moved = addresses != kept.addresses
+        if not all(map(_cpu_strided, _unchecked(tensors, addresses, kept.addresses, moved))):
+            return None
+        if (moved or not promised) and (
+            list(map(_kind, tensors)) != layout.kinds or list(map(_stride, tensors)) != layout.strides
+        ):
+            return None
     except RuntimeError:
         return None
     values = {key: flat[key] for key in layout.value_keys}
-    if not same or any(isinstance(value, torch.Tensor) for value in values.values()):
+    if any(isinstance(value, torch.Tensor) for value in values.values()):
         return None
     if (pending_writes and lean.lean_eligible(values.values())) != layout.pending_writes:
         return None
     source = kept.listing.reopened(state_dict, flat, values, path)
     if list(map(source.value_bytes, layout.value_keys)) != layout.value_sizes:
         return None
-    kept.addresses = list(map(_address, tensors))
+    kept.addresses = addresses
     return source
+
+
+def _unchecked(tensors: list[torch.Tensor], addresses: list[int], before: list[int], moved: bool) -> list[torch.Tensor]:
+    """The tensors not known to be CPU strided tensors: those whose bytes do not lie where a
+    checked tensor's bytes lay at the last save of this layout, and those with no bytes (an
+    empty tensor, a meta one: address 0). A tensor whose bytes lie at a host address a CPU
+    tensor's bytes lay at is a CPU tensor (another device's memory is not at a host address), and
+    a strided one (a dense tensor cannot turn sparse or opaque in place: ``set_``, ``.data =``
+    refuse, tested; a new object of another layout has no bytes, its data_ptr raises)."""
+    if not moved:
+        return [t for t, a in zip(tensors, addresses, strict=True) if not a] if 0 in addresses else []
+    return [t for t, a, b in zip(tensors, addresses, before, strict=True) if a != b or not a]
+
+
+def _cpu_strided(tensor: torch.Tensor) -> bool:
+    return tensor.is_cpu and tensor.layout is torch.strided
 
 
 def _keep(memo: dict[Any, V], key: Any, value: V) -> V:

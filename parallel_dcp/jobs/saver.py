@@ -174,13 +174,18 @@ class SaverWorkers:
             self._pool = pool
         return time.perf_counter() - started
 
-    def save(self, state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult | None:
+    def save(
+        self, state_dict: Any, path: str | os.PathLike[str], options: Options, *, layout_unchanged: bool = False
+    ) -> SaveResult | None:
         """The save on these workers; None where the kernel refused their reads of this process
-        (warned once): the caller then saves as ``parallel_dcp.save`` does, forking per save."""
+        (warned once): the caller then saves as ``parallel_dcp.save`` does, forking per save.
+        ``layout_unchanged``: see ``PlanReuse.job``."""
         with prompt_gil():
-            return self._save_here(state_dict, path, options)
+            return self._save_here(state_dict, path, options, layout_unchanged)
 
-    def _save_here(self, state_dict: Any, path: str | os.PathLike[str], options: Options) -> SaveResult | None:
+    def _save_here(
+        self, state_dict: Any, path: str | os.PathLike[str], options: Options, layout_unchanged: bool
+    ) -> SaveResult | None:
         if os.getpid() != self.owner:
             raise RuntimeError(
                 f"this Saver belongs to process {self.owner}, not to its fork {os.getpid()}: "
@@ -192,7 +197,7 @@ class SaverWorkers:
         restart = 0.0 if self._pool is not None else self._start()
         pool = self._pool
         if pool is None:  # refused after a restart: warned; fork per save from now on
-            return self.save(state_dict, path, options)
+            return self.save(state_dict, path, options, layout_unchanged=layout_unchanged)
         target = DcpTarget(path, options.storage_options, compression=options.compression())
         options = prepare_io(target, options)
         # What the fork server and the idle workers hold is there before the save and stays after
@@ -203,7 +208,9 @@ class SaverWorkers:
         # A layout saved before is listed, planned and parted as it was (jobs/plan_reuse.py).
         target.plans = self._plans
         with gc_paused():
-            job = self._plans.job(state_dict, str(path), pending_writes=not options.crc32)
+            job = self._plans.job(
+                state_dict, str(path), pending_writes=not options.crc32, layout_unchanged=layout_unchanged
+            )
         try:
             result = pipeline.run_job(job, target, options, governor, start=start, pool=pool)
         except BaseException:
