@@ -52,7 +52,7 @@ from parallel_dcp.storage.ownership import temp_name
 from parallel_dcp.storage.read_ahead import ReadAhead, Ring, Span
 from parallel_dcp.storage.safe_files import open_regular
 
-__all__ = ["MIN_RUN", "PROBE_FRACTION", "PROBE_RUN", "CopyPlan", "CopyRates", "measure_copies", "plan", "probe_memory"]
+__all__ = ["MIN_RUN", "PROBE_FRACTION", "PROBE_RUN", "CopyRates", "measure_copies", "plan", "probe_memory"]
 
 # One stream's run per round: a few read-ahead windows (the mmap's read-around reaches its full
 # window), and all runs of the four rounds together no more than 1 / PROBE_FRACTION of the files.
@@ -86,22 +86,7 @@ class CopyRates:
     direct_writes: bool
 
 
-@dataclass(frozen=True, slots=True)
-class CopyPlan:
-    """``rounds[r]``: the (file, offset) of each stream's run in round ``r``, each ``length``
-    bytes and followed by ``gap`` bytes that no round reads."""
-
-    length: int
-    gap: int
-    rounds: list[list[tuple[int, int]]]
-
-    def span(self, file: int) -> int:
-        """The bytes of ``file``, from its start, that the probe touches (0: none)."""
-        ends = [o + self.length + self.gap for r in self.rounds for f, o in r if f == file]
-        return max(ends, default=0)
-
-
-def plan(sizes: list[int], streams: int, readahead: int) -> CopyPlan | None:
+def plan(sizes: list[int], streams: int, readahead: int) -> read_probe.Plan | None:
     """Where ``streams`` streams copy from files of ``sizes`` bytes (the largest first) in each of
     the four rounds: runs of the longest length (PROBE_RUN, halved down to MIN_RUN) whose four
     rounds together take at most 1 / PROBE_FRACTION of the bytes; None where not even MIN_RUN
@@ -117,7 +102,7 @@ def plan(sizes: list[int], streams: int, readahead: int) -> CopyPlan | None:
     slots = [(f, k * step) for f, size in enumerate(sizes) for k in range(size // step - 1, -1, -1)]
     if len(slots) < need:
         return None
-    return CopyPlan(length, gap, [slots[r * streams : (r + 1) * streams] for r in range(len(_ROUNDS))])
+    return read_probe.Plan(length, gap, [slots[r * streams : (r + 1) * streams] for r in range(len(_ROUNDS))])
 
 
 def _ring() -> Ring:

@@ -70,6 +70,7 @@ __all__ = [
     "PROBE_READERS",
     "PROBE_SLICE",
     "READERS_PER_STREAM",
+    "Plan",
     "ReadRates",
     "drop_cached",
     "measure_reads",
