@@ -265,3 +265,45 @@ def test_the_coordinator_takes_the_gil_back_promptly_during_a_save_and_restores_
         saver.save({"w": torch.ones(4), "probe": _SwitchProbe()}, tmp_path / "ckpt")
     assert _SwitchProbe.seen and set(_SwitchProbe.seen) == {COORDINATOR_SWITCH_S}
     assert sys.getswitchinterval() == before
+
+
+class _IntervalToFile:
+    """A value its worker pickles: writes the worker's switch interval to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __getstate__(self) -> dict[str, Any]:
+        Path(self.path).write_text(repr(sys.getswitchinterval()))
+        return {"path": self.path}
+
+
+def test_a_save_forked_per_call_also_takes_the_gil_back_promptly_and_restores_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many small tensors go to workers forked for the save, coordinated from this thread: it
+    runs the job under the lowered switch interval too (beside a busy thread it waited 5 ms at
+    each wake-up); the workers forked meanwhile switch at the caller's interval, and the caller's
+    interval is back after."""
+    from parallel_dcp.jobs import save as save_job
+    from parallel_dcp.jobs.saver import COORDINATOR_SWITCH_S
+
+    seen: list[float] = []
+    run_job = save_job.run_job
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(sys.getswitchinterval())
+        return run_job(*args, **kwargs)
+
+    monkeypatch.setattr(save_job, "run_job", spy)
+    before = sys.getswitchinterval()
+    sd: dict[str, Any] = {f"w{i}": torch.full((4,), float(i)) for i in range(50)}
+    sd["probe"] = _IntervalToFile(str(tmp_path / "worker-interval"))
+    result = parallel_dcp.save(sd, tmp_path / "ckpt", workers=2)
+    assert result.executor == "processes"
+    assert seen == [COORDINATOR_SWITCH_S]
+    assert float((tmp_path / "worker-interval").read_text()) == before
+    assert sys.getswitchinterval() == before
+    out = {k: torch.empty_like(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    dcp.load(out, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    assert_same(out, {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)})

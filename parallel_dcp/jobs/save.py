@@ -12,6 +12,7 @@ from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs import shared_workers
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.runner import run_job
+from parallel_dcp.jobs.saver import prompt_gil
 from parallel_dcp.jobs.targets import DcpTarget, Job
 from parallel_dcp.options import Options
 
@@ -30,4 +31,7 @@ def save(state_dict: Any, path: str | os.PathLike[str], options: Options) -> Sav
     with gc_paused():  # flattening 50,000 keys; see gc_paused
         source = MemorySource(str(path), state_dict=state_dict)
         job = Job(source, source.keys())
-    return run_job(job, target, options, governor, start=start)
+    # The coordinator (this thread) wakes for each worker's result and each watchdog reading; beside
+    # a busy Python thread of the caller each wake-up would wait out the 5 ms switch interval.
+    with prompt_gil():
+        return run_job(job, target, options, governor, start=start)
