@@ -1,7 +1,8 @@
-"""A load beside one busy Python thread in the caller: 1 GiB DCP checkpoint (64 bf16 tensors) on
-tmpfs (no device: what the GIL costs shows whole), ``load`` into fresh tensors and ``load(into=)``,
+"""A load beside one busy Python thread in the caller: 1 GiB DCP checkpoint (64 bf16 tensors) in DIR
+(on tmpfs no device: what the GIL costs shows whole; on a disk with COLD=1: the device), ``load`` into fresh tensors and ``load(into=)``,
 alone, beside a busy thread of the same process (the GIL and a core), and beside a busy separate
-process (a core only: the control). Each source tree's rows run in one process of their own
+process (a core only: the control). With COLD=1 in the environment (as root) the page cache is
+dropped before each load. Each source tree's rows run in one process of their own
 (``PYTHONPATH=TREE``), the trees taking turns round by round; medians of ROUNDS.
 
     python bench/bench_busy_load.py DIR [ROUNDS [TREE ...]]    (default: this tree)
@@ -18,8 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE = r"""
-import json, subprocess, sys, threading, time, torch, parallel_dcp
+import json, os, subprocess, sys, threading, time, torch, parallel_dcp
 path, rounds = sys.argv[1], int(sys.argv[2])
+cold = os.environ.get("COLD") == "1"
 def spin(stop):
     x = 0
     while not stop.is_set():
@@ -36,6 +38,8 @@ for _ in range(rounds):
                 th.start()
             elif mode == "process":
                 busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            if cold:
+                subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=True)
             time.sleep(0.2)
             t = time.perf_counter()
             if kind == "into":
