@@ -1,5 +1,6 @@
 """A load beside one busy Python thread in the caller: 1 GiB DCP checkpoint (64 bf16 tensors) in DIR
-(on tmpfs no device: what the GIL costs shows whole; on a disk with COLD=1: the device), ``load`` into fresh tensors and ``load(into=)``,
+(on tmpfs no device: what the GIL costs shows whole; on a disk with COLD=1: the device), ``load``
+into fresh tensors and ``load(into=)``,
 alone, beside a busy thread of the same process (the GIL and a core), and beside a busy separate
 process (a core only: the control). With COLD=1 in the environment (as root) the page cache is
 dropped before each load. Each source tree's rows run in one process of their own
