@@ -107,7 +107,9 @@ class SmallUnit:
                 )
             entries = self.entries
             if scatter:
-                entries = read_scattered(file, entries, functools.partial(self._learn, file), stats, cancel.is_set)
+                entries = read_scattered(
+                    file, entries, functools.partial(self._learn, file), self.templates, stats, cancel.is_set
+                )
             if cancel.is_set():
                 return stats, []
             seen: dict[tuple[Any, ...], Template | None] = {}  # this unit's templates, looked up without the lock
