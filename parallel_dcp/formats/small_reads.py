@@ -50,15 +50,12 @@ from parallel_dcp.formats.read_units import (
     checked_layout,
 )
 from parallel_dcp.formats.record_batch import SpanTable, Template, TemplateCache, make_template
-from parallel_dcp.formats.scatter_read import preadv_function, read_scattered
+from parallel_dcp.formats.scatter_read import Entry, preadv_function, read_scattered
 from parallel_dcp.storage.direct_write import address
 from parallel_dcp.storage.location import Location, Remote
 
 __all__ = ["Entry", "SmallUnit", "small_units"]
 
-# (offset, length, key, target, storage info, dtype, shape, the target's data address): one record,
-# as .metadata says (the address taken by the planner, which touched the tensor anyway)
-Entry = tuple[int, int, str, torch.Tensor, Any, torch.dtype, tuple[int, ...], int]
 _UNKNOWN = object()
 # Whether local records are read straight into their tensors (formats/scatter_read.py); False:
 # every record through the windows (the path object storage takes).
