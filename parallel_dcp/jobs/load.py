@@ -205,7 +205,7 @@ def _load(
     budget.reserve(threads * per_thread, f"read buffers for {threads} threads")
     rooms: dict[str, torch.Tensor] = {}
     if into is not None:  # not detached yet: a whole small record is copied by address (_small_records)
-        targets = {k: flat_into[k] for k in metas}
+        targets = flat_into  # the caller's values: _requests looks up only the tensor keys it reads
     else:
         targets = {}
         for key, meta in metas.items():
@@ -230,7 +230,9 @@ def _load(
         else read_choice(options.io, location, _files(location, requests, small), streams=threads)
     )
     io_mode = choice.io
-    with progress.Progress(total=sum(t.nbytes for t in targets.values()), enabled=options.progress, desc="load") as bar:
+    # (the total only for a bar shown: reading every target's size is a cache miss a key)
+    total = sum(targets[key].nbytes for key in metas) if options.progress else 0
+    with progress.Progress(total=total, enabled=options.progress, desc="load") as bar:
         done = fast_read.read_requests(
             location, requests, threads, on_bytes, budget, on_tick=bar.refresh, io=io_mode, small=small
         )
