@@ -226,7 +226,11 @@ def read_scattered(
         ids = frames.ids(chunk, numpy.fromiter(map(_LENGTH, chunk), dtype=numpy.int64, count=len(chunk)))
         width = numpy.where(ids >= 0, frames.width[ids] * 8, 0) if frames.frames else numpy.zeros(len(ids))
         fits = int(numpy.searchsorted(numpy.cumsum(width), FRAME_BYTES, side="right"))
-        if fits < len(chunk):  # a frame is at most SMALL_RECORD bytes: one always fits
+        if not fits:  # a frame larger than the scratch (not with these sizes): the caller's windows
+            left.append(chunk[0])
+            first += 1
+            continue
+        if fits < len(chunk):
             chunk, ids = chunk[:fits], ids[:fits]
         first += len(chunk)
         end = _chunk(file, chunk, ids, frames, scratch, junk, end, stats, left)
