@@ -363,6 +363,14 @@ def test_scaling_suite_projects_from_its_own_measurements(tmp_path: Path) -> Non
         assert projection["executors"]["saver"]["serial_parts"]["worker_job_seconds"] > 0
         saver = projection["probe"]["saver"]
         assert saver["saver_start_seconds"] > 0 and saver["first_save_start_seconds"] >= 0
+        # The Saver's pieces as its code runs them: serial before the first task and after the
+        # last result, the coordinator's work beside the workers', the workers' task handling.
+        for name in ("saver", "saver_unchanged"):
+            e = projection["executors"][name]
+            assert e["coordinator_write_seconds"] > 0 and e["worker_handling_seconds"] > 0
+            parts = e["serial_parts"]
+            assert parts["before_first_task_seconds"] > 0 and parts["after_last_result_seconds"] > 0
+        assert projection["executors"]["processes"]["coordinator_write_seconds"] == 0  # nothing sent ahead
     governor = scenarios["scaling:llm/" + str(target) + "/sync-on"]["projection"]["governor"]
     assert [row["workers"] for row in governor] == [8, 32, 64]
     assert all(row[f"{kind}_ms_per_process"] >= 0 for row in governor for kind in ("cheap", "rollup", "exact"))
