@@ -8,6 +8,10 @@
        │ an "error" reply:                WorkerError(type, message, keys), __cause__ = traceback
        └ any failure: kill and reap every worker, raise; nothing is left running
 
+A pool that outlives one job (a Saver's: ``run(handler=)``) also sends each busy worker its next
+task ahead (``_Ahead``: the worker copies the pickled task out of the coordinator when it takes
+it), so a worker that replies finds its next task waiting and the hand-off overlaps its work.
+
 Workers are forked, never spawned: the job's data (a state dict, an open checkpoint's metadata)
 is read copy-on-write and never travels through a pipe. Only task descriptions and small results
 (metadata, write results, statistics) do.
