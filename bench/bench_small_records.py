@@ -8,6 +8,8 @@ Two long-lived worker processes (before: PYTHONPATH=BASE_TREE; after: AFTER_TREE
 each row's load runs in its worker, its stages timed on the main thread by wrappers (perf_counter),
 and the process CPU time of the whole load. Cold rows drop the page cache first (root). `into` is
 allocated once per worker and writer and reused (its pages faulted in by the warm-up round).
+With AFTER_CKPT_ROOT set, the *after* rows (and stock ``dcp.load``) read their checkpoints from
+there instead: a ``pdcp/`` written by the after tree's own writer (``stock/`` the same one).
 """
 
 import json
@@ -77,6 +79,7 @@ STAGES = ["TOTAL", "CPU", "metadata", "metadata check", "flatten into", "plan", 
 
 def main() -> None:
     root, base, after, reps, stock_reps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    roots = {"before": root, "after": os.environ.get("AFTER_CKPT_ROOT", root)}
     py = f"{after}/.venv/bin/python"
     workers = {}
     for name, tree in (("before", base), ("after", after)):
@@ -97,13 +100,14 @@ def main() -> None:
         )
     ]
     results: dict = {row: [] for row in rows}
+    print("checkpoints:", roots, flush=True)
     print("load at start:", os.getloadavg(), time.strftime("%H:%M:%S UTC", time.gmtime()), flush=True)
     for rep in range(reps + 1):  # round 0: warm-up (faults in the into= tensors), not counted
         for code, kind, mode in rows:
             if mode == "stock" and not 1 <= rep <= stock_reps:
                 continue
             w = workers[code]
-            w.stdin.write(f"{kind} {mode} {root}/{kind}\n")
+            w.stdin.write(f"{kind} {mode} {roots[code]}/{kind}\n")
             w.stdin.flush()
             out = json.loads(w.stdout.readline())
             if rep:

@@ -299,3 +299,17 @@ def test_fast_reader_keeps_stock_semantics_for_another_dtype_and_checkpoint_id(t
     dcp.load(same, checkpoint_id=str(tmp_path / "ckpt"), storage_reader=reader, no_dist=True)  # reset() moves it
     assert_same(same["w"], w)
     assert reader.stats.fast == 1
+
+
+def test_load_into_with_a_progress_bar_counts_the_tensors_bytes(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    sd = {f"w{i}": torch.full((128 * 1024,), float(i)) for i in range(4)} | {"step": 7, "names": ["a", "b"]}
+    parallel_dcp.save(sd, tmp_path / "ckpt", workers=2)
+    capfd.readouterr()
+    into = {k: torch.zeros_like(v) if torch.is_tensor(v) else None for k, v in sd.items()}
+    parallel_dcp.load(tmp_path / "ckpt", into=into, workers=2, progress=True)
+    err = capfd.readouterr().err
+    assert "load: " in err and "2.0 MiB / 2.0 MiB" in err  # the four tensors' bytes, not the values
+    assert all(torch.equal(into[k], sd[k]) for k in sd if torch.is_tensor(sd[k]))
+    assert (into["step"], into["names"]) == (7, ["a", "b"])

@@ -116,3 +116,48 @@ def test_many_keys_over_many_tasks_keep_the_state_dicts_order(tmp_path: Path) ->
     assert torch.ones(2**20).nbytes * 8 > sum(t.nbytes + 64 * 2**10 for t in few.values() if torch.is_tensor(t)) / 3
     parallel_dcp.save(few, tmp_path / "few", workers=3, executor="processes")
     assert list(FileSystemReader(str(tmp_path / "few")).read_metadata().state_dict_metadata) == list(few)
+
+
+def test_entries_are_written_as_calls_and_read_back_equal_in_stock_pickle_and_the_safe_unpickler() -> None:
+    # A tensor entry, its chunk and a plain record are written as a call of their class
+    # (REDUCE: fields inline, no state dict kept); a compressed record and an index as pickle
+    # writes them. Both stock's plain pickle and the allow-list unpickler read back equal objects.
+    import io
+    import pickletools
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from parallel_dcp import _compat
+    from parallel_dcp.formats.metadata_pickle import _PREFIX
+    from parallel_dcp.storage.metadata import _SafeUnpickler
+
+    floats = TensorProperties(dtype=torch.float32)
+    tensors = {f"t{i}": tensor_meta((i + 1, 3), floats) for i in range(3)}
+    plain = _compat.storage_info("__0_0.distcp", 10, 20)
+    packed = _compat.storage_info("__0_0.distcp", 30, 7, ["stream.zstd/1"])
+    records = {MetadataIndex("t0", torch.Size([0, 0]), 0): plain, MetadataIndex("t1", torch.Size([0, 0]), 0): packed}
+    for entries in (tensors, records):
+        data = _PREFIX + dict_fragment(entries) + pickle.STOP
+        for loaded in (pickle.loads(data), _SafeUnpickler(io.BytesIO(data)).load()):
+            assert loaded == entries
+            assert list(loaded) == list(entries)
+    ops = [op.name for op, _, _ in pickletools.genops(_PREFIX + dict_fragment(tensors) + pickle.STOP)]
+    # only the one shared TensorProperties is an empty object filled by BUILD (as pickle writes it)
+    assert (ops.count("NEWOBJ"), ops.count("BUILD")) == (1, 1)
+    loaded = pickle.loads(_PREFIX + dict_fragment(records) + pickle.STOP)
+    assert loaded[MetadataIndex("t1", torch.Size([0, 0]), 0)].transform_descriptors == ["stream.zstd/1"]
+    assert loaded[MetadataIndex("t0", torch.Size([0, 0]), 0)].transform_descriptors is None
+
+
+def test_stock_dcp_load_reads_a_checkpoint_of_many_small_tensors_we_wrote(tmp_path: Path) -> None:
+    sd = {f"layers.{i}.w": torch.full((1 + i % 7, 2), float(i)) for i in range(600)} | {"step": 3}
+    parallel_dcp.save(sd, tmp_path / "ours", workers=2, executor="processes")
+    stock = stock_save(sd, tmp_path / "stock")
+    ours = FileSystemReader(str(tmp_path / "ours")).read_metadata()  # plain pickle.load, as stock reads it
+    assert ours.state_dict_metadata == stock.state_dict_metadata
+    assert set(ours.storage_data) == set(stock.storage_data)
+    into = {k: torch.zeros_like(v) if torch.is_tensor(v) else None for k, v in sd.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group
+        dcp.load(into, storage_reader=FileSystemReader(str(tmp_path / "ours")), no_dist=True)
+    assert_same(into, sd)

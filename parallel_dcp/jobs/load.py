@@ -160,17 +160,25 @@ def _load(
         _check_present(selected, metadata, location)
     else:
         selected = _selected(metadata, keys, location)
-    metas = {k: m for k in selected if isinstance(m := metadata.state_dict_metadata[k], TensorStorageMetadata)}
+    stored: dict[str, Any] = metadata.state_dict_metadata  # (tensor_keys: TensorStorageMetadata)
     whole = columns.tensors  # (dtype, shape) of each key of one whole chunk, without touching its objects
+    # the tensor keys: the whole ones known from the columns (a metadata object's first touch is
+    # a cache miss), and any other tensor entry
+    tensor_keys = [k for k in selected if k in whole or isinstance(stored[k], TensorStorageMetadata)]
+    metas: dict[str, TensorStorageMetadata] = {k: stored[k] for k in tensor_keys} if into is None else {}
     # targets that are dense CPU tensors of the stored dtype and shape, and their data addresses
     # (taken while the tensor is at hand: a later first touch of it is a cache miss)
     dense: dict[str, tuple[torch.Tensor, int]] = {}
     if into is not None:
         tensor = torch.Tensor
-        for key, meta in metas.items():
+        for key in tensor_keys:
             value = flat_into[key]
             known = whole.get(key)
-            dtype, shape = known if known is not None else (meta.properties.dtype, meta.size)
+            if known is not None:
+                dtype, shape = known
+            else:
+                meta = stored[key]
+                dtype, shape = meta.properties.dtype, meta.size
             if (  # the common case in a few reads; anything else gets the full check and its message
                 type(value) is tensor
                 and value.dtype == dtype
@@ -181,7 +189,7 @@ def _load(
                 if value.is_cpu:
                     dense[key] = (value, value.data_ptr())
             else:
-                _check_target(key, value, meta)
+                _check_target(key, value, stored[key])
     # Kept by reservation alone: everything the read holds is set aside before it starts (the
     # output when it allocates, each thread's buffers); no sampling (reading PSS walks every page
     # table, as long as the read itself), and a thread could not be killed anyway.
@@ -205,7 +213,7 @@ def _load(
     budget.reserve(threads * per_thread, f"read buffers for {threads} threads")
     rooms: dict[str, torch.Tensor] = {}
     if into is not None:  # not detached yet: a whole small record is copied by address (_small_records)
-        targets = {k: flat_into[k] for k in metas}
+        targets = flat_into  # the caller's values: _requests looks up only the tensor keys it reads
     else:
         targets = {}
         for key, meta in metas.items():
@@ -230,7 +238,9 @@ def _load(
         else read_choice(options.io, location, _files(location, requests, small), streams=threads)
     )
     io_mode = choice.io
-    with progress.Progress(total=sum(t.nbytes for t in targets.values()), enabled=options.progress, desc="load") as bar:
+    # (the total only for a bar shown: reading every target's size is a cache miss a key)
+    total = sum(targets[key].nbytes for key in tensor_keys) if options.progress else 0
+    with progress.Progress(total=total, enabled=options.progress, desc="load") as bar:
         done = fast_read.read_requests(
             location, requests, threads, on_bytes, budget, on_tick=bar.refresh, io=io_mode, small=small
         )

@@ -11,7 +11,8 @@ than unpickling the file. So:
       │
       ├─ records: columns sorted by (file, offset) with numpy; no two may share a byte
       ├─ bytes: what each tensor needs against what its records hold
-      └─ planner_data: the nesting (geometry.check_planner_data)
+      └─ planner_data: the nesting, proven in bulk (storage/planner_bulk.py), else
+         path by path (geometry.check_planner_data), which names what is wrong
 
 What is refused is exactly what the object-by-object check refused (tests/test_metadata_safety.py).
 """
@@ -32,8 +33,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.storage.geometry import PairBudget, check_chunks, check_planner_data, describe_index
+from parallel_dcp.storage.geometry import MAX_PATH_DEPTH, PairBudget, check_chunks, check_planner_data, describe_index
 from parallel_dcp.storage.location import check_name
+from parallel_dcp.storage.planner_bulk import bulk_planner_data
 
 __all__ = ["WholeRecords", "check_metadata_fields"]
 
@@ -97,7 +99,9 @@ def check_metadata_fields(metadata: Metadata, file: object) -> WholeRecords:
                 f"{file}: key {key!r} claims {numel} elements ({need} bytes) but its {have} stored zstd bytes can "
                 f"hold at most {_ZSTD_MOST_OUT_PER_BYTE}x that: impossible sizes"
             )
-    check_planner_data(metadata.planner_data, list(tensors), file)
+    keys = list(tensors)
+    if not bulk_planner_data(metadata.planner_data, keys, MAX_PATH_DEPTH):  # the common case, in bulk
+        check_planner_data(metadata.planner_data, keys, file)
     return WholeRecords(whole, records)
 
 
