@@ -326,6 +326,7 @@ def test_records_read_in_many_windows_through_one_reused_buffer(
         real_read(self, offset, views)
 
     monkeypatch.setattr(small_reads, "BATCH_BYTES", 4096)
+    monkeypatch.setattr(small_reads, "SCATTER", False)  # the windows object storage is read in
     monkeypatch.setattr(small_reads._File, "read", read)
     into = empty_like_state(sd)
     parallel_dcp.load(tmp_path / "ckpt", into=into, workers=1)

@@ -22,14 +22,17 @@ counted in ``read_units.thread_memory()``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy
 
 from parallel_dcp.formats.dcp_records import RecordLayout, varying_spans
 
 __all__ = ["CHECK_BYTES", "SpanTable", "Template", "TemplateCache", "check_batch", "make_template"]
+
+T = TypeVar("T")
 
 # The most varying bytes one template may have (torch's records: 7 CRC-32s in the directory, a
 # few in descriptors and local headers, a 40-byte serialization id: about 100).
@@ -61,8 +64,9 @@ class Template:
     tail_offset: int  # where ``tail`` starts in a record
 
     def cost(self) -> int:
-        """The bytes it holds (roughly: its buffers and objects)."""
-        return len(self.head) + len(self.tail) + 8 * self.spans.size + 512
+        """The bytes it holds (roughly: its buffers and objects), with its frame for the scatter
+        (formats/scatter_read.py: its head and tail as words and their mask)."""
+        return 3 * (len(self.head) + len(self.tail)) + 8 * self.spans.size + 512 + 64
 
 
 def make_template(record: memoryview, layout: RecordLayout, numel: int) -> Template | None:
@@ -99,6 +103,15 @@ class TemplateCache:
         self._found: dict[object, Template | None] = {}
         self._bytes = 0
         self.full = False  # no room for another template (CACHE_BYTES): new keys are parsed per record
+        self._derived: dict[int, Any] = {}  # what a reader makes of a kept template, by its id
+
+    def derived(self, template: Template, make: Callable[[Template], T]) -> T:
+        """``make(template)`` for a template this cache keeps, made once per read (its bytes are
+        counted in :meth:`Template.cost`)."""
+        found = self._derived.get(id(template))
+        if found is None:
+            found = self._derived.setdefault(id(template), make(template))
+        return found  # type: ignore[no-any-return]
 
     def get(self, key: object) -> tuple[bool, Template | None]:
         """(known, template): ``known`` False when no record of ``key`` was parsed yet."""

@@ -27,6 +27,7 @@ thread holds one window buffer and the check's temporaries: read_units.thread_me
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from operator import itemgetter
 from typing import Any
@@ -49,15 +50,16 @@ from parallel_dcp.formats.read_units import (
     checked_layout,
 )
 from parallel_dcp.formats.record_batch import SpanTable, Template, TemplateCache, make_template
+from parallel_dcp.formats.scatter_read import Entry, preadv_function, read_scattered
 from parallel_dcp.storage.direct_write import address
-from parallel_dcp.storage.location import Location
+from parallel_dcp.storage.location import Location, Remote
 
 __all__ = ["Entry", "SmallUnit", "small_units"]
 
-# (offset, length, key, target, storage info, dtype, shape, the target's data address): one record,
-# as .metadata says (the address taken by the planner, which touched the tensor anyway)
-Entry = tuple[int, int, str, torch.Tensor, Any, torch.dtype, tuple[int, ...], int]
 _UNKNOWN = object()
+# Whether local records are read straight into their tensors (formats/scatter_read.py); False:
+# every record through the windows (the path object storage takes).
+SCATTER = True
 
 
 def small_units(files: dict[str, list[Entry]], threads: int, templates: TemplateCache) -> list[SmallUnit]:
@@ -88,7 +90,10 @@ class SmallUnit:
 
     def run(self, where: Location, cancel: threading.Event, io: str = "buffered") -> tuple[ReadStats, list[Request]]:
         stats, fallback = ReadStats(), list[Request]()
-        file = _File(where, self.name, io)
+        # a local file: its records straight into their tensors (scatter_read), read buffered
+        # (O_DIRECT cannot read into unaligned memory); else, and for what that leaves, windows
+        scatter = SCATTER and not isinstance(where, Remote) and preadv_function() is not None
+        file = _File(where, self.name, "buffered" if scatter else io)
         try:
             last = self.entries[-1]
             if last[0] + last[1] > file.size:
@@ -97,14 +102,21 @@ class SmallUnit:
                     f"{file.where} has {file.size} bytes but .metadata records {keys[:4]} up to byte "
                     f"{last[0] + last[1]} (truncated file)"
                 )
+            entries = self.entries
+            if scatter:
+                entries = read_scattered(
+                    file, entries, functools.partial(self._learn, file), self.templates, stats, cancel.is_set
+                )
+            if cancel.is_set():
+                return stats, []
             seen: dict[tuple[Any, ...], Template | None] = {}  # this unit's templates, looked up without the lock
-            windows = self._windows()
+            windows = self._windows(entries) if entries else []
             # one buffer for every window: its pages are faulted in once, not once per window
-            buffer = bytearray(max(end - self.entries[first][0] for first, _, end in windows))
+            buffer = bytearray(max((end - entries[first][0] for first, _, end in windows), default=0))
             for first, stop, end in windows:
                 if cancel.is_set():
                     return stats, []
-                self._window(file, buffer, self.entries[first:stop], end, seen, stats, fallback)
+                self._window(file, buffer, entries[first:stop], end, seen, stats, fallback)
             progress.report(stats.bytes)
             progress.flush()
         finally:
@@ -112,11 +124,22 @@ class SmallUnit:
             file.close()
         return stats, fallback
 
-    def _windows(self) -> list[tuple[int, int, int]]:
+    def _learn(self, file: _File, entry: Entry) -> Template | None:
+        """The template of ``entry``'s (length, dtype, shape) for scatter_read: known to the read,
+        or made from this record (read whole and parsed); None: none."""
+        tkey = (entry[1], entry[5], entry[6])
+        known, template = self.templates.get(tkey)
+        if known or self.templates.full:
+            return template
+        record = bytearray(entry[1])
+        file.read(entry[0], [memoryview(record)])
+        return self._template(file, memoryview(record), entry[0], entry, tkey, self.templates)
+
+    @staticmethod
+    def _windows(entries: list[Entry]) -> list[tuple[int, int, int]]:
         """(first, stop, end) entries read by one read each, up to byte ``end``: adjacent records,
         at most BATCH_BYTES."""
         out = []
-        entries = self.entries
         first = 0
         start, end = entries[0][0], entries[0][0] + entries[0][1]
         for i in range(1, len(entries)):
