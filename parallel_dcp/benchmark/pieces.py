@@ -39,6 +39,9 @@ A projection, labelled as one: storage is not the bottleneck, and the inputs are
                Those busy times are scaled per key, by the full dict's time alone over the
                subset's (G, a ratio, is the subset's), and labelled so in the output and the JSON
                (``busy_probe``: keys probed, of how many, the subset's own seconds, the scale).
+
+Longer than 300 lines because the probe, its per-run pieces and the projection they feed are one
+model: every input the projection prints is measured here, next to the formula that uses it.
 """
 
 from __future__ import annotations

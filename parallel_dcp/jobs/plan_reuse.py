@@ -37,6 +37,10 @@ retyped over the same bytes) is written with the shape, strides and dtype of the
 
 The memo holds no tensor and no value of a past save: the listing is kept without them. It keeps
 the last ``LAYOUTS`` layouts (a loop that saves its model and its optimizer in turn finds both).
+
+Longer than 300 lines because the layout, its comparison with a new state dict and the reuse of
+the plan and parts are one contract: each decides what the next may skip, and apart they would
+have to re-prove each other's checks.
 """
 
 from __future__ import annotations
