@@ -1,0 +1,172 @@
+"""Shards prefetched into the page cache while .metadata is parsed (storage/prefetch.py): asked for
+(POSIX_FADV_WILLNEED) for the files a load of many small records reads, never for a checkpoint of
+big tensors, O_DIRECT reads, object storage or a subset of the keys; never through a symlink; the
+loads stay byte-equal."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import parallel_dcp
+from parallel_dcp import UnsafeCheckpointError
+from parallel_dcp.storage import prefetch
+from parallel_dcp.storage.location import locate
+from parallel_dcp.storage.read_choice import ReadChoice
+from parallel_dcp.synthetic import many_small
+from tests.conftest import assert_same, empty_like_state
+
+WILLNEED = os.POSIX_FADV_WILLNEED
+
+
+@pytest.fixture
+def advised(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """(the file's real path, offset, length) of every WILLNEED asked for, through the real call."""
+    calls: list[tuple[str, int, int]] = []
+    real = os.posix_fadvise
+
+    def recorded(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == WILLNEED:
+            calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recorded)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    sd = many_small(600)
+    path = tmp_path_factory.mktemp("prefetch") / "small"
+    parallel_dcp.save(sd, path, workers=2)
+    return path, sd
+
+
+def shards(path: Path) -> dict[str, int]:
+    return {str(p.resolve()): p.stat().st_size for p in path.glob("*.distcp")}
+
+
+def covered(calls: list[tuple[str, int, int]]) -> dict[str, int]:
+    """Per file, how far from byte 0 the calls asked for without a hole."""
+    ends: dict[str, int] = {}
+    for name, offset, length in sorted(calls):
+        if offset <= ends.get(name, 0):
+            ends[name] = max(ends.get(name, 0), offset + length)
+    return ends
+
+
+@pytest.mark.parametrize("into", [True, False])
+def test_many_small_records_prefetch_every_shard_whole(
+    small_ckpt: tuple[Path, dict[str, Any]], advised: list[tuple[str, int, int]], into: bool
+) -> None:
+    path, sd = small_ckpt
+    target = empty_like_state(sd) if into else None
+    out = parallel_dcp.load(path, io="buffered", into=target, workers=2)
+    assert_same(out, sd)
+    files = shards(path)
+    ends = covered(advised)
+    assert set(ends) == set(files)
+    assert all(ends[name] >= size for name, size in files.items())
+
+
+def test_big_tensors_are_not_prefetched(tmp_path: Path, advised: list[tuple[str, int, int]]) -> None:
+    sd = {"a": torch.randn(512, 1024), "b": torch.randn(1024, 256)}  # 3 MiB in two records
+    parallel_dcp.save(sd, tmp_path / "big", workers=2)
+    plan = prefetch.plan_prefetch(locate(tmp_path / "big"), "buffered", whole=True, allocates=True)
+    assert plan.files == () and "few large records" in plan.reason
+    assert_same(parallel_dcp.load(tmp_path / "big", io="buffered"), sd)
+    assert advised == []
+
+
+def test_a_key_subset_prefetches_nothing(
+    small_ckpt: tuple[Path, dict[str, Any]], advised: list[tuple[str, int, int]]
+) -> None:
+    path, sd = small_ckpt
+    out = parallel_dcp.load(path, io="buffered", keys="optimizer.state.1.*")
+    assert_same(out, {"optimizer": {"state": {"1": sd["optimizer"]["state"]["1"]}}})
+    part = {"optimizer": {"state": {k: empty_like_state(v) for k, v in list(sd["optimizer"]["state"].items())[:20]}}}
+    assert_same(parallel_dcp.load(path, io="buffered", into=part), {"optimizer": {"state": part["optimizer"]["state"]}})
+    assert advised == []
+
+
+def test_direct_reads_object_storage_and_worker_processes_prefetch_nothing(
+    small_ckpt: tuple[Path, dict[str, Any]],
+) -> None:
+    path, _ = small_ckpt
+    where = locate(path)
+    assert prefetch.plan_prefetch(where, "buffered", whole=True, allocates=True).files
+    direct = prefetch.plan_prefetch(where, "direct", whole=True, allocates=True)
+    assert direct.files == () and "read twice" in direct.reason
+    remote = prefetch.plan_prefetch(locate("s3://bucket/ckpt"), "buffered", whole=True, allocates=True)
+    assert remote.files == () and remote.reason == "object storage"
+    assert prefetch.plan_prefetch(where, "buffered", whole=False, allocates=True).files == ()
+
+
+def test_auto_follows_the_measured_choice(
+    small_ckpt: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, _ = small_ckpt
+    where = locate(path)
+    files = shards(path)
+    monkeypatch.setattr(prefetch.io_mode, "DIRECT_MIN_BYTES", 1)  # every shard large enough to read directly
+    monkeypatch.setattr(prefetch.io_mode, "direct_refusal", lambda *a, **k: None)
+    monkeypatch.setattr(prefetch, "known_read_choice", lambda where: None)
+    unmeasured = prefetch.plan_prefetch(where, "auto", whole=True, allocates=True)
+    assert unmeasured.files == () and "not measured" in unmeasured.reason
+    monkeypatch.setattr(prefetch, "known_read_choice", lambda where: ReadChoice("auto", "direct", "measured"))
+    assert prefetch.plan_prefetch(where, "auto", whole=True, allocates=True).files == ()
+    monkeypatch.setattr(prefetch, "known_read_choice", lambda where: ReadChoice("buffered", "buffered", "measured"))
+    assert prefetch.plan_prefetch(where, "auto", whole=True, allocates=True).nbytes == sum(files.values())
+
+
+def test_not_when_the_shards_do_not_fit_in_memory(
+    small_ckpt: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, _ = small_ckpt
+    total = sum(shards(path).values())
+
+    class Memory:
+        available = 3 * total  # room for the shards, not for them and an output as large
+
+    monkeypatch.setattr(prefetch.psutil, "virtual_memory", Memory)
+    assert prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=False).files
+    tight = prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=True)
+    assert tight.files == () and "memory" in tight.reason
+
+
+def test_a_symlinked_shard_is_not_opened(
+    small_ckpt: tuple[Path, dict[str, Any]], tmp_path: Path, advised: list[tuple[str, int, int]]
+) -> None:
+    source, sd = small_ckpt
+    path = tmp_path / "ckpt"
+    shutil.copytree(source, path)
+    victim = sorted(path.glob("*.distcp"))[0]
+    outside = tmp_path / "outside.distcp"
+    victim.rename(outside)
+    victim.symlink_to(outside)
+    plan = prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=True)
+    assert victim.name not in dict(plan.files) and plan.files
+    with pytest.raises(UnsafeCheckpointError, match="symlink"):
+        parallel_dcp.load(path, io="buffered", into=empty_like_state(sd))
+    assert advised and str(outside.resolve()) not in {name for name, _, _ in advised}
+
+
+def test_keep_stops_asking_for_files_the_plan_does_not_read(
+    small_ckpt: tuple[Path, dict[str, Any]], advised: list[tuple[str, int, int]]
+) -> None:
+    path, _ = small_ckpt
+    plan = prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=True)
+    first = plan.files[0][0]
+    fetch = prefetch.Prefetch(locate(path), plan)
+    fetch.keep([first])
+    with fetch:
+        assert fetch._thread is not None
+        fetch._thread.join()  # every request issued (not stopped early by the exit)
+    assert covered(advised) == {str((path / first).resolve()): covered(advised)[str((path / first).resolve())]}
+    assert covered(advised)[str((path / first).resolve())] >= dict(plan.files)[first]
+    assert fetch.advised == dict(plan.files)[first]
