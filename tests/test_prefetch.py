@@ -120,6 +120,11 @@ def test_auto_follows_the_measured_choice(
     assert unmeasured.files == () and "not measured" in unmeasured.reason
     monkeypatch.setattr(prefetch, "known_read_choice", lambda where: ReadChoice("auto", "direct", "measured"))
     assert prefetch.plan_prefetch(where, "auto", whole=True, allocates=True).files == ()
+    # small records read buffered whatever was measured: every shard, once measured
+    buffered_anyway = prefetch.plan_prefetch(where, "auto", whole=True, allocates=True, small_buffered=True)
+    assert buffered_anyway.nbytes == sum(files.values())
+    monkeypatch.setattr(prefetch, "known_read_choice", lambda where: None)
+    assert prefetch.plan_prefetch(where, "auto", whole=True, allocates=True, small_buffered=True).files == ()
     monkeypatch.setattr(prefetch, "known_read_choice", lambda where: ReadChoice("buffered", "buffered", "measured"))
     assert prefetch.plan_prefetch(where, "auto", whole=True, allocates=True).nbytes == sum(files.values())
 

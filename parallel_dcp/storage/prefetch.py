@@ -32,8 +32,9 @@ Prefetched only when it helps and cannot hurt (:func:`plan_prefetch`, each refus
   ``.metadata`` for GiBs of shards (1e-6): nothing to overlap, never prefetched;
 - only files that will be read through the page cache: with ``io="direct"`` none (a prefetched
   byte would be read twice); with ``"auto"`` only those the remembered measurement
-  (storage.read_choice) reads buffered, and nothing while that measurement is still to run on a
-  file large enough to read directly (it must find the files cold);
+  (storage.read_choice) reads buffered (all of them where the small records are read buffered
+  anyway: ``small_buffered``), and nothing while that measurement is still to run on a file large
+  enough to read directly (it must find the files cold: it drops their pages and times them);
 - the shards fit: their bytes (twice that when the load allocates its output) at most half of the
   memory available now (psutil), so the prefetch evicts nothing the load or the node needs.
 """
@@ -114,12 +115,15 @@ def plan_prefetch(
     whole: bool,
     allocates: bool,
     wanted_bytes: Callable[[], int] | None = None,
+    small_buffered: bool = False,
 ) -> PrefetchPlan:
     """Which shard files of the checkpoint at ``where`` to prefetch before its ``.metadata`` is
     parsed (the rule of the module doc). ``io``: how the load reads its shards (as asked:
     ``"auto"``, ``"direct"``, ``"buffered"``); ``whole``: the load takes every key (no ``keys=``)
     in this process; ``allocates``: it allocates its output (no ``into``); ``wanted_bytes``: the
-    bytes of the ``into`` tensors, asked only once everything else allows a prefetch.
+    bytes of the ``into`` tensors, asked only once everything else allows a prefetch;
+    ``small_buffered``: the load reads small records through the page cache whatever ``io="auto"``
+    measured (formats/scatter_read.py), so once the measurement is made every shard qualifies.
 
     Never raises for a checkpoint it cannot look at: it plans nothing, and the load's own reads
     report what is wrong."""
@@ -151,7 +155,7 @@ def plan_prefetch(
         if choice is None:
             if any(io_mode.uses_direct("auto", size) for _, size in shards):
                 return PrefetchPlan(reason='io="auto" not measured on this file system yet: the probe needs cold files')
-        elif choice.io != "buffered":
+        elif choice.io != "buffered" and not small_buffered:
             shards = [(name, size) for name, size in shards if not io_mode.uses_direct(choice.io, size)]
             if not shards:
                 return PrefetchPlan(reason="every shard is read with O_DIRECT here (measured)")
