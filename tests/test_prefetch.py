@@ -51,6 +51,11 @@ def shards(path: Path) -> dict[str, int]:
     return {str(p.resolve()): p.stat().st_size for p in path.glob("*.distcp")}
 
 
+def read_first(path: Path) -> dict[str, int]:
+    """What the prefetch asks for: .metadata (first), then every shard."""
+    return {str((path / ".metadata").resolve()): (path / ".metadata").stat().st_size, **shards(path)}
+
+
 def covered(calls: list[tuple[str, int, int]]) -> dict[str, int]:
     """Per file, how far from byte 0 the calls asked for without a hole."""
     ends: dict[str, int] = {}
@@ -68,10 +73,11 @@ def test_many_small_records_prefetch_every_shard_whole(
     target = empty_like_state(sd) if into else None
     out = parallel_dcp.load(path, io="buffered", into=target, workers=2)
     assert_same(out, sd)
-    files = shards(path)
+    files = read_first(path)
     ends = covered(advised)
     assert set(ends) == set(files)
     assert all(ends[name] >= size for name, size in files.items())
+    assert advised[0][0] == str((path / ".metadata").resolve())  # before the shards: the load reads it first
 
 
 def test_big_tensors_are_not_prefetched(tmp_path: Path, advised: list[tuple[str, int, int]]) -> None:
@@ -172,6 +178,7 @@ def test_keep_stops_asking_for_files_the_plan_does_not_read(
     with fetch:
         assert fetch._thread is not None
         fetch._thread.join()  # every request issued (not stopped early by the exit)
-    assert covered(advised) == {str((path / first).resolve()): covered(advised)[str((path / first).resolve())]}
+    metadata = str((path / ".metadata").resolve())
+    assert set(covered(advised)) == {metadata, str((path / first).resolve())}
     assert covered(advised)[str((path / first).resolve())] >= dict(plan.files)[first]
-    assert fetch.advised == dict(plan.files)[first]
+    assert fetch.advised == dict(plan.files)[first] + read_first(path)[metadata]

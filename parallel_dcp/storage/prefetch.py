@@ -10,7 +10,8 @@ read the shards into the page cache as soon as the load starts:
       │   ``*.distcp`` files (each opened by the one rule, safe_files.open_regular: a symlink or
       │   a FIFO in a shard's place is skipped, never opened through), their sizes, .metadata's size
       ▼
-    a thread: posix_fadvise(WILLNEED) per read-ahead window of each file, in name order
+    a thread: posix_fadvise(WILLNEED) per read-ahead window of .metadata, then of each shard in
+      │   name order
       │   (the kernel reads at most one window a call and returns; the call waits only when the
       │   device's queue is full) ── while the main thread parses, checks and plans
       │ keep(files): the plan's files, once known: the rest are not asked for any more
@@ -222,6 +223,10 @@ class Prefetch:
             return
         try:
             window = read_ahead_window(os.fstat(directory).st_dev)
+            # .metadata first: the load reads it now, and a read queued behind the shards' waits
+            # for them all (measured: its parse's stage 4.8 -> 11.7 us a record without this)
+            with contextlib.suppress(OSError, UnsafeCheckpointError):
+                self._file(directory, ".metadata", _size(directory, ".metadata") or 0, window)
             for name, size in self.plan.files:
                 if self._stop.is_set():
                     return
@@ -235,7 +240,7 @@ class Prefetch:
         try:
             for offset in range(0, size, window):
                 keep = self._keep
-                if self._stop.is_set() or (keep is not None and name not in keep):
+                if self._stop.is_set() or (keep is not None and name not in keep and name != ".metadata"):
                     return
                 # the GIL is released in the call; it returns once the reads are queued
                 os.posix_fadvise(fd, offset, window, os.POSIX_FADV_WILLNEED)
