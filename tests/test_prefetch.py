@@ -95,9 +95,45 @@ def test_a_key_subset_prefetches_nothing(
     path, sd = small_ckpt
     out = parallel_dcp.load(path, io="buffered", keys="optimizer.state.1.*")
     assert_same(out, {"optimizer": {"state": {"1": sd["optimizer"]["state"]["1"]}}})
-    part = {"optimizer": {"state": {k: empty_like_state(v) for k, v in list(sd["optimizer"]["state"].items())[:20]}}}
-    assert_same(parallel_dcp.load(path, io="buffered", into=part), {"optimizer": {"state": part["optimizer"]["state"]}})
     assert advised == []
+
+
+def test_an_into_subset_stops_the_shards(
+    small_ckpt: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, advised: list[tuple[str, int, int]]
+) -> None:
+    path, sd = small_ckpt
+    told: list[tuple[int, int, frozenset[str] | None]] = []
+    real = prefetch.Prefetch.wanted
+
+    def recorded(self: prefetch.Prefetch, nbytes: int) -> None:
+        real(self, nbytes)
+        told.append((nbytes, self.plan.nbytes, self._keep))
+
+    monkeypatch.setattr(prefetch.Prefetch, "wanted", recorded)
+    state = sd["optimizer"]["state"]
+    part = {"optimizer": {"state": {k: empty_like_state(v) for k, v in list(state.items())[:20]}}}
+    out = parallel_dcp.load(path, io="buffered", into=part)
+    assert_same(out, {"optimizer": {"state": {k: state[k] for k in part["optimizer"]["state"]}}})
+    expected = sum(t.nbytes for v in part["optimizer"]["state"].values() for t in v.values())
+    assert len(told) == 1 and told[0][0] == expected and expected < prefetch.INTO_SHARE * told[0][1]
+    assert told[0][2] == frozenset()  # no shard asked for from there on
+    whole = empty_like_state(sd)
+    assert_same(parallel_dcp.load(path, io="buffered", into=whole), sd)
+    assert len(told) == 2 and told[1][0] >= prefetch.INTO_SHARE * told[1][1] and told[1][2] is None
+    assert set(covered(advised)) == set(read_first(path))  # the whole into: every shard asked for
+
+
+def test_wanted_under_the_share_asks_for_no_shard(
+    small_ckpt: tuple[Path, dict[str, Any]], advised: list[tuple[str, int, int]]
+) -> None:
+    path, _ = small_ckpt
+    plan = prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=False)
+    fetch = prefetch.Prefetch(locate(path), plan)
+    fetch.wanted(plan.nbytes // 4)
+    with fetch:
+        assert fetch._thread is not None
+        fetch._thread.join()
+    assert {name for name, _, _ in advised} == {str((path / ".metadata").resolve())}
 
 
 def test_direct_reads_object_storage_and_worker_processes_prefetch_nothing(

@@ -153,19 +153,12 @@ def _load(
     _compat.check_torch()
     location = locate(path, options.storage_options)
     # the shards read into the page cache while .metadata is parsed, where that helps (storage/prefetch.py)
+    all_keys_here = keys is None and not (options.retries or options.task_timeout is not None)
+    plan = plan_prefetch(location, options.io, whole=all_keys_here, allocates=into is None)
+    fetch = cleanup.enter_context(Prefetch(location, plan))
     flattened: list[tuple[dict[str, Any], dict[str, tuple[Any, ...]]]] = []
-    fetch = cleanup.enter_context(
-        Prefetch(
-            location,
-            plan_prefetch(
-                location,
-                options.io,
-                whole=keys is None and not (options.retries or options.task_timeout is not None),
-                allocates=into is None,
-                wanted_bytes=None if into is None else lambda: _into_bytes(into, flattened),
-            ),
-        )
-    )
+    if plan.files and into is not None:  # an into of a few of the keys: the shards no longer asked for
+        fetch.wanted(_into_bytes(into, flattened))
     metadata, columns = read_metadata_columns(location, memory_limit=options.memory_ceiling())
     if into is None and (options.retries or options.task_timeout is not None):
         return _load_with_processes(location, metadata, keys, options, trust_pickle)
