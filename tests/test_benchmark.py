@@ -363,6 +363,14 @@ def test_scaling_suite_projects_from_its_own_measurements(tmp_path: Path) -> Non
         assert projection["executors"]["saver"]["serial_parts"]["worker_job_seconds"] > 0
         saver = projection["probe"]["saver"]
         assert saver["saver_start_seconds"] > 0 and saver["first_save_start_seconds"] >= 0
+        # The Saver's pieces as its code runs them: serial before the first task and after the
+        # last result, the coordinator's work beside the workers', the workers' task handling.
+        for name in ("saver", "saver_unchanged"):
+            e = projection["executors"][name]
+            assert e["coordinator_write_seconds"] > 0 and e["worker_handling_seconds"] > 0
+            parts = e["serial_parts"]
+            assert parts["before_first_task_seconds"] > 0 and parts["after_last_result_seconds"] > 0
+        assert projection["executors"]["processes"]["coordinator_write_seconds"] == 0  # nothing sent ahead
     governor = scenarios["scaling:llm/" + str(target) + "/sync-on"]["projection"]["governor"]
     assert [row["workers"] for row in governor] == [8, 32, 64]
     assert all(row[f"{kind}_ms_per_process"] >= 0 for row in governor for kind in ("cheap", "rollup", "exact"))
@@ -465,6 +473,41 @@ def test_executor_projections_from_pieces() -> None:
     assert any(line.startswith("  projected threads: x16 1.82x") for line in lines)
     assert any("coordinator phases 0.101, per-job in each worker 0.030, other 0.069" in line for line in lines)
     assert any("governor reading at 8 workers: cheap 0.100, all moved 0.150 (1 rolled up)" in line for line in lines)
+
+
+def test_the_projection_follows_the_savers_structure() -> None:
+    # Serial before the first task and after the last result; the coordinator's work during the
+    # write (C) beside the workers', whose handling of their tasks (H) is parallel work.
+    from parallel_dcp.benchmark.pieces import executor_lines, executor_projections
+
+    phases = {"plan": 0.04, "fork": 0.0, "write": 1.05, "merge": 0.0, "commit": 0.01}
+    got = {
+        "executor_used": "saver",
+        "alone_seconds": 1.1,
+        "busy_thread_seconds": 1.2,
+        "busy_process_seconds": 1.2,
+        "worker_seconds": 1.0,
+        "worker_handling_seconds": 0.02,
+        "coordinator_write_seconds": 0.03,
+        "serial_seconds": 0.08,  # 1.1 - 1.0 - 0.02
+        "serial_before_seconds": 0.04,
+        "serial_after_seconds": 0.01,
+        "phases": phases,
+    }
+    saver = executor_projections({"saver": got}, nbytes=2**30, keys=1000)["saver"]
+    rows = {row["workers"]: row for row in saver["rows"]}
+    assert rows[1]["projected_seconds"] == pytest.approx(1.1)  # T(1): the measured wall
+    assert rows[16]["projected_seconds"] == pytest.approx(0.08 + 1.02 / 16)  # W(16) > C
+    assert rows[128]["projected_seconds"] == pytest.approx(0.08 + 0.03)  # C > W(128): the coordinator's pace
+    parts = saver["serial_parts"]
+    assert parts["before_first_task_seconds"] == pytest.approx(0.04)
+    assert parts["after_last_result_seconds"] == pytest.approx(0.01)
+    assert parts["write_rest_seconds"] == pytest.approx(0.03)
+    assert saver["coordinator_write_us_per_key"] == pytest.approx(30.0)
+    assert saver["worker_seconds"] == pytest.approx(1.02) and saver["worker_task_seconds"] == pytest.approx(1.0)
+    lines = executor_lines({"saver": saver}, None)
+    assert any("before the first task 0.040, write rest 0.030, after the last result 0.010" in line for line in lines)
+    assert any("coordinator beside the workers 0.030 s (30.0 us/key)" in line for line in lines)
 
 
 def test_a_probe_of_many_tensors_is_busy_on_a_subset_scaled_per_key(

@@ -96,3 +96,63 @@ def test_new_values_in_the_same_nesting_are_walked() -> None:
     changed["step"], changed["model"]["w"] = 4, torch.full((5,), 2.0)  # a value, a tensor (any shape)
     found = leaves(shape, changed)
     assert found is not None and found[0] is changed["model"]["w"] and found[-1] == 4
+
+
+def _optimizer() -> dict[str, Any]:
+    return {
+        "state": {str(i): {"step": torch.tensor(1.0), "exp_avg": torch.ones(i + 1)} for i in range(6)},
+        "param_groups": [{"lr": 0.1, "params": list(range(6))}],
+    }
+
+
+def _entry_renamed(sd: dict[str, Any]) -> None:
+    sd["state"]["3"] = {"step": torch.tensor(1.0), "exp_avg2": torch.ones(4)}
+
+
+def _entry_reordered(sd: dict[str, Any]) -> None:
+    sd["state"]["3"] = {"exp_avg": torch.ones(4), "step": torch.tensor(1.0)}
+
+
+def _entry_ordered(sd: dict[str, Any]) -> None:
+    sd["state"]["3"] = OrderedDict(sd["state"]["3"])
+
+
+def _entry_nests(sd: dict[str, Any]) -> None:
+    sd["state"]["5"]["exp_avg"] = {"inner": torch.ones(1)}
+
+
+def _entry_tuple(sd: dict[str, Any]) -> None:
+    sd["state"]["0"]["step"] = (torch.ones(1),)
+
+
+def _entry_walked_list(sd: dict[str, Any]) -> None:
+    sd["state"]["2"]["step"] = [torch.ones(1)]
+
+
+def _entry_not_a_mapping(sd: dict[str, Any]) -> None:
+    sd["state"]["4"] = torch.ones(1)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _entry_renamed,
+        _entry_reordered,
+        _entry_ordered,
+        _entry_nests,
+        _entry_tuple,
+        _entry_walked_list,
+        _entry_not_a_mapping,
+    ],
+)
+def test_a_mapping_of_like_entries_is_walked_at_once_and_any_entry_that_differs_is_refused(
+    change: Callable[[dict[str, Any]], None],
+) -> None:
+    shape = skeleton(_optimizer())
+    assert shape is not None and shape.children[0] is not None and shape.children[0].uniform is not None
+    again = _optimizer()
+    found = leaves(shape, again)
+    want = list(flatten_checked(again)[0].values())
+    assert found is not None and len(found) == len(want) and all(a is b for a, b in zip(found, want, strict=True))
+    change(again)
+    assert leaves(shape, again) is None

@@ -3,6 +3,7 @@ and every change of layout is planned afresh: each save writes what a fresh save
 
 from __future__ import annotations
 
+import collections
 import gc
 import re
 import sys
@@ -349,6 +350,28 @@ def test_layouts_saved_in_turn_are_each_reused(tmp_path: Path) -> None:
     parallel_dcp.save(optim, tmp_path / "optim", workers=2, executor="processes")
     _assert_same_checkpoint(tmp_path / "model2", tmp_path / "model")
     _assert_same_checkpoint(tmp_path / "optim2", tmp_path / "optim")
+
+
+def test_a_kept_layout_nested_otherwise_costs_no_flattening(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A model's flat keys and an optimizer's nested state saved in turn: each save first meets the
+    # other's layout, which its nesting rules out at once (no flattening of the whole state dict).
+    model = {f"layers.{i}.weight": torch.full((3,), float(i)) for i in range(30)}
+    optim = {"state": _state()["optim"], "param_groups": [{"lr": 0.1}]}
+    with parallel_dcp.Saver(workers=2) as saver:
+        saver.save(model, tmp_path / "model0")
+        saver.save(optim, tmp_path / "optim0")
+        flattened = _Count(monkeypatch, plan_reuse, "flatten_checked")
+        saver.save(model, tmp_path / "model1")
+        saver.save(optim, tmp_path / "optim1")
+        assert _memo(saver).reused == 2 and flattened.calls == 0
+        # The same keys and paths in another kind of mapping: flattened once, then reused.
+        saver.save(collections.OrderedDict(model), tmp_path / "ordered")
+        assert _memo(saver).reused == 3 and flattened.calls == 1
+    parallel_dcp.save(optim, tmp_path / "optim", workers=2, executor="processes")
+    parallel_dcp.save(model, tmp_path / "model", workers=2, executor="processes")
+    _assert_same_checkpoint(tmp_path / "optim1", tmp_path / "optim")
+    _assert_same_checkpoint(tmp_path / "model1", tmp_path / "model")
+    _assert_same_checkpoint(tmp_path / "ordered", tmp_path / "model")
 
 
 def _to_meta(sd: dict[str, Any]) -> None:

@@ -6,19 +6,29 @@
                "processes" and a Saver's workers (the Saver started and saved once before the
                rounds, so every timed Saver save is a second save), also with the promise that no
                tensor was relaid in place ("saver_unchanged": ``layout_unchanged=True``)
-    per run    wall seconds, worker seconds (SaveResult.per_worker, summed: P), wall - P, phases, executor,
+    per run    wall seconds, worker seconds (SaveResult.per_worker, summed: P), the workers' handling
+               of their tasks outside them (``handling_seconds``, summed: H: taking each task in,
+               pickling its result), phases, executor, the coordinator's own seconds inside the
+               write phase (``SaveResult.coordinator_write_seconds``: C, a Saver's; 0 elsewhere),
                and the slowest worker's per-job seconds (``setup_seconds``: a Saver's worker loading
                the job's shell before its first task; 0 where workers inherit the job)
-    pieces     S = wall - P (serial; the median of each run's own), printed and in the JSON split
-               into the coordinator's phases (plan, fork, merge, commit), the per-job part of each
-               worker (paid side by side, so once at any count) and the rest (dispatch, results);
+    pieces     S = wall - P - H (serial; the median of each run's own), in three parts as the code
+               runs them: before the first task (phases plan + fork), after the last result
+               (wall - plan - fork - write: merge, commit, publish), and the write phase's rest
+               (write - P - H: the first hand-off, the last result, what did not overlap); the
+               JSON also splits it into the coordinator's phases (plan, fork, merge, commit), the
+               per-job part of each worker (paid side by side, so once at any count) and the rest;
+               C: the coordinator's work while the workers work (a Saver sends each busy worker
+               its next task ahead, so taking results in and handing tasks out overlaps them);
                F = phases["fork"] (worker start: one fork for processes, the Saver's second-save
                start),
                G = min(1, (busy thread - busy process) / alone): the GIL-held share, what a
                thread that wants the GIL costs beyond the core it takes
-    model      T(N) = S + max(W(N), G * P)     W(N): scaling.staggered_work_seconds(P, N, F)
+    model      T(N) = S + max(C, W(N), G * (P + H))     W(N): scaling.staggered_work_seconds(P + H, N, F)
                G only caps executors that write in the caller's interpreter (threads, and the
-               default where it resolved to threads); speedup = measured wall alone / T(N)
+               default where it resolved to threads); speedup = measured wall alone / T(N). C is
+               measured at w=1: at N workers it also holds the governor's readings of N processes
+               (``governor`` rows of scaling:llm), which this model leaves out.
 
 A projection, labelled as one: storage is not the bottleneck, and the inputs are this run's.
 
@@ -107,7 +117,7 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
     the module docstring: a state dict of many tensors is probed busy on a subset, scaled per key)."""
     tensors = flat_tensors(state_dict)
     subset = dict(itertools.islice(tensors.items(), BUSY_PROBE_KEYS)) if len(tensors) > BUSY_PROBE_KEYS else None
-    alone: dict[str, list[tuple[float, float, dict[str, float], str, float]]] = {kind: [] for kind in PROBED}
+    alone: dict[str, list[tuple[float, float, dict[str, float], str, float, float, float]]] = {k: [] for k in PROBED}
     busy: dict[tuple[str, str], list[float]] = {(kind, mode): [] for kind in PROBED for mode in _BUSY}
     subset_alone: dict[str, list[float]] = {kind: [] for kind in PROBED}
     out = f"{root}/probe"
@@ -137,7 +147,9 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
                 # What a worker spends on the job outside its tasks (a Saver's: loading the job's
                 # shell), the slowest worker's: part of the serial seconds at any worker count.
                 setup = max((w.setup_seconds for w in result.per_worker), default=0.0)
-                alone[kind].append((wall, inside, dict(result.phases), result.executor, setup))
+                handling = sum(w.handling_seconds for w in result.per_worker)
+                streamed = result.coordinator_write_seconds or 0.0
+                alone[kind].append((wall, inside, dict(result.phases), result.executor, setup, handling, streamed))
                 if subset is not None:
                     subset_alone[kind].append(timed(kind, subset, "alone")[0])
                 for mode in _BUSY:
@@ -157,9 +169,15 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
             "busy_thread_seconds": thread * scale,
             "busy_process_seconds": process * scale,
             "worker_seconds": _median([r[1] for r in runs]),
-            # Each run's own wall - P: the median of the differences, not the difference of the
+            "worker_handling_seconds": _median([r[5] for r in runs]),
+            "coordinator_write_seconds": _median([r[6] for r in runs]),
+            # Each run's own wall - P - H: the median of the differences, not the difference of the
             # medians (the worker part varies from run to run by more than S is).
-            "serial_seconds": _median([max(0.0, r[0] - r[1]) for r in runs]),
+            "serial_seconds": _median([max(0.0, r[0] - r[1] - r[5]) for r in runs]),
+            "serial_before_seconds": _median([r[2]["plan"] + r[2]["fork"] for r in runs]),
+            "serial_after_seconds": _median(
+                [max(0.0, r[0] - r[2]["plan"] - r[2]["fork"] - r[2]["write"]) for r in runs]
+            ),
             "worker_job_seconds": _median([r[4] for r in runs]),
             "phases": {name: _median([r[2].get(name, 0.0) for r in runs]) for name in runs[0][2]},
         }
@@ -183,21 +201,29 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
     gib, keys = max(nbytes, 1) / _GiB, max(keys, 1)
     found: dict[str, Any] = {}
     for kind, got in probe.items():
-        wall, work = got["alone_seconds"], got["worker_seconds"]
+        # The workers' handling of their tasks (taking each in, pickling its result) runs in each
+        # worker beside the others': parallel, as the tasks are.
+        handling = got.get("worker_handling_seconds", 0.0)
+        wall, work = got["alone_seconds"], got["worker_seconds"] + handling
         serial = got.get("serial_seconds", max(0.0, wall - work))
+        streamed = got.get("coordinator_write_seconds", 0.0)
         start = min(got["phases"].get("fork", 0.0), serial)  # S holds the first start
         # S = wall - P, split: the coordinator's own phases, each worker's per-job part (in
         # parallel, so counted once), and the rest (dispatch, results, waits between them).
         phases = got["phases"]
         coordinator = sum(phases.get(name, 0.0) for name in ("plan", "fork", "merge", "commit"))
         per_job = got.get("worker_job_seconds", 0.0)
+        before = got.get("serial_before_seconds", phases.get("plan", 0.0) + phases.get("fork", 0.0))
+        after = got.get("serial_after_seconds", phases.get("merge", 0.0) + phases.get("commit", 0.0))
         # What the busy thread costs beyond the busy process's core: the GIL's part.
         extra = got["busy_thread_seconds"] - got["busy_process_seconds"]
         share = min(1.0, max(0.0, extra / wall)) if wall > 0 else 0.0
         capped = kind in _GIL_BOUND or (kind == "default" and got["executor_used"] in _GIL_BOUND)
         rows = []
         for count in PROJECTED_COUNTS:
-            seconds = serial + max(staggered_work_seconds(work, count, start), share * work if capped else 0.0)
+            seconds = serial + max(
+                streamed, staggered_work_seconds(work, count, start), share * work if capped else 0.0
+            )
             rows.append(
                 {
                     "workers": count,
@@ -217,8 +243,17 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
                 "coordinator_phases_seconds": coordinator,
                 "worker_job_seconds": per_job,
                 "other_seconds": serial - coordinator - per_job,
+                # The same seconds by where they fall: before the first task, after the last
+                # result, and the write phase's rest.
+                "before_first_task_seconds": before,
+                "after_last_result_seconds": after,
+                "write_rest_seconds": serial - before - after,
             },
-            "worker_seconds": work,
+            "coordinator_write_seconds": streamed,
+            "coordinator_write_us_per_key": streamed / keys * 1e6,
+            "worker_handling_seconds": handling,
+            "worker_task_seconds": got["worker_seconds"],
+            "worker_seconds": work,  # the parallel part: inside the tasks and handling them
             "worker_seconds_per_gib": work / gib,
             "start_seconds_per_worker": start,
             "start_seconds_per_worker_per_gib": start / gib,
@@ -254,7 +289,12 @@ def executor_lines(executors: dict[str, Any], governor: list[dict[str, Any]] | N
             f" GIL-held share {e['gil_held_share']:.2f};"
             f" serial {e['serial_seconds']:.3f} s ({e['serial_seconds_per_gib']:.3f} s/GiB,"
             f" {e['serial_us_per_key']:.1f} us/key: coordinator phases {parts['coordinator_phases_seconds']:.3f},"
-            f" per-job in each worker {parts['worker_job_seconds']:.3f}, other {parts['other_seconds']:.3f}),"
+            f" per-job in each worker {parts['worker_job_seconds']:.3f}, other {parts['other_seconds']:.3f};"
+            f" before the first task {parts['before_first_task_seconds']:.3f}, write rest"
+            f" {parts['write_rest_seconds']:.3f}, after the last result {parts['after_last_result_seconds']:.3f}),"
+            f" coordinator beside the workers {e['coordinator_write_seconds']:.3f} s"
+            f" ({e['coordinator_write_us_per_key']:.1f} us/key),"
+            f" workers' task handling {e['worker_handling_seconds']:.3f} s,"
             f" worker {e['worker_seconds_per_gib']:.3f} s/GiB,"
             f" start {e['start_seconds_per_worker'] * 1e3:.1f} ms/worker"
             f" ({e['start_seconds_per_worker_per_gib'] * 1e3:.1f} ms/GiB)"
@@ -265,7 +305,7 @@ def executor_lines(executors: dict[str, Any], governor: list[dict[str, Any]] | N
             f" all moved {row['moved_ms_per_process']:.3f} ({row['moved_reads_per_reading']:g} rolled up),"
             f" every rollup {row['rollup_ms_per_process']:.3f}, exact {row['exact_ms_per_process']:.3f} ms CPU/process"
         )
-    lines.append("  projected speedup per executor (T(N) = S + max(W(N), G*P if GIL-bound); not a measurement):")
+    lines.append("  projected speedup per executor (T(N) = S + max(C, W(N), G*(P+H) if GIL-bound); not a measurement):")
     for kind, e in executors.items():
         cap = " (capped by the GIL-held share)" if e["gil_capped"] else ""
         lines.append(

@@ -8,6 +8,10 @@
        │ an "error" reply:                WorkerError(type, message, keys), __cause__ = traceback
        └ any failure: kill and reap every worker, raise; nothing is left running
 
+A pool that outlives one job (a Saver's: ``run(handler=)``) also sends each busy worker its next
+task ahead (``_Ahead``: the worker copies the pickled task out of the coordinator when it takes
+it), so a worker that replies finds its next task waiting and the hand-off overlaps its work.
+
 Workers are forked, never spawned: the job's data (a state dict, an open checkpoint's metadata)
 is read copy-on-write and never travels through a pipe. Only task descriptions and small results
 (metadata, write results, statistics) do.
@@ -69,6 +73,9 @@ class TaskResult(Generic[R]):
     # Seconds the worker spent before this task loading the run's handler (its first task of a
     # run that brings one: the per-job cost each worker pays, outside every task's seconds).
     setup: float = 0.0
+    # Seconds the worker spent on this task outside ``seconds``: taking its message (copying and
+    # unpickling it) and pickling its result: each worker's own, beside the others'.
+    handling: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +85,21 @@ class _NewHandler:
     the coordinator sends each worker a few bytes, however large the job."""
 
     pickled: RemoteBytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """A task sent to a worker that is still busy with its previous one (``WorkerPool.run(handler=)``):
+    the pickled task lies in the coordinator's memory until the worker has replied for it, and
+    the worker copies it out when it takes it, so the coordinator never blocks on a pipe the
+    worker is not reading (a part of thousands of keys does not fit a pipe's buffer)."""
+
+    pickled: RemoteBytes
+
+    def load(self) -> Any:
+        data = self.pickled.fetch()
+        with gc_paused():
+            return pickle.loads(data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,11 +130,21 @@ def _worker_main(
         initializer()
     while True:
         try:
-            message = _recv(conn)
+            data = conn.recv_bytes()
         except (EOFError, OSError):
             return  # the coordinator is gone
+        taken = time.perf_counter()  # from here to the task's start, and its reply's pickling: handling
+        with gc_paused():
+            message = pickle.loads(data)
+        del data
         if message is None:
             return
+        if isinstance(message, _Ahead):
+            try:
+                message = message.load()
+            except BaseException as exc:  # this task's error: the coordinator expects its reply next
+                _send(conn, ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc()))
+                continue
         if isinstance(message, _NewHandler):
             began = time.perf_counter()
             try:
@@ -130,7 +162,11 @@ def _worker_main(
             if isinstance(message, _TaskPart):  # reading its part of the job is the task's work (and error)
                 run = handler.with_part(message.part, task)  # type: ignore[attr-defined]
             value = run(task)
-            reply: tuple[Any, ...] = ("ok", time.perf_counter() - start, value, setup)
+            seconds = time.perf_counter() - start
+            pickling = time.perf_counter()
+            value = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)  # (its error is the task's)
+            handling = start - taken + time.perf_counter() - pickling
+            reply: tuple[Any, ...] = ("ok", seconds, value, setup, handling)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             reply = ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc())
         setup = 0.0  # reported with this run's first task on this worker only
@@ -265,6 +301,9 @@ class WorkerPool:
         self._new_handler: _NewHandler | None = None
         self._parts: Callable[[Task], Any] | None = None
         self._primed: set[int] = set()
+        # Seconds the last run spent waiting on its workers (the rest of it: the coordinator's own
+        # work, handing tasks out and taking results in, while the workers work).
+        self.waited_seconds = 0.0
         # Forked workers share this process's pages: keep its collections off them till the end.
         self._froze_heap = not self._fork_server and _freeze_heap()
         try:
@@ -346,6 +385,12 @@ class WorkerPool:
         """
         pending = deque(tasks)
         running: dict[int, tuple[Task, float]] = {}
+        # Where the workers copy what this process holds (a run that brings its handler): a
+        # task sent ahead to each busy worker, so that its next task is there when it replies
+        # (the hand-off overlaps its work); kept here, pickled, until its reply.
+        ahead: dict[int, tuple[Task, bytearray]] | None = {} if handler is not None else None
+        held: dict[int, bytearray] = {}  # a running task that was sent ahead: its pickled bytes
+        self.waited_seconds = 0.0
         attempts: dict[int, int] = {}
         idle = deque(w for w, proc in enumerate(self._procs) if proc is not None)
         pickled = bytearray(pickle.dumps(handler, protocol=pickle.HIGHEST_PROTOCOL)) if handler is not None else None
@@ -371,14 +416,19 @@ class WorkerPool:
                         governor.add_worker()
                     idle.append(worker)
                     self._dispatch(pending, idle, running, governor)
-                ahead = getattr(self._parts, "ahead", None)
-                if ahead is not None and pending:  # the next task's part, made while the workers work
-                    ahead()
+                if ahead is not None:
+                    self._send_ahead(pending, idle, running, ahead, governor)
+                make_ahead = getattr(self._parts, "ahead", None)
+                if make_ahead is not None and pending:  # the next task's part, made while the workers work
+                    make_ahead()
                 # Map what we wait on to workers now: a worker restarted below gets new ones.
                 owners: dict[Any, int] = {self._procs[w].sentinel: w for w in running}
                 owners.update({id(self._conns[w]): w for w in running})
                 waitables = [self._conns[w] for w in running] + [self._procs[w].sentinel for w in running]
-                for ready in mp_connection.wait(waitables, timeout=tick):
+                waited = time.perf_counter()
+                found = mp_connection.wait(waitables, timeout=tick)
+                self.waited_seconds += time.perf_counter() - waited
+                for ready in found:
                     worker = owners[ready if isinstance(ready, int) else id(ready)]
                     if worker not in running:
                         continue  # its reply and its sentinel were both ready; handled once
@@ -393,9 +443,20 @@ class WorkerPool:
                             raise
                         self._start(worker)
                         self._primed.discard(worker)
+                        held.pop(worker, None)
+                        if ahead is not None and worker in ahead:  # never started: it waits again
+                            later, _ = ahead.pop(worker)
+                            if governor is not None:
+                                governor.release(later.memory)
+                            pending.appendleft(later)
                         pending.appendleft(task)
                     else:
+                        held.pop(worker, None)  # replied: it copied the task's bytes long ago
                         yield result
+                        if ahead is not None and worker in ahead:  # its next task is with it already
+                            later, held[worker] = ahead.pop(worker)
+                            running[worker] = (later, time.monotonic())
+                            continue
                     idle.append(worker)
                 # The freed workers take their next tasks before the watchdog's reading (up to a
                 # tenth of a second once a second, under load), not after it.
@@ -419,6 +480,9 @@ class WorkerPool:
             self._new_handler = None
             self._parts = None
             del pickled  # the workers copied it before their first task
+            held.clear()  # (every worker replied, or was killed above)
+            if ahead is not None:
+                ahead.clear()
 
     @staticmethod
     def _admissible(task: Task, governor: MemoryGovernor | None) -> bool:
@@ -448,6 +512,39 @@ class WorkerPool:
                     _send(self._conns[worker], self._new_handler)
                 _send(self._conns[worker], task if self._parts is None else _TaskPart(task, self._parts(task)))
             running[worker] = (task, time.monotonic())
+
+    def _send_ahead(
+        self,
+        pending: deque[Task],
+        idle: deque[int],
+        running: dict[int, tuple[Task, float]],
+        ahead: dict[int, tuple[Task, bytearray]],
+        governor: MemoryGovernor | None,
+    ) -> None:
+        """Every worker busy, and as many tasks waiting as there are workers: send each busy worker
+        its next task now, admitted (and its memory reserved) as any task is. The last tasks (fewer
+        than the workers) stay with the first worker to be free, so no task waits behind a long one
+        while another worker idles."""
+        if idle or self._unstarted:
+            return
+        for worker in running:
+            if len(pending) < len(running):
+                return
+            if worker in ahead:
+                continue
+            task = pending[0]
+            if governor is not None and not governor.admit_task(
+                task.index, task.keys, task.memory, others_running=True
+            ):
+                return
+            pending.popleft()
+            message = task if self._parts is None else _TaskPart(task, self._parts(task))
+            data = bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+            ahead[worker] = (task, data)
+            # A worker that died meanwhile closed its pipe: its sentinel reports it (and both tasks
+            # wait again where retries allow).
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                _send(self._conns[worker], _Ahead(RemoteBytes.of(data)))
 
     def _check_timeouts(self, running: dict[int, tuple[Task, float]], task_timeout: float) -> None:
         now = time.monotonic()
@@ -480,7 +577,11 @@ class WorkerPool:
                 exitcode=proc.exitcode,
             )
         if reply[0] == "ok":
-            return TaskResult(task=task, worker=worker, seconds=reply[1], value=reply[2], setup=reply[3])
+            with gc_paused():
+                value = pickle.loads(reply[2])
+            return TaskResult(
+                task=task, worker=worker, seconds=reply[1], value=value, setup=reply[3], handling=reply[4]
+            )
         _, error_type, message, remote_tb = reply
         error = WorkerError(
             f"worker {worker} raised {error_type}: {message} (task {task.index}, keys {describe_keys(task.keys)})",

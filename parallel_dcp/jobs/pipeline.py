@@ -78,13 +78,16 @@ _RECORD_OVERHEAD = 1024
 class WorkerStats:
     """What one worker did: tasks run, bytes written, seconds spent inside its tasks, and
     ``setup_seconds`` spent loading the job before its first task (a Saver's workers, which
-    receive each job; 0 for forked workers and threads, which inherit it)."""
+    receive each job; 0 for forked workers and threads, which inherit it), and
+    ``handling_seconds`` spent on its tasks outside them (taking each task in, pickling its
+    result; 0 for threads)."""
 
     worker: int
     tasks: int
     bytes: int
     seconds: float
     setup_seconds: float = 0.0
+    handling_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +117,10 @@ class SaveResult:
     # back), ``merge`` (join the tasks' metadata) and ``commit`` (write .metadata and the
     # manifest, publish).
     phases: dict[str, float] = field(default_factory=dict)
+    # Of the write phase, the coordinator's own seconds (handing tasks out, taking results in, the
+    # governor's readings), spent while the workers work: on a pool that outlives the job (a
+    # Saver's), where each worker has its next task before it finishes one; None elsewhere.
+    coordinator_write_seconds: float | None = None
     # What ``resume`` kept of a dead conversion (bytes of tensor data of its finished, re-hashed
     # tasks) and what this run wrote; a fresh run keeps 0 and writes ``bytes``.
     bytes_kept: int = 0
@@ -238,6 +245,7 @@ def run_job(
                 pool=pool,
             )
             phases["write"] = time.perf_counter() - began - phases.get("fork", 0.0)
+            busy = None if pool is None or not todo else max(0.0, phases["write"] - pool.waited_seconds)
             writing = False
             began = time.perf_counter()
             files = target.commit(job, tasks, staged.values(results), staging, options)
@@ -253,6 +261,7 @@ def run_job(
         bytes_kept=staged.bytes_kept,
         bytes_rewritten=sum(t.nbytes for t in todo),
         resumed=staged.resumed,
+        coordinator_write_seconds=busy,
     )
 
 
@@ -491,6 +500,11 @@ def _per_worker(results: list[TaskResult[Any]]) -> list[WorkerStats]:
     for r in results:
         old = stats.get(r.worker, WorkerStats(r.worker, 0, 0, 0.0))
         stats[r.worker] = WorkerStats(
-            r.worker, old.tasks + 1, old.bytes + r.task.nbytes, old.seconds + r.seconds, old.setup_seconds + r.setup
+            r.worker,
+            old.tasks + 1,
+            old.bytes + r.task.nbytes,
+            old.seconds + r.seconds,
+            old.setup_seconds + r.setup,
+            old.handling_seconds + r.handling,
         )
     return [stats[w] for w in sorted(stats)]

@@ -42,7 +42,7 @@ the last ``LAYOUTS`` layouts (a loop that saves its model and its optimizer in t
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
 from typing import Any, TypeVar
@@ -129,8 +129,8 @@ class PlanReuse:
         ``layout_unchanged``: the caller's promise that no tensor changed its dtype, shape or
         strides in place since this layout's last save (those are then compared only for the
         tensors that moved; see the module docstring)."""
-        for kept in self._kept:
-            found = _reopen(kept, state_dict, path, pending_writes, layout_unchanged)
+        for kept, flat in _matches(self._kept, state_dict):
+            found = _reopen(kept, flat, state_dict, path, pending_writes, layout_unchanged)
             if found is not None:
                 self.reused += 1
                 self._kept.remove(kept)
@@ -212,24 +212,39 @@ class PlanReuse:
         return kept.parts
 
 
+def _matches(kept: list[_Kept], state_dict: Any) -> Iterator[tuple[_Kept, dict[str, Any]]]:
+    """The kept layouts whose keys and paths ``state_dict`` flattens to, each with its leaves by
+    key, most recently used first: first those it nests as (a walk that stops at the first
+    difference: another layout's top-level keys cost a comparison, not a pass over the keys),
+    then the rest compared with ``state_dict`` flattened, once whatever their number (the same
+    keys and paths nested in other containers: a dict subclass, say)."""
+    rest = []
+    for each in kept:
+        found = leaves(each.layout.nesting, state_dict) if each.layout.nesting is not None else None
+        if found is None:
+            rest.append(each)
+        else:  # nested as before: DCP would give its leaves the same names and paths
+            yield each, dict(zip(each.layout.keys, found, strict=True))
+    if not rest:
+        return
+    try:
+        flat, mapping = flatten_checked(state_dict, check_tensors=False)
+    except Exception:
+        return  # opening afresh raises it, with its message
+    keys = tuple(flat)
+    for each in rest:
+        if keys == each.layout.keys and mapping == each.layout.mapping:
+            yield each, flat
+
+
 def _reopen(
-    kept: _Kept, state_dict: Any, path: str, pending_writes: bool, promised: bool = False
+    kept: _Kept, flat: dict[str, Any], state_dict: Any, path: str, pending_writes: bool, promised: bool = False
 ) -> RemoteMemorySource | None:
-    """``kept``'s listing over ``state_dict`` when its layout is ``kept``'s (noting where its
-    tensors lie); None when anything differs. ``promised``: the caller promises that no tensor
-    changed its dtype, shape or strides in place (``Saver.save(layout_unchanged=True)``): those
-    are compared only where a tensor moved."""
+    """``kept``'s listing over ``state_dict`` (``flat``: its leaves by key, in ``kept``'s keys
+    and paths) when its layout is ``kept``'s (noting where its tensors lie); None when anything
+    differs. ``promised``: the caller promises that no tensor changed its dtype, shape or strides
+    in place (``Saver.save(layout_unchanged=True)``): those are compared only where a tensor moved."""
     layout = kept.layout
-    found = leaves(layout.nesting, state_dict) if layout.nesting is not None else None
-    if found is not None:  # nested as before: DCP would give its leaves the same names and paths
-        flat = dict(zip(layout.keys, found, strict=True))
-    else:
-        try:
-            flat, mapping = flatten_checked(state_dict, check_tensors=False)
-        except Exception:
-            return None  # opening afresh raises it, with its message
-        if tuple(flat) != layout.keys or mapping != layout.mapping:
-            return None
     tensors = list(map(flat.__getitem__, layout.tensor_keys))
     if list(map(type, tensors)) != layout.types:
         return None
