@@ -166,7 +166,8 @@ def test_buffered_must_lead_by_more_than_the_margin_for_every_reader(
     assert choice is not None and (choice.reads, choice.reason) == (reads, reason)
     assert choice.io == ("auto" if reads == "direct" else "buffered")
     assert choice.buffered_bytes_per_s == pytest.approx(buffered) and choice.direct_bytes_per_s == pytest.approx(1e9)
-    assert opened and set(opened) == {reads == "direct"}
+    # (the small record "b" is scattered into its tensor through the page cache whatever was measured)
+    assert opened and set(opened) == ({True, False} if reads == "direct" else {False})
     reader = parallel_dcp.FastReader(disk / "ckpt", workers=2)
     targets = {k: torch.zeros_like(v) for k, v in sd.items()}
     dcp_load(targets, storage_reader=reader, no_dist=True)
@@ -237,7 +238,8 @@ def test_load_and_fast_reader_read_as_measured(
     assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])
     assert stats.read_choice is not None and stats.read_choice.reason == "measured"
     assert stats.read_choice.reads == ("direct" if expect_direct else "buffered")
-    assert opened and set(opened) == {expect_direct}
+    # (the small record "b" is scattered into its tensor through the page cache whatever was measured)
+    assert opened and set(opened) == ({True, False} if expect_direct else {False})
 
     opened.clear()
     targets = {k: torch.zeros_like(v) for k, v in sd.items()}

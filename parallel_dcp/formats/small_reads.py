@@ -62,6 +62,12 @@ _UNKNOWN = object()
 SCATTER = True
 
 
+def scatters(where: Location) -> bool:
+    """Whether small records under ``where`` are read straight into their tensors (buffered, one
+    ``preadv`` per run of records) rather than in windows of the job's ``io``."""
+    return SCATTER and not isinstance(where, Remote) and preadv_function() is not None
+
+
 def small_units(files: dict[str, list[Entry]], threads: int, templates: TemplateCache) -> list[SmallUnit]:
     """The entries of each file, sorted by offset, cut into about 4 units per thread (by bytes)."""
     total = sum(entry[1] for entries in files.values() for entry in entries)
@@ -92,7 +98,7 @@ class SmallUnit:
         stats, fallback = ReadStats(), list[Request]()
         # a local file: its records straight into their tensors (scatter_read), read buffered
         # (O_DIRECT cannot read into unaligned memory); else, and for what that leaves, windows
-        scatter = SCATTER and not isinstance(where, Remote) and preadv_function() is not None
+        scatter = scatters(where)
         file = _File(where, self.name, "buffered" if scatter else io)
         try:
             last = self.entries[-1]

@@ -26,6 +26,7 @@ Longer than 300 lines because the fast threaded path and the process path share 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import mmap
@@ -51,7 +52,7 @@ from parallel_dcp.errors import (
     describe_keys,
     dtype_name,
 )
-from parallel_dcp.formats import fast_read, seated
+from parallel_dcp.formats import fast_read, seated, small_reads
 from parallel_dcp.formats.compressed_read import bounded_reader
 from parallel_dcp.formats.dcp_format import read_keys
 from parallel_dcp.formats.fast_read import ReadStats
@@ -72,7 +73,8 @@ from parallel_dcp.storage.metadata import (
     unpickle_value,
 )
 from parallel_dcp.storage.metadata_check import WholeRecords
-from parallel_dcp.storage.read_choice import ReadChoice, read_choice
+from parallel_dcp.storage.prefetch import Prefetch, plan_prefetch
+from parallel_dcp.storage.read_choice import ReadChoice, known_read_choice, read_choice
 
 __all__ = ["check_target", "load"]
 
@@ -135,8 +137,8 @@ def load(
     """Run the load pipeline above; see :func:`parallel_dcp.load` for the contract."""
     # Building per-key objects (metadata, read items) for 50,000 keys otherwise triggers collections
     # that walk the caller's whole heap, several seconds.
-    with gc_paused():
-        return _load(path, keys, options, into, trust_pickle, stats)
+    with gc_paused(), contextlib.ExitStack() as cleanup:
+        return _load(path, keys, options, into, trust_pickle, stats, cleanup)
 
 
 def _load(
@@ -146,15 +148,24 @@ def _load(
     into: dict[str, Any] | None,
     trust_pickle: bool,
     stats: ReadStats | None,
+    cleanup: contextlib.ExitStack,
 ) -> dict[str, Any]:
     _compat.check_torch()
     location = locate(path, options.storage_options)
+    # the shards read into the page cache while .metadata is parsed, where that helps (storage/prefetch.py)
+    all_keys_here = keys is None and not (options.retries or options.task_timeout is not None)
+    scatters = small_reads.scatters(location)  # small records read buffered whatever io says
+    plan = plan_prefetch(location, options.io, whole=all_keys_here, allocates=into is None, small_buffered=scatters)
+    fetch = cleanup.enter_context(Prefetch(location, plan))
+    flattened: list[tuple[dict[str, Any], dict[str, tuple[Any, ...]]]] = []
+    if plan.files and into is not None:  # an into of a few of the keys: the shards no longer asked for
+        fetch.wanted(_into_bytes(into, flattened))
     metadata, columns = read_metadata_columns(location, memory_limit=options.memory_ceiling())
     if into is None and (options.retries or options.task_timeout is not None):
         return _load_with_processes(location, metadata, keys, options, trust_pickle)
     if into is not None and (options.retries or options.task_timeout is not None):
         raise ValueError("into= is filled by threads in this process: retries and task_timeout need worker processes")
-    flat_into, into_paths = _flatten_into(into) if into is not None else ({}, {})
+    flat_into, into_paths = flattened[0] if flattened else _flatten_into(into) if into is not None else ({}, {})
     if into is not None:
         selected = list(flat_into) if keys is None else select(list(flat_into), keys, "into")
         _check_present(selected, metadata, location)
@@ -229,13 +240,26 @@ def _load(
 
     small = _small_records(columns, selected, dense)
     requests, small = _requests(metadata, selected, targets, location, small, rooms)
+    fetch.keep(path.name for path in _files(location, requests, small))
     check_shard_sizes(location, _shard_ends(requests, small))  # before anything is read
     # auto: direct or buffered as measured on this file system (once per process), inside the
     # threads' reserved buffers (the probe holds no more per stream than a reading thread)
+    # (only the files of the tensors read as requests are measured: small records scattered into
+    # their tensors read buffered anyway, pickled values are a few small reads, and the probe
+    # would drop their cached pages for nothing)
+    probed = _files(location, [r for r in requests if r.target is not None], {} if scatters else small)
+    if (
+        probed
+        and options.io == "auto"
+        and not tight
+        and isinstance(location, Path)
+        and known_read_choice(location) is None
+    ):
+        fetch.close()  # the probe times cold reads: no page of its files asked for meanwhile
     choice = (
         ReadChoice("buffered", "buffered", "a tight memory limit: more reading threads instead of aligned buffers")
         if tight
-        else read_choice(options.io, location, _files(location, requests, small), streams=threads)
+        else read_choice(options.io, location, probed, streams=threads)
     )
     io_mode = choice.io
     # (the total only for a bar shown: reading every target's size is a cache miss a key)
@@ -256,6 +280,17 @@ def _load(
     return _compat.unflatten_state_dict(
         {k: flat[k] for k in selected}, {k: planner_data.get(k, (k,)) for k in selected}
     )
+
+
+def _into_bytes(into: dict[str, Any], flattened: list[Any]) -> int:
+    """The bytes of ``into``'s tensors (flattened once: the result is kept in ``flattened``);
+    0 for an ``into`` that does not flatten (the load's own flattening says why, after the parse)."""
+    try:
+        flattened.append(_flatten_into(into))
+    except Exception:
+        return 0
+    tensor = torch.Tensor
+    return sum(value.nbytes for value in flattened[0][0].values() if isinstance(value, tensor))
 
 
 def _flatten_into(into: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:

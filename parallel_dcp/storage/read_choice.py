@@ -27,7 +27,14 @@ from parallel_dcp.storage.safe_files import open_regular
 if TYPE_CHECKING:
     from parallel_dcp.storage.location import Remote
 
-__all__ = ["BUFFERED_MARGIN", "ReadChoice", "forget_read_choices", "read_choice", "read_probe_count"]
+__all__ = [
+    "BUFFERED_MARGIN",
+    "ReadChoice",
+    "forget_read_choices",
+    "known_read_choice",
+    "read_choice",
+    "read_probe_count",
+]
 
 # Buffered is chosen only when measured faster than direct by more than this. On this project's VM
 # a direct read's time does not depend on the memory it lands in, while a buffered one's does: the
@@ -109,6 +116,17 @@ def forget_read_choices() -> None:
     """Forget every measured choice: the next ``io="auto"`` read measures again."""
     with _read_lock:
         _read_choices.clear()
+
+
+def known_read_choice(where: str | os.PathLike[str]) -> ReadChoice | None:
+    """The choice ``io="auto"`` made for the local file system holding ``where``, as measured
+    earlier in this process; None when it has not been measured yet (nothing is measured here)."""
+    try:
+        device = os.stat(where).st_dev
+    except OSError:
+        return None
+    with _read_lock:
+        return _read_choices.get(device)
 
 
 def read_choice(

@@ -1,0 +1,162 @@
+"""bench_small_records.py without the stock dcp.load rows, for an A/B of the shard prefetch
+(storage/prefetch.py): BASE_TREE the read path without it, AFTER_TREE with it (each row also
+prints what the after tree's plan_prefetch decided: MiB asked for, or why none).
+
+Usage: flock LOCK python bench/bench_prefetch_small.py CKPT_ROOT BASE_TREE AFTER_TREE REPS 0
+(the rest as bench_small_records.py says)"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+WORKER = r"""
+import sys, time, json, functools, os, gc, warnings
+warnings.filterwarnings("ignore")
+import torch
+import parallel_dcp
+from parallel_dcp.synthetic import many_small
+from parallel_dcp.jobs import load as jl
+from parallel_dcp.storage import metadata as sm
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+cur = {}
+def wrap(mod, name, label):
+    f = getattr(mod, name, None)
+    if f is None:
+        return
+    @functools.wraps(f)
+    def g(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            cur[label] = cur.get(label, 0.0) + time.perf_counter() - t
+    setattr(mod, name, g)
+wrap(jl, "read_metadata", "metadata")            # before
+wrap(jl, "read_metadata_columns", "metadata")    # after
+wrap(sm, "check_metadata", "metadata check")
+wrap(jl, "_flatten_into", "flatten into")
+for name in ("_requests", "_small_records", "_shard_ends", "check_shards", "check_shard_sizes"):
+    wrap(jl, name, "plan")
+wrap(jl.fast_read, "read_requests", "read+check+fill")
+_plan = getattr(jl, "plan_prefetch", None)
+if _plan is not None:
+    def _recorded(*a, **k):
+        p = _plan(*a, **k)
+        cur["prefetch MiB"] = p.nbytes / 2**20
+        cur["why"] = p.reason
+        return p
+    jl.plan_prefetch = _recorded
+sd = many_small(50000)
+intos = {}
+def fresh():
+    state = sd["optimizer"]["state"]
+    empty = {k: {n: torch.empty_like(t) for n, t in v.items()} for k, v in state.items()}
+    return {"optimizer": {"state": empty, "param_groups": sd["optimizer"]["param_groups"]}}
+print("ready", parallel_dcp.__file__, flush=True)
+for line in sys.stdin:
+    kind, mode, path = line.split()
+    into = intos.get(kind) or intos.setdefault(kind, fresh())
+    if mode == "cold":
+        os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
+    elif mode == "warm":
+        # the cold rows before dropped this checkpoint's pages, and a read with O_DIRECT leaves
+        # none behind: read it through the page cache first, or a warm row is a cold one
+        for name in os.listdir(path):
+            with open(os.path.join(path, name), "rb") as f:
+                while f.read(8 << 20):
+                    pass
+    cur.clear()
+    gc.collect()
+    c = time.process_time()
+    t = time.perf_counter()
+    if mode == "stock":
+        dcp.load(into, storage_reader=FileSystemReader(path), no_dist=True)
+    else:
+        parallel_dcp.load(path, into=into, workers=2)
+    cur["TOTAL"] = time.perf_counter() - t
+    cur["CPU"] = time.process_time() - c
+    print(json.dumps(cur), flush=True)
+"""
+N = 50000
+STAGES = ["TOTAL", "CPU", "metadata", "metadata check", "flatten into", "plan", "read+check+fill"]
+
+
+def main() -> None:
+    root, base, after, reps, stock_reps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    roots = {"before": root, "after": os.environ.get("AFTER_CKPT_ROOT", root)}
+    py = f"{after}/.venv/bin/python"
+    workers = {}
+    for name, tree in (("before", base), ("after", after)):
+        env = dict(os.environ, PYTHONPATH=tree)
+        workers[name] = subprocess.Popen(
+            [py, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tree
+        )
+        print(name, workers[name].stdout.readline().strip(), flush=True)
+    rows = [
+        (code, kind, mode)
+        for kind in ("stock", "pdcp")
+        for code, mode in (
+            ("before", "warm"),
+            ("after", "warm"),
+            ("before", "cold"),
+            ("after", "cold"),
+        )
+    ]
+    results: dict = {row: [] for row in rows}
+    print("checkpoints:", roots, flush=True)
+    print("load at start:", os.getloadavg(), time.strftime("%H:%M:%S UTC", time.gmtime()), flush=True)
+    for rep in range(reps + 1):  # round 0: warm-up (faults in the into= tensors), not counted
+        for code, kind, mode in rows:
+            if mode == "stock" and not 1 <= rep <= stock_reps:
+                continue
+            w = workers[code]
+            w.stdin.write(f"{kind} {mode} {roots[code]}/{kind}\n")
+            w.stdin.flush()
+            out = json.loads(w.stdout.readline())
+            if rep:
+                results[(code, kind, mode)].append(out)
+            print(
+                rep,
+                code,
+                kind,
+                mode,
+                f"{out['TOTAL'] / N * 1e6:.1f} us/rec, cpu {out['CPU'] / N * 1e6:.1f}",
+                f"prefetch {out.get('prefetch MiB')} {out.get('why', '')}",
+                flush=True,
+            )
+    print("load at end:", os.getloadavg(), time.strftime("%H:%M:%S UTC", time.gmtime()), flush=True)
+    for w in workers.values():
+        w.stdin.close()
+        w.wait()
+    print()
+    print(
+        f"50,000 small records (synthetic.many_small), load(into=), workers=2; medians of {reps} "
+        f"(stock dcp.load: {stock_reps}), us per record"
+    )
+    print("stages: main-thread wall time inside each; CPU: process CPU time (all threads) of the whole load")
+    print(f"{'row':34}" + "".join(f"{s:>17}" for s in STAGES))
+    summary = {}
+    for (code, kind, mode), outs in results.items():
+        if not outs:
+            continue
+        med = {s: statistics.median(o.get(s, 0.0) for o in outs) / N * 1e6 for s in STAGES}
+        label = f"[{kind}] {'stock dcp.load' if mode == 'stock' else f'load(into=) {code} {mode}'}"
+        summary[label] = med
+        cells = (
+            "".join(f"{med[s]:17.2f}" for s in STAGES) if mode != "stock" else f"{med['TOTAL']:17.2f}{med['CPU']:17.2f}"
+        )
+        print(f"{label:34}" + cells)
+    for kind in ("stock", "pdcp"):
+        for mode in ("warm", "cold"):
+            b = summary[f"[{kind}] load(into=) before {mode}"]["TOTAL"]
+            a = summary[f"[{kind}] load(into=) after {mode}"]["TOTAL"]
+            print(f"[{kind}] {mode}: after {a:.2f} us/rec, before {b:.2f} ({b / a:.2f}x)")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

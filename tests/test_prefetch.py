@@ -1,0 +1,281 @@
+"""Shards prefetched into the page cache while .metadata is parsed (storage/prefetch.py): asked for
+(POSIX_FADV_WILLNEED) for the files a load of many small records reads, never for a checkpoint of
+big tensors, O_DIRECT reads, object storage or a subset of the keys; never through a symlink; the
+loads stay byte-equal."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import parallel_dcp
+from parallel_dcp import UnsafeCheckpointError
+from parallel_dcp.storage import prefetch
+from parallel_dcp.storage.location import locate
+from parallel_dcp.storage.read_choice import ReadChoice
+from parallel_dcp.synthetic import many_small
+from tests.conftest import assert_same, empty_like_state
+
+WILLNEED = os.POSIX_FADV_WILLNEED
+
+
+@pytest.fixture
+def advised(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """(the file's real path, offset, length) of every WILLNEED asked for, through the real call."""
+    calls: list[tuple[str, int, int]] = []
+    real = os.posix_fadvise
+
+    def recorded(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == WILLNEED:
+            calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recorded)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    sd = many_small(600)
+    path = tmp_path_factory.mktemp("prefetch") / "small"
+    parallel_dcp.save(sd, path, workers=2)
+    return path, sd
+
+
+def shards(path: Path) -> dict[str, int]:
+    return {str(p.resolve()): p.stat().st_size for p in path.glob("*.distcp")}
+
+
+def read_first(path: Path) -> dict[str, int]:
+    """What the prefetch asks for: .metadata (first), then every shard."""
+    return {str((path / ".metadata").resolve()): (path / ".metadata").stat().st_size, **shards(path)}
+
+
+def covered(calls: list[tuple[str, int, int]]) -> dict[str, int]:
+    """Per file, how far from byte 0 the calls asked for without a hole."""
+    ends: dict[str, int] = {}
+    for name, offset, length in sorted(calls):
+        if offset <= ends.get(name, 0):
+            ends[name] = max(ends.get(name, 0), offset + length)
+    return ends
+
+
+@pytest.mark.parametrize("into", [True, False])
+def test_many_small_records_prefetch_every_shard_whole(
+    small_ckpt: tuple[Path, dict[str, Any]], advised: list[tuple[str, int, int]], into: bool
+) -> None:
+    path, sd = small_ckpt
+    target = empty_like_state(sd) if into else None
+    out = parallel_dcp.load(path, io="buffered", into=target, workers=2)
+    assert_same(out, sd)
+    files = read_first(path)
+    ends = covered(advised)
+    assert set(ends) == set(files)
+    assert all(ends[name] >= size for name, size in files.items())
+    assert advised[0][0] == str((path / ".metadata").resolve())  # before the shards: the load reads it first
+
+
+def test_big_tensors_are_not_prefetched(tmp_path: Path, advised: list[tuple[str, int, int]]) -> None:
+    sd = {"a": torch.randn(512, 1024), "b": torch.randn(1024, 256)}  # 3 MiB in two records
+    parallel_dcp.save(sd, tmp_path / "big", workers=2)
+    plan = prefetch.plan_prefetch(locate(tmp_path / "big"), "buffered", whole=True, allocates=True)
+    assert plan.files == () and "few large records" in plan.reason
+    assert_same(parallel_dcp.load(tmp_path / "big", io="buffered"), sd)
+    assert advised == []
+
+
+def test_a_key_subset_prefetches_nothing(
+    small_ckpt: tuple[Path, dict[str, Any]], advised: list[tuple[str, int, int]]
+) -> None:
+    path, sd = small_ckpt
+    out = parallel_dcp.load(path, io="buffered", keys="optimizer.state.1.*")
+    assert_same(out, {"optimizer": {"state": {"1": sd["optimizer"]["state"]["1"]}}})
+    assert advised == []
+
+
+def test_an_into_subset_stops_the_shards(
+    small_ckpt: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, advised: list[tuple[str, int, int]]
+) -> None:
+    path, sd = small_ckpt
+    told: list[tuple[int, int, frozenset[str] | None]] = []
+    real = prefetch.Prefetch.wanted
+
+    def recorded(self: prefetch.Prefetch, nbytes: int) -> None:
+        real(self, nbytes)
+        told.append((nbytes, self.plan.nbytes, self._keep))
+
+    monkeypatch.setattr(prefetch.Prefetch, "wanted", recorded)
+    state = sd["optimizer"]["state"]
+    part = {"optimizer": {"state": {k: empty_like_state(v) for k, v in list(state.items())[:20]}}}
+    out = parallel_dcp.load(path, io="buffered", into=part)
+    assert_same(out, {"optimizer": {"state": {k: state[k] for k in part["optimizer"]["state"]}}})
+    expected = sum(t.nbytes for v in part["optimizer"]["state"].values() for t in v.values())
+    assert len(told) == 1 and told[0][0] == expected and expected < prefetch.INTO_SHARE * told[0][1]
+    assert told[0][2] == frozenset()  # no shard asked for from there on
+    whole = empty_like_state(sd)
+    assert_same(parallel_dcp.load(path, io="buffered", into=whole), sd)
+    assert len(told) == 2 and told[1][0] >= prefetch.INTO_SHARE * told[1][1] and told[1][2] is None
+    assert set(covered(advised)) == set(read_first(path))  # the whole into: every shard asked for
+
+
+def test_wanted_under_the_share_asks_for_no_shard(
+    small_ckpt: tuple[Path, dict[str, Any]], advised: list[tuple[str, int, int]]
+) -> None:
+    path, _ = small_ckpt
+    plan = prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=False)
+    fetch = prefetch.Prefetch(locate(path), plan)
+    fetch.wanted(plan.nbytes // 4)
+    with fetch:
+        assert fetch._thread is not None
+        fetch._thread.join()
+    assert {name for name, _, _ in advised} == {str((path / ".metadata").resolve())}
+
+
+def test_direct_reads_object_storage_and_worker_processes_prefetch_nothing(
+    small_ckpt: tuple[Path, dict[str, Any]],
+) -> None:
+    path, _ = small_ckpt
+    where = locate(path)
+    assert prefetch.plan_prefetch(where, "buffered", whole=True, allocates=True).files
+    direct = prefetch.plan_prefetch(where, "direct", whole=True, allocates=True)
+    assert direct.files == () and "read twice" in direct.reason
+    remote = prefetch.plan_prefetch(locate("s3://bucket/ckpt"), "buffered", whole=True, allocates=True)
+    assert remote.files == () and remote.reason == "object storage"
+    assert prefetch.plan_prefetch(where, "buffered", whole=False, allocates=True).files == ()
+
+
+def test_auto_follows_the_measured_choice(
+    small_ckpt: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, _ = small_ckpt
+    where = locate(path)
+    files = shards(path)
+    monkeypatch.setattr(prefetch.io_mode, "DIRECT_MIN_BYTES", 1)  # every shard large enough to read directly
+    monkeypatch.setattr(prefetch.io_mode, "direct_refusal", lambda *a, **k: None)
+    monkeypatch.setattr(prefetch, "known_read_choice", lambda where: None)
+    unmeasured = prefetch.plan_prefetch(where, "auto", whole=True, allocates=True)
+    assert unmeasured.files == () and "not measured" in unmeasured.reason
+    monkeypatch.setattr(prefetch, "known_read_choice", lambda where: ReadChoice("auto", "direct", "measured"))
+    assert prefetch.plan_prefetch(where, "auto", whole=True, allocates=True).files == ()
+    # small records read buffered whatever was measured: every shard, once measured
+    buffered_anyway = prefetch.plan_prefetch(where, "auto", whole=True, allocates=True, small_buffered=True)
+    assert buffered_anyway.nbytes == sum(files.values())
+    # ... and before it was measured too: the load stops the prefetch before the probe runs (below)
+    monkeypatch.setattr(prefetch, "known_read_choice", lambda where: None)
+    before = prefetch.plan_prefetch(where, "auto", whole=True, allocates=True, small_buffered=True)
+    assert before.nbytes == sum(files.values())
+    monkeypatch.setattr(prefetch, "known_read_choice", lambda where: ReadChoice("buffered", "buffered", "measured"))
+    assert prefetch.plan_prefetch(where, "auto", whole=True, allocates=True).nbytes == sum(files.values())
+
+
+def test_not_when_the_shards_do_not_fit_in_memory(
+    small_ckpt: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, _ = small_ckpt
+    total = sum(shards(path).values())
+
+    class Memory:
+        available = 3 * total  # room for the shards, not for them and an output as large
+
+    monkeypatch.setattr(prefetch.psutil, "virtual_memory", Memory)
+    assert prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=False).files
+    tight = prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=True)
+    assert tight.files == () and "memory" in tight.reason
+
+
+def test_a_symlinked_shard_is_not_opened(
+    small_ckpt: tuple[Path, dict[str, Any]], tmp_path: Path, advised: list[tuple[str, int, int]]
+) -> None:
+    source, sd = small_ckpt
+    path = tmp_path / "ckpt"
+    shutil.copytree(source, path)
+    victim = sorted(path.glob("*.distcp"))[0]
+    outside = tmp_path / "outside.distcp"
+    victim.rename(outside)
+    victim.symlink_to(outside)
+    plan = prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=True)
+    assert victim.name not in dict(plan.files) and plan.files
+    with pytest.raises(UnsafeCheckpointError, match="symlink"):
+        parallel_dcp.load(path, io="buffered", into=empty_like_state(sd))
+    assert advised and str(outside.resolve()) not in {name for name, _, _ in advised}
+
+
+def test_keep_stops_asking_for_files_the_plan_does_not_read(
+    small_ckpt: tuple[Path, dict[str, Any]], advised: list[tuple[str, int, int]]
+) -> None:
+    path, _ = small_ckpt
+    plan = prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=True)
+    first = plan.files[0][0]
+    fetch = prefetch.Prefetch(locate(path), plan)
+    fetch.keep([first])
+    with fetch:
+        assert fetch._thread is not None
+        fetch._thread.join()  # every request issued (not stopped early by the exit)
+    metadata = str((path / ".metadata").resolve())
+    assert set(covered(advised)) == {metadata, str((path / first).resolve())}
+    assert covered(advised)[str((path / first).resolve())] >= dict(plan.files)[first]
+    assert fetch.advised == dict(plan.files)[first] + read_first(path)[metadata]
+
+
+@pytest.mark.parametrize("into", [True, False])
+def test_a_first_auto_load_of_small_records_is_prefetched_and_never_probed(
+    small_ckpt: tuple[Path, dict[str, Any]],
+    advised: list[tuple[str, int, int]],
+    monkeypatch: pytest.MonkeyPatch,
+    into: bool,
+) -> None:
+    """Small records scattered into their tensors read buffered whatever io="auto" would measure:
+    a process's first load asks for its shards at once, and no probe drops their cached pages."""
+    from parallel_dcp.storage import read_choice as choices
+
+    path, sd = small_ckpt
+    monkeypatch.setattr(choices, "_read_choices", {})  # this process has measured nothing yet
+    monkeypatch.setattr(prefetch.io_mode, "DIRECT_MIN_BYTES", 1)  # every shard large enough to read directly
+    monkeypatch.setattr(prefetch.io_mode, "direct_refusal", lambda *a, **k: None)
+    probed: list[Any] = []
+    monkeypatch.setattr(choices.read_probe, "measure_reads", lambda paths, streams=1: probed.append(paths))
+    target = empty_like_state(sd) if into else None
+    out = parallel_dcp.load(path, io="auto", into=target, workers=2)
+    assert_same(out, sd)
+    assert probed == []
+    ends = covered(advised)
+    assert all(ends.get(name, 0) >= size for name, size in read_first(path).items())
+
+
+def test_the_prefetch_stops_before_the_probe_measures_the_files_of_big_tensors(
+    tmp_path: Path, advised: list[tuple[str, int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many small records beside a tensor read as a request: io="auto" measures that tensor's file
+    cold, so no page is asked for while the probe runs."""
+    from parallel_dcp.storage import read_choice as choices
+
+    sd = many_small(600)
+    sd["big"] = torch.randn(1024, 1024)  # 4 MiB: read as a request, not as a small record
+    parallel_dcp.save(sd, tmp_path / "mixed", workers=2)
+    monkeypatch.setattr(choices, "_read_choices", {})
+    monkeypatch.setattr(prefetch.io_mode, "direct_refusal", lambda *a, **k: None)  # (one module: read_choice's too)
+    monkeypatch.setattr(prefetch.io_mode, "DIRECT_MIN_BYTES", 1)
+    events: list[tuple[str, int]] = []
+
+    def measure(paths: Any, streams: int = 1) -> None:
+        events.append(("probe", len(advised)))
+        return None
+
+    monkeypatch.setattr(choices.read_probe, "measure_reads", measure)
+    real_close = prefetch.Prefetch.close
+
+    def close(self: prefetch.Prefetch) -> None:
+        real_close(self)
+        events.append(("stopped", len(advised)))
+
+    monkeypatch.setattr(prefetch.Prefetch, "close", close)
+    assert_same(parallel_dcp.load(tmp_path / "mixed", io="auto", workers=2), sd)
+    assert advised, "the small records' shards were asked for"
+    probes = [n for kind, n in events if kind == "probe"]
+    assert probes, "the probe measured the big tensor's file"
+    assert events[0][0] == "stopped" and events[0][1] == probes[0]  # stopped and joined first; nothing asked since
