@@ -1,6 +1,7 @@
 """50,000 small records, load(into=): before (base tree) vs after (this branch) vs stock dcp.load, interleaved.
 
 Usage: flock LOCK python bench/bench_small_records.py CKPT_ROOT BASE_TREE AFTER_TREE REPS STOCK_REPS
+(STOCK_REPS 0: no stock dcp.load rows; each row also prints what the shard prefetch decided)
 CKPT_ROOT holds ``stock/`` (written by ``dcp.save(thread_count=2)``) and ``pdcp/`` (by
 ``parallel_dcp.save(workers=2)``) of ``synthetic.many_small(50000)``; BASE_TREE and AFTER_TREE are
 source trees holding ``parallel_dcp/`` (AFTER_TREE also its ``.venv``).
@@ -49,6 +50,14 @@ wrap(jl, "_flatten_into", "flatten into")
 for name in ("_requests", "_small_records", "_shard_ends", "check_shards", "check_shard_sizes"):
     wrap(jl, name, "plan")
 wrap(jl.fast_read, "read_requests", "read+check+fill")
+_plan = getattr(jl, "plan_prefetch", None)
+if _plan is not None:  # what the shard prefetch decided (storage/prefetch.py): MiB asked for, or why none
+    def _recorded(*a, **k):
+        p = _plan(*a, **k)
+        cur["prefetch MiB"] = p.nbytes / 2**20
+        cur["why"] = p.reason
+        return p
+    jl.plan_prefetch = _recorded
 sd = many_small(50000)
 intos = {}
 def fresh():
@@ -105,6 +114,7 @@ def main() -> None:
             ("after", "cold"),
             ("after", "stock"),
         )
+        if stock_reps or mode != "stock"
     ]
     results: dict = {row: [] for row in rows}
     print("checkpoints:", roots, flush=True)
@@ -125,6 +135,7 @@ def main() -> None:
                 kind,
                 mode,
                 f"{out['TOTAL'] / N * 1e6:.1f} us/rec, cpu {out['CPU'] / N * 1e6:.1f}",
+                f"prefetch {out.get('prefetch MiB')} {out.get('why', '')}",
                 flush=True,
             )
     print("load at end:", os.getloadavg(), time.strftime("%H:%M:%S UTC", time.gmtime()), flush=True)
@@ -151,11 +162,9 @@ def main() -> None:
         for mode in ("warm", "cold"):
             b = summary[f"[{kind}] load(into=) before {mode}"]["TOTAL"]
             a = summary[f"[{kind}] load(into=) after {mode}"]["TOTAL"]
-            s = summary[f"[{kind}] stock dcp.load"]["TOTAL"]
-            print(
-                f"[{kind}] {mode}: after {a:.2f} us/rec, before {b:.2f} ({b / a:.2f}x); "
-                f"stock dcp.load {s:.2f} ({s / a:.2f}x)"
-            )
+            stock = summary.get(f"[{kind}] stock dcp.load")
+            versus = f"; stock dcp.load {stock['TOTAL']:.2f} ({stock['TOTAL'] / a:.2f}x)" if stock else ""
+            print(f"[{kind}] {mode}: after {a:.2f} us/rec, before {b:.2f} ({b / a:.2f}x){versus}")
     print(json.dumps(summary))
 
 

@@ -36,8 +36,9 @@ Prefetched only when it helps and cannot hurt (:func:`plan_prefetch`, each refus
 - only files that will be read through the page cache: with ``io="direct"`` none (a prefetched
   byte would be read twice); with ``"auto"`` only those the remembered measurement
   (storage.read_choice) reads buffered (all of them where the small records are read buffered
-  anyway: ``small_buffered``), and nothing while that measurement is still to run on a file large
-  enough to read directly (it must find the files cold: it drops their pages and times them);
+  anyway: ``small_buffered``, measured or not: the load stops the prefetch before a probe of the
+  files its tensor requests read, which must find them cold), and without ``small_buffered``
+  nothing while that measurement is still to run on a file large enough to read directly;
 - the shards fit: their bytes (twice that when the load allocates its output) at most half of the
   memory available now (psutil), so the prefetch evicts nothing the load or the node needs.
 """
