@@ -307,3 +307,35 @@ def test_a_save_forked_per_call_also_takes_the_gil_back_promptly_and_restores_it
     out = {k: torch.empty_like(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
     dcp.load(out, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     assert_same(out, {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)})
+
+
+def test_the_fork_server_imports_the_callers_packages_not_those_of_its_working_directory(tmp_path: Path) -> None:
+    """A script run from a directory holding another ``parallel_dcp`` (another checkout, or one
+    planted in /tmp): the Saver's fork server, a fresh interpreter, imports the caller's package
+    from the caller's sys.path, never the one in its working directory."""
+    import subprocess
+
+    planted = tmp_path / "cwd" / "parallel_dcp"
+    planted.mkdir(parents=True)
+    marker = tmp_path / "imported"
+    (planted / "__init__.py").write_text(f"open({str(marker)!r}, 'a').write('planted')\nraise ImportError('planted')\n")
+    script = tmp_path / "save.py"
+    script.write_text(
+        "import sys, torch, parallel_dcp\n"
+        "with parallel_dcp.Saver(workers=1) as saver:\n"
+        "    result = saver.save({'a': torch.arange(4.0)}, sys.argv[1])\n"
+        "print(parallel_dcp.__file__, result.tasks)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    env["PYTHONPATH"] = str(Path(parallel_dcp.__file__).parent.parent)  # this checkout, as the suite imports it
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        cwd=planted.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists(), "the fork server imported the package in its working directory"
+    assert_same(parallel_dcp.load(tmp_path / "ckpt"), {"a": torch.arange(4.0)})

@@ -40,7 +40,7 @@ from typing import Any, Generic, TypeVar
 import multiprocess as mp
 import multiprocess.connection as mp_connection
 
-from parallel_dcp.engine.fork_server import ForkServerProcess
+from parallel_dcp.engine.fork_server import ForkServerProcess, start_fork_server
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.remote_memory import RemoteBytes
@@ -291,6 +291,7 @@ class WorkerPool:
         if fork_server is not None:
             self._ctx = mp.get_context("forkserver")
             self._ctx.set_forkserver_preload(["torch", "parallel_dcp.engine.pool", *fork_server])
+            start_fork_server()  # from this process's sys.path, never its working directory
         else:
             self._ctx = mp.get_context("fork")
         self._handler = handler
