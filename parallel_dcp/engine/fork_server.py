@@ -68,14 +68,16 @@ def start_fork_server() -> None:
     from this process's ``sys.path``, not from its working directory (see the module doc)."""
     path = os.pathsep.join(os.path.abspath(p) if p else os.getcwd() for p in sys.path)
     saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    # (putenv, not os.environ: the server inherits the C environment, and replacing os.environ's
+    # entries would free objects a caller may have frozen with gc.freeze())
     with _patch_lock:
-        os.environ["PYTHONPATH"] = path
-        os.environ["PYTHONSAFEPATH"] = "1"
+        os.putenv("PYTHONPATH", path)
+        os.putenv("PYTHONSAFEPATH", "1")
         try:
             multiprocess.forkserver.ensure_running()
         finally:
             for name, value in saved.items():
                 if value is None:
-                    os.environ.pop(name, None)
+                    os.unsetenv(name)
                 else:
-                    os.environ[name] = value
+                    os.putenv(name, value)
