@@ -158,7 +158,7 @@ def _hash(stream: BinaryIO) -> int:
 
 def _expected(head: tuple[Any, ...]) -> int:
     """The size a file with the header's counts has (each count bounded first: no overflow)."""
-    keys, files, dims, names, file_names, tag = head[5:11]
+    keys, files, dims, names, file_names, tag = (int(n) for n in head[5:11])
     return HEADER.size + 8 * (files + 3 * keys + dims) + 8 * keys + file_names + names + tag
 
 
