@@ -176,7 +176,7 @@ def _load(
     flat_into, into_paths = flattened[0] if flattened else _flatten_into(into) if into is not None else ({}, {})
     if into is not None:
         selected = list(flat_into) if keys is None else select(list(flat_into), keys, "into")
-        _check_present(selected, index.rows if index is not None else _entries(metadata), location)
+        _check_present(selected, index if index is not None else _entries(metadata), location)
     else:
         selected = _selected(_entries(metadata), keys, location)
     whole = columns.tensors  # (dtype, shape) of each key of one whole chunk, without touching its objects

@@ -2,16 +2,16 @@
 
 Unpickling a 50,000-key ``.metadata`` and checking its objects costs ~4 us a key, most of a
 ``load(into=)`` of optimizer state. Our writers also write ``.parallel_dcp.columns``: the same
-entries as plain columns (numpy arrays, names as one UTF-8 blob), no pickle in it. Layout (all
+entries as plain columns (numpy arrays, names as one UTF-8 blob, each ended by a NUL), no pickle in it. Layout (all
 little-endian; the int64 sections first, so every array is aligned)::
 
     header   magic "PDCPCOL1", version u32, 0 u32,
              .metadata's size u64 and xxh3_64 u64,
              keys, files, dims, name bytes, file-name bytes, save-id bytes (u64 each)
-    int64    file_ends[files]  name_ends[keys]  offset[keys]  length[keys]  dims[dims]
+    int64    offset[keys]  length[keys]  dims[dims]
     uint32   file[keys]                                   (into the file-name table)
     uint8    kind[keys] (0 tensor, 1 value)  dtype[keys] (DTYPES)  flags[keys]  ndim[keys]
-    bytes    file names  key names  save id
+    bytes    file names  key names (each followed by NUL)  save id
 
 It describes only checkpoints whose every entry is one whole, uncompressed tensor record or one
 pickled value: for anything else (split tensors, compressed records, tasks through DCP's
@@ -66,9 +66,9 @@ _CODES: dict[torch.dtype, int] = {
     dtype: code for code, name in enumerate(DTYPES) if isinstance(dtype := getattr(torch, name, None), torch.dtype)
 }
 
-# One run of keys as a worker describes it: names (UTF-8, joined), each name's byte length, kind,
-# dtype, flags, ndim (uint8 columns as bytes), dims, offset, length (int64 arrays).
-Segment = tuple[bytes, Any, bytes, bytes, bytes, bytes, Any, Any, Any]
+# One run of keys as a worker describes it: names (UTF-8, each followed by NUL), kind, dtype,
+# flags, ndim (uint8 columns as bytes), dims, offset, length (int64 arrays).
+Segment = tuple[bytes, bytes, bytes, bytes, bytes, Any, Any, Any]
 # One key: kind, dtype code, flags, shape, offset, length.
 Row = tuple[int, int, int, tuple[int, ...], int, int]
 
@@ -90,16 +90,18 @@ def rows_of(values: Sequence[tuple[str, int, int]], tensors: Sequence[tuple[Any,
 
 
 def segment(rows: dict[str, Row], order: Sequence[str]) -> Segment | None:
-    """The columns of ``order``'s keys, in that order; None for a name that is not valid UTF-8."""
+    """The columns of ``order``'s keys, in that order; None for a name that is not valid UTF-8 or
+    holds a NUL (the names' separator)."""
     try:
-        names = [key.encode() for key in order]
+        names = "\0".join(order).encode() + b"\0" if order else b""
     except UnicodeEncodeError:
+        return None
+    if names.count(0) != len(order):
         return None
     picked = [rows[key] for key in order]
     kind, dtype, flags, shape, offset, length = zip(*picked, strict=True) if picked else ((),) * 6
     return (
-        b"".join(names),
-        numpy.fromiter(map(len, names), dtype=numpy.int64, count=len(names)),
+        names,
         bytes(kind),
         bytes(dtype),
         bytes(flags),
@@ -116,18 +118,15 @@ def assemble_index(pieces: Sequence[tuple[str, Segment]], metadata: bytes, save_
     files: dict[str, int] = {}
     file_ids = [numpy.full(len(seg[1]), files.setdefault(name, len(files)), dtype=numpy.uint32) for name, seg in pieces]
     segments = [seg for _, seg in pieces]
-    lengths = _cat([s[1] for s in segments], numpy.int64)
-    file_names = [name.encode() for name in files]
+    file_names = "".join(f"{name}\0" for name in files).encode()
     names = b"".join(s[0] for s in segments)
     columns = [
-        numpy.cumsum(numpy.fromiter(map(len, file_names), dtype=numpy.int64, count=len(file_names))),
-        numpy.cumsum(lengths),
-        _cat([s[7] for s in segments], numpy.int64),
-        _cat([s[8] for s in segments], numpy.int64),
         _cat([s[6] for s in segments], numpy.int64),
+        _cat([s[7] for s in segments], numpy.int64),
+        _cat([s[5] for s in segments], numpy.int64),
         _cat(file_ids, numpy.uint32),
     ]
-    small = [b"".join(s[i] for s in segments) for i in (2, 3, 4, 5)]
+    small = [b"".join(s[i] for s in segments) for i in (1, 2, 3, 4)]
     tag = save_id.encode()
     header = HEADER.pack(
         MAGIC,
@@ -135,15 +134,15 @@ def assemble_index(pieces: Sequence[tuple[str, Segment]], metadata: bytes, save_
         0,
         len(metadata),
         xxhash.xxh3_64_intdigest(metadata),
-        len(lengths),
+        len(columns[0]),
         len(files),
-        len(columns[4]),
+        len(columns[2]),
         len(names),
-        sum(map(len, file_names)),
+        len(file_names),
         len(tag),
     )
     arrays = [c.astype(c.dtype.newbyteorder("<")).tobytes() for c in columns]
-    return b"".join([header, *arrays, *small, *file_names, names, tag])
+    return b"".join([header, *arrays, *small, file_names, names, tag])
 
 
 def _cat(arrays: Sequence[Any], dtype: Any) -> Any:
