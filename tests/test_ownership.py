@@ -251,7 +251,11 @@ def test_sigkill_mid_overwrite_leaves_the_old_checkpoint_and_the_next_save_clean
         parallel_dcp.save(new, dest, workers=1, overwrite=True)
     names = {p.name for p in dest.iterdir()}
     assert not any(leftover["save_id"] in n for n in names)
-    assert {n for n in names if not n.endswith(".distcp")} == {".metadata", ".parallel_dcp.json"}
+    assert {n for n in names if not n.endswith(".distcp")} == {
+        ".metadata",
+        ".parallel_dcp.columns",
+        ".parallel_dcp.json",
+    }
     assert_same(_stock_load(dest, new), new)
 
 
