@@ -26,6 +26,7 @@ checkpoint has a matching index or none (an overwritten one's index fails the ha
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -106,7 +107,7 @@ def segment(rows: dict[str, Row], order: Sequence[str]) -> Segment | None:
         bytes(dtype),
         bytes(flags),
         bytes(map(len, shape)),
-        numpy.fromiter((d for s in shape for d in s), dtype=numpy.int64),
+        numpy.array(list(itertools.chain.from_iterable(shape)), dtype=numpy.int64),
         numpy.array(offset, dtype=numpy.int64),
         numpy.array(length, dtype=numpy.int64),
     )
