@@ -14,6 +14,7 @@ import numpy
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 import parallel_dcp
@@ -309,6 +310,12 @@ def _splice(data: bytearray, name: str, new: bytes, field: int) -> bytearray:
     return out
 
 
+def _sealed(data: bytearray) -> bytearray:
+    """``data`` with its body's hash made right again: what a hostile writer does."""
+    _set_header(data, 11, xxhash.xxh3_64_intdigest(bytes(data[HEADER.size :])))
+    return data
+
+
 def _tensor_row(data: bytearray) -> int:
     return int(numpy.flatnonzero(_column(data, "kind") == 0)[0])
 
@@ -384,6 +391,19 @@ def _garbage(data: bytearray) -> bytearray:
     return bytearray(os.urandom(len(data)))
 
 
+def _swapped(data: bytearray) -> bytearray:
+    """Damage no check over the columns can see: two records of one shape swapped between their
+    keys (each still whole, in range, unshared). Without the body's hash it would load each key
+    with the other's values; with it, .metadata is read."""
+    start, end, _ = _sections(bytes(data))["names"]
+    names = bytes(data[start:end]).split(b"\0")[:-1]
+    first, second = [n for n, name in enumerate(names) if name.endswith(b".exp_avg")][:2]
+    offset, length = _column(data, "offset"), _column(data, "length")
+    offset[[first, second]] = offset[[second, first]]
+    length[[first, second]] = length[[second, first]]
+    return data
+
+
 CHECKED = [  # the hash matches: the checks over the columns refuse it (and the load reads .metadata)
     _length_overflow,
     _too_short,
@@ -394,7 +414,7 @@ CHECKED = [  # the hash matches: the checks over the columns refuse it (and the 
     _value_with_a_shape,
     _twice,
 ]
-UNREAD = [_truncated, _wrong_hash, _huge_count, _old_version, _garbage]  # never matched: .metadata is read
+UNREAD = [_truncated, _wrong_hash, _huge_count, _old_version, _garbage, _swapped]  # .metadata is read
 
 
 @pytest.mark.parametrize("craft", CHECKED + UNREAD, ids=lambda f: f.__qualname__.split(".")[0].strip("_"))
@@ -403,6 +423,8 @@ def test_a_crafted_index_is_refused_and_metadata_read(
 ) -> None:
     path = _copy(saved, tmp_path)
     data = craft(bytearray((saved / INDEX_FILE).read_bytes()))
+    if craft in CHECKED:
+        data = _sealed(data)
     (path / INDEX_FILE).write_bytes(bytes(data))
     if craft in CHECKED:
         with pytest.raises(CorruptCheckpointError):
@@ -415,7 +437,7 @@ def test_a_crafted_index_is_refused_and_metadata_read(
 def test_a_crafted_index_pointing_past_a_shard_is_an_error(saved: Path, tmp_path: Path) -> None:
     """Offsets in range but past the file: the shard sizes are checked before anything is read."""
     path = _copy(saved, tmp_path)
-    (path / INDEX_FILE).write_bytes(bytes(_offset_past_end(bytearray((saved / INDEX_FILE).read_bytes()))))
+    (path / INDEX_FILE).write_bytes(bytes(_sealed(_offset_past_end(bytearray((saved / INDEX_FILE).read_bytes())))))
     with pytest.raises(CorruptCheckpointError, match=r"truncated|has .* bytes"):
         _loaded(path, _state())
 

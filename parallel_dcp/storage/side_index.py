@@ -7,7 +7,8 @@ little-endian; the int64 sections first, so every array is aligned)::
 
     header   magic "PDCPCOL1", version u32, 0 u32,
              .metadata's size u64 and xxh3_64 u64,
-             keys, files, dims, name bytes, file-name bytes, save-id bytes (u64 each)
+             keys, files, dims, name bytes, file-name bytes, save-id bytes,
+             xxh3_64 of everything after the header (u64 each)
     int64    offset[keys]  length[keys]  dims[dims]
     uint32   file[keys]                                   (into the file-name table)
     uint8    kind[keys] (0 tensor, 1 value)  dtype[keys] (DTYPES)  flags[keys]  ndim[keys]
@@ -53,7 +54,7 @@ __all__ = [
 INDEX_FILE = ".parallel_dcp.columns"
 MAGIC = b"PDCPCOL1"
 VERSION = 1
-HEADER = struct.Struct("<8sII" + "Q" * 8)
+HEADER = struct.Struct("<8sII" + "Q" * 9)
 KIND_TENSOR, KIND_VALUE = 0, 1
 FLAG_REQUIRES_GRAD, FLAG_PINNED = 1, 2
 # A dtype's code is its place here, for good (version 1): new dtypes go at the end. Names torch
@@ -129,7 +130,7 @@ def assemble_index(pieces: Sequence[tuple[str, Segment]], metadata: bytes, save_
     ]
     small = [b"".join(s[i] for s in segments) for i in (1, 2, 3, 4)]
     tag = save_id.encode()
-    header = HEADER.pack(
+    header = (
         MAGIC,
         VERSION,
         0,
@@ -143,7 +144,8 @@ def assemble_index(pieces: Sequence[tuple[str, Segment]], metadata: bytes, save_
         len(tag),
     )
     arrays = [c.astype(c.dtype.newbyteorder("<")).tobytes() for c in columns]
-    return b"".join([header, *arrays, *small, file_names, names, tag])
+    body = b"".join([*arrays, *small, file_names, names, tag])
+    return HEADER.pack(*header, xxhash.xxh3_64_intdigest(body)) + body
 
 
 def _cat(arrays: Sequence[Any], dtype: Any) -> Any:
