@@ -128,9 +128,8 @@ def read_metadata_columns(
 def read_index_or_metadata(
     path: str | os.PathLike[str] | Remote, *, memory_limit: int | None = None
 ) -> tuple[Metadata | None, WholeRecords, SideIndex | None]:
-    """The side index beside a local ``.metadata`` when it describes that file exactly
-    (storage/side_index_read.py), with its columns and no Metadata; else as
-    :func:`read_metadata_columns`, with no index. Raises as :func:`read_metadata`."""
+    """The side index beside a local ``.metadata`` that describes it exactly (side_index_read.py),
+    its columns and no Metadata; else as :func:`read_metadata_columns`, and no index."""
     location = locate(path)
     file = location / ".metadata"
     with _open_metadata(file, path) as (f, size):
