@@ -45,7 +45,13 @@ def wrap(mod, name, label):
     setattr(mod, name, g)
 wrap(jl, "read_metadata", "metadata")            # before
 wrap(jl, "read_metadata_columns", "metadata")    # after
+wrap(jl, "read_index_or_metadata", "metadata")    # after, with the side index
 wrap(sm, "check_metadata", "metadata check")
+try:  # after: the side index's checks (storage/side_index_read.py)
+    from parallel_dcp.storage import side_index_read as sir
+    wrap(sir, "parse_index", "metadata check")
+except ImportError:
+    pass
 wrap(jl, "_flatten_into", "flatten into")
 for name in ("_requests", "_small_records", "_shard_ends", "check_shards", "check_shard_sizes"):
     wrap(jl, name, "plan")

@@ -54,6 +54,7 @@ def test_overwrite_keeps_a_trainers_files_beside_the_checkpoint(tmp_path: Path) 
     assert not old_shards & set(after), "the old checkpoint's shards are gone"
     assert sorted(k for k in after if k not in extras and not k.endswith(".distcp")) == [
         ".metadata",
+        ".parallel_dcp.columns",  # the side index (storage/side_index.py)
         ".parallel_dcp.json",
     ]
     assert_same(parallel_dcp.load(ckpt), new)
@@ -161,6 +162,7 @@ def test_a_second_save_fails_at_once_naming_the_holder(tmp_path: Path) -> None:
     assert loaded["slow"] == "released" and torch.equal(loaded["w3"], torch.full((8,), 3.0))
     assert sorted(p.name for p in dest.iterdir() if not p.name.endswith(".distcp")) == [
         ".metadata",
+        ".parallel_dcp.columns",
         ".parallel_dcp.json",
     ]
 
@@ -249,7 +251,11 @@ def test_sigkill_mid_overwrite_leaves_the_old_checkpoint_and_the_next_save_clean
         parallel_dcp.save(new, dest, workers=1, overwrite=True)
     names = {p.name for p in dest.iterdir()}
     assert not any(leftover["save_id"] in n for n in names)
-    assert {n for n in names if not n.endswith(".distcp")} == {".metadata", ".parallel_dcp.json"}
+    assert {n for n in names if not n.endswith(".distcp")} == {
+        ".metadata",
+        ".parallel_dcp.columns",
+        ".parallel_dcp.json",
+    }
     assert_same(_stock_load(dest, new), new)
 
 

@@ -47,6 +47,7 @@ from parallel_dcp.formats.metadata_pickle import dict_fragment
 from parallel_dcp.storage.manifest import FileDigest
 from parallel_dcp.storage.pending import PendingTensor
 from parallel_dcp.storage.read_ahead import StreamedTensor
+from parallel_dcp.storage.side_index import Segment, rows_of, segment
 from parallel_dcp.storage.writers import ShardWriter
 
 __all__ = ["LeanPart", "build", "encode", "lean_eligible", "write_part"]
@@ -70,6 +71,9 @@ class LeanPart:
     # key in the job, (``state_dict_metadata``, ``planner_data``, ``storage_data``)) per run of
     # neighbouring keys; ``values`` and ``tensors`` then hold only chunks.
     runs: list[tuple[int, tuple[bytes, bytes, bytes]]] = field(default_factory=list)
+    # After :func:`encode`: each run's keys as side-index columns (storage/side_index.py), or None
+    # where they cannot be described (a compressed part, an unknown dtype): then no index is written.
+    columns: list[Segment] | None = None
 
 
 def lean_eligible(values: Iterable[Any]) -> bool:
@@ -153,12 +157,20 @@ def _encode(part: LeanPart, mapping: Mapping[str, tuple[Any, ...]], positions: M
     entries = metadata.state_dict_metadata
     stored = {w.index.fqn: w for w in writes}  # one record per whole key
     runs: list[tuple[int, tuple[bytes, bytes, bytes]]] = []
+    rows = rows_of(part.values, whole) if part.descriptors is None else None
+    columns: list[Segment] | None = None if rows is None else []
     ordered = sorted(entries, key=positions.__getitem__)
     start = 0
     for end in range(1, len(ordered) + 1):
         if end < len(ordered) and positions[ordered[end]] == positions[ordered[end - 1]] + 1:
             continue
         keys = ordered[start:end]
+        if rows is not None and columns is not None:
+            described = segment(rows, keys)
+            if described is None:
+                columns = None
+            else:
+                columns.append(described)
         runs.append(
             (
                 positions[keys[0]],
@@ -170,7 +182,7 @@ def _encode(part: LeanPart, mapping: Mapping[str, tuple[Any, ...]], positions: M
             )
         )
         start = end
-    return LeanPart(part.file, [], chunks, part.digests, descriptors=part.descriptors, runs=runs)
+    return LeanPart(part.file, [], chunks, part.digests, descriptors=part.descriptors, runs=runs, columns=columns)
 
 
 def _pickled(value: Any) -> io.BytesIO:

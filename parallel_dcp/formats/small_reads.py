@@ -37,6 +37,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from parallel_dcp import _compat
 from parallel_dcp.engine import progress
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats.dcp_records import is_row_major
@@ -201,7 +202,7 @@ class SmallUnit:
             record = view[offset - start : offset - start + length]
             layout = checked_layout(file.where, key, offset, record, record, length, dtype, shape)
             if layout is None or not is_row_major(layout.size, layout.stride):
-                fallback.append(_request(entry))
+                fallback.append(_request(entry, self.name))
                 continue
             size = target.numel() * dtype.itemsize
             if size:
@@ -274,9 +275,11 @@ def _check_and_copy(
     return copied, nbytes
 
 
-def _request(entry: Entry) -> Request:
-    """The general request for an entry that DCP's reader serves."""
-    _, _, key, target, info, dtype, shape, _ = entry
+def _request(entry: Entry, name: str) -> Request:
+    """The general request for an entry (of the file ``name``) that DCP's reader serves."""
+    offset, length, key, target, info, dtype, shape, _ = entry
+    if info is None:  # planned from the side index (storage/side_index_read.py): no object per record
+        info = _compat.storage_info(name, offset, length)
     origin = torch.Size([0] * len(shape))
     index = MetadataIndex(key, origin)
     item = ReadItem(LoadItemType.TENSOR, index, origin, index, origin, torch.Size(shape))

@@ -31,7 +31,7 @@ import io
 import math
 import mmap
 import os
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,7 @@ from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, locat
 from parallel_dcp.storage.metadata import (
     SafeLoadPlanner,
     check_shards,
+    read_index_or_metadata,
     read_metadata_columns,
     reading,
     unpickle_value,
@@ -75,6 +76,7 @@ from parallel_dcp.storage.metadata import (
 from parallel_dcp.storage.metadata_check import WholeRecords
 from parallel_dcp.storage.prefetch import Prefetch, plan_prefetch
 from parallel_dcp.storage.read_choice import ReadChoice, known_read_choice, read_choice
+from parallel_dcp.storage.side_index_read import SideIndex
 
 __all__ = ["check_target", "load"]
 
@@ -160,22 +162,34 @@ def _load(
     flattened: list[tuple[dict[str, Any], dict[str, tuple[Any, ...]]]] = []
     if plan.files and into is not None:  # an into of a few of the keys: the shards no longer asked for
         fetch.wanted(_into_bytes(into, flattened))
-    metadata, columns = read_metadata_columns(location, memory_limit=options.memory_ceiling())
-    if into is None and (options.retries or options.task_timeout is not None):
+    index: SideIndex | None = None
+    metadata: Metadata | None
+    if into is not None and not (options.retries or options.task_timeout is not None):
+        # our writers' columnar side index where it matches .metadata byte for byte (no unpickling)
+        metadata, columns, index = read_index_or_metadata(location, memory_limit=options.memory_ceiling())
+    else:
+        metadata, columns = read_metadata_columns(location, memory_limit=options.memory_ceiling())
+    if metadata is not None and into is None and (options.retries or options.task_timeout is not None):
         return _load_with_processes(location, metadata, keys, options, trust_pickle)
     if into is not None and (options.retries or options.task_timeout is not None):
         raise ValueError("into= is filled by threads in this process: retries and task_timeout need worker processes")
     flat_into, into_paths = flattened[0] if flattened else _flatten_into(into) if into is not None else ({}, {})
     if into is not None:
         selected = list(flat_into) if keys is None else select(list(flat_into), keys, "into")
-        _check_present(selected, metadata, location)
+        _check_present(selected, index if index is not None else _entries(metadata), location)
     else:
-        selected = _selected(metadata, keys, location)
-    stored: dict[str, Any] = metadata.state_dict_metadata  # (tensor_keys: TensorStorageMetadata)
+        selected = _selected(_entries(metadata), keys, location)
     whole = columns.tensors  # (dtype, shape) of each key of one whole chunk, without touching its objects
     # the tensor keys: the whole ones known from the columns (a metadata object's first touch is
     # a cache miss), and any other tensor entry
-    tensor_keys = [k for k in selected if k in whole or isinstance(stored[k], TensorStorageMetadata)]
+    if index is not None:
+        stored: dict[str, Any] = {}
+        every = index.tensors  # every tensor key of the index is one whole chunk
+        tensor_keys = [k for k in selected if k in whole or k in every]
+    else:
+        stored = _entries(metadata)  # (tensor_keys: TensorStorageMetadata)
+        every = whole
+        tensor_keys = [k for k in selected if k in whole or isinstance(stored[k], TensorStorageMetadata)]
     metas: dict[str, TensorStorageMetadata] = {k: stored[k] for k in tensor_keys} if into is None else {}
     # targets that are dense CPU tensors of the stored dtype and shape, and their data addresses
     # (taken while the tensor is at hand: a later first touch of it is a cache miss)
@@ -184,7 +198,7 @@ def _load(
         tensor = torch.Tensor
         for key in tensor_keys:
             value = flat_into[key]
-            known = whole.get(key)
+            known = every.get(key)
             if known is not None:
                 dtype, shape = known
             else:
@@ -199,6 +213,8 @@ def _load(
             ):
                 if value.is_cpu:
                     dense[key] = (value, value.data_ptr())
+            elif known is not None:
+                check_target(key, value, dtype, tuple(shape))
             else:
                 _check_target(key, value, stored[key])
     # Kept by reservation alone: everything the read holds is set aside before it starts (the
@@ -239,6 +255,9 @@ def _load(
         values[item.dest_index.fqn] = unpickle_value(item.dest_index.fqn, io.BytesIO(data), trust_pickle=trust_pickle)
 
     small = _small_records(columns, selected, dense)
+    if metadata is None:  # read from the index: the entries of the keys read the general way
+        planned = {entry[2] for entries in small.values() for entry in entries}
+        metadata = index.metadata_for([k for k in selected if k not in planned])  # type: ignore[union-attr]
     requests, small = _requests(metadata, selected, targets, location, small, rooms)
     fetch.keep(path.name for path in _files(location, requests, small))
     check_shard_sizes(location, _shard_ends(requests, small))  # before anything is read
@@ -484,14 +503,19 @@ def _info(storage: dict[Any, Any], index: MetadataIndex, where: Location) -> Any
     return info
 
 
-def _selected(metadata: Metadata, keys: str | Iterable[str] | None, where: Location) -> list[str]:
+def _entries(metadata: Metadata | None) -> dict[str, Any]:
+    assert metadata is not None  # read from .metadata (not the side index) on this path
+    return metadata.state_dict_metadata
+
+
+def _selected(entries: dict[str, Any], keys: str | Iterable[str] | None, where: Location) -> list[str]:
     """The checkpoint's keys that ``keys`` select (names or patterns, as ``--keys``); all for None."""
-    stored = list(metadata.state_dict_metadata)
+    stored = list(entries)
     return stored if keys is None else select(stored, keys, f"the checkpoint at {where}")
 
 
-def _check_present(selected: list[str], metadata: Metadata, where: Location) -> None:
-    missing = [k for k in selected if k not in metadata.state_dict_metadata]
+def _check_present(selected: list[str], stored: Container[str], where: Location) -> None:
+    missing = [k for k in selected if k not in stored]
     if missing:
         raise KeyNotFoundError(f"not in the checkpoint at {where}: {describe_keys(missing)}", keys=missing)
 
@@ -500,7 +524,7 @@ def _load_with_processes(
     path: Location, metadata: Metadata, keys: str | Iterable[str] | None, options: Options, trust_pickle: bool
 ) -> dict[str, Any]:
     """The pipeline with killable worker processes (for ``retries`` and ``task_timeout``)."""
-    selected = _selected(metadata, keys, path)
+    selected = _selected(metadata.state_dict_metadata, keys, path)
     tensor_metas = {k: m for k in selected if isinstance(m := metadata.state_dict_metadata[k], TensorStorageMetadata)}
     stored: dict[str, int] = {}  # bytes each key's records hold, in one pass over storage_data
     for index, info in (metadata.storage_data or {}).items():

@@ -40,12 +40,13 @@ from parallel_dcp.partial import partial_save
 from parallel_dcp.storage.compression import Compression
 from parallel_dcp.storage.direct_write import direct_write_memory, new_file
 from parallel_dcp.storage.io_mode import resolve_io, uses_direct
-from parallel_dcp.storage.location import Remote, locate, upload_memory
+from parallel_dcp.storage.location import Location, Remote, locate, upload_memory
 from parallel_dcp.storage.manifest import FileDigest, Hasher, manifest_bytes, sidecar_name
 from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
 from parallel_dcp.storage.pending import PendingTensor
 from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck
+from parallel_dcp.storage.side_index import INDEX_FILE, Segment, assemble_index
 from parallel_dcp.storage.staging import stage_directory, stage_file
 from parallel_dcp.storage.writers import ShardWriter
 
@@ -362,18 +363,36 @@ class DcpTarget(Target):
             # The workers pickled their whole keys' entries; what is left is built here. Each
             # piece goes where its first unit is in the job, so .metadata keeps the job's order.
             runs = [run for r in results if isinstance(r, lean.LeanPart) for run in r.runs]
-            runs += remaining_entries(job, results)
+            remaining = remaining_entries(job, results)
+            runs += remaining
             runs.sort(key=lambda run: run[0])
             self.merge_seconds = time.perf_counter() - began
             # What FileSystemWriter.finish records besides the entries.
             storage_meta = StorageMeta(checkpoint_id=str(self.path), save_id=staging.save_id)
             payload = metadata_pickle.assemble([run for _, run in runs], storage_meta, CURRENT_DCP_VERSION)
+            index = None if remaining else _side_index(self.path, results, payload, staging.save_id)
         digests[METADATA_FILE] = _digest_of(payload, options)
         manifest = manifest_bytes(digests, job.source.fingerprint(), save_id=staging.save_id)
         # .metadata is the commit; the manifest follows it (see storage.staging: a stale manifest
-        # is recognised by its save id).
-        staging.commit(marker=(METADATA_FILE, payload), extras={MANIFEST_FILE: manifest})
+        # is recognised by its save id); the side index is renamed in before .metadata.
+        extras = {MANIFEST_FILE: manifest} | ({INDEX_FILE: index} if index is not None else {})
+        staging.commit(marker=(METADATA_FILE, payload), extras=extras)
         return len(digests)  # the shards and .metadata, as inspect lists them
+
+
+def _side_index(path: Location, results: list[Any], payload: bytes, save_id: str) -> bytes | None:
+    """The side index of the ``.metadata`` bytes ``payload`` (storage/side_index.py), from the
+    columns the workers sent with their runs; None where a part sent none (compressed, DCP's
+    planner, an unknown dtype) or the checkpoint is on object storage (its reader unpickles)."""
+    if isinstance(path, Remote):
+        return None
+    pieces: list[tuple[int, tuple[str, Segment]]] = []
+    for result in results:
+        if not isinstance(result, lean.LeanPart) or result.columns is None:
+            return None
+        pieces += [(run[0], (result.file, seg)) for run, seg in zip(result.runs, result.columns, strict=True)]
+    pieces.sort(key=lambda piece: piece[0])
+    return assemble_index([piece for _, piece in pieces], payload, save_id)
 
 
 def _encoded(job: Job, result: Any) -> Any:

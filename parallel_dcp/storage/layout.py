@@ -18,9 +18,11 @@ from parallel_dcp._json import loads_json
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.location import Location, Remote, check_name
 from parallel_dcp.storage.safe_files import read_small
+from parallel_dcp.storage.side_index import INDEX_FILE
 
 __all__ = [
     "DCP_LAYOUT",
+    "INDEX_FILE",
     "MANIFEST_FILE",
     "METADATA_FILE",
     "Layout",
@@ -81,7 +83,8 @@ def _dcp_owned(where: Location, names: list[str]) -> set[str]:
     metadata = read_metadata(where)
     mentioned = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
     shards = {name for name in mentioned if is_dcp_shard_name(name)}
-    return {METADATA_FILE, *shards, *([MANIFEST_FILE] if MANIFEST_FILE in names else [])}
+    sides = [name for name in (MANIFEST_FILE, INDEX_FILE) if name in names]
+    return {METADATA_FILE, *shards, *sides}
 
 
 DCP_LAYOUT = Layout("DCP checkpoint", (METADATA_FILE,), _dcp_owned, fixed_names=False)
@@ -137,6 +140,8 @@ def committed_names(where: Location, names: list[str]) -> set[str]:
             protected.add(name)
     if protected:
         protected.add(MANIFEST_FILE)
+    if METADATA_FILE in names:
+        protected.add(INDEX_FILE)
     return protected
 
 
@@ -151,7 +156,7 @@ def replaceable_name(name: str) -> bool:
     An owner record is a file in the destination, so it may be crafted: ``replaces`` listing
     ``train_state.json`` must not get it deleted."""
     return (
-        name in (METADATA_FILE, MANIFEST_FILE)
+        name in (METADATA_FILE, MANIFEST_FILE, INDEX_FILE)
         or is_dcp_shard_name(name)
         or _shard_name_rule((".safetensors", ".bin", ".pt", ".pth", ".index.json"))(name)
     )

@@ -56,6 +56,7 @@ from parallel_dcp.storage.safe_files import (
     sync_directory,
     write_new,
 )
+from parallel_dcp.storage.side_index import INDEX_FILE
 from parallel_dcp.storage.side_trees import is_directory, remove_tree, split_trees, write_tree
 
 __all__ = [
@@ -260,14 +261,17 @@ class _LocalStaging(Staging):
             owner = owner_name(self.save_id)
             write_new(self.fd, temp_name(owner, self.save_id), json.dumps(record).encode())
             rename_name(self.fd, temp_name(owner, self.save_id), owner, replace=True)
+        # The side index before the marker: a committed checkpoint has the index written with its
+        # .metadata or none (an old one left by an overwrite no longer matches its hash).
+        early = [INDEX_FILE] if INDEX_FILE in extras else []
         # The commit point: the marker's rename, or (no marker) the last staged file's.
-        for name in [*staged, *([marker[0]] if marker else [])]:
+        for name in [*staged, *early, *([marker[0]] if marker else [])]:
             self._rename_into_place(name)
         self._committed = True
         # The manifest last: a save killed before its rename has no manifest saying it is whole
         # (so a manifest present means the copied folders are in place too).
         for name in extras:
-            if name != MANIFEST_FILE:
+            if name not in (MANIFEST_FILE, INDEX_FILE):
                 self._rename_into_place(name)
         aside = [self._tree_into_place(name) for name in trees]
         if MANIFEST_FILE in extras:

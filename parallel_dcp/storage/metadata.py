@@ -22,6 +22,7 @@ import io
 import os
 import pickle
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
@@ -43,12 +44,14 @@ from parallel_dcp.storage.location import Location, Remote, file_size, listdir, 
 from parallel_dcp.storage.metadata_check import WholeRecords, check_metadata_fields
 from parallel_dcp.storage.plain_values import plain_value
 from parallel_dcp.storage.safe_reader import open_bounded
+from parallel_dcp.storage.side_index_read import SideIndex, read_index
 
 __all__ = [
     "METADATA_MEMORY_FACTOR",
     "SafeLoadPlanner",
     "check_metadata",
     "check_shards",
+    "read_index_or_metadata",
     "read_metadata",
     "read_metadata_columns",
     "reading",
@@ -120,6 +123,22 @@ def read_metadata_columns(
     file = locate(path) / ".metadata"
     with _open_metadata(file, path) as (f, size):
         return _read_metadata(file, f, size, memory_limit)
+
+
+def read_index_or_metadata(
+    path: str | os.PathLike[str] | Remote, *, memory_limit: int | None = None
+) -> tuple[Metadata | None, WholeRecords, SideIndex | None]:
+    """The side index beside a local ``.metadata`` that describes it exactly (side_index_read.py),
+    its columns and no Metadata; else as :func:`read_metadata_columns`, and no index."""
+    location = locate(path)
+    file = location / ".metadata"
+    with _open_metadata(file, path) as (f, size):
+        if isinstance(location, Path):
+            index = read_index(location, f, size, memory_limit)
+            if index is not None:
+                return None, index.columns, index
+        metadata, columns = _read_metadata(file, f, size, memory_limit)
+        return metadata, columns, None
 
 
 def _read_metadata(file: Location, f: BinaryIO, size: int, memory_limit: int | None) -> tuple[Metadata, WholeRecords]:

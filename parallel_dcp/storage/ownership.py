@@ -44,6 +44,8 @@ from parallel_dcp.storage.layout import (
     sharded_layout,
 )
 from parallel_dcp.storage.location import Location, Remote, check_name
+from parallel_dcp.storage.side_index import INDEX_FILE
+from parallel_dcp.storage.side_index_read import index_save_id
 from parallel_dcp.storage.side_trees import remove_tree
 
 __all__ = [
@@ -227,6 +229,13 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
                         files.append(check_name(old, where))
         if MANIFEST_FILE in names and MANIFEST_FILE not in live and _manifest_save_id(where) == save_id:
             files.append(MANIFEST_FILE)  # killed between the manifest and .metadata of a new checkpoint
+        if (
+            INDEX_FILE in names
+            and INDEX_FILE not in live
+            and not isinstance(where, Remote)
+            and index_save_id(where / INDEX_FILE) == save_id
+        ):
+            files.append(INDEX_FILE)  # killed between the side index and .metadata of a new checkpoint
         found.append(
             {
                 "save_id": save_id,
