@@ -58,8 +58,10 @@ from parallel_dcp.formats import lean
 from parallel_dcp.formats.nesting import Skeleton, leaves, skeleton
 from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
 from parallel_dcp.formats.validate import flatten_checked
+from parallel_dcp.jobs import speculation as speculative
+from parallel_dcp.jobs.speculation import Speculation, SpeculativeParts
 from parallel_dcp.jobs.targets import Job
-from parallel_dcp.jobs.task_parts import JobPart
+from parallel_dcp.jobs.task_parts import JobPart, JobParts, job_parts
 
 __all__ = ["LAYOUTS", "Layout", "PlanReuse"]
 
@@ -104,6 +106,9 @@ class _Kept:
         self.parts: dict[int, bytes | JobPart] = {}
         self.parted: list[Task] = []
         self.parted_at: list[int] = []
+        # The last save of this layout found its tensors where the save before left them: the
+        # next one may send its first tasks before it checks (jobs/speculation.py).
+        self.steady = True
 
 
 class PlanReuse:
@@ -113,9 +118,11 @@ class PlanReuse:
 
     def __init__(self) -> None:
         self.reused = 0
+        self.speculated = 0  # saves whose first tasks went out before the check, and passed it
         self._kept: list[_Kept] = []  # the most recently used first
         self._opened: weakref.ref[RemoteMemorySource] | None = None  # this save's source
         self._current: _Kept | None = None  # and its layout's
+        self._speculation: Speculation | None = None  # the last one made
 
     def __reduce__(self) -> Any:
         # Sent to workers with the target: the memo is the coordinator's, a worker gets none of it.
@@ -160,6 +167,47 @@ class PlanReuse:
         del self._kept[LAYOUTS:]
         self._opening(source, kept)
         return job
+
+    def speculation(
+        self, state_dict: Any, path: str, *, pending_writes: bool, layout_unchanged: bool, workers: int
+    ) -> Speculation | None:
+        """A speculative save of ``state_dict`` on the most recently saved layout (see
+        jobs/speculation.py), where it may pay: that layout's last save found its tensors where
+        they lay before, and ``state_dict``'s top level is that layout's (else None: check first)."""
+        if not speculative.SPECULATE or not self._kept:
+            return None
+        kept = self._kept[0]
+        nesting = kept.layout.nesting
+        if not kept.steady or nesting is None or type(state_dict) is not nesting.kind:
+            return None
+        top: Any = state_dict  # (the type check above narrows it to object)
+        if tuple(top) != nesting.keys:  # another layout (a model, then its optimizer)
+            return None
+
+        def check() -> RemoteMemorySource | None:
+            found = leaves(nesting, state_dict)
+            if found is None:
+                return None
+            flat = dict(zip(kept.layout.keys, found, strict=True))
+            source = _reopen(kept, flat, state_dict, path, pending_writes, layout_unchanged)
+            if source is not None and kept.steady:
+                self.reused += 1
+                self.speculated += 1
+            return source
+
+        speculation = Speculation(kept, path, check, workers)
+        self._opening(speculation.source, kept)
+        self._speculation = speculation
+        return speculation
+
+    def job_parts(self, job: Job, tasks: Sequence[Task]) -> JobParts | None:
+        """What the workers receive per task of ``job`` (jobs/task_parts.py): the kept parts where
+        they are still right; on a speculation (``job`` is its job), parts that run its check."""
+        kept = self.parts(job, tasks)
+        speculation = self._speculation
+        if speculation is not None and job.source is speculation.source and kept is not None:
+            return SpeculativeParts(speculation, tasks, kept)
+        return job_parts(job, tasks, kept)
 
     def _opening(self, source: RemoteMemorySource, kept: _Kept) -> RemoteMemorySource:
         self._opened, self._current = weakref.ref(source), kept
@@ -276,7 +324,7 @@ def _reopen(
     source = kept.listing.reopened(state_dict, flat, values, path)
     if list(map(source.value_bytes, layout.value_keys)) != layout.value_sizes:
         return None
-    kept.addresses = addresses
+    kept.addresses, kept.steady = addresses, not moved
     return source
 
 
