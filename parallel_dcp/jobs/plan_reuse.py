@@ -118,11 +118,12 @@ class PlanReuse:
 
     def __init__(self) -> None:
         self.reused = 0
-        self.speculated = 0  # saves whose first tasks went out before the check, and passed it
+        self.speculations = 0  # saves whose first tasks went out before the check (jobs/speculation.py)
+        self.speculated = 0  # of those, the ones whose check passed
         self._kept: list[_Kept] = []  # the most recently used first
         self._opened: weakref.ref[RemoteMemorySource] | None = None  # this save's source
         self._current: _Kept | None = None  # and its layout's
-        self._speculation: Speculation | None = None  # the last one made
+        self._speculation: weakref.ref[Speculation] | None = None  # the last one made (it holds the state dict)
 
     def __reduce__(self) -> Any:
         # Sent to workers with the target: the memo is the coordinator's, a worker gets none of it.
@@ -196,15 +197,16 @@ class PlanReuse:
             return source
 
         speculation = Speculation(kept, path, check, workers)
+        self.speculations += 1
         self._opening(speculation.source, kept)
-        self._speculation = speculation
+        self._speculation = weakref.ref(speculation)
         return speculation
 
     def job_parts(self, job: Job, tasks: Sequence[Task]) -> JobParts | None:
         """What the workers receive per task of ``job`` (jobs/task_parts.py): the kept parts where
         they are still right; on a speculation (``job`` is its job), parts that run its check."""
         kept = self.parts(job, tasks)
-        speculation = self._speculation
+        speculation = self._speculation() if self._speculation is not None else None
         if speculation is not None and job.source is speculation.source and kept is not None:
             return SpeculativeParts(speculation, tasks, kept)
         return job_parts(job, tasks, kept)

@@ -21,7 +21,6 @@ save runs as ``parallel_dcp.save`` does, forking its workers.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
@@ -228,17 +227,26 @@ class SaverWorkers:
             layout_unchanged=layout_unchanged,
             workers=self.workers,
         )
-        result = None
+        result, stale = None, False
         if speculation is not None:
-            with contextlib.suppress(StalePlan):  # nothing of it is left: run it as any save
+            try:
                 result = self._run(speculation.job, path, options, pool, start)
+            except StalePlan:  # nothing of it is left: run it as any save
+                speculation.drop()
+                stale = True
+            finally:
+                speculation.close()
         if result is None:
-            # A layout saved before is listed, planned and parted as it was (jobs/plan_reuse.py).
-            with gc_paused():
-                job = self._plans.job(
-                    state_dict, str(path), pending_writes=not options.crc32, layout_unchanged=layout_unchanged
-                )
-            result = self._run(job, path, options, pool, start)
+            try:
+                # A layout saved before is listed, planned and parted as it was (jobs/plan_reuse.py).
+                with gc_paused():
+                    job = self._plans.job(
+                        state_dict, str(path), pending_writes=not options.crc32, layout_unchanged=layout_unchanged
+                    )
+                result = self._run(job, path, options, pool, start)
+            finally:
+                if stale and speculation is not None:  # the next save of that layout checks first
+                    speculation.kept.steady = False
         if restart:
             result.phases["fork"] += restart
         return result

@@ -104,6 +104,16 @@ class Speculation:
         self.confirm()
         return self.source.values
 
+    def drop(self) -> None:
+        """After a stale plan: the kept parts are made again (a worker may have found one stale).
+        (The caller marks the layout unsteady once its save is over: the next save of it checks
+        before it sends.)"""
+        self.kept.parts, self.kept.parted = {}, []
+
+    def close(self) -> None:
+        """Drop the check (it holds the state dict): the save is over."""
+        self._check = _unchecked
+
     def confirm(self) -> None:
         """The layout check; once it passes, this save's state dict is the source's.
 
@@ -123,6 +133,10 @@ class Speculation:
             )
         vars(self.source).update(vars(found))  # the speculative source is now this save's
         self.confirmed = True
+
+
+def _unchecked() -> RemoteMemorySource | None:
+    return None
 
 
 class SpeculativeParts(JobParts):
