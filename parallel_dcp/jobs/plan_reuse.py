@@ -208,7 +208,7 @@ class PlanReuse:
         kept = self.parts(job, tasks)
         speculation = self._speculation() if self._speculation is not None else None
         if speculation is not None and job.source is speculation.source and kept is not None:
-            return SpeculativeParts(speculation, tasks, kept)
+            return SpeculativeParts(speculation, job, tasks, kept)  # (job: split as planned)
         return job_parts(job, tasks, kept)
 
     def _opening(self, source: RemoteMemorySource, kept: _Kept) -> RemoteMemorySource:

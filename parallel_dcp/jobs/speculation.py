@@ -145,12 +145,14 @@ class SpeculativeParts(JobParts):
     other part is made and at the pool's first pass through its loop (``ahead``), while the first
     tasks run."""
 
-    def __init__(self, speculation: Speculation, tasks: Sequence[Task], kept: dict[int, bytes | JobPart]) -> None:
+    def __init__(
+        self, speculation: Speculation, job: Job, tasks: Sequence[Task], kept: dict[int, bytes | JobPart]
+    ) -> None:
         # The tasks whose parts were kept whole (no value: a value is this save's) go first, so
         # that each worker's first task leaves before the check (a part with values waits for it).
         ready = [task for task in tasks if isinstance(kept.get(task.index), bytes)][: speculation.workers]
         first = {task.index for task in ready}
-        super().__init__(speculation.job, speculation.source, ready + [t for t in tasks if t.index not in first], kept)
+        super().__init__(job, speculation.source, ready + [t for t in tasks if t.index not in first], kept)
         self._speculation = speculation
         self._free = speculation.workers  # parts sent before the check: one per worker
 
