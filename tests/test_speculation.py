@@ -177,14 +177,18 @@ def test_a_speculative_read_that_fails_is_a_clean_fallback(tmp_path: Path) -> No
     _only_committed(tmp_path / "second", tmp_path / "save")
 
 
-def test_layouts_saved_in_turn_are_not_speculated_on(tmp_path: Path) -> None:
+def test_layouts_saved_in_turn_are_each_speculated_on(tmp_path: Path) -> None:
     model, optim = {"model": {"w": torch.ones(64)}}, {"optim": {"m": torch.zeros(64)}}
     with parallel_dcp.Saver(workers=2) as saver:
         for step in range(3):
             saver.save(model, tmp_path / f"model{step}")
             saver.save(optim, tmp_path / f"optim{step}")
-        assert _memo(saver).speculations == 0
-        assert _memo(saver).reused == 4
+        memo = _memo(saver)
+        assert (memo.speculations, memo.speculated, memo.reused) == (4, 4, 4)
+        saver.save({"model": {"w": torch.ones(64), "b": torch.ones(2)}}, tmp_path / "other")
+        assert (memo.speculations, memo.speculated, memo.reused) == (5, 4, 4)  # its top level: tried
+    assert_same(parallel_dcp.load(tmp_path / "optim2"), optim)
+    _only_committed(tmp_path / "other", tmp_path / "model0")
 
 
 def test_without_speculation_the_check_comes_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -172,18 +172,18 @@ class PlanReuse:
     def speculation(
         self, state_dict: Any, path: str, *, pending_writes: bool, layout_unchanged: bool, workers: int
     ) -> Speculation | None:
-        """A speculative save of ``state_dict`` on the most recently saved layout (see
-        jobs/speculation.py), where it may pay: that layout's last save found its tensors where
-        they lay before, and ``state_dict``'s top level is that layout's (else None: check first)."""
-        if not speculative.SPECULATE or not self._kept:
+        """A speculative save of ``state_dict`` on the kept layout its top level is (see
+        jobs/speculation.py; a loop saving its model and its optimizer in turn finds each), where
+        it may pay: that layout's last save found its tensors where they lay before (else None:
+        check first). Where the top level matches, no earlier kept layout nests as ``state_dict``
+        does, so the check passes exactly where :meth:`job` would take this layout."""
+        if not speculative.SPECULATE:
             return None
-        kept = self._kept[0]
+        kept = next((k for k in self._kept if _top_level(k.layout.nesting, state_dict)), None)
+        if kept is None or not kept.steady:
+            return None
         nesting = kept.layout.nesting
-        if not kept.steady or nesting is None or type(state_dict) is not nesting.kind:
-            return None
-        top: Any = state_dict  # (the type check above narrows it to object)
-        if tuple(top) != nesting.keys:  # another layout (a model, then its optimizer)
-            return None
+        assert nesting is not None  # (_top_level)
 
         def check() -> RemoteMemorySource | None:
             found = leaves(nesting, state_dict)
@@ -194,6 +194,8 @@ class PlanReuse:
             if source is not None and kept.steady:
                 self.reused += 1
                 self.speculated += 1
+                self._kept.remove(kept)
+                self._kept.insert(0, kept)
             return source
 
         speculation = Speculation(kept, path, check, workers)
@@ -264,6 +266,14 @@ class PlanReuse:
             kept.parts = {}
             kept.parted, kept.parted_at = list(tasks), kept.addresses
         return kept.parts
+
+
+def _top_level(nesting: Skeleton | None, state_dict: Any) -> bool:
+    """Whether ``state_dict`` is a container of ``nesting``'s type with its keys (its top level)."""
+    if nesting is None or type(state_dict) is not nesting.kind:
+        return False
+    top: Any = state_dict  # (the type check above narrows it to object)
+    return tuple(top) == nesting.keys
 
 
 def _matches(kept: list[_Kept], state_dict: Any) -> Iterator[tuple[_Kept, dict[str, Any]]]:
