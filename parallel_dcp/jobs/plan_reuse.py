@@ -180,7 +180,7 @@ class PlanReuse:
         if not speculative.SPECULATE:
             return None
         kept = next((k for k in self._kept if _top_level(k.layout.nesting, state_dict)), None)
-        if kept is None or not kept.steady:
+        if kept is None or not kept.steady or not kept.layout.keys:  # (no key: no task runs the check)
             return None
         nesting = kept.layout.nesting
         assert nesting is not None  # (_top_level)
