@@ -30,6 +30,7 @@ __all__ = [
     "QuantizationError",
     "RemoteTraceback",
     "ResumeError",
+    "StalePlan",
     "TaskTimeoutError",
     "UnsafeCheckpointError",
     "WorkerCrashed",
@@ -182,6 +183,15 @@ class WorkerError(ParallelDCPError):
         self.worker = worker
         self.keys = list(keys)
         self.error_type = error_type
+
+
+class StalePlan(WorkerError):
+    """A Saver's save whose tasks went out on the plan of the save before (speculatively, while the
+    coordinator checked the layout) found it stale: the layout changed, or a worker could not copy
+    a tensor where the plan said it lay (the caller freed or moved it: ``StaleRead``). Every task
+    sent was waited for, so the workers stay usable; the save discards what they wrote and runs
+    as a save of a new layout does. Seen by a caller only where a save that was not speculative
+    hit a stale read (a tensor freed while it ran): ``worker`` -1 where the coordinator found it."""
 
 
 class WorkerCrashed(ParallelDCPError):

@@ -43,7 +43,10 @@ class Saver:
     where the memory limit binds), and so is each task's description for the workers where the
     tensors lie where they lay. What changed in the values (the tensors' bytes, a step counter) is
     what is written, bit for bit as a fresh save writes it; any other change is planned afresh.
-    The Saver keeps no tensor or value of a past save.
+    The Saver keeps no tensor or value of a past save. A save of the layout saved last sends each
+    worker its first task before that check and checks while they work; where the check finds a
+    change, what they wrote is discarded and the save runs as a save of a new layout
+    (jobs/speculation.py).
 
     Lifetime rules:
 

@@ -19,7 +19,8 @@
                JSON also splits it into the coordinator's phases (plan, fork, merge, commit), the
                per-job part of each worker (paid side by side, so once at any count) and the rest;
                C: the coordinator's work while the workers work (a Saver sends each busy worker
-               its next task ahead, so taking results in and handing tasks out overlaps them);
+               its next task ahead, so taking results in and handing tasks out overlaps them; on
+               a Saver's later save the layout check too: its first tasks go out before it);
                F = phases["fork"] (worker start: one fork for processes, the Saver's second-save
                start),
                G = min(1, (busy thread - busy process) / alone): the GIL-held share, what a

@@ -42,10 +42,15 @@ import multiprocess.connection as mp_connection
 
 from parallel_dcp.engine.fork_server import ForkServerProcess, start_fork_server
 from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.engine.messages import Ahead as _Ahead
+from parallel_dcp.engine.messages import NewHandler as _NewHandler
+from parallel_dcp.engine.messages import TaskPart as _TaskPart
+from parallel_dcp.engine.messages import gc_paused
 from parallel_dcp.engine.partition import Task
-from parallel_dcp.engine.remote_memory import RemoteBytes
+from parallel_dcp.engine.remote_memory import RemoteBytes, StaleRead
 from parallel_dcp.errors import (
     RemoteTraceback,
+    StalePlan,
     TaskTimeoutError,
     WorkerCrashed,
     WorkerError,
@@ -76,40 +81,6 @@ class TaskResult(Generic[R]):
     # Seconds the worker spent on this task outside ``seconds``: taking its message (copying and
     # unpickling it) and pickling its result: each worker's own, beside the others'.
     handling: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class _NewHandler:
-    """Sent before a worker's first task of a run that brings its own handler: the pickled
-    handler lies in the coordinator's memory, and the worker copies it out (remote_memory), so
-    the coordinator sends each worker a few bytes, however large the job."""
-
-    pickled: RemoteBytes
-
-
-@dataclass(frozen=True, slots=True)
-class _Ahead:
-    """A task sent to a worker that is still busy with its previous one (``WorkerPool.run(handler=)``):
-    the pickled task lies in the coordinator's memory until the worker has replied for it, and
-    the worker copies it out when it takes it, so the coordinator never blocks on a pipe the
-    worker is not reading (a part of thousands of keys does not fit a pipe's buffer)."""
-
-    pickled: RemoteBytes
-
-    def load(self) -> Any:
-        data = self.pickled.fetch()
-        with gc_paused():
-            return pickle.loads(data)
-
-
-@dataclass(frozen=True, slots=True)
-class _TaskPart:
-    """A task with the part of the job only it needs (``WorkerPool.run(parts=)``): the worker runs
-    ``handler.with_part(part, task)(task)``, so a handler that outlives one job is sent without the
-    job's per-key data and each worker receives only its own tasks' keys."""
-
-    task: Task
-    part: Any
 
 
 def _worker_main(
@@ -168,13 +139,24 @@ def _worker_main(
             handling = start - taken + time.perf_counter() - pickling
             reply: tuple[Any, ...] = ("ok", seconds, value, setup, handling)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
-            reply = ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc())
+            reply = ("error", _error_type(exc), _message_of(exc), traceback.format_exc())
         setup = 0.0  # reported with this run's first task on this worker only
         try:
             _send(conn, reply)
         except Exception as exc:  # a result that cannot be pickled is the task's error, not a crash
             _send(conn, ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc()))
         return_freed_memory()
+
+
+def _error_type(exc: BaseException) -> str:
+    """The name the coordinator gets for ``exc``: ``StaleRead`` where a copy out of the coordinator
+    failed anywhere in its chain (a writer may wrap it), so the coordinator knows a stale plan."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, StaleRead):
+            return StaleRead.__qualname__
+        seen = seen.__cause__ or seen.__context__
+    return type(exc).__qualname__
 
 
 def _load_handler(message: _NewHandler) -> Callable[[Task], Any]:
@@ -195,20 +177,6 @@ def _recv(conn: Any) -> Any:
     data = conn.recv_bytes()
     with gc_paused():
         return pickle.loads(data)
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """No garbage collection inside: building many objects (a task's metadata for 6,000 keys)
-    otherwise triggers collections that walk the caller's whole heap, a 15x slowdown when the
-    caller holds a state dict of 50,000 tensors."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _freeze_heap() -> bool:
@@ -420,7 +388,7 @@ class WorkerPool:
                 if ahead is not None:
                     self._send_ahead(pending, idle, running, ahead, governor)
                 make_ahead = getattr(self._parts, "ahead", None)
-                if make_ahead is not None and pending:  # the next task's part, made while the workers work
+                if make_ahead is not None:  # the next task's part (or a check), made while the workers work
                     make_ahead()
                 # Map what we wait on to workers now: a worker restarted below gets new ones.
                 owners: dict[Any, int] = {self._procs[w].sentinel: w for w in running}
@@ -474,6 +442,9 @@ class WorkerPool:
                     self._check_timeouts(running, task_timeout)
                 if on_tick is not None:
                     on_tick()
+        except StalePlan:  # what was sent is waited for and dropped: the workers stay usable
+            self._drain(running, ahead or {})
+            raise
         except BaseException:
             self.kill()
             raise
@@ -547,6 +518,25 @@ class WorkerPool:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 _send(self._conns[worker], _Ahead(RemoteBytes.of(data)))
 
+    def _drain(self, running: dict[int, tuple[Task, float]], ahead: dict[int, Any]) -> None:
+        """Wait for the reply of every task sent (running, or sent ahead) and drop it; a worker
+        that dies meanwhile (or a Ctrl-C) fails as in :meth:`run`: every worker killed."""
+        owed = {w: (w in running) + (w in ahead) for w in {*running, *ahead}}
+        try:
+            while owed:
+                ready = mp_connection.wait([self._conns[w] for w in owed] + [self._procs[w].sentinel for w in owed])
+                for worker in [w for w in owed if self._conns[w] in ready or self._procs[w].sentinel in ready]:
+                    if not self._conns[worker].poll():  # its sentinel, and no reply: it died
+                        task = running[worker][0] if worker in running else ahead[worker][0]
+                        self._receive(worker, task)  # raises WorkerCrashed
+                    self._conns[worker].recv_bytes()
+                    owed[worker] -= 1
+                    if not owed[worker]:
+                        del owed[worker]
+        except BaseException:
+            self.kill()
+            raise
+
     def _check_timeouts(self, running: dict[int, tuple[Task, float]], task_timeout: float) -> None:
         now = time.monotonic()
         for worker, (task, started) in running.items():
@@ -584,7 +574,8 @@ class WorkerPool:
                 task=task, worker=worker, seconds=reply[1], value=value, setup=reply[3], handling=reply[4]
             )
         _, error_type, message, remote_tb = reply
-        error = WorkerError(
+        kind = StalePlan if error_type == StaleRead.__qualname__ else WorkerError
+        error = kind(
             f"worker {worker} raised {error_type}: {message} (task {task.index}, keys {describe_keys(task.keys)})",
             worker=worker,
             keys=task.keys,

@@ -21,13 +21,19 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RemoteBytes", "read_gathered", "read_into", "refusal"]
+__all__ = ["RemoteBytes", "StaleRead", "read_gathered", "read_into", "refusal"]
 
 # The most iovecs one call takes (the kernel's UIO_MAXIOV).
 _IOV_MAX = 1024
 # One call copies at most this much, so that a partial copy (the kernel stops at a fault) is
 # resumed where it stopped and a huge tensor does not pin one iovec the whole time.
 _PIECE = 256 * 1024 * 1024
+
+
+class StaleRead(OSError):
+    """The bytes are not (all) mapped at that address in the other process any more (EFAULT, or a
+    copy that stopped short): what it held there was freed or moved. An OSError, so code that
+    catches those still does; a pool reports it as a stale plan (``errors.StalePlan``)."""
 
 
 class _IoVec(ctypes.Structure):
@@ -57,8 +63,8 @@ def read_into(pid: int, address: int, nbytes: int, destination: int) -> None:
     """Copy ``nbytes`` at ``address`` in process ``pid`` to ``destination`` in this process.
 
     Raises:
-        OSError: the kernel refused (EPERM: see :func:`refusal`), the process is gone (ESRCH),
-            or the range is not mapped there (EFAULT: the data was freed).
+        StaleRead: the range is not mapped there (EFAULT: the data was freed).
+        OSError: the kernel refused (EPERM: see :func:`refusal`), the process is gone (ESRCH).
     """
     call = _readv()
     if call is None:
@@ -71,9 +77,10 @@ def read_into(pid: int, address: int, nbytes: int, destination: int) -> None:
         got = call(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         if got < 0:
             code = ctypes.get_errno()
-            raise OSError(code, f"process_vm_readv from pid {pid}: {os.strerror(code)}")
+            stale = StaleRead if code == errno.EFAULT else OSError
+            raise stale(code, f"process_vm_readv from pid {pid} at {address + done:#x}: {os.strerror(code)}")
         if got == 0:
-            raise OSError(errno.EFAULT, f"process_vm_readv from pid {pid} copied nothing at {address + done:#x}")
+            raise StaleRead(errno.EFAULT, f"process_vm_readv from pid {pid} copied nothing at {address + done:#x}")
         done += got
 
 
@@ -101,10 +108,10 @@ def read_gathered(pid: int, ranges: list[tuple[int, int]], destination: int) -> 
         local = _IoVec(destination + offset, total)
         remote = (_IoVec * len(group))(*(_IoVec(address, size) for address, size in group))
         got = call(pid, ctypes.byref(local), 1, remote, len(group), 0)
-        if got < 0:
+        if got < 0 and ctypes.get_errno() != errno.EFAULT:
             code = ctypes.get_errno()
             raise OSError(code, f"process_vm_readv from pid {pid}: {os.strerror(code)}")
-        if got != total:  # stopped at a fault: find which range, the plain way
+        if got != total:  # stopped at a fault (or faulted at once): find which range, the plain way
             position = offset
             for address, size in group:
                 read_into(pid, address, size, destination + position)

@@ -455,9 +455,9 @@ def run_tasks(
             if phases is not None:
                 phases["fork"] = time.perf_counter() - began
             # Each worker receives the job's shell once and each task's keys with the task.
-            parts = job_parts(job, tasks, target.plans.parts(job, tasks) if target.plans is not None else None)
+            parts = target.plans.job_parts(job, tasks) if target.plans is not None else job_parts(job, tasks)
             for result in pool.run(
-                tasks,
+                tasks if parts is None else parts.order,
                 governor=governor,
                 task_timeout=options.task_timeout,
                 retries=options.retries,

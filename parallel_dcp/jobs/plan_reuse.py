@@ -58,8 +58,10 @@ from parallel_dcp.formats import lean
 from parallel_dcp.formats.nesting import Skeleton, leaves, skeleton
 from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
 from parallel_dcp.formats.validate import flatten_checked
+from parallel_dcp.jobs import speculation as speculative
+from parallel_dcp.jobs.speculation import Speculation, SpeculativeParts
 from parallel_dcp.jobs.targets import Job
-from parallel_dcp.jobs.task_parts import JobPart
+from parallel_dcp.jobs.task_parts import JobPart, JobParts, job_parts
 
 __all__ = ["LAYOUTS", "Layout", "PlanReuse"]
 
@@ -104,6 +106,9 @@ class _Kept:
         self.parts: dict[int, bytes | JobPart] = {}
         self.parted: list[Task] = []
         self.parted_at: list[int] = []
+        # The last save of this layout found its tensors where the save before left them: the
+        # next one may send its first tasks before it checks (jobs/speculation.py).
+        self.steady = True
 
 
 class PlanReuse:
@@ -113,9 +118,12 @@ class PlanReuse:
 
     def __init__(self) -> None:
         self.reused = 0
+        self.speculations = 0  # saves whose first tasks went out before the check (jobs/speculation.py)
+        self.speculated = 0  # of those, the ones whose check passed
         self._kept: list[_Kept] = []  # the most recently used first
         self._opened: weakref.ref[RemoteMemorySource] | None = None  # this save's source
         self._current: _Kept | None = None  # and its layout's
+        self._speculation: weakref.ref[Speculation] | None = None  # the last one made (it holds the state dict)
 
     def __reduce__(self) -> Any:
         # Sent to workers with the target: the memo is the coordinator's, a worker gets none of it.
@@ -160,6 +168,50 @@ class PlanReuse:
         del self._kept[LAYOUTS:]
         self._opening(source, kept)
         return job
+
+    def speculation(
+        self, state_dict: Any, path: str, *, pending_writes: bool, layout_unchanged: bool, workers: int
+    ) -> Speculation | None:
+        """A speculative save of ``state_dict`` on the kept layout its top level is (see
+        jobs/speculation.py; a loop saving its model and its optimizer in turn finds each), where
+        it may pay: that layout's last save found its tensors where they lay before (else None:
+        check first). Where the top level matches, no earlier kept layout nests as ``state_dict``
+        does, so the check passes exactly where :meth:`job` would take this layout."""
+        if not speculative.SPECULATE:
+            return None
+        kept = next((k for k in self._kept if _top_level(k.layout.nesting, state_dict)), None)
+        if kept is None or not kept.steady or not kept.layout.keys:  # (no key: no task runs the check)
+            return None
+        nesting = kept.layout.nesting
+        assert nesting is not None  # (_top_level)
+
+        def check() -> RemoteMemorySource | None:
+            found = leaves(nesting, state_dict)
+            if found is None:
+                return None
+            flat = dict(zip(kept.layout.keys, found, strict=True))
+            source = _reopen(kept, flat, state_dict, path, pending_writes, layout_unchanged)
+            if source is not None and kept.steady:
+                self.reused += 1
+                self.speculated += 1
+                self._kept.remove(kept)
+                self._kept.insert(0, kept)
+            return source
+
+        speculation = Speculation(kept, path, check, workers)
+        self.speculations += 1
+        self._opening(speculation.source, kept)
+        self._speculation = weakref.ref(speculation)
+        return speculation
+
+    def job_parts(self, job: Job, tasks: Sequence[Task]) -> JobParts | None:
+        """What the workers receive per task of ``job`` (jobs/task_parts.py): the kept parts where
+        they are still right; on a speculation (``job`` is its job), parts that run its check."""
+        kept = self.parts(job, tasks)
+        speculation = self._speculation() if self._speculation is not None else None
+        if speculation is not None and job.source is speculation.source and kept is not None:
+            return SpeculativeParts(speculation, job, tasks, kept)  # (job: split as planned)
+        return job_parts(job, tasks, kept)
 
     def _opening(self, source: RemoteMemorySource, kept: _Kept) -> RemoteMemorySource:
         self._opened, self._current = weakref.ref(source), kept
@@ -214,6 +266,14 @@ class PlanReuse:
             kept.parts = {}
             kept.parted, kept.parted_at = list(tasks), kept.addresses
         return kept.parts
+
+
+def _top_level(nesting: Skeleton | None, state_dict: Any) -> bool:
+    """Whether ``state_dict`` is a container of ``nesting``'s type with its keys (its top level)."""
+    if nesting is None or type(state_dict) is not nesting.kind:
+        return False
+    top: Any = state_dict  # (the type check above narrows it to object)
+    return tuple(top) == nesting.keys
 
 
 def _matches(kept: list[_Kept], state_dict: Any) -> Iterator[tuple[_Kept, dict[str, Any]]]:
@@ -276,7 +336,7 @@ def _reopen(
     source = kept.listing.reopened(state_dict, flat, values, path)
     if list(map(source.value_bytes, layout.value_keys)) != layout.value_sizes:
         return None
-    kept.addresses = addresses
+    kept.addresses, kept.steady = addresses, not moved
     return source
 
 

@@ -36,10 +36,11 @@ from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import WorkerPool, gc_paused
 from parallel_dcp.engine.process_memory import ChargeReader
 from parallel_dcp.engine.remote_memory import RemoteBytes, refusal
+from parallel_dcp.errors import StalePlan
 from parallel_dcp.jobs import pipeline
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.plan_reuse import PlanReuse
-from parallel_dcp.jobs.targets import DcpTarget, prepare_io
+from parallel_dcp.jobs.targets import DcpTarget, Job, prepare_io
 from parallel_dcp.options import Options
 from parallel_dcp.storage.direct_write import DEPTH, keep_buffers
 
@@ -217,6 +218,42 @@ class SaverWorkers:
         pool = self._pool
         if pool is None:  # refused after a restart: warned; fork per save from now on
             return self.save(state_dict, path, options, layout_unchanged=layout_unchanged)
+        # The layout saved last, by its plan, before it is checked: the check runs while the first
+        # tasks do, and a stale plan is dropped for the plain way (jobs/speculation.py).
+        speculation = self._plans.speculation(
+            state_dict,
+            str(path),
+            pending_writes=not options.crc32,
+            layout_unchanged=layout_unchanged,
+            workers=self.workers,
+        )
+        result, stale = None, False
+        if speculation is not None:
+            try:
+                result = self._run(speculation.job, path, options, pool, start)
+            except StalePlan:  # nothing of it is left: run it as any save
+                speculation.drop()
+                stale = True
+            finally:
+                speculation.close()
+        if result is None:
+            try:
+                # A layout saved before is listed, planned and parted as it was (jobs/plan_reuse.py).
+                with gc_paused():
+                    job = self._plans.job(
+                        state_dict, str(path), pending_writes=not options.crc32, layout_unchanged=layout_unchanged
+                    )
+                result = self._run(job, path, options, pool, start)
+            finally:
+                if stale and speculation is not None:  # the next save of that layout checks first
+                    speculation.kept.steady = False
+        if restart:
+            result.phases["fork"] += restart
+        return result
+
+    def _run(
+        self, job: Job, path: str | os.PathLike[str], options: Options, pool: WorkerPool, start: float
+    ) -> SaveResult:
         target = DcpTarget(path, options.storage_options, compression=options.compression())
         options = prepare_io(target, options)
         # What the fork server and the idle workers hold is there before the save and stays after
@@ -224,21 +261,13 @@ class SaverWorkers:
         server = fork_server_pid()
         held = [*([server] if server else []), *pool.pids]
         governor = MemoryGovernor(options.memory_ceiling(), held=held, charges=self._charges)
-        # A layout saved before is listed, planned and parted as it was (jobs/plan_reuse.py).
         target.plans = self._plans
-        with gc_paused():
-            job = self._plans.job(
-                state_dict, str(path), pending_writes=not options.crc32, layout_unchanged=layout_unchanged
-            )
         try:
-            result = pipeline.run_job(job, target, options, governor, start=start, pool=pool)
+            return pipeline.run_job(job, target, options, governor, start=start, pool=pool)
         except BaseException:
             if not pool.pids:  # the pool stops its workers on any failure: new ones next time
                 self._pool = None
             raise
-        if restart:
-            result.phases["fork"] += restart
-        return result
 
     def close(self) -> None:
         """Stop the workers and the fork server (nothing from a fork of the owner)."""

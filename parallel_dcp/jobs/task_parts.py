@@ -59,7 +59,8 @@ class JobParts:
         self.job = job
         self.source = source
         self.shell = Job(source.shell(), (), job.dtype)
-        self._upcoming = collections.deque(tasks)  # in the order the pool dispatches them
+        self.order = list(tasks)  # the order to dispatch them in
+        self._upcoming = collections.deque(tasks)  # in that order
         self._made: dict[int, bytes] = {}
         self._sent: set[int] = set()
         # Parts of these very tasks, made by an earlier save of the same layout whose tensors lay
