@@ -47,7 +47,7 @@ wrap(jl, "read_metadata", "metadata")            # before
 wrap(jl, "read_metadata_columns", "metadata")    # after
 wrap(sm, "check_metadata", "metadata check")
 wrap(jl, "_flatten_into", "flatten into")
-for name in ("_requests", "_small_records", "_shard_ends", "check_shards", "check_shard_sizes"):
+for name in ("_requests", "_small_records", "_small_targets", "_shard_ends", "check_shards", "check_shard_sizes"):
     wrap(jl, name, "plan")
 wrap(jl.fast_read, "read_requests", "read+check+fill")
 _plan = getattr(jl, "plan_prefetch", None)
