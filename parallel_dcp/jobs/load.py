@@ -278,6 +278,7 @@ def _load(
             location, requests, threads, on_bytes, budget, on_tick=bar.refresh, io=io_mode, small=small
         )
     done.read_choice = choice
+    done.prefetch = plan
     if stats is not None:
         stats.add(done)
     if into is not None:
