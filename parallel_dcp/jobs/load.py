@@ -491,6 +491,8 @@ def _small_targets(columns: WholeRecords, chosen: dict[str, Any]) -> tuple[dict[
     whole = columns.tensors.get
     target_of = chosen.get
     tensor = torch.Tensor
+    last: str | None = None  # a shard's records come one after the other: its list looked up once a run
+    found: list[fast_read.Entry] = []
     for key, name, offset, length, info in records:
         value = target_of(key)
         if type(value) is not tensor or length > SMALL_RECORD:
@@ -501,12 +503,10 @@ def _small_targets(columns: WholeRecords, chosen: dict[str, Any]) -> tuple[dict[
         dtype, shape = stored
         # (a CPU tensor is never a meta one: its data address is real)
         if value.dtype == dtype and value.shape == shape and value.is_contiguous() and value.is_cpu:
-            entry = (offset, length, key, value, info, dtype, shape, value.data_ptr())
-            found = small.get(name)
-            if found is None:
-                small[name] = [entry]
-            else:
-                found.append(entry)
+            if name is not last:
+                found = small.setdefault(name, [])
+                last = name
+            found.append((offset, length, key, value, info, dtype, shape, value.data_ptr()))
     # every key planned once (a set: a key met in two records is not counted twice)
     planned = set(map(_KEY, chain.from_iterable(small.values())))
     if len(planned) == len(chosen):
