@@ -124,3 +124,13 @@ def test_a_load_into_leaves_no_garbage_in_cycles(written: tuple[Path, dict[str, 
         if enabled:
             gc.enable()
     assert_same(into, expected)
+
+
+def test_a_tensor_of_into_that_the_checkpoint_holds_as_a_value_is_replaced_by_it(tmp_path: Path) -> None:
+    """(into's paths are kept for its values alone: a tensor in a value's place still finds its path)"""
+    sd = {"m": {"w": torch.arange(6.0), "step": 7, "names": ["a"]}}
+    parallel_dcp.save(sd, tmp_path / "ckpt", workers=2)
+    into = {"m": {"w": torch.zeros(6), "step": torch.zeros(()), "names": None}}
+    assert parallel_dcp.load(tmp_path / "ckpt", into=into, workers=2) is into
+    assert into["m"]["step"] == 7 and type(into["m"]["step"]) is int and into["m"]["names"] == ["a"]
+    assert torch.equal(into["m"]["w"], sd["m"]["w"])

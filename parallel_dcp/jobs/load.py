@@ -282,6 +282,8 @@ def _load(
     if stats is not None:
         stats.add(done)
     if into is not None:
+        if not into_paths.keys() >= values.keys():  # a tensor of ``into`` stored as a value: it is replaced
+            into_paths = _flatten_into(into, tensor_paths=True)[1]
         for key, value in values.items():
             _compat.set_element(into, into_paths[key], value)
         return into
@@ -313,11 +315,14 @@ def _into_bytes(into: dict[str, Any], flattened: list[Any]) -> int:
     return sum(value.nbytes for value in values if isinstance(value, tensor))
 
 
-def _flatten_into(into: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
+def _flatten_into(
+    into: dict[str, Any], tensor_paths: bool = False
+) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
     """``into`` flattened by DCP's rules (the keys it was saved under), in one pass; the paths of
-    its values that are not tensors (tensors are filled in place, never set again)."""
+    its values that are not tensors (tensors are filled in place, never set again; with
+    ``tensor_paths``, theirs too)."""
     try:
-        return flatten_structure(into, tensor_paths=False)
+        return flatten_structure(into, tensor_paths=tensor_paths)
     except InvalidStateDictError:  # a key that is not a string: DCP's own flattening names it as DCP does
         return _compat.flatten_state_dict(into)
 
