@@ -32,7 +32,7 @@ import math
 import mmap
 import os
 from collections.abc import Iterable
-from itertools import chain
+from itertools import chain, compress, repeat
 from operator import add, attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
@@ -307,12 +307,10 @@ def _into_bytes(into: dict[str, Any], flattened: list[Any]) -> int:
         flattened.append(_flatten_into(into))
     except Exception:
         return 0
-    tensor = torch.Tensor
-    values = flattened[0][0].values()
-    if set(map(type, values)) == {tensor}:  # plain tensors alone: summed without a Python step a key
-        total: int = sum(map(_NBYTES, values))
-        return total
-    return sum(value.nbytes for value in values if isinstance(value, tensor))
+    values = list(flattened[0][0].values())
+    # (summed without a Python step a key)
+    total: int = sum(map(_NBYTES, compress(values, map(isinstance, values, repeat(torch.Tensor)))))
+    return total
 
 
 def _flatten_into(
