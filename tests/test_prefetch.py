@@ -279,3 +279,27 @@ def test_the_prefetch_stops_before_the_probe_measures_the_files_of_big_tensors(
     probes = [n for kind, n in events if kind == "probe"]
     assert probes, "the probe measured the big tensor's file"
     assert events[0][0] == "stopped" and events[0][1] == probes[0]  # stopped and joined first; nothing asked since
+
+
+def test_the_loads_stats_say_what_the_prefetch_decided(small_ckpt: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """ReadStats.prefetch: the files asked for and their bytes, or none and why."""
+    path, sd = small_ckpt
+    stats = parallel_dcp.ReadStats()
+    parallel_dcp.load(path, io="buffered", into=empty_like_state(sd), workers=2, stats=stats)
+    assert stats.prefetch is not None and stats.prefetch.reason == ""
+    assert {name: size for name, size in stats.prefetch.files} == {
+        p.name: p.stat().st_size for p in path.glob("*.distcp")
+    }
+    assert stats.prefetch.nbytes == sum(size for _, size in stats.prefetch.files)
+    for kwargs, why in (
+        ({"keys": "optimizer.state.1.*"}, "a subset of the keys"),
+        ({"io": "direct"}, 'io="direct"'),
+    ):
+        stats = parallel_dcp.ReadStats()
+        parallel_dcp.load(path, stats=stats, **kwargs)
+        assert stats.prefetch is not None and stats.prefetch.files == () and why in stats.prefetch.reason
+    big = {"a": torch.randn(512, 1024)}
+    parallel_dcp.save(big, tmp_path / "big", workers=2)
+    stats = parallel_dcp.ReadStats()
+    parallel_dcp.load(tmp_path / "big", io="buffered", stats=stats)
+    assert stats.prefetch is not None and "few large records" in stats.prefetch.reason

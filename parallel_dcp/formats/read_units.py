@@ -34,6 +34,7 @@ from parallel_dcp.formats.seated import seat, shift
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.direct_write import address
 from parallel_dcp.storage.location import Location, Remote
+from parallel_dcp.storage.prefetch import PrefetchPlan
 from parallel_dcp.storage.read_choice import ReadChoice
 
 __all__ = [
@@ -91,7 +92,9 @@ class ReadStats:
     (non-tensor) values; ``reads`` the system calls (or ranged GETs) of the fast path;
     ``compressed`` the read items decompressed (bounded, on the reading threads);
     ``read_choice`` how local shards were read under ``io`` and why: for ``io="auto"`` the cold
-    direct and buffered rates measured on this file system (storage.read_choice.ReadChoice)."""
+    direct and buffered rates measured on this file system (storage.read_choice.ReadChoice);
+    ``prefetch`` what a load's shard prefetch decided (storage.prefetch.PrefetchPlan: the files
+    asked for before ``.metadata`` was parsed and their bytes, or none and why)."""
 
     fast: int = 0
     fallback: int = 0
@@ -101,6 +104,7 @@ class ReadStats:
     bytes: int = 0
     compressed: int = 0
     read_choice: ReadChoice | None = None
+    prefetch: PrefetchPlan | None = None
 
     def add(self, other: ReadStats) -> None:
         self.fast += other.fast
@@ -112,6 +116,8 @@ class ReadStats:
         self.compressed += other.compressed
         if other.read_choice is not None:
             self.read_choice = other.read_choice
+        if other.prefetch is not None:
+            self.prefetch = other.prefetch
 
 
 class _File:

@@ -223,7 +223,8 @@ def read_scattered(
         if cancelled():
             return []
         chunk = entries[first : first + CHUNK_RECORDS]
-        ids = frames.ids(chunk, numpy.fromiter(map(_LENGTH, chunk), dtype=numpy.int64, count=len(chunk)))
+        length = numpy.fromiter(map(_LENGTH, chunk), dtype=numpy.int64, count=len(chunk))
+        ids = frames.ids(chunk, length)
         width = numpy.where(ids >= 0, frames.width[ids] * 8, 0) if frames.frames else numpy.zeros(len(ids))
         fits = int(numpy.searchsorted(numpy.cumsum(width), FRAME_BYTES, side="right"))
         if not fits:  # a frame larger than the scratch (not with these sizes): the caller's windows
@@ -231,9 +232,9 @@ def read_scattered(
             first += 1
             continue
         if fits < len(chunk):
-            chunk, ids = chunk[:fits], ids[:fits]
+            chunk, ids, length = chunk[:fits], ids[:fits], length[:fits]
         first += len(chunk)
-        end = _chunk(file, chunk, ids, frames, scratch, junk, end, stats, left)
+        end = _chunk(file, chunk, ids, length, frames, scratch, junk, end, stats, left)
     return left
 
 
@@ -241,6 +242,7 @@ def _chunk(
     file: _File,
     chunk: list[Entry],
     ids: numpy.ndarray[Any, Any],
+    length: numpy.ndarray[Any, Any],
     frames: _Frames,
     scratch: numpy.ndarray[Any, Any],
     junk: numpy.ndarray[Any, Any],
@@ -249,11 +251,10 @@ def _chunk(
     left: list[Entry],
 ) -> int:
     """Read one chunk's records with templates (``ids`` >= 0) straight into their tensors, check
-    their frames; the rest, and those unlike their template, appended to ``left``. Where the
-    chunk's records end."""
+    their frames; the rest, and those unlike their template, appended to ``left`` (``length``:
+    the records' lengths). Where the chunk's records end."""
     count = len(chunk)
     offset = numpy.fromiter(map(_OFFSET, chunk), dtype=numpy.int64, count=count)
-    length = numpy.fromiter(map(_LENGTH, chunk), dtype=numpy.int64, count=count)
     stop = offset + length
     overlaps = offset[0] < end or bool((offset[1:] < stop[:-1]).any())
     chunk_end = max(end, int(stop.max()))

@@ -58,6 +58,7 @@ from parallel_dcp.storage.location import Location, Remote
 __all__ = ["Entry", "SmallUnit", "small_units"]
 
 _UNKNOWN = object()
+_OFFSET, _LENGTH = itemgetter(0), itemgetter(1)
 # Whether local records are read straight into their tensors (formats/scatter_read.py); False:
 # every record through the windows (the path object storage takes).
 SCATTER = True
@@ -71,19 +72,22 @@ def scatters(where: Location) -> bool:
 
 def small_units(files: dict[str, list[Entry]], threads: int, templates: TemplateCache) -> list[SmallUnit]:
     """The entries of each file, sorted by offset, cut into about 4 units per thread (by bytes)."""
-    total = sum(entry[1] for entries in files.values() for entry in entries)
+    ends: dict[str, numpy.ndarray[Any, Any]] = {}  # each file's running sum of its records' lengths
+    for name, entries in files.items():
+        entries.sort(key=_OFFSET)
+        ends[name] = numpy.cumsum(numpy.fromiter(map(_LENGTH, entries), numpy.int64, len(entries)))
+    total = sum(int(column[-1]) for column in ends.values() if column.size)
     share = max(total // (4 * max(threads, 1)), SMALL_RECORD)
     units: list[SmallUnit] = []
     for name, entries in files.items():
-        entries.sort(key=itemgetter(0))
-        first = size = 0
-        for i, entry in enumerate(entries):
-            if size and size + entry[1] > share:
-                units.append(SmallUnit(name, entries[first:i], templates))
-                first, size = i, 0
-            size += entry[1]
-        if size or first < len(entries):
-            units.append(SmallUnit(name, entries[first:], templates))
+        # a unit takes entries while they add up to at most ``share`` bytes (its first one
+        # whatever its size): cut where the running sum passes ``share`` past the unit's start
+        column, first = ends[name], 0
+        while first < len(entries):
+            start = int(column[first - 1]) if first else 0
+            stop = max(first + 1, int(numpy.searchsorted(column, start + share, side="right")))
+            units.append(SmallUnit(name, entries[first:stop], templates))
+            first = stop
     return units
 
 

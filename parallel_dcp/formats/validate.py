@@ -55,13 +55,18 @@ def terminal_list(value: list[Any]) -> bool:
     return True
 
 
-def flatten_structure(state_dict: Mapping[Any, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
+def flatten_structure(
+    state_dict: Mapping[Any, Any], *, tensor_paths: bool = True
+) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
     """As :func:`flatten_checked`, without the tensor checks (meta tensors that only describe
-    where a file's tensors lie)."""
-    return _flatten(state_dict)
+    where a file's tensors lie); ``tensor_paths=False``: the mapping holds the paths of the
+    values that are not tensors alone (a caller that fills its tensors in place, never sets them)."""
+    return _flatten(state_dict, tensor_paths)
 
 
-def _flatten(state_dict: Mapping[Any, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
+def _flatten(
+    state_dict: Mapping[Any, Any], tensor_paths: bool = True
+) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
     """DCP's ``flatten_state_dict`` (``_traverse.traverse_state_dict``'s rules: mappings walked,
     lists walked when not kept whole, tuples and everything else kept whole), in one pass with
     the key checks folded in: it runs once per key of a 50,000-key state dict before any worker
@@ -70,29 +75,45 @@ def _flatten(state_dict: Mapping[Any, Any]) -> tuple[dict[str, Any], dict[str, t
     Raises:
         InvalidStateDictError: a non-string key, or two keys flattening to one name.
     """
-    flat: dict[str, Any] = {}
-    mapping: dict[str, tuple[Any, ...]] = {}
-    tensor = torch.Tensor
+    walk = _Walk(tensor_paths)
+    walk.walk((), "", state_dict)
+    return walk.flat, walk.mapping
 
-    def leaf(path: tuple[Any, ...], name: str, value: Any) -> None:
+
+class _Walk:
+    """One flattening (see _flatten). Methods, not nested functions: nested functions that call
+    each other hold each other through their cells, a cycle that keeps ``flat`` and ``mapping``
+    (a tuple per key) alive until a garbage collection walks them all."""
+
+    __slots__ = ("flat", "mapping", "tensor_paths")
+
+    def __init__(self, tensor_paths: bool) -> None:
+        self.flat: dict[str, Any] = {}
+        self.mapping: dict[str, tuple[Any, ...]] = {}
+        self.tensor_paths = tensor_paths
+
+    def leaf(self, path: tuple[Any, ...], name: str, value: Any) -> None:
         if isinstance(value, tuple):
             _check_keys(value, name)  # kept whole, but a mapping inside still needs string keys
-        if name in flat:
+        if name in self.flat:
             raise InvalidStateDictError(f"two keys flatten to the same name: duplicated flatten key {name}")
-        flat[name] = value
-        mapping[name] = path
+        self.flat[name] = value
+        if self.tensor_paths or not isinstance(value, torch.Tensor):
+            self.mapping[name] = path
 
-    def walk_list(path: tuple[Any, ...], name: str, value: list[Any]) -> None:
+    def walk_list(self, path: tuple[Any, ...], name: str, value: list[Any]) -> None:
         for i, entry in enumerate(value):
             inner, at = (*path, i), f"{name}.{i}"
             if isinstance(entry, Mapping):
-                walk(inner, f"{at}.", entry)
+                self.walk(inner, f"{at}.", entry)
             elif isinstance(entry, list) and not terminal_list(entry):
-                walk_list(inner, at, entry)
+                self.walk_list(inner, at, entry)
             else:
-                leaf(inner, at, entry)
+                self.leaf(inner, at, entry)
 
-    def walk(path: tuple[Any, ...], prefix: str, node: Mapping[Any, Any]) -> None:
+    def walk(self, path: tuple[Any, ...], prefix: str, node: Mapping[Any, Any]) -> None:
+        flat, mapping, tensor_paths = self.flat, self.mapping, self.tensor_paths
+        tensor = torch.Tensor
         for key, value in node.items():  # depth first, in insertion order, as DCP's traversal
             if type(key) is not str:
                 _check_keys(node, prefix[:-1])  # raises, naming the key, unless a str subclass
@@ -102,16 +123,14 @@ def _flatten(state_dict: Mapping[Any, Any]) -> tuple[dict[str, Any], dict[str, t
                 if name in flat:
                     raise InvalidStateDictError(f"two keys flatten to the same name: duplicated flatten key {name}")
                 flat[name] = value
-                mapping[name] = (*path, key)
+                if tensor_paths:
+                    mapping[name] = (*path, key)
             elif type(value) is dict or isinstance(value, Mapping):  # a plain dict before the ABC check
-                walk((*path, key), f"{name}.", value)
+                self.walk((*path, key), f"{name}.", value)
             elif isinstance(value, list) and not terminal_list(value):
-                walk_list((*path, key), name, value)
+                self.walk_list((*path, key), name, value)
             else:
-                leaf((*path, key), name, value)
-
-    walk((), "", state_dict)
-    return flat, mapping
+                self.leaf((*path, key), name, value)
 
 
 def flatten_checked(

@@ -32,6 +32,8 @@ import math
 import mmap
 import os
 from collections.abc import Container, Iterable
+from itertools import chain, compress, repeat
+from operator import add, attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,8 @@ from parallel_dcp.storage.side_index_read import SideIndex
 __all__ = ["check_target", "load"]
 
 _ALIGN = 64
+_OFFSET, _LENGTH, _KEY = itemgetter(0), itemgetter(1), itemgetter(2)  # of a small record's entry
+_NBYTES = attrgetter("nbytes")
 
 
 def _nbytes(meta: TensorStorageMetadata) -> int:
@@ -174,8 +178,12 @@ def _load(
     if into is not None and (options.retries or options.task_timeout is not None):
         raise ValueError("into= is filled by threads in this process: retries and task_timeout need worker processes")
     flat_into, into_paths = flattened[0] if flattened else _flatten_into(into) if into is not None else ({}, {})
+    small: dict[str, list[fast_read.Entry]] = {}
     if into is not None:
-        selected = list(flat_into) if keys is None else select(list(flat_into), keys, "into")
+        chosen = flat_into if keys is None else {k: flat_into[k] for k in select(list(flat_into), keys, "into")}
+        # the whole small records into dense CPU targets: checked and planned in one pass over the
+        # columns; only the other keys (``selected``) take the checks and requests below
+        small, selected = _small_targets(columns, chosen)
         _check_present(selected, index if index is not None else _entries(metadata), location)
     else:
         selected = _selected(_entries(metadata), keys, location)
@@ -191,10 +199,9 @@ def _load(
         every = whole
         tensor_keys = [k for k in selected if k in whole or isinstance(stored[k], TensorStorageMetadata)]
     metas: dict[str, TensorStorageMetadata] = {k: stored[k] for k in tensor_keys} if into is None else {}
-    # targets that are dense CPU tensors of the stored dtype and shape, and their data addresses
-    # (taken while the tensor is at hand: a later first touch of it is a cache miss)
+    # fresh targets that may be read as small records, and their data addresses (set below)
     dense: dict[str, tuple[torch.Tensor, int]] = {}
-    if into is not None:
+    if into is not None:  # each target not planned as a small record: checked
         tensor = torch.Tensor
         for key in tensor_keys:
             value = flat_into[key]
@@ -204,19 +211,17 @@ def _load(
             else:
                 meta = stored[key]
                 dtype, shape = meta.properties.dtype, meta.size
-            if (  # the common case in a few reads; anything else gets the full check and its message
+            if not (  # the common case in a few reads; anything else gets the full check and its message
                 type(value) is tensor
                 and value.dtype == dtype
                 and value.shape == shape
                 and value.is_contiguous()
                 and not value.is_meta
             ):
-                if value.is_cpu:
-                    dense[key] = (value, value.data_ptr())
-            elif known is not None:
-                check_target(key, value, dtype, tuple(shape))
-            else:
-                _check_target(key, value, stored[key])
+                if known is not None:
+                    check_target(key, value, dtype, tuple(shape))
+                else:
+                    _check_target(key, value, stored[key])
     # Kept by reservation alone: everything the read holds is set aside before it starts (the
     # output when it allocates, each thread's buffers); no sampling (reading PSS walks every page
     # table, as long as the read itself), and a thread could not be killed anyway.
@@ -239,7 +244,7 @@ def _load(
     threads = max(1, min(wanted, room // per_thread))
     budget.reserve(threads * per_thread, f"read buffers for {threads} threads")
     rooms: dict[str, torch.Tensor] = {}
-    if into is not None:  # not detached yet: a whole small record is copied by address (_small_records)
+    if into is not None:
         targets = flat_into  # the caller's values: _requests looks up only the tensor keys it reads
     else:
         targets = {}
@@ -254,11 +259,15 @@ def _load(
     def on_bytes(item: ReadItem, data: bytes) -> None:
         values[item.dest_index.fqn] = unpickle_value(item.dest_index.fqn, io.BytesIO(data), trust_pickle=trust_pickle)
 
-    small = _small_records(columns, selected, dense)
+    if into is None:
+        small = _small_records(columns, selected, dense)
+        planned = set(map(itemgetter(2), chain.from_iterable(small.values())))
+        selected_rest = [key for key in selected if key not in planned] if planned else selected
+    else:
+        selected_rest = selected  # (the small records were taken out above)
     if metadata is None:  # read from the index: the entries of the keys read the general way
-        planned = {entry[2] for entries in small.values() for entry in entries}
-        metadata = index.metadata_for([k for k in selected if k not in planned])  # type: ignore[union-attr]
-    requests, small = _requests(metadata, selected, targets, location, small, rooms)
+        metadata = index.metadata_for(selected_rest)  # type: ignore[union-attr]
+    requests = _requests(metadata, selected_rest, targets, location, rooms)
     fetch.keep(path.name for path in _files(location, requests, small))
     check_shard_sizes(location, _shard_ends(requests, small))  # before anything is read
     # auto: direct or buffered as measured on this file system (once per process), inside the
@@ -282,15 +291,18 @@ def _load(
     )
     io_mode = choice.io
     # (the total only for a bar shown: reading every target's size is a cache miss a key)
-    total = sum(targets[key].nbytes for key in tensor_keys) if options.progress else 0
+    total = _progress_total(targets, tensor_keys, small) if options.progress else 0
     with progress.Progress(total=total, enabled=options.progress, desc="load") as bar:
         done = fast_read.read_requests(
             location, requests, threads, on_bytes, budget, on_tick=bar.refresh, io=io_mode, small=small
         )
     done.read_choice = choice
+    done.prefetch = plan
     if stats is not None:
         stats.add(done)
     if into is not None:
+        if not into_paths.keys() >= values.keys():  # a tensor of ``into`` stored as a value: it is replaced
+            into_paths = _flatten_into(into, tensor_paths=True)[1]
         for key, value in values.items():
             _compat.set_element(into, into_paths[key], value)
         return into
@@ -301,6 +313,12 @@ def _load(
     )
 
 
+def _progress_total(targets: dict[str, Any], tensor_keys: list[str], small: dict[str, list[fast_read.Entry]]) -> int:
+    """The bytes a progress bar counts: every tensor read (each small record's target, and the others')."""
+    total: int = sum(targets[key].nbytes for key in tensor_keys)
+    return total + sum(entry[3].nbytes for entries in small.values() for entry in entries)
+
+
 def _into_bytes(into: dict[str, Any], flattened: list[Any]) -> int:
     """The bytes of ``into``'s tensors (flattened once: the result is kept in ``flattened``);
     0 for an ``into`` that does not flatten (the load's own flattening says why, after the parse)."""
@@ -308,14 +326,20 @@ def _into_bytes(into: dict[str, Any], flattened: list[Any]) -> int:
         flattened.append(_flatten_into(into))
     except Exception:
         return 0
-    tensor = torch.Tensor
-    return sum(value.nbytes for value in flattened[0][0].values() if isinstance(value, tensor))
+    values = list(flattened[0][0].values())
+    # (summed without a Python step a key)
+    total: int = sum(map(_NBYTES, compress(values, map(isinstance, values, repeat(torch.Tensor)))))
+    return total
 
 
-def _flatten_into(into: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
-    """``into`` flattened by DCP's rules (the keys it was saved under), in one pass."""
+def _flatten_into(
+    into: dict[str, Any], tensor_paths: bool = False
+) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
+    """``into`` flattened by DCP's rules (the keys it was saved under), in one pass; the paths of
+    its values that are not tensors (tensors are filled in place, never set again; with
+    ``tensor_paths``, theirs too)."""
     try:
-        return flatten_structure(into)
+        return flatten_structure(into, tensor_paths=tensor_paths)
     except InvalidStateDictError:  # a key that is not a string: DCP's own flattening names it as DCP does
         return _compat.flatten_state_dict(into)
 
@@ -389,22 +413,18 @@ def _requests(
     selected: list[str],
     targets: dict[str, torch.Tensor],
     where: Location,
-    small: dict[str, list[fast_read.Entry]],
     rooms: dict[str, torch.Tensor] | None = None,
-) -> tuple[list[fast_read.Request], dict[str, list[fast_read.Entry]]]:
-    """One request per stored chunk each key overlaps (a whole-tensor chunk: its read item
-    directly; a fresh target in its room, ``rooms``, is seated by the reader: formats/seated.py),
-    for every selected key but those of the whole small records ``small`` (by file, read as
-    columns, formats/small_reads.py: no read item per key), returned with them."""
+) -> list[fast_read.Request]:
+    """One request per stored chunk each key of ``selected`` overlaps (a whole-tensor chunk: its
+    read item directly; a fresh target in its room, ``rooms``, is seated by the reader:
+    formats/seated.py); the caller leaves out the keys of whole small records (read as columns,
+    formats/small_reads.py: no read item per key)."""
     rooms = rooms or {}
     storage = metadata.storage_data or {}
     out: list[fast_read.Request] = []
-    planned = {entry[2] for entries in small.values() for entry in entries}
     origins: dict[int, torch.Size] = {}  # one per rank, shared by every read item
     tensors = metadata.state_dict_metadata
     for key in selected:
-        if key in planned:
-            continue
         meta = tensors[key]
         if not isinstance(meta, TensorStorageMetadata):
             index = MetadataIndex(key)
@@ -444,7 +464,7 @@ def _requests(
             out.append(
                 fast_read.Request(item, _info(storage, item.storage_index, where), chunk, meta.properties.dtype, region)
             )
-    return out, small
+    return out
 
 
 def _small_records(
@@ -476,9 +496,49 @@ def _small_records(
     return small
 
 
+def _small_targets(columns: WholeRecords, chosen: dict[str, Any]) -> tuple[dict[str, list[fast_read.Entry]], list[str]]:
+    """For a load ``into``: by file, an entry for each key of ``chosen`` (flattened ``into``)
+    stored whole in one uncompressed record of at most SMALL_RECORD bytes (as _small_records) whose
+    value is a plain dense CPU tensor of the stored dtype and shape; and the other keys of
+    ``chosen``, in its order (for the full checks and the general requests).
+
+    One pass over the columns does what would otherwise be four over the keys (present in the
+    checkpoint, a tensor key, its target checked, planned as a small record), and no object is
+    made per key but its entry: each is a cost a key, and with 50,000 keys as much as the read.
+    Anything not plainly fine is left to the general path, which checks it and says what is wrong."""
+    small: dict[str, list[fast_read.Entry]] = {}
+    records = columns.records
+    if len(chosen) < len(records) // 8:  # a few keys of many: each goes the general way
+        return small, list(chosen)
+    whole = columns.tensors.get
+    target_of = chosen.get
+    tensor = torch.Tensor
+    last: str | None = None  # a shard's records come one after the other: its list looked up once a run
+    found: list[fast_read.Entry] = []
+    for key, name, offset, length, info in records:
+        value = target_of(key)
+        if type(value) is not tensor or length > SMALL_RECORD:
+            continue
+        stored = whole(key)
+        if stored is None:  # not one whole chunk: the general way
+            continue
+        dtype, shape = stored
+        # (a CPU tensor is never a meta one: its data address is real)
+        if value.dtype == dtype and value.shape == shape and value.is_contiguous() and value.is_cpu:
+            if name is not last:
+                found = small.setdefault(name, [])
+                last = name
+            found.append((offset, length, key, value, info, dtype, shape, value.data_ptr()))
+    # every key planned once (a set: a key met in two records is not counted twice)
+    planned = set(map(_KEY, chain.from_iterable(small.values())))
+    if len(planned) == len(chosen):
+        return small, []
+    return small, [key for key in chosen if key not in planned]
+
+
 def _shard_ends(requests: list[fast_read.Request], small: dict[str, list[fast_read.Entry]]) -> dict[str, int]:
     """The end of the last byte the plan reads from each shard."""
-    ends = {name: max(entry[0] + entry[1] for entry in entries) for name, entries in small.items()}
+    ends = {name: max(map(add, map(_OFFSET, entries), map(_LENGTH, entries))) for name, entries in small.items()}
     for request in requests:
         name, end = request.info.relative_path, int(request.info.offset) + int(request.info.length)
         if end > ends.get(name, -1):
