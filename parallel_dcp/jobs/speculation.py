@@ -32,7 +32,7 @@ the pool reports as a stale plan too.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import gc_paused
@@ -41,13 +41,22 @@ from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
 from parallel_dcp.jobs.targets import Job
 from parallel_dcp.jobs.task_parts import JobPart, JobParts
 
-if TYPE_CHECKING:
-    from parallel_dcp.jobs.plan_reuse import _Kept
-
 __all__ = ["SPECULATE", "Speculation", "SpeculativeParts"]
 
 # Off: every save checks its layout before its first task (the code path of a first save).
 SPECULATE = True
+
+
+class KeptLayout(Protocol):
+    """What a speculation uses of a layout the plan memo kept (jobs/plan_reuse.py's ``_Kept``,
+    which imports this module: named here by what it has, not imported)."""
+
+    layout: Any
+    listing: RemoteMemorySource
+    caches: tuple[Any, Any, Any]
+    parts: dict[int, bytes | JobPart]
+    parted: list[Task]
+    steady: bool
 
 
 class _Deferred(Mapping[str, Any]):
@@ -81,7 +90,7 @@ class Speculation:
 
     def __init__(
         self,
-        kept: _Kept,
+        kept: KeptLayout,
         path: str,
         check: Callable[[], RemoteMemorySource | None],
         workers: int,
