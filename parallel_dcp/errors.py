@@ -3,6 +3,9 @@
 Every error a user can see derives from :class:`ParallelDCPError`, so one ``except`` catches
 them all. Errors that come from a worker carry the diagnosis with them: the task's keys, the
 worker's exit code or signal, and the worker's own traceback as ``__cause__``.
+
+Longer than 300 lines because the tree is one place by design: a user reads every error the
+package can raise, and what each one carries, in one file.
 """
 
 from __future__ import annotations
