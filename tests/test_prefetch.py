@@ -52,8 +52,13 @@ def shards(path: Path) -> dict[str, int]:
 
 
 def read_first(path: Path) -> dict[str, int]:
-    """What the prefetch asks for: .metadata (first), then every shard."""
-    return {str((path / ".metadata").resolve()): (path / ".metadata").stat().st_size, **shards(path)}
+    """What the prefetch asks for: .metadata and its side index (first), then every shard."""
+    return {**firsts(path), **shards(path)}
+
+
+def firsts(path: Path) -> dict[str, int]:
+    """.metadata and the side index beside it (our writers write one)."""
+    return {str((path / name).resolve()): (path / name).stat().st_size for name in prefetch.FIRST}
 
 
 def covered(calls: list[tuple[str, int, int]]) -> dict[str, int]:
@@ -77,7 +82,10 @@ def test_many_small_records_prefetch_every_shard_whole(
     ends = covered(advised)
     assert set(ends) == set(files)
     assert all(ends[name] >= size for name, size in files.items())
-    assert advised[0][0] == str((path / ".metadata").resolve())  # before the shards: the load reads it first
+    # .metadata, then its side index, before the shards: the load reads them first
+    order = [name for name, _, _ in advised]
+    first_shard = next(i for i, name in enumerate(order) if name in shards(path))
+    assert order[0] == str((path / ".metadata").resolve()) and set(order[:first_shard]) == set(firsts(path))
 
 
 def test_big_tensors_are_not_prefetched(tmp_path: Path, advised: list[tuple[str, int, int]]) -> None:
@@ -133,7 +141,7 @@ def test_wanted_under_the_share_asks_for_no_shard(
     with fetch:
         assert fetch._thread is not None
         fetch._thread.join()
-    assert {name for name, _, _ in advised} == {str((path / ".metadata").resolve())}
+    assert {name for name, _, _ in advised} == set(firsts(path))
 
 
 def test_direct_reads_object_storage_and_worker_processes_prefetch_nothing(
@@ -216,10 +224,9 @@ def test_keep_stops_asking_for_files_the_plan_does_not_read(
     with fetch:
         assert fetch._thread is not None
         fetch._thread.join()  # every request issued (not stopped early by the exit)
-    metadata = str((path / ".metadata").resolve())
-    assert set(covered(advised)) == {metadata, str((path / first).resolve())}
+    assert set(covered(advised)) == {*firsts(path), str((path / first).resolve())}
     assert covered(advised)[str((path / first).resolve())] >= dict(plan.files)[first]
-    assert fetch.advised == dict(plan.files)[first] + read_first(path)[metadata]
+    assert fetch.advised == dict(plan.files)[first] + sum(firsts(path).values())
 
 
 @pytest.mark.parametrize("into", [True, False])

@@ -61,6 +61,7 @@ from parallel_dcp.storage import io_mode
 from parallel_dcp.storage.location import Location, Remote
 from parallel_dcp.storage.read_choice import known_read_choice
 from parallel_dcp.storage.safe_files import open_directory, open_regular
+from parallel_dcp.storage.side_index import INDEX_FILE
 
 __all__ = ["INTO_SHARE", "METADATA_RATIO", "Prefetch", "PrefetchPlan", "plan_prefetch", "read_ahead_window"]
 
@@ -68,6 +69,9 @@ __all__ = ["INTO_SHARE", "METADATA_RATIO", "Prefetch", "PrefetchPlan", "plan_pre
 METADATA_RATIO = 256
 # An ``into`` holding at least this share of the shards' bytes loads (most of) the checkpoint.
 INTO_SHARE = 0.5
+# Asked for before any shard, whatever the plan keeps: what the load reads first (the side index
+# of our own checkpoints, storage/side_index.py, is read in place of unpickling .metadata).
+FIRST = (".metadata", INDEX_FILE)
 # What the shards may take of the memory available (the rest for the load and the node).
 MEMORY_SHARE = 0.5
 _IN_MEMORY = ("tmpfs", "ramfs", "devtmpfs", "hugetlbfs")
@@ -230,10 +234,12 @@ class Prefetch:
             return
         try:
             window = read_ahead_window(os.fstat(directory).st_dev)
-            # .metadata first: the load reads it now, and a read queued behind the shards' waits
-            # for them all (measured: its parse's stage 4.8 -> 11.7 us a record without this)
-            with contextlib.suppress(OSError, UnsafeCheckpointError):
-                self._file(directory, ".metadata", _size(directory, ".metadata") or 0, window)
+            # .metadata and its side index first: the load reads them now, and a read queued
+            # behind the shards' waits for them all (measured: the .metadata stage 4.8 -> 11.7 us a
+            # record without this; the index's, read after .metadata, 0.8 -> 8.2 cold)
+            for name in FIRST:
+                with contextlib.suppress(OSError, UnsafeCheckpointError):
+                    self._file(directory, name, _size(directory, name) or 0, window)
             for name, size in self.plan.files:
                 if self._stop.is_set():
                     return
@@ -247,7 +253,7 @@ class Prefetch:
         try:
             for offset in range(0, size, window):
                 keep = self._keep
-                if self._stop.is_set() or (keep is not None and name not in keep and name != ".metadata"):
+                if self._stop.is_set() or (keep is not None and name not in keep and name not in FIRST):
                     return
                 # the GIL is released in the call; it returns once the reads are queued
                 os.posix_fadvise(fd, offset, window, os.POSIX_FADV_WILLNEED)
