@@ -127,6 +127,35 @@ def test_torchs_own_busy_threads_do_not_count() -> None:
     assert run.stdout.strip() == "False"
 
 
+def test_a_busy_thread_starved_of_a_core_still_counts() -> None:
+    """On a loaded node a spinning data loader runs for a small share of its life (here one core
+    shared with seven spinning processes: about an eighth), yet it takes the GIL whenever it runs:
+    it counts by the time it wanted a core (ran + waited for one), not the time it got one."""
+    code = (
+        "import os, subprocess, sys, threading, time\n"
+        "from parallel_dcp.jobs import shared_workers\n"
+        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"  # this thread and what it starts
+        "hogs = [subprocess.Popen([sys.executable, '-c', 'while True: pass']) for _ in range(7)]\n"
+        "stop = threading.Event()\n"
+        "def spin():\n"
+        "    while not stop.is_set():\n"
+        "        sum(range(100))\n"
+        "busy = threading.Thread(target=spin)\n"
+        "busy.start()\n"
+        "time.sleep(1.5)\n"
+        "counted = shared_workers.other_threads()\n"
+        "with open(f'/proc/self/task/{busy.native_id}/schedstat') as f:\n"
+        "    ran = int(f.read().split()[0]) / 1e9\n"
+        "stop.set(); busy.join()\n"
+        "for hog in hogs:\n"
+        "    hog.kill(); hog.wait()\n"
+        "print(counted, ran < shared_workers.BUSY_SHARE * 1.5)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["True", "True"]  # counted, though it ran under BUSY_SHARE of its life
+
+
 def test_many_small_tensors_are_not_walked_in_full(small_threshold: None) -> None:
     many = {f"k{i}": torch.ones(1) for i in range(10_000)}
     many["big"] = torch.ones(4 * MiB)  # beyond the walk's first values: not seen, not eligible

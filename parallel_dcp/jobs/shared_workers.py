@@ -86,10 +86,12 @@ def warm(workers: int) -> bool:
 
 
 def other_threads() -> bool:
-    """Whether another Python thread of this process has kept at least BUSY_SHARE of a core busy
-    over its life (a data loader, a busy logger): the GIL convoy the kept workers avoid. Threads that
+    """Whether another Python thread of this process has wanted at least BUSY_SHARE of a core over
+    its life (a data loader, a busy logger): the GIL convoy the kept workers avoid. Threads that
     mostly sleep (a timer, a sampler waking now and then) do not count, nor threads younger than
-    _MIN_AGE_S (too young to judge)."""
+    _MIN_AGE_S (too young to judge). Wanted is run plus waited for a core (schedstat's first two
+    fields): on a loaded node a spinning thread runs for a third of its life or less, yet it takes
+    the GIL whenever it runs."""
     me = threading.get_native_id()
     # Python threads only: they are what takes the GIL back. torch's own (OpenMP, intra-op) threads
     # run native code without it, and after a matmul they have kept cores busy over their life.
@@ -107,11 +109,12 @@ def other_threads() -> bool:
             with open(f"/proc/self/task/{tid}/stat", "rb") as stat:
                 started = int(stat.read().rpartition(b")")[2].split()[19]) / ticks
             with open(f"/proc/self/task/{tid}/schedstat", "rb") as schedstat:
-                ran = int(schedstat.read().split()[0]) / 1e9
+                ran, waited = (int(field) for field in schedstat.read().split()[:2])
+            wanted = (ran + waited) / 1e9
         except (OSError, ValueError, IndexError):
             continue
         age = now - started
-        if age >= _MIN_AGE_S and ran >= BUSY_SHARE * age:
+        if age >= _MIN_AGE_S and wanted >= BUSY_SHARE * age:
             return True
     return False
 
