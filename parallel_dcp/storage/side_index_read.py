@@ -74,6 +74,8 @@ _SMALL = 64 << 20
 _MAX_COORD = 1 << 62
 _MAX_NDIM = 64
 _HASH_PIECE = 1 << 20
+# (stock DCP writes no index; ours write none where an entry is split or compressed: side_index.py)
+_NONE = f"no {INDEX_FILE} beside .metadata"
 _TORCH_DTYPES = [getattr(torch, name, None) for name in DTYPES]
 
 
@@ -143,7 +145,7 @@ def examine_index(
     that failed); the checks and what they refuse are read_index's."""
     name = directory / INDEX_FILE
     if not os.path.lexists(name):
-        return None, IndexUse(ABSENT, f"no {INDEX_FILE} beside .metadata")
+        return None, IndexUse(ABSENT, _NONE)
     total = 0
     try:
         with open_bounded(name) as stream:

@@ -68,15 +68,16 @@ class IndexUse:
         return None if self.reason == NOT_ASKED else self.reason != ABSENT
 
     def state(self) -> str:
-        """The index's state in words: ``"valid for its .metadata (1.2 MiB)"`` or ``"<reason>: <detail>"``."""
+        """The index's state in words: ``"side index valid for its .metadata (1.2 MiB)"``, or the
+        reason and its detail (``"side index stale: bound to ..."``)."""
         if self.reason is None:
-            return f"valid for its .metadata ({format_bytes(self.nbytes)})"
+            return f"side index valid for its .metadata ({format_bytes(self.nbytes)})"
         return _WORDS[self.reason] + (f": {self.detail}" if self.detail else "")
 
     def summary(self) -> str:
         """What the load read its plan from, in one line (the CLI's read stats)."""
         if self.reason is None:
-            return f"plan from the side index {INDEX_FILE} ({format_bytes(self.nbytes)})"
+            return f"plan from the side index ({format_bytes(self.nbytes)})"
         return f"plan from .metadata ({self.state()})"
 
     def as_dict(self) -> dict[str, Any]:
