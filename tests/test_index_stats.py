@@ -196,6 +196,14 @@ def test_a_load_path_that_reads_metadata_says_it_did_not_ask(saved: Path, how: d
     assert "load(into=)" in stats.index.detail
 
 
+def test_a_load_into_with_a_cast_says_it_did_not_ask(tmp_path: Path) -> None:
+    """``dtype=`` loads as stored without ``into`` and casts after: .metadata is read."""
+    parallel_dcp.save({"w": torch.randn(3)}, tmp_path / "c", workers=1)
+    stats = parallel_dcp.ReadStats()
+    parallel_dcp.load(tmp_path / "c", into={"w": torch.zeros(3)}, dtype="float32", workers=1, stats=stats)
+    assert stats.index is not None and stats.index.reason == NOT_ASKED and "dtype=" in stats.index.detail
+
+
 def test_other_sources_report_no_index(tmp_path: Path) -> None:
     save_file({"a": torch.ones(3)}, str(tmp_path / "model.safetensors"))
     stats = parallel_dcp.ReadStats()

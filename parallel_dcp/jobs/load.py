@@ -174,7 +174,7 @@ def _load(
         metadata, columns, index, use = read_index_or_metadata_use(location, memory_limit=options.memory_ceiling())
     else:
         metadata, columns = read_metadata_columns(location, memory_limit=options.memory_ceiling())
-        use = IndexUse(NOT_ASKED, "only a load(into=) in this process reads it")
+        use = IndexUse(NOT_ASKED, "only load(into=) in this process reads it (no retries, task_timeout, dtype=)")
     if metadata is not None and into is None and (options.retries or options.task_timeout is not None):
         if stats is not None:  # (the workers count nothing else here)
             stats.add(ReadStats(index=use))
