@@ -12,11 +12,15 @@
     record, no two records sharing a byte ── then the columns a load reads (WholeRecords)
 
 An index that fails any of this is not used (:func:`read_index` returns None): the caller reads
-``.metadata`` as before, whose own checks then decide. :func:`parse_index` raises instead, naming
+``.metadata`` as before, whose own checks then decide. :func:`examine_index` is the same look and
+also says which check failed first (storage/side_index_use.IndexUse: what ``ReadStats.index``,
+``inspect`` and ``verify`` report). :func:`parse_index` raises instead, naming
 what is wrong (for tests and tools).
 
 Longer than 300 lines because the checks over the columns (one per check of metadata_check.py)
 and the reader that relies on them are one unit: a check moved away is a check a reader can skip.
+Each check names itself where it fails, for the same reason: a reason given apart from its check
+could tell another story than the check did.
 """
 
 from __future__ import annotations
