@@ -1,7 +1,8 @@
 """50,000 small records, load(into=): before (base tree) vs after (this branch) vs stock dcp.load, interleaved.
 
 Usage: flock LOCK python bench/bench_small_records.py CKPT_ROOT BASE_TREE AFTER_TREE REPS STOCK_REPS
-(STOCK_REPS 0: no stock dcp.load rows; each row also prints what the shard prefetch decided)
+(STOCK_REPS 0: no stock dcp.load rows; each row also prints what the shard prefetch decided and
+what the plan was read from: the side index, or .metadata and why, ReadStats.index)
 CKPT_ROOT holds ``stock/`` (written by ``dcp.save(thread_count=2)``) and ``pdcp/`` (by
 ``parallel_dcp.save(workers=2)``) of ``synthetic.many_small(50000)``; BASE_TREE and AFTER_TREE are
 source trees holding ``parallel_dcp/`` (AFTER_TREE also its ``.venv``).
@@ -90,9 +91,12 @@ for line in sys.stdin:
     if mode == "stock":
         dcp.load(into, storage_reader=FileSystemReader(path), no_dist=True)
     else:
-        parallel_dcp.load(path, into=into, workers=2)
+        stats = parallel_dcp.ReadStats()
+        parallel_dcp.load(path, into=into, workers=2, stats=stats)
     cur["TOTAL"] = time.perf_counter() - t
     cur["CPU"] = time.process_time() - c
+    if mode != "stock" and getattr(stats, "index", None) is not None:  # (a base tree may not report it)
+        cur["plan"] = stats.index.summary()
     print(json.dumps(cur), flush=True)
 """
 N = 50000
@@ -142,6 +146,7 @@ def main() -> None:
                 mode,
                 f"{out['TOTAL'] / N * 1e6:.1f} us/rec, cpu {out['CPU'] / N * 1e6:.1f}",
                 f"prefetch {out.get('prefetch MiB')} {out.get('why', '')}",
+                out.get("plan", ""),
                 flush=True,
             )
     print("load at end:", os.getloadavg(), time.strftime("%H:%M:%S UTC", time.gmtime()), flush=True)

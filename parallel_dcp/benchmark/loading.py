@@ -116,7 +116,9 @@ def load_cases(paths: dict[str, str], workers: int) -> list[Case]:
         def into(out: str, path: str = path, targets: Any = targets) -> dict[str, Any]:
             stats = parallel_dcp.ReadStats()
             parallel_dcp.load(path, workers=workers, into=targets, stats=stats)
-            return {"fallback": stats.fallback, "records": stats.fast + stats.fallback + stats.values}
+            records = stats.fast + stats.fallback + stats.values
+            # what the plan was read from: the side index, or .metadata and why (ReadStats.index)
+            return {"fallback": stats.fallback, "records": records, "plan": stats.index and stats.index.summary()}
 
         def fast_reader(out: str, path: str = path, targets: Any = targets) -> dict[str, Any]:
             reader = parallel_dcp.FastReader(path, workers=workers)
@@ -178,9 +180,11 @@ def load_summary(rows: dict[str, dict[str, Any]], workers: int) -> dict[str, Any
         limit = median(f"plain read x{workers} ready{tag}")
         into, reader = median(f"load into w={workers}{tag}"), median(f"FastReader w={workers}{tag}")
         ours = median(f"load w={workers}{tag}")
-        records = rows.get(f"load into w={workers}{tag}", {}).get("details", {}).get("records")
+        details = rows.get(f"load into w={workers}{tag}", {}).get("details", {})
+        records = details.get("records")
         result[source] = {
             "records": records,
+            "into_plan": details.get("plan"),
             "into_us_per_record": into / records * 1e6 if into and records else None,
             "into_vs_stock": ratio(stock, into),
             "fast_reader_vs_stock": ratio(stock, reader),

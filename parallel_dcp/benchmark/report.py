@@ -111,6 +111,8 @@ def _load_summary_lines(s: dict[str, Any]) -> list[str]:
             f"[{source}] load w={n} vs stock allocating load: {_num(r['load_vs_stock_alloc'], '.2f', 'x')}"
             " (target >= 1.5x)",
         ]
+        if r.get("into_plan"):  # the side index, or .metadata and why (ReadStats.index)
+            lines.append(f"[{source}] load into w={n}: {r['into_plan']}")
         if (r.get("records") or 0) >= 10_000:  # the many-small suite: the cost of one record
             lines.append(
                 f"[{source}] load into w={n}: {_num(r['into_us_per_record'], '.1f', ' us')} per record over"

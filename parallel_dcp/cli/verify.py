@@ -73,6 +73,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{printable(report.path)}: {'OK' if report.ok else 'FAILED'} ({checked})")
         for problem in report.problems:
             print(f"  {printable(problem)}")
+        if report.side_index is not None and not report.warnings:  # (a warning below says it)
+            print(f"  {printable(report.side_index.state())}")
+    if not args.json:  # a warning is no summary text: shown under --quiet too
+        for warning in report.warnings:
+            print(f"  warning: {printable(warning)}", file=sys.stderr if args.quiet else sys.stdout)
     if not report.ok and args.quiet:
         for problem in report.problems:
             print(f"  {printable(problem)}", file=sys.stderr)

@@ -36,6 +36,7 @@ from parallel_dcp.storage.direct_write import address
 from parallel_dcp.storage.location import Location, Remote
 from parallel_dcp.storage.prefetch import PrefetchPlan
 from parallel_dcp.storage.read_choice import ReadChoice
+from parallel_dcp.storage.side_index_use import IndexUse
 
 __all__ = [
     "BATCH_BYTES",
@@ -94,7 +95,9 @@ class ReadStats:
     ``read_choice`` how local shards were read under ``io`` and why: for ``io="auto"`` the cold
     direct and buffered rates measured on this file system (storage.read_choice.ReadChoice);
     ``prefetch`` what a load's shard prefetch decided (storage.prefetch.PrefetchPlan: the files
-    asked for before ``.metadata`` was parsed and their bytes, or none and why)."""
+    asked for before ``.metadata`` was parsed and their bytes, or none and why); ``index`` what a
+    DCP load read its plan from (storage.side_index_use.IndexUse: the side index and its size, or
+    ``.metadata`` and why not the index; None for other sources and ``FastReader``)."""
 
     fast: int = 0
     fallback: int = 0
@@ -105,6 +108,7 @@ class ReadStats:
     compressed: int = 0
     read_choice: ReadChoice | None = None
     prefetch: PrefetchPlan | None = None
+    index: IndexUse | None = None
 
     def add(self, other: ReadStats) -> None:
         self.fast += other.fast
@@ -118,6 +122,8 @@ class ReadStats:
             self.read_choice = other.read_choice
         if other.prefetch is not None:
             self.prefetch = other.prefetch
+        if other.index is not None:
+            self.index = other.index
 
 
 class _File:

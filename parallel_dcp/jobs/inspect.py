@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
-from parallel_dcp.errors import CorruptCheckpointError, plural, printable
+from parallel_dcp.errors import CorruptCheckpointError, ParallelDCPError, plural, printable
 from parallel_dcp.formats import detect_format, open_source, safetensors_format, torch_format
 from parallel_dcp.storage.location import Location, file_size, listdir, locate
 from parallel_dcp.storage.manifest import MANIFEST_FILE
 from parallel_dcp.storage.ownership import METADATA_FILE, describe_owner, find_leftovers
+from parallel_dcp.storage.side_index_read import index_state
+from parallel_dcp.storage.side_index_use import NOT_ASKED, IndexUse
 
-__all__ = ["describe", "describe_key_list", "inspect_checkpoint"]
+__all__ = ["describe", "describe_key_list", "inspect_checkpoint", "side_index"]
 
 _LARGEST = 10
 _INDEXES = (safetensors_format.INDEX_NAME, torch_format.INDEX_NAME)
@@ -56,6 +59,7 @@ def _uncommitted(path: Location, names: list[str] | None, leftovers: list[dict[s
         "manifest": names is not None and MANIFEST_FILE in names,
         "values": [],
         "damaged": None,
+        "side_index": None,
         "leftovers": leftovers,
     }
 
@@ -77,6 +81,20 @@ def _kind_of(names: Iterable[str]) -> str:
         if base.endswith(torch_format.SUFFIXES) or base.endswith(".bin.index.json"):
             return "torch"
     return "unknown"
+
+
+def side_index(where: Location, kind: str, memory_limit: int | None = None) -> IndexUse | None:
+    """Whether the DCP checkpoint at ``where`` has a side index valid for its ``.metadata``, as a
+    ``load(into=)`` would find it now (None: not a DCP checkpoint, or its ``.metadata`` unreadable:
+    the checkpoint's own checks say why)."""
+    if kind != "dcp":
+        return None
+    if not isinstance(where, Path):
+        return IndexUse(NOT_ASKED, "object storage: only a local checkpoint's index is read")
+    try:
+        return index_state(where, memory_limit)
+    except (ParallelDCPError, OSError):
+        return None
 
 
 def _file_leftovers(path: Location) -> list[dict[str, Any]]:
@@ -169,6 +187,7 @@ def inspect_checkpoint(
         "manifest": names is not None and MANIFEST_FILE in names,
         "values": [{"key": k, "bytes": source.value_bytes(k)} for k in source.values if k not in source.entries],
         "key_list": [_listed(source, k) for k in listed],
+        "side_index": use.as_dict() if (use := side_index(where, source.kind)) is not None else None,
         "leftovers": leftovers,
     }
 
@@ -218,6 +237,8 @@ def describe(info: dict[str, Any]) -> str:
         lines.append(
             f"  stored {format_bytes(info['stored_bytes'])} for {format_bytes(info['total_bytes'])}{ratio}{zstd}"
         )
+    if info.get("side_index") is not None:  # what a load(into=) reads its plan from
+        lines.append(f"  {printable(_index_state(info['side_index']))}")
     for dtype, slot in sorted(info["dtypes"].items(), key=lambda kv: -kv[1]["bytes"]):
         tensors = "tensor " if slot["tensors"] == 1 else "tensors"
         lines.append(f"  {dtype:<14}{slot['tensors']:>8} {tensors} {format_bytes(slot['bytes']):>12}")
@@ -233,6 +254,11 @@ def describe(info: dict[str, Any]) -> str:
             f"{plural(len(left['files']), 'file')}"
         )
     return "\n".join(lines)
+
+
+def _index_state(found: dict[str, Any]) -> str:
+    """:meth:`IndexUse.state` of the ``side_index`` an :func:`inspect_checkpoint` result holds."""
+    return IndexUse(found["reason"], found["detail"], found["bytes"]).state()
 
 
 def describe_key_list(info: dict[str, Any]) -> str:

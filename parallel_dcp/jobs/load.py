@@ -70,7 +70,7 @@ from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, locat
 from parallel_dcp.storage.metadata import (
     SafeLoadPlanner,
     check_shards,
-    read_index_or_metadata,
+    read_index_or_metadata_use,
     read_metadata_columns,
     reading,
     unpickle_value,
@@ -79,6 +79,7 @@ from parallel_dcp.storage.metadata_check import WholeRecords
 from parallel_dcp.storage.prefetch import Prefetch, plan_prefetch
 from parallel_dcp.storage.read_choice import ReadChoice, known_read_choice, read_choice
 from parallel_dcp.storage.side_index_read import SideIndex
+from parallel_dcp.storage.side_index_use import NOT_ASKED, IndexUse
 
 __all__ = ["check_target", "load"]
 
@@ -170,10 +171,13 @@ def _load(
     metadata: Metadata | None
     if into is not None and not (options.retries or options.task_timeout is not None):
         # our writers' columnar side index where it matches .metadata byte for byte (no unpickling)
-        metadata, columns, index = read_index_or_metadata(location, memory_limit=options.memory_ceiling())
+        metadata, columns, index, use = read_index_or_metadata_use(location, memory_limit=options.memory_ceiling())
     else:
         metadata, columns = read_metadata_columns(location, memory_limit=options.memory_ceiling())
+        use = IndexUse(NOT_ASKED, "only load(into=) in this process reads it (no retries, task_timeout, dtype=)")
     if metadata is not None and into is None and (options.retries or options.task_timeout is not None):
+        if stats is not None:  # (the workers count nothing else here)
+            stats.add(ReadStats(index=use))
         return _load_with_processes(location, metadata, keys, options, trust_pickle)
     if into is not None and (options.retries or options.task_timeout is not None):
         raise ValueError("into= is filled by threads in this process: retries and task_timeout need worker processes")
@@ -298,6 +302,7 @@ def _load(
         )
     done.read_choice = choice
     done.prefetch = plan
+    done.index = use
     if stats is not None:
         stats.add(done)
     if into is not None:

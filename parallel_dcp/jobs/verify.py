@@ -33,6 +33,7 @@ from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dcp_format import DcpSource
 from parallel_dcp.jobs.diff import values_equal
+from parallel_dcp.jobs.inspect import side_index
 from parallel_dcp.jobs.verify_files import no_checksums_problem, recorded_checksums
 from parallel_dcp.jobs.verify_pass import one_pass_handler, records_by_file
 from parallel_dcp.options import Options
@@ -41,6 +42,7 @@ from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, is_url, locate
 from parallel_dcp.storage.manifest import FileDigest, file_digest
 from parallel_dcp.storage.read_choice import ReadChoice, read_choice
+from parallel_dcp.storage.side_index_use import DAMAGED, UNSAFE, IndexUse
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -63,6 +65,11 @@ class VerifyReport:
     # How the one pass read the shards (io="auto": as measured on their file system); None when
     # it did not run.
     read_choice: ReadChoice | None = None
+    # A DCP checkpoint's side index: valid for its .metadata, or why a load(into=) reads .metadata
+    # (absent or stale is legitimate: stock DCP writes none and ignores ours); None for other formats.
+    side_index: IndexUse | None = None
+    # Worth a look, not a failure (``ok`` stays True): a damaged or unsafe side index.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -81,6 +88,8 @@ class VerifyReport:
             "problems": self.problems,
             "suggested_dtype": self.suggested_dtype,
             "read_io": self.read_choice.reads if self.read_choice is not None else None,
+            "side_index": self.side_index.as_dict() if self.side_index is not None else None,
+            "warnings": self.warnings,
         }
 
 
@@ -240,12 +249,16 @@ def verify(
             target = dtype or torch.bfloat16  # other tensors are cast only when dtype is given, as convert does
             reference = dequantized_source(reference, target, block_size_of(reference, block_size))
         try:
-            return _verify(source, reference, options, governor, dtype, deep=deep or reference is not None)
+            report = _verify(source, reference, options, governor, dtype, deep=deep or reference is not None)
         finally:
             if reference is not None:
                 reference.close()
     finally:
         source.close()
+    report.side_index = side_index(source.location, source.kind, options.memory_ceiling())
+    if report.side_index is not None and report.side_index.reason in (DAMAGED, UNSAFE):  # a load reads .metadata
+        report.warnings.append(f"{report.side_index.state()} (a load reads .metadata instead)")
+    return report
 
 
 def _header_problem(source: Source, reference: Source, key: str, dtype: torch.dtype | None) -> str | None:

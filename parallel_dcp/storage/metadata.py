@@ -13,6 +13,9 @@ runs code through it. Every read path here uses :class:`SafeLoadPlanner` /
 with :class:`UnsafeCheckpointError` naming the key, unless the caller passed ``trust_pickle``.
 
 The checks of what the file holds are in storage/metadata_check.py (and storage/geometry.py).
+
+Longer than 300 lines because the side index is chosen in ``.metadata``'s place inside its one
+open (the index is bound to the bytes that open reads), and that choice says why (issue 32).
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from parallel_dcp.storage.location import Location, Remote, file_size, listdir, 
 from parallel_dcp.storage.metadata_check import WholeRecords, check_metadata_fields
 from parallel_dcp.storage.plain_values import plain_value
 from parallel_dcp.storage.safe_reader import open_bounded
-from parallel_dcp.storage.side_index_read import SideIndex, read_index
+from parallel_dcp.storage.side_index_read import SideIndex, examine_index
+from parallel_dcp.storage.side_index_use import NOT_ASKED, IndexUse
 
 __all__ = [
     "METADATA_MEMORY_FACTOR",
@@ -52,6 +56,7 @@ __all__ = [
     "check_metadata",
     "check_shards",
     "read_index_or_metadata",
+    "read_index_or_metadata_use",
     "read_metadata",
     "read_metadata_columns",
     "reading",
@@ -130,15 +135,24 @@ def read_index_or_metadata(
 ) -> tuple[Metadata | None, WholeRecords, SideIndex | None]:
     """The side index beside a local ``.metadata`` that describes it exactly (side_index_read.py),
     its columns and no Metadata; else as :func:`read_metadata_columns`, and no index."""
+    return read_index_or_metadata_use(path, memory_limit=memory_limit)[:3]
+
+
+def read_index_or_metadata_use(
+    path: str | os.PathLike[str] | Remote, *, memory_limit: int | None = None
+) -> tuple[Metadata | None, WholeRecords, SideIndex | None, IndexUse]:
+    """:func:`read_index_or_metadata`, and which of the two the plan comes from and why
+    (storage.side_index_use.IndexUse)."""
     location = locate(path)
     file = location / ".metadata"
     with _open_metadata(file, path) as (f, size):
+        use = IndexUse(NOT_ASKED, "object storage: only a local checkpoint's index is read")
         if isinstance(location, Path):
-            index = read_index(location, f, size, memory_limit)
+            index, use = examine_index(location, f, size, memory_limit)
             if index is not None:
-                return None, index.columns, index
+                return None, index.columns, index, use
         metadata, columns = _read_metadata(file, f, size, memory_limit)
-        return metadata, columns, None
+        return metadata, columns, None, use
 
 
 def _read_metadata(file: Location, f: BinaryIO, size: int, memory_limit: int | None) -> tuple[Metadata, WholeRecords]:

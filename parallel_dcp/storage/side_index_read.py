@@ -12,11 +12,15 @@
     record, no two records sharing a byte ── then the columns a load reads (WholeRecords)
 
 An index that fails any of this is not used (:func:`read_index` returns None): the caller reads
-``.metadata`` as before, whose own checks then decide. :func:`parse_index` raises instead, naming
+``.metadata`` as before, whose own checks then decide. :func:`examine_index` is the same look and
+also says which check failed first (storage/side_index_use.IndexUse: what ``ReadStats.index``,
+``inspect`` and ``verify`` report). :func:`parse_index` raises instead, naming
 what is wrong (for tests and tools).
 
 Longer than 300 lines because the checks over the columns (one per check of metadata_check.py)
 and the reader that relies on them are one unit: a check moved away is a check a reader can skip.
+Each check names itself where it fails, for the same reason: a reason given apart from its check
+could tell another story than the check did.
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from parallel_dcp import _compat
-from parallel_dcp.engine.memory import default_limit
-from parallel_dcp.errors import CorruptCheckpointError, ParallelDCPError
+from parallel_dcp.engine.memory import default_limit, format_bytes
+from parallel_dcp.errors import CorruptCheckpointError, ParallelDCPError, UnsafeCheckpointError
 from parallel_dcp.storage.location import check_name
 from parallel_dcp.storage.metadata_check import WholeRecords
 from parallel_dcp.storage.safe_reader import open_bounded
@@ -55,8 +59,17 @@ from parallel_dcp.storage.side_index import (
     MAGIC,
     VERSION,
 )
+from parallel_dcp.storage.side_index_use import ABSENT, DAMAGED, OVER_BUDGET, STALE, UNSAFE, IndexUse
 
-__all__ = ["INDEX_MEMORY_FACTOR", "SideIndex", "index_save_id", "parse_index", "read_index"]
+__all__ = [
+    "INDEX_MEMORY_FACTOR",
+    "SideIndex",
+    "examine_index",
+    "index_save_id",
+    "index_state",
+    "parse_index",
+    "read_index",
+]
 
 # Read, the index becomes Python objects (names, tuples, dicts): budgeted like .metadata is
 # (storage.metadata.METADATA_MEMORY_FACTOR), for a file about a third of its size.
@@ -65,6 +78,8 @@ _SMALL = 64 << 20
 _MAX_COORD = 1 << 62
 _MAX_NDIM = 64
 _HASH_PIECE = 1 << 20
+# (stock DCP writes no index; ours write none where an entry is split or compressed: side_index.py)
+_NONE = f"no {INDEX_FILE} beside .metadata"
 _TORCH_DTYPES = [getattr(torch, name, None) for name in DTYPES]
 
 
@@ -124,28 +139,68 @@ class SideIndex:
 def read_index(directory: Path, metadata: BinaryIO, size: int, memory_limit: int | None) -> SideIndex | None:
     """The index beside ``directory/.metadata`` when it describes the ``.metadata`` open as
     ``metadata`` (``size`` bytes; read to its end for the hash, then rewound), else None."""
+    return examine_index(directory, metadata, size, memory_limit)[0]
+
+
+def examine_index(
+    directory: Path, metadata: BinaryIO, size: int, memory_limit: int | None
+) -> tuple[SideIndex | None, IndexUse]:
+    """:func:`read_index`, and why it is None (storage.side_index_use.IndexUse: the first check
+    that failed); the checks and what they refuse are read_index's."""
     name = directory / INDEX_FILE
     if not os.path.lexists(name):
-        return None
+        return None, IndexUse(ABSENT, _NONE)
+    total = 0
     try:
         with open_bounded(name) as stream:
             total = stream.raw.size  # type: ignore[attr-defined]
             need = total * INDEX_MEMORY_FACTOR
             limit = memory_limit if memory_limit is not None else default_limit() if need > _SMALL else need
-            if total < HEADER.size or need > limit:
-                return None
+            if total < HEADER.size:
+                return None, IndexUse(DAMAGED, f"{total} bytes, shorter than its header", total)
+            if need > limit:
+                over = f"reading it needs up to {format_bytes(need)}, more than the memory limit {format_bytes(limit)}"
+                return None, IndexUse(OVER_BUDGET, over, total)
             head = HEADER.unpack(stream.read(HEADER.size))
-            if head[0] != MAGIC or head[1] != VERSION or head[3] != size or _expected(head) != total:
-                return None
+            if head[0] != MAGIC or head[1] != VERSION or _expected(head) != total:
+                return None, IndexUse(DAMAGED, _bad_header(head, total), total)
+            if head[3] != size:
+                return None, IndexUse(STALE, f"bound to a .metadata of {head[3]} bytes; this one has {size}", total)
             data = stream.read(total)
         # the body's own hash first: a flipped byte in the index (no manifest covers it) is never used
-        if len(data) + HEADER.size != total or xxhash.xxh3_64_intdigest(data) != head[11] or _hash(metadata) != head[4]:
-            return None
-        return parse_index(head, data, name)
-    except (ParallelDCPError, OSError, ValueError):  # unsafe, damaged, vanished: .metadata decides
-        return None
+        if len(data) + HEADER.size != total:
+            return None, IndexUse(DAMAGED, f"shorter than its {total} bytes when read", total)
+        if xxhash.xxh3_64_intdigest(data) != head[11]:
+            return None, IndexUse(DAMAGED, "its columns do not hash to the xxh3_64 in its header", total)
+        if _hash(metadata) != head[4]:
+            return None, IndexUse(
+                STALE, "bound to other .metadata bytes of the same size (their xxh3_64 differs)", total
+            )
+        return parse_index(head, data, name), IndexUse(None, "", total)
+    except UnsafeCheckpointError as exc:  # a symlink, FIFO or directory in its place: never opened
+        return None, IndexUse(UNSAFE, str(exc), total)
+    except (ParallelDCPError, OSError, ValueError) as exc:  # damaged, vanished: .metadata decides
+        if not os.path.lexists(name):
+            return None, IndexUse(ABSENT, f"{INDEX_FILE} went away while it was read")
+        return None, IndexUse(DAMAGED, f"{type(exc).__name__}: {exc}", total)
     finally:
         metadata.seek(0)
+
+
+def index_state(directory: Path, memory_limit: int | None = None) -> IndexUse:
+    """Whether the index beside ``directory/.metadata`` describes it, as a load would find (for
+    inspect and verify; ``.metadata`` opened by the one rule, as a load opens it)."""
+    with open_bounded(directory / ".metadata", buffering=_HASH_PIECE) as metadata:
+        return examine_index(directory, metadata, metadata.raw.size, memory_limit)[1]  # type: ignore[attr-defined]
+
+
+def _bad_header(head: tuple[Any, ...], total: int) -> str:
+    """Which of the header's checks failed (magic, version, the size its counts make)."""
+    if head[0] != MAGIC:
+        return f"not an index: it starts {bytes(head[0])!r}, not {MAGIC!r}"
+    if head[1] != VERSION:
+        return f"version {head[1]}; this reader reads version {VERSION}"
+    return f"its header's counts make {_expected(head)} bytes; the file has {total}"
 
 
 def index_save_id(path: Path) -> str | None:
