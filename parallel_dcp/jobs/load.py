@@ -269,6 +269,7 @@ def _load(
         metadata = index.metadata_for(selected_rest)  # type: ignore[union-attr]
     requests = _requests(metadata, selected_rest, targets, location, rooms)
     fetch.keep(path.name for path in _files(location, requests, small))
+    small = {name: small[name] for name in fetch.order(small)}  # read as the prefetch reads them
     check_shard_sizes(location, _shard_ends(requests, small))  # before anything is read
     # auto: direct or buffered as measured on this file system (once per process), inside the
     # threads' reserved buffers (the probe holds no more per stream than a reading thread)
