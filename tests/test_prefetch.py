@@ -416,3 +416,19 @@ def test_where_sendfile_is_refused_the_windows_are_asked_for(
     ends = covered(advised)
     assert set(ends) == set(read_first(path))
     assert all(ends[name] >= size for name, size in read_first(path).items())
+
+
+def test_the_into_bytes_are_summed_only_as_far_as_the_question_needs() -> None:
+    """Whether an ``into`` is a subset needs its bytes only up to INTO_SHARE of the shards': a
+    whole one is not summed to its end (a tensor's nbytes is a call a key)."""
+    from parallel_dcp.jobs import load as job
+
+    into = {f"t{i}": torch.zeros(4) for i in range(20000)}  # 16 bytes each
+    whole = 16 * len(into)
+    flattened: list[Any] = []
+    assert job._into_bytes(into, flattened) == whole
+    assert list(flattened[0][0]) == list(into)  # flattened once, kept for the load
+    part = job._into_bytes(into, [], enough=whole / 4)
+    assert whole / 4 < part < whole
+    assert job._into_bytes(into, [], enough=whole) == whole
+    assert job._into_bytes({"a": torch.zeros(4), "b": [1, 2]}, [], enough=1) == 16
