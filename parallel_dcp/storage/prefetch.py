@@ -242,6 +242,7 @@ class Prefetch:
     _directory: int | None = None
     _sink: int | None = None  # /dev/null: where sendfile sends what it read
     _sendfile: bool = hasattr(os, "sendfile")
+    _count: threading.Lock = field(default_factory=threading.Lock)  # ``advised`` has two writers
 
     def __enter__(self) -> Prefetch:
         if not self.plan.files or isinstance(self.where, Remote):
@@ -249,7 +250,7 @@ class Prefetch:
         if not (self._sendfile or hasattr(os, "posix_fadvise")):
             return self
         try:
-            self._open()
+            self._open_files()
         except OSError:
             self.close()
             return self
@@ -295,7 +296,7 @@ class Prefetch:
                 os.close(fd)
         self._sink = self._directory = None
 
-    def _open(self) -> None:
+    def _open_files(self) -> None:
         """The directory, the sink and the first files, opened on the caller's thread: every
         system call a prefetch thread makes gives up the GIL and waits to take it back, up to the
         switch interval behind a busy main thread (measured: 35 ms before the first read-ahead of
@@ -361,4 +362,5 @@ class Prefetch:
                 got = min(window, size - offset)
                 os.posix_fadvise(fd, offset, window, os.POSIX_FADV_WILLNEED)
             offset += got
-            self.advised += got
+            with self._count:
+                self.advised += got
