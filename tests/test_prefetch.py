@@ -432,3 +432,16 @@ def test_the_into_bytes_are_summed_only_as_far_as_the_question_needs() -> None:
     assert whole / 4 < part < whole
     assert job._into_bytes(into, [], enough=whole) == whole
     assert job._into_bytes({"a": torch.zeros(4), "b": [1, 2]}, [], enough=1) == 16
+
+
+def test_without_dev_null_the_windows_are_asked_for(
+    small_ckpt: tuple[Path, dict[str, Any]], advised: list[tuple[str, int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, _ = small_ckpt
+    monkeypatch.setattr(prefetch.os, "devnull", str(path / "no such sink" / "null"))
+    plan = prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=False)
+    with prefetch.Prefetch(locate(path), plan) as fetch:
+        fetch.join()
+    ends = covered(advised)
+    assert all(ends.get(name, 0) >= size for name, size in read_first(path).items())
+    assert not fetch._sendfile

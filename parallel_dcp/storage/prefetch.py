@@ -303,7 +303,10 @@ class Prefetch:
         .metadata when the thread opened it). The threads then make only the reading calls."""
         directory = self._directory = open_directory(self.where)  # type: ignore[arg-type]
         if self._sendfile:
-            self._sink = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                self._sink = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+            except OSError:  # (a sandbox without /dev/null) the windows, then
+                self._sendfile = False
         names = [*FIRST, *(name for name, _ in self.plan.files)]
         for number, name in enumerate(names):
             fd: int | None = None
@@ -357,6 +360,8 @@ class Prefetch:
                     continue
                 if not got:  # the file shrank since its size was read
                     return
+            elif not hasattr(os, "posix_fadvise"):  # (macOS: sendfile sends to sockets alone)
+                return
             else:
                 window = window or read_ahead_window(os.fstat(fd).st_dev)
                 got = min(window, size - offset)
