@@ -1,12 +1,15 @@
-"""Shards prefetched into the page cache while .metadata is parsed (storage/prefetch.py): asked for
-(POSIX_FADV_WILLNEED) for the files a load of many small records reads, never for a checkpoint of
-big tensors, O_DIRECT reads, object storage or a subset of the keys; never through a symlink; the
+"""Shards prefetched into the page cache while .metadata is parsed (storage/prefetch.py): read ahead
+(sendfile to /dev/null, or POSIX_FADV_WILLNEED where sendfile is refused) for the files a load of
+many small records reads, never for a checkpoint of big tensors, O_DIRECT reads, object storage or
+a subset of the keys; never through a symlink; read in the order the load then reads them; the
 loads stay byte-equal."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +29,22 @@ WILLNEED = os.POSIX_FADV_WILLNEED
 
 @pytest.fixture
 def advised(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
-    """(the file's real path, offset, length) of every WILLNEED asked for, through the real call."""
+    """(the file's real path, offset, length) of every read ahead: each sendfile to /dev/null (as
+    it starts, with the bytes it asks for) and each WILLNEED asked for, through the real calls."""
     calls: list[tuple[str, int, int]] = []
-    real = os.posix_fadvise
+    real, real_sendfile = os.posix_fadvise, os.sendfile
 
     def recorded(fd: int, offset: int, length: int, advice: int) -> None:
         if advice == WILLNEED:
             calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
         real(fd, offset, length, advice)
 
+    def sent(out: int, fd: int, offset: int, count: int) -> int:
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, count))
+        return real_sendfile(out, fd, offset, count)
+
     monkeypatch.setattr(os, "posix_fadvise", recorded)
+    monkeypatch.setattr(os, "sendfile", sent)
     return calls
 
 
@@ -72,9 +81,13 @@ def covered(calls: list[tuple[str, int, int]]) -> dict[str, int]:
 
 @pytest.mark.parametrize("into", [True, False])
 def test_many_small_records_prefetch_every_shard_whole(
-    small_ckpt: tuple[Path, dict[str, Any]], advised: list[tuple[str, int, int]], into: bool
+    small_ckpt: tuple[Path, dict[str, Any]],
+    advised: list[tuple[str, int, int]],
+    monkeypatch: pytest.MonkeyPatch,
+    into: bool,
 ) -> None:
     path, sd = small_ckpt
+    monkeypatch.setattr(prefetch, "STREAMS", 1)  # one stream: the order asked is the order read
     target = empty_like_state(sd) if into else None
     out = parallel_dcp.load(path, io="buffered", into=target, workers=2)
     assert_same(out, sd)
@@ -139,8 +152,8 @@ def test_wanted_under_the_share_asks_for_no_shard(
     fetch = prefetch.Prefetch(locate(path), plan)
     fetch.wanted(plan.nbytes // 4)
     with fetch:
-        assert fetch._thread is not None
-        fetch._thread.join()
+        assert fetch._threads
+        fetch.join()
     assert {name for name, _, _ in advised} == set(firsts(path))
 
 
@@ -222,8 +235,8 @@ def test_keep_stops_asking_for_files_the_plan_does_not_read(
     fetch = prefetch.Prefetch(locate(path), plan)
     fetch.keep([first])
     with fetch:
-        assert fetch._thread is not None
-        fetch._thread.join()  # every request issued (not stopped early by the exit)
+        assert fetch._threads
+        fetch.join()  # every file read (not stopped early by the exit)
     assert set(covered(advised)) == {*firsts(path), str((path / first).resolve())}
     assert covered(advised)[str((path / first).resolve())] >= dict(plan.files)[first]
     assert fetch.advised == dict(plan.files)[first] + sum(firsts(path).values())
@@ -310,3 +323,125 @@ def test_the_loads_stats_say_what_the_prefetch_decided(small_ckpt: tuple[Path, d
     stats = parallel_dcp.ReadStats()
     parallel_dcp.load(tmp_path / "big", io="buffered", stats=stats)
     assert stats.prefetch is not None and "few large records" in stats.prefetch.reason
+
+
+@pytest.fixture(scope="module")
+def scrambled_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """Many small records whose shards the records list out of name order (the columns' order:
+    the keys' order; the shards' names: the save's tasks)."""
+    sd = many_small(2000)
+    path = tmp_path_factory.mktemp("prefetch") / "scrambled"
+    parallel_dcp.save(sd, path, workers=2)
+    return path, sd
+
+
+def test_the_read_stage_takes_the_shards_in_the_prefetchs_order(
+    scrambled_ckpt: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cold, the disk reads the shards in the prefetch's order: a read stage that took them in
+    the records' order waited on the shard the disk reads last while the first ones sat cached
+    (measured: 0.24 s of 0.51 in one preadv, 50,000 small records)."""
+    from parallel_dcp.formats import small_reads
+    from parallel_dcp.storage.metadata import read_index_or_metadata
+
+    path, sd = scrambled_ckpt
+    _, columns, _ = read_index_or_metadata(locate(path))
+    records_order = list(dict.fromkeys(record[1] for record in columns.records))
+    plan = prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=False)
+    prefetched = [name for name, _ in plan.files]
+    assert records_order != prefetched and set(records_order) == set(prefetched)  # (else nothing to show)
+    read: list[str] = []
+    real = small_reads.SmallUnit.run
+
+    def run(self: small_reads.SmallUnit, *args: Any, **kwargs: Any) -> Any:
+        read.append(self.name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(small_reads.SmallUnit, "run", run)
+    out = parallel_dcp.load(path, io="buffered", into=empty_like_state(sd), workers=1)  # one thread: in order
+    assert_same(out, sd)
+    assert list(dict.fromkeys(read)) == prefetched
+
+
+def test_order_puts_the_prefetched_files_first_in_the_prefetchs_order(
+    scrambled_ckpt: tuple[Path, dict[str, Any]],
+) -> None:
+    path, _ = scrambled_ckpt
+    plan = prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=False)
+    names = [name for name, _ in plan.files]
+    fetch = prefetch.Prefetch(locate(path), plan)
+    assert fetch.order(["other_b", *reversed(names), "other_a"]) == [*names, "other_b", "other_a"]
+    assert prefetch.Prefetch(locate(path), prefetch.PrefetchPlan()).order(["b", "a"]) == ["b", "a"]
+
+
+def test_the_threads_make_no_call_but_the_reads(
+    small_ckpt: tuple[Path, dict[str, Any]], advised: list[tuple[str, int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each system call in a prefetch thread gives up the GIL and waits to take it back behind the
+    busy main thread (up to 5 ms each): the files are opened and measured before the threads
+    start (measured: 35 ms to the first read-ahead when the thread opened them itself)."""
+    path, _ = small_ckpt
+    opened: list[str] = []
+    real = prefetch.open_regular
+
+    def recorded(directory: int | None, name: Any, **kwargs: Any) -> int:
+        opened.append(threading.current_thread().name)
+        return real(directory, name, **kwargs)
+
+    monkeypatch.setattr(prefetch, "open_regular", recorded)
+    plan = prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=False)
+    opened.clear()  # (the plan's own look at the sizes)
+    with prefetch.Prefetch(locate(path), plan) as fetch:
+        fetch.join()
+    assert len(opened) == len(plan.files) + len(prefetch.FIRST)
+    assert set(opened) == {threading.main_thread().name}
+    assert set(covered(advised)) == set(read_first(path))
+    assert fetch.advised == sum(read_first(path).values())
+
+
+def test_where_sendfile_is_refused_the_windows_are_asked_for(
+    small_ckpt: tuple[Path, dict[str, Any]], advised: list[tuple[str, int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, sd = small_ckpt
+    refused: list[int] = []
+
+    def no_sendfile(out: int, fd: int, offset: int, count: int) -> int:
+        refused.append(fd)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "sendfile", no_sendfile)  # (advised now records the WILLNEEDs alone)
+    out = parallel_dcp.load(path, io="buffered", into=empty_like_state(sd), workers=2)
+    assert_same(out, sd)
+    assert 1 <= len(refused) <= prefetch.STREAMS  # each stream finds out once, then asks
+    ends = covered(advised)
+    assert set(ends) == set(read_first(path))
+    assert all(ends[name] >= size for name, size in read_first(path).items())
+
+
+def test_the_into_bytes_are_summed_only_as_far_as_the_question_needs() -> None:
+    """Whether an ``into`` is a subset needs its bytes only up to INTO_SHARE of the shards': a
+    whole one is not summed to its end (a tensor's nbytes is a call a key)."""
+    from parallel_dcp.jobs import load as job
+
+    into = {f"t{i}": torch.zeros(4) for i in range(20000)}  # 16 bytes each
+    whole = 16 * len(into)
+    flattened: list[Any] = []
+    assert job._into_bytes(into, flattened) == whole
+    assert list(flattened[0][0]) == list(into)  # flattened once, kept for the load
+    part = job._into_bytes(into, [], enough=whole / 4)
+    assert whole / 4 < part < whole
+    assert job._into_bytes(into, [], enough=whole) == whole
+    assert job._into_bytes({"a": torch.zeros(4), "b": [1, 2]}, [], enough=1) == 16
+
+
+def test_without_dev_null_the_windows_are_asked_for(
+    small_ckpt: tuple[Path, dict[str, Any]], advised: list[tuple[str, int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, _ = small_ckpt
+    monkeypatch.setattr(prefetch.os, "devnull", str(path / "no such sink" / "null"))
+    plan = prefetch.plan_prefetch(locate(path), "buffered", whole=True, allocates=False)
+    with prefetch.Prefetch(locate(path), plan) as fetch:
+        fetch.join()
+    ends = covered(advised)
+    assert all(ends.get(name, 0) >= size for name, size in read_first(path).items())
+    assert not fetch._sendfile
