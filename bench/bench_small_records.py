@@ -54,7 +54,8 @@ try:  # after: the side index's checks (storage/side_index_read.py)
 except ImportError:
     pass
 wrap(jl, "_flatten_into", "flatten into")
-for name in ("_requests", "_small_records", "_small_targets", "_shard_ends", "check_shards", "check_shard_sizes"):
+for name in ("_requests", "_small_records", "_small_targets", "_shard_ends", "check_shards", "check_shard_sizes",
+             "plan_requests", "small_records", "small_targets", "shard_ends"):  # (names since jobs/load_plan.py)
     wrap(jl, name, "plan")
 wrap(jl.fast_read, "read_requests", "read+check+fill")
 _plan = getattr(jl, "plan_prefetch", None)

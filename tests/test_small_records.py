@@ -280,7 +280,7 @@ def test_whole_small_records_build_no_read_item_per_key(
 ) -> None:
     """load(into=) of many whole small records plans them as plain columns: no read item and no
     request object per key (each cost more than reading the record); the result is stock's."""
-    from parallel_dcp.jobs import load as load_job
+    from parallel_dcp.jobs import load_plan as load_job
 
     sd = optimizer_like()
     write(kind, sd, tmp_path / "ckpt")
