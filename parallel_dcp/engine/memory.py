@@ -284,6 +284,9 @@ class MemoryGovernor:
         self._next_relaxed = 0.0
         self._read_cost = 0.0
         self.settle_seconds = 0.0
+        # The workers' psutil handles, kept from one watch to the next: making one reads the
+        # process's stat (46 us against 17 for the resident size alone), every 50 ms per worker.
+        self._procs: dict[int, psutil.Process] = {}
 
     def reserve(self, nbytes: int, what: str) -> None:
         """Set aside memory the whole job holds (a load's output); fail now if it cannot fit."""
@@ -468,11 +471,18 @@ class MemoryGovernor:
 
     def _rss_bound(self, worker_pids: Iterable[int]) -> int:
         bound = max(0, _rss(self._me) - self._rss_baseline)
+        known, self._procs = self._procs, {}
         for pid in worker_pids:
-            try:
-                bound += _rss(psutil.Process(pid))
-            except psutil.NoSuchProcess:
-                continue
+            # A kept handle reads the pid's resident size as a new one would (neither checks that
+            # the pid is still the process it was made for); the pids not asked about are dropped.
+            proc = known.get(pid)
+            if proc is None:
+                try:
+                    proc = psutil.Process(pid)
+                except psutil.NoSuchProcess:
+                    continue
+            self._procs[pid] = proc
+            bound += _rss(proc)
         return bound
 
     def read(self, worker_pids: Iterable[int], *, exact: bool = False) -> Reading:

@@ -63,3 +63,19 @@ class TaskPart:
 
     task: Task
     part: Any
+    # ``task`` pickled, where the pool kept it from an earlier run of the same tasks (a Saver's
+    # saves of one layout): pickled in its place, so that its keys (thousands of strings) are not
+    # pickled again by the coordinator at every save. The worker gets the task; this is None there.
+    pickled_task: bytes | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.pickled_task is None:
+            return (TaskPart, (self.task, self.part))
+        return (_task_part, (self.pickled_task, self.part))
+
+
+def _task_part(pickled_task: bytes, part: Any) -> TaskPart:
+    """A :class:`TaskPart` unpickled from its task's kept pickle (``TaskPart.__reduce__``)."""
+    with gc_paused():
+        task = pickle.loads(pickled_task)
+    return TaskPart(task, part)

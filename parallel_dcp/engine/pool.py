@@ -270,6 +270,7 @@ class WorkerPool:
         self._new_handler: _NewHandler | None = None
         self._parts: Callable[[Task], Any] | None = None
         self._primed: set[int] = set()
+        self._pickled: dict[int, tuple[Task, bytes]] = {}  # id(task) -> (task, its pickle): _message
         # Seconds the last run spent waiting on its workers (the rest of it: the coordinator's own
         # work, handing tasks out and taking results in, while the workers work).
         self.waited_seconds = 0.0
@@ -366,6 +367,10 @@ class WorkerPool:
         self._new_handler = _NewHandler(RemoteBytes.of(pickled)) if pickled is not None else None
         self._parts = parts
         self._primed = set()
+        # The pickles of this run's tasks kept from the last run (a Saver's next save of a layout
+        # runs the same Task objects): the others dropped, so the memo holds one run's tasks.
+        kept = self._pickled
+        self._pickled = {id(t): kept[id(t)] for t in tasks if id(t) in kept and kept[id(t)][0] is t}
         tick = governor.interval if governor is not None else None
         if on_tick is not None:
             tick = min(tick or _PROGRESS_TICK_S, _PROGRESS_TICK_S)
@@ -482,8 +487,19 @@ class WorkerPool:
                 if self._new_handler is not None and worker not in self._primed:
                     self._primed.add(worker)
                     _send(self._conns[worker], self._new_handler)
-                _send(self._conns[worker], task if self._parts is None else _TaskPart(task, self._parts(task)))
+                _send(self._conns[worker], self._message(task))
             running[worker] = (task, time.monotonic())
+
+    def _message(self, task: Task) -> Any:
+        """What a worker receives for ``task``: the task, or with its part of the job and its
+        pickle kept from an earlier run of the same Task object (``_pickled``)."""
+        if self._parts is None:
+            return task
+        kept = self._pickled.get(id(task))
+        if kept is None or kept[0] is not task:
+            kept = (task, pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL))
+            self._pickled[id(task)] = kept
+        return _TaskPart(task, self._parts(task), kept[1])
 
     def _send_ahead(
         self,
@@ -510,7 +526,7 @@ class WorkerPool:
             ):
                 return
             pending.popleft()
-            message = task if self._parts is None else _TaskPart(task, self._parts(task))
+            message = self._message(task)
             data = bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
             ahead[worker] = (task, data)
             # A worker that died meanwhile closed its pipe: its sentinel reports it (and both tasks
