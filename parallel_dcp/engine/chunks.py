@@ -90,7 +90,7 @@ class ChunkUnit(str):
 def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself when its storage is exactly its bytes; for a contiguous view into a larger
     storage (a row range of a tensor), an alias over just its bytes (no copy). Other views are
-    returned as they are (the writer copies them).
+    returned as they are (the writer copies them). The alias requires grad where ``tensor`` does.
 
     DCP copies any tensor whose storage is larger than its elements, so that ``torch.save`` does not
     write the whole storage: a chunk of a 10 GiB embedding would otherwise cost a copy of itself.
@@ -98,8 +98,10 @@ def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0 or not tensor.is_contiguous() or tensor.untyped_storage().nbytes() == nbytes:
         return tensor
-    flat_bytes = tensor.reshape(-1).view(torch.uint8)  # numpy has no bfloat16 / float8: go through bytes
-    return torch.from_numpy(flat_bytes.numpy()).view(tensor.dtype).reshape(tensor.shape)
+    flat_bytes = tensor.detach().reshape(-1).view(torch.uint8)  # numpy has no bfloat16 / float8: bytes
+    alias = torch.from_numpy(flat_bytes.numpy()).view(tensor.dtype).reshape(tensor.shape)
+    # (.metadata records requires_grad, as stock's save does from the tensor it was given)
+    return alias.requires_grad_() if tensor.requires_grad else alias
 
 
 def chunk_threshold(total_bytes: int, workers: int, task_budget: int) -> int:

@@ -31,6 +31,7 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from operator import attrgetter
 from typing import Any
 
@@ -52,7 +53,7 @@ __all__ = ["PENDING_MIN_BYTES", "RemoteMemorySource", "SourcePart"]
 # costs more in per-tensor calls (a copy call, a fill) than its copy through a gathered buffer.
 PENDING_MIN_BYTES = 64 * 1024
 
-_dtype, _shape = attrgetter("dtype"), attrgetter("shape")
+_dtype, _shape, _grad = attrgetter("dtype"), attrgetter("shape"), attrgetter("requires_grad")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,8 @@ class _Layout:
 class SourcePart:
     """The columns a worker reads a task's keys from (:meth:`RemoteMemorySource.part`): per tensor
     its key, dtype, sizes, strides and address in the coordinator; the task's other values and
-    its keys' paths in the nesting (DCP's ``planner_data``)."""
+    its keys' paths in the nesting (DCP's ``planner_data``); ``grads``: the keys whose tensor
+    requires grad (DCP records it in ``.metadata``: a Saver writes what ``save`` does)."""
 
     keys: list[str]
     dtypes: list[torch.dtype]
@@ -95,6 +97,12 @@ class SourcePart:
     addresses: list[int]
     values: dict[str, Any]
     mapping: dict[str, tuple[Any, ...]]
+    grads: frozenset[str] = frozenset()
+
+
+def _requiring_grad(keys: Sequence[str], tensors: Iterable[torch.Tensor]) -> frozenset[str]:
+    """The keys whose tensor requires grad (one C pass over the tensors)."""
+    return frozenset(compress(keys, map(_grad, tensors)))
 
 
 def _rebuilt(
@@ -148,6 +156,8 @@ class RemoteMemorySource(MemorySource):
     pending_writes: bool = True
     _owner: int = 0
     _layouts: dict[str, _Layout] = field(default_factory=dict, repr=False)
+    # In a worker: the keys whose tensor requires grad in the coordinator (read back as such).
+    _grads: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -198,6 +208,7 @@ class RemoteMemorySource(MemorySource):
             list(map(torch.Tensor.stride, tensors)),
             list(map(torch.Tensor.data_ptr, tensors)),
         )
+        state["_grads"] = _requiring_grad(tuple(self.entries), tensors)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -215,7 +226,7 @@ class RemoteMemorySource(MemorySource):
         source = object.__new__(type(self))
         source.__dict__.update(self.__dict__)
         source.state_dict, source._flat, source.values, source.path = state_dict, flat, values, path
-        source._owner, source._layouts = os.getpid(), {}
+        source._owner, source._layouts, source._grads = os.getpid(), {}, frozenset()
         return source
 
     def shell(self) -> RemoteMemorySource:
@@ -224,7 +235,7 @@ class RemoteMemorySource(MemorySource):
         shell = object.__new__(type(self))
         shell.__dict__.update(self.__dict__)
         shell.state_dict, shell._flat, shell._sizes, shell._layouts = None, {}, {}, {}
-        shell.entries, shell.values, shell.mapping = {}, {}, {}
+        shell.entries, shell.values, shell.mapping, shell._grads = {}, {}, {}, frozenset()
         return shell
 
     def part(self, keys: Sequence[str]) -> SourcePart:
@@ -242,6 +253,7 @@ class RemoteMemorySource(MemorySource):
             list(map(torch.Tensor.data_ptr, tensors)),
             {key: values[key] for key in keys if key in values} if values else {},
             {key: mapping[key] for key in keys if key in mapping},
+            _requiring_grad(tensor_keys, tensors),
         )
 
     def with_part(self, part: SourcePart) -> RemoteMemorySource:
@@ -250,6 +262,7 @@ class RemoteMemorySource(MemorySource):
         source.__dict__.update(self.__dict__)
         source.entries, source._layouts = _rebuilt(part.keys, part.dtypes, part.shapes, part.strides, part.addresses)
         source.values, source.mapping, source._sizes = part.values, part.mapping, {}
+        source._grads = part.grads
         return source
 
     def plain_tensors(self) -> bool:
@@ -304,7 +317,8 @@ class RemoteMemorySource(MemorySource):
         def fill(offset: int, nbytes: int, destination: int) -> None:
             read_into(owner, address + offset, nbytes, destination)
 
-        return PendingTensor(self.entries[key].dtype, layout.sizes, layout.strides, layout.nbytes, fill)
+        grad = key in self._grads
+        return PendingTensor(self.entries[key].dtype, layout.sizes, layout.strides, layout.nbytes, fill, grad)
 
     def _fetch(self, key: str, layout: _Layout) -> torch.Tensor:
         buffer = torch.empty(layout.span, dtype=torch.uint8)
@@ -313,11 +327,13 @@ class RemoteMemorySource(MemorySource):
         return self._shaped(key, layout, buffer)
 
     def _shaped(self, key: str, layout: _Layout, raw: torch.Tensor) -> torch.Tensor:
-        """``raw`` (the span's bytes) viewed as the tensor: its dtype, sizes and strides."""
+        """``raw`` (the span's bytes) viewed as the tensor: its dtype, sizes and strides, and
+        requiring grad where the coordinator's does."""
         dtype = self.entries[key].dtype
         if layout.nbytes == 0:
-            return torch.empty(layout.sizes, dtype=dtype)
-        flat = raw.view(dtype)
-        if layout.contiguous:
-            return flat.view(layout.sizes)
-        return torch.as_strided(flat, layout.sizes, layout.strides)
+            shaped = torch.empty(layout.sizes, dtype=dtype)
+        elif layout.contiguous:
+            shaped = raw.view(dtype).view(layout.sizes)
+        else:
+            shaped = torch.as_strided(raw.view(dtype), layout.sizes, layout.strides)
+        return shaped.detach().requires_grad_() if key in self._grads else shaped

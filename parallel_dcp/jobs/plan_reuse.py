@@ -18,8 +18,9 @@ keeps) does that work for the first save of a layout only:
                                                  non-tensor value; the others made again
 
 The layout (:class:`Layout`) is what the listing and the plan depend on: every key in order, its
-nesting, each tensor's type, dtype, shape and strides (that it is a CPU strided tensor: checked
-again where its bytes moved), each other value's key and size (``Source.value_bytes``), and
+nesting, each tensor's type, dtype, shape, strides and ``requires_grad`` (which ``.metadata``
+records; that it is a CPU strided tensor: checked again where its bytes moved), each other
+value's key and size (``Source.value_bytes``), and
 whether the writers copy large tensors themselves (``pending_writes``). Not in it: where the
 tensors lie (the parts carry addresses: compared, the parts made again where they moved), storage
 shared between tensors (a worker copies each tensor's own bytes; nothing is planned by storage),
@@ -37,7 +38,8 @@ guard: ~0.3 us a key), and the Python passes run only where it refuses (it compa
 refusal is no verdict). A
 caller that knows its layout did not change says so (``Saver.save(layout_unchanged=True)``) and
 they are compared only for the tensors whose bytes moved; a broken promise (a tensor reshaped or
-retyped over the same bytes) is written with the shape, strides and dtype of the save before.
+retyped over the same bytes, or its ``requires_grad`` switched) is written with the shape,
+strides, dtype and ``requires_grad`` of the save before.
 
 The memo holds no tensor and no value of a past save: the listing is kept without them. It keeps
 the last ``LAYOUTS`` layouts (a loop that saves its model and its optimizer in turn finds both).
@@ -72,6 +74,7 @@ __all__ = ["LAYOUTS", "Layout", "PlanReuse"]
 
 _kind = attrgetter("dtype", "shape")
 _stride, _address = torch.Tensor.stride, torch.Tensor.data_ptr
+_grad = attrgetter("requires_grad")
 # Partitions (and item lists) kept per layout: a few decisions (worker counts, limits) at a time.
 _KEPT = 4
 # Layouts kept: a training loop's model and optimizer, saved in turn, and a few more.
@@ -90,6 +93,7 @@ class Layout:
     types: list[type]
     kinds: list[tuple[torch.dtype, torch.Size]]  # each tensor's dtype and shape
     strides: list[tuple[int, ...]]
+    grads: list[bool]  # each tensor's requires_grad (.metadata records it; the parts carry it)
     value_sizes: list[int]
     pending_writes: bool
     nesting: Skeleton | None  # the containers flattened (formats/nesting.py): None, flatten again
@@ -166,6 +170,7 @@ class PlanReuse:
             types=list(map(type, tensors)),
             kinds=list(map(_kind, tensors)),
             strides=list(map(_stride, tensors)),
+            grads=list(map(_grad, tensors)),
             value_sizes=list(map(source.value_bytes, source.values)),
             pending_writes=source.pending_writes,
             nesting=skeleton(state_dict),
@@ -347,10 +352,11 @@ def _reopen(
 
 
 def _same_kinds(kept: _Kept, tensors: list[torch.Tensor]) -> bool:
-    """Whether every tensor has the dtype, shape and strides of ``kept``'s layout: in one C pass
-    (``kept.guard``: 0.3 us a key at 50,000, against 1.2 for the two Python passes) where it
-    says so; else by those passes, which decide (the guard is stricter: it also compares each
-    tensor's device, dispatch keys and ``requires_grad``, and its False is no verdict). The guard
+    """Whether every tensor has the dtype, shape, strides and ``requires_grad`` of ``kept``'s
+    layout: in one C pass (``kept.guard``: 0.3 us a key at 50,000, against 1.2 for the dtype,
+    shape and strides passes in Python) where it says so; else by the Python passes, which decide
+    (the guard is stricter: it also compares each tensor's device and dispatch keys, and its False
+    is no verdict). The guard
     is made from the first tensors the Python passes found laid out as the layout (and again
     where it refused tensors they accept: it then holds what this layout's tensors now are), so
     its True means what theirs does.
@@ -362,7 +368,11 @@ def _same_kinds(kept: _Kept, tensors: list[torch.Tensor]) -> bool:
     if guard is not None and guard(tensors):
         return True
     layout = kept.layout
-    if list(map(_kind, tensors)) != layout.kinds or list(map(_stride, tensors)) != layout.strides:
+    if (
+        list(map(_kind, tensors)) != layout.kinds
+        or list(map(_stride, tensors)) != layout.strides
+        or list(map(_grad, tensors)) != layout.grads
+    ):
         return False
     kept.guard = _compat.layout_guard(tensors, [shape for _, shape in layout.kinds], layout.strides)
     return True

@@ -44,8 +44,8 @@ class PendingTensor:
     strides: tuple[int, ...]
     nbytes: int
     fill: Callable[[int, int, int], None]
-    # What a tensor read into a fresh buffer would say (DCP records both in .metadata).
-    requires_grad = False
+    # The owner's tensor's (DCP records it in .metadata, as stock's save does from the tensor).
+    requires_grad: bool = False
 
     def is_pinned(self) -> bool:
         return False
