@@ -47,6 +47,7 @@ def wrap(mod, name, label):
 wrap(jl, "read_metadata", "metadata")            # before
 wrap(jl, "read_metadata_columns", "metadata")    # after
 wrap(jl, "read_index_or_metadata", "metadata")    # after, with the side index
+wrap(jl, "read_index_or_metadata_use", "metadata")  # after, saying whether the index was used
 wrap(sm, "check_metadata", "metadata check")
 try:  # after: the side index's checks (storage/side_index_read.py)
     from parallel_dcp.storage import side_index_read as sir
