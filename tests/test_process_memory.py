@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import pytest
 
@@ -235,26 +237,9 @@ def test_neighbours_starting_and_exiting_do_not_move_the_cheap_charge() -> None:
         subject.do("alloc 16")
         reader = ChargeReader()
         _, (alone,) = _reading(reader, [subject.pid])
-        neighbours = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    "import sys, torch; torch.ones(8).sum(); print('up', flush=True); sys.stdin.read()",
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-            )
-            for _ in range(3)
-        ]
-        try:
-            for proc in neighbours:
-                assert proc.stdout is not None and proc.stdout.readline().strip() == b"up"
+        with _torch_neighbours(3):
             cheap = reader.charge(subject.pid, process_memory.CHEAP)[0]
             rolled = reader.charge(subject.pid, process_memory.ROLLUP)[0]
-        finally:
-            for proc in neighbours:
-                proc.communicate(b"", timeout=60)
         after_cheap = reader.charge(subject.pid, process_memory.CHEAP)[0]
         after_rolled = reader.charge(subject.pid, process_memory.ROLLUP)[0]
         after_exact = reader.charge(subject.pid, process_memory.FULL)[0]
@@ -270,6 +255,24 @@ def test_neighbours_starting_and_exiting_do_not_move_the_cheap_charge() -> None:
     assert abs(after_exact - alone) < 4 * MiB
 
 
+@contextlib.contextmanager
+def _torch_neighbours(count: int) -> Iterator[None]:
+    """``count`` other processes that imported torch (mapping the same shared libraries), up
+    while the block runs, gone after it."""
+    code = "import sys, torch; torch.ones(8).sum(); print('up', flush=True); sys.stdin.read()"
+    neighbours = [
+        subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        for _ in range(count)
+    ]
+    try:
+        for proc in neighbours:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == b"up"
+        yield
+    finally:
+        for proc in neighbours:
+            proc.communicate(b"", timeout=60)
+
+
 def test_the_charge_stays_while_other_torch_processes_start_and_exit() -> None:
     """The cause of false MemoryLimitExceeded on a busy machine: another process mapping the same
     shared libraries moves this process's PSS (by ~100 MiB with three neighbours on a quiet
@@ -283,22 +286,8 @@ def test_the_charge_stays_while_other_torch_processes_start_and_exit() -> None:
     (measured,) = _torch_children(1)
     try:
         charged_alone = charged_memory(measured.pid)[0]
-        neighbour = "import sys, torch; torch.ones(8).sum(); print('up', flush=True); sys.stdin.read()"
-        neighbours = [
-            subprocess.Popen(
-                [sys.executable, "-c", neighbour],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-            )
-            for _ in range(3)
-        ]
-        try:
-            for proc in neighbours:
-                assert proc.stdout is not None and proc.stdout.readline().strip() == b"up"
+        with _torch_neighbours(3):
             charged_shared = charged_memory(measured.pid)[0]
-        finally:
-            for proc in neighbours:
-                proc.communicate(b"", timeout=60)
         charged_after = charged_memory(measured.pid)[0]
     finally:
         measured.communicate(b"", timeout=60)
