@@ -135,7 +135,9 @@ def test_a_busy_thread_starved_of_a_core_still_counts() -> None:
         "import os, subprocess, sys, threading, time\n"
         "from parallel_dcp.jobs import shared_workers\n"
         "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"  # this thread and what it starts
-        "hogs = [subprocess.Popen([sys.executable, '-c', 'while True: pass']) for _ in range(7)]\n"
+        # each hog spins only while this process lives: a test killed by its timeout leaves none
+        "hog = 'import os, sys\\nwhile os.getppid() == int(sys.argv[1]): pass'\n"
+        "hogs = [subprocess.Popen([sys.executable, '-c', hog, str(os.getpid())]) for _ in range(7)]\n"
         "stop = threading.Event()\n"
         "def spin():\n"
         "    while not stop.is_set():\n"
@@ -147,8 +149,8 @@ def test_a_busy_thread_starved_of_a_core_still_counts() -> None:
         "with open(f'/proc/self/task/{busy.native_id}/schedstat') as f:\n"
         "    ran = int(f.read().split()[0]) / 1e9\n"
         "stop.set(); busy.join()\n"
-        "for hog in hogs:\n"
-        "    hog.kill(); hog.wait()\n"
+        "for proc in hogs:\n"
+        "    proc.kill(); proc.wait()\n"
         "print(counted, ran < shared_workers.BUSY_SHARE * 1.5)\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
