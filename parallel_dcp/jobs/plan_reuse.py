@@ -68,7 +68,7 @@ from parallel_dcp.formats.validate import flatten_checked
 from parallel_dcp.jobs import speculation as speculative
 from parallel_dcp.jobs.speculation import Speculation, SpeculativeParts
 from parallel_dcp.jobs.targets import Job
-from parallel_dcp.jobs.task_parts import JobPart, JobParts, job_parts
+from parallel_dcp.jobs.task_parts import JobParts, KeptPart, job_parts
 
 __all__ = ["LAYOUTS", "Layout", "PlanReuse"]
 
@@ -112,7 +112,7 @@ class _Kept:
         self.items: dict[Any, tuple[list[Item], int, int]] = {}
         self.tasks: dict[Any, list[Task]] = {}
         # Pickled parts of the tasks in ``parted`` (the same Task objects), made for ``parted_at``.
-        self.parts: dict[int, bytes | JobPart] = {}
+        self.parts: dict[int, KeptPart] = {}
         self.parted: list[Task] = []
         self.parted_at: list[int] = []
         # The last save of this layout found its tensors where the save before left them: the
@@ -267,7 +267,7 @@ class PlanReuse:
             tasks = _keep(kept.tasks, key, plan(listed, workers, budget))
         return list(tasks)
 
-    def parts(self, job: Job, tasks: Sequence[Task]) -> dict[int, bytes | JobPart] | None:
+    def parts(self, job: Job, tasks: Sequence[Task]) -> dict[int, KeptPart] | None:
         """The parts kept for ``tasks`` of ``job`` (a job part per task index, to take and to
         fill; None: not this save's job): valid while the tasks are the same and the tensors lie
         where they lay when the parts were made."""
