@@ -8,8 +8,9 @@
                tensor was relaid in place ("saver_unchanged": ``layout_unchanged=True``)
     per run    wall seconds, worker seconds (SaveResult.per_worker, summed: P), the workers' handling
                of their tasks outside them (``handling_seconds``, summed: H: taking each task in,
-               pickling its result), phases, executor, the coordinator's own seconds inside the
-               write phase (``SaveResult.coordinator_write_seconds``: C, a Saver's; 0 elsewhere),
+               pickling its result, handing over the one before), phases, executor, the
+               coordinator's own seconds inside the write phase
+               (``SaveResult.coordinator_write_seconds``: C, a Saver's; 0 elsewhere),
                and the slowest worker's per-job seconds (``setup_seconds``: a Saver's worker loading
                the job's shell before its first task; 0 where workers inherit the job)
     pieces     S = wall - P - H (serial; the median of each run's own), in three parts as the code

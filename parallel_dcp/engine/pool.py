@@ -79,7 +79,10 @@ class TaskResult(Generic[R]):
     # run that brings one: the per-job cost each worker pays, outside every task's seconds).
     setup: float = 0.0
     # Seconds the worker spent on this task outside ``seconds``: taking its message (copying and
-    # unpickling it) and pickling its result: each worker's own, beside the others'.
+    # unpickling it) and pickling its result, plus handing over its previous task's result of
+    # the run (writing it into its pipe, trimming its heap after): each worker's own, beside the
+    # others'. (A run's last hand-over is reported with no task: it falls between the tasks and
+    # the commit.)
     handling: float = 0.0
 
 
@@ -94,6 +97,7 @@ def _worker_main(
     _die_with_parent(coordinator)
     broken: BaseException | None = None  # a run's handler that could not be loaded
     setup = 0.0  # seconds spent loading it, reported with the next task's result
+    handed = 0.0  # seconds spent handing over the run's last result, reported with the next one
     # Objects inherited from the coordinator (the state dict's tensors and dicts) go to the
     # permanent generation: the worker's collections skip them instead of copying their pages.
     gc.freeze()
@@ -123,6 +127,7 @@ def _worker_main(
             except BaseException as exc:  # reported with the run's first task on this worker
                 broken = exc
             setup = time.perf_counter() - began
+            handed = 0.0  # a new run: its first task is not charged with the last run's hand-over
             continue
         task: Task = message.task if isinstance(message, _TaskPart) else message
         start = time.perf_counter()
@@ -136,16 +141,18 @@ def _worker_main(
             seconds = time.perf_counter() - start
             pickling = time.perf_counter()
             value = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)  # (its error is the task's)
-            handling = start - taken + time.perf_counter() - pickling
+            handling = start - taken + time.perf_counter() - pickling + handed
             reply: tuple[Any, ...] = ("ok", seconds, value, setup, handling)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             reply = ("error", _error_type(exc), _message_of(exc), traceback.format_exc())
         setup = 0.0  # reported with this run's first task on this worker only
+        sending = time.perf_counter()
         try:
             _send(conn, reply)
         except Exception as exc:  # a result that cannot be pickled is the task's error, not a crash
             _send(conn, ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc()))
         return_freed_memory()
+        handed = time.perf_counter() - sending
 
 
 def _error_type(exc: BaseException) -> str:

@@ -80,7 +80,7 @@ class WorkerStats:
     ``setup_seconds`` spent loading the job before its first task (a Saver's workers, which
     receive each job; 0 for forked workers and threads, which inherit it), and
     ``handling_seconds`` spent on its tasks outside them (taking each task in, pickling its
-    result; 0 for threads)."""
+    result, handing over the one before; 0 for threads)."""
 
     worker: int
     tasks: int
