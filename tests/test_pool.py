@@ -103,11 +103,11 @@ def _large_result_after_a_while(task: Task) -> bytes:
 HANDED_OVER = 64 * 1024 * 1024
 
 
-def test_a_workers_hand_over_of_its_result_counts_as_its_next_tasks_handling() -> None:
+def test_a_workers_hand_over_of_its_result_is_reported_with_its_next_task() -> None:
     # The coordinator stops reading for a second while the first task runs (its progress tick
     # sleeps): the worker, done after 0.3 s, waits in its send of the result. That wait is the
-    # worker's hand-over, parallel with every other worker's: reported as handling (with its
-    # next task), not left outside every measured part (the scaling model's serial part).
+    # worker's hand-over, parallel with every other worker's: reported (with its next task),
+    # not left outside every measured part (the scaling model's serial part).
     paused: list[float] = []
 
     def tick() -> None:
@@ -116,8 +116,8 @@ def test_a_workers_hand_over_of_its_result_counts_as_its_next_tasks_handling() -
             time.sleep(1.0)
 
     with WorkerPool(1, _large_result_after_a_while) as pool:
-        handling = {
-            r.task.index: r.handling for r in pool.run([Task(i, (f"k{i}",), 0) for i in range(2)], on_tick=tick)
-        }
-    assert paused and sorted(handling) == [0, 1]
-    assert handling[1] >= 0.5  # at least the 0.7 s the first result waited in its send
+        results = {r.task.index: r for r in pool.run([Task(i, (f"k{i}",), 0) for i in range(2)], on_tick=tick)}
+    assert paused and sorted(results) == [0, 1]
+    assert results[0].handover == 0  # nothing handed over before the first task
+    assert results[1].handover >= 0.5  # at least the 0.7 s the first result waited in its send
+    assert results[1].handling < results[1].handover  # taking the task in, pickling: apart

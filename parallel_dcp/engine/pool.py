@@ -79,11 +79,12 @@ class TaskResult(Generic[R]):
     # run that brings one: the per-job cost each worker pays, outside every task's seconds).
     setup: float = 0.0
     # Seconds the worker spent on this task outside ``seconds``: taking its message (copying and
-    # unpickling it) and pickling its result, plus handing over its previous task's result of
-    # the run (writing it into its pipe, trimming its heap after): each worker's own, beside the
-    # others'. (A run's last hand-over is reported with no task: it falls between the tasks and
-    # the commit.)
+    # unpickling it) and pickling its result: each worker's own, beside the others'.
     handling: float = 0.0
+    # Seconds the worker spent handing over its previous result of the run (writing it into its
+    # pipe while the coordinator reads it, trimming its heap after): also its own, beside the
+    # others'. A run's last hand-over is reported with no task: it falls before the commit.
+    handover: float = 0.0
 
 
 def _worker_main(
@@ -141,8 +142,8 @@ def _worker_main(
             seconds = time.perf_counter() - start
             pickling = time.perf_counter()
             value = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)  # (its error is the task's)
-            handling = start - taken + time.perf_counter() - pickling + handed
-            reply: tuple[Any, ...] = ("ok", seconds, value, setup, handling)
+            handling = start - taken + time.perf_counter() - pickling
+            reply: tuple[Any, ...] = ("ok", seconds, value, setup, handling, handed)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             reply = ("error", _error_type(exc), _message_of(exc), traceback.format_exc())
         setup = 0.0  # reported with this run's first task on this worker only
@@ -594,7 +595,13 @@ class WorkerPool:
             with gc_paused():
                 value = pickle.loads(reply[2])
             return TaskResult(
-                task=task, worker=worker, seconds=reply[1], value=value, setup=reply[3], handling=reply[4]
+                task=task,
+                worker=worker,
+                seconds=reply[1],
+                value=value,
+                setup=reply[3],
+                handling=reply[4],
+                handover=reply[5],
             )
         _, error_type, message, remote_tb = reply
         kind = StalePlan if error_type == StaleRead.__qualname__ else WorkerError

@@ -80,7 +80,8 @@ class WorkerStats:
     ``setup_seconds`` spent loading the job before its first task (a Saver's workers, which
     receive each job; 0 for forked workers and threads, which inherit it), and
     ``handling_seconds`` spent on its tasks outside them (taking each task in, pickling its
-    result, handing over the one before; 0 for threads)."""
+    result; 0 for threads), and ``handover_seconds`` handing its results over (sending each into
+    its pipe, but the last of a run, which falls before the commit; 0 for threads)."""
 
     worker: int
     tasks: int
@@ -88,6 +89,7 @@ class WorkerStats:
     seconds: float
     setup_seconds: float = 0.0
     handling_seconds: float = 0.0
+    handover_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,5 +508,6 @@ def _per_worker(results: list[TaskResult[Any]]) -> list[WorkerStats]:
             old.seconds + r.seconds,
             old.setup_seconds + r.setup,
             old.handling_seconds + r.handling,
+            old.handover_seconds + r.handover,
         )
     return [stats[w] for w in sorted(stats)]
