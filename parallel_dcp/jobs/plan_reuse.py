@@ -106,7 +106,7 @@ class _Kept:
     def __init__(self, layout: Layout, listing: RemoteMemorySource, job: Job, addresses: list[int]) -> None:
         self.layout = layout
         self.listing = listing
-        self.caches = (job._sizes, job._ordered_sizes, job._positions)  # filled as the job is planned
+        self.caches = (job._sizes, job._ordered_sizes, job._positions, job._totals)  # filled as it is planned
         self.addresses = addresses  # where the current save's tensors lie, in tensor_keys order
         # Per (dtype, chunks) of a job over this layout: its items, their bytes, one task's memory.
         self.items: dict[Any, tuple[list[Item], int, int]] = {}

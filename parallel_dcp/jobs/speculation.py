@@ -53,7 +53,7 @@ class KeptLayout(Protocol):
 
     layout: Any
     listing: RemoteMemorySource
-    caches: tuple[Any, Any, Any]
+    caches: tuple[Any, Any, Any, Any]
     parts: dict[int, KeptPart]
     parted: list[Task]
     steady: bool

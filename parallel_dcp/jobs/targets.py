@@ -71,6 +71,8 @@ class Job:
     _sizes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
     _ordered_sizes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
     _positions: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    # What the planning reads of the sizes as a whole (see :meth:`totals`): kept with them.
+    _totals: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def positions(self) -> dict[str, int]:
         """Each unit's place in ``keys``: where its entries go in ``.metadata`` (built once per
@@ -130,6 +132,20 @@ class Job:
             self._ordered_sizes.clear()
             self._ordered_sizes.update(zip(self.keys, map(known.__getitem__, self.keys)))
         return self._ordered_sizes
+
+    def totals(self) -> tuple[int, int, int]:
+        """The bytes every unit writes, and the largest memory a unit needs with its place in
+        ``keys`` (the first of equals; 0 and -1 without units): one C pass each over the sizes,
+        made once per job (a Saver's later save of a layout keeps them with its sizes)."""
+        found = self._totals.get("totals")
+        if found is None or found[0] != len(self.keys):
+            sizes = self.sizes()
+            memories = list(map(itemgetter(1), sizes.values()))
+            most = max(memories, default=0)
+            total = sum(map(itemgetter(0), sizes.values()))
+            found = (len(self.keys), total, most, memories.index(most) if memories else -1)
+            self._totals["totals"] = found
+        return found[1], found[2], found[3]
 
     def out_bytes(self, unit: str) -> int:
         """Bytes of tensor data ``unit`` writes (0 for other values)."""
