@@ -35,7 +35,11 @@ two Python passes over the tensors (0.4-0.8 us a key each at 50,000 keys: a meth
 object made per tensor and attribute); once a later save passed them, the layout keeps a guard
 that compares all three in one C++ pass (``_compat.layout_guard``, torch.compile's own tensor
 guard: ~0.3 us a key), and the Python passes run only where it refuses (it compares more: a
-refusal is no verdict). A
+refusal is no verdict). The tensors and values are taken from the nesting walk's leaves by
+place (the tensors in one C call: a slice where they lie together, as in an optimizer's state),
+and the dict of this save's leaves by key that the source keeps is made only where something looks
+a key up (``RemoteMemorySource.reopened(leaves=...)``: a save whose parts were all kept never
+does; ~4 ms at 50,000 keys). A
 caller that knows its layout did not change says so (``Saver.save(layout_unchanged=True)``) and
 they are compared only for the tensors whose bytes moved; a broken promise (a tensor reshaped or
 retyped over the same bytes, or its ``requires_grad`` switched) is written with the shape,
