@@ -156,3 +156,29 @@ def test_a_mapping_of_like_entries_is_walked_at_once_and_any_entry_that_differs_
     assert found is not None and len(found) == len(want) and all(a is b for a, b in zip(found, want, strict=True))
     change(again)
     assert leaves(shape, again) is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "names"),
+    [(dict, ("m",)), (dict, ("m", "v", "step")), (OrderedDict, ("m", "v")), (dict, ("m", "v"))],
+    ids=["dict-one-key", "dict-three-keys", "ordered-dict", "dict-two-keys"],
+)
+def test_like_entries_give_their_leaves_in_their_order_whatever_their_type_and_keys(
+    kind: type, names: tuple[str, ...]
+) -> None:
+    def state() -> dict[str, Any]:
+        return {
+            "state": {str(i): kind((n, torch.full((i + 1,), float(j))) for j, n in enumerate(names)) for i in range(5)}
+        }
+
+    shape = skeleton(state())
+    assert shape is not None and shape.children[0] is not None and shape.children[0].uniform is not None
+    again = state()
+    found = leaves(shape, again)
+    want = list(flatten_checked(again)[0].values())
+    assert found is not None and len(found) == len(want) and all(a is b for a, b in zip(found, want, strict=True))
+    again["state"]["2"] = kind((n, torch.ones(1)) for n in reversed(names))  # the same keys, reordered
+    assert (leaves(shape, again) is None) == (len(names) > 1)
+    again = state()
+    again["state"]["4"] = kind((n, torch.ones(1)) for n in names[:-1])  # a key fewer
+    assert leaves(shape, again) is None

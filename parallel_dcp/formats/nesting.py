@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import chain
-from operator import methodcaller
+from operator import countOf, itemgetter, methodcaller
 from typing import Any
 
 import torch
@@ -119,11 +119,17 @@ def _walk(shape: Skeleton, container: Any, found: list[Any]) -> bool:
 def _walk_uniform(entry: Skeleton, containers: list[Any], found: list[Any]) -> bool:
     """``containers``, each of ``entry``'s exact type and keys in order, holding only leaves: their
     leaves in order (what walking each would give), in a few C passes over all of them."""
-    if set(map(type, containers)) != {entry.kind} or set(map(tuple, containers)) != {entry.keys}:
+    if set(map(type, containers)) != {entry.kind} or countOf(map(tuple, containers), entry.keys) != len(containers):
         return False
-    start = len(found)
-    found.extend(chain.from_iterable(map(_values, containers)))
-    taken = found[start:]
+    keys = entry.keys
+    assert isinstance(keys, tuple)  # (uniform: mappings only)
+    if entry.kind is dict and len(keys) > 1:
+        # Each holds exactly these keys in this order (above): taken by key in one C call per
+        # container, which costs less than a values view made and iterated per container.
+        taken = list(chain.from_iterable(map(itemgetter(*keys), containers)))
+    else:
+        taken = list(chain.from_iterable(map(_values, containers)))
+    found += taken
     return set(map(type, taken)) <= _LEAF_TYPES or all(map(_leaf, taken))
 
 

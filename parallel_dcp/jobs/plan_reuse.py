@@ -35,7 +35,11 @@ two Python passes over the tensors (0.4-0.8 us a key each at 50,000 keys: a meth
 object made per tensor and attribute); once a later save passed them, the layout keeps a guard
 that compares all three in one C++ pass (``_compat.layout_guard``, torch.compile's own tensor
 guard: ~0.3 us a key), and the Python passes run only where it refuses (it compares more: a
-refusal is no verdict). A
+refusal is no verdict). The tensors and values are taken from the nesting walk's leaves by
+place (the tensors in one C call: a slice where they lie together, as in an optimizer's state),
+and the dict of this save's leaves by key that the source keeps is made only where something looks
+a key up (``RemoteMemorySource.reopened(leaves=...)``: a save whose parts were all kept never
+does; ~4 ms at 50,000 keys). A
 caller that knows its layout did not change says so (``Saver.save(layout_unchanged=True)``) and
 they are compared only for the tensors whose bytes moved; a broken promise (a tensor reshaped or
 retyped over the same bytes, or its ``requires_grad`` switched) is written with the shape,
@@ -121,6 +125,21 @@ class _Kept:
         # The dtype, shape and strides check in one C pass (_same_kinds), made once a later save
         # of this layout passed the check of each tensor in Python; None until then.
         self.guard: Callable[[Sequence[Any]], bool] | None = None
+        self._picks: tuple[Callable[[Sequence[Any]], list[Any]], list[int]] | None = None
+
+    def picks(self) -> tuple[Callable[[Sequence[Any]], list[Any]], list[int]]:
+        """Where the tensors and the values lie among the layout's leaves (in ``keys`` order):
+        the tensors taken from a later save's leaves in one C call (a slice where they lie
+        together, as in an optimizer's state), and each value's place. Made at the first later
+        save (a pass over the keys, once per layout)."""
+        if self._picks is None:
+            layout = self.layout
+            place = {key: i for i, key in enumerate(layout.keys)}
+            self._picks = (
+                _picker(list(map(place.__getitem__, layout.tensor_keys))),
+                [place[k] for k in layout.value_keys],
+            )
+        return self._picks
 
 
 class PlanReuse:
@@ -153,8 +172,8 @@ class PlanReuse:
         ``layout_unchanged``: the caller's promise that no tensor changed its dtype, shape or
         strides in place since this layout's last save (those are then compared only for the
         tensors that moved; see the module docstring)."""
-        for kept, flat in _matches(self._kept, state_dict):
-            found = _reopen(kept, flat, state_dict, path, pending_writes, layout_unchanged)
+        for kept, found_leaves, flat in _matches(self._kept, state_dict):
+            found = _reopen(kept, found_leaves, state_dict, path, pending_writes, layout_unchanged, flat)
             if found is not None:
                 self.reused += 1
                 self._kept.remove(kept)
@@ -202,8 +221,7 @@ class PlanReuse:
             found = leaves(nesting, state_dict)
             if found is None:
                 return None
-            flat = dict(zip(kept.layout.keys, found, strict=True))
-            source = _reopen(kept, flat, state_dict, path, pending_writes, layout_unchanged)
+            source = _reopen(kept, found, state_dict, path, pending_writes, layout_unchanged)
             if source is not None and kept.steady:
                 self.reused += 1
                 self.speculated += 1
@@ -289,19 +307,20 @@ def _top_level(nesting: Skeleton | None, state_dict: Any) -> bool:
     return tuple(top) == nesting.keys
 
 
-def _matches(kept: list[_Kept], state_dict: Any) -> Iterator[tuple[_Kept, dict[str, Any]]]:
-    """The kept layouts whose keys and paths ``state_dict`` flattens to, each with its leaves by
-    key, most recently used first: first those it nests as (a walk that stops at the first
-    difference: another layout's top-level keys cost a comparison, not a pass over the keys),
-    then the rest compared with ``state_dict`` flattened, once whatever their number (the same
-    keys and paths nested in other containers: a dict subclass, say)."""
+def _matches(kept: list[_Kept], state_dict: Any) -> Iterator[tuple[_Kept, list[Any], dict[str, Any] | None]]:
+    """The kept layouts whose keys and paths ``state_dict`` flattens to, each with its leaves in
+    its keys' order (and by key where it was flattened; else None), most recently used first:
+    first those it nests as (a walk that stops at the first difference: another layout's
+    top-level keys cost a comparison, not a pass over the keys), then the rest compared with
+    ``state_dict`` flattened, once whatever their number (the same keys and paths nested in
+    other containers: a dict subclass, say)."""
     rest = []
     for each in kept:
         found = leaves(each.layout.nesting, state_dict) if each.layout.nesting is not None else None
         if found is None:
             rest.append(each)
         else:  # nested as before: DCP would give its leaves the same names and paths
-            yield each, dict(zip(each.layout.keys, found, strict=True))
+            yield each, found, None
     if not rest:
         return
     try:
@@ -311,18 +330,26 @@ def _matches(kept: list[_Kept], state_dict: Any) -> Iterator[tuple[_Kept, dict[s
     keys = tuple(flat)
     for each in rest:
         if keys == each.layout.keys and mapping == each.layout.mapping:
-            yield each, flat
+            yield each, list(flat.values()), flat
 
 
 def _reopen(
-    kept: _Kept, flat: dict[str, Any], state_dict: Any, path: str, pending_writes: bool, promised: bool = False
+    kept: _Kept,
+    found: list[Any],
+    state_dict: Any,
+    path: str,
+    pending_writes: bool,
+    promised: bool = False,
+    flat: dict[str, Any] | None = None,
 ) -> RemoteMemorySource | None:
-    """``kept``'s listing over ``state_dict`` (``flat``: its leaves by key, in ``kept``'s keys
-    and paths) when its layout is ``kept``'s (noting where its tensors lie); None when anything
+    """``kept``'s listing over ``state_dict`` (``found``: its leaves in ``kept``'s keys' order,
+    under ``kept``'s keys and paths; ``flat``: by key, where it was flattened, else made at its
+    first use) when its layout is ``kept``'s (noting where its tensors lie); None when anything
     differs. ``promised``: the caller promises that no tensor changed its dtype, shape or strides
     in place (``Saver.save(layout_unchanged=True)``): those are compared only where a tensor moved."""
     layout = kept.layout
-    tensors = list(map(flat.__getitem__, layout.tensor_keys))
+    take_tensors, value_places = kept.picks()
+    tensors = take_tensors(found)
     if list(map(type, tensors)) != layout.types:
         return None
     # Each pass over 50,000 tensors spread in memory costs 0.2-0.5 us a key however little it
@@ -339,12 +366,15 @@ def _reopen(
             return None
     except RuntimeError:
         return None
-    values = {key: flat[key] for key in layout.value_keys}
+    values = dict(zip(layout.value_keys, map(found.__getitem__, value_places), strict=True))
     if any(isinstance(value, torch.Tensor) for value in values.values()):
         return None
     if (pending_writes and lean.lean_eligible(values.values())) != layout.pending_writes:
         return None
-    source = kept.listing.reopened(state_dict, flat, values, path)
+    if flat is None:
+        source = kept.listing.reopened(state_dict, {}, values, path, leaves=(layout.keys, found))
+    else:
+        source = kept.listing.reopened(state_dict, flat, values, path)
     if list(map(source.value_bytes, layout.value_keys)) != layout.value_sizes:
         return None
     kept.addresses, kept.steady = addresses, not moved
@@ -388,6 +418,24 @@ def _unchecked(tensors: list[torch.Tensor], addresses: list[int], before: list[i
     if not moved:
         return [t for t, a in zip(tensors, addresses, strict=True) if not a] if 0 in addresses else []
     return [t for t, a, b in zip(tensors, addresses, before, strict=True) if a != b or not a]
+
+
+def _picker(places: list[int]) -> Callable[[Sequence[Any]], list[Any]]:
+    """What takes the items at ``places`` (ascending) of a sequence, as a list, in one C call."""
+    if not places:
+        return _none
+    first = places[0]
+    if places == list(range(first, first + len(places))):
+        return itemgetter(slice(first, first + len(places)))
+    if len(places) == 1:
+        one = itemgetter(first)
+        return lambda found: [one(found)]
+    many = itemgetter(*places)
+    return lambda found: list(many(found))
+
+
+def _none(found: Sequence[Any]) -> list[Any]:
+    return []
 
 
 def _cpu_strided(tensor: torch.Tensor) -> bool:

@@ -140,7 +140,9 @@ class Speculation:
                 keys=[],
                 error_type=StalePlan.__qualname__,
             )
-        vars(self.source).update(vars(found))  # the speculative source is now this save's
+        state = vars(self.source)  # the speculative source is now this save's:
+        state.pop("_flat")  # (its deferred flat gives way to the found one's, or to its leaves)
+        state.update(vars(found))
         self.confirmed = True
 
 
