@@ -1,20 +1,22 @@
 """What the coordinator of a :class:`~parallel_dcp.engine.pool.WorkerPool` sends its workers
-besides plain tasks, and ``gc_paused``, which both sides use around their pickles. (Kept apart
-from engine/pool.py, whose failure handling is long enough on its own.)"""
+besides plain tasks, ``gc_paused``, which both sides use around their pickles, and how a result's
+large bytes travel back (:func:`pickled_result`). (Kept apart from engine/pool.py, whose failure
+handling is long enough on its own.)"""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.remote_memory import RemoteBytes
 
-__all__ = ["Ahead", "NewHandler", "TaskPart", "gc_paused"]
+__all__ = ["Ahead", "NewHandler", "TaskPart", "gc_paused", "pickled_result", "read_buffers", "write_buffers"]
 
 
 @contextlib.contextmanager
@@ -79,3 +81,43 @@ def _task_part(pickled_task: bytes, part: Any) -> TaskPart:
     with gc_paused():
         task = pickle.loads(pickled_task)
     return TaskPart(task, part)
+
+
+def pickled_result(value: Any) -> tuple[bytes, list[memoryview]]:
+    """``value`` pickled, and the bytes it wraps in :class:`pickle.PickleBuffer` (a task's pickled
+    ``.metadata`` runs: formats/lean.py) as raw views, sent after the pickle without a copy.
+    Pickled in band (a copy each way), 15 MB of runs cost the coordinator ~13 ms at 50,000 keys:
+    the pipe read into a buffer, the reply's bytes, then the runs' own, each a new copy."""
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    return data, [buffer.raw() for buffer in buffers]
+
+
+def write_buffers(fd: int, views: Sequence[memoryview]) -> None:
+    """In the worker, right after its reply: the raw bytes of :func:`pickled_result`'s views."""
+    for view in views:
+        while view:
+            view = view[os.write(fd, view) :]
+
+
+def read_buffers(fd: int, sizes: Sequence[int]) -> list[memoryview]:
+    """The raw buffers a worker sent behind its reply (:func:`write_buffers`), read straight into one
+    new buffer (no copy in Python: the bytes pass from the kernel into the memory the result then
+    uses), as read-only views.
+
+    Raises:
+        EOFError: the worker died before it sent them all."""
+    whole = bytearray(sum(sizes))
+    view = memoryview(whole)
+    while view:
+        got = os.readv(fd, [view])
+        if got == 0:
+            raise EOFError("the worker's pipe closed in the middle of its result")
+        view = view[got:]
+    views: list[memoryview] = []
+    at = 0
+    frozen = memoryview(whole).toreadonly()
+    for size in sizes:
+        views.append(frozen[at : at + size])
+        at += size
+    return views

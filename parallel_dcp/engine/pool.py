@@ -14,7 +14,8 @@ it), so a worker that replies finds its next task waiting and the hand-off overl
 
 Workers are forked, never spawned: the job's data (a state dict, an open checkpoint's metadata)
 is read copy-on-write and never travels through a pipe. Only task descriptions and small results
-(metadata, write results, statistics) do.
+(metadata, write results, statistics) do; the bytes a result wraps in ``pickle.PickleBuffer``
+travel raw behind its reply, with no copy in Python (engine/messages.py: ``pickled_result``).
 
 Longer than 300 lines because a process pool's failure handling (crashes, signals, timeouts,
 retries, orphans, tracebacks home) is one piece of logic that must stay together to stay right.
@@ -45,7 +46,7 @@ from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.messages import Ahead as _Ahead
 from parallel_dcp.engine.messages import NewHandler as _NewHandler
 from parallel_dcp.engine.messages import TaskPart as _TaskPart
-from parallel_dcp.engine.messages import gc_paused
+from parallel_dcp.engine.messages import gc_paused, pickled_result, read_buffers, write_buffers
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.remote_memory import RemoteBytes, StaleRead
 from parallel_dcp.errors import (
@@ -135,16 +136,21 @@ def _worker_main(
             value = run(task)
             seconds = time.perf_counter() - start
             pickling = time.perf_counter()
-            value = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)  # (its error is the task's)
+            value, raw = pickled_result(value)  # (its error is the task's)
             handling = start - taken + time.perf_counter() - pickling
-            reply: tuple[Any, ...] = ("ok", seconds, value, setup, handling)
+            reply: tuple[Any, ...] = ("ok", seconds, value, setup, handling, [len(view) for view in raw])
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
-            reply = ("error", _error_type(exc), _message_of(exc), traceback.format_exc())
+            reply, raw = ("error", _error_type(exc), _message_of(exc), traceback.format_exc()), []
         setup = 0.0  # reported with this run's first task on this worker only
         try:
             _send(conn, reply)
         except Exception as exc:  # a result that cannot be pickled is the task's error, not a crash
             _send(conn, ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc()))
+            raw = []
+        # The result's out-of-band buffers, raw, right behind the reply that gives their sizes (an
+        # error here is the coordinator gone: nothing is left to read them).
+        write_buffers(conn.fileno(), raw)
+        raw = []  # the result's bytes: freed before the heap is trimmed
         return_freed_memory()
 
 
@@ -568,8 +574,11 @@ class WorkerPool:
 
     def _receive(self, worker: int, task: Task) -> TaskResult[Any]:
         conn = self._conns[worker]
+        raw: list[memoryview] = []
         try:
             reply = _recv(conn) if conn.poll() else None
+            if reply is not None and reply[0] == "ok":
+                raw = read_buffers(conn.fileno(), reply[5])
         except (EOFError, OSError):
             reply = None
         if reply is None:
@@ -585,7 +594,7 @@ class WorkerPool:
             )
         if reply[0] == "ok":
             with gc_paused():
-                value = pickle.loads(reply[2])
+                value = pickle.loads(reply[2], buffers=raw)
             return TaskResult(
                 task=task, worker=worker, seconds=reply[1], value=value, setup=reply[3], handling=reply[4]
             )

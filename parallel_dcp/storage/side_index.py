@@ -47,6 +47,7 @@ __all__ = [
     "Row",
     "Segment",
     "assemble_index",
+    "index_for",
     "rows_of",
     "segment",
 ]
@@ -117,6 +118,12 @@ def segment(rows: dict[str, Row], order: Sequence[str]) -> Segment | None:
 def assemble_index(pieces: Sequence[tuple[str, Segment]], metadata: bytes, save_id: str) -> bytes:
     """The index file for the ``.metadata`` bytes ``metadata``, from each run's (shard file name,
     segment), in ``.metadata``'s order."""
+    return index_for(pieces, len(metadata), xxhash.xxh3_64_intdigest(metadata), save_id)
+
+
+def index_for(pieces: Sequence[tuple[str, Segment]], size: int, digest: int, save_id: str) -> bytes:
+    """:func:`assemble_index` for a ``.metadata`` of ``size`` bytes whose xxh3_64 is ``digest``
+    (computed by the caller, which may hash it in pieces, and once for its manifest too)."""
     files: dict[str, int] = {}
     file_ids = [numpy.full(len(seg[1]), files.setdefault(name, len(files)), dtype=numpy.uint32) for name, seg in pieces]
     segments = [seg for _, seg in pieces]
@@ -134,8 +141,8 @@ def assemble_index(pieces: Sequence[tuple[str, Segment]], metadata: bytes, save_
         MAGIC,
         VERSION,
         0,
-        len(metadata),
-        xxhash.xxh3_64_intdigest(metadata),
+        size,
+        digest,
         len(columns[0]),
         len(files),
         len(columns[2]),
