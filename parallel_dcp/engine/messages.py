@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import mmap
 import os
 import pickle
+import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.remote_memory import RemoteBytes
 
-__all__ = ["Ahead", "NewHandler", "TaskPart", "gc_paused", "pickled_result", "read_buffers", "write_buffers"]
+__all__ = ["Ahead", "NewHandler", "TaskPart", "gc_paused", "pickled_result", "read_buffers", "send_buffers"]
 
 
 @contextlib.contextmanager
@@ -85,39 +87,63 @@ def _task_part(pickled_task: bytes, part: Any) -> TaskPart:
 
 def pickled_result(value: Any) -> tuple[bytes, list[memoryview]]:
     """``value`` pickled, and the bytes it wraps in :class:`pickle.PickleBuffer` (a task's pickled
-    ``.metadata`` runs: formats/lean.py) as raw views, sent after the pickle without a copy.
-    Pickled in band (a copy each way), 15 MB of runs cost the coordinator ~13 ms at 50,000 keys:
-    the pipe read into a buffer, the reply's bytes, then the runs' own, each a new copy."""
+    ``.metadata`` runs: formats/lean.py; numpy arrays: its side-index columns) as raw views, to
+    travel beside the pickle (:func:`send_buffers`). Pickled in band, 15 MB of runs (50,000 keys)
+    cost the coordinator ~13 ms: read from the pipe, then copied out of the reply and again out of
+    the result; read raw from a socket into one buffer, still ~8 ms."""
     buffers: list[pickle.PickleBuffer] = []
     data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     return data, [buffer.raw() for buffer in buffers]
 
 
-def write_buffers(fd: int, views: Sequence[memoryview]) -> None:
-    """In the worker, right after its reply: the raw bytes of :func:`pickled_result`'s views."""
-    for view in views:
-        while view:
-            view = view[os.write(fd, view) :]
+def send_buffers(conn_fd: int, views: Sequence[memoryview]) -> None:
+    """In the worker, right after its reply: :func:`pickled_result`'s views, written into a new
+    anonymous memory file whose descriptor is passed over the pipe (``SCM_RIGHTS``), so the
+    coordinator maps the bytes instead of copying them. The file has no name: nothing is left
+    behind whichever process dies, and its memory is freed with its last mapping."""
+    if not views:
+        return
+    fd = os.memfd_create("parallel_dcp-result", os.MFD_CLOEXEC)
+    try:
+        for view in views:
+            while view:
+                view = view[os.write(fd, view) :]
+        with _socket(conn_fd) as sock:
+            socket.send_fds(sock, [b"\0"], [fd])
+    finally:
+        os.close(fd)
 
 
-def read_buffers(fd: int, sizes: Sequence[int]) -> list[memoryview]:
-    """The raw buffers a worker sent behind its reply (:func:`write_buffers`), read straight into one
-    new buffer (no copy in Python: the bytes pass from the kernel into the memory the result then
-    uses), as read-only views.
+def read_buffers(conn_fd: int, sizes: Sequence[int]) -> list[memoryview]:
+    """In the coordinator: the buffers a worker sent behind its reply (:func:`send_buffers`), as
+    read-only views of its memory file, mapped (no copy: the bytes are read where the worker wrote
+    them, when ``.metadata`` is hashed and written).
 
     Raises:
-        EOFError: the worker died before it sent them all."""
-    whole = bytearray(sum(sizes))
-    view = memoryview(whole)
-    while view:
-        got = os.readv(fd, [view])
-        if got == 0:
+        EOFError: the worker died before it sent them, or sent a file of another size."""
+    total = sum(sizes)
+    if not sizes:
+        return []
+    with _socket(conn_fd) as sock:
+        data, fds, _, _ = socket.recv_fds(sock, 1, 1, socket.MSG_CMSG_CLOEXEC)
+    try:
+        if not data or len(fds) != 1 or os.fstat(fds[0]).st_size != total:
             raise EOFError("the worker's pipe closed in the middle of its result")
-        view = view[got:]
+        whole = memoryview(mmap.mmap(fds[0], total, prot=mmap.PROT_READ)) if total else memoryview(b"")
+    finally:
+        for fd in fds:
+            os.close(fd)
     views: list[memoryview] = []
     at = 0
-    frozen = memoryview(whole).toreadonly()
     for size in sizes:
-        views.append(frozen[at : at + size])
+        views.append(whole[at : at + size])
         at += size
     return views
+
+
+def _socket(conn_fd: int) -> socket.socket:
+    """A socket object on a copy of the pipe's descriptor (closed with it), blocking as the pipe
+    is (a program's ``socket.setdefaulttimeout`` would otherwise make the shared file non-blocking)."""
+    sock = socket.socket(fileno=os.dup(conn_fd))
+    sock.setblocking(True)
+    return sock

@@ -15,7 +15,7 @@ it), so a worker that replies finds its next task waiting and the hand-off overl
 Workers are forked, never spawned: the job's data (a state dict, an open checkpoint's metadata)
 is read copy-on-write and never travels through a pipe. Only task descriptions and small results
 (metadata, write results, statistics) do; the bytes a result wraps in ``pickle.PickleBuffer``
-travel raw behind its reply, with no copy in Python (engine/messages.py: ``pickled_result``).
+travel beside its reply in shared memory, never copied (engine/messages.py: ``pickled_result``).
 
 Longer than 300 lines because a process pool's failure handling (crashes, signals, timeouts,
 retries, orphans, tracebacks home) is one piece of logic that must stay together to stay right.
@@ -46,7 +46,7 @@ from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.messages import Ahead as _Ahead
 from parallel_dcp.engine.messages import NewHandler as _NewHandler
 from parallel_dcp.engine.messages import TaskPart as _TaskPart
-from parallel_dcp.engine.messages import gc_paused, pickled_result, read_buffers, write_buffers
+from parallel_dcp.engine.messages import gc_paused, pickled_result, read_buffers, send_buffers
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.remote_memory import RemoteBytes, StaleRead
 from parallel_dcp.errors import (
@@ -149,7 +149,7 @@ def _worker_main(
             raw = []
         # The result's out-of-band buffers, raw, right behind the reply that gives their sizes (an
         # error here is the coordinator gone: nothing is left to read them).
-        write_buffers(conn.fileno(), raw)
+        send_buffers(conn.fileno(), raw)
         raw = []  # the result's bytes: freed before the heap is trimmed
         return_freed_memory()
 
