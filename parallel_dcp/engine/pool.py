@@ -179,10 +179,12 @@ def _send(conn: Any, message: Any) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _recv(conn: Any) -> Any:
+def _recv(conn: Any) -> tuple[Any, list[memoryview]]:
+    """A worker's reply, and the buffers sent beside an "ok" one (read before anything else is)."""
     data = conn.recv_bytes()
     with gc_paused():
-        return pickle.loads(data)
+        reply = pickle.loads(data)
+    return reply, read_buffers(conn.fileno(), reply[5]) if reply[0] == "ok" else []
 
 
 def _freeze_heap() -> bool:
@@ -551,7 +553,7 @@ class WorkerPool:
                     if not self._conns[worker].poll():  # its sentinel, and no reply: it died
                         task = running[worker][0] if worker in running else ahead[worker][0]
                         self._receive(worker, task)  # raises WorkerCrashed
-                    self._conns[worker].recv_bytes()
+                    _recv(self._conns[worker])  # dropped, with its buffers
                     owed[worker] -= 1
                     if not owed[worker]:
                         del owed[worker]
@@ -574,11 +576,8 @@ class WorkerPool:
 
     def _receive(self, worker: int, task: Task) -> TaskResult[Any]:
         conn = self._conns[worker]
-        raw: list[memoryview] = []
         try:
-            reply = _recv(conn) if conn.poll() else None
-            if reply is not None and reply[0] == "ok":
-                raw = read_buffers(conn.fileno(), reply[5])
+            reply, raw = _recv(conn) if conn.poll() else (None, [])
         except (EOFError, OSError):
             reply = None
         if reply is None:
