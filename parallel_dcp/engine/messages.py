@@ -6,11 +6,14 @@ handling is long enough on its own.)"""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import gc
 import mmap
 import os
 import pickle
 import socket
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -129,7 +132,7 @@ def read_buffers(conn_fd: int, sizes: Sequence[int]) -> list[memoryview]:
     try:
         if not data or len(fds) != 1 or os.fstat(fds[0]).st_size != total:
             raise EOFError("the worker's pipe closed in the middle of its result")
-        whole = memoryview(mmap.mmap(fds[0], total, prot=mmap.PROT_READ)) if total else memoryview(b"")
+        whole = _mapped(fds[0], total) if total else memoryview(b"")
     finally:
         for fd in fds:
             os.close(fd)
@@ -147,3 +150,26 @@ def _socket(conn_fd: int) -> socket.socket:
     sock = socket.socket(fileno=os.dup(conn_fd))
     sock.setblocking(True)
     return sock
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _mapped(fd: int, size: int) -> memoryview:
+    """``fd``'s first ``size`` bytes mapped read-only and shared, unmapped when the last view of
+    them goes. (Not ``mmap.mmap``: it keeps a copy of the descriptor open while mapped, one per
+    result until the commit, and a save of thousands of tasks would run out of descriptors.)"""
+    libc = _libc()
+    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:  # MAP_FAILED
+        error = ctypes.get_errno()
+        raise OSError(error, f"cannot map a worker's result: {os.strerror(error)}")
+    area = (ctypes.c_char * size).from_address(address)
+    weakref.finalize(area, libc.munmap, address, size).atexit = False  # the process's end unmaps it
+    return memoryview(area).cast("B").toreadonly()
