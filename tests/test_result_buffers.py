@@ -174,3 +174,25 @@ def test_a_file_written_in_pieces_holds_them_in_order_past_short_writes_and_the_
     assert (tmp_path / "whole").read_bytes() == expected
     assert (tmp_path / "short").read_bytes() == expected
     assert max(calls) <= 1024
+
+
+def _shared_memory_bytes() -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("RssShmem:"))
+    return int(line.split()[1]) * 1024
+
+
+def _four_mib(task: Task) -> pickle.PickleBuffer:
+    return pickle.PickleBuffer(bytes([task.index]) * (4 * 2**20))
+
+
+def test_a_results_bytes_are_charged_to_the_coordinator_as_soon_as_it_holds_them() -> None:
+    """The memory governor charges a process the shared-memory pages it maps (engine/process_memory.py):
+    a result's pages, mapped but untouched, would be in no process's charge until the commit reads them."""
+    tasks = [Task(index=i, keys=(f"k{i}",), nbytes=1, memory=0) for i in range(4)]
+    with WorkerPool(2, _four_mib) as pool:
+        before = _shared_memory_bytes()
+        results = list(pool.run(tasks))
+        held = _shared_memory_bytes() - before
+    assert held >= 0.9 * 4 * 4 * 2**20
+    assert all(bytes(r.value[:1]) == bytes([r.task.index]) for r in results)

@@ -152,6 +152,13 @@ def _socket(conn_fd: int) -> socket.socket:
     return sock
 
 
+# Every page mapped at once: the memory governor (engine/process_memory.py) charges a process the
+# shared-memory pages it maps, and a result's pages, in no process's memory once the worker has
+# sent them, must be charged to the coordinator from the moment it holds them, not first when the
+# commit reads them. (One call, too, where reading them faults each few pages in.)
+_SHARED_NOW = mmap.MAP_SHARED | mmap.MAP_POPULATE
+
+
 @functools.cache
 def _libc() -> Any:
     libc = ctypes.CDLL(None, use_errno=True)
@@ -166,7 +173,7 @@ def _mapped(fd: int, size: int) -> memoryview:
     them goes. (Not ``mmap.mmap``: it keeps a copy of the descriptor open while mapped, one per
     result until the commit, and a save of thousands of tasks would run out of descriptors.)"""
     libc = _libc()
-    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    address = libc.mmap(None, size, mmap.PROT_READ, _SHARED_NOW, fd, 0)
     if address is None or address == ctypes.c_void_p(-1).value:  # MAP_FAILED
         error = ctypes.get_errno()
         raise OSError(error, f"cannot map a worker's result: {os.strerror(error)}")
