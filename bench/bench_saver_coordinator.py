@@ -44,7 +44,10 @@ for line in sys.stdin:
     print(json.dumps({
         "wall": took,
         "P": sum(w.seconds for w in r.per_worker),
-        "H": sum(w.handling_seconds for w in r.per_worker),
+        # The hand-over of each result but a run's last (its send into the pipe): reported apart
+        # since this round (0 in a tree before it, whose S holds it).
+        "H": sum(w.handling_seconds + getattr(w, "handover_seconds", 0.0) for w in r.per_worker),
+        "handover": sum(getattr(w, "handover_seconds", 0.0) for w in r.per_worker),
         "C": r.coordinator_write_seconds or 0.0,
         "job": max((w.setup_seconds for w in r.per_worker), default=0.0),
         "phases": dict(r.phases),
@@ -54,7 +57,11 @@ saver.close()
 N = 50000
 
 
-def projection(rows: list[dict], after_tree: str) -> dict:
+def projection(rows: list[dict], after_tree: str, handover_parallel: bool = True) -> dict:
+    """The pieces and projection of ``rows``; ``handover_parallel=False``: as before this round,
+    the workers' hand-over of their results counted in S, not in their parallel work."""
+    if not handover_parallel:
+        rows = [r | {"H": r["H"] - r.get("handover", 0.0)} for r in rows]
     sys.path.insert(0, after_tree)
     from parallel_dcp.benchmark.pieces import executor_projections
 
@@ -130,6 +137,7 @@ def main() -> None:
         proc.stdin.close()
         proc.wait()
     found = {name: projection(rows[name], after) for name in rows}
+    found["after, hand-over counted serial"] = projection(rows["after"], after, handover_parallel=False)
     for name, f in found.items():
         print(
             f"{name}: wall {f['wall']:.3f} s, S {f['S']:.4f} s ({f['S_us_per_key']:.2f} us/key),"
@@ -138,6 +146,8 @@ def main() -> None:
         )
     b, a = found["before"], found["after"]
     print(f"after/before: S {a['S'] / b['S']:.2f}, C {a['C'] / b['C']:.2f}, wall {a['wall'] / b['wall']:.2f}")
+    h = statistics.median(r.get("handover", 0.0) for r in rows["after"])
+    print(f"after: the workers' hand-over of their results (in S before this round, now in H): {h:.4f} s")
     print(json.dumps({"workers": int(workers_count), "reps": reps, "found": found}))
 
 

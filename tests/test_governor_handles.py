@@ -1,50 +1,80 @@
-"""The watchdog's cheap bound (resident sizes) keeps each worker's psutil handle from one watch to
-the next, and bounds the same tree as fresh handles would."""
+"""The watchdog's cheap bound (resident sizes) keeps each process's ``statm`` open from one watch
+to the next, bounds the same tree as psutil reads it, and counts a reaped worker as nothing, even
+where its pid is taken again."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-from typing import Any
 
 import psutil
 import pytest
 
-from parallel_dcp.engine import memory
+from parallel_dcp.engine import resident
 from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.engine.resident import ResidentSizes
+
+_SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 
-def test_the_rss_bound_makes_one_handle_per_worker_and_drops_the_gone(monkeypatch: pytest.MonkeyPatch) -> None:
-    made: list[int] = []
-    original = psutil.Process
+def _open_statm(pid: int) -> list[str]:
+    """The statm files this process has open for ``pid``."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return [name for name in names if name == f"/proc/{pid}/statm"]
 
-    def counted(pid: int | None = None) -> Any:
-        made.append(pid or 0)
-        return original(pid)
 
-    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+def test_the_rss_bound_opens_each_statm_once_and_drops_the_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[str] = []
+    real_open = os.open
+
+    def counted(path: str, flags: int, *args: int) -> int:
+        opened.append(path)
+        return real_open(path, flags, *args)
+
+    children = [subprocess.Popen(_SLEEPER) for _ in range(2)]
     try:
         governor = MemoryGovernor(2**40)
-        monkeypatch.setattr(memory.psutil, "Process", counted)
+        monkeypatch.setattr(resident.os, "open", counted)
         pids = [child.pid for child in children]
         first = governor._rss_bound(pids)
         for _ in range(3):
             again = governor._rss_bound(pids)
-        assert sorted(made) == sorted(pids)  # one handle per worker, made at the first watch only
-        # What fresh handles bound (a sleeping child's resident size holds still; this process's
-        # own growth is within a few MiB between the readings).
-        fresh = max(0, memory._rss(original()) - governor._rss_baseline) + sum(
-            original(pid).memory_info().rss for pid in pids
+        assert sorted(opened) == sorted(f"/proc/{pid}/statm" for pid in pids)  # once each, at the first watch
+        # What psutil reads (a sleeping child's resident size holds still; this process's own
+        # growth is within a few MiB between the readings).
+        fresh = max(0, psutil.Process().memory_info().rss - governor._rss_baseline) + sum(
+            psutil.Process(pid).memory_info().rss for pid in pids
         )
         assert abs(again - fresh) < 8 * 2**20 and abs(first - fresh) < 8 * 2**20
-        gone = original(pids[0]).memory_info().rss
+        gone = psutil.Process(pids[0]).memory_info().rss
         children[0].kill()
         children[0].wait()
-        alone = governor._rss_bound(pids)  # the gone worker adds nothing (its handle reads no process)
+        alone = governor._rss_bound(pids)  # the reaped worker adds nothing
         assert abs((again - alone) - gone) < 8 * 2**20
-        governor._rss_bound(pids[1:])  # a pid no longer asked about is dropped
-        assert list(governor._procs) == pids[1:]
+        governor._rss_bound(pids[1:])  # a pid no longer asked about: its statm is closed
+        assert _open_statm(pids[0]) == [] and len(_open_statm(pids[1])) == 1
     finally:
         for child in children:
             child.kill()
             child.wait()
+
+
+def test_a_kept_statm_never_reads_another_process_that_took_the_pid() -> None:
+    sizes = ResidentSizes()
+    child = subprocess.Popen(_SLEEPER)
+    try:
+        assert sizes.read([child.pid])[0] > 0
+    finally:
+        child.kill()
+        child.wait()
+    # The kernel ties the open file to the process, not the pid: once it is reaped, the read
+    # fails, whatever runs under that pid later, and the process counts 0.
+    assert sizes.read([child.pid]) == [0]
+    sizes.close()
+    assert _open_statm(child.pid) == []

@@ -15,11 +15,12 @@ import pytest
 import xxhash
 
 import parallel_dcp
+from parallel_dcp.engine import messages
 from parallel_dcp.engine import pool as pool_module
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import WorkerPool
 from parallel_dcp.errors import WorkerCrashed
-from parallel_dcp.jobs import dcp_commit, targets
+from parallel_dcp.jobs import dcp_commit
 from parallel_dcp.storage import local_staging, safe_files
 from parallel_dcp.storage.manifest import ALGORITHM, file_digest
 from parallel_dcp.storage.ownership import MANIFEST_FILE, METADATA_FILE
@@ -109,7 +110,7 @@ def _saved(path: Path, monkeypatch: pytest.MonkeyPatch, *, out_of_band: bool) ->
     side index's pieces as the commit had them, and how many bytes the results sent out of band."""
     sent: list[int] = []
     captured: list[Any] = []
-    reading, indexing = pool_module.read_buffers, dcp_commit.index_for
+    reading, indexing = messages.read_buffers, dcp_commit.index_for
 
     def read(conn_fd: int, sizes: Any) -> Any:
         sent.append(sum(sizes))
@@ -121,10 +122,10 @@ def _saved(path: Path, monkeypatch: pytest.MonkeyPatch, *, out_of_band: bool) ->
         )
         return indexing(pieces, *args)
 
-    monkeypatch.setattr(pool_module, "read_buffers", read)
+    monkeypatch.setattr(messages, "read_buffers", read)
     monkeypatch.setattr(dcp_commit, "index_for", index)
     if not out_of_band:  # the runs pickled in band, as they travelled before
-        monkeypatch.setattr(targets, "out_of_band", lambda result: result)
+        monkeypatch.setattr(dcp_commit, "out_of_band", lambda result: result)
     monkeypatch.setattr(local_staging, "new_save_id", lambda: _SAVE_ID)
     parallel_dcp.save(many_small(3000), path, workers=2)
     monkeypatch.undo()

@@ -176,3 +176,19 @@ def test_an_optimizers_long_list_of_param_ids_costs_no_call_per_id() -> None:
     assert calls < 200, f"{calls} calls for one list of 20,000 ids (before: one or more per id)"
     # A list that is not all scalars still gets the full rule.
     assert not plain_value([1, 2, object()]) and plain_value([1, (2, "x"), {"a": None}])
+
+
+def test_a_jobs_totals_are_the_sums_over_its_sizes_made_once() -> None:
+    sd = _every_kind_of_key() | {"step": 3, "big": torch.zeros(300)}
+    source = MemorySource("unused", state_dict=sd)
+    job = Job(source, source.keys()).split(256)  # "big" (1200 bytes) in chunks
+    assert job.chunks
+    sizes = job.sizes()
+    memories = [m for _, m in sizes.values()]
+    total, most, place = job.totals()
+    assert total == sum(n for n, _ in sizes.values()) and most == max(memories)
+    assert place == memories.index(most) and job.sizes()[job.keys[place]][1] == most
+    job._ordered_sizes.clear()  # (the sizes are not asked for again: the totals are kept)
+    assert job.totals() == (total, most, place) and not job._ordered_sizes
+    empty = Job(MemorySource("unused", state_dict={}), ())
+    assert empty.totals() == (0, 0, -1)

@@ -21,6 +21,7 @@ import parallel_dcp
 from parallel_dcp.engine import pool as pool_module
 from parallel_dcp.formats.remote_memory_source import RemoteMemorySource, _layout
 from parallel_dcp.jobs.targets import Job
+from parallel_dcp.jobs.task_parts import JobParts, ValuedPart, load_part, part_job
 from tests.conftest import assert_same, shards_by_task
 
 
@@ -86,7 +87,7 @@ def test_each_saver_worker_receives_only_its_own_tasks_keys(tmp_path: Path, monk
     # Each task's part holds its own units and the columns of their source keys, nothing else.
     received: Counter[str] = Counter()
     for message in parts:
-        units, part = message.task.keys, pickle.loads(message.part)
+        units, part = message.task.keys, load_part(message.part)
         assert len(part.positions) == len(units)
         keys = {part.chunks[u].key if u in part.chunks else u for u in units}
         assert set(part.source.keys) | set(part.source.values) == keys
@@ -94,7 +95,7 @@ def test_each_saver_worker_receives_only_its_own_tasks_keys(tmp_path: Path, monk
         received.update(part.source.keys)
         received.update(list(part.source.values))
     chunked = {k for k, n in received.items() if n > 1}
-    assert any(pickle.loads(message.part).chunks for message in parts)  # "big" was split
+    assert any(load_part(message.part).chunks for message in parts)  # "big" was split
     assert chunked <= {"big"}  # a split tensor's key goes with each task holding a chunk of it
     assert len(received) == result.keys  # every key sent, each once but for the split one
     # Each worker's loading of the shell is reported, outside its tasks' seconds.
@@ -153,7 +154,6 @@ def test_forked_workers_build_nothing_per_key_of_the_whole_job(tmp_path: Path, m
 
 def test_parts_are_made_ahead_in_dispatch_order_and_again_for_a_retried_task() -> None:
     from parallel_dcp.engine.partition import Task
-    from parallel_dcp.jobs.task_parts import JobParts, part_job
 
     sd = {f"k{i}": torch.full((3,), float(i)) for i in range(9)} | {"n": 5}
     source = RemoteMemorySource("x", state_dict=sd)
@@ -175,3 +175,39 @@ def test_parts_are_made_ahead_in_dispatch_order_and_again_for_a_retried_task() -
     worker = part_job(pickle.loads(pickle.dumps(parts.shell)), parts(tasks[2]), tasks[2])
     assert worker.positions() == {"k6": 6, "k7": 7, "k8": 8}
     assert {k: v.tolist() for k, v in worker.read(worker.keys).items()} == {f"k{i}": [float(i)] * 3 for i in (6, 7, 8)}
+
+
+def test_a_kept_part_with_values_is_not_pickled_again_and_sends_its_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from parallel_dcp.engine.partition import Task
+    from parallel_dcp.jobs import task_parts
+
+    tensors = {f"k{i}": torch.full((3,), float(i)) for i in range(6)}
+    source = RemoteMemorySource("x", state_dict=tensors | {"step": 1, "lr": [0.1]})
+    job = Job(source, source.keys())
+    tasks = [Task(0, ("k0", "step", "k1", "k2"), 36), Task(1, ("k3", "k4", "k5", "lr"), 36)]
+    kept: dict[int, Any] = {}
+    first = [part_job(job, JobParts(job, source, tasks, kept)(t), t) for t in tasks]
+    assert all(isinstance(kept[t.index], ValuedPart) for t in tasks)
+    assert [w.source.values for w in first] == [{"step": 1}, {"lr": [0.1]}]
+    pickled = dict(kept)
+
+    # The next save of the layout: the same tensors, new values; the parts are not made again.
+    made: list[int] = []
+    real = task_parts.JobParts._part
+    monkeypatch.setattr(task_parts.JobParts, "_part", lambda self, task: made.append(task.index) or real(self, task))
+    later = RemoteMemorySource("x", state_dict=tensors | {"step": 2, "lr": [0.05]})
+    job = Job(later, later.keys())
+    parts = JobParts(job, later, tasks, kept)
+    second = [part_job(job, parts(t), t) for t in tasks]
+    assert made == [] and all(kept[t.index] is pickled[t.index] for t in tasks)
+    assert [w.source.values for w in second] == [{"step": 2}, {"lr": [0.05]}]
+    assert [list(w.source.values) + list(w.source.entries) for w in second] == [
+        ["step", "k0", "k1", "k2"],
+        ["lr", "k3", "k4", "k5"],
+    ]
+    read = second[0].read(second[0].keys)
+    assert read["step"] == 2 and {k: v.tolist() for k, v in read.items() if k != "step"} == {
+        "k0": [0.0] * 3,
+        "k1": [1.0] * 3,
+        "k2": [2.0] * 3,
+    }

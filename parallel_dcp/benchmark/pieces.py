@@ -7,9 +7,11 @@
                rounds, so every timed Saver save is a second save), also with the promise that no
                tensor was relaid in place ("saver_unchanged": ``layout_unchanged=True``)
     per run    wall seconds, worker seconds (SaveResult.per_worker, summed: P), the workers' handling
-               of their tasks outside them (``handling_seconds``, summed: H: taking each task in,
-               pickling its result), phases, executor, the coordinator's own seconds inside the
-               write phase (``SaveResult.coordinator_write_seconds``: C, a Saver's; 0 elsewhere),
+               of their tasks outside them (``handling_seconds`` + ``handover_seconds``, summed: H:
+               taking each task in, pickling its result, sending it into the worker's pipe; the
+               hand-over apart in the JSON), phases, executor, the coordinator's own seconds
+               inside the write phase (``SaveResult.coordinator_write_seconds``: C, a Saver's; 0
+               elsewhere),
                and the slowest worker's per-job seconds (``setup_seconds``: a Saver's worker loading
                the job's shell before its first task; 0 where workers inherit the job)
     pieces     S = wall - P - H (serial; the median of each run's own), in three parts as the code
@@ -121,7 +123,9 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
     the module docstring: a state dict of many tensors is probed busy on a subset, scaled per key)."""
     tensors = flat_tensors(state_dict)
     subset = dict(itertools.islice(tensors.items(), BUSY_PROBE_KEYS)) if len(tensors) > BUSY_PROBE_KEYS else None
-    alone: dict[str, list[tuple[float, float, dict[str, float], str, float, float, float]]] = {k: [] for k in PROBED}
+    alone: dict[str, list[tuple[float, float, dict[str, float], str, float, float, float, float]]] = {
+        k: [] for k in PROBED
+    }
     busy: dict[tuple[str, str], list[float]] = {(kind, mode): [] for kind in PROBED for mode in _BUSY}
     subset_alone: dict[str, list[float]] = {kind: [] for kind in PROBED}
     out = f"{root}/probe"
@@ -152,8 +156,11 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
                 # shell), the slowest worker's: part of the serial seconds at any worker count.
                 setup = max((w.setup_seconds for w in result.per_worker), default=0.0)
                 handling = sum(w.handling_seconds for w in result.per_worker)
+                handover = sum(w.handover_seconds for w in result.per_worker)
                 streamed = result.coordinator_write_seconds or 0.0
-                alone[kind].append((wall, inside, dict(result.phases), result.executor, setup, handling, streamed))
+                alone[kind].append(
+                    (wall, inside, dict(result.phases), result.executor, setup, handling + handover, streamed, handover)
+                )
                 if subset is not None:
                     subset_alone[kind].append(timed(kind, subset, "alone")[0])
                 for mode in _BUSY:
@@ -174,6 +181,7 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
             "busy_process_seconds": process * scale,
             "worker_seconds": _median([r[1] for r in runs]),
             "worker_handling_seconds": _median([r[5] for r in runs]),
+            "worker_handover_seconds": _median([r[7] for r in runs]),
             "coordinator_write_seconds": _median([r[6] for r in runs]),
             # Each run's own wall - P - H: the median of the differences, not the difference of the
             # medians (the worker part varies from run to run by more than S is).
@@ -256,6 +264,7 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
             "coordinator_write_seconds": streamed,
             "coordinator_write_us_per_key": streamed / keys * 1e6,
             "worker_handling_seconds": handling,
+            "worker_handover_seconds": got.get("worker_handover_seconds", 0.0),  # (within the handling)
             "worker_task_seconds": got["worker_seconds"],
             "worker_seconds": work,  # the parallel part: inside the tasks and handling them
             "worker_seconds_per_gib": work / gib,
@@ -298,7 +307,8 @@ def executor_lines(executors: dict[str, Any], governor: list[dict[str, Any]] | N
             f" {parts['write_rest_seconds']:.3f}, after the last result {parts['after_last_result_seconds']:.3f}),"
             f" coordinator beside the workers {e['coordinator_write_seconds']:.3f} s"
             f" ({e['coordinator_write_us_per_key']:.1f} us/key),"
-            f" workers' task handling {e['worker_handling_seconds']:.3f} s,"
+            f" workers' task handling {e['worker_handling_seconds']:.3f} s"
+            f" (of which handing results over {e.get('worker_handover_seconds', 0.0):.3f}),"
             f" worker {e['worker_seconds_per_gib']:.3f} s/GiB,"
             f" start {e['start_seconds_per_worker'] * 1e3:.1f} ms/worker"
             f" ({e['start_seconds_per_worker_per_gib'] * 1e3:.1f} ms/GiB)"

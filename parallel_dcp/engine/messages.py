@@ -21,7 +21,16 @@ from typing import Any
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.remote_memory import RemoteBytes
 
-__all__ = ["Ahead", "NewHandler", "TaskPart", "gc_paused", "pickled_result", "read_buffers", "send_buffers"]
+__all__ = [
+    "Ahead",
+    "NewHandler",
+    "TaskPart",
+    "gc_paused",
+    "pickled_result",
+    "read_buffers",
+    "receive_reply",
+    "send_buffers",
+]
 
 
 @contextlib.contextmanager
@@ -115,6 +124,15 @@ def send_buffers(conn_fd: int, views: Sequence[memoryview]) -> None:
             socket.send_fds(sock, [b"\0"], [fd])
     finally:
         os.close(fd)
+
+
+def receive_reply(conn: Any) -> tuple[Any, list[memoryview]]:
+    """In the coordinator: a worker's reply (a pickled tuple; an "ok" one's last field the sizes of
+    its buffers), and those buffers (:func:`read_buffers`), taken before anything else is read."""
+    data = conn.recv_bytes()
+    with gc_paused():
+        reply = pickle.loads(data)
+    return reply, read_buffers(conn.fileno(), reply[-1]) if reply[0] == "ok" else []
 
 
 def read_buffers(conn_fd: int, sizes: Sequence[int]) -> list[memoryview]:

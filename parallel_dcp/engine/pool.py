@@ -14,8 +14,7 @@ it), so a worker that replies finds its next task waiting and the hand-off overl
 
 Workers are forked, never spawned: the job's data (a state dict, an open checkpoint's metadata)
 is read copy-on-write and never travels through a pipe. Only task descriptions and small results
-(metadata, write results, statistics) do; the bytes a result wraps in ``pickle.PickleBuffer``
-travel beside its reply in shared memory, never copied (engine/messages.py: ``pickled_result``).
+(metadata, write results, statistics) do; their large bytes travel beside (engine/messages.py).
 
 Longer than 300 lines because a process pool's failure handling (crashes, signals, timeouts,
 retries, orphans, tracebacks home) is one piece of logic that must stay together to stay right.
@@ -46,7 +45,8 @@ from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.messages import Ahead as _Ahead
 from parallel_dcp.engine.messages import NewHandler as _NewHandler
 from parallel_dcp.engine.messages import TaskPart as _TaskPart
-from parallel_dcp.engine.messages import gc_paused, pickled_result, read_buffers, send_buffers
+from parallel_dcp.engine.messages import gc_paused, pickled_result, send_buffers
+from parallel_dcp.engine.messages import receive_reply as _recv
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.remote_memory import RemoteBytes, StaleRead
 from parallel_dcp.errors import (
@@ -82,6 +82,10 @@ class TaskResult(Generic[R]):
     # Seconds the worker spent on this task outside ``seconds``: taking its message (copying and
     # unpickling it) and pickling its result: each worker's own, beside the others'.
     handling: float = 0.0
+    # Seconds the worker spent handing over its previous result of the run (writing it into its
+    # pipe while the coordinator reads it, trimming its heap after): also its own, beside the
+    # others'. A run's last hand-over is reported with no task: it falls before the commit.
+    handover: float = 0.0
 
 
 def _worker_main(
@@ -95,6 +99,7 @@ def _worker_main(
     _die_with_parent(coordinator)
     broken: BaseException | None = None  # a run's handler that could not be loaded
     setup = 0.0  # seconds spent loading it, reported with the next task's result
+    handed = 0.0  # seconds spent handing over the run's last result, reported with the next one
     # Objects inherited from the coordinator (the state dict's tensors and dicts) go to the
     # permanent generation: the worker's collections skip them instead of copying their pages.
     gc.freeze()
@@ -124,6 +129,7 @@ def _worker_main(
             except BaseException as exc:  # reported with the run's first task on this worker
                 broken = exc
             setup = time.perf_counter() - began
+            handed = 0.0  # a new run: its first task is not charged with the last run's hand-over
             continue
         task: Task = message.task if isinstance(message, _TaskPart) else message
         start = time.perf_counter()
@@ -138,20 +144,20 @@ def _worker_main(
             pickling = time.perf_counter()
             value, raw = pickled_result(value)  # (its error is the task's)
             handling = start - taken + time.perf_counter() - pickling
-            reply: tuple[Any, ...] = ("ok", seconds, value, setup, handling, [len(view) for view in raw])
+            reply: tuple[Any, ...] = ("ok", seconds, value, setup, handling, handed, [len(v) for v in raw])
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
             reply, raw = ("error", _error_type(exc), _message_of(exc), traceback.format_exc()), []
         setup = 0.0  # reported with this run's first task on this worker only
+        sending = time.perf_counter()
         try:
             _send(conn, reply)
         except Exception as exc:  # a result that cannot be pickled is the task's error, not a crash
             _send(conn, ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc()))
             raw = []
-        # The result's out-of-band buffers, raw, right behind the reply that gives their sizes (an
-        # error here is the coordinator gone: nothing is left to read them).
-        send_buffers(conn.fileno(), raw)
-        raw = []  # the result's bytes: freed before the heap is trimmed
+        send_buffers(conn.fileno(), raw)  # right behind the reply (an error: the coordinator is gone)
+        del raw  # the result's bytes: freed before the heap is trimmed
         return_freed_memory()
+        handed = time.perf_counter() - sending
 
 
 def _error_type(exc: BaseException) -> str:
@@ -177,14 +183,6 @@ def _load_handler(message: _NewHandler) -> Callable[[Task], Any]:
 def _send(conn: Any, message: Any) -> None:
     # The C pickler: multiprocess's own (dill, pure Python) costs seconds on 50,000-entry Metadata.
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _recv(conn: Any) -> tuple[Any, list[memoryview]]:
-    """A worker's reply, and the buffers sent beside an "ok" one (read before anything else is)."""
-    data = conn.recv_bytes()
-    with gc_paused():
-        reply = pickle.loads(data)
-    return reply, read_buffers(conn.fileno(), reply[5]) if reply[0] == "ok" else []
 
 
 def _freeze_heap() -> bool:
@@ -595,7 +593,13 @@ class WorkerPool:
             with gc_paused():
                 value = pickle.loads(reply[2], buffers=raw)
             return TaskResult(
-                task=task, worker=worker, seconds=reply[1], value=value, setup=reply[3], handling=reply[4]
+                task=task,
+                worker=worker,
+                seconds=reply[1],
+                value=value,
+                setup=reply[3],
+                handling=reply[4],
+                handover=reply[5],
             )
         _, error_type, message, remote_tb = reply
         kind = StalePlan if error_type == StaleRead.__qualname__ else WorkerError

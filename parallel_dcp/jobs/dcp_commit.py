@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+from torch.distributed.checkpoint.metadata import StorageMeta
 
-from parallel_dcp.formats import lean
+from parallel_dcp.formats import lean, metadata_pickle
 from parallel_dcp.storage.location import Location, Remote
 from parallel_dcp.storage.manifest import FileDigest
 from parallel_dcp.storage.side_index import Segment, index_for
 
-__all__ = ["MetadataFiles", "metadata_files", "out_of_band"]
+__all__ = ["MetadataFiles", "metadata_files", "out_of_band", "outgoing_part"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +51,23 @@ def out_of_band(result: Any) -> Any:
     return dataclasses.replace(result, runs=runs)
 
 
+def outgoing_part(mapping: Mapping[str, Any], positions: Callable[[], Mapping[str, int]], result: Any) -> Any:
+    """In the worker: ``result`` with a lean part's whole keys pickled (:func:`lean.encode`, with
+    each key's ``mapping`` and the job's ``positions()``), unless they are already, and its runs
+    set to travel out of band (:func:`out_of_band`)."""
+    plain = isinstance(result, lean.LeanPart) and (bool(result.values) or any(t[5] is None for t in result.tensors))
+    return out_of_band(lean.encode(result, mapping, positions()) if plain else result)
+
+
 def metadata_files(
-    path: Location, results: list[Any], pieces: list[Any], save_id: str, *, checksum: bool, indexed: bool
+    path: Location, results: list[Any], runs: list[Any], save_id: str, *, checksum: bool, indexed: bool
 ) -> MetadataFiles:
-    """``.metadata`` of ``pieces`` (formats/metadata_pickle.py ``assemble_pieces``), its digest
-    (checksum unless not ``checksum``), and where ``indexed`` (no entries were built in the
-    coordinator) the side index from the columns ``results`` sent with their runs."""
+    """``.metadata`` of the ordered ``runs`` (each (place, fragment triple)), with what
+    ``FileSystemWriter.finish`` records besides the entries, as pieces (formats/metadata_pickle.py
+    ``assemble_pieces``); its digest (checksum unless not ``checksum``); and where ``indexed`` (no
+    entries were built in the coordinator) the side index from the columns ``results`` sent."""
+    storage_meta = StorageMeta(checkpoint_id=str(path), save_id=save_id)
+    pieces = metadata_pickle.assemble_pieces([run for _, run in runs], storage_meta, CURRENT_DCP_VERSION)
     columns = _columns(path, results) if indexed else None
     hasher = xxhash.xxh3_64() if checksum or columns is not None else None
     size = 0

@@ -80,7 +80,8 @@ class WorkerStats:
     ``setup_seconds`` spent loading the job before its first task (a Saver's workers, which
     receive each job; 0 for forked workers and threads, which inherit it), and
     ``handling_seconds`` spent on its tasks outside them (taking each task in, pickling its
-    result; 0 for threads)."""
+    result; 0 for threads), and ``handover_seconds`` handing its results over (sending each into
+    its pipe, but the last of a run, which falls before the commit; 0 for threads)."""
 
     worker: int
     tasks: int
@@ -88,6 +89,7 @@ class WorkerStats:
     seconds: float
     setup_seconds: float = 0.0
     handling_seconds: float = 0.0
+    handover_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +323,7 @@ def _plan_once(
     """One attempt of :func:`plan_job`, chunks ``divisor`` times smaller than the room allows."""
     threshold = 0
     if target.splits_tensors:  # only DCP can hold one tensor as several chunks
-        total = sum(map(itemgetter(0), job.sizes().values()))
+        total = job.totals()[0]
         io = target.io_memory(total)
         # A split may give every worker work, however few the keys; under a tight limit, as many
         # workers as leave each task room for a chunk.
@@ -347,11 +349,8 @@ def _plan_once(
 def _largest_need(job: Job) -> list[tuple[str, int]]:
     """The unit whose worker allocates the most (the first of equals), all ``workers_for`` needs:
     if it fits, every unit does (found in one C pass over the sizes, not one call per key)."""
-    memories = list(map(itemgetter(1), job.sizes().values()))
-    if not memories:
-        return []
-    most = max(memories)
-    return [(job.keys[memories.index(most)], most)]
+    _, most, place = job.totals()
+    return [(job.keys[place], most)] if place >= 0 else []
 
 
 def needed_space(job: Job) -> int:
@@ -359,7 +358,7 @@ def needed_space(job: Job) -> int:
     entries, values = job.source.entries, job.source.values
     sizes = job.sizes()
     pickled = sum(sizes[k][1] for k in values if k in sizes and k not in entries)
-    return int(sum(map(itemgetter(0), sizes.values()))) + pickled + _RECORD_OVERHEAD * len(job.keys)
+    return int(job.totals()[0]) + pickled + _RECORD_OVERHEAD * len(job.keys)
 
 
 def result_of(
@@ -506,5 +505,6 @@ def _per_worker(results: list[TaskResult[Any]]) -> list[WorkerStats]:
             old.seconds + r.seconds,
             old.setup_seconds + r.setup,
             old.handling_seconds + r.handling,
+            old.handover_seconds + r.handover,
         )
     return [stats[w] for w in sorted(stats)]

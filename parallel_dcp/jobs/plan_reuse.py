@@ -68,7 +68,7 @@ from parallel_dcp.formats.validate import flatten_checked
 from parallel_dcp.jobs import speculation as speculative
 from parallel_dcp.jobs.speculation import Speculation, SpeculativeParts
 from parallel_dcp.jobs.targets import Job
-from parallel_dcp.jobs.task_parts import JobPart, JobParts, job_parts
+from parallel_dcp.jobs.task_parts import JobParts, KeptPart, job_parts
 
 __all__ = ["LAYOUTS", "Layout", "PlanReuse"]
 
@@ -106,13 +106,13 @@ class _Kept:
     def __init__(self, layout: Layout, listing: RemoteMemorySource, job: Job, addresses: list[int]) -> None:
         self.layout = layout
         self.listing = listing
-        self.caches = (job._sizes, job._ordered_sizes, job._positions)  # filled as the job is planned
+        self.caches = (job._sizes, job._ordered_sizes, job._positions, job._totals)  # filled as it is planned
         self.addresses = addresses  # where the current save's tensors lie, in tensor_keys order
         # Per (dtype, chunks) of a job over this layout: its items, their bytes, one task's memory.
         self.items: dict[Any, tuple[list[Item], int, int]] = {}
         self.tasks: dict[Any, list[Task]] = {}
         # Pickled parts of the tasks in ``parted`` (the same Task objects), made for ``parted_at``.
-        self.parts: dict[int, bytes | JobPart] = {}
+        self.parts: dict[int, KeptPart] = {}
         self.parted: list[Task] = []
         self.parted_at: list[int] = []
         # The last save of this layout found its tensors where the save before left them: the
@@ -267,7 +267,7 @@ class PlanReuse:
             tasks = _keep(kept.tasks, key, plan(listed, workers, budget))
         return list(tasks)
 
-    def parts(self, job: Job, tasks: Sequence[Task]) -> dict[int, bytes | JobPart] | None:
+    def parts(self, job: Job, tasks: Sequence[Task]) -> dict[int, KeptPart] | None:
         """The parts kept for ``tasks`` of ``job`` (a job part per task index, to take and to
         fill; None: not this save's job): valid while the tasks are the same and the tensors lie
         where they lay when the parts were made."""

@@ -39,7 +39,7 @@ from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import StalePlan
 from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
 from parallel_dcp.jobs.targets import Job
-from parallel_dcp.jobs.task_parts import JobPart, JobParts
+from parallel_dcp.jobs.task_parts import JobParts, KeptPart
 
 __all__ = ["SPECULATE", "Speculation", "SpeculativeParts"]
 
@@ -53,8 +53,8 @@ class KeptLayout(Protocol):
 
     layout: Any
     listing: RemoteMemorySource
-    caches: tuple[Any, Any, Any]
-    parts: dict[int, bytes | JobPart]
+    caches: tuple[Any, Any, Any, Any]
+    parts: dict[int, KeptPart]
     parted: list[Task]
     steady: bool
 
@@ -154,9 +154,7 @@ class SpeculativeParts(JobParts):
     other part is made and at the pool's first pass through its loop (``ahead``), while the first
     tasks run."""
 
-    def __init__(
-        self, speculation: Speculation, job: Job, tasks: Sequence[Task], kept: dict[int, bytes | JobPart]
-    ) -> None:
+    def __init__(self, speculation: Speculation, job: Job, tasks: Sequence[Task], kept: dict[int, KeptPart]) -> None:
         # The tasks whose parts were kept whole (no value: a value is this save's) go first, so
         # that each worker's first task leaves before the check (a part with values waits for it).
         ready = [task for task in tasks if isinstance(kept.get(task.index), bytes)][: speculation.workers]

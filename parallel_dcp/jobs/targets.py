@@ -23,18 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.distributed.checkpoint.metadata import StorageMeta
 
 from parallel_dcp.engine.chunks import Chunk, chunk_count, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, LEAN_TASK_MEMORY_BYTES, TASK_MEMORY_BYTES
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import gc_paused
-from parallel_dcp.formats import FILE_FORMATS, FORMATS, lean, metadata_pickle
+from parallel_dcp.formats import FILE_FORMATS, FORMATS, lean
 from parallel_dcp.formats.base import FileFormat, Source, index_json
 from parallel_dcp.formats.dcp_format import ChunkSavePlanner
 from parallel_dcp.jobs.copy_files import read_copies
-from parallel_dcp.jobs.dcp_commit import metadata_files, out_of_band
+from parallel_dcp.jobs.dcp_commit import metadata_files, outgoing_part
 from parallel_dcp.jobs.dcp_entries import remaining_entries
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.partial import partial_save
@@ -72,6 +70,8 @@ class Job:
     _sizes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
     _ordered_sizes: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
     _positions: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    # What the planning reads of the sizes as a whole (see :meth:`totals`): kept with them.
+    _totals: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def positions(self) -> dict[str, int]:
         """Each unit's place in ``keys``: where its entries go in ``.metadata`` (built once per
@@ -131,6 +131,20 @@ class Job:
             self._ordered_sizes.clear()
             self._ordered_sizes.update(zip(self.keys, map(known.__getitem__, self.keys)))
         return self._ordered_sizes
+
+    def totals(self) -> tuple[int, int, int]:
+        """The bytes every unit writes, and the largest memory a unit needs with its place in
+        ``keys`` (the first of equals; 0 and -1 without units): one C pass each over the sizes,
+        made once per job (a Saver's later save of a layout keeps them with its sizes)."""
+        found = self._totals.get("totals")
+        if found is None or found[0] != len(self.keys):
+            sizes = self.sizes()
+            memories = list(map(itemgetter(1), sizes.values()))
+            most = max(memories, default=0)
+            total = sum(map(itemgetter(0), sizes.values()))
+            found = (len(self.keys), total, most, memories.index(most) if memories else -1)
+            self._totals["totals"] = found
+        return found[1], found[2], found[3]
 
     def out_bytes(self, unit: str) -> int:
         """Bytes of tensor data ``unit`` writes (0 for other values)."""
@@ -353,7 +367,7 @@ class DcpTarget(Target):
 
     def outgoing(self, job: Job, result: Any) -> Any:
         # The worker pickles its keys' .metadata entries: the coordinator only splices them.
-        return _encoded(job, result)
+        return outgoing_part(job.source.mapping, job.positions, result)
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         digests: dict[str, FileDigest] = {}
@@ -368,11 +382,8 @@ class DcpTarget(Target):
             runs += remaining
             runs.sort(key=lambda run: run[0])
             self.merge_seconds = time.perf_counter() - began
-            # What FileSystemWriter.finish records besides the entries.
-            storage_meta = StorageMeta(checkpoint_id=str(self.path), save_id=staging.save_id)
-            pieces = metadata_pickle.assemble_pieces([run for _, run in runs], storage_meta, CURRENT_DCP_VERSION)
             files = metadata_files(
-                self.path, results, pieces, staging.save_id, checksum=options.checksums, indexed=not remaining
+                self.path, results, runs, staging.save_id, checksum=options.checksums, indexed=not remaining
             )
         digests[METADATA_FILE] = files.digest
         manifest = manifest_bytes(digests, job.source.fingerprint(), save_id=staging.save_id)
@@ -382,13 +393,6 @@ class DcpTarget(Target):
         extras = {MANIFEST_FILE: manifest} | ({INDEX_FILE: files.index} if files.index is not None else {})
         staging.commit(marker=(METADATA_FILE, files.pieces), extras=extras)
         return len(digests)  # the shards and .metadata, as inspect lists them
-
-
-def _encoded(job: Job, result: Any) -> Any:
-    """``result`` with a lean part's whole keys pickled (:func:`lean.encode`), unless they are
-    already, and its runs set to travel out of band (jobs/dcp_commit.py)."""
-    plain = isinstance(result, lean.LeanPart) and (bool(result.values) or any(t[5] is None for t in result.tensors))
-    return out_of_band(lean.encode(result, job.source.mapping, job.positions()) if plain else result)
 
 
 class ShardedTarget(Target):
