@@ -41,14 +41,18 @@ class MetadataFiles:
 
 
 def out_of_band(result: Any) -> Any:
-    """``result`` (in the worker, as it goes home) with a lean part's runs wrapped in
-    ``pickle.PickleBuffer``: the pool sends them raw (engine/messages.py ``pickled_result``);
-    anything else as it is. The coordinator gets them back as read-only views."""
+    """``result`` (in the worker, as it goes home) with a lean part's runs and its side-index
+    columns' bytes wrapped in ``pickle.PickleBuffer`` (its numpy columns travel so as they are):
+    the pool sends them beside the pickle (engine/messages.py ``pickled_result``); anything else
+    as it is. The coordinator gets them back as read-only views."""
     if not isinstance(result, lean.LeanPart) or not result.runs:
         return result
     wrap = pickle.PickleBuffer
     runs = [(at, (wrap(a), wrap(b), wrap(c))) for at, (a, b, c) in result.runs]
-    return dataclasses.replace(result, runs=runs)
+    columns = result.columns
+    if columns is not None:
+        columns = [(*map(wrap, segment[:5]), *segment[5:]) for segment in columns]
+    return dataclasses.replace(result, runs=runs, columns=columns)
 
 
 def outgoing_part(mapping: Mapping[str, Any], positions: Callable[[], Mapping[str, int]], result: Any) -> Any:

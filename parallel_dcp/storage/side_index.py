@@ -70,8 +70,9 @@ _CODES: dict[torch.dtype, int] = {
 }
 
 # One run of keys as a worker describes it: names (UTF-8, each followed by NUL), kind, dtype,
-# flags, ndim (uint8 columns as bytes), dims, offset, length (int64 arrays).
-Segment = tuple[bytes, bytes, bytes, bytes, bytes, Any, Any, Any]
+# flags, ndim (uint8 columns as bytes: read-only views of them once sent home), dims, offset,
+# length (int64 arrays).
+Segment = tuple[Any, Any, Any, Any, Any, Any, Any, Any]
 # One key: kind, dtype code, flags, shape, offset, length.
 Row = tuple[int, int, int, tuple[int, ...], int, int]
 
