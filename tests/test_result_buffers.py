@@ -4,6 +4,7 @@ the files are the bytes the in-band path wrote, and a worker dying half-way is a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -19,7 +20,7 @@ from parallel_dcp.engine import messages
 from parallel_dcp.engine import pool as pool_module
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import WorkerPool
-from parallel_dcp.errors import WorkerCrashed
+from parallel_dcp.errors import WorkerCrashed, WorkerError
 from parallel_dcp.jobs import dcp_commit
 from parallel_dcp.storage import local_staging, safe_files
 from parallel_dcp.storage.manifest import ALGORITHM, file_digest
@@ -60,8 +61,8 @@ def test_a_results_buffers_arrive_as_read_only_views_of_its_bytes_and_leave_no_d
         assert value["plain"] == b"in band"
 
 
-def _die_before_the_buffers(conn_fd: int, views: Any) -> None:
-    if views:
+def _die_before_the_buffers(conn_fd: int, shared: int | None, *, sent: bool) -> None:
+    if shared is not None:
         os._exit(3)
 
 
@@ -69,6 +70,17 @@ def test_a_worker_dying_between_its_reply_and_its_buffers_is_a_crash(monkeypatch
     monkeypatch.setattr(pool_module, "send_buffers", _die_before_the_buffers)  # inherited by the forks
     tasks = [Task(index=0, keys=("k0",), nbytes=1, memory=0)]
     with pytest.raises(WorkerCrashed, match="exit code 3"), WorkerPool(1, _with_buffers) as pool:
+        list(pool.run(tasks))
+
+
+def _no_memory_file(name: str, flags: int = 0) -> int:
+    raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+
+def test_a_result_that_cannot_be_put_in_a_memory_file_is_the_tasks_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "memfd_create", _no_memory_file)  # in the workers, forked after this
+    tasks = [Task(index=0, keys=("k0",), nbytes=1, memory=0)]
+    with pytest.raises(WorkerError, match="Cannot allocate memory"), WorkerPool(1, _with_buffers) as pool:
         list(pool.run(tasks))
 
 

@@ -97,33 +97,42 @@ def _task_part(pickled_task: bytes, part: Any) -> TaskPart:
     return TaskPart(task, part)
 
 
-def pickled_result(value: Any) -> tuple[bytes, list[memoryview]]:
-    """``value`` pickled, and the bytes it wraps in :class:`pickle.PickleBuffer` (a task's pickled
-    ``.metadata`` runs: formats/lean.py; numpy arrays: its side-index columns) as raw views, to
-    travel beside the pickle (:func:`send_buffers`). Pickled in band, 15 MB of runs (50,000 keys)
-    cost the coordinator ~13 ms: read from the pipe, then copied out of the reply and again out of
-    the result; read raw from a socket into one buffer, still ~8 ms."""
+def pickled_result(value: Any) -> tuple[bytes, list[int], int | None]:
+    """``value`` pickled, the sizes of the bytes it wraps in :class:`pickle.PickleBuffer` (a task's
+    pickled ``.metadata`` runs and side-index columns: jobs/dcp_commit.py), and those bytes written
+    into a new anonymous memory file (its descriptor; None without any), which :func:`send_buffers`
+    passes to the coordinator to map. Pickled in band, the 15 MB of runs of 50,000 keys cost the
+    coordinator ~13 ms (read from the pipe, copied out of the reply, then out of the result); read
+    raw from the pipe into one buffer, still ~8 ms; mapped, ~0.6 ms. The file has no name: nothing
+    is left behind whichever process dies, and its memory goes with its last descriptor or mapping.
+    """
     buffers: list[pickle.PickleBuffer] = []
     data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    return data, [buffer.raw() for buffer in buffers]
-
-
-def send_buffers(conn_fd: int, views: Sequence[memoryview]) -> None:
-    """In the worker, right after its reply: :func:`pickled_result`'s views, written into a new
-    anonymous memory file whose descriptor is passed over the pipe (``SCM_RIGHTS``), so the
-    coordinator maps the bytes instead of copying them. The file has no name: nothing is left
-    behind whichever process dies, and its memory is freed with its last mapping."""
+    views = [buffer.raw() for buffer in buffers]
     if not views:
-        return
+        return data, [], None
     fd = os.memfd_create("parallel_dcp-result", os.MFD_CLOEXEC)
     try:
         for view in views:
             while view:
                 view = view[os.write(fd, view) :]
-        with _socket(conn_fd) as sock:
-            socket.send_fds(sock, [b"\0"], [fd])
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return data, [len(view) for view in views], fd
+
+
+def send_buffers(conn_fd: int, shared: int | None, *, sent: bool) -> None:
+    """In the worker, right after its reply (``sent``: an "ok" one, with :func:`pickled_result`'s
+    sizes): pass the memory file ``shared`` over the pipe (``SCM_RIGHTS``); close it either way."""
+    if shared is None:
+        return
+    try:
+        if sent:
+            with _socket(conn_fd) as sock:
+                socket.send_fds(sock, [b"\0"], [shared])
+    finally:
+        os.close(shared)
 
 
 def receive_reply(conn: Any) -> tuple[Any, list[memoryview]]:
@@ -146,8 +155,10 @@ def read_buffers(conn_fd: int, sizes: Sequence[int]) -> list[memoryview]:
     if not sizes:
         return []
     with _socket(conn_fd) as sock:
-        data, fds, _, _ = socket.recv_fds(sock, 1, 1, socket.MSG_CMSG_CLOEXEC)
+        data, fds, flags, _ = socket.recv_fds(sock, 1, 1, socket.MSG_CMSG_CLOEXEC)
     try:
+        if data and flags & socket.MSG_CTRUNC:  # the kernel dropped the descriptor: none free here
+            raise RuntimeError("the coordinator could not take a worker's result: it has no file descriptor free")
         if not data or len(fds) != 1 or os.fstat(fds[0]).st_size != total:
             raise EOFError("the worker's pipe closed in the middle of its result")
         whole = _mapped(fds[0], total) if total else memoryview(b"")

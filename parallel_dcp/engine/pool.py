@@ -142,20 +142,19 @@ def _worker_main(
             value = run(task)
             seconds = time.perf_counter() - start
             pickling = time.perf_counter()
-            value, raw = pickled_result(value)  # (its error is the task's)
+            value, sizes, shared = pickled_result(value)  # (its error, a memory file's too, is the task's)
             handling = start - taken + time.perf_counter() - pickling
-            reply: tuple[Any, ...] = ("ok", seconds, value, setup, handling, handed, [len(v) for v in raw])
+            reply: tuple[Any, ...] = ("ok", seconds, value, setup, handling, handed, sizes)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
-            reply, raw = ("error", _error_type(exc), _message_of(exc), traceback.format_exc()), []
+            reply, shared = ("error", _error_type(exc), _message_of(exc), traceback.format_exc()), None
         setup = 0.0  # reported with this run's first task on this worker only
         sending = time.perf_counter()
         try:
             _send(conn, reply)
         except Exception as exc:  # a result that cannot be pickled is the task's error, not a crash
             _send(conn, ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc()))
-            raw = []
-        send_buffers(conn.fileno(), raw)  # right behind the reply (an error: the coordinator is gone)
-        del raw  # the result's bytes: freed before the heap is trimmed
+            reply = ("error",)
+        send_buffers(conn.fileno(), shared, sent=reply[0] == "ok")  # behind the reply; closed either way
         return_freed_memory()
         handed = time.perf_counter() - sending
 
