@@ -2,13 +2,14 @@
 in pieces, its digest for the manifest, and the side index (jobs/targets.py ``DcpTarget.commit``).
 
 The workers' pickled ``.metadata`` runs (formats/lean.py) travel out of band (:func:`out_of_band`):
-the pool reads them raw into one buffer per result (engine/messages.py), and they stay there:
-``.metadata`` is the frame's pieces and those views (formats/metadata_pickle.py
+each worker puts them in a memory file the coordinator maps (engine/messages.py), and they stay
+there: ``.metadata`` is the frame's pieces and views of those runs (formats/metadata_pickle.py
 ``assemble_pieces``), written by gathered writes (storage/safe_files.py ``write_all``), never
 joined; it is hashed once, in pieces, for both the manifest's checksum and the side index's
 binding (the same xxh3_64). Measured on a Saver's later save of 50,000 small keys (15 MB of runs),
 each copy of those bytes cost the coordinator 2-5 ms: pickled in band they were copied from the
-pipe, out of the reply, out of the result, and joined, then hashed twice.
+pipe, out of the reply, out of the result, and joined, then hashed twice; receiving the results
+and committing took 31-38 ms of its CPU, now 11.
 """
 
 from __future__ import annotations
