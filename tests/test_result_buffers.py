@@ -117,7 +117,9 @@ def _reference_index(pieces: list[tuple[str, Any]], metadata: bytes, save_id: st
     return header + body
 
 
-def _saved(path: Path, monkeypatch: pytest.MonkeyPatch, *, out_of_band: bool) -> tuple[dict[str, bytes], Any, int]:
+def _saved(
+    path: Path, monkeypatch: pytest.MonkeyPatch, *, out_of_band: bool, executor: str = "processes"
+) -> tuple[dict[str, bytes], Any, int]:
     """The files a two-worker save writes besides its shards (the manifest without its time), the
     side index's pieces as the commit had them, and how many bytes the results sent out of band."""
     sent: list[int] = []
@@ -139,7 +141,7 @@ def _saved(path: Path, monkeypatch: pytest.MonkeyPatch, *, out_of_band: bool) ->
     if not out_of_band:  # the runs pickled in band, as they travelled before
         monkeypatch.setattr(dcp_commit, "out_of_band", lambda result: result)
     monkeypatch.setattr(local_staging, "new_save_id", lambda: _SAVE_ID)
-    parallel_dcp.save(many_small(3000), path, workers=2)
+    parallel_dcp.save(many_small(3000), path, workers=2, executor=executor)
     monkeypatch.undo()
     files = {name: (path / name).read_bytes() for name in (METADATA_FILE, INDEX_FILE)}
     manifest = json.loads((path / MANIFEST_FILE).read_bytes())
@@ -209,3 +211,15 @@ def test_a_results_bytes_are_charged_to_the_coordinator_as_soon_as_it_holds_them
         held = _shared_memory_bytes() - before
     assert held >= 0.9 * 4 * 4 * 2**20
     assert all(bytes(r.value[:1]) == bytes([r.task.index]) for r in results)
+
+
+def test_on_writer_threads_wrapped_runs_make_the_same_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No pipe: the parts keep their runs and columns wrapped in ``pickle.PickleBuffer`` to the commit."""
+    path = tmp_path / "ckpt"
+    in_band, _, _ = _saved(path, monkeypatch, out_of_band=False)
+    for child in path.iterdir():
+        child.unlink()
+    path.rmdir()
+    threads, _, sent = _saved(path, monkeypatch, out_of_band=True, executor="threads")
+    assert sent == 0
+    assert threads == in_band

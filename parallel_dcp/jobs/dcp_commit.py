@@ -29,7 +29,7 @@ from parallel_dcp.storage.location import Location, Remote
 from parallel_dcp.storage.manifest import FileDigest
 from parallel_dcp.storage.side_index import Segment, index_for
 
-__all__ = ["MetadataFiles", "metadata_files", "out_of_band", "outgoing_part"]
+__all__ = ["MetadataFiles", "in_band", "metadata_files", "out_of_band", "outgoing_part"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +53,18 @@ def out_of_band(result: Any) -> Any:
     columns = result.columns
     if columns is not None:
         columns = [(*map(wrap, segment[:5]), *segment[5:]) for segment in columns]
+    return dataclasses.replace(result, runs=runs, columns=columns)
+
+
+def in_band(result: Any) -> Any:
+    """``result`` as :func:`out_of_band` had it before: its views (or wrapped bytes) copied back to
+    bytes, for a pickle with no buffers beside it (``torch.distributed``'s gather to rank 0)."""
+    if not isinstance(result, lean.LeanPart) or not result.runs:
+        return result
+    runs = [(at, (bytes(a), bytes(b), bytes(c))) for at, (a, b, c) in result.runs]
+    columns = result.columns
+    if columns is not None:
+        columns = [(*map(bytes, segment[:5]), *segment[5:]) for segment in columns]
     return dataclasses.replace(result, runs=runs, columns=columns)
 
 

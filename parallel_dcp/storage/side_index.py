@@ -128,7 +128,7 @@ def index_for(pieces: Sequence[tuple[str, Segment]], size: int, digest: int, sav
     file is one join of its pieces, hashed beforehand in place: each column straight from the
     workers' arrays (no concatenation, conversion or ``tobytes`` copy of it first)."""
     files: dict[str, int] = {}
-    ids = [numpy.full(len(seg[1]), files.setdefault(name, len(files)), dtype="<u4") for name, seg in pieces]
+    ids = [numpy.full(_size(seg[1]), files.setdefault(name, len(files)), dtype="<u4") for name, seg in pieces]
     segments = [seg for _, seg in pieces]
     file_names = "".join(f"{name}\0" for name in files).encode()
     columns = [[_little(s[i], "<i8") for s in segments] for i in (6, 7, 5)] + [[_little(a, "<u4") for a in ids]]
@@ -148,11 +148,17 @@ def index_for(pieces: Sequence[tuple[str, Segment]], size: int, digest: int, sav
         sum(len(a) for a in columns[0]) // 8,
         len(files),
         sum(len(a) for a in columns[2]) // 8,
-        sum(map(len, names)),
+        sum(map(_size, names)),
         len(file_names),
         len(tag),
     )
     return b"".join([HEADER.pack(*header, hasher.intdigest()), *body])
+
+
+def _size(data: Any) -> int:
+    """Bytes in ``data``: bytes, a view, or a ``pickle.PickleBuffer`` (a part that went home by no
+    pipe, on writer threads, keeps its columns wrapped: jobs/dcp_commit.py)."""
+    return memoryview(data).nbytes
 
 
 def _little(array: Any, dtype: str) -> memoryview:
