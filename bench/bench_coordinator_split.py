@@ -5,7 +5,8 @@ Usage: flock LOCK python bench/bench_coordinator_split.py [KEYS [WORKERS]]   (de
 Saves ``synthetic.many_small(KEYS)`` with ``parallel_dcp.Saver(workers=WORKERS)`` to /dev/shm twice,
 then 5 more times with the coordinator's parts wrapped in timers: the layout check
 (``Speculation.confirm``), the governor (``watch``, ``admit_task``, ``release``), taking each result
-in (``WorkerPool._receive``: the pipe and the unpickling), sending tasks (``_dispatch``,
+in (``WorkerPool._receive``: the pipe and the unpickling), the commit after the last result
+(``DcpTarget.commit``: .metadata, side index, manifest; not part of C), sending tasks (``_dispatch``,
 ``_send_ahead``), making parts ahead (``JobParts.ahead``), and the wait on the workers. Each part's
 exclusive wall seconds and CPU seconds (``time.thread_time``: what a loaded machine does not
 inflate), medians of the 5; C = SaveResult.coordinator_write_seconds (wall). Runs against whichever
@@ -23,9 +24,11 @@ import time
 import parallel_dcp
 from parallel_dcp.engine import memory
 from parallel_dcp.engine import pool as poolmod
-from parallel_dcp.jobs import speculation, task_parts
+from parallel_dcp.jobs import speculation, targets, task_parts
 from parallel_dcp.synthetic import many_small
 
+# After the last result, outside C: .metadata, the side index and the manifest written (serial, S).
+COMMIT = "commit (after C)"
 acc = collections.Counter()
 cpu = collections.Counter()
 stack = []
@@ -69,6 +72,7 @@ wrap(poolmod.WorkerPool, "_send_ahead", "send ahead (parts, pickle, send)")
 wrap(poolmod.WorkerPool, "_dispatch", "dispatch")
 wrap(task_parts.JobParts, "ahead", "parts ahead")
 wrap(poolmod.mp_connection, "wait", "WAIT")
+wrap(targets.DcpTarget, "commit", COMMIT)
 
 keys = int(sys.argv[1]) if len(sys.argv) > 1 else 50000
 workers = int(sys.argv[2]) if len(sys.argv) > 2 else 2
@@ -91,7 +95,8 @@ with parallel_dcp.Saver(workers=workers) as saver:
         row["cpu whole save (coordinator thread)"] = time.thread_time() - c0
         row["C"] = r.coordinator_write_seconds
         row["write"] = r.phases["write"]
-        row["C - named"] = r.coordinator_write_seconds - sum(v for k, v in acc.items() if k != "WAIT")
+        row["C - named"] = r.coordinator_write_seconds - sum(v for k, v in acc.items() if k not in ("WAIT", COMMIT))
+        row["cpu receive+unpickle + commit"] = cpu["receive+unpickle"] + cpu[COMMIT]
         rows.append(row)
 for k in rows[0]:
     print(f"{k:40s} {statistics.median(r.get(k, 0) for r in rows) * 1e3:8.1f} ms")

@@ -1,20 +1,36 @@
 """What the coordinator of a :class:`~parallel_dcp.engine.pool.WorkerPool` sends its workers
-besides plain tasks, and ``gc_paused``, which both sides use around their pickles. (Kept apart
-from engine/pool.py, whose failure handling is long enough on its own.)"""
+besides plain tasks, ``gc_paused``, which both sides use around their pickles, and how a result's
+large bytes travel back (:func:`pickled_result`). (Kept apart from engine/pool.py, whose failure
+handling is long enough on its own.)"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import gc
+import mmap
+import os
 import pickle
-from collections.abc import Iterator
+import socket
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.remote_memory import RemoteBytes
 
-__all__ = ["Ahead", "NewHandler", "TaskPart", "gc_paused"]
+__all__ = [
+    "Ahead",
+    "NewHandler",
+    "TaskPart",
+    "gc_paused",
+    "pickled_result",
+    "read_buffers",
+    "receive_reply",
+    "send_buffers",
+]
 
 
 @contextlib.contextmanager
@@ -79,3 +95,117 @@ def _task_part(pickled_task: bytes, part: Any) -> TaskPart:
     with gc_paused():
         task = pickle.loads(pickled_task)
     return TaskPart(task, part)
+
+
+def pickled_result(value: Any) -> tuple[bytes, list[int], int | None]:
+    """``value`` pickled, the sizes of the bytes it wraps in :class:`pickle.PickleBuffer` (a task's
+    pickled ``.metadata`` runs and side-index columns: jobs/dcp_commit.py), and those bytes written
+    into a new anonymous memory file (its descriptor; None without any), which :func:`send_buffers`
+    passes to the coordinator to map. Pickled in band, the 15 MB of runs of 50,000 keys cost the
+    coordinator ~13 ms (read from the pipe, copied out of the reply, then out of the result); read
+    raw from the pipe into one buffer, still ~8 ms; mapped, ~0.6 ms. The file has no name: nothing
+    is left behind whichever process dies, and its memory goes with its last descriptor or mapping.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    views = [buffer.raw() for buffer in buffers]
+    if not views:
+        return data, [], None
+    fd = os.memfd_create("parallel_dcp-result", os.MFD_CLOEXEC)
+    try:
+        for view in views:
+            while view:
+                view = view[os.write(fd, view) :]
+    except BaseException:
+        os.close(fd)
+        raise
+    return data, [len(view) for view in views], fd
+
+
+def send_buffers(conn_fd: int, shared: int | None, *, sent: bool) -> None:
+    """In the worker, right after its reply (``sent``: an "ok" one, with :func:`pickled_result`'s
+    sizes): pass the memory file ``shared`` over the pipe (``SCM_RIGHTS``); close it either way."""
+    if shared is None:
+        return
+    try:
+        if sent:
+            with _socket(conn_fd) as sock:
+                socket.send_fds(sock, [b"\0"], [shared])
+    finally:
+        os.close(shared)
+
+
+def receive_reply(conn: Any) -> tuple[Any, list[memoryview]]:
+    """In the coordinator: a worker's reply (a pickled tuple; an "ok" one's last field the sizes of
+    its buffers), and those buffers (:func:`read_buffers`), taken before anything else is read."""
+    data = conn.recv_bytes()
+    with gc_paused():
+        reply = pickle.loads(data)
+    return reply, read_buffers(conn.fileno(), reply[-1]) if reply[0] == "ok" else []
+
+
+def read_buffers(conn_fd: int, sizes: Sequence[int]) -> list[memoryview]:
+    """In the coordinator: the buffers a worker sent behind its reply (:func:`send_buffers`), as
+    read-only views of its memory file, mapped (no copy: the bytes are read where the worker wrote
+    them, when ``.metadata`` is hashed and written).
+
+    Raises:
+        EOFError: the worker died before it sent them, or sent a file of another size."""
+    total = sum(sizes)
+    if not sizes:
+        return []
+    with _socket(conn_fd) as sock:
+        data, fds, flags, _ = socket.recv_fds(sock, 1, 1, socket.MSG_CMSG_CLOEXEC)
+    try:
+        if data and flags & socket.MSG_CTRUNC:  # the kernel dropped the descriptor: none free here
+            raise RuntimeError("the coordinator could not take a worker's result: it has no file descriptor free")
+        if not data or len(fds) != 1 or os.fstat(fds[0]).st_size != total:
+            raise EOFError("the worker's pipe closed in the middle of its result")
+        whole = _mapped(fds[0], total) if total else memoryview(b"")
+    finally:
+        for fd in fds:
+            os.close(fd)
+    views: list[memoryview] = []
+    at = 0
+    for size in sizes:
+        views.append(whole[at : at + size])
+        at += size
+    return views
+
+
+def _socket(conn_fd: int) -> socket.socket:
+    """A socket object on a copy of the pipe's descriptor (closed with it), blocking as the pipe
+    is (a program's ``socket.setdefaulttimeout`` would otherwise make the shared file non-blocking)."""
+    sock = socket.socket(fileno=os.dup(conn_fd))
+    sock.setblocking(True)
+    return sock
+
+
+# Every page mapped at once: the memory governor (engine/process_memory.py) charges a process the
+# shared-memory pages it maps, and a result's pages, in no process's memory once the worker has
+# sent them, must be charged to the coordinator from the moment it holds them, not first when the
+# commit reads them. (One call, too, where reading them faults each few pages in.)
+_SHARED_NOW = mmap.MAP_SHARED | mmap.MAP_POPULATE
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _mapped(fd: int, size: int) -> memoryview:
+    """``fd``'s first ``size`` bytes mapped read-only and shared, unmapped when the last view of
+    them goes. (Not ``mmap.mmap``: it keeps a copy of the descriptor open while mapped, one per
+    result until the commit, and a save of thousands of tasks would run out of descriptors.)"""
+    libc = _libc()
+    address = libc.mmap(None, size, mmap.PROT_READ, _SHARED_NOW, fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:  # MAP_FAILED
+        error = ctypes.get_errno()
+        raise OSError(error, f"cannot map a worker's result: {os.strerror(error)}")
+    area = (ctypes.c_char * size).from_address(address)
+    weakref.finalize(area, libc.munmap, address, size).atexit = False  # the process's end unmaps it
+    return memoryview(area).cast("B").toreadonly()

@@ -14,7 +14,7 @@ it), so a worker that replies finds its next task waiting and the hand-off overl
 
 Workers are forked, never spawned: the job's data (a state dict, an open checkpoint's metadata)
 is read copy-on-write and never travels through a pipe. Only task descriptions and small results
-(metadata, write results, statistics) do.
+(metadata, write results, statistics) do; their large bytes travel beside (engine/messages.py).
 
 Longer than 300 lines because a process pool's failure handling (crashes, signals, timeouts,
 retries, orphans, tracebacks home) is one piece of logic that must stay together to stay right.
@@ -45,7 +45,8 @@ from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.messages import Ahead as _Ahead
 from parallel_dcp.engine.messages import NewHandler as _NewHandler
 from parallel_dcp.engine.messages import TaskPart as _TaskPart
-from parallel_dcp.engine.messages import gc_paused
+from parallel_dcp.engine.messages import gc_paused, pickled_result, send_buffers
+from parallel_dcp.engine.messages import receive_reply as _recv
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.remote_memory import RemoteBytes, StaleRead
 from parallel_dcp.errors import (
@@ -141,17 +142,19 @@ def _worker_main(
             value = run(task)
             seconds = time.perf_counter() - start
             pickling = time.perf_counter()
-            value = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)  # (its error is the task's)
+            value, sizes, shared = pickled_result(value)  # (its error, a memory file's too, is the task's)
             handling = start - taken + time.perf_counter() - pickling
-            reply: tuple[Any, ...] = ("ok", seconds, value, setup, handling, handed)
+            reply: tuple[Any, ...] = ("ok", seconds, value, setup, handling, handed, sizes)
         except BaseException as exc:  # DCP raises CheckpointException, a BaseException
-            reply = ("error", _error_type(exc), _message_of(exc), traceback.format_exc())
+            reply, shared = ("error", _error_type(exc), _message_of(exc), traceback.format_exc()), None
         setup = 0.0  # reported with this run's first task on this worker only
         sending = time.perf_counter()
         try:
             _send(conn, reply)
         except Exception as exc:  # a result that cannot be pickled is the task's error, not a crash
             _send(conn, ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc()))
+            reply = ("error",)
+        send_buffers(conn.fileno(), shared, sent=reply[0] == "ok")  # behind the reply; closed either way
         return_freed_memory()
         handed = time.perf_counter() - sending
 
@@ -179,12 +182,6 @@ def _load_handler(message: _NewHandler) -> Callable[[Task], Any]:
 def _send(conn: Any, message: Any) -> None:
     # The C pickler: multiprocess's own (dill, pure Python) costs seconds on 50,000-entry Metadata.
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _recv(conn: Any) -> Any:
-    data = conn.recv_bytes()
-    with gc_paused():
-        return pickle.loads(data)
 
 
 def _freeze_heap() -> bool:
@@ -553,7 +550,7 @@ class WorkerPool:
                     if not self._conns[worker].poll():  # its sentinel, and no reply: it died
                         task = running[worker][0] if worker in running else ahead[worker][0]
                         self._receive(worker, task)  # raises WorkerCrashed
-                    self._conns[worker].recv_bytes()
+                    _recv(self._conns[worker])  # dropped, with its buffers
                     owed[worker] -= 1
                     if not owed[worker]:
                         del owed[worker]
@@ -577,7 +574,7 @@ class WorkerPool:
     def _receive(self, worker: int, task: Task) -> TaskResult[Any]:
         conn = self._conns[worker]
         try:
-            reply = _recv(conn) if conn.poll() else None
+            reply, raw = _recv(conn) if conn.poll() else (None, [])
         except (EOFError, OSError):
             reply = None
         if reply is None:
@@ -593,7 +590,7 @@ class WorkerPool:
             )
         if reply[0] == "ok":
             with gc_paused():
-                value = pickle.loads(reply[2])
+                value = pickle.loads(reply[2], buffers=raw)
             return TaskResult(
                 task=task,
                 worker=worker,

@@ -69,8 +69,10 @@ class LeanPart:
     descriptors: list[str] | None = None  # every record's transform (compressed), or None
     # After :func:`encode`: the whole keys' entries of .metadata, pickled, as (place of the first
     # key in the job, (``state_dict_metadata``, ``planner_data``, ``storage_data``)) per run of
-    # neighbouring keys; ``values`` and ``tensors`` then hold only chunks.
-    runs: list[tuple[int, tuple[bytes, bytes, bytes]]] = field(default_factory=list)
+    # neighbouring keys; ``values`` and ``tensors`` then hold only chunks. Bytes as encoded; each
+    # wrapped in ``pickle.PickleBuffer`` to travel home, where it is a read-only view of the buffer
+    # the pool read it into (jobs/dcp_commit.py).
+    runs: list[tuple[int, tuple[Any, Any, Any]]] = field(default_factory=list)
     # After :func:`encode`: each run's keys as side-index columns (storage/side_index.py), or None
     # where they cannot be described (a compressed part, an unknown dtype): then no index is written.
     columns: list[Segment] | None = None

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from parallel_dcp import _compat
 
-__all__ = ["FIELDS", "assemble", "dict_fragment"]
+__all__ = ["FIELDS", "assemble", "assemble_pieces", "dict_fragment"]
 
 # Metadata's dict fields, in the order the frame holds them.
 FIELDS = ("state_dict_metadata", "planner_data", "storage_data")
@@ -112,18 +112,25 @@ def _frame(storage_meta: StorageMeta | None, version: str | None) -> tuple[bytes
     return data, [ends[name] for name in FIELDS]
 
 
-def assemble(
-    fragments: Iterable[tuple[bytes, bytes, bytes]], storage_meta: StorageMeta | None, version: str | None
-) -> bytes:
+def assemble(fragments: Iterable[tuple[Any, Any, Any]], storage_meta: StorageMeta | None, version: str | None) -> bytes:
     """The bytes of ``.metadata``: a ``Metadata`` whose ``state_dict_metadata``, ``planner_data``
     and ``storage_data`` hold the entries of every fragment triple, in order."""
+    return b"".join(assemble_pieces(fragments, storage_meta, version))
+
+
+def assemble_pieces(
+    fragments: Iterable[tuple[Any, Any, Any]], storage_meta: StorageMeta | None, version: str | None
+) -> list[Any]:
+    """:func:`assemble`'s bytes as the pieces they are joined from, in order: the frame's and the
+    fragments themselves (bytes, or any buffer: a worker's runs arrive as views of the buffer the
+    pool read them into), so a writer can write them with no joined copy."""
     frame, ends = _frame(storage_meta, version)
-    pieces: list[list[bytes]] = [[], [], []]
+    pieces: list[list[Any]] = [[], [], []]
     for triple in fragments:
         for field_pieces, fragment in zip(pieces, triple, strict=True):
             field_pieces.append(fragment)
-    out = [frame[: ends[0]]]
+    out: list[Any] = [frame[: ends[0]]]
     for i, field_pieces in enumerate(pieces):
         out.extend(field_pieces)
         out.append(frame[ends[i] : ends[i + 1] if i + 1 < len(ends) else len(frame)])
-    return b"".join(out)
+    return out

@@ -36,6 +36,7 @@ from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import TaskResult
 from parallel_dcp.errors import DistributedJobError
 from parallel_dcp.jobs import pipeline
+from parallel_dcp.jobs.dcp_commit import in_band
 from parallel_dcp.jobs.targets import AnyStaging, Job, Target
 from parallel_dcp.options import Options
 from parallel_dcp.storage.protocol import WriteLocation
@@ -205,7 +206,8 @@ def _write_and_commit(
             )
         workers = min(options.worker_count(len(mine)), announcement["workers"]) if mine else 0
         results = pipeline.run_tasks(job, target, mine, location, options, governor, max(workers, 1))
-        outcome = (None, [(r.task.index, r.worker, r.seconds, r.value) for r in results])
+        # Pickled for the gather with no buffers beside it: a result's mapped views as bytes again.
+        outcome = (None, [(r.task.index, r.worker, r.seconds, in_band(r.value)) for r in results])
     except Exception as exc:
         outcome = (f"rank {rank} ({host}): {_describe(exc)}", [])
     gathered = _gather(outcome, group)

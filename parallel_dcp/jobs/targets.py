@@ -23,30 +23,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.distributed.checkpoint.metadata import StorageMeta
 
 from parallel_dcp.engine.chunks import Chunk, chunk_count, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, LEAN_TASK_MEMORY_BYTES, TASK_MEMORY_BYTES
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import gc_paused
-from parallel_dcp.formats import FILE_FORMATS, FORMATS, lean, metadata_pickle
+from parallel_dcp.formats import FILE_FORMATS, FORMATS, lean
 from parallel_dcp.formats.base import FileFormat, Source, index_json
 from parallel_dcp.formats.dcp_format import ChunkSavePlanner
 from parallel_dcp.jobs.copy_files import read_copies
+from parallel_dcp.jobs.dcp_commit import metadata_files, outgoing_part
 from parallel_dcp.jobs.dcp_entries import remaining_entries
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.partial import partial_save
 from parallel_dcp.storage.compression import Compression
 from parallel_dcp.storage.direct_write import direct_write_memory, new_file
 from parallel_dcp.storage.io_mode import resolve_io, uses_direct
-from parallel_dcp.storage.location import Location, Remote, locate, upload_memory
+from parallel_dcp.storage.location import Remote, locate, upload_memory
 from parallel_dcp.storage.manifest import FileDigest, Hasher, manifest_bytes, sidecar_name
 from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
 from parallel_dcp.storage.pending import PendingTensor
 from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck
-from parallel_dcp.storage.side_index import INDEX_FILE, Segment, assemble_index
+from parallel_dcp.storage.side_index import INDEX_FILE
 from parallel_dcp.storage.staging import stage_directory, stage_file
 from parallel_dcp.storage.writers import ShardWriter
 
@@ -368,7 +367,7 @@ class DcpTarget(Target):
 
     def outgoing(self, job: Job, result: Any) -> Any:
         # The worker pickles its keys' .metadata entries: the coordinator only splices them.
-        return _encoded(job, result)
+        return outgoing_part(job.source.mapping, job.positions, result)
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         digests: dict[str, FileDigest] = {}
@@ -383,38 +382,17 @@ class DcpTarget(Target):
             runs += remaining
             runs.sort(key=lambda run: run[0])
             self.merge_seconds = time.perf_counter() - began
-            # What FileSystemWriter.finish records besides the entries.
-            storage_meta = StorageMeta(checkpoint_id=str(self.path), save_id=staging.save_id)
-            payload = metadata_pickle.assemble([run for _, run in runs], storage_meta, CURRENT_DCP_VERSION)
-            index = None if remaining else _side_index(self.path, results, payload, staging.save_id)
-        digests[METADATA_FILE] = _digest_of(payload, options)
+            files = metadata_files(
+                self.path, results, runs, staging.save_id, checksum=options.checksums, indexed=not remaining
+            )
+        digests[METADATA_FILE] = files.digest
         manifest = manifest_bytes(digests, job.source.fingerprint(), save_id=staging.save_id)
         # .metadata is the commit; the manifest follows it (see storage.staging: a stale manifest
-        # is recognised by its save id); the side index is renamed in before .metadata.
-        extras = {MANIFEST_FILE: manifest} | ({INDEX_FILE: index} if index is not None else {})
-        staging.commit(marker=(METADATA_FILE, payload), extras=extras)
+        # is recognised by its save id); the side index is renamed in before .metadata. The
+        # .metadata pieces are written as they are, never joined (jobs/dcp_commit.py).
+        extras = {MANIFEST_FILE: manifest} | ({INDEX_FILE: files.index} if files.index is not None else {})
+        staging.commit(marker=(METADATA_FILE, files.pieces), extras=extras)
         return len(digests)  # the shards and .metadata, as inspect lists them
-
-
-def _side_index(path: Location, results: list[Any], payload: bytes, save_id: str) -> bytes | None:
-    """The side index of the ``.metadata`` bytes ``payload`` (storage/side_index.py), from the
-    columns the workers sent with their runs; None where a part sent none (compressed, DCP's
-    planner, an unknown dtype) or the checkpoint is on object storage (its reader unpickles)."""
-    if isinstance(path, Remote):
-        return None
-    pieces: list[tuple[int, tuple[str, Segment]]] = []
-    for result in results:
-        if not isinstance(result, lean.LeanPart) or result.columns is None:
-            return None
-        pieces += [(run[0], (result.file, seg)) for run, seg in zip(result.runs, result.columns, strict=True)]
-    pieces.sort(key=lambda piece: piece[0])
-    return assemble_index([piece for _, piece in pieces], payload, save_id)
-
-
-def _encoded(job: Job, result: Any) -> Any:
-    """``result`` with a lean part's whole keys pickled (:func:`lean.encode`), unless they are already."""
-    plain = isinstance(result, lean.LeanPart) and (bool(result.values) or any(t[5] is None for t in result.tensors))
-    return lean.encode(result, job.source.mapping, job.positions()) if plain else result
 
 
 class ShardedTarget(Target):

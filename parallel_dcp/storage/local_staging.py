@@ -48,6 +48,7 @@ from parallel_dcp.storage.ownership import (
 from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck, read_job_record
 from parallel_dcp.storage.safe_files import (
+    FileData,
     open_directory,
     read_small,
     remove_name,
@@ -239,13 +240,13 @@ class _LocalStaging(Staging):
         self,
         *,
         staged: Sequence[str] = (),
-        marker: tuple[str, bytes] | None = None,
+        marker: tuple[str, FileData] | None = None,
         extras: Mapping[str, bytes] | None = None,
     ) -> None:
         # Folders copied beside the files (names with a "/") are written whole under a temporary
         # name and renamed into place with the other extras (see storage.side_trees).
         extras, trees = split_trees(extras or {})
-        small = ({marker[0]: marker[1]} if marker else {}) | extras
+        small: dict[str, FileData] = ({marker[0]: marker[1]} if marker else {}) | dict(extras)
         if self.resumed is not None:  # a save killed inside its commit left these (its own id): made anew
             for name in [*small, *trees]:
                 self._remove(temp_name(name, self.save_id))
@@ -469,7 +470,7 @@ class LocalFileStaging(_LocalStaging):
         self,
         *,
         staged: Sequence[str] = (),
-        marker: tuple[str, bytes] | None = None,
+        marker: tuple[str, FileData] | None = None,
         extras: Mapping[str, bytes] | None = None,
     ) -> None:
         if self.destination.is_dir():  # re-checked: a directory may have appeared meanwhile

@@ -10,6 +10,7 @@ from typing import Any
 
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.ownership import temp_name
+from parallel_dcp.storage.safe_files import FileData
 
 __all__ = [
     "Staging",
@@ -74,10 +75,11 @@ class Staging(ABC):
         self,
         *,
         staged: Sequence[str] = (),
-        marker: tuple[str, bytes] | None = None,
+        marker: tuple[str, FileData] | None = None,
         extras: Mapping[str, bytes] | None = None,
     ) -> None:
-        """Publish ``staged`` files under their names, then ``marker`` (the commit), then ``extras``."""
+        """Publish ``staged`` files under their names, then ``marker`` (the commit: its bytes, one
+        buffer or pieces written in order), then ``extras``."""
 
     @abstractmethod
     def publish(self) -> None:

@@ -27,6 +27,7 @@ from parallel_dcp.storage.ownership import (
     protect_sources,
 )
 from parallel_dcp.storage.protocol import Staging, WriteLocation
+from parallel_dcp.storage.safe_files import FileData
 
 __all__ = [
     "RemoteFileStaging",
@@ -115,8 +116,10 @@ class RemoteStaging(Staging):
         record = owner_record(self.save_id, self.destination)
         self._put(owner_name(self.save_id), json.dumps(record).encode())
 
-    def _put(self, name: str, data: bytes) -> None:
-        (self.destination / name).write_bytes(data)
+    def _put(self, name: str, data: FileData) -> None:
+        pieces = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+        whole = data if isinstance(data, bytes) else b"".join(pieces)  # one upload of the whole
+        (self.destination / name).write_bytes(whole)
         # Recorded once the upload completed: an upload that failed replaced nothing (object
         # storage keeps the old object), so a name that existed stays the old checkpoint's.
         self._uploaded.append(name)
@@ -131,7 +134,7 @@ class RemoteStaging(Staging):
         self,
         *,
         staged: Sequence[str] = (),
-        marker: tuple[str, bytes] | None = None,
+        marker: tuple[str, FileData] | None = None,
         extras: Mapping[str, bytes] | None = None,
     ) -> None:
         """Uploaded shards are in place already; upload the marker (the commit), then the rest."""
@@ -206,7 +209,7 @@ class RemoteFileStaging(Staging):
         self,
         *,
         staged: Sequence[str] = (),
-        marker: tuple[str, bytes] | None = None,
+        marker: tuple[str, FileData] | None = None,
         extras: Mapping[str, bytes] | None = None,
     ) -> None:
         """The completed upload was the commit; its sidecar manifest follows it."""

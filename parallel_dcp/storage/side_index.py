@@ -47,6 +47,7 @@ __all__ = [
     "Row",
     "Segment",
     "assemble_index",
+    "index_for",
     "rows_of",
     "segment",
 ]
@@ -69,8 +70,9 @@ _CODES: dict[torch.dtype, int] = {
 }
 
 # One run of keys as a worker describes it: names (UTF-8, each followed by NUL), kind, dtype,
-# flags, ndim (uint8 columns as bytes), dims, offset, length (int64 arrays).
-Segment = tuple[bytes, bytes, bytes, bytes, bytes, Any, Any, Any]
+# flags, ndim (uint8 columns as bytes: read-only views of them once sent home), dims, offset,
+# length (int64 arrays).
+Segment = tuple[Any, Any, Any, Any, Any, Any, Any, Any]
 # One key: kind, dtype code, flags, shape, offset, length.
 Row = tuple[int, int, int, tuple[int, ...], int, int]
 
@@ -117,36 +119,48 @@ def segment(rows: dict[str, Row], order: Sequence[str]) -> Segment | None:
 def assemble_index(pieces: Sequence[tuple[str, Segment]], metadata: bytes, save_id: str) -> bytes:
     """The index file for the ``.metadata`` bytes ``metadata``, from each run's (shard file name,
     segment), in ``.metadata``'s order."""
+    return index_for(pieces, len(metadata), xxhash.xxh3_64_intdigest(metadata), save_id)
+
+
+def index_for(pieces: Sequence[tuple[str, Segment]], size: int, digest: int, save_id: str) -> bytes:
+    """:func:`assemble_index` for a ``.metadata`` of ``size`` bytes whose xxh3_64 is ``digest``
+    (computed by the caller, which may hash it in pieces, and once for its manifest too). The
+    file is one join of its pieces, hashed beforehand in place: each column straight from the
+    workers' arrays (no concatenation, conversion or ``tobytes`` copy of it first)."""
     files: dict[str, int] = {}
-    file_ids = [numpy.full(len(seg[1]), files.setdefault(name, len(files)), dtype=numpy.uint32) for name, seg in pieces]
+    ids = [numpy.full(_size(seg[1]), files.setdefault(name, len(files)), dtype="<u4") for name, seg in pieces]
     segments = [seg for _, seg in pieces]
     file_names = "".join(f"{name}\0" for name in files).encode()
-    names = b"".join(s[0] for s in segments)
-    columns = [
-        _cat([s[6] for s in segments], numpy.int64),
-        _cat([s[7] for s in segments], numpy.int64),
-        _cat([s[5] for s in segments], numpy.int64),
-        _cat(file_ids, numpy.uint32),
-    ]
-    small = [b"".join(s[i] for s in segments) for i in (1, 2, 3, 4)]
+    columns = [[_little(s[i], "<i8") for s in segments] for i in (6, 7, 5)] + [[_little(a, "<u4") for a in ids]]
+    small = [s[i] for i in (1, 2, 3, 4) for s in segments]
+    names = [s[0] for s in segments]
     tag = save_id.encode()
+    body = [*itertools.chain.from_iterable(columns), *small, file_names, *names, tag]
+    hasher = xxhash.xxh3_64()
+    for piece in body:
+        hasher.update(piece)
     header = (
         MAGIC,
         VERSION,
         0,
-        len(metadata),
-        xxhash.xxh3_64_intdigest(metadata),
-        len(columns[0]),
+        size,
+        digest,
+        sum(len(a) for a in columns[0]) // 8,
         len(files),
-        len(columns[2]),
-        len(names),
+        sum(len(a) for a in columns[2]) // 8,
+        sum(map(_size, names)),
         len(file_names),
         len(tag),
     )
-    arrays = [c.astype(c.dtype.newbyteorder("<")).tobytes() for c in columns]
-    body = b"".join([*arrays, *small, file_names, names, tag])
-    return HEADER.pack(*header, xxhash.xxh3_64_intdigest(body)) + body
+    return b"".join([HEADER.pack(*header, hasher.intdigest()), *body])
 
 
-def _cat(arrays: Sequence[Any], dtype: Any) -> Any:
-    return numpy.concatenate(arrays).astype(dtype, copy=False) if arrays else numpy.zeros(0, dtype=dtype)
+def _size(data: Any) -> int:
+    """Bytes in ``data``: bytes, a view, or a ``pickle.PickleBuffer`` (a part that went home by no
+    pipe, on writer threads, keeps its columns wrapped: jobs/dcp_commit.py)."""
+    return memoryview(data).nbytes
+
+
+def _little(array: Any, dtype: str) -> memoryview:
+    """``array``'s bytes as ``dtype`` (little-endian), without a copy where they are so already."""
+    return numpy.ascontiguousarray(array, dtype=dtype).data.cast("B")
