@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from parallel_dcp.formats.nesting import leaves, skeleton
+from parallel_dcp.formats.nesting import Skeleton, leaves, skeleton
 from parallel_dcp.formats.validate import flatten_checked
 from tests.test_validate import nestings
 
@@ -148,14 +148,21 @@ def _entry_not_a_mapping(sd: dict[str, Any]) -> None:
 def test_a_mapping_of_like_entries_is_walked_at_once_and_any_entry_that_differs_is_refused(
     change: Callable[[dict[str, Any]], None],
 ) -> None:
-    shape = skeleton(_optimizer())
+    shape, again = _walked_at_once(_optimizer)
+    change(again)
+    assert leaves(shape, again) is None
+
+
+def _walked_at_once(state: Callable[[], dict[str, Any]]) -> tuple[Skeleton, dict[str, Any]]:
+    """``state()``'s skeleton, whose first child is walked at once (like entries), and a second
+    ``state()`` whose leaves it gives as flattening would, the same objects in the same order."""
+    shape = skeleton(state())
     assert shape is not None and shape.children[0] is not None and shape.children[0].uniform is not None
-    again = _optimizer()
+    again = state()
     found = leaves(shape, again)
     want = list(flatten_checked(again)[0].values())
     assert found is not None and len(found) == len(want) and all(a is b for a, b in zip(found, want, strict=True))
-    change(again)
-    assert leaves(shape, again) is None
+    return shape, again
 
 
 @pytest.mark.parametrize(
@@ -171,12 +178,7 @@ def test_like_entries_give_their_leaves_in_their_order_whatever_their_type_and_k
             "state": {str(i): kind((n, torch.full((i + 1,), float(j))) for j, n in enumerate(names)) for i in range(5)}
         }
 
-    shape = skeleton(state())
-    assert shape is not None and shape.children[0] is not None and shape.children[0].uniform is not None
-    again = state()
-    found = leaves(shape, again)
-    want = list(flatten_checked(again)[0].values())
-    assert found is not None and len(found) == len(want) and all(a is b for a, b in zip(found, want, strict=True))
+    shape, again = _walked_at_once(state)
     again["state"]["2"] = kind((n, torch.ones(1)) for n in reversed(names))  # the same keys, reordered
     assert (leaves(shape, again) is None) == (len(names) > 1)
     again = state()
