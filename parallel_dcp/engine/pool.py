@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import multiprocess as mp
-import multiprocess.connection as mp_connection
 
 from parallel_dcp.engine.fork_server import ForkServerProcess, start_fork_server
 from parallel_dcp.engine.memory import MemoryGovernor
@@ -48,6 +47,7 @@ from parallel_dcp.engine.messages import TaskPart as _TaskPart
 from parallel_dcp.engine.messages import gc_paused, pickled_result, send_buffers
 from parallel_dcp.engine.messages import receive_reply as _recv
 from parallel_dcp.engine.partition import Task
+from parallel_dcp.engine.ready import wait_ready
 from parallel_dcp.engine.remote_memory import RemoteBytes, StaleRead
 from parallel_dcp.errors import (
     RemoteTraceback,
@@ -405,7 +405,7 @@ class WorkerPool:
                 owners.update({id(self._conns[w]): w for w in running})
                 waitables = [self._conns[w] for w in running] + [self._procs[w].sentinel for w in running]
                 waited = time.perf_counter()
-                found = mp_connection.wait(waitables, timeout=tick)
+                found = wait_ready(waitables, tick)
                 self.waited_seconds += time.perf_counter() - waited
                 for ready in found:
                     worker = owners[ready if isinstance(ready, int) else id(ready)]
@@ -545,8 +545,8 @@ class WorkerPool:
         owed = {w: (w in running) + (w in ahead) for w in {*running, *ahead}}
         try:
             while owed:
-                ready = mp_connection.wait([self._conns[w] for w in owed] + [self._procs[w].sentinel for w in owed])
-                for worker in [w for w in owed if self._conns[w] in ready or self._procs[w].sentinel in ready]:
+                found = wait_ready([self._conns[w] for w in owed] + [self._procs[w].sentinel for w in owed], None)
+                for worker in [w for w in owed if self._conns[w] in found or self._procs[w].sentinel in found]:
                     if not self._conns[worker].poll():  # its sentinel, and no reply: it died
                         task = running[worker][0] if worker in running else ahead[worker][0]
                         self._receive(worker, task)  # raises WorkerCrashed
