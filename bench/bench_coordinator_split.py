@@ -71,7 +71,11 @@ wrap(poolmod.WorkerPool, "_receive", "receive+unpickle")
 wrap(poolmod.WorkerPool, "_send_ahead", "send ahead (parts, pickle, send)")
 wrap(poolmod.WorkerPool, "_dispatch", "dispatch")
 wrap(task_parts.JobParts, "ahead", "parts ahead")
-wrap(poolmod.mp_connection, "wait", "WAIT")
+# The wait on the workers' pipes: engine/ready.py's since 2026-12-06 (multiprocess's before).
+if hasattr(poolmod, "wait_ready"):
+    wrap(poolmod, "wait_ready", "WAIT")
+else:
+    wrap(poolmod.mp_connection, "wait", "WAIT")
 wrap(targets.DcpTarget, "commit", COMMIT)
 
 keys = int(sys.argv[1]) if len(sys.argv) > 1 else 50000

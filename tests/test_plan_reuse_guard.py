@@ -20,7 +20,7 @@ from parallel_dcp.engine import pool as pool_module
 from tests.test_plan_reuse import CHANGES, IN_PLACE, _assert_same_checkpoint, _Kinds, _memo, _state
 
 
-def _guard_of(tensors: list[torch.Tensor]) -> Callable[[Any], bool]:
+def _guard_of(tensors: list[torch.Tensor]) -> _compat.LayoutGuard:
     guard = _compat.layout_guard(tensors, [t.shape for t in tensors], [t.stride() for t in tensors])
     assert guard is not None  # torch 2.13 has one: the fast path is what this file tests
     return guard
@@ -94,17 +94,46 @@ def _saved_thrice_then_changed(
     return reused
 
 
-def test_with_the_guard_made_every_change_in_place_is_refused_as_before(tmp_path: Path) -> None:
+@pytest.fixture(params=[None, 3], ids=["one chunk", "chunks of 3"])
+def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layout check as it runs over 50,000 tensors (jobs/plan_reuse.py's _chunked: type,
+    address and guard chunk by chunk), here over this file's 50 tensors in chunks of 3: a change
+    and a tie fall in any chunk, a tie across two."""
+    if request.param is not None:
+        monkeypatch.setattr(_compat, "GUARD_CHUNK", request.param)
+
+
+def test_a_chunked_guard_checks_each_chunk_and_ties_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_compat, "GUARD_CHUNK", 2)
+    tensors = [torch.randn(3), torch.randn(2, 2), torch.randn(4), torch.randn(4), torch.randn(3)]
+    tensors.append(tensors[1])  # place 5 (chunk 2) tied to place 1 (chunk 0)
+    guard = _guard_of(tensors)
+    assert guard.chunk == 2 and guard(tensors)
+    assert [guard.part(tensors, k) for k in range(3)] == [True, True, True]
+    later = [torch.randn(3), torch.randn(2, 2), torch.randn(4), torch.randn(4, 1), torch.randn(3)]
+    later.append(later[1])
+    assert [guard.part(later, k) for k in range(3)] == [True, False, True]  # place 3 reshaped
+    assert not guard(later)
+    untied = [*tensors[:5], torch.randn(2, 2)]
+    assert [guard.part(untied, k) for k in range(3)] == [True, True, False]  # the tie undone
+    newly_tied = list(tensors)
+    newly_tied[4] = newly_tied[0]  # a new tie, across chunks: each place laid out as before
+    assert guard(newly_tied)  # what the Python passes say too (a new tie is reused: the test below)
+    within = [*tensors[:3], tensors[2], *tensors[4:]]  # a new tie within chunk 1
+    assert not guard(within)  # TensorGuards: one object twice is no verdict (the Python passes decide)
+
+
+def test_with_the_guard_made_every_change_in_place_is_refused_as_before(tmp_path: Path, chunked: None) -> None:
     reused = _saved_thrice_then_changed(tmp_path, [c for c, _, _ in IN_PLACE], layout_unchanged=False)
     assert reused == {c.__name__: r for c, r, _ in IN_PLACE}
 
 
-def test_with_the_guard_made_every_change_of_layout_is_refused_as_before(tmp_path: Path) -> None:
+def test_with_the_guard_made_every_change_of_layout_is_refused_as_before(tmp_path: Path, chunked: None) -> None:
     reused = _saved_thrice_then_changed(tmp_path, [c for c, _ in CHANGES], layout_unchanged=False)
     assert reused == {c.__name__: r for c, r in CHANGES}
 
 
-def test_with_the_guard_made_moved_tensors_are_checked_under_the_promise_too(tmp_path: Path) -> None:
+def test_with_the_guard_made_moved_tensors_are_checked_under_the_promise_too(tmp_path: Path, chunked: None) -> None:
     moved = [(c, r) for c, r, same_bytes in IN_PLACE if not same_bytes]
     reused = _saved_thrice_then_changed(tmp_path, [c for c, _ in moved], layout_unchanged=True)
     assert reused == {c.__name__: r for c, r in moved}

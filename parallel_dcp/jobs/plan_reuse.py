@@ -124,7 +124,7 @@ class _Kept:
         self.steady = True
         # The dtype, shape and strides check in one C pass (_same_kinds), made once a later save
         # of this layout passed the check of each tensor in Python; None until then.
-        self.guard: Callable[[Sequence[Any]], bool] | None = None
+        self.guard: _compat.LayoutGuard | None = None
         self._picks: tuple[Callable[[Sequence[Any]], list[Any]], list[int]] | None = None
 
     def picks(self) -> tuple[Callable[[Sequence[Any]], list[Any]], list[int]]:
@@ -350,19 +350,21 @@ def _reopen(
     layout = kept.layout
     take_tensors, value_places = kept.picks()
     tensors = take_tensors(found)
-    if list(map(type, tensors)) != layout.types:
-        return None
     # Each pass over 50,000 tensors spread in memory costs 0.2-0.5 us a key however little it
-    # reads, so the passes are the fewest that catch every change: where each tensor's bytes lie
-    # (a tensor of another layout, sparse or opaque, has none: data_ptr raises); on the CPU and
-    # strided only where that moved (see _unchecked); then dtype and shape together, and strides.
+    # reads, so the passes are the fewest that catch every change, taken chunk by chunk (see
+    # _chunked): each tensor's type and where its bytes lie (a tensor of another layout, sparse
+    # or opaque, has none: data_ptr raises); on the CPU and strided only where that moved (see
+    # _unchecked); then dtype and shape together, and strides (the guard).
     # The version counter would not do: ``.data =`` keeps it, every optimizer step bumps it.
     try:  # strides: no tensor of another layout gets this far (one that raises: none does)
-        addresses = list(map(_address, tensors))
+        checked = _chunked(kept, tensors, guard_now=not promised)
+        if checked is None:
+            return None
+        addresses, guarded = checked
         moved = addresses != kept.addresses
         if not all(map(_cpu_strided, _unchecked(tensors, addresses, kept.addresses, moved))):
             return None
-        if (moved or not promised) and not _same_kinds(kept, tensors):
+        if (moved or not promised) and not guarded and not _same_kinds(kept, tensors, guard_tried=not promised):
             return None
     except RuntimeError:
         return None
@@ -381,12 +383,40 @@ def _reopen(
     return source
 
 
-def _same_kinds(kept: _Kept, tensors: list[torch.Tensor]) -> bool:
+def _chunked(kept: _Kept, tensors: list[torch.Tensor], *, guard_now: bool) -> tuple[list[int], bool] | None:
+    """Where each of ``tensors`` lies (its ``data_ptr``), with its exact type checked against the
+    layout's, and where ``guard_now`` and ``kept`` has a guard, that guard's verdict on each tensor
+    (see _same_kinds): (addresses, True where the guard said True for every chunk); None where a
+    type differs. Chunk by chunk (``GUARD_CHUNK`` tensors): the passes over a chunk find its
+    objects in the cache, where a pass over all 50,000 would find them evicted by the one before.
+
+    Raises:
+        RuntimeError: a tensor with no bytes to point at (sparse, opaque), as ``data_ptr`` raises it.
+    """
+    types = kept.layout.types
+    if len(tensors) != len(types):
+        return None
+    guard = kept.guard if guard_now else None
+    guarded = guard is not None and guard.count == len(tensors)
+    size = guard.chunk if guard is not None else _compat.GUARD_CHUNK
+    addresses: list[int] = []
+    for k, start in enumerate(range(0, len(tensors), size)):
+        part = tensors[start : start + size]
+        if list(map(type, part)) != types[start : start + size]:
+            return None
+        addresses += map(_address, part)
+        if guarded:
+            assert guard is not None  # (for mypy: guarded says so)
+            guarded = guard.part(tensors, k)
+    return addresses, guarded
+
+
+def _same_kinds(kept: _Kept, tensors: list[torch.Tensor], *, guard_tried: bool = False) -> bool:
     """Whether every tensor has the dtype, shape, strides and ``requires_grad`` of ``kept``'s
-    layout: in one C pass (``kept.guard``: 0.3 us a key at 50,000, against 1.2 for the dtype,
-    shape and strides passes in Python) where it says so; else by the Python passes, which decide
-    (the guard is stricter: it also compares each tensor's device and dispatch keys, and its False
-    is no verdict). The guard
+    layout: in C passes (``kept.guard``: 0.3 us a key at 50,000, against 1.2 for the dtype,
+    shape and strides passes in Python) where it says so (``guard_tried``: it was asked already,
+    by _chunked, and did not); else by the Python passes, which decide (the guard is stricter: it
+    also compares each tensor's device and dispatch keys, and its False is no verdict). The guard
     is made from the first tensors the Python passes found laid out as the layout (and again
     where it refused tensors they accept: it then holds what this layout's tensors now are), so
     its True means what theirs does.
@@ -395,7 +425,7 @@ def _same_kinds(kept: _Kept, tensors: list[torch.Tensor]) -> bool:
         RuntimeError: a tensor with no strides (not strided), as ``stride()`` raises it.
     """
     guard = kept.guard
-    if guard is not None and guard(tensors):
+    if guard is not None and not guard_tried and guard(tensors):
         return True
     layout = kept.layout
     if (
