@@ -11,7 +11,7 @@ import sys
 import psutil
 import pytest
 
-from parallel_dcp.engine import resident
+from parallel_dcp.engine import memory, resident
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.resident import ResidentSizes
 
@@ -78,3 +78,26 @@ def test_a_kept_statm_never_reads_another_process_that_took_the_pid() -> None:
     assert sizes.read([child.pid]) == [0]
     sizes.close()
     assert _open_statm(child.pid) == []
+
+
+def test_the_first_watch_reads_nothing_the_baseline_just_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The baseline is read as the governor is made; a watch right after it, with the resident
+    sizes far under the limit, reads no smaps (it found nothing added, and a rollup of a process
+    holding a state dict costs milliseconds every save of a Saver). Once the relaxed interval has
+    passed, it reads again (for the reported peak)."""
+    child = subprocess.Popen(_SLEEPER)
+    try:
+        governor = MemoryGovernor(2**40)
+        readings = governor._charges.readings
+        workers = {child.pid: (0, ("key",))}
+        governor.watch(workers)
+        governor._next_sample = 0.0
+        governor.watch(workers)
+        assert governor._charges.readings == readings
+        monkeypatch.setattr(memory.time, "monotonic", lambda: governor._next_relaxed + 0.001)
+        governor._next_sample = 0.0
+        governor.watch(workers)
+        assert governor._charges.readings == readings + 1
+    finally:
+        child.kill()
+        child.wait()
