@@ -223,3 +223,21 @@ def test_on_writer_threads_wrapped_runs_make_the_same_files(tmp_path: Path, monk
     threads, _, sent = _saved(path, monkeypatch, out_of_band=True, executor="threads")
     assert sent == 0
     assert threads == in_band
+
+
+def test_results_and_messages_of_every_size_read_back_exactly() -> None:
+    """A result mapped through a type of the next power of two, and a message sent ahead by the
+    address of its first byte: each of 300 sizes (across powers of two) reads back exactly, read-only."""
+    from parallel_dcp.engine.remote_memory import RemoteBytes
+
+    for size in [*range(1, 70), *range(1000, 1100), *range(4000, 4200), 1 << 20, (1 << 20) + 1]:
+        data = bytearray(os.urandom(size))
+        assert RemoteBytes.of(data).fetch() == data
+        fd = os.memfd_create("test-result")
+        try:
+            os.write(fd, data)
+            view = messages._mapped(fd, size)
+        finally:
+            os.close(fd)
+        assert len(view) == size and view.readonly and bytes(view) == data
+        del view

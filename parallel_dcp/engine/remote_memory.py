@@ -130,15 +130,15 @@ class RemoteBytes:
     @classmethod
     def of(cls, data: bytearray) -> RemoteBytes:
         """Where ``data`` lies in this process (keep ``data`` alive while others read it)."""
-        address = ctypes.addressof((ctypes.c_char * len(data)).from_buffer(data)) if data else 0
+        # The first byte's address: an array type made per length (c_char * n) costs ~15-50 us a
+        # message sent ahead.
+        address = ctypes.addressof(ctypes.c_char.from_buffer(data)) if data else 0
         return cls(os.getpid(), address, len(data))
 
     def fetch(self) -> bytearray:
         out = bytearray(self.length)
         if self.length:
-            read_into(
-                self.pid, self.address, self.length, ctypes.addressof((ctypes.c_char * self.length).from_buffer(out))
-            )
+            read_into(self.pid, self.address, self.length, ctypes.addressof(ctypes.c_char.from_buffer(out)))
         return out
 
 
