@@ -1,7 +1,7 @@
 """A Saver's later saves of 50,000 small tensors to tmpfs: before (base tree) vs after (this branch),
 interleaved; S, C and the scaling suite's projection for each.
 
-Usage: flock LOCK python bench/bench_saver_coordinator.py OUT_ROOT BASE_TREE AFTER_TREE REPS [WORKERS]
+Usage: flock LOCK python bench/bench_saver_coordinator.py OUT_ROOT BASE_TREE AFTER_TREE REPS [WORKERS [TASKS_LIKE]]
 
 Two long-lived processes (before: PYTHONPATH=BASE_TREE; after: AFTER_TREE, both with AFTER_TREE's
 ``.venv``) each hold ``synthetic.many_small(50000)`` and a ``parallel_dcp.Saver(workers=WORKERS)``
@@ -12,6 +12,12 @@ handling), S = wall - P - H (serial), C = ``coordinator_write_seconds`` (the coo
 while the workers work). The medians feed ``pieces.executor_projections`` (the suite's model:
 T(N) = S + max(C, W(N))): its projected speedup at 16 and 64 workers, a projection, not a
 measurement. Prints each row, the medians and the after/before ratios.
+
+TASKS_LIKE=N: the save is cut into the tasks a save on N workers has (``partition.TASKS_PER_WORKER``
+set to 4 N: 64 tasks for N = 16, 111 for N = 64, against 4 on one worker), so that C holds the
+coordinator's work per task (each task sent, each result taken in) as often as on N workers. Each
+of its results is taken in after the coordinator slept (one worker: a result every ~30 ms), so its
+per-task costs are those of a cold loop: an upper bound of N busy workers'. Read its x N only.
 """
 
 import json
@@ -23,8 +29,12 @@ import sys
 WORKER = r"""
 import sys, time, json, shutil, warnings, gc
 warnings.filterwarnings("ignore")
+import os
 import parallel_dcp
+from parallel_dcp.engine import partition
 from parallel_dcp.synthetic import many_small
+if os.environ.get("PDCP_BENCH_TASKS_PER_WORKER"):
+    partition.TASKS_PER_WORKER = int(os.environ["PDCP_BENCH_TASKS_PER_WORKER"])
 workers = int(sys.argv[1])
 sd = many_small(50000)
 saver = parallel_dcp.Saver(workers=workers)
@@ -50,6 +60,7 @@ for line in sys.stdin:
         "handover": sum(getattr(w, "handover_seconds", 0.0) for w in r.per_worker),
         "C": r.coordinator_write_seconds or 0.0,
         "job": max((w.setup_seconds for w in r.per_worker), default=0.0),
+        "tasks": r.tasks,
         "phases": dict(r.phases),
     }), flush=True)
 saver.close()
@@ -105,10 +116,13 @@ def projection(rows: list[dict], after_tree: str, handover_parallel: bool = True
 def main() -> None:
     root, base, after, reps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     workers_count = sys.argv[5] if len(sys.argv) > 5 else "1"
+    tasks_like = int(sys.argv[6]) if len(sys.argv) > 6 else 0
     py = f"{after}/.venv/bin/python"
     procs = {}
     for name, tree in (("before", base), ("after", after)):
         env = dict(os.environ, PYTHONPATH=tree)
+        if tasks_like:
+            env["PDCP_BENCH_TASKS_PER_WORKER"] = str(4 * tasks_like)
         procs[name] = subprocess.Popen(
             [py, "-c", WORKER, workers_count],
             stdin=subprocess.PIPE,
@@ -133,6 +147,7 @@ def main() -> None:
             )
             if rnd:
                 rows[name].append(got)
+    print(f"tasks per save: {got['tasks']}" + (f" (as on {tasks_like} workers)" if tasks_like else ""))
     for proc in procs.values():
         proc.stdin.close()
         proc.wait()
@@ -148,7 +163,7 @@ def main() -> None:
     print(f"after/before: S {a['S'] / b['S']:.2f}, C {a['C'] / b['C']:.2f}, wall {a['wall'] / b['wall']:.2f}")
     h = statistics.median(r.get("handover", 0.0) for r in rows["after"])
     print(f"after: the workers' hand-over of their results (in S before this round, now in H): {h:.4f} s")
-    print(json.dumps({"workers": int(workers_count), "reps": reps, "found": found}))
+    print(json.dumps({"workers": int(workers_count), "tasks_like": tasks_like, "reps": reps, "found": found}))
 
 
 if __name__ == "__main__":
