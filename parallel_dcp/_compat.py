@@ -6,6 +6,9 @@ torch or fsspec upgrade that moves or renames one fails at once with a clear
 :class:`IncompatibleTorchError` naming it and the installed version, instead of an
 ``AttributeError`` from deep inside a worker, or an ``UnsafeCheckpointError`` for a class the
 metadata allow-list no longer finds.
+
+Longer than 300 lines because every use of a private name lives here, with the fallback for a torch
+without it: the layout check's guard (:class:`LayoutGuard`, torch.compile's ``TensorGuards``) too.
 """
 
 from __future__ import annotations
