@@ -31,7 +31,12 @@
                G only caps executors that write in the caller's interpreter (threads, and the
                default where it resolved to threads); speedup = measured wall alone / T(N). C is
                measured at w=1: at N workers it also holds the governor's readings of N processes
-               (``governor`` rows of scaling:llm), which this model leaves out.
+               (``governor`` rows of scaling:llm), which this model leaves out, and one task sent
+               and one result taken in per task, of which a save at w=1 has 4 and one on 64
+               workers up to ~130 (``partition``): ~0.5 ms of the coordinator's CPU each, so at 64
+               workers C is ~1.9x (50,000 keys) to ~4.7x (4 GiB LLM-like) what this model takes
+               (bench/bench_saver_coordinator.py TASKS_LIKE, bench/bench_llm_task_count.py,
+               docs/performance.md).
 
 A projection, labelled as one: storage is not the bottleneck, and the inputs are this run's.
 
