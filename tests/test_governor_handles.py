@@ -81,6 +81,19 @@ def test_a_kept_statm_never_reads_another_process_that_took_the_pid() -> None:
     assert _open_statm(child.pid) == []
 
 
+class _HeldClock:
+    """The ``time`` module with ``monotonic`` held at ``now``."""
+
+    def __init__(self, now: float) -> None:
+        self._now = now
+
+    def monotonic(self) -> float:
+        return self._now
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
 def test_the_first_watch_reads_nothing_the_baseline_just_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """The baseline is read as the governor is made; a watch right after it, with the resident
     sizes far under the limit, reads no smaps (it found nothing added, and a rollup of a process
@@ -92,13 +105,14 @@ def test_the_first_watch_reads_nothing_the_baseline_just_read(monkeypatch: pytes
         made = time.monotonic()
         readings = governor._charges.readings
         workers = {child.pid: (0, ("key",))}
-        # The clock held where the governor was made, however slowly a loaded machine runs this.
-        monkeypatch.setattr(memory.time, "monotonic", lambda: made)
+        # The governor's clock held where it was made, however slowly a loaded machine runs this
+        # (its own module's clock only: a clock held for the whole process could stall a timed wait).
+        monkeypatch.setattr(memory, "time", _HeldClock(made))
         governor.watch(workers)
         governor._next_sample = 0.0
         governor.watch(workers)
         assert governor._charges.readings == readings
-        monkeypatch.setattr(memory.time, "monotonic", lambda: governor._next_relaxed + 0.001)
+        monkeypatch.setattr(memory, "time", _HeldClock(governor._next_relaxed + 0.001))
         governor._next_sample = 0.0
         governor.watch(workers)
         assert governor._charges.readings == readings + 1
