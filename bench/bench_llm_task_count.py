@@ -2,12 +2,13 @@
 
 Usage: flock LOCK python bench/bench_llm_task_count.py [REPS]   (default 5; needs ~9 GiB of memory and /dev/shm)
 
-Two `Saver(workers=1)` in this process hold `synthetic.llm_like(4.0)`: one plans its 4 tasks, one the 130 of a save
-on 64 workers (`partition.TASKS_PER_WORKER` set to 256 while it plans), each saved twice before the rows; they take
-turns, one later save a row. Per configuration, the medians of wall, P, H, S and C (as bench/bench_saver_coordinator.py
-takes them) feed the scaling suite's model (`pieces.executor_projections`): its projected speedup at 16 and 64
-workers, a projection, not a measurement. The 130-task row's C holds the coordinator's per-task work as often as on
-64 workers; read its x64 only.
+Three `Saver(workers=1)` in this process hold `synthetic.llm_like(4.0)`: one plans its 4 tasks, one the tasks of a
+save on 64 workers (`partition.task_count` asked for 64 workers while it plans: 64), and one the 130 that a save on
+64 workers had before 2026-12-06 noon (`partition.TASKS_PER_WORKER` set to 256), each saved twice before the rows;
+they take turns, one later save a row. Per configuration, the medians of wall, P, H, S and C (as
+bench/bench_saver_coordinator.py takes them) feed the scaling suite's model (`pieces.executor_projections`): its
+projected speedup at 16 and 64 workers, a projection, not a measurement. The rows cut like 64 workers' hold the
+coordinator's per-task work as often as on 64 workers; read their x64 only.
 """
 
 import gc
@@ -33,24 +34,32 @@ def main() -> None:
     nbytes, keys = tensor_bytes(sd), len(sd)
     root = tempfile.mkdtemp(dir="/dev/shm", prefix="llmtasks-")
     out = f"{root}/ck"
-    rows: dict[int, list[dict[str, Any]]] = {4: [], 256: []}
+    # (workers planned for, tasks a worker at most): one worker; 64 workers now; 64 workers before.
+    configs = [(1, 4), (64, 4), (1, 256)]
+    rows: dict[tuple[int, int], list[dict[str, Any]]] = {config: [] for config in configs}
     savers = {}
-    for per_worker in rows:
-        partition.TASKS_PER_WORKER = per_worker
-        savers[per_worker] = parallel_dcp.Saver(workers=1)
+    count = partition.task_count
+
+    def planned_like(config: tuple[int, int]) -> None:
+        like, partition.TASKS_PER_WORKER = config
+        partition.task_count = lambda total, workers, items: count(total, like, items)
+
+    for config in configs:
+        planned_like(config)
+        savers[config] = parallel_dcp.Saver(workers=1)
         for _ in range(2):
-            savers[per_worker].save(sd, out)
+            savers[config].save(sd, out)
             shutil.rmtree(out)
     try:
         for rnd in range(reps):
-            for per_worker in rows if rnd % 2 == 0 else list(rows)[::-1]:
-                partition.TASKS_PER_WORKER = per_worker
+            for config in configs if rnd % 2 == 0 else configs[::-1]:
+                planned_like(config)
                 gc.collect()
                 began = time.perf_counter()
-                result = savers[per_worker].save(sd, out)
+                result = savers[config].save(sd, out)
                 wall = time.perf_counter() - began
                 shutil.rmtree(out)
-                rows[per_worker].append(
+                rows[config].append(
                     {
                         "wall": wall,
                         "P": sum(w.seconds for w in result.per_worker),
@@ -61,10 +70,11 @@ def main() -> None:
                     }
                 )
     finally:
+        partition.task_count, partition.TASKS_PER_WORKER = count, 4
         for saver in savers.values():
             saver.close()
         shutil.rmtree(root, ignore_errors=True)
-    for found in rows.values():
+    for (like, per_worker), found in rows.items():
 
         def med(name: str, found: list[dict[str, Any]] = found) -> float:
             return statistics.median(r[name] for r in found)
@@ -85,7 +95,8 @@ def main() -> None:
         got = executor_projections(probe, nbytes, keys)["saver"]
         x = {row["workers"]: row["projected_speedup"] for row in got["rows"]}
         print(
-            f"{found[0]['tasks']} tasks ({keys} tensors, {nbytes / 2**30:.1f} GiB): wall {med('wall'):.3f} s,"
+            f"planned like {like} worker(s), at most {per_worker} tasks a worker: {found[0]['tasks']} tasks"
+            f" ({keys} tensors, {nbytes / 2**30:.1f} GiB): wall {med('wall'):.3f} s,"
             f" S {got['serial_seconds'] * 1e3:.1f} ms, C {med('C') * 1e3:.1f} ms, P+H {got['worker_seconds']:.3f} s;"
             f" projected x16 {x[16]:.2f}, x64 {x[64]:.2f}"
         )

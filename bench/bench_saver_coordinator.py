@@ -13,8 +13,9 @@ while the workers work). The medians feed ``pieces.executor_projections`` (the s
 T(N) = S + max(C, W(N))): its projected speedup at 16 and 64 workers, a projection, not a
 measurement. Prints each row, the medians and the after/before ratios.
 
-TASKS_LIKE=N: the save is cut into the tasks a save on N workers has (``partition.TASKS_PER_WORKER``
-set to 4 N: 64 tasks for N = 16, 111 for N = 64, against 4 on one worker), so that C holds the
+TASKS_LIKE=N: the save is cut into the tasks a save on N workers has (``partition.task_count`` asked
+for N workers; a tree without it, before 2026-12-06 noon, gets ``partition.TASKS_PER_WORKER`` set to
+4 N: 111 tasks for N = 64 there, 64 here; 64 for N = 16 in both; 4 on one worker), so that C holds the
 coordinator's work per task (each task sent, each result taken in) as often as on N workers. Each
 of its results is taken in after the coordinator slept (one worker: a result every ~30 ms), so its
 per-task costs are those of a cold loop: an upper bound of N busy workers'. Read its x N only.
@@ -33,8 +34,13 @@ import os
 import parallel_dcp
 from parallel_dcp.engine import partition
 from parallel_dcp.synthetic import many_small
-if os.environ.get("PDCP_BENCH_TASKS_PER_WORKER"):
-    partition.TASKS_PER_WORKER = int(os.environ["PDCP_BENCH_TASKS_PER_WORKER"])
+if os.environ.get("PDCP_BENCH_TASKS_LIKE"):
+    like = int(os.environ["PDCP_BENCH_TASKS_LIKE"])
+    if hasattr(partition, "task_count"):
+        count = partition.task_count
+        partition.task_count = lambda total, workers, items: count(total, like, items)
+    else:
+        partition.TASKS_PER_WORKER = 4 * like
 workers = int(sys.argv[1])
 sd = many_small(50000)
 saver = parallel_dcp.Saver(workers=workers)
@@ -122,7 +128,7 @@ def main() -> None:
     for name, tree in (("before", base), ("after", after)):
         env = dict(os.environ, PYTHONPATH=tree)
         if tasks_like:
-            env["PDCP_BENCH_TASKS_PER_WORKER"] = str(4 * tasks_like)
+            env["PDCP_BENCH_TASKS_LIKE"] = str(tasks_like)
         procs[name] = subprocess.Popen(
             [py, "-c", WORKER, workers_count],
             stdin=subprocess.PIPE,
@@ -147,7 +153,8 @@ def main() -> None:
             )
             if rnd:
                 rows[name].append(got)
-    print(f"tasks per save: {got['tasks']}" + (f" (as on {tasks_like} workers)" if tasks_like else ""))
+    tasks = ", ".join(f"{name} {rows[name][-1]['tasks']}" for name in rows if rows[name])
+    print(f"tasks per save: {tasks}" + (f" (as on {tasks_like} workers)" if tasks_like else ""))
     for proc in procs.values():
         proc.stdin.close()
         proc.wait()

@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel_dcp.engine.partition import Item, partition
+from parallel_dcp.engine.partition import (
+    COORDINATOR_BYTES_PER_WORKER,
+    ITEM_OVERHEAD_BYTES,
+    MIN_TASK_BYTES,
+    TASKS_PER_WORKER,
+    Item,
+    partition,
+    task_count,
+)
 
 sizes = st.lists(st.integers(min_value=0, max_value=1 << 30), min_size=0, max_size=300)
 
@@ -25,6 +33,8 @@ def test_partition_is_disjoint_and_covers_every_key(sizes: list[int], workers: i
     assert all(t.nbytes == sum(by_key[k] for k in t.keys) for t in tasks)
     if len(items) >= workers:
         assert len(tasks) >= workers
+    if len(tasks) > workers:  # a whole number of tasks a worker: no last round with workers idle
+        assert len(tasks) % workers == 0
 
 
 def test_equal_items_balance_evenly() -> None:
@@ -52,3 +62,41 @@ def test_bad_arguments() -> None:
         partition([Item("a", 1)], workers=0)
     with pytest.raises(ValueError, match="unique"):
         partition([Item("a", 1), Item("a", 2)], workers=1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    total=st.integers(min_value=1, max_value=1 << 44),
+    workers=st.integers(min_value=1, max_value=256),
+    items=st.integers(min_value=1, max_value=100_000),
+)
+def test_task_count_bounds(total: int, workers: int, items: int) -> None:
+    count = task_count(total, workers, items)
+    assert 1 <= count <= min(items, workers * TASKS_PER_WORKER)
+    assert count >= min(workers, items)
+    if count > workers:
+        assert count % workers == 0
+        smallest = max(MIN_TASK_BYTES, COORDINATOR_BYTES_PER_WORKER * workers)
+        assert (count - 1) * smallest < total  # never cut finer than the coordinator can keep up with
+
+
+def test_many_small_keys_on_many_workers_get_one_task_each() -> None:
+    """50,000 keys of 10 KiB: 8 tasks on 2 workers and 64 on 16 (4 each), but on 64 workers 64 (one
+    each), not 111: the coordinator's ~0.5 ms a task would outrun the workers, and 111 equal tasks
+    on 64 workers run in two rounds of which the second leaves 17 workers idle."""
+    items = [Item(f"state.{i}", 10 << 10) for i in range(50_000)]
+    assert [len(partition(items, workers)) for workers in (1, 2, 16, 32, 64, 128)] == [4, 8, 64, 32, 64, 128]
+
+
+def test_an_llm_like_dict_on_64_workers_is_one_task_each() -> None:
+    items = [Item(f"layers.{i}.weight", (4 << 30) // 590) for i in range(590)]
+    assert len(partition(items, 16)) == 64
+    assert len(partition(items, 64)) == 64  # not 130 (32 MiB each): three rounds, the last of two tasks
+
+
+def test_a_task_count_between_whole_rounds_is_rounded_down() -> None:
+    """Five 32 MiB tasks' worth on two workers: four tasks (two rounds), not five (three)."""
+    items = [Item(f"k{i}", (160 << 20) // 40 - ITEM_OVERHEAD_BYTES) for i in range(40)]
+    tasks = partition(items, 2)
+    assert len(tasks) == 4
+    assert max(t.nbytes for t in tasks) - min(t.nbytes for t in tasks) <= (160 << 20) // 40

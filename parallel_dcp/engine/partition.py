@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES
 
-__all__ = ["Item", "Task", "one_task_memory", "partition"]
+__all__ = ["Item", "Task", "one_task_memory", "partition", "task_count"]
 
 # What one item costs beyond its bytes, in byte-equivalents: about 40 us of Python work per
 # ``torch.save`` record at ~1.5 GiB/s.
@@ -29,6 +29,12 @@ ITEM_OVERHEAD_BYTES = 64 * 1024
 TASKS_PER_WORKER = 4
 # ...but a task below this size costs more in per-task overhead than it gains in balance.
 MIN_TASK_BYTES = 32 * 1024 * 1024
+# The coordinator sends every task and takes every result in, for all workers in turn: ~0.4-0.7 ms
+# of its CPU a task (docs/performance.md, "the coordinator's per-task work"). A task of at least
+# this many bytes per worker keeps that under about a third of what a worker spends on the task
+# (~2 ms for 2 MiB at a worker's ~1 GiB/s), however many workers share the one coordinator: at 64
+# workers, 111 tasks of 32 MiB for 50,000 small keys kept it busier than the workers.
+COORDINATOR_BYTES_PER_WORKER = 2 * 1024 * 1024
 # Items this much smaller than a task are cut into consecutive runs instead of spread largest
 # first: the balance is as good (within one small item) and a task's keys stay together.
 _SMALL_ITEMS_PER_BIN = 8
@@ -110,9 +116,7 @@ def partition(
         return []
     # Column sums (C loops over the named tuples): this runs once over every key of a 50,000-key job.
     total = sum(map(_nbytes, items)) + ITEM_OVERHEAD_BYTES * len(items)
-    wanted = max(workers * TASKS_PER_WORKER, 1)
-    wanted = min(wanted, max(workers, math.ceil(total / MIN_TASK_BYTES)))
-    n_bins = min(len(items), wanted)
+    n_bins = task_count(total, workers, len(items))
     cap = max_task_memory if max_task_memory is not None else math.inf
 
     def combined(memory: int, item: Item) -> int:
@@ -171,6 +175,18 @@ def partition(
                 heapq.heappush(heap, entry)
 
     return _ranked(bins, [m + t for m, t in zip(memory, transient, strict=True)])
+
+
+def task_count(total: int, workers: int, items: int) -> int:
+    """How many tasks :func:`partition` makes of ``items`` keys costing ``total`` byte-equivalents
+    on ``workers`` workers: up to ``TASKS_PER_WORKER`` a worker, none smaller than ``MIN_TASK_BYTES``
+    or than ``COORDINATOR_BYTES_PER_WORKER`` times the workers, no more than the items, and, above
+    one a worker, a whole number a worker. (Tasks of about equal cost run in rounds: five on two
+    workers take three tasks' time, where four take two; 111 on 64 workers take two rounds of
+    the shorter tasks, where 64 take one of the longer.)"""
+    smallest = max(MIN_TASK_BYTES, COORDINATOR_BYTES_PER_WORKER * workers)
+    wanted = min(workers * TASKS_PER_WORKER, max(workers, math.ceil(total / smallest)), items)
+    return wanted - wanted % workers if wanted > workers else wanted
 
 
 def _cost(item: Item) -> int:
