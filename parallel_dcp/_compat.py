@@ -207,9 +207,16 @@ def stop_fork_server(running_before: tuple[bool, bool]) -> None:
 
     server_before, tracker_before = running_before
     if not server_before:
-        stop = getattr(getattr(multiprocess.forkserver, "_forkserver", None), "_stop", None)
+        server = getattr(multiprocess.forkserver, "_forkserver", None)
+        stop = getattr(server, "_stop", None)
         if stop is not None:
-            stop()
+            try:
+                stop()
+            except FileNotFoundError:
+                # At the interpreter's exit (a Saver never closed), multiprocess may have removed
+                # its temporary folder, the server's socket with it, before this runs: the server
+                # was stopped all the same, only its socket's name is left to forget.
+                server._forkserver_address = None
     if not tracker_before:
         stop = getattr(getattr(multiprocess.resource_tracker, "_resource_tracker", None), "_stop", None)
         if stop is not None:

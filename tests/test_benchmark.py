@@ -510,6 +510,49 @@ def test_the_projection_follows_the_savers_structure() -> None:
     assert any("coordinator beside the workers 0.030 s (30.0 us/key)" in line for line in lines)
 
 
+def test_the_projection_adds_the_coordinators_work_for_the_tasks_of_many_workers() -> None:
+    # The probe's Saver save cut like 64 workers (64 tasks against its own 4) took 6 ms more
+    # serial and 30 ms more beside the workers: 0.1 and 0.5 ms a task, added per task a save on
+    # N workers has beyond 4 (partition.task_count: 64 at 16 and 64 workers, 128 at 128).
+    from parallel_dcp.benchmark.pieces import executor_lines, executor_projections
+
+    phases = {"plan": 0.04, "fork": 0.0, "write": 1.05, "merge": 0.0, "commit": 0.01}
+    got = {
+        "executor_used": "saver",
+        "alone_seconds": 1.1,
+        "busy_thread_seconds": 1.2,
+        "busy_process_seconds": 1.2,
+        "worker_seconds": 1.0,
+        "worker_handling_seconds": 0.02,
+        "coordinator_write_seconds": 0.03,
+        "serial_seconds": 0.08,
+        "phases": phases,
+        "tasks": 4,
+        "cut_like_many_workers": {
+            "as_on_workers": 64,
+            "tasks": 64,
+            "serial_seconds": 0.086,
+            "coordinator_write_seconds": 0.06,
+        },
+    }
+    saver = executor_projections({"saver": got}, nbytes=2**30, keys=50_000)["saver"]
+    assert saver["per_task"]["serial_seconds_per_task"] == pytest.approx(1e-4)
+    assert saver["per_task"]["coordinator_seconds_per_task"] == pytest.approx(5e-4)
+    rows = {row["workers"]: row for row in saver["rows"]}
+    assert [rows[n]["tasks"] for n in (1, 2, 16, 64, 128)] == [4, 8, 64, 64, 128]
+    assert rows[1]["projected_seconds"] == pytest.approx(1.1)  # its own tasks: nothing added
+    assert rows[16]["projected_seconds"] == pytest.approx(0.086 + 1.02 / 16)  # W(16) still binds
+    assert rows[64]["projected_seconds"] == pytest.approx(0.086 + 0.06)  # C(64) binds: 60 tasks more
+    assert rows[128]["coordinator_write_seconds"] == pytest.approx(0.03 + 124 * 5e-4)
+    assert rows[128]["projected_seconds"] == pytest.approx(0.08 + 124 * 1e-4 + 0.03 + 124 * 5e-4)
+    lines = executor_lines({"saver": saver}, None)
+    assert any("per task beyond its own 4 (cut into 64, as on 64 workers): serial 0.100 ms" in line for line in lines)
+    # Without the cut save (or with no more tasks in it), the projection is S + max(C, W(N)) as before.
+    del got["cut_like_many_workers"]
+    plain = {r["workers"]: r for r in executor_projections({"saver": got}, nbytes=2**30, keys=50_000)["saver"]["rows"]}
+    assert plain[64]["projected_seconds"] == pytest.approx(0.08 + 0.03)
+
+
 def test_a_probe_of_many_tensors_is_busy_on_a_subset_scaled_per_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -525,8 +568,12 @@ def test_a_probe_of_many_tensors_is_busy_on_a_subset_scaled_per_key(
         assert sub["scale"] == pytest.approx(got["alone_seconds"] / sub["alone_seconds"])
         assert got["busy_thread_seconds"] == pytest.approx(sub["busy_thread_seconds"] * sub["scale"])
         assert got["busy_process_seconds"] == pytest.approx(sub["busy_process_seconds"] * sub["scale"])
+    # The Saver's save cut like many workers: one task a tensor here, against its own one.
+    cut = probe["saver"]["cut_like_many_workers"]
+    assert cut["as_on_workers"] == pieces.PER_TASK_PROBE_WORKERS and cut["tasks"] == 20 > probe["saver"]["tasks"]
     executors = pieces.executor_projections(probe, nbytes=4096, keys=20)
     assert executors["threads"]["busy_probe"]["keys"] == 8
+    assert executors["saver"]["per_task"]["tasks_cut"] == 20 and "per_task" not in executors["threads"]
     lines = pieces.executor_lines(executors, None)
     assert any(line.startswith("  threads: busy rows probed on 8 of 20 tensors") for line in lines)
     assert list(tmp_path.iterdir()) == []

@@ -339,3 +339,27 @@ def test_the_fork_server_imports_the_callers_packages_not_those_of_its_working_d
     assert done.returncode == 0, done.stderr
     assert not marker.exists(), "the fork server imported the package in its working directory"
     assert_same(parallel_dcp.load(tmp_path / "ckpt"), {"a": torch.arange(4.0)})
+
+
+def test_a_saver_left_open_at_the_programs_end_exits_quietly_and_leaves_no_process(tmp_path: Path) -> None:
+    """A script that never closes its Saver: at the interpreter's exit, multiprocess may remove the
+    fork server's socket before the Saver's finalizer stops the server; the exit stays quiet (no
+    traceback), and no process of ours is left behind."""
+    import subprocess
+
+    script = tmp_path / "unclosed.py"
+    script.write_text(
+        "import os, sys, torch, parallel_dcp\n"
+        "saver = parallel_dcp.Saver(workers=1)\n"
+        "saver.save({'a': torch.arange(4.0)}, sys.argv[1])\n"
+        "print(os.getpid(), flush=True)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(parallel_dcp.__file__).parent.parent))
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    pid = int(done.stdout.split()[0])
+    orphans = [p for p in psutil.process_iter(["ppid", "cmdline"]) if p.info["ppid"] == pid]
+    assert orphans == []
+    assert_same(parallel_dcp.load(tmp_path / "ckpt"), {"a": torch.arange(4.0)})

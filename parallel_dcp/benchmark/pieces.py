@@ -27,16 +27,19 @@
                start),
                G = min(1, (busy thread - busy process) / alone): the GIL-held share, what a
                thread that wants the GIL costs beyond the core it takes
-    model      T(N) = S + max(C, W(N), G * (P + H))     W(N): scaling.staggered_work_seconds(P + H, N, F)
+    per task   a Saver's later save again, by a second Saver(workers=1) whose plan is cut into the
+               tasks of a save on PER_TASK_PROBE_WORKERS workers (``partition.planned_as_on``):
+               its S and C against the first's, per task more, are what one more task costs the
+               coordinator (each sent, each result taken in; serial and beside the workers)
+    model      T(N) = S(N) + max(C(N), W(N), G * (P + H))     W(N): scaling.staggered_work_seconds(P + H, N, F)
+               S(N), C(N): S and C plus the per-task costs times the tasks a save on N workers has
+               beyond the probe's own (``partition.task_count``: 4 at w=1, 64 at 16 and at 64
+               workers for 50,000 small keys); the non-Saver executors, not probed so, keep S;
                G only caps executors that write in the caller's interpreter (threads, and the
-               default where it resolved to threads); speedup = measured wall alone / T(N). C is
-               measured at w=1: at N workers it also holds the governor's readings of N processes
-               (``governor`` rows of scaling:llm), which this model leaves out, and one task sent
-               and one result taken in per task, of which a save at w=1 has 4 and one on 64
-               workers up to ~130 (``partition``): ~0.5 ms of the coordinator's CPU each, so at 64
-               workers C is ~1.9x (50,000 keys) to ~4.7x (4 GiB LLM-like) what this model takes
-               (bench/bench_saver_coordinator.py TASKS_LIKE, bench/bench_llm_task_count.py,
-               docs/performance.md).
+               default where it resolved to threads); speedup = measured wall alone / T(N). C(N)
+               leaves out the governor's readings of N processes (``governor`` rows of
+               scaling:llm), and each task's costs are measured on one worker, whose results come
+               one at a time to a coordinator that slept in between (cold caches: an upper bound).
 
 A projection, labelled as one: storage is not the bottleneck, and the inputs are this run's.
 
@@ -68,8 +71,16 @@ from typing import Any
 import parallel_dcp
 from parallel_dcp.benchmark.scaling import PROJECTED_COUNTS, staggered_work_seconds
 from parallel_dcp.benchmark.writers import flat_tensors
+from parallel_dcp.engine.partition import ITEM_OVERHEAD_BYTES, planned_as_on, task_count
 
-__all__ = ["BUSY_PROBE_KEYS", "PROBED", "executor_lines", "executor_projections", "probe_executors"]
+__all__ = [
+    "BUSY_PROBE_KEYS",
+    "PER_TASK_PROBE_WORKERS",
+    "PROBED",
+    "executor_lines",
+    "executor_projections",
+    "probe_executors",
+]
 
 # "default" is save() with no executor given; "saver" is a Saver's second save; "saver_unchanged"
 # the same with Saver.save(layout_unchanged=True).
@@ -79,6 +90,8 @@ _GIL_BOUND = ("threads",)  # executors whose writers share the caller's interpre
 _GiB = 2**30
 # Beside a busy thread, a state dict of more tensors than this is probed on this many (see above).
 BUSY_PROBE_KEYS = 2000
+# A Saver's save is probed a second time cut into the tasks of a save on this many workers (see above).
+PER_TASK_PROBE_WORKERS = 64
 
 
 def _busy(stop: threading.Event) -> None:
@@ -133,8 +146,11 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
     }
     busy: dict[tuple[str, str], list[float]] = {(kind, mode): [] for kind in PROBED for mode in _BUSY}
     subset_alone: dict[str, list[float]] = {kind: [] for kind in PROBED}
+    # A Saver's later save cut into the tasks of one on PER_TASK_PROBE_WORKERS workers: (wall, P + H, C, tasks).
+    cut: list[tuple[float, float, float, int]] = []
+    saver_tasks = 0
     out = f"{root}/probe"
-    with parallel_dcp.Saver(workers=1) as saver:
+    with parallel_dcp.Saver(workers=1) as saver, parallel_dcp.Saver(workers=1) as cut_saver:
 
         def once(kind: str, sd: Any) -> Any:
             if kind in ("saver", "saver_unchanged"):
@@ -151,8 +167,18 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
             shutil.rmtree(out)
             return wall, result
 
+        def timed_cut() -> tuple[float, float, float, int]:
+            with planned_as_on(PER_TASK_PROBE_WORKERS):
+                began = time.perf_counter()
+                result = cut_saver.save(state_dict, out, sync_files=sync)
+                wall = time.perf_counter() - began
+            shutil.rmtree(out)
+            work = sum(w.seconds + w.handling_seconds + w.handover_seconds for w in result.per_worker)
+            return wall, work, result.coordinator_write_seconds or 0.0, result.tasks
+
         first = once("saver", state_dict)  # the Saver's first save: it starts its workers
         shutil.rmtree(out)
+        timed_cut()  # (its first save too)
         for _ in range(max(1, rounds)):
             for kind in PROBED:
                 wall, result = timed(kind, state_dict, "alone")
@@ -166,6 +192,9 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
                 alone[kind].append(
                     (wall, inside, dict(result.phases), result.executor, setup, handling + handover, streamed, handover)
                 )
+                if kind == "saver":
+                    saver_tasks = result.tasks
+                    cut.append(timed_cut())
                 if subset is not None:
                     subset_alone[kind].append(timed(kind, subset, "alone")[0])
                 for mode in _BUSY:
@@ -209,6 +238,15 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
             }
     found["saver"]["first_save_start_seconds"] = first.phases.get("fork", 0.0)
     found["saver"]["saver_start_seconds"] = start_seconds
+    per_task = {
+        "as_on_workers": PER_TASK_PROBE_WORKERS,
+        "tasks": int(_median([float(r[3]) for r in cut])),
+        "serial_seconds": _median([max(0.0, r[0] - r[1]) for r in cut]),
+        "coordinator_write_seconds": _median([r[2] for r in cut]),
+    }
+    for kind in ("saver", "saver_unchanged"):
+        found[kind]["tasks"] = saver_tasks
+        found[kind]["cut_like_many_workers"] = per_task
     return found
 
 
@@ -236,14 +274,25 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
         extra = got["busy_thread_seconds"] - got["busy_process_seconds"]
         share = min(1.0, max(0.0, extra / wall)) if wall > 0 else 0.0
         capped = kind in _GIL_BOUND or (kind == "default" and got["executor_used"] in _GIL_BOUND)
+        per_task = _per_task(got, serial, streamed)
+        total = nbytes + ITEM_OVERHEAD_BYTES * keys  # partition's cost of the whole job
         rows = []
         for count in PROJECTED_COUNTS:
-            seconds = serial + max(
-                streamed, staggered_work_seconds(work, count, start), share * work if capped else 0.0
+            # A save on more workers has more tasks, each sent and its result taken in by the one
+            # coordinator: what the probe cut like many workers measured per task is added.
+            tasks = task_count(total, count, keys)
+            more = max(0, tasks - per_task["tasks_measured"]) if per_task else 0
+            serial_at = serial + more * per_task["serial_seconds_per_task"] if per_task else serial
+            streamed_at = streamed + more * per_task["coordinator_seconds_per_task"] if per_task else streamed
+            seconds = serial_at + max(
+                streamed_at, staggered_work_seconds(work, count, start), share * work if capped else 0.0
             )
             rows.append(
                 {
                     "workers": count,
+                    "tasks": tasks,
+                    "serial_seconds": serial_at,
+                    "coordinator_write_seconds": streamed_at,
                     "projected_seconds": seconds,
                     "projected_speedup": wall / seconds if seconds > 0 else None,
                 }
@@ -281,7 +330,31 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
         }
         if "busy_probe" in got:  # the busy rows were probed on a subset, scaled per key
             found[kind]["busy_probe"] = got["busy_probe"]
+        if per_task:
+            found[kind]["per_task"] = per_task
     return found
+
+
+def _per_task(got: dict[str, Any], serial: float, streamed: float) -> dict[str, Any] | None:
+    """What one more task costs the coordinator, serial and beside the workers: the probe's save cut
+    like many workers against the same save in its own tasks, per task more (none below 0: noise);
+    None where the probe made no such save or it had no more tasks."""
+    cut = got.get("cut_like_many_workers")
+    measured = got.get("tasks") or 0
+    if not cut or cut["tasks"] <= measured:
+        return None
+    more = cut["tasks"] - measured
+    return {
+        "tasks_measured": measured,
+        "tasks_cut": cut["tasks"],
+        "cut_as_on_workers": cut["as_on_workers"],
+        "serial_seconds_per_task": max(0.0, cut["serial_seconds"] - serial) / more,
+        "coordinator_seconds_per_task": max(0.0, cut["coordinator_write_seconds"] - streamed) / more,
+    }
+
+
+def _tasks(rows: list[dict[str, Any]], count: int) -> str:
+    return str(next((r["tasks"] for r in rows if r["workers"] == count), "-"))
 
 
 def _x(rows: list[dict[str, Any]], count: int) -> str:
@@ -318,6 +391,16 @@ def executor_lines(executors: dict[str, Any], governor: list[dict[str, Any]] | N
             f" start {e['start_seconds_per_worker'] * 1e3:.1f} ms/worker"
             f" ({e['start_seconds_per_worker_per_gib'] * 1e3:.1f} ms/GiB)"
         )
+    for kind, e in executors.items():
+        if "per_task" in e:
+            t = e["per_task"]
+            lines.append(
+                f"  {kind}: per task beyond its own {t['tasks_measured']} (cut into {t['tasks_cut']}, as on"
+                f" {t['cut_as_on_workers']} workers): serial {t['serial_seconds_per_task'] * 1e3:.3f} ms,"
+                f" coordinator beside the workers {t['coordinator_seconds_per_task'] * 1e3:.3f} ms"
+                f" (tasks at 16 / 64 / 128 workers: {_tasks(e['rows'], 16)} / {_tasks(e['rows'], 64)}"
+                f" / {_tasks(e['rows'], 128)})"
+            )
     for row in governor or []:
         lines.append(
             f"  governor reading at {row['workers']} workers: cheap {row['cheap_ms_per_process']:.3f},"

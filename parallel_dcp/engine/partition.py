@@ -8,11 +8,12 @@ entries spread as evenly as a few large embeddings do.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import math
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import itemgetter
@@ -20,7 +21,7 @@ from typing import NamedTuple
 
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES
 
-__all__ = ["Item", "Task", "one_task_memory", "partition", "task_count"]
+__all__ = ["Item", "Task", "one_task_memory", "partition", "planned_as_on", "task_count"]
 
 # What one item costs beyond its bytes, in byte-equivalents: about 40 us of Python work per
 # ``torch.save`` record at ~1.5 GiB/s.
@@ -177,6 +178,23 @@ def partition(
     return _ranked(bins, [m + t for m, t in zip(memory, transient, strict=True)])
 
 
+# Set by planned_as_on: the workers every plan is cut for, whatever the workers given.
+_planned_workers: int | None = None
+
+
+@contextlib.contextmanager
+def planned_as_on(workers: int) -> Iterator[None]:
+    """Inside, :func:`task_count` (so :func:`partition`) cuts every job into the tasks of a job on
+    ``workers`` workers, whatever the workers it is given: the scaling suite measures on one
+    worker the coordinator's work for as many tasks as a save on many has (benchmark/pieces.py)."""
+    global _planned_workers
+    before, _planned_workers = _planned_workers, workers
+    try:
+        yield
+    finally:
+        _planned_workers = before
+
+
 def task_count(total: int, workers: int, items: int) -> int:
     """How many tasks :func:`partition` makes of ``items`` keys costing ``total`` byte-equivalents
     on ``workers`` workers: up to ``TASKS_PER_WORKER`` a worker, none smaller than ``MIN_TASK_BYTES``
@@ -184,6 +202,7 @@ def task_count(total: int, workers: int, items: int) -> int:
     one a worker, a whole number a worker. (Tasks of about equal cost run in rounds: five on two
     workers take three tasks' time, where four take two; 111 on 64 workers take two rounds of
     the shorter tasks, where 64 take one of the longer.)"""
+    workers = _planned_workers or workers
     smallest = max(MIN_TASK_BYTES, COORDINATOR_BYTES_PER_WORKER * workers)
     wanted = min(workers * TASKS_PER_WORKER, max(workers, math.ceil(total / smallest)), items)
     return wanted - wanted % workers if wanted > workers else wanted
