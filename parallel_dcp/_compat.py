@@ -207,7 +207,7 @@ def stop_fork_server(running_before: tuple[bool, bool]) -> None:
 
     server_before, tracker_before = running_before
     if not server_before:
-        server = getattr(multiprocess.forkserver, "_forkserver", None)
+        server: Any = getattr(multiprocess.forkserver, "_forkserver", None)
         stop = getattr(server, "_stop", None)
         if stop is not None:
             try:
