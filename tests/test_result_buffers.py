@@ -103,7 +103,11 @@ def _reference_index(pieces: list[tuple[str, Any]], metadata: bytes, save_id: st
     def cat(arrays: list[Any], dtype: Any) -> Any:
         return numpy.concatenate(arrays).astype(dtype, copy=False) if arrays else numpy.zeros(0, dtype=dtype)
 
-    columns = [cat([s[i] for s in segments], numpy.int64) for i in (6, 7, 5)] + [cat(ids, numpy.uint32)]
+    # The int64 columns as arrays (out of band they travel as their raw bytes: dcp_commit.out_of_band).
+    def int64(column: Any) -> Any:
+        return column if isinstance(column, numpy.ndarray) else numpy.frombuffer(column, dtype=numpy.int64)
+
+    columns = [cat([int64(s[i]) for s in segments], numpy.int64) for i in (6, 7, 5)] + [cat(ids, numpy.uint32)]
     names = b"".join(s[0] for s in segments)
     file_names = "".join(f"{name}\0" for name in files).encode()
     small = [b"".join(s[i] for s in segments) for i in (1, 2, 3, 4)]
@@ -241,3 +245,41 @@ def test_results_and_messages_of_every_size_read_back_exactly() -> None:
             os.close(fd)
         assert len(view) == size and view.readonly and bytes(view) == data
         del view
+
+
+def _one_kib(task: Task) -> dict[str, Any]:
+    return {"blob": pickle.PickleBuffer(bytes([task.index]) * 1024), "array": numpy.arange(8 + task.index)}
+
+
+def test_a_result_of_few_buffer_bytes_travels_in_its_pickle_without_a_memory_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under INLINE_RESULT_BYTES (an LLM-like dict's task sends ~1 KB of runs), the buffers stay in the
+    pickle: no memory file is made (here none could be), and the coordinator gets the same bytes."""
+    monkeypatch.setattr(os, "memfd_create", _no_memory_file)  # in the workers, forked after this
+    tasks = [Task(index=i, keys=(f"k{i}",), nbytes=1, memory=0) for i in range(4)]
+    with WorkerPool(2, _one_kib) as pool:
+        results = list(pool.run(tasks))
+    for result in results:
+        index = result.task.index
+        assert bytes(result.value["blob"]) == bytes([index]) * 1024
+        assert numpy.array_equal(result.value["array"], numpy.arange(8 + index))
+    # Past it, the same pool needs its memory file (and here fails with the task's error).
+    with pytest.raises(WorkerError, match="Cannot allocate memory"), WorkerPool(1, _with_buffers) as pool:
+        list(pool.run(tasks[:1]))
+
+
+def test_metadata_and_index_are_the_same_whether_results_travel_in_band_or_mapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written = []
+    for inline in (0, 1 << 40):  # every result mapped; every result in its pickle
+        monkeypatch.setattr(messages, "INLINE_RESULT_BYTES", inline)
+        path = tmp_path / "ckpt"
+        files, _, sent = _saved(path, monkeypatch, out_of_band=True)
+        assert (sent > 0) == (inline == 0)
+        written.append(files)
+        for child in path.iterdir():
+            child.unlink()
+        path.rmdir()
+    assert written[0] == written[1]

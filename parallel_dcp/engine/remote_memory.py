@@ -135,6 +135,11 @@ class RemoteBytes:
         address = ctypes.addressof(ctypes.c_char.from_buffer(data)) if data else 0
         return cls(os.getpid(), address, len(data))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Its fields in a tuple: a frozen dataclass with slots otherwise pickles through copyreg's
+        # Python code (~9 us hot, a message sent ahead, against ~1).
+        return (RemoteBytes, (self.pid, self.address, self.length))
+
     def fetch(self) -> bytearray:
         out = bytearray(self.length)
         if self.length:

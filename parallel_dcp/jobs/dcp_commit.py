@@ -43,16 +43,18 @@ class MetadataFiles:
 
 def out_of_band(result: Any) -> Any:
     """``result`` (in the worker, as it goes home) with a lean part's runs and its side-index
-    columns' bytes wrapped in ``pickle.PickleBuffer`` (its numpy columns travel so as they are):
-    the pool sends them beside the pickle (engine/messages.py ``pickled_result``); anything else
-    as it is. The coordinator gets them back as read-only views."""
+    columns wrapped in ``pickle.PickleBuffer`` (its int64 columns too, as their raw bytes: a numpy
+    array in a pickle costs the coordinator ~10 us hot to rebuild, three a run): the pool sends
+    them beside the pickle (engine/messages.py ``pickled_result``); anything else as it is. The
+    coordinator gets them back as read-only views, or bytes where they travelled in the pickle;
+    storage/side_index.py reads the int64 ones as such."""
     if not isinstance(result, lean.LeanPart) or not result.runs:
         return result
     wrap = pickle.PickleBuffer
     runs = [(at, (wrap(a), wrap(b), wrap(c))) for at, (a, b, c) in result.runs]
     columns = result.columns
     if columns is not None:
-        columns = [(*map(wrap, segment[:5]), *segment[5:]) for segment in columns]
+        columns = [tuple(map(wrap, segment)) for segment in columns]
     return dataclasses.replace(result, runs=runs, columns=columns)
 
 
@@ -64,7 +66,7 @@ def in_band(result: Any) -> Any:
     runs = [(at, (bytes(a), bytes(b), bytes(c))) for at, (a, b, c) in result.runs]
     columns = result.columns
     if columns is not None:
-        columns = [(*map(bytes, segment[:5]), *segment[5:]) for segment in columns]
+        columns = [tuple(map(bytes, segment)) for segment in columns]
     return dataclasses.replace(result, runs=runs, columns=columns)
 
 

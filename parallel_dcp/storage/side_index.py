@@ -162,5 +162,9 @@ def _size(data: Any) -> int:
 
 
 def _little(array: Any, dtype: str) -> memoryview:
-    """``array``'s bytes as ``dtype`` (little-endian), without a copy where they are so already."""
+    """``array``'s bytes as ``dtype`` (little-endian), without a copy where they are so already:
+    an array, or the raw bytes of one of int64 in this machine's order (a column that travelled
+    home as bytes: jobs/dcp_commit.py ``out_of_band``)."""
+    if not isinstance(array, numpy.ndarray) and memoryview(array).format in ("B", "b", "c"):
+        array = numpy.frombuffer(array, dtype=numpy.int64)
     return numpy.ascontiguousarray(array, dtype=dtype).data.cast("B")
