@@ -18,7 +18,7 @@ import dataclasses
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import xxhash
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -54,7 +54,7 @@ def out_of_band(result: Any) -> Any:
     runs = [(at, (wrap(a), wrap(b), wrap(c))) for at, (a, b, c) in result.runs]
     columns = result.columns
     if columns is not None:
-        columns = [tuple(map(wrap, segment)) for segment in columns]
+        columns = [cast(Segment, tuple(map(wrap, segment))) for segment in columns]
     return dataclasses.replace(result, runs=runs, columns=columns)
 
 
@@ -66,7 +66,7 @@ def in_band(result: Any) -> Any:
     runs = [(at, (bytes(a), bytes(b), bytes(c))) for at, (a, b, c) in result.runs]
     columns = result.columns
     if columns is not None:
-        columns = [tuple(map(bytes, segment)) for segment in columns]
+        columns = [cast(Segment, tuple(map(bytes, segment))) for segment in columns]
     return dataclasses.replace(result, runs=runs, columns=columns)
 
 
