@@ -77,6 +77,12 @@ class LeanPart:
     # where they cannot be described (a compressed part, an unknown dtype): then no index is written.
     columns: list[Segment] | None = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Its fields in a tuple: a dataclass with slots otherwise pickles through copyreg's Python
+        # code, which the coordinator pays again to unpickle each task's part (12 -> 7 us hot).
+        fields = (self.file, self.values, self.tensors, self.digests, self.descriptors, self.runs, self.columns)
+        return (LeanPart, fields)
+
 
 def lean_eligible(values: Iterable[Any]) -> bool:
     """True when DCP's default planner would plan every one of ``values`` as a plain tensor or a

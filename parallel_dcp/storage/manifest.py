@@ -76,6 +76,9 @@ class FileDigest:
     size: int
     digest: str | None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FileDigest, (self.size, self.digest))  # (as formats/lean.py LeanPart: not through copyreg)
+
 
 class Hasher:
     """Running size and (unless ``checksum`` is False) checksum of bytes as they are written."""
