@@ -547,6 +547,15 @@ def test_the_projection_adds_the_coordinators_work_for_the_tasks_of_many_workers
     assert rows[128]["projected_seconds"] == pytest.approx(0.08 + 124 * 1e-4 + 0.03 + 124 * 5e-4)
     lines = executor_lines({"saver": saver}, None)
     assert any("per task beyond its own 4 (cut into 64, as on 64 workers): serial 0.100 ms" in line for line in lines)
+    # Set against the plain Saver's own save where the probe gives it (saver_unchanged checks less).
+    unchanged = got | {"serial_seconds": 0.07, "coordinator_write_seconds": 0.01}
+    unchanged["cut_like_many_workers"] = got["cut_like_many_workers"] | {
+        "own_serial_seconds": 0.08,
+        "own_coordinator_write_seconds": 0.03,
+    }
+    promised = executor_projections({"saver_unchanged": unchanged}, nbytes=2**30, keys=50_000)["saver_unchanged"]
+    assert promised["per_task"]["coordinator_seconds_per_task"] == pytest.approx(5e-4)
+    assert {r["workers"]: r for r in promised["rows"]}[64]["coordinator_write_seconds"] == pytest.approx(0.01 + 0.03)
     # Without the cut save (or with no more tasks in it), the projection is S + max(C, W(N)) as before.
     del got["cut_like_many_workers"]
     plain = {r["workers"]: r for r in executor_projections({"saver": got}, nbytes=2**30, keys=50_000)["saver"]["rows"]}
@@ -571,6 +580,8 @@ def test_a_probe_of_many_tensors_is_busy_on_a_subset_scaled_per_key(
     # The Saver's save cut like many workers: one task a tensor here, against its own one.
     cut = probe["saver"]["cut_like_many_workers"]
     assert cut["as_on_workers"] == pieces.PER_TASK_PROBE_WORKERS and cut["tasks"] == 20 > probe["saver"]["tasks"]
+    assert cut["own_coordinator_write_seconds"] == probe["saver"]["coordinator_write_seconds"]
+    assert probe["saver_unchanged"]["cut_like_many_workers"] is cut
     executors = pieces.executor_projections(probe, nbytes=4096, keys=20)
     assert executors["threads"]["busy_probe"]["keys"] == 8
     assert executors["saver"]["per_task"]["tasks_cut"] == 20 and "per_task" not in executors["threads"]

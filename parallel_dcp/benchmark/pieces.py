@@ -243,6 +243,10 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
         "tasks": int(_median([float(r[3]) for r in cut])),
         "serial_seconds": _median([max(0.0, r[0] - r[1]) for r in cut]),
         "coordinator_write_seconds": _median([r[2] for r in cut]),
+        # What it is set against: the Saver's own save (without the promise, as the cut one), so
+        # that saver_unchanged, which checks less, takes the same per-task costs.
+        "own_serial_seconds": found["saver"]["serial_seconds"],
+        "own_coordinator_write_seconds": found["saver"]["coordinator_write_seconds"],
     }
     for kind in ("saver", "saver_unchanged"):
         found[kind]["tasks"] = saver_tasks
@@ -337,13 +341,16 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
 
 def _per_task(got: dict[str, Any], serial: float, streamed: float) -> dict[str, Any] | None:
     """What one more task costs the coordinator, serial and beside the workers: the probe's save cut
-    like many workers against the same save in its own tasks, per task more (none below 0: noise);
-    None where the probe made no such save or it had no more tasks."""
+    like many workers against the same save in its own tasks (the plain Saver's, where the probe
+    gives it; else this executor's ``serial`` and ``streamed``), per task more (none below 0:
+    noise); None where the probe made no such save or it had no more tasks."""
     cut = got.get("cut_like_many_workers")
     measured = got.get("tasks") or 0
     if not cut or cut["tasks"] <= measured:
         return None
     more = cut["tasks"] - measured
+    serial = cut.get("own_serial_seconds", serial)
+    streamed = cut.get("own_coordinator_write_seconds", streamed)
     return {
         "tasks_measured": measured,
         "tasks_cut": cut["tasks"],
