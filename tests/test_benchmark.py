@@ -854,3 +854,28 @@ def test_one_state_dict_of_the_scaling_suite_runs_alone(tmp_path: Path, monkeypa
     monkeypatch.setattr(suites, "_scenario", lambda suite, *rest: ran.append(suite) or suite)
     suites.run_all(config)
     assert ran == ["scaling:small"]
+
+
+def test_a_bench_stopped_by_sigterm_leaves_no_checkpoint_behind(tmp_path: Path) -> None:
+    """A scheduler's SIGTERM in the middle of a run, here between two saves (inside one, the save
+    turns it into Ctrl-C on its own), ends it as Ctrl-C does: the scenario's folder of checkpoints
+    is removed, not left on the target (gigabytes, often on /dev/shm)."""
+    target = tmp_path / "target"
+    target.mkdir()
+    script = tmp_path / "stopped.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from parallel_dcp.benchmark import main, suites\n"
+        "def stopped(cases, reps, warmup, root, progress, shuffled=False):\n"
+        "    open(os.path.join(root, 'a-checkpoint'), 'w').write('x')\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(60)\n"
+        "suites.run_interleaved = stopped\n"
+        f"sys.exit(main([*{TINY!r}, '--suite', 'small', '--targets', sys.argv[1]]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, str(script), str(target)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr, done.stderr
+    assert list(target.iterdir()) == []
