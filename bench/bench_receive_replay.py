@@ -2,8 +2,9 @@
 
 Usage: flock LOCK python bench/bench_receive_replay.py
 
-A `Saver(workers=1)` saves `synthetic.many_small(50000)` cut into the tasks of a save on 64 workers (111;
-`partition.TASKS_PER_WORKER` set to 256) and its results are recorded as the coordinator took them in. A child process
+A `Saver(workers=1)` saves `synthetic.many_small(50000)` cut into 111 tasks (`partition.TASKS_PER_WORKER` set to 256:
+what a save on 64 workers had before 2026-12-06 noon; 64 since) and its results are recorded as the coordinator took
+them in (each over `messages.INLINE_RESULT_BYTES`, so each in a memory file). A child process
 then sends them again as a worker does (`messages.pickled_result`, the reply, `messages.send_buffers`), back to back
 or 30 ms apart (as one worker's results come), and this process takes each in as `WorkerPool._receive` does
 (`messages.receive_reply`, then the result unpickled). Prints each result's CPU seconds here (median, mean, total)

@@ -100,3 +100,17 @@ def test_a_task_count_between_whole_rounds_is_rounded_down() -> None:
     tasks = partition(items, 2)
     assert len(tasks) == 4
     assert max(t.nbytes for t in tasks) - min(t.nbytes for t in tasks) <= (160 << 20) // 40
+
+
+def test_plans_cut_as_on_other_workers_nest_and_need_one_worker() -> None:
+    from parallel_dcp.engine.partition import planned_as_on
+
+    items = [Item(f"k{i}", 1 << 20) for i in range(1000)]
+    with planned_as_on(64):
+        assert len(partition(items, 1)) == 64
+        with planned_as_on(2):
+            assert len(partition(items, 1)) == 8
+        assert len(partition(items, 1)) == 64
+    assert len(partition(items, 1)) == 4
+    with pytest.raises(ValueError, match="workers"), planned_as_on(0):
+        pass

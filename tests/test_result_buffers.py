@@ -283,3 +283,20 @@ def test_metadata_and_index_are_the_same_whether_results_travel_in_band_or_mappe
             child.unlink()
         path.rmdir()
     assert written[0] == written[1]
+
+
+def test_a_parts_columns_copied_in_band_are_arrays_again() -> None:
+    """For torch.distributed's gather to rank 0, the int64 columns that travelled as raw bytes become
+    int64 arrays again (an array carries its byte order to another rank); the rest bytes."""
+    from parallel_dcp.formats.lean import LeanPart
+
+    dims, offsets, lengths = numpy.array([2, 3]), numpy.array([0]), numpy.array([24])
+    segment = (b"w\0", b"\1", b"\2", b"\0", b"\2", dims, offsets, lengths)
+    part = LeanPart("f", runs=[(0, (b"a", b"b", b"c"))], columns=[segment])
+    travelled = pickle.loads(pickle.dumps(dcp_commit.out_of_band(part), protocol=5))  # in band: bytes, bytearrays
+    assert not isinstance(travelled.columns[0][5], numpy.ndarray)
+    copied = dcp_commit.in_band(travelled)
+    segment = copied.columns[0]
+    assert all(isinstance(c, bytes) for c in segment[:5]) and segment[4] == b"\2"
+    for got, expected in zip(segment[5:], (dims, offsets, lengths), strict=True):
+        assert isinstance(got, numpy.ndarray) and got.dtype == numpy.int64 and numpy.array_equal(got, expected)

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 
 from parallel_dcp.benchmark.config import BenchConfig
 from parallel_dcp.benchmark.config import add_arguments as _add_arguments
-from parallel_dcp.jobs.pipeline import terminate_as_interrupt
 
 if TYPE_CHECKING:  # imported when a run starts (they import torch): `parallel-dcp --help` stays quick
     from parallel_dcp.benchmark.results import Scenario
@@ -126,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # SIGTERM (a job scheduler's, `timeout`'s) ends the run as Ctrl-C does: each scenario's
         # folder of checkpoints (gigabytes, often on /dev/shm) is removed on the way out.
+        from parallel_dcp.jobs.pipeline import terminate_as_interrupt  # (imports torch: not for --help)
+
         with terminate_as_interrupt():
             return _run(config)
     except OSError as exc:

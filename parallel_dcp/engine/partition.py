@@ -186,7 +186,11 @@ _planned_workers: int | None = None
 def planned_as_on(workers: int) -> Iterator[None]:
     """Inside, :func:`task_count` (so :func:`partition`) cuts every job into the tasks of a job on
     ``workers`` workers, whatever the workers it is given: the scaling suite measures on one
-    worker the coordinator's work for as many tasks as a save on many has (benchmark/pieces.py)."""
+    worker the coordinator's work for as many tasks as a save on many has (benchmark/pieces.py).
+    For benchmarks only: the setting is the whole process's, so no job may run in another thread
+    meanwhile, and uses may nest but not overlap across threads."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     global _planned_workers
     before, _planned_workers = _planned_workers, workers
     try:
@@ -199,10 +203,11 @@ def task_count(total: int, workers: int, items: int) -> int:
     """How many tasks :func:`partition` makes of ``items`` keys costing ``total`` byte-equivalents
     on ``workers`` workers: up to ``TASKS_PER_WORKER`` a worker, none smaller than ``MIN_TASK_BYTES``
     or than ``COORDINATOR_BYTES_PER_WORKER`` times the workers, no more than the items, and, above
-    one a worker, a whole number a worker. (Tasks of about equal cost run in rounds: five on two
+    one a worker, a whole number a worker (:func:`partition` adds tasks where a memory cap leaves
+    them no room). (Tasks of about equal cost run in rounds: five on two
     workers take three tasks' time, where four take two; 111 on 64 workers take two rounds of
     the shorter tasks, where 64 take one of the longer.)"""
-    workers = _planned_workers or workers
+    workers = _planned_workers if _planned_workers is not None else workers
     smallest = max(MIN_TASK_BYTES, COORDINATOR_BYTES_PER_WORKER * workers)
     wanted = min(workers * TASKS_PER_WORKER, max(workers, math.ceil(total / smallest)), items)
     return wanted - wanted % workers if wanted > workers else wanted

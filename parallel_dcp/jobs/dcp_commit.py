@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from parallel_dcp.formats import lean, metadata_pickle
 from parallel_dcp.storage.location import Location, Remote
 from parallel_dcp.storage.manifest import FileDigest
-from parallel_dcp.storage.side_index import Segment, index_for
+from parallel_dcp.storage.side_index import Segment, index_for, int64_column
 
 __all__ = ["MetadataFiles", "in_band", "metadata_files", "out_of_band", "outgoing_part"]
 
@@ -60,13 +60,14 @@ def out_of_band(result: Any) -> Any:
 
 def in_band(result: Any) -> Any:
     """``result`` as :func:`out_of_band` had it before: its views (or wrapped bytes) copied back to
-    bytes, for a pickle with no buffers beside it (``torch.distributed``'s gather to rank 0)."""
+    bytes, and its int64 columns to arrays (which carry their byte order to another rank), for a
+    pickle with no buffers beside it (``torch.distributed``'s gather to rank 0)."""
     if not isinstance(result, lean.LeanPart) or not result.runs:
         return result
     runs = [(at, (bytes(a), bytes(b), bytes(c))) for at, (a, b, c) in result.runs]
     columns = result.columns
     if columns is not None:
-        columns = [cast(Segment, tuple(map(bytes, segment))) for segment in columns]
+        columns = [cast(Segment, (*map(bytes, segment[:5]), *map(int64_column, segment[5:]))) for segment in columns]
     return dataclasses.replace(result, runs=runs, columns=columns)
 
 

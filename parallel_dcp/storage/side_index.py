@@ -48,6 +48,7 @@ __all__ = [
     "Segment",
     "assemble_index",
     "index_for",
+    "int64_column",
     "rows_of",
     "segment",
 ]
@@ -161,10 +162,16 @@ def _size(data: Any) -> int:
     return memoryview(data).nbytes
 
 
+def int64_column(column: Any) -> Any:
+    """An int64 column of a :data:`Segment` as an array: an array as it is, or (a column that
+    travelled home as its raw bytes: jobs/dcp_commit.py ``out_of_band``) those bytes read as int64
+    in this machine's order (the worker's: the same machine)."""
+    if isinstance(column, numpy.ndarray) or memoryview(column).format not in ("B", "b", "c"):
+        return numpy.asarray(column)
+    return numpy.frombuffer(column, dtype=numpy.int64)
+
+
 def _little(array: Any, dtype: str) -> memoryview:
-    """``array``'s bytes as ``dtype`` (little-endian), without a copy where they are so already:
-    an array, or the raw bytes of one of int64 in this machine's order (a column that travelled
-    home as bytes: jobs/dcp_commit.py ``out_of_band``)."""
-    if not isinstance(array, numpy.ndarray) and memoryview(array).format in ("B", "b", "c"):
-        array = numpy.frombuffer(array, dtype=numpy.int64)
-    return numpy.ascontiguousarray(array, dtype=dtype).data.cast("B")
+    """``array``'s bytes as ``dtype`` (little-endian), without a copy where they are so already
+    (an int64 column as raw bytes: :func:`int64_column`)."""
+    return numpy.ascontiguousarray(int64_column(array), dtype=dtype).data.cast("B")
