@@ -475,13 +475,10 @@ def test_executor_projections_from_pieces() -> None:
     assert any("governor reading at 8 workers: cheap 0.100, all moved 0.150 (1 rolled up)" in line for line in lines)
 
 
-def test_the_projection_follows_the_savers_structure() -> None:
-    # Serial before the first task and after the last result; the coordinator's work during the
-    # write (C) beside the workers', whose handling of their tasks (H) is parallel work.
-    from parallel_dcp.benchmark.pieces import executor_lines, executor_projections
-
-    phases = {"plan": 0.04, "fork": 0.0, "write": 1.05, "merge": 0.0, "commit": 0.01}
-    got = {
+def _saver_probe() -> dict[str, Any]:
+    """A Saver's probe of 1.1 s alone: 1.0 s in its tasks, 0.02 handling them, 0.03 of the
+    coordinator's beside them, 0.08 serial (1.1 - 1.0 - 0.02)."""
+    return {
         "executor_used": "saver",
         "alone_seconds": 1.1,
         "busy_thread_seconds": 1.2,
@@ -489,11 +486,17 @@ def test_the_projection_follows_the_savers_structure() -> None:
         "worker_seconds": 1.0,
         "worker_handling_seconds": 0.02,
         "coordinator_write_seconds": 0.03,
-        "serial_seconds": 0.08,  # 1.1 - 1.0 - 0.02
-        "serial_before_seconds": 0.04,
-        "serial_after_seconds": 0.01,
-        "phases": phases,
+        "serial_seconds": 0.08,
+        "phases": {"plan": 0.04, "fork": 0.0, "write": 1.05, "merge": 0.0, "commit": 0.01},
     }
+
+
+def test_the_projection_follows_the_savers_structure() -> None:
+    # Serial before the first task and after the last result; the coordinator's work during the
+    # write (C) beside the workers', whose handling of their tasks (H) is parallel work.
+    from parallel_dcp.benchmark.pieces import executor_lines, executor_projections
+
+    got = _saver_probe() | {"serial_before_seconds": 0.04, "serial_after_seconds": 0.01}
     saver = executor_projections({"saver": got}, nbytes=2**30, keys=1000)["saver"]
     rows = {row["workers"]: row for row in saver["rows"]}
     assert rows[1]["projected_seconds"] == pytest.approx(1.1)  # T(1): the measured wall
@@ -516,17 +519,7 @@ def test_the_projection_adds_the_coordinators_work_for_the_tasks_of_many_workers
     # N workers has beyond 4 (partition.task_count: 64 at 16 and 64 workers, 128 at 128).
     from parallel_dcp.benchmark.pieces import executor_lines, executor_projections
 
-    phases = {"plan": 0.04, "fork": 0.0, "write": 1.05, "merge": 0.0, "commit": 0.01}
-    got = {
-        "executor_used": "saver",
-        "alone_seconds": 1.1,
-        "busy_thread_seconds": 1.2,
-        "busy_process_seconds": 1.2,
-        "worker_seconds": 1.0,
-        "worker_handling_seconds": 0.02,
-        "coordinator_write_seconds": 0.03,
-        "serial_seconds": 0.08,
-        "phases": phases,
+    got = _saver_probe() | {
         "tasks": 4,
         "cut_like_many_workers": {
             "as_on_workers": 64,
