@@ -444,3 +444,120 @@ def test_the_counters_bound_the_charge_between_rollups() -> None:
     # freed: still charged (maybe shared pages, whose shares moved to a sibling); a rollup settles it
     now = counters(9 * MiB, 4 * MiB, 1000)
     assert bound(known, now) == (21 * MiB, 5 * MiB) and drift(known, now) == MiB
+
+
+def _known_at(then: process_memory._Counters) -> process_memory._Known:
+    """Read in full at 100 s (20 MiB, 10 of them anonymous, 4 MiB of files), rolled up then at 21 MiB."""
+    return process_memory._Known(20 * MiB, 10 * MiB, 4 * MiB, 100.0, 21 * MiB, 5 * MiB, then, 100.0, 11 * MiB)
+
+
+def test_a_baseline_is_charged_below_the_truth_or_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A baseline is subtracted from every later reading, so it is never above the truth: the
+    counters' lower bound where it is within a slack of the upper, else a rollup, else (file
+    pages moved: code or data) a full reading. The counters' upper bound, which readings use,
+    still charges what a worker freed since its last rollup."""
+    lower, cheap, rollup, full = process_memory.LOWER, process_memory.CHEAP, process_memory.ROLLUP, process_memory.FULL
+    page, slack = process_memory._PAGE, process_memory._FAULT_SLACK
+    reader, _now, counters = _faked_reader(monkeypatch)
+    then = process_memory._Counters(anon=10 * MiB, file=4 * MiB, faults=1000)
+    reader._known = {1: _known_at(then)}
+    reader._members = frozenset({1})
+    counters[1] = then  # idle since its rollup: exactly that
+    assert reader.plan([1], baseline=True) == [lower] and reader.charge(1, lower) == (21 * MiB, 5 * MiB)
+    # freed 256 KiB in 16 faults' worth of churn: at least 21 MiB less those, never the 21 MiB the bound says
+    counters[1] = process_memory._Counters(10 * MiB - 256 * 1024, 4 * MiB, 1016)
+    assert reader.plan([1]) == [cheap] and reader.charge(1, cheap)[0] == 21 * MiB + 16 * page
+    assert reader.plan([1], baseline=True) == [lower]
+    assert reader.charge(1, lower)[0] == 21 * MiB - 256 * 1024 - 16 * page
+    # freed 8 MiB: the lower bound is 8 MiB loose, so the baseline rolls it up
+    counters[1] = process_memory._Counters(2 * MiB, 4 * MiB, 1000)
+    assert reader.plan([1], baseline=True) == [rollup]
+    # file pages paged in since its full reading: code or data, only the full listing tells
+    counters[1] = process_memory._Counters(10 * MiB, 4 * MiB + slack + page, 1000)
+    assert reader.plan([1], baseline=True) == [full]
+    # a carry waits on its rollup: rolled up
+    counters[1] = then
+    reader._carries = [process_memory._Carry(4 * MiB, reader.readings + 1, source=2)]
+    assert reader.plan([1], baseline=True) == [rollup]
+
+
+def test_a_baseline_of_this_process_follows_its_anonymous_memory_exactly_until_it_forks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing of this process shared at its rollup and no fork since: each anonymous page it
+    gained or lost since is its own, so the baseline moves with RssAnon both ways, however much
+    it freed (a training step between two saves); after a fork, its pages may be shared: a rollup."""
+    lower, rollup = process_memory.LOWER, process_memory.ROLLUP
+    reader, _now, counters = _faked_reader(monkeypatch)
+    me = os.getpid()
+    then = process_memory._Counters(anon=900 * MiB, file=4 * MiB, faults=1000)
+    known = process_memory._Known(1000 * MiB, 900 * MiB, 4 * MiB, 100.0, 1000 * MiB, 900 * MiB, then, 100.0, 900 * MiB)
+    known.shared_away, known.forks = 0, process_memory._forks[0]
+    reader._known = {me: known}
+    reader._members = frozenset({me})
+    counters[me] = process_memory._Counters(100 * MiB, 4 * MiB, 90_000)  # freed 800 MiB, churned much more
+    assert reader.plan([me], baseline=True) == [lower] and reader.charge(me, lower)[0] == 200 * MiB
+    counters[me] = process_memory._Counters(100 * MiB, 4 * MiB, 90_000, shmem=MiB)  # shared memory moved
+    assert reader.plan([me], baseline=True) == [rollup]
+    counters[me] = process_memory._Counters(100 * MiB, 4 * MiB, 90_000)
+    monkeypatch.setattr(process_memory, "_forks", [process_memory._forks[0] + 1])
+    assert reader.plan([me], baseline=True) == [rollup]
+
+
+def test_a_process_report_of_itself_is_learned_only_when_newer(monkeypatch: pytest.MonkeyPatch) -> None:
+    reader, _now, counters = _faked_reader(monkeypatch)
+    then = process_memory._Counters(anon=10 * MiB, file=4 * MiB, faults=1000)
+    reader._known = {1: _known_at(then)}
+    reader._members = frozenset({1})
+    rolled = (9 * MiB, 4 * MiB, 0)  # its anonymous PSS fell by 1 MiB since the full reading
+    reader.learn(1, process_memory.ChargeReport(99.0, rolled, (9 * MiB, 4 * MiB, 1200, 0)))
+    assert reader._known[1].charged == 21 * MiB  # older than what this reader read: ignored
+    reader.learn(1, process_memory.ChargeReport(101.0, rolled, (9 * MiB, 4 * MiB, 1200, 0)))
+    assert reader._known[1].charged == 19 * MiB and reader._known[1].counters.faults == 1200
+    assert reader._known[1].rolled_seq == 0  # carries keep waiting on this reader's own rollups
+    counters[1] = process_memory._Counters(9 * MiB, 4 * MiB, 1200)
+    assert reader.plan([1], baseline=True) == [process_memory.LOWER] and reader.charge(1, 3)[0] == 19 * MiB
+    # read in full by itself: its exact charge replaces the reader's
+    reader.learn(1, process_memory.ChargeReport(102.0, rolled, (9 * MiB, 6 * MiB, 1300, 0), exact=(17 * MiB, 3 * MiB)))
+    learned = reader._known[1]
+    assert (learned.exact, learned.exact_file, learned.charged) == (17 * MiB, 6 * MiB, 17 * MiB)
+
+
+def test_a_process_reads_its_own_charge_as_the_reader_would() -> None:
+    """``own_charge`` (a worker going idle) agrees with a full reading of it from outside."""
+    report = process_memory.own_charge()
+    assert report is not None and report.exact is not None  # its file pages never read before: in full
+    charged, private = charged_memory(os.getpid())
+    assert abs(report.exact[0] - charged) < 4 * MiB and abs(report.exact[1] - private) < 4 * MiB
+    again = process_memory.own_charge()
+    assert again is not None and again.exact is None  # nothing paged in since: the rollup alone
+    assert again.at > report.at and abs(again.rollup[0] - report.rollup[0]) < 4 * MiB
+
+
+def test_a_baseline_rolls_up_the_parent_once_its_children_gave_up_shared_pages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fork server (9) whose pages its workers (1-3) share: its charge grows when they copy or
+    free those pages, its counters unmoved. A baseline charges it its counters' lower bound until
+    the workers' rollups (or reports) show they gave up more than a slack of shared pages in all
+    (200 KiB each: too little for a carry of any one); then rolls it up."""
+    lower, rollup = process_memory.LOWER, process_memory.ROLLUP
+    reader, _now, counters = _faked_reader(monkeypatch)
+    then = process_memory._Counters(anon=10 * MiB, file=4 * MiB, faults=1000)
+    pids = [1, 2, 3, 9]
+    for pid in pids:
+        known = process_memory._Known(20 * MiB, 10 * MiB, 4 * MiB, 100.0, 20 * MiB, 5 * MiB, then, 100.0, 10 * MiB)
+        known.shared_away = 6 * MiB
+        reader._known[pid] = known
+        counters[pid] = then
+    reader._members = frozenset(pids)
+    assert reader.plan(pids, baseline=True, shared=[9]) == [lower] * 4
+    gave = 200 * 1024
+    for n, pid in enumerate([1, 2, 3]):  # each copied 200 KiB of pages it shared (50 faults)
+        now = (10 * MiB, 4 * MiB, 1050, 0)
+        reader.learn(pid, process_memory.ChargeReport(101.0, (10 * MiB, 5 * MiB, 6 * MiB - gave), now))
+        counters[pid] = process_memory._Counters(*now)
+        assert not reader._carries
+        want = lower if (n + 1) * gave <= process_memory._FAULT_SLACK else rollup
+        assert reader.plan(pids, baseline=True, shared=[9]) == [lower, lower, lower, want]
+    assert reader.plan(pids, baseline=True) == [lower] * 4  # (not named a parent: its counters say)

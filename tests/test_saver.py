@@ -18,6 +18,8 @@ import torch.distributed.checkpoint as dcp
 
 import parallel_dcp
 from parallel_dcp import MemoryLimitExceeded, WorkerCrashed
+from parallel_dcp._compat import fork_server_pid
+from parallel_dcp.engine.ready import wait_ready
 from parallel_dcp.engine.remote_memory import RemoteBytes, refusal
 from tests.conftest import assert_same, shards_by_task
 
@@ -364,3 +366,55 @@ def test_a_saver_left_open_at_the_programs_end_exits_quietly_and_leaves_no_proce
     left = [pid for pid in started if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert left == []  # each stopped at the exit, not re-parented to init
     assert_same(parallel_dcp.load(tmp_path / "ckpt"), {"a": torch.arange(4.0)})
+
+
+def test_a_later_saves_baseline_is_never_above_what_the_tree_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each save's governor subtracts its baseline from every reading. Read from the counters'
+    upper bound, it charged each idle worker the buffers it had freed after its last task (and the
+    code its first tasks paged in): here 30-32 MiB over the truth (about 8 MiB a worker), an under-count of the
+    whole save once they were read again. Now each idle process (the fork server and the workers)
+    is charged within a slack of the truth (above it only by file pages paged in since its last
+    full reading, under the slack: code or a data file's, only a full listing tells), and from a
+    later save on from what the workers read of themselves as they went idle: their counters."""
+    from parallel_dcp.engine import process_memory
+
+    baselines: list[dict[int, tuple[int, int]]] = []  # per save: pid -> (how, charged)
+    expecting: dict[int, int] = {}
+    plan, charge = process_memory.ChargeReader.plan, process_memory.ChargeReader.charge
+
+    def spy_plan(self: Any, pids: Any, **kw: Any) -> list[int]:
+        how = plan(self, pids, **kw)
+        expecting.clear()
+        if kw.get("baseline"):
+            expecting.update(zip(pids, how, strict=True))
+            baselines.append({})
+        return how
+
+    def spy_charge(self: Any, pid: int, how: int) -> tuple[int, int]:
+        got = charge(self, pid, how)
+        if expecting.pop(pid, None) is not None:
+            baselines[-1][pid] = (how, got[0])
+        return got
+
+    monkeypatch.setattr(process_memory.ChargeReader, "plan", spy_plan)
+    monkeypatch.setattr(process_memory.ChargeReader, "charge", spy_charge)
+    sd = {f"t{i}": torch.randn(2 * MiB) for i in range(8)}  # 8 MiB each, two a worker
+    slack = process_memory._FAULT_SLACK
+    idle: dict[int, int] = {}  # the fork server's and each worker's charge after a save
+    with parallel_dcp.Saver(workers=4) as saver:
+        for n in range(4):
+            saver.save(sd, tmp_path / f"ckpt{n}")
+            server = fork_server_pid()
+            # this save's baseline against what the same processes held, idle, after the last one
+            for pid, (_, charged) in baselines[-1].items():
+                if pid in idle:
+                    assert idle[pid] - slack <= charged <= idle[pid] + slack, (n, pid, charged, idle[pid])
+            pool = saver._workers._pool  # type: ignore[union-attr]
+            for worker in pool._owed_charges:  # each has read itself (asked as the save ended): idle now
+                assert wait_ready([pool._conns[worker]], 30)
+            idle = {pid: process_memory.charged_memory(pid)[0] for pid in [server, *_workers(saver)] if pid}
+    assert len(baselines) == 4 and sum(pid in idle for pid in baselines[-1]) == 5
+    workers = [how for pid, (how, _) in baselines[-1].items() if pid in idle and pid != server]
+    assert workers == [process_memory.LOWER] * 4

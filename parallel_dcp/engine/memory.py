@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from parallel_dcp.engine.process_memory import CHEAP, ChargeReader
+from parallel_dcp.engine.process_memory import FULL, ROLLUP, ChargeReader
 from parallel_dcp.engine.resident import ResidentSizes
 from parallel_dcp.errors import MemoryLimitExceeded, describe_keys, describe_unit
 
@@ -242,11 +242,14 @@ class MemoryGovernor:
         held: Sequence[int] = (),
         charges: ChargeReader | None = None,
         measure: bool = True,
+        parent: int | None = None,
     ) -> None:
         """``held``: processes that exist before the job and stay after it (a ``Saver``'s fork
         server and workers): their memory now is part of the baseline, and every reading counts
         them (the workers' and the fork server's shared pages are split among all of them).
         ``charges``: a reader that outlives the job (it knows those processes' code shares).
+        ``parent``: the held process the others were forked from (a Saver's fork server), whose
+        pages they share: rolled up for the baseline whatever its counters say.
         ``measure=False``: a budget kept by reservation alone (:meth:`reserve`, :meth:`check_item`),
         never sampled: the tree's memory now is not read (a read of this process's pages costs
         tens of milliseconds when it holds a large state dict)."""
@@ -257,8 +260,15 @@ class MemoryGovernor:
         self._held = list(held)
         pids = [self._me.pid, *self._held]
         self.measured = measure
+        # Never above the truth (ChargeReader._baseline_plan), and without the carried shares:
+        # they are the most that moved, part of every later reading until they are settled.
         self.baseline = (
-            self._charges.carried + sum(charged for charged, _ in self._charge_all(pids, self._charges.plan(pids)))
+            sum(
+                charged
+                for charged, _ in self._charge_all(
+                    pids, self._charges.plan(pids, baseline=True, shared=() if parent is None else (parent,))
+                )
+            )
             if measure
             else 0
         )
@@ -493,7 +503,7 @@ class MemoryGovernor:
 
     def _charge_all(self, pids: list[int], how: list[int]) -> list[tuple[int, int]]:
         # Counters are too short a read to pay for a thread; rollups and full reads are not.
-        threads = min(_READ_THREADS, sum(1 for read in how if read != CHEAP))
+        threads = min(_READ_THREADS, sum(1 for read in how if read in (ROLLUP, FULL)))
         if threads <= 1:
             return list(map(self._charges.charge, pids, how))
         with ThreadPoolExecutor(max_workers=threads) as pool:

@@ -47,6 +47,7 @@ from parallel_dcp.engine.messages import TaskPart as _TaskPart
 from parallel_dcp.engine.messages import gc_paused, pickled_result, send_buffers
 from parallel_dcp.engine.messages import receive_reply as _recv
 from parallel_dcp.engine.partition import Task
+from parallel_dcp.engine.process_memory import ChargeReport, own_charge
 from parallel_dcp.engine.ready import wait_ready
 from parallel_dcp.engine.remote_memory import RemoteBytes, StaleRead
 from parallel_dcp.errors import (
@@ -116,6 +117,10 @@ def _worker_main(
         del data
         if message is None:
             return
+        if message == _REPORT_CHARGE:  # the run is over: what it keeps, read by itself
+            return_freed_memory()
+            _send(conn, ("charge", own_charge()))
+            continue
         if isinstance(message, _Ahead):
             try:
                 message = message.load()
@@ -157,6 +162,9 @@ def _worker_main(
         send_buffers(conn.fileno(), shared, sent=reply[0] == "ok")  # behind the reply; closed either way
         return_freed_memory()
         handed = time.perf_counter() - sending
+
+
+_REPORT_CHARGE = "report your charge"  # (WorkerPool.request_charges)
 
 
 def _error_type(exc: BaseException) -> str:
@@ -247,6 +255,7 @@ class WorkerPool:
         initializer: Callable[[], None] | None = None,
         start: int | None = None,
         fork_server: Sequence[str] | None = None,
+        report_charges: bool = False,
     ) -> None:
         """``start``: how many workers to fork now (default: all); :meth:`run` forks the others
         one at a time while the first ones work, when a task is waiting and no worker is free.
@@ -257,7 +266,9 @@ class WorkerPool:
         ``fork_server``: the modules to import in multiprocessing's fork server, a fresh process
         the workers are then forked from instead of from this process (so they hold none of
         this process's memory, and import nothing themselves); ``handler`` and ``initializer``
-        must then be picklable, and the work reaches them through :meth:`run`'s ``handler``."""
+        must then be picklable, and the work reaches them through :meth:`run`'s ``handler``.
+
+        ``report_charges``: at the end of each run that completes, :meth:`request_charges`."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self._fork_server = fork_server is not None
@@ -269,6 +280,8 @@ class WorkerPool:
             self._ctx = mp.get_context("fork")
         self._handler = handler
         self._initializer = initializer
+        self._owed_charges: list[int] = []  # workers asked for their charge, not yet read
+        self._report_charges = report_charges
         self._conns: list[Any] = [None] * workers
         self._procs: list[Any] = [None] * workers
         self._unstarted = deque(range(workers))
@@ -308,6 +321,33 @@ class WorkerPool:
             self._procs[i] = proc
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+    def request_charges(self) -> None:
+        """Ask every worker (idle: between runs) to read its own ``smaps_rollup`` now
+        (process_memory.own_charge: ~1-2 ms of its time, none of this process's), for a charge
+        reader that outlives the run (a Saver's next baseline): :meth:`charge_reports`."""
+        for worker, conn in enumerate(self._conns):
+            if conn is not None and worker not in self._owed_charges:
+                with contextlib.suppress(OSError):
+                    _send(conn, _REPORT_CHARGE)
+                    self._owed_charges.append(worker)
+
+    def charge_reports(self) -> dict[int, ChargeReport]:
+        """By pid, what each worker asked by :meth:`request_charges` read of itself (waiting for
+        those that have not answered yet); none from a worker that died meanwhile (its death is
+        found as usual, by the next run)."""
+        reports: dict[int, ChargeReport] = {}
+        owed, self._owed_charges = self._owed_charges, []
+        for worker in owed:
+            conn, proc = self._conns[worker], self._procs[worker]
+            if conn is None or proc is None:
+                continue
+            with contextlib.suppress(EOFError, OSError):
+                if conn in wait_ready([conn, proc.sentinel], _JOIN_TIMEOUT_S):
+                    reply, _ = _recv(conn)
+                    if reply[0] == "charge" and reply[1] is not None:
+                        reports[proc.pid] = reply[1]
+        return reports
 
     @property
     def pids(self) -> list[int]:
@@ -358,6 +398,8 @@ class WorkerPool:
             TaskTimeoutError: a task ran past ``task_timeout``.
             MemoryLimitExceeded: a task cannot fit, or the tree went over the ceiling.
         """
+        if self._owed_charges:  # answers to a request nobody read: out of the way of the replies
+            self.charge_reports()
         pending = deque(tasks)
         running: dict[int, tuple[Task, float]] = {}
         # Where the workers copy what this process holds (a run that brings its handler): a
@@ -452,6 +494,8 @@ class WorkerPool:
                     self._check_timeouts(running, task_timeout)
                 if on_tick is not None:
                     on_tick()
+            if self._report_charges:  # each worker reads itself while this process commits
+                self.request_charges()
         except StalePlan:  # what was sent is waited for and dropped: the workers stay usable
             self._drain(running, ahead or {})
             raise

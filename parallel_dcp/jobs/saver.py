@@ -174,7 +174,7 @@ class SaverWorkers:
 
     def _start(self) -> float:
         started = time.perf_counter()
-        pool = WorkerPool(self.workers, _no_job, initializer=_worker_start, fork_server=_PRELOAD)
+        pool = WorkerPool(self.workers, _no_job, initializer=_worker_start, fork_server=_PRELOAD, report_charges=True)
         try:
             probe = bytearray(_PROBE)
             results = list(pool.run([Task(0, (), 0)], handler=_Probe(RemoteBytes.of(probe))))
@@ -256,11 +256,7 @@ class SaverWorkers:
     ) -> SaveResult:
         target = DcpTarget(path, options.storage_options, compression=options.compression())
         options = prepare_io(target, options)
-        # What the fork server and the idle workers hold is there before the save and stays after
-        # it: the baseline (the workers share the server's pages, so all of them are read).
-        server = fork_server_pid()
-        held = [*([server] if server else []), *pool.pids]
-        governor = MemoryGovernor(options.memory_ceiling(), held=held, charges=self._charges)
+        governor = self.governor(options.memory_ceiling(), pool)
         target.plans = self._plans
         try:
             return pipeline.run_job(job, target, options, governor, start=start, pool=pool)
@@ -268,6 +264,18 @@ class SaverWorkers:
             if not pool.pids:  # the pool stops its workers on any failure: new ones next time
                 self._pool = None
             raise
+
+    def governor(self, limit: int, pool: WorkerPool) -> MemoryGovernor:
+        """The memory governor of one save on ``pool``, its baseline read now."""
+        # What the fork server and the idle workers hold is there before the save and stays after
+        # it: the baseline (the workers share the server's pages, so all of them are read).
+        server = fork_server_pid()
+        held = [*([server] if server else []), *pool.pids]
+        # What each worker read of itself as the last save ended: its baseline charge then costs
+        # this process its counters, not a rollup a worker.
+        for pid, report in pool.charge_reports().items():
+            self._charges.learn(pid, report)
+        return MemoryGovernor(limit, held=held, charges=self._charges, parent=server)
 
     def close(self) -> None:
         """Stop the workers and the fork server (nothing from a fork of the owner)."""
