@@ -539,8 +539,9 @@ def test_a_baseline_rolls_up_the_parent_once_its_children_gave_up_shared_pages(
 ) -> None:
     """A fork server (9) whose pages its workers (1-3) share: its charge grows when they copy or
     free those pages, its counters unmoved. A baseline charges it its counters' lower bound until
-    the workers' rollups (or reports) show they gave up more than a slack of shared pages in all
-    (200 KiB each: too little for a carry of any one); then rolls it up."""
+    the workers' rollups (or reports) since its last rollup show they gave up more shared pages
+    than a slack a process of the reading (4 x 512 KiB; 400 KiB each a save: too little for a
+    carry of any one); then rolls it up."""
     lower, rollup = process_memory.LOWER, process_memory.ROLLUP
     reader, _now, counters = _faked_reader(monkeypatch)
     then = process_memory._Counters(anon=10 * MiB, file=4 * MiB, faults=1000)
@@ -552,12 +553,15 @@ def test_a_baseline_rolls_up_the_parent_once_its_children_gave_up_shared_pages(
         counters[pid] = then
     reader._members = frozenset(pids)
     assert reader.plan(pids, baseline=True, shared=[9]) == [lower] * 4
-    gave = 200 * 1024
-    for n, pid in enumerate([1, 2, 3]):  # each copied 200 KiB of pages it shared (50 faults)
-        now = (10 * MiB, 4 * MiB, 1050, 0)
-        reader.learn(pid, process_memory.ChargeReport(101.0, (10 * MiB, 5 * MiB, 6 * MiB - gave), now))
-        counters[pid] = process_memory._Counters(*now)
-        assert not reader._carries
-        want = lower if (n + 1) * gave <= process_memory._FAULT_SLACK else rollup
-        assert reader.plan(pids, baseline=True, shared=[9]) == [lower, lower, lower, want]
+    gave = 400 * 1024
+    for save in (1, 2):
+        for pid in [1, 2, 3]:  # each copied 400 KiB more of the pages it shared (100 faults)
+            now = (10 * MiB, 4 * MiB, 1000 + 100 * save, 0)
+            report = (10 * MiB, 5 * MiB, 6 * MiB - save * gave)
+            reader.learn(pid, process_memory.ChargeReport(100.0 + save, report, now))
+            counters[pid] = process_memory._Counters(*now)
+            assert not reader._carries
+        want = lower if 3 * save * gave <= 4 * process_memory._FAULT_SLACK else rollup
+        assert reader.plan(pids, baseline=True, shared=[9]) == [lower, lower, lower, want], save
+    assert want == rollup
     assert reader.plan(pids, baseline=True) == [lower] * 4  # (not named a parent: its counters say)

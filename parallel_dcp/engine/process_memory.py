@@ -381,11 +381,13 @@ class ChargeReader:
         paged in, or a data file's pages: only the full listing tells, and a baseline that took
         code for data would be undone by the next full reading: 7.5 MiB a worker after a Saver's
         first save), or it never was. A process whose pages the others share (a Saver's fork
-        server: ``shared``) is rolled up where the others gave up more than a slack of their
-        shared pages since its last rollup: its charge grew by up to that with nothing of its own
-        moving (4.6 MiB after 4 workers' first save)."""
+        server: ``shared``) grows as they copy or free those pages, with nothing of its own
+        moving (4.6 MiB after 4 workers' first save): rolled up once they gave up more since its
+        last rollup than a slack a process of the reading (each of them gave up less than a slack,
+        or its rollup carried it; so it is as loose as the others, and no looser over many saves)."""
+        allowance = _FAULT_SLACK * len(pids)
         waiting = {
-            pid for pid in shared if pid in self._known and self._given_up - self._known[pid].given_up > _FAULT_SLACK
+            pid for pid in shared if pid in self._known and self._given_up - self._known[pid].given_up > allowance
         } | {
             pid
             for carry in self._carries
