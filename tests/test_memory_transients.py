@@ -29,6 +29,7 @@ from parallel_dcp.formats.quantized import (
     quantize_work_bytes,
 )
 from tests.conftest import assert_same
+from tests.fresh_interpreter import run_fresh
 from tests.memory_probe import PeakSampler
 from tests.quantized_checkpoints import deepseek_config, write_hf
 
@@ -235,29 +236,47 @@ def test_the_ceiling_holds_in_every_run_under_load(tmp_path: Path) -> None:
     runs of 3) and an independent 2 ms sampler's peak, counted the same way, stay under the limit.
     The sampler once read up to 32 MiB over a 24.7 MiB limit: each worker keeps ~6.5 MiB after its
     first task while admission planned 4 MiB idle; workers are now planned at their resting cost
-    from the fork on (``WORKER_MEMORY_BYTES``)."""
+    from the fork on (``WORKER_MEMORY_BYTES``).
+
+    The conversions run in a fresh interpreter (tests/fresh_interpreter.py), as the CLI runs them:
+    in the pytest process of the whole suite, forked workers copied enough of its heap to fail the
+    ninth run in 2 of 5 suites (37.6 MiB exactly read against 32.2, the governor stopping it; the
+    test alone passed every time): a parent that has run a thousand tests is not the caller this
+    plan is for (docs/guarantees.md, "The memory ceiling")."""
     src = _fp8_release(tmp_path / "fp8")
     output = sum(math.prod(shape) * 2 for k, shape in _shapes(src).items() if not k.endswith("_scale_inv"))
     limit = output // 4
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    peaks = []
     try:
-        for run in range(20):
-            out = tmp_path / f"out{run}"
-            with PeakSampler() as sampler:
-                result = parallel_dcp.convert(
-                    src, out, dequantize=True, dtype="bfloat16", workers=2, memory_limit=limit, sync_files=False
-                )
-            assert isinstance(result, parallel_dcp.SaveResult)
-            peaks.append((result.peak_memory / MiB, sampler.peak / MiB))
-            assert result.peak_memory <= limit, (run, limit / MiB, peaks)
-            assert sampler.peak <= limit, (run, limit / MiB, peaks)
-            shutil.rmtree(out)
+        peaks = run_fresh(
+            "tests.test_memory_transients", "convert_under_a_quarter", str(src), str(tmp_path), str(limit), "20"
+        )
     finally:
         busy.kill()
         busy.wait()
-    reported, sampled = (max(p[i] for p in peaks) for i in (0, 1))
+    assert len(peaks) == 20
+    for run, (reported, sampled) in enumerate(peaks):
+        assert reported <= limit, (run, limit / MiB, peaks)
+        assert sampled <= limit, (run, limit / MiB, peaks)
+    reported, sampled = (max(p[i] for p in peaks) / MiB for i in (0, 1))
     print(f"max reported peak {reported:.1f} MiB, sampled {sampled:.1f} MiB, of {limit / MiB:.1f} MiB")
+
+
+def convert_under_a_quarter(src: str, folder: str, limit: str, runs: str) -> list[tuple[int, int]]:
+    """(In a fresh interpreter) dequantize ``src`` ``runs`` times under ``limit`` bytes with 2
+    workers: each run's (reported peak, an independent 2 ms sampler's peak); a run that fails
+    raises (and the interpreter's exit status says so)."""
+    peaks = []
+    for run in range(int(runs)):
+        out = Path(folder) / f"out{run}"
+        with PeakSampler() as sampler:
+            result = parallel_dcp.convert(
+                src, out, dequantize=True, dtype="bfloat16", workers=2, memory_limit=int(limit), sync_files=False
+            )
+        assert isinstance(result, parallel_dcp.SaveResult)
+        peaks.append((result.peak_memory, sampler.peak))
+        shutil.rmtree(out)
+    return peaks
 
 
 def _shapes(src: Path) -> dict[str, torch.Size]:
