@@ -121,3 +121,30 @@ def test_a_workers_hand_over_of_its_result_is_reported_with_its_next_task() -> N
     assert results[0].handover == 0  # nothing handed over before the first task
     assert results[1].handover >= 0.5  # the first result waited in its send, ~1.7 s on a quiet machine
     assert results[1].handling < results[1].handover  # taking the task in, pickling: apart
+
+
+def _allocate_and_free(task: Task) -> int:
+    block = bytearray(8 << 20)  # 8 MiB touched, then freed: what a worker keeps is less
+    del block
+    return os.getpid()
+
+
+def test_workers_asked_after_a_run_report_their_own_charge_and_the_next_run_is_unaffected() -> None:
+    """A pool with ``report_charges`` asks each worker, as a run ends, to read its own memory; the
+    answers are taken by :meth:`charge_reports` or, where nobody took them, before the next run's
+    replies (a run right after gets its own results, never a report)."""
+    from parallel_dcp.engine.process_memory import charged_memory
+
+    with WorkerPool(2, _allocate_and_free, report_charges=True) as pool:
+        first = list(pool.run(tasks(4)))
+        reports = pool.charge_reports()
+        assert set(reports) == set(pool.pids) == {r.value for r in first}
+        for pid, report in reports.items():
+            assert report.exact is not None  # a worker's first report reads its file pages in full
+            # idle since: as read from outside (give or take the shares of pages it shares with this process)
+            assert abs(report.exact[0] - charged_memory(pid)[0]) < 4 << 20
+        assert pool.charge_reports() == {}  # taken once
+        list(pool.run(tasks(4)))  # asked again; not taken
+        again = list(pool.run(tasks(6)))  # the answers are read first, out of the replies' way
+        assert sorted(r.task.index for r in again) == list(range(6)) and {r.value for r in again} <= set(pool.pids)
+        assert set(pool.charge_reports()) == set(pool.pids)

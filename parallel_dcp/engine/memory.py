@@ -249,7 +249,8 @@ class MemoryGovernor:
         them (the workers' and the fork server's shared pages are split among all of them).
         ``charges``: a reader that outlives the job (it knows those processes' code shares).
         ``parent``: the held process the others were forked from (a Saver's fork server), whose
-        pages they share: rolled up for the baseline whatever its counters say.
+        pages they share: its charge grows as they copy them, its counters unmoved, so the
+        baseline rolls it up once they gave up enough of them (ChargeReader._baseline_plan).
         ``measure=False``: a budget kept by reservation alone (:meth:`reserve`, :meth:`check_item`),
         never sampled: the tree's memory now is not read (a read of this process's pages costs
         tens of milliseconds when it holds a large state dict)."""

@@ -117,9 +117,13 @@ def _worker_main(
         del data
         if message is None:
             return
-        if message == _REPORT_CHARGE:  # the run is over: what it keeps, read by itself
-            return_freed_memory()
-            _send(conn, ("charge", own_charge()))
+        if isinstance(message, str) and message == _REPORT_CHARGE:  # the run is over: what it keeps
+            try:
+                return_freed_memory()
+                report = own_charge()
+            except Exception:  # no report (the coordinator then reads this worker itself), no crash
+                report = None
+            _send(conn, ("charge", report))
             continue
         if isinstance(message, _Ahead):
             try:
@@ -338,12 +342,16 @@ class WorkerPool:
         found as usual, by the next run)."""
         reports: dict[int, ChargeReport] = {}
         owed, self._owed_charges = self._owed_charges, []
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
         for worker in owed:
             conn, proc = self._conns[worker], self._procs[worker]
             if conn is None or proc is None:
                 continue
             with contextlib.suppress(EOFError, OSError):
-                if conn in wait_ready([conn, proc.sentinel], _JOIN_TIMEOUT_S):
+                ready = wait_ready([conn, proc.sentinel], max(0.0, deadline - time.monotonic()))
+                if not ready:  # still owed: read before any reply of a run (run, _receive)
+                    self._owed_charges.append(worker)
+                elif conn in ready:
                     reply, _ = _recv(conn)
                     if reply[0] == "charge" and reply[1] is not None:
                         reports[proc.pid] = reply[1]
@@ -620,6 +628,9 @@ class WorkerPool:
         try:
             # (Not conn.poll(): multiprocess's selector, ~0.1 ms a result.)
             reply, raw = _recv(conn) if wait_ready([conn], 0) else (None, [])
+            while reply is not None and reply[0] == "charge":  # a late answer to request_charges
+                proc = self._procs[worker]
+                reply, raw = _recv(conn) if conn in wait_ready([conn, proc.sentinel], None) else (None, [])
         except (EOFError, OSError):
             reply = None
         if reply is None:
