@@ -549,6 +549,14 @@ def test_the_projection_adds_the_coordinators_work_for_the_tasks_of_many_workers
     promised = executor_projections({"saver_unchanged": unchanged}, nbytes=2**30, keys=50_000)["saver_unchanged"]
     assert promised["per_task"]["coordinator_seconds_per_task"] == pytest.approx(5e-4)
     assert {r["workers"]: r for r in promised["rows"]}[64]["coordinator_write_seconds"] == pytest.approx(0.01 + 0.03)
+    # Each worker a Saver holds adds to its baseline reading, serial in every save: 0.1 ms a worker held.
+    held = got | {"baseline_per_held_worker": {"workers": [1, 8], "baseline_seconds": [0.001, 0.0017]}}
+    held["baseline_per_held_worker"]["seconds_per_held_worker"] = 1e-4
+    with_held = executor_projections({"saver": held}, nbytes=2**30, keys=50_000)["saver"]
+    rows_held = {r["workers"]: r for r in with_held["rows"]}
+    assert rows_held[1]["projected_seconds"] == pytest.approx(1.1)  # the probe's own one worker: nothing added
+    assert rows_held[64]["serial_seconds"] == pytest.approx(rows[64]["serial_seconds"] + 63 * 1e-4)
+    assert any("100 us a worker held" in line for line in executor_lines({"saver": with_held}, None))
     # Without the cut save (or with no more tasks in it), the projection is S + max(C, W(N)) as before.
     del got["cut_like_many_workers"]
     plain = {r["workers"]: r for r in executor_projections({"saver": got}, nbytes=2**30, keys=50_000)["saver"]["rows"]}
@@ -561,8 +569,12 @@ def test_a_probe_of_many_tensors_is_busy_on_a_subset_scaled_per_key(
     from parallel_dcp.benchmark import pieces
 
     monkeypatch.setattr(pieces, "BUSY_PROBE_KEYS", 8)
+    monkeypatch.setattr(pieces, "BASELINE_PROBE_WORKERS", 3)
     state = {"optimizer": {f"{i}": {"exp_avg": torch.randn(64 + i)} for i in range(20)}}
     probe = pieces.probe_executors(state, str(tmp_path), rounds=1, sync=False)
+    held = probe["saver"]["baseline_per_held_worker"]  # a Saver's baseline with 1 and 3 workers held
+    assert held["workers"] == [1, 3] and all(0 < s < 1 for s in held["baseline_seconds"])
+    assert held["seconds_per_held_worker"] == max(0.0, held["baseline_seconds"][1] - held["baseline_seconds"][0]) / 2
     for kind in pieces.PROBED:
         got = probe[kind]
         sub = got["busy_probe"]

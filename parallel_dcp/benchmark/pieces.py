@@ -31,10 +31,16 @@
                tasks of a save on PER_TASK_PROBE_WORKERS workers (``partition.planned_as_on``):
                its S and C against the first's, per task more, are what one more task costs the
                coordinator (each sent, each result taken in; serial and beside the workers)
+    held       each save of a Saver starts by reading the memory of the fork server and every worker
+               it holds (its governor's baseline): a Saver(workers=1) and a
+               Saver(workers=BASELINE_PROBE_WORKERS), each after two warm-up saves, read it 0.1 s
+               after a save, medians of 5; the difference over the workers more is the cost of
+               each worker held (``baseline_per_held_worker``)
     model      T(N) = S(N) + max(C(N), W(N), G * (P + H))     W(N): scaling.staggered_work_seconds(P + H, N, F)
                S(N), C(N): S and C plus the per-task costs times the tasks a save on N workers has
                beyond the probe's own (``partition.task_count``: 4 at w=1, 64 at 16 and at 64
-               workers for 50,000 small keys); the non-Saver executors, not probed so, keep S;
+               workers for 50,000 small keys), and a Saver's S(N) its baseline's cost of the N - 1
+               workers held beyond the probe's one; the non-Saver executors, not probed so, keep S;
                G only caps executors that write in the caller's interpreter (threads, and the
                default where it resolved to threads); speedup = measured wall alone / T(N). C(N)
                leaves out the governor's readings of N processes (``governor`` rows of
@@ -74,9 +80,11 @@ from parallel_dcp.benchmark.writers import flat_tensors
 from parallel_dcp.engine.partition import ITEM_OVERHEAD_BYTES, planned_as_on, task_count
 
 __all__ = [
+    "BASELINE_PROBE_WORKERS",
     "BUSY_PROBE_KEYS",
     "PER_TASK_PROBE_WORKERS",
     "PROBED",
+    "baseline_per_held_worker",
     "executor_lines",
     "executor_projections",
     "probe_executors",
@@ -92,6 +100,8 @@ _GiB = 2**30
 BUSY_PROBE_KEYS = 2000
 # A Saver's save is probed a second time cut into the tasks of a save on this many workers (see above).
 PER_TASK_PROBE_WORKERS = 64
+# The Saver held at this many workers to measure what each worker held adds to a save's baseline.
+BASELINE_PROBE_WORKERS = 8
 
 
 def _busy(stop: threading.Event) -> None:
@@ -248,10 +258,42 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
         "own_serial_seconds": found["saver"]["serial_seconds"],
         "own_coordinator_write_seconds": found["saver"]["coordinator_write_seconds"],
     }
+    held = baseline_per_held_worker(root)
     for kind in ("saver", "saver_unchanged"):
         found[kind]["tasks"] = saver_tasks
         found[kind]["cut_like_many_workers"] = per_task
+        found[kind]["baseline_per_held_worker"] = held
     return found
+
+
+def baseline_per_held_worker(root: str, many: int | None = None, reps: int = 5) -> dict[str, Any]:
+    """What a Saver save's baseline reading costs for each worker the Saver holds: the median
+    reading (0.1 s after a save, as between checkpoints) with one worker held and with ``many``
+    (default BASELINE_PROBE_WORKERS), each Saver after two warm-up saves (their workers' first
+    reports read them in full)."""
+    import torch
+
+    many = many or BASELINE_PROBE_WORKERS
+
+    state = {f"t{i}": torch.zeros(1 << 14) for i in range(4 * many)}  # a task for every worker
+    out = f"{root}/held"
+    seconds: list[float] = []
+    for workers in (1, many):
+        readings = []
+        with parallel_dcp.Saver(workers=workers) as saver:
+            for round_ in range(reps + 2):
+                saver.save(state, out, sync_files=False)
+                shutil.rmtree(out)
+                time.sleep(0.1)
+                reading = saver._live().baseline_seconds()
+                if round_ >= 2:
+                    readings.append(reading)
+        seconds.append(_median(readings))
+    return {
+        "workers": [1, many],
+        "baseline_seconds": seconds,
+        "seconds_per_held_worker": max(0.0, seconds[1] - seconds[0]) / (many - 1),
+    }
 
 
 def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[str, Any]:
@@ -279,6 +321,7 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
         share = min(1.0, max(0.0, extra / wall)) if wall > 0 else 0.0
         capped = kind in _GIL_BOUND or (kind == "default" and got["executor_used"] in _GIL_BOUND)
         per_task = _per_task(got, serial, streamed)
+        held = got.get("baseline_per_held_worker", {}).get("seconds_per_held_worker", 0.0)
         total = nbytes + ITEM_OVERHEAD_BYTES * keys  # partition's cost of the whole job
         rows = []
         for count in PROJECTED_COUNTS:
@@ -287,6 +330,7 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
             tasks = task_count(total, count, keys)
             more = max(0, tasks - per_task["tasks_measured"]) if per_task else 0
             serial_at = serial + more * per_task["serial_seconds_per_task"] if per_task else serial
+            serial_at += (count - 1) * held  # a Saver's baseline reads every worker it holds
             streamed_at = streamed + more * per_task["coordinator_seconds_per_task"] if per_task else streamed
             seconds = serial_at + max(
                 streamed_at, staggered_work_seconds(work, count, start), share * work if capped else 0.0
@@ -336,6 +380,8 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
             found[kind]["busy_probe"] = got["busy_probe"]
         if per_task:
             found[kind]["per_task"] = per_task
+        if "baseline_per_held_worker" in got:
+            found[kind]["baseline_per_held_worker"] = got["baseline_per_held_worker"]
     return found
 
 
@@ -399,6 +445,13 @@ def executor_lines(executors: dict[str, Any], governor: list[dict[str, Any]] | N
             f" ({e['start_seconds_per_worker_per_gib'] * 1e3:.1f} ms/GiB)"
         )
     for kind, e in executors.items():
+        if "baseline_per_held_worker" in e:
+            b = e["baseline_per_held_worker"]
+            lines.append(
+                f"    {kind}: its baseline reading {b['baseline_seconds'][0] * 1e3:.2f} ms with 1 worker held,"
+                f" {b['baseline_seconds'][1] * 1e3:.2f} ms with {b['workers'][1]}:"
+                f" {b['seconds_per_held_worker'] * 1e6:.0f} us a worker held, in S(N)"
+            )
         if "per_task" in e:
             t = e["per_task"]
             lines.append(

@@ -277,6 +277,16 @@ class SaverWorkers:
             self._charges.learn(pid, report)
         return MemoryGovernor(limit, held=held, charges=self._charges, parent=server)
 
+    def baseline_seconds(self) -> float:
+        """Seconds a save's baseline reading takes now, between saves (benchmarks: the reading
+        every save starts with, of the fork server and each worker held; nothing is saved)."""
+        pool = self._pool
+        if pool is None:
+            return 0.0
+        began = time.perf_counter()
+        self.governor(2**62, pool)
+        return time.perf_counter() - began
+
     def close(self) -> None:
         """Stop the workers and the fork server (nothing from a fork of the owner)."""
         if os.getpid() != self.owner:
