@@ -101,7 +101,7 @@ BUSY_PROBE_KEYS = 2000
 # A Saver's save is probed a second time cut into the tasks of a save on this many workers (see above).
 PER_TASK_PROBE_WORKERS = 64
 # The Saver held at this many workers to measure what each worker held adds to a save's baseline.
-BASELINE_PROBE_WORKERS = 8
+BASELINE_PROBE_WORKERS = 16
 
 
 def _busy(stop: threading.Event) -> None:
