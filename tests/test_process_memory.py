@@ -486,8 +486,11 @@ def test_a_baseline_of_this_process_follows_its_anonymous_memory_exactly_until_i
 ) -> None:
     """Nothing of this process shared at its rollup and no fork since: each anonymous page it
     gained or lost since is its own, so the baseline moves with RssAnon both ways, however much
-    it freed (a training step between two saves); after a fork, its pages may be shared: a rollup."""
-    lower, rollup = process_memory.LOWER, process_memory.ROLLUP
+    it freed (a training step between two saves). After a fork (or a change in its shared memory)
+    it is anchored instead: its counters' upper bound becomes its charge, and the job reads it
+    from its counters alone, never rolled up (a walk of every page it maps: ~10 ms a GiB) nor
+    read in full, even for an exact reading: what it grew by since is charged, at most."""
+    lower, cheap = process_memory.LOWER, process_memory.CHEAP
     reader, _now, counters = _faked_reader(monkeypatch)
     me = os.getpid()
     then = process_memory._Counters(anon=900 * MiB, file=4 * MiB, faults=1000)
@@ -498,10 +501,18 @@ def test_a_baseline_of_this_process_follows_its_anonymous_memory_exactly_until_i
     counters[me] = process_memory._Counters(100 * MiB, 4 * MiB, 90_000)  # freed 800 MiB, churned much more
     assert reader.plan([me], baseline=True) == [lower] and reader.charge(me, lower)[0] == 200 * MiB
     counters[me] = process_memory._Counters(100 * MiB, 4 * MiB, 90_000, shmem=MiB)  # shared memory moved
-    assert reader.plan([me], baseline=True) == [rollup]
+    assert reader.plan([me], baseline=True) == [cheap]
+    anchor = reader.charge(me, cheap)[0]
+    assert anchor == 1000 * MiB + 89_000 * process_memory._PAGE  # the upper bound, all faults as copies
     counters[me] = process_memory._Counters(100 * MiB, 4 * MiB, 90_000)
     monkeypatch.setattr(process_memory, "_forks", [process_memory._forks[0] + 1])
-    assert reader.plan([me], baseline=True) == [rollup]
+    assert reader.plan([me], baseline=True) == [cheap] and reader.charge(me, cheap)[0] == anchor  # (re-anchored)
+    # the job's readings: counters alone, whatever they drift by; its growth since charged
+    counters[me] = process_memory._Counters(164 * MiB, 4 * MiB, 90_000 + 16_384)
+    assert reader.plan([me]) == [cheap] and reader.plan([me], exact=True) == [cheap]
+    assert reader.charge(me, cheap)[0] == anchor + 64 * MiB
+    # an anchor is no exact reading: the next baseline anchors again, never takes it as a lower bound
+    assert reader.plan([me], baseline=True) == [cheap]
 
 
 def test_a_process_report_of_itself_is_learned_only_when_newer(monkeypatch: pytest.MonkeyPatch) -> None:

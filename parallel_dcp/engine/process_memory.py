@@ -52,7 +52,11 @@ lower bound (``LOWER``: the last rollup less what it may have freed since) where
 moved: code and a data file's pages differ only in the full listing). Its workers' rollups come
 from themselves: a Saver's pool asks each to read its own as a save ends (``own_charge``, ~1.2 ms
 of the worker's time while the coordinator commits), and learns them (:meth:`ChargeReader.learn`)
-at the next baseline, which then reads only their counters.
+at the next baseline, which then reads only their counters. The reader's own process (the
+coordinator, holding the state dict: a rollup of it walks every page, ~10 ms a GiB) is never rolled
+up for a baseline: its anonymous memory is followed exactly from RssAnon where nothing of it is
+shared, else it is *anchored* (``ChargeReader._anchor``): its counters' upper bound becomes its
+charge and the job reads it from its counters alone, so that what it grew by since is what counts.
 
 A reading is thus never below the exact charge by more than the counters' jitter (a few hundred
 KiB a process), and above it by at most what the counters cannot tell apart (faults that were not
@@ -238,6 +242,7 @@ class _Known:
     full_cost: float = 0.0  # and its last full reading
     forks: int = -1  # this process's fork count at its last rollup (the reader's own process only)
     given_up: int = 0  # the reader's _given_up at its last rollup
+    anchored: bool = False  # ``charged`` is its counters' upper bound since (ChargeReader._anchor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +277,9 @@ class ChargeReader:
         # Bytes of their sharers' parts the processes gave up (pages shared, then freed or copied)
         # over all rollups, reports and readings: a sharer's charge grew by up to as much.
         self._given_up = 0
+        # This process, where its baseline was its counters' upper bound (_baseline_plan): read
+        # from its counters alone until the next baseline.
+        self._anchored: set[int] = set()
         self.full_reads = 0  # how many processes were read in full, over all readings
         self.rollups = 0  # how many were rolled up (counted by charge)
         self.readings = 0
@@ -288,7 +296,11 @@ class ChargeReader:
         self._carries = [
             carry
             for carry in self._carries
-            if any(known.rolled_seq <= carry.seq for pid, known in self._known.items() if pid != carry.source)
+            if any(
+                known.rolled_seq <= carry.seq
+                for pid, known in self._known.items()
+                if pid != carry.source and pid not in self._anchored
+            )
         ]
 
     def plan(
@@ -314,7 +326,7 @@ class ChargeReader:
         self._members = members
         if exact:
             self._carries = []  # every process is read in full: nothing moved unseen
-            plan = [FULL] * len(pids)
+            plan = [CHEAP if pid in self._anchored else FULL for pid in pids]
         elif baseline:
             plan = self._baseline_plan(pids, shared)
         else:
@@ -328,7 +340,7 @@ class ChargeReader:
         waiting: dict[int, int] = {}  # pid -> bytes of carries waiting on its rollup
         for carry in self._carries:
             for pid, known in self._known.items():
-                if pid != carry.source and known.rolled_seq <= carry.seq:
+                if pid != carry.source and known.rolled_seq <= carry.seq and pid not in self._anchored:
                     waiting[pid] = waiting.get(pid, 0) + carry.amount
         # Candidates, most useful first: those whose bound drifted (or that a carry waits on), by
         # the bytes a rollup would settle; then the stalest full reading once due; then by age.
@@ -342,6 +354,8 @@ class ChargeReader:
             if counters is None:
                 continue
             self._counters[pid] = counters
+            if pid in self._anchored:
+                continue
             drift = _drift(entry, counters) + waiting.get(pid, 0)
             if drift > _FAULT_SLACK:
                 due.append((0, -drift, i, ROLLUP))
@@ -385,6 +399,8 @@ class ChargeReader:
         moving (4.6 MiB after 4 workers' first save): rolled up once they gave up more since its
         last rollup than a slack a process of the reading (each of them gave up less than a slack,
         or its rollup carried it; so it is as loose as the others, and no looser over many saves)."""
+        self._anchored = set()
+        me = os.getpid()
         allowance = _FAULT_SLACK * len(pids)
         waiting = {
             pid for pid in shared if pid in self._known and self._given_up - self._known[pid].given_up > allowance
@@ -402,12 +418,28 @@ class ChargeReader:
                 plan.append(FULL)
                 continue
             self._counters[pid] = counters
-            if abs(counters.file - known.exact_file) > _FAULT_SLACK:
+            moved = abs(counters.file - known.exact_file) > _FAULT_SLACK
+            loose = moved or pid in waiting or known.anchored or _lower(known, counters, pid)[1] > _FAULT_SLACK
+            if loose and pid == me:
+                self._anchor(known, counters)
+                plan.append(CHEAP)
+            elif moved:
                 plan.append(FULL)
-                continue
-            loose = _lower(known, counters, pid)[1] > _FAULT_SLACK
-            plan.append(ROLLUP if loose or pid in waiting else LOWER)
+            else:
+                plan.append(ROLLUP if loose else LOWER)
         return plan
+
+    def _anchor(self, known: _Known, counters: _Counters) -> None:
+        """This process, where its counters moved since its last rollup (a training step between
+        two saves): a rollup walks every page it maps (~10 ms a GiB here: 40 ms a save holding a
+        4 GiB state dict). Its counters' upper bound instead, made its charge as of now, and the
+        job reads it from those counters alone (never rolled up or read in full, even to confirm
+        a breach): every reading then charges it what it grew by since the baseline, at most, as
+        the baseline's own value cancels out; only a rollup, taking a value the baseline did not
+        use, could under-count it. (A Saver's workers share nothing with this process.)"""
+        charged, private = _bound(known, counters)
+        known.charged, known.private, known.counters, known.anchored = charged, private, counters, True
+        self._anchored.add(os.getpid())
 
     def learn(self, pid: int, report: ChargeReport) -> None:
         """Take ``pid``'s own rollup (:func:`own_charge`) as if this reader had rolled it up then;
@@ -466,6 +498,7 @@ class ChargeReader:
         known.shared_away, known.rolled_seq, known.last = shared_away, self.readings, charged
         known.forks = _forks[0] if pid == os.getpid() else -1
         known.given_up = self._given_up
+        known.anchored = False
         return charged, private
 
     def charge(self, pid: int, how: int) -> tuple[int, int]:
