@@ -307,8 +307,8 @@ class ChargeReader:
         self, pids: Sequence[int], *, exact: bool = False, baseline: bool = False, shared: Sequence[int] = ()
     ) -> list[int]:
         """For each of ``pids``: how this reading reads it (``CHEAP``, ``ROLLUP`` or ``FULL``;
-        ``LOWER`` for a ``baseline``: :meth:`_baseline_plan`, which rolls up the processes in
-        ``shared`` whatever their counters)."""
+        ``LOWER`` for a ``baseline``: :meth:`_baseline_plan`, where ``shared`` are the processes
+        whose pages the others share)."""
         now = time.monotonic()
         members = frozenset(pids)
         self.readings += 1
