@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from parallel_dcp.engine import process_memory
+from parallel_dcp.engine import own_charge, process_memory
 from parallel_dcp.engine.process_memory import ChargeReader, _charge, charged_memory
 
 MiB = 2**20
@@ -536,11 +536,11 @@ def test_a_process_report_of_itself_is_learned_only_when_newer(monkeypatch: pyte
 
 def test_a_process_reads_its_own_charge_as_the_reader_would() -> None:
     """``own_charge`` (a worker going idle) agrees with a full reading of it from outside."""
-    report = process_memory.own_charge()
+    report = own_charge.own_charge()
     assert report is not None and report.exact is not None  # its file pages never read before: in full
     charged, private = charged_memory(os.getpid())
     assert abs(report.exact[0] - charged) < 4 * MiB and abs(report.exact[1] - private) < 4 * MiB
-    again = process_memory.own_charge()
+    again = own_charge.own_charge()
     assert again is not None and again.exact is None  # nothing paged in since: the rollup alone
     assert again.at > report.at and abs(again.rollup[0] - report.rollup[0]) < 4 * MiB
 

@@ -17,7 +17,7 @@ import xxhash
 
 import parallel_dcp
 from parallel_dcp.engine import messages
-from parallel_dcp.engine import pool as pool_module
+from parallel_dcp.engine import worker as worker_module
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import WorkerPool
 from parallel_dcp.errors import WorkerCrashed, WorkerError
@@ -67,7 +67,7 @@ def _die_before_the_buffers(conn_fd: int, shared: int | None, *, sent: bool) -> 
 
 
 def test_a_worker_dying_between_its_reply_and_its_buffers_is_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool_module, "send_buffers", _die_before_the_buffers)  # inherited by the forks
+    monkeypatch.setattr(worker_module, "send_buffers", _die_before_the_buffers)  # inherited by the forks
     tasks = [Task(index=0, keys=("k0",), nbytes=1, memory=0)]
     with pytest.raises(WorkerCrashed, match="exit code 3"), WorkerPool(1, _with_buffers) as pool:
         list(pool.run(tasks))
@@ -87,7 +87,7 @@ def test_a_result_that_cannot_be_put_in_a_memory_file_is_the_tasks_error(monkeyp
 def test_a_save_whose_worker_dies_before_sending_its_runs_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pool_module, "send_buffers", _die_before_the_buffers)
+    monkeypatch.setattr(worker_module, "send_buffers", _die_before_the_buffers)
     with pytest.raises(WorkerCrashed):
         parallel_dcp.save(many_small(2000), tmp_path / "ckpt", workers=2)
     assert list(tmp_path.iterdir()) == []  # no shard, no staged or temporary name

@@ -23,15 +23,11 @@ retries, orphans, tracebacks home) is one piece of logic that must stay together
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 import gc
 import os
 import pickle
 import signal
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -44,12 +40,14 @@ from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.messages import Ahead as _Ahead
 from parallel_dcp.engine.messages import NewHandler as _NewHandler
 from parallel_dcp.engine.messages import TaskPart as _TaskPart
-from parallel_dcp.engine.messages import gc_paused, pickled_result, send_buffers
+from parallel_dcp.engine.messages import gc_paused
 from parallel_dcp.engine.messages import receive_reply as _recv
 from parallel_dcp.engine.partition import Task
-from parallel_dcp.engine.process_memory import ChargeReport, own_charge
+from parallel_dcp.engine.process_memory import ChargeReport
 from parallel_dcp.engine.ready import wait_ready
 from parallel_dcp.engine.remote_memory import RemoteBytes, StaleRead
+from parallel_dcp.engine.worker import REPORT_CHARGE, worker_main
+from parallel_dcp.engine.worker import send as _send
 from parallel_dcp.errors import (
     RemoteTraceback,
     StalePlan,
@@ -60,13 +58,12 @@ from parallel_dcp.errors import (
     describe_keys,
 )
 
-__all__ = ["TaskResult", "WorkerPool", "gc_paused", "return_freed_memory"]
+__all__ = ["TaskResult", "WorkerPool", "gc_paused"]
 
 R = TypeVar("R")
 
 _JOIN_TIMEOUT_S = 5.0
 _PROGRESS_TICK_S = 0.1
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,113 +86,6 @@ class TaskResult(Generic[R]):
     handover: float = 0.0
 
 
-def _worker_main(
-    conn: Any, handler: Callable[[Task], Any], initializer: Callable[[], None] | None, coordinator: int | None
-) -> None:
-    # Ctrl-C goes to the whole process group; the coordinator decides how workers stop. SIGINT
-    # was blocked across the fork (see WorkerPool._start): ignored first, then unblocked, so a
-    # Ctrl-C at that instant is discarded here, never raised in the middle of the worker's start.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    _die_with_parent(coordinator)
-    broken: BaseException | None = None  # a run's handler that could not be loaded
-    setup = 0.0  # seconds spent loading it, reported with the next task's result
-    handed = 0.0  # seconds spent handing over the run's last result, reported with the next one
-    # Objects inherited from the coordinator (the state dict's tensors and dicts) go to the
-    # permanent generation: the worker's collections skip them instead of copying their pages.
-    gc.freeze()
-    if initializer is not None:
-        initializer()
-    while True:
-        try:
-            data = conn.recv_bytes()
-        except (EOFError, OSError):
-            return  # the coordinator is gone
-        taken = time.perf_counter()  # from here to the task's start, and its reply's pickling: handling
-        with gc_paused():
-            message = pickle.loads(data)
-        del data
-        if message is None:
-            return
-        if isinstance(message, str) and message == _REPORT_CHARGE:  # the run is over: what it keeps
-            try:
-                return_freed_memory()
-                report = own_charge()
-            except Exception:  # no report (the coordinator then reads this worker itself), no crash
-                report = None
-            _send(conn, ("charge", report))
-            continue
-        if isinstance(message, _Ahead):
-            try:
-                message = message.load()
-            except BaseException as exc:  # this task's error: the coordinator expects its reply next
-                _send(conn, ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc()))
-                continue
-        if isinstance(message, _NewHandler):
-            began = time.perf_counter()
-            try:
-                handler, broken = _load_handler(message), None
-            except BaseException as exc:  # reported with the run's first task on this worker
-                broken = exc
-            setup = time.perf_counter() - began
-            handed = 0.0  # a new run: its first task is not charged with the last run's hand-over
-            continue
-        task: Task = message.task if isinstance(message, _TaskPart) else message
-        start = time.perf_counter()
-        try:
-            if broken is not None:
-                raise broken
-            run = handler
-            if isinstance(message, _TaskPart):  # reading its part of the job is the task's work (and error)
-                run = handler.with_part(message.part, task)  # type: ignore[attr-defined]
-            value = run(task)
-            seconds = time.perf_counter() - start
-            pickling = time.perf_counter()
-            value, sizes, shared = pickled_result(value)  # (its error, a memory file's too, is the task's)
-            handling = start - taken + time.perf_counter() - pickling
-            reply: tuple[Any, ...] = ("ok", seconds, value, setup, handling, handed, sizes)
-        except BaseException as exc:  # DCP raises CheckpointException, a BaseException
-            reply, shared = ("error", _error_type(exc), _message_of(exc), traceback.format_exc()), None
-        setup = 0.0  # reported with this run's first task on this worker only
-        sending = time.perf_counter()
-        try:
-            _send(conn, reply)
-        except Exception as exc:  # a result that cannot be pickled is the task's error, not a crash
-            _send(conn, ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc()))
-            reply = ("error",)
-        send_buffers(conn.fileno(), shared, sent=reply[0] == "ok")  # behind the reply; closed either way
-        return_freed_memory()
-        handed = time.perf_counter() - sending
-
-
-_REPORT_CHARGE = "report your charge"  # (WorkerPool.request_charges)
-
-
-def _error_type(exc: BaseException) -> str:
-    """The name the coordinator gets for ``exc``: ``StaleRead`` where a copy out of the coordinator
-    failed anywhere in its chain (a writer may wrap it), so the coordinator knows a stale plan."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, StaleRead):
-            return StaleRead.__qualname__
-        seen = seen.__cause__ or seen.__context__
-    return type(exc).__qualname__
-
-
-def _load_handler(message: _NewHandler) -> Callable[[Task], Any]:
-    with gc_paused():
-        handler: Callable[[Task], Any] = pickle.loads(message.pickled.fetch())
-    prepare = getattr(handler, "prepare", None)
-    if prepare is not None:
-        prepare()
-    return handler
-
-
-def _send(conn: Any, message: Any) -> None:
-    # The C pickler: multiprocess's own (dill, pure Python) costs seconds on 50,000-entry Metadata.
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
 def _freeze_heap() -> bool:
     """Move this process's objects to the garbage collector's permanent generation, so that its
     collections, while forked workers share its pages, do not write to them: a full collection
@@ -209,38 +99,6 @@ def _freeze_heap() -> bool:
         return False
     gc.freeze()
     return True
-
-
-@functools.cache
-def _libc() -> Any:
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name, use_errno=True) if name else None
-
-
-def _die_with_parent(coordinator: int | None) -> None:
-    """Ask Linux to SIGKILL this worker if its parent dies, so no worker is ever orphaned
-    (``coordinator`` None: a fork server's child, which also ends on EOF from its pipe)."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "prctl"):
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if coordinator is not None and os.getppid() != coordinator:  # it died before prctl took effect
-        os._exit(1)
-
-
-def return_freed_memory() -> None:
-    """Give freed heap pages back to the OS between tasks, so the governor sees real usage."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
-def _message_of(exc: BaseException) -> str:
-    # CheckpointException keeps the per-rank errors in .failures; show them, not just the type.
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        inner = "; ".join(f"{type(e).__name__}: {e}" for e in failures.values())
-        return f"{exc} ({inner})"
-    return str(exc) or type(exc).__name__
 
 
 class WorkerPool:
@@ -309,7 +167,7 @@ class WorkerPool:
         parent_end, child_end = self._ctx.Pipe(duplex=True)
         process = ForkServerProcess if self._fork_server else self._ctx.Process
         proc = process(
-            target=_worker_main,
+            target=worker_main,
             args=(child_end, self._handler, self._initializer, None if self._fork_server else os.getpid()),
             name=f"parallel_dcp-worker-{i}",
             daemon=True,
@@ -328,12 +186,12 @@ class WorkerPool:
 
     def request_charges(self) -> None:
         """Ask every worker (idle: between runs) to read its own ``smaps_rollup`` now
-        (process_memory.own_charge: ~1-2 ms of its time, none of this process's), for a charge
+        (own_charge.own_charge: ~1-2 ms of its time, none of this process's), for a charge
         reader that outlives the run (a Saver's next baseline): :meth:`charge_reports`."""
         for worker, conn in enumerate(self._conns):
             if conn is not None and worker not in self._owed_charges:
                 with contextlib.suppress(OSError):
-                    _send(conn, _REPORT_CHARGE)
+                    _send(conn, REPORT_CHARGE)
                     self._owed_charges.append(worker)
 
     def charge_reports(self) -> dict[int, ChargeReport]:

@@ -50,7 +50,7 @@ idle worker the buffers it had freed since its last rollup (a Saver's second sav
 lower bound (``LOWER``: the last rollup less what it may have freed since) where that is within
 ``_FAULT_SLACK`` of the upper, and reads it otherwise (rolled up, or in full where its file pages
 moved: code and a data file's pages differ only in the full listing). Its workers' rollups come
-from themselves: a Saver's pool asks each to read its own as a save ends (``own_charge``, ~1.2 ms
+from themselves: a Saver's pool asks each to read its own as a save ends (``own_charge.own_charge``, ~1.2 ms
 of the worker's time while the coordinator commits), and learns them (:meth:`ChargeReader.learn`)
 at the next baseline, which then reads only their counters. The reader's own process (the
 coordinator, holding the state dict: a rollup of it walks every page, ~10 ms a GiB) is never rolled
@@ -77,7 +77,7 @@ from dataclasses import dataclass
 
 import psutil
 
-__all__ = ["CHEAP", "FULL", "LOWER", "ROLLUP", "ChargeReader", "ChargeReport", "charged_memory", "own_charge"]
+__all__ = ["CHEAP", "FULL", "LOWER", "ROLLUP", "ChargeReader", "ChargeReport", "charged_memory"]
 
 _HEADER_FIELDS = 5  # start-end perms offset dev inode [path]
 
@@ -169,7 +169,7 @@ if hasattr(os, "register_at_fork"):
 
 @dataclass(frozen=True, slots=True)
 class ChargeReport:
-    """A process's own ``smaps_rollup`` (:func:`own_charge`), read by itself as it went idle,
+    """A process's own ``smaps_rollup`` (own_charge.own_charge), read by itself as it went idle,
     for its coordinator's :meth:`ChargeReader.learn`: ``rollup`` as ``_rollup_anon`` returns it,
     ``counters`` (RssAnon + RssShmem, RssFile, minor faults, RssShmem) read just before it, ``at`` when
     (``time.monotonic``: one clock for every process of the machine)."""
@@ -178,30 +178,6 @@ class ChargeReport:
     rollup: tuple[int, int, int]
     counters: tuple[int, int, int, int]
     exact: tuple[int, int] | None = None  # (charged, private) from its full smaps, where read
-
-
-_own_full_file = [-1]  # this process's RssFile at its last own_charge in full
-
-
-def own_charge() -> ChargeReport | None:
-    """This process's rollup, read by itself (a worker going idle: the walk of its page tables
-    costs it ~1-2 ms, and its coordinator nothing); its full ``smaps`` too (~5 ms) where its
-    file pages moved since it last read that (code paged in by its first tasks, which only a
-    full reading tells apart from a data file's pages). The counters are read first: what the
-    process added while the rollup ran is then in both the rollup and the growth counted from
-    those counters (counted twice, never missed), and what it freed meanwhile is missing from
-    the rollup and subtracted again from a lower bound (missed twice, never counted)."""
-    pid = os.getpid()
-    at = time.monotonic()
-    counters = _counters(pid)
-    rollup = _rollup_anon(pid)
-    if counters is None or rollup is None:
-        return None
-    exact = None
-    if abs(counters.file - _own_full_file[0]) > _FAULT_SLACK:
-        charged, private, _ = _exact(pid)
-        exact, _own_full_file[0] = (charged, private), counters.file
-    return ChargeReport(at, rollup, (counters.anon, counters.file, counters.faults, counters.shmem), exact)
 
 
 def rollup_budget(processes: int) -> int:
@@ -442,7 +418,7 @@ class ChargeReader:
         self._anchored.add(os.getpid())
 
     def learn(self, pid: int, report: ChargeReport) -> None:
-        """Take ``pid``'s own rollup (:func:`own_charge`) as if this reader had rolled it up then;
+        """Take ``pid``'s own rollup (own_charge.own_charge) as if this reader had rolled it up then;
         ignored where this reader has read it more recently, or never in full (its code share
         unknown). Carries waiting on it keep waiting (the report may predate what moved)."""
         known = self._known.get(pid)
