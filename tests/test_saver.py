@@ -410,7 +410,10 @@ def test_a_later_saves_baseline_is_never_above_what_the_tree_holds(
             # this save's baseline against what the same processes held, idle, after the last one
             for pid, (_, charged) in baselines[-1].items():
                 if pid in idle:
-                    assert idle[pid] - slack <= charged <= idle[pid] + slack, (n, pid, charged, idle[pid])
+                    # the fork server gains the shares of pages its workers copy, its counters still:
+                    # it may lag by what they gave up, up to a slack a process of the reading (6)
+                    under = slack * len(baselines[-1]) if pid == server else slack
+                    assert idle[pid] - under <= charged <= idle[pid] + slack, (n, pid, charged, idle[pid])
             pool = saver._workers._pool  # type: ignore[union-attr]
             for worker in pool._owed_charges:  # each has read itself (asked as the save ended): idle now
                 assert wait_ready([pool._conns[worker]], 30)
