@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 import parallel_dcp
 from parallel_dcp.errors import CorruptCheckpointError, InvalidStateDictError, KeyNotFoundError
-from parallel_dcp.storage import local_staging
+from parallel_dcp.storage import local_staging, side_index
 from parallel_dcp.storage.metadata import read_index_or_metadata, read_metadata
 from parallel_dcp.storage.ownership import find_leftovers, owner_name
 from parallel_dcp.storage.safe_reader import open_bounded
@@ -262,6 +263,52 @@ def test_an_index_left_by_a_killed_save_is_its_leftover(saved: Path, tmp_path: P
     (out / owner_name("ba9876543210")).write_text(json.dumps({"save_id": "ba9876543210", "host": "x", "pid": 1}))
     files = {left["save_id"]: left["files"] for left in find_leftovers(out)}
     assert INDEX_FILE in files[_SAVE_ID] and INDEX_FILE not in files["ba9876543210"]
+
+
+def test_the_index_joins_runs_of_every_column_kind_in_order() -> None:
+    """Each run's columns reach the coordinator as arrays, raw bytes, views, pickle buffers, or
+    (from another rank) big-endian or strided arrays; the file's sections are their values joined
+    in the runs' order, little-endian, each run's keys pointing at its own file."""
+    rng = numpy.random.default_rng(3)
+    kinds: list[Callable[[Any], Any]] = [
+        lambda a: a,
+        lambda a: a.tobytes(),
+        lambda a: memoryview(a.tobytes()),
+        lambda a: pickle.PickleBuffer(a.tobytes()),
+        lambda a: a.astype(">i8"),
+        lambda a: numpy.repeat(a, 2)[::2],
+    ]
+    pieces, expected = [], {"offset": [], "length": [], "dims": [], "file": [], "ndim": [], "names": b""}
+    for run in range(30):
+        count = int(rng.integers(0, 4))
+        ndim = rng.integers(0, 3, count).astype(numpy.uint8)
+        dims, offsets, lengths = (rng.integers(0, 1 << 50, n) for n in (int(ndim.sum()), count, count))
+        names = b"".join(f"run{run}.key{i}".encode() + b"\0" for i in range(count))
+        wrap = kinds[run % len(kinds)]
+        column = bytes(count)
+        pieces.append(
+            (
+                f"__{run % 3}_0.distcp",
+                (names, column, column, column, ndim.tobytes(), *map(wrap, (dims, offsets, lengths))),
+            )
+        )
+        for name, values in (
+            ("dims", dims),
+            ("offset", offsets),
+            ("length", lengths),
+            ("ndim", ndim),
+            ("file", [run % 3] * count),
+        ):
+            expected[name] += list(values)
+        expected["names"] += names
+    data = bytearray(side_index.index_for(pieces, 7, 9, _SAVE_ID))
+    for name in ("offset", "length", "dims", "file", "ndim"):
+        assert _column(data, name).tolist() == [int(v) for v in expected[name]], name
+    start, end, _ = _sections(bytes(data))["names"]
+    assert bytes(data[start:end]) == expected["names"]
+    start, end, _ = _sections(bytes(data))["file_names"]
+    assert bytes(data[start:end]) == b"__0_0.distcp\0__1_0.distcp\0__2_0.distcp\0"
+    assert HEADER.unpack_from(data)[11] == xxhash.xxh3_64_intdigest(bytes(data[HEADER.size :]))
 
 
 # --- crafted indexes: each an error or a fallback, never a wrong load ---------------------------

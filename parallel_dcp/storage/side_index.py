@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import struct
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,18 +126,21 @@ def assemble_index(pieces: Sequence[tuple[str, Segment]], metadata: bytes, save_
 
 def index_for(pieces: Sequence[tuple[str, Segment]], size: int, digest: int, save_id: str) -> bytes:
     """:func:`assemble_index` for a ``.metadata`` of ``size`` bytes whose xxh3_64 is ``digest``
-    (computed by the caller, which may hash it in pieces, and once for its manifest too). The
-    file is one join of its pieces, hashed beforehand in place: each column straight from the
-    workers' arrays (no concatenation, conversion or ``tobytes`` copy of it first)."""
+    (computed by the caller, which may hash it in pieces, and once for its manifest too). Each
+    section is one join of the runs' columns in C (a 4 GiB model's ~550 runs: ~1 ms, against ~8
+    for a call per run and column): the file is those sections, byte for byte what a column at a
+    time would give."""
     files: dict[str, int] = {}
-    ids = [numpy.full(_size(seg[1]), files.setdefault(name, len(files)), dtype="<u4") for name, seg in pieces]
+    numbers = [files.setdefault(name, len(files)) for name, _ in pieces]
     segments = [seg for _, seg in pieces]
+    counts = list(map(_size, [seg[1] for seg in segments]))  # (the kind column: a byte a key)
+    ids = numpy.repeat(numpy.array(numbers, dtype="<u4"), counts) if segments else numpy.zeros(0, "<u4")
+    offsets, lengths, dims = (_int64_section([s[i] for s in segments]) for i in (6, 7, 5))
+    small = [b"".join([s[i] for s in segments]) for i in (1, 2, 3, 4)]
+    names = b"".join([s[0] for s in segments])
     file_names = "".join(f"{name}\0" for name in files).encode()
-    columns = [[_little(s[i], "<i8") for s in segments] for i in (6, 7, 5)] + [[_little(a, "<u4") for a in ids]]
-    small = [s[i] for i in (1, 2, 3, 4) for s in segments]
-    names = [s[0] for s in segments]
     tag = save_id.encode()
-    body = [*itertools.chain.from_iterable(columns), *small, file_names, *names, tag]
+    body: list[bytes | memoryview] = [offsets, lengths, dims, ids.data.cast("B"), *small, file_names, names, tag]
     hasher = xxhash.xxh3_64()
     for piece in body:
         hasher.update(piece)
@@ -146,10 +150,10 @@ def index_for(pieces: Sequence[tuple[str, Segment]], size: int, digest: int, sav
         0,
         size,
         digest,
-        sum(len(a) for a in columns[0]) // 8,
+        len(offsets) // 8,
         len(files),
-        sum(len(a) for a in columns[2]) // 8,
-        sum(map(_size, names)),
+        len(dims) // 8,
+        len(names),
         len(file_names),
         len(tag),
     )
@@ -162,6 +166,28 @@ def _size(data: Any) -> int:
     return memoryview(data).nbytes
 
 
+def _int64_section(parts: list[Any]) -> memoryview:
+    """The int64 columns ``parts`` (see :func:`int64_column`) as one little-endian section: one
+    join of their bytes where each is little-endian int64 already (raw bytes from a worker of this
+    little-endian machine, or such an array), else each converted and then joined."""
+    if sys.byteorder == "little" and all(map(_raw_little_int64, parts)):
+        return memoryview(b"".join(parts))
+    converted = [numpy.ascontiguousarray(int64_column(part), dtype="<i8") for part in parts]
+    return memoryview(b"".join(a.data.cast("B") for a in converted))
+
+
+def _raw_little_int64(part: Any) -> bool:
+    """Whether ``part``'s bytes, as they are, are little-endian int64s (on a little-endian machine):
+    raw bytes (a column sent home as bytes: this machine's order) or a contiguous int64 array in it."""
+    if isinstance(part, numpy.ndarray):
+        return part.dtype == _INT64 and part.flags.c_contiguous
+    view = memoryview(part)
+    return view.format in ("B", "b", "c") and view.c_contiguous
+
+
+_INT64 = numpy.dtype("=i8")
+
+
 def int64_column(column: Any) -> Any:
     """An int64 column of a :data:`Segment` as an array: an array as it is, or (a column that
     travelled home as its raw bytes: jobs/dcp_commit.py ``out_of_band``) those bytes read as int64
@@ -169,9 +195,3 @@ def int64_column(column: Any) -> Any:
     if isinstance(column, numpy.ndarray) or memoryview(column).format not in ("B", "b", "c"):
         return numpy.asarray(column)
     return numpy.frombuffer(column, dtype=numpy.int64)
-
-
-def _little(array: Any, dtype: str) -> memoryview:
-    """``array``'s bytes as ``dtype`` (little-endian), without a copy where they are so already
-    (an int64 column as raw bytes: :func:`int64_column`)."""
-    return numpy.ascontiguousarray(int64_column(array), dtype=dtype).data.cast("B")
