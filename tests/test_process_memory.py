@@ -534,6 +534,79 @@ def test_a_process_report_of_itself_is_learned_only_when_newer(monkeypatch: pyte
     assert (learned.exact, learned.exact_file, learned.charged) == (17 * MiB, 6 * MiB, 17 * MiB)
 
 
+def _sharers(reader: ChargeReader, pids: list[int], counters: dict[int, process_memory._Counters]) -> None:
+    """``pids`` known to ``reader``, each rolled up at 100 s (20 MiB, 6 MiB of its pages held by
+    the others), idle since."""
+    then = process_memory._Counters(anon=10 * MiB, file=4 * MiB, faults=1000)
+    for pid in pids:
+        known = process_memory._Known(20 * MiB, 10 * MiB, 4 * MiB, 100.0, 20 * MiB, 5 * MiB, then, 100.0, 10 * MiB)
+        known.shared_away = 6 * MiB
+        reader._known[pid] = known
+        counters[pid] = then
+    reader._members = frozenset(pids)
+
+
+def test_a_report_settles_the_carries_seen_before_it_began(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker (1) that freed 2 MiB of pages it shared hands their shares to the others (2, 3),
+    carried until each counts them: after a rollup by this reader, or after a reading it took of
+    itself (a report) that began once the carry was seen; not after one that began before."""
+    lower, rollup = process_memory.LOWER, process_memory.ROLLUP
+    reader, _now, counters = _faked_reader(monkeypatch)
+    _sharers(reader, [1, 2, 3], counters)
+    freed = (8 * MiB, 3 * MiB, 4 * MiB)  # its anonymous PSS: 2 MiB less; the others hold 2 MiB less of it
+    reader.learn(1, process_memory.ChargeReport(101.5, freed, (8 * MiB, 4 * MiB, 1000, 0), jitter=0))
+    assert [c.source for c in reader._carries] == [1] and reader.carried >= 2 * MiB
+    counters[1] = process_memory._Counters(8 * MiB, 4 * MiB, 1000)
+    seen = reader._carries[0].at
+    idle = (10 * MiB, 5 * MiB, 6 * MiB)
+    reader.learn(2, process_memory.ChargeReport(seen - 0.5, idle, (10 * MiB, 4 * MiB, 1000, 0), jitter=0))
+    assert reader.carried >= 2 * MiB  # 2 read itself before: it may not count them
+    reader.learn(3, process_memory.ChargeReport(seen + 0.5, idle, (10 * MiB, 4 * MiB, 1000, 0), jitter=0))
+    assert reader.carried >= 2 * MiB  # 2 still waits
+    assert reader.plan([1, 2, 3], baseline=True) == [lower, rollup, lower]
+    reader.learn(2, process_memory.ChargeReport(seen + 0.6, idle, (10 * MiB, 4 * MiB, 1000, 0), jitter=0))
+    assert reader.carried == 0
+
+
+def test_what_a_rollup_may_be_off_by_is_measured_where_it_can_be(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two rollups of a worker say the others hold 64 KiB less of its pages: it gave up at most
+    that, give or take what its counters moved while each was read. Reports read by an idle
+    worker measure that (none here): no carry. Where it is not known (a slack each), the
+    bound's excess up to 64 KiB + 2 slacks is carried, and the others are rolled up for it."""
+    rollup = process_memory.ROLLUP
+    for jitter, carried in ((0, False), (process_memory._FAULT_SLACK, True)):
+        reader, _now, counters = _faked_reader(monkeypatch)
+        _sharers(reader, [1, 2], counters)
+        for known in reader._known.values():
+            known.jitter = jitter
+        freed = (6 * MiB, 1 * MiB, 6 * MiB - 64 * 1024)  # freed 4 MiB, 64 KiB of it shared
+        reader.learn(1, process_memory.ChargeReport(101.0, freed, (6 * MiB, 4 * MiB, 1000, 0), jitter=jitter))
+        assert bool(reader._carries) is carried, jitter
+        counters[1] = process_memory._Counters(6 * MiB, 4 * MiB, 1000)
+        assert (reader.plan([1, 2], baseline=True)[1] == rollup) is carried
+
+
+def test_a_carry_does_not_wait_on_this_process_where_it_shares_no_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Saver's coordinator shares no page with its workers (forked from the fork server): a
+    share a worker gives up cannot move to it, so no carry waits on it (it would wait for ever:
+    a baseline never rolls this process up, and anchored it for every save). Once it forked, or
+    its shared memory moved, carries wait on it again."""
+    lower, cheap = process_memory.LOWER, process_memory.CHEAP
+    reader, _now, counters = _faked_reader(monkeypatch)
+    me = os.getpid()
+    _sharers(reader, [1, 2, me], counters)
+    reader._known[me].shared_away, reader._known[me].forks = 0, process_memory._forks[0]
+    reader._carries = [process_memory._Carry(3 * MiB, reader.readings, 1, 99.0)]
+    reader.readings += 1
+    reader._known[2].rolled_seq = reader.readings  # rolled up since
+    assert reader.carried == 0
+    assert reader.plan([1, 2, me], baseline=True) == [lower, lower, lower]
+    reader._carries = [process_memory._Carry(3 * MiB, reader.readings, 1, 99.0)]
+    counters[me] = process_memory._Counters(10 * MiB, 4 * MiB, 1000, shmem=MiB)  # mapped shared memory
+    assert reader.carried == 3 * MiB
+    assert reader.plan([1, 2, me], baseline=True)[2] == cheap  # (waited on: anchored)
+
+
 def test_a_process_reads_its_own_charge_as_the_reader_would() -> None:
     """``own_charge`` (a worker going idle) agrees with a full reading of it from outside."""
     report = own_charge.own_charge()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from parallel_dcp.engine.process_memory import _FAULT_SLACK, ChargeReport, _counters, _exact, _rollup_anon
+from parallel_dcp.engine.process_memory import _FAULT_SLACK, ChargeReport, _counters, _exact, _jitter, _rollup_anon
 
 __all__ = ["own_charge"]
 
@@ -31,10 +31,11 @@ def own_charge() -> ChargeReport | None:
     at = time.monotonic()
     counters = _counters(pid)
     rollup = _rollup_anon(pid)
+    jitter = _jitter(counters, _counters(pid))
     if counters is None or rollup is None:
         return None
     exact = None
     if abs(counters.file - _own_full_file[0]) > _FAULT_SLACK:
         charged, private, _ = _exact(pid)
         exact, _own_full_file[0] = (charged, private), counters.file
-    return ChargeReport(at, rollup, (counters.anon, counters.file, counters.faults, counters.shmem), exact)
+    return ChargeReport(at, rollup, (counters.anon, counters.file, counters.faults, counters.shmem), exact, jitter)

@@ -39,9 +39,11 @@ process however many of them allocated or freed since the last one.
 Shares move between processes: when a process frees or copies a page it shared, or exits, the
 other sharers' PSS grows while their counters stay still. The tree's sum stays an upper bound as
 long as the releasing process is charged its bound; once its rollup lowers its charge, what it
-gave up (no more than the drop, nor than what the others held of its pages and no longer do) is
-*carried* (:attr:`ChargeReader.carried`) in every total until each other process has been rolled
-up since.
+gave up (no more than the drop, nor than what the others held of its pages and no longer do, as
+two rollups tell it, each off by what the counters moved while it was read) is *carried*
+(:attr:`ChargeReader.carried`) in every total until each other process has been rolled up since,
+or read itself from a moment after the carry was seen (a report); not this reader's own process
+where it shares no page (a Saver's coordinator: its workers are forked from the fork server).
 
 A baseline (what a job subtracts from every later reading: a Saver's held processes) must never
 be above the truth, or every reading after it under-counts: the counters' upper bound charged an
@@ -69,6 +71,7 @@ bound, the rollup budget and the carried shares are each safe only beside the ot
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -178,6 +181,9 @@ class ChargeReport:
     rollup: tuple[int, int, int]
     counters: tuple[int, int, int, int]
     exact: tuple[int, int] | None = None  # (charged, private) from its full smaps, where read
+    # How far the rollup's shares held by others (resident less PSS) may be off: what the counters
+    # moved by while it was read (unknown: a slack).
+    jitter: int = _FAULT_SLACK
 
 
 def rollup_budget(processes: int) -> int:
@@ -219,16 +225,28 @@ class _Known:
     forks: int = -1  # this process's fork count at its last rollup (the reader's own process only)
     given_up: int = 0  # the reader's _given_up at its last rollup
     anchored: bool = False  # ``charged`` is its counters' upper bound since (ChargeReader._anchor)
+    # When the last reading it took of itself began (ChargeReader.learn): it counts every share
+    # that had moved to it by then.
+    reported_at: float = -math.inf
+    jitter: int = _FAULT_SLACK  # how far ``shared_away`` may be off (:func:`_jitter`)
 
 
 @dataclass(frozen=True, slots=True)
 class _Carry:
     """Bytes of PSS that may have moved from ``source`` to processes not rolled up since reading
-    ``seq`` (``source`` freed or copied shared pages, or exited): counted until each has been."""
+    ``seq`` (``source`` freed or copied shared pages, or exited): counted until each has been, or
+    has read itself (a report) from a moment after ``at``, when the move had been seen (an exit
+    seen by its absence: never by a report, as the process may not have ended yet)."""
 
     amount: int
     seq: int
     source: int
+    at: float = math.inf
+
+    def waits_on(self, known: _Known) -> bool:
+        """Whether the process ``known`` may not count this carry's shares yet (a process that
+        shares no page: ChargeReader._sharing)."""
+        return known.rolled_seq <= self.seq and known.reported_at <= self.at
 
 
 class ChargeReader:
@@ -269,15 +287,30 @@ class ChargeReader:
 
     def _expire(self) -> None:
         """Drop the carries every process but their source has been rolled up (or read) since."""
+        sharing = self._sharing()
         self._carries = [
             carry
             for carry in self._carries
             if any(
-                known.rolled_seq <= carry.seq
-                for pid, known in self._known.items()
+                carry.waits_on(known)
+                for pid, known in sharing.items()
                 if pid != carry.source and pid not in self._anchored
             )
         ]
+
+    def _sharing(self) -> dict[int, _Known]:
+        """The known processes a share may move to: all but this reader's own where it shares no
+        page (nothing of it was shared at its last rollup, it has not forked since, and its shared
+        memory is as it was: only a fork or a shared mapping makes a page shared; see _lower).
+        The coordinator of a Saver, whose workers are forked from the fork server, is such."""
+        me = os.getpid()
+        known = self._known.get(me)
+        if known is None or known.shared_away != 0 or known.forks != _forks[0]:
+            return self._known
+        counters = self._counters.get(me) or _counters(me)
+        if counters is None or counters.shmem != known.counters.shmem:
+            return self._known
+        return {pid: each for pid, each in self._known.items() if pid != me}
 
     def plan(
         self, pids: Sequence[int], *, exact: bool = False, baseline: bool = False, shared: Sequence[int] = ()
@@ -314,9 +347,10 @@ class ChargeReader:
         self._expire()
         plan = [CHEAP if pid in self._known else FULL for pid in pids]
         waiting: dict[int, int] = {}  # pid -> bytes of carries waiting on its rollup
+        sharing = self._sharing()
         for carry in self._carries:
-            for pid, known in self._known.items():
-                if pid != carry.source and known.rolled_seq <= carry.seq and pid not in self._anchored:
+            for pid, known in sharing.items():
+                if pid != carry.source and carry.waits_on(known) and pid not in self._anchored:
                     waiting[pid] = waiting.get(pid, 0) + carry.amount
         # Candidates, most useful first: those whose bound drifted (or that a carry waits on), by
         # the bytes a rollup would settle; then the stalest full reading once due; then by age.
@@ -378,13 +412,14 @@ class ChargeReader:
         self._anchored = set()
         me = os.getpid()
         allowance = _FAULT_SLACK * len(pids)
+        sharing = self._sharing()
         waiting = {
             pid for pid in shared if pid in self._known and self._given_up - self._known[pid].given_up > allowance
         } | {
             pid
             for carry in self._carries
-            for pid, known in self._known.items()
-            if pid != carry.source and known.rolled_seq <= carry.seq
+            for pid, known in sharing.items()
+            if pid != carry.source and carry.waits_on(known)
         }
         plan: list[int] = []
         for pid in pids:
@@ -420,7 +455,8 @@ class ChargeReader:
     def learn(self, pid: int, report: ChargeReport) -> None:
         """Take ``pid``'s own rollup (own_charge.own_charge) as if this reader had rolled it up then;
         ignored where this reader has read it more recently, or never in full (its code share
-        unknown). Carries waiting on it keep waiting (the report may predate what moved)."""
+        unknown). It settles the carries seen before it began (the shares had moved to it by
+        then); later ones keep waiting (it may predate what they moved)."""
         known = self._known.get(pid)
         if known is None or report.at <= known.rolled_at:
             return
@@ -443,38 +479,49 @@ class ChargeReader:
                 known.full_cost,
                 -1,
                 known.given_up,
+                reported_at=report.at,
+                jitter=report.jitter,
             )
             if known.shared_away is not None:
                 self._given_up += max(0, known.shared_away - _shared_away(report.rollup, counters))
             return
         seq = known.rolled_seq
-        self._take_rollup(pid, known, report.rollup, counters, _bound(known, counters)[0], report.at)
-        known.rolled_seq = seq
+        self._take_rollup(pid, known, report.rollup, counters, _bound(known, counters)[0], report.at, report.jitter)
+        known.rolled_seq, known.reported_at = seq, report.at
 
     def _take_rollup(
-        self, pid: int, known: _Known, rollup: tuple[int, int, int], counters: _Counters, bound: int, at: float
+        self,
+        pid: int,
+        known: _Known,
+        rollup: tuple[int, int, int],
+        counters: _Counters,
+        bound: int,
+        at: float,
+        jitter: int,
     ) -> tuple[int, int]:
         """Record a rollup of ``pid`` read at ``counters``; ``bound``: its counters' upper bound
-        there, before it. (charged, private) as the rollup gives them."""
+        there, before it; ``jitter``: how far its shares held by others may be off (:func:`_jitter`).
+        (charged, private) as the rollup gives them."""
         anon, private, _ = rollup
         charged = max(0, known.exact + anon - known.exact_anon + max(0, counters.file - known.exact_file))
         shared_away = _shared_away(rollup, counters)
         # Shares this process gave up (pages freed or copied on write) went to the other
         # sharers, whose charges do not show it until their own rollup: carried till then.
         # No more than the bound's excess over this rollup, nor than what the others held
-        # of its pages and no longer do.
+        # of its pages and no longer do (as the two rollups tell it, each off by its jitter: an
+        # idle worker's own report, a few KiB; a slack where not measured).
         moved = max(0, bound - charged)
         if known.shared_away is not None:
             self._given_up += max(0, known.shared_away - shared_away)
-            moved = min(moved, max(0, known.shared_away - shared_away) + _FAULT_SLACK)
+            moved = min(moved, max(0, known.shared_away - shared_away) + known.jitter + jitter)
         if moved > _FAULT_SLACK:
-            self._carries.append(_Carry(moved, self.readings, pid))
+            self._carries.append(_Carry(moved, self.readings, pid, time.monotonic()))
         known.charged, known.private, known.counters = charged, private, counters
         known.rolled_at, known.rolled_anon = at, anon
         known.shared_away, known.rolled_seq, known.last = shared_away, self.readings, charged
         known.forks = _forks[0] if pid == os.getpid() else -1
         known.given_up = self._given_up
-        known.anchored = False
+        known.anchored, known.jitter = False, jitter
         return charged, private
 
     def charge(self, pid: int, how: int) -> tuple[int, int]:
@@ -494,13 +541,15 @@ class ChargeReader:
             if rollup is not None:
                 known.cost = time.thread_time() - started
                 self.rollups += 1
-                return self._take_rollup(pid, known, rollup, counters, bound[0], time.monotonic())
+                jitter = _jitter(counters, _counters(pid))
+                return self._take_rollup(pid, known, rollup, counters, bound[0], time.monotonic(), jitter)
         return self._full(pid)
 
     def _full(self, pid: int) -> tuple[int, int]:
         started = time.thread_time()
         counters = _counters(pid)
         rollup = _rollup_anon(pid)
+        after = _counters(pid)
         rolled = time.thread_time()
         charged, private, pss = _exact(pid)
         done = time.thread_time()
@@ -527,8 +576,18 @@ class ChargeReader:
                 done - started,
                 _forks[0] if pid == os.getpid() else -1,
                 self._given_up,
+                jitter=_jitter(counters, after),
             )
         return charged, private
+
+
+def _jitter(before: _Counters | None, after: _Counters | None) -> int:
+    """How far a rollup read between the counters ``before`` and ``after`` may be off in what it
+    says the other sharers hold (:func:`_shared_away`): what the process gained, freed or faulted
+    in meanwhile; a slack where either is unknown."""
+    if before is None or after is None:
+        return _FAULT_SLACK
+    return abs(after.anon - before.anon) + max(0, after.faults - before.faults) * _PAGE
 
 
 def _shared_away(rollup: tuple[int, int, int], counters: _Counters) -> int:
