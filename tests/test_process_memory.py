@@ -12,7 +12,9 @@ from collections.abc import Iterator
 import pytest
 
 from parallel_dcp.engine import own_charge, process_memory
-from parallel_dcp.engine.process_memory import ChargeReader, _charge, charged_memory
+from parallel_dcp.engine.proc_reading import charged_memory
+from parallel_dcp.engine.proc_reading import smaps_charge as _charge
+from parallel_dcp.engine.process_memory import ChargeReader
 
 MiB = 2**20
 
@@ -628,14 +630,8 @@ def test_a_baseline_rolls_up_the_parent_once_its_children_gave_up_shared_pages(
     carry of any one); then rolls it up."""
     lower, rollup = process_memory.LOWER, process_memory.ROLLUP
     reader, _now, counters = _faked_reader(monkeypatch)
-    then = process_memory._Counters(anon=10 * MiB, file=4 * MiB, faults=1000)
     pids = [1, 2, 3, 9]
-    for pid in pids:
-        known = process_memory._Known(20 * MiB, 10 * MiB, 4 * MiB, 100.0, 20 * MiB, 5 * MiB, then, 100.0, 10 * MiB)
-        known.shared_away = 6 * MiB
-        reader._known[pid] = known
-        counters[pid] = then
-    reader._members = frozenset(pids)
+    _sharers(reader, pids, counters)
     assert reader.plan(pids, baseline=True, shared=[9]) == [lower] * 4
     gave = 400 * 1024
     for save in (1, 2):

@@ -11,7 +11,11 @@ from __future__ import annotations
 import os
 import time
 
-from parallel_dcp.engine.process_memory import _FAULT_SLACK, ChargeReport, _counters, _exact, _jitter, _rollup_anon
+from parallel_dcp.engine.proc_reading import counter_drift, exact_charge, read_counters, rollup_anon
+from parallel_dcp.engine.process_memory import ChargeReport
+
+# Its file pages moved by more than this since its last full reading: read in full again.
+_FILE_SLACK = 512 * 1024
 
 __all__ = ["own_charge"]
 
@@ -29,13 +33,13 @@ def own_charge() -> ChargeReport | None:
     the rollup and subtracted again from a lower bound (missed twice, never counted)."""
     pid = os.getpid()
     at = time.monotonic()
-    counters = _counters(pid)
-    rollup = _rollup_anon(pid)
-    jitter = _jitter(counters, _counters(pid))
+    counters = read_counters(pid)
+    rollup = rollup_anon(pid)
+    jitter = counter_drift(counters, read_counters(pid))
     if counters is None or rollup is None:
         return None
     exact = None
-    if abs(counters.file - _own_full_file[0]) > _FAULT_SLACK:
-        charged, private, _ = _exact(pid)
+    if abs(counters.file - _own_full_file[0]) > _FILE_SLACK:
+        charged, private, _ = exact_charge(pid)
         exact, _own_full_file[0] = (charged, private), counters.file
     return ChargeReport(at, rollup, (counters.anon, counters.file, counters.faults, counters.shmem), exact, jitter)

@@ -73,68 +73,26 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import psutil
+from parallel_dcp.engine.proc_reading import PAGE as _PAGE
+from parallel_dcp.engine.proc_reading import Counters as _Counters
+from parallel_dcp.engine.proc_reading import charged_memory, counter_drift
+from parallel_dcp.engine.proc_reading import exact_charge as _exact
+from parallel_dcp.engine.proc_reading import read_counters as _counters
+from parallel_dcp.engine.proc_reading import rollup_anon as _rollup_anon
 
-__all__ = ["CHEAP", "FULL", "LOWER", "ROLLUP", "ChargeReader", "ChargeReport", "charged_memory"]
-
-_HEADER_FIELDS = 5  # start-end perms offset dev inode [path]
-
-
-def charged_memory(pid: int) -> tuple[int, int]:
-    """(charged, private) bytes of process ``pid``; (0, 0) once it is gone.
-
-    ``charged`` is its PSS without program code (module docstring); ``private`` is its USS, the
-    pages no other process maps (which worker to stop when the ceiling is crossed). Where smaps
-    cannot be read (another user's process, no procfs), RSS stands for both: it over-counts,
-    never under-counts.
-    """
-    charged, private, _ = _exact(pid)
-    return charged, private
-
-
-def _exact(pid: int) -> tuple[int, int, int]:
-    """(charged, private, pss) from the full smaps listing (PSS = RSS where smaps is unreadable)."""
-    try:
-        with open(f"/proc/{pid}/smaps", "rb") as smaps:
-            text = smaps.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0, 0, 0
-    except OSError:
-        rss, _ = _resident(pid)
-        return rss, rss, rss
-    return _charge_and_pss(text)
-
-
-def _rollup_anon(pid: int) -> tuple[int, int, int] | None:
-    """(Pss_Anon + Pss_Shmem, private, Anonymous - Pss_Anon) bytes from ``/proc/<pid>/smaps_rollup``;
-    None where the kernel has no rollup or no per-kind split (before Linux 5.9), or it cannot be
-    read. The last is what other processes hold of the anonymous pages this one maps (a page
-    mapped by k processes: k-1 of its k parts, at least what this one holds of it)."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
-            text = rollup.read()
-    except OSError:
-        return None
-    anon = shmem = private = resident = 0
-    split = False
-    for line in text.splitlines():
-        head, _, rest = line.partition(b":")
-        if head == b"Pss_Anon":
-            anon = int(rest.split()[0])
-            split = True
-        elif head == b"Pss_Shmem":
-            shmem = int(rest.split()[0])
-        elif head in (b"Private_Clean", b"Private_Dirty"):
-            private += int(rest.split()[0])
-        elif head == b"Anonymous":
-            resident = int(rest.split()[0])
-    return ((anon + shmem) * 1024, private * 1024, max(0, resident - anon) * 1024) if split else None
-
+__all__ = [
+    "CHEAP",
+    "FULL",
+    "LOWER",
+    "ROLLUP",
+    "ChargeReader",
+    "ChargeReport",
+    "charged_memory",
+]
 
 # A process's exact charge is read again at least this often (seconds), one process per reading:
 # the growth in RssFile (code paged in) it may have added is an over-count, never an under-count.
@@ -152,7 +110,6 @@ _ROLLUP_SHARE = 16
 # ... and within a CPU credit of this many seconds a process a reading (rollup_budget).
 _READ_CPU_S = 0.0005
 _READ_CPU_MIN_S = 0.002  # a small tree: about one torch process's rollup a reading
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 CHEAP, ROLLUP, FULL = 0, 1, 2  # how a reading reads one process (ChargeReader.plan)
 LOWER = 3  # ... a baseline's: the counters' lower bound (ChargeReader.plan, baseline=True)
@@ -182,8 +139,8 @@ class ChargeReport:
     counters: tuple[int, int, int, int]
     exact: tuple[int, int] | None = None  # (charged, private) from its full smaps, where read
     # How far the rollup's shares held by others (resident less PSS) may be off: what the counters
-    # moved by while it was read (unknown: a slack).
-    jitter: int = _FAULT_SLACK
+    # moved by while it was read (proc_reading.counter_drift; None: unknown, a slack).
+    jitter: int | None = None
 
 
 def rollup_budget(processes: int) -> int:
@@ -191,17 +148,6 @@ def rollup_budget(processes: int) -> int:
     fewer where their last rollups cost more CPU than the reader's credit (``_READ_CPU_S`` a
     process a reading, saved up while unused) holds."""
     return max(1, -(-processes // _ROLLUP_SHARE))
-
-
-@dataclass(slots=True)
-class _Counters:
-    """O(1) counters of one process: bytes of RssAnon + RssShmem, bytes of RssFile, minor faults,
-    and bytes of RssShmem alone."""
-
-    anon: int
-    file: int
-    faults: int
-    shmem: int = 0
 
 
 @dataclass(slots=True)
@@ -461,6 +407,7 @@ class ChargeReader:
         if known is None or report.at <= known.rolled_at:
             return
         counters = _Counters(*report.counters)
+        jitter = _FAULT_SLACK if report.jitter is None else report.jitter
         if report.exact is not None:
             self._known[pid] = _Known(
                 report.exact[0],
@@ -480,13 +427,13 @@ class ChargeReader:
                 -1,
                 known.given_up,
                 reported_at=report.at,
-                jitter=report.jitter,
+                jitter=jitter,
             )
             if known.shared_away is not None:
                 self._given_up += max(0, known.shared_away - _shared_away(report.rollup, counters))
             return
         seq = known.rolled_seq
-        self._take_rollup(pid, known, report.rollup, counters, _bound(known, counters)[0], report.at, report.jitter)
+        self._take_rollup(pid, known, report.rollup, counters, _bound(known, counters)[0], report.at, jitter)
         known.rolled_seq, known.reported_at = seq, report.at
 
     def _take_rollup(
@@ -582,12 +529,10 @@ class ChargeReader:
 
 
 def _jitter(before: _Counters | None, after: _Counters | None) -> int:
-    """How far a rollup read between the counters ``before`` and ``after`` may be off in what it
-    says the other sharers hold (:func:`_shared_away`): what the process gained, freed or faulted
-    in meanwhile; a slack where either is unknown."""
-    if before is None or after is None:
-        return _FAULT_SLACK
-    return abs(after.anon - before.anon) + max(0, after.faults - before.faults) * _PAGE
+    """What a rollup read between the counters ``before`` and ``after`` may be off by
+    (proc_reading.counter_drift), a slack where it cannot be told."""
+    drift = counter_drift(before, after)
+    return _FAULT_SLACK if drift is None else drift
 
 
 def _shared_away(rollup: tuple[int, int, int], counters: _Counters) -> int:
@@ -638,70 +583,3 @@ def _bound(known: _Known, now: _Counters) -> tuple[int, int]:
     copied = max(0, (now.faults - then.faults) * _PAGE - grown)
     files = max(0, now.file - known.exact_file) - max(0, then.file - known.exact_file)
     return known.charged + grown + copied + files, known.private + grown + copied
-
-
-def _counters(pid: int) -> _Counters | None:
-    """RssAnon + RssShmem, RssFile and minor faults of ``pid``; None once it is gone or unreadable."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as status:
-            text = status.read()
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            faults = int(stat.read().rpartition(b")")[2].split()[7])
-    except (OSError, ValueError, IndexError):
-        return None
-    found = _RSS.search(text)
-    if found is None:  # a kernel thread, or a zombie: no resident pages
-        return _Counters(0, 0, faults, 0)
-    anon, file, shmem = (int(kib) * 1024 for kib in found.groups())
-    return _Counters(anon + shmem, file, faults, shmem)
-
-
-# (one search, not a loop over the ~55 lines of ``status``: 51 -> ~30 us a process)
-_RSS = re.compile(rb"RssAnon:\s+(\d+) kB\nRssFile:\s+(\d+) kB\nRssShmem:\s+(\d+) kB")
-
-
-def _charge(text: bytes) -> tuple[int, int]:
-    """Sum one smaps listing: (charged, private) in bytes."""
-    charged, private, _ = _charge_and_pss(text)
-    return charged, private
-
-
-def _charge_and_pss(text: bytes) -> tuple[int, int, int]:
-    """Sum one smaps listing: (charged, private, PSS) in bytes, in one pass."""
-    mappings: list[tuple[bytes, int, int, int]] = []  # path, Pss, Private_Clean + Private_Dirty, Private_Dirty
-    code: set[bytes] = set()
-    path = b""
-    pss = private = dirty = 0
-    for line in text.splitlines():
-        head, _, rest = line.partition(b" ")
-        if head.endswith(b":"):
-            if head == b"Pss:":
-                pss = int(rest.split()[0])
-            elif head == b"Private_Clean:":
-                private += int(rest.split()[0])
-            elif head == b"Private_Dirty:":
-                value = int(rest.split()[0])
-                private += value
-                dirty += value
-            continue
-        if b"-" not in head:  # VmFlags and the like
-            continue
-        if path or pss or private:
-            mappings.append((path, pss, private, dirty))
-        fields = line.split(None, _HEADER_FIELDS)
-        path = fields[_HEADER_FIELDS] if len(fields) > _HEADER_FIELDS else b""
-        if path.startswith(b"/") and b"x" in fields[1]:
-            code.add(path)
-        pss = private = dirty = 0
-    mappings.append((path, pss, private, dirty))
-    charged = sum(dirty if mapped in code else pss for mapped, pss, _, dirty in mappings)
-    total = sum(pss for _, pss, _, _ in mappings)
-    return charged * 1024, sum(private for _, _, private, _ in mappings) * 1024, total * 1024
-
-
-def _resident(pid: int) -> tuple[int, int]:
-    try:
-        rss = int(psutil.Process(pid).memory_info().rss)
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return 0, 0
-    return rss, rss
