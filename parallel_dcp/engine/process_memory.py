@@ -190,8 +190,8 @@ class _Carry:
     at: float = math.inf
 
     def waits_on(self, known: _Known) -> bool:
-        """Whether the process ``known`` may not count this carry's shares yet (a process that
-        shares no page: ChargeReader._sharing)."""
+        """Whether the process ``known`` may not count this carry's shares yet (asked only of the
+        processes a share may move to: ChargeReader._sharing)."""
         return known.rolled_seq <= self.seq and known.reported_at <= self.at
 
 
