@@ -233,6 +233,8 @@ class ChargeReader:
 
     def _expire(self) -> None:
         """Drop the carries every process but their source has been rolled up (or read) since."""
+        if not self._carries:
+            return
         sharing = self._sharing()
         self._carries = [
             carry
@@ -293,7 +295,7 @@ class ChargeReader:
         self._expire()
         plan = [CHEAP if pid in self._known else FULL for pid in pids]
         waiting: dict[int, int] = {}  # pid -> bytes of carries waiting on its rollup
-        sharing = self._sharing()
+        sharing = self._sharing() if self._carries else {}
         for carry in self._carries:
             for pid, known in sharing.items():
                 if pid != carry.source and carry.waits_on(known) and pid not in self._anchored:
@@ -358,7 +360,7 @@ class ChargeReader:
         self._anchored = set()
         me = os.getpid()
         allowance = _FAULT_SLACK * len(pids)
-        sharing = self._sharing()
+        sharing = self._sharing() if self._carries else {}
         waiting = {
             pid for pid in shared if pid in self._known and self._given_up - self._known[pid].given_up > allowance
         } | {
