@@ -11,11 +11,8 @@ from __future__ import annotations
 import os
 import time
 
-from parallel_dcp.engine.proc_reading import counter_drift, exact_charge, read_counters, rollup_anon
+from parallel_dcp.engine.proc_reading import FAULT_SLACK, counter_drift, exact_charge, read_counters, rollup_anon
 from parallel_dcp.engine.process_memory import ChargeReport
-
-# Its file pages moved by more than this since its last full reading: read in full again.
-_FILE_SLACK = 512 * 1024
 
 __all__ = ["own_charge"]
 
@@ -39,7 +36,7 @@ def own_charge() -> ChargeReport | None:
     if counters is None or rollup is None:
         return None
     exact = None
-    if abs(counters.file - _own_full_file[0]) > _FILE_SLACK:
+    if abs(counters.file - _own_full_file[0]) > FAULT_SLACK:
         charged, private, _ = exact_charge(pid)
         exact, _own_full_file[0] = (charged, private), counters.file
     return ChargeReport(at, rollup, (counters.anon, counters.file, counters.faults, counters.shmem), exact, jitter)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import psutil
 
 __all__ = [
+    "FAULT_SLACK",
     "PAGE",
     "Counters",
     "charge_and_pss",
@@ -27,6 +28,9 @@ __all__ = [
 ]
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# How far a process's counters may stray from its pages without its charge being read again: its
+# drift past this calls for a rollup, its file pages moved past it for a full reading.
+FAULT_SLACK = 512 * 1024
 _HEADER_FIELDS = 5  # start-end perms offset dev inode [path]
 
 
