@@ -513,34 +513,6 @@ def test_the_projection_follows_the_savers_structure() -> None:
     assert any("coordinator beside the workers 0.030 s (30.0 us/key)" in line for line in lines)
 
 
-def test_a_savers_save_right_after_a_fork_of_the_caller_is_projected_apart() -> None:
-    # The probe's Saver save right after the caller forked spent 0.05 s before its first task, the
-    # steady one 0.04: its projection adds the 0.01 s to every row; the steady rows are unchanged.
-    from parallel_dcp.benchmark.pieces import executor_lines, executor_projections
-
-    got = _saver_probe() | {"serial_before_seconds": 0.04, "serial_after_seconds": 0.01}
-    steady = executor_projections({"saver": got}, nbytes=2**30, keys=1000)["saver"]
-    got["after_fork"] = {"alone_seconds": 1.2, "before_first_task_seconds": 0.05}
-    saver = executor_projections({"saver": got}, nbytes=2**30, keys=1000)["saver"]
-    assert saver["after_fork"] == got["after_fork"]
-    for row, before in zip(saver["rows"], steady["rows"], strict=True):
-        assert row["projected_seconds"] == before["projected_seconds"]
-        assert row["projected_speedup_after_fork"] == pytest.approx(1.1 / (before["projected_seconds"] + 0.01))
-    assert "projected_speedup_after_fork" not in steady["rows"][0]
-    x64 = 1.1 / (0.08 + 0.03 + 0.01)
-    lines = executor_lines({"saver": saver}, None)
-    assert any(
-        "right after the caller forked" in line
-        and "before the first task 50.0 ms against 40.0 ms" in line
-        and f"x64 {x64:.2f}x" in line
-        for line in lines
-    )
-    # No later than the steady save: never a negative term.
-    got["after_fork"] = {"alone_seconds": 1.0, "before_first_task_seconds": 0.03}
-    faster = executor_projections({"saver": got}, nbytes=2**30, keys=1000)["saver"]
-    assert all(r["projected_speedup_after_fork"] == r["projected_speedup"] for r in faster["rows"])
-
-
 def test_the_projection_adds_the_coordinators_work_for_the_tasks_of_many_workers() -> None:
     # The probe's Saver save cut like 64 workers (64 tasks against its own 4) took 6 ms more
     # serial and 30 ms more beside the workers: 0.1 and 0.5 ms a task, added per task a save on
@@ -600,10 +572,6 @@ def test_a_probe_of_many_tensors_is_busy_on_a_subset_scaled_per_key(
     monkeypatch.setattr(pieces, "BASELINE_PROBE_WORKERS", 3)
     state = {"optimizer": {f"{i}": {"exp_avg": torch.randn(64 + i)} for i in range(20)}}
     probe = pieces.probe_executors(state, str(tmp_path), rounds=1, sync=False)
-    for kind in pieces.PROBED:  # a Saver's save right after the caller forked, measured apart
-        forked = probe[kind].get("after_fork")
-        assert (forked is not None) == (kind in ("saver", "saver_unchanged"))
-        assert forked is None or (forked["alone_seconds"] > 0 and forked["before_first_task_seconds"] > 0)
     held = probe["saver"]["baseline_per_held_worker"]  # a Saver's baseline with 1 and 3 workers held
     assert held["workers"] == [1, 3] and all(0 < s < 1 for s in held["baseline_seconds"])
     assert held["seconds_per_held_worker"] == max(0.0, held["baseline_seconds"][1] - held["baseline_seconds"][0]) / 2

@@ -6,15 +6,6 @@
                "processes" and a Saver's workers (the Saver started and saved once before the
                rounds, so every timed Saver save is a second save), also with the promise that no
                tensor was relaid in place ("saver_unchanged": ``layout_unchanged=True``)
-    steady     a Saver's save is measured as a training loop's next checkpoint: after a save of
-               its own, not right after a fork of the caller (the kind before it forked its busy
-               process). A Saver's first save after its caller forked rolls the caller up once
-               (its pages were shared with the fork: engine/process_memory.py), ~5 ms for a
-               4 GiB caller. So each round saves twice per Saver kind: first right after the
-               fork ("after_fork": its wall and its serial part before the first task, in the
-               JSON, and printed with the projection they give), then, after writing
-               AFTER_FORK_EVICT_BYTES (twice this VM's L3, as a training step would: the state
-               dict is cold again), the save the pieces and the projection take
     per run    wall seconds, worker seconds (SaveResult.per_worker, summed: P), the workers' handling
                of their tasks outside them (``handling_seconds`` + ``handover_seconds``, summed: H:
                taking each task in, pickling its result, sending it into the worker's pipe; the
@@ -107,9 +98,6 @@ _GIL_BOUND = ("threads",)  # executors whose writers share the caller's interpre
 _GiB = 2**30
 # Beside a busy thread, a state dict of more tensors than this is probed on this many (see above).
 BUSY_PROBE_KEYS = 2000
-# Written between a Saver's untimed save after the caller's fork and its timed one (see "steady").
-AFTER_FORK_EVICT_BYTES = 64 << 20
-_SAVERS = ("saver", "saver_unchanged")
 # A Saver's save is probed a second time cut into the tasks of a save on this many workers (see above).
 PER_TASK_PROBE_WORKERS = 64
 # The Saver held at this many workers to measure what each worker held adds to a save's baseline.
@@ -170,8 +158,6 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
     subset_alone: dict[str, list[float]] = {kind: [] for kind in PROBED}
     # A Saver's later save cut into the tasks of one on PER_TASK_PROBE_WORKERS workers: (wall, P + H, C, tasks).
     cut: list[tuple[float, float, float, int]] = []
-    # A Saver's save right after the caller forked (see "steady"): (wall, serial before the first task).
-    after_fork: dict[str, list[tuple[float, float]]] = {kind: [] for kind in _SAVERS}
     saver_tasks = 0
     out = f"{root}/probe"
     with parallel_dcp.Saver(workers=1) as saver, parallel_dcp.Saver(workers=1) as cut_saver:
@@ -205,10 +191,6 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
         timed_cut()  # (its first save too)
         for _ in range(max(1, rounds)):
             for kind in PROBED:
-                if kind in _SAVERS:  # (see "steady")
-                    wall, result = timed(kind, state_dict, "alone")
-                    after_fork[kind].append((wall, result.phases["plan"] + result.phases["fork"]))
-                    b"\1" * AFTER_FORK_EVICT_BYTES  # written, then dropped
                 wall, result = timed(kind, state_dict, "alone")
                 inside = sum(w.seconds for w in result.per_worker)
                 # What a worker spends on the job outside its tasks (a Saver's: loading the job's
@@ -264,11 +246,6 @@ def probe_executors(state_dict: Any, root: str, rounds: int, sync: bool) -> dict
                 "busy_process_seconds": process,
                 "scale": scale,
             }
-    for kind in _SAVERS:
-        found[kind]["after_fork"] = {
-            "alone_seconds": _median([wall for wall, _ in after_fork[kind]]),
-            "before_first_task_seconds": _median([before for _, before in after_fork[kind]]),
-        }
     found["saver"]["first_save_start_seconds"] = first.phases.get("fork", 0.0)
     found["saver"]["saver_start_seconds"] = start_seconds
     per_task = {
@@ -345,9 +322,6 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
         capped = kind in _GIL_BOUND or (kind == "default" and got["executor_used"] in _GIL_BOUND)
         per_task = _per_task(got, serial, streamed)
         held = got.get("baseline_per_held_worker", {}).get("seconds_per_held_worker", 0.0)
-        # A Saver's save right after its caller forked pays this much more before its first task.
-        forked = got.get("after_fork")
-        refork = max(0.0, forked["before_first_task_seconds"] - before) if forked else None
         total = nbytes + ITEM_OVERHEAD_BYTES * keys  # partition's cost of the whole job
         rows = []
         for count in PROJECTED_COUNTS:
@@ -361,17 +335,16 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
             seconds = serial_at + max(
                 streamed_at, staggered_work_seconds(work, count, start), share * work if capped else 0.0
             )
-            row = {
-                "workers": count,
-                "tasks": tasks,
-                "serial_seconds": serial_at,
-                "coordinator_write_seconds": streamed_at,
-                "projected_seconds": seconds,
-                "projected_speedup": wall / seconds if seconds > 0 else None,
-            }
-            if refork is not None:
-                row["projected_speedup_after_fork"] = wall / (seconds + refork)
-            rows.append(row)
+            rows.append(
+                {
+                    "workers": count,
+                    "tasks": tasks,
+                    "serial_seconds": serial_at,
+                    "coordinator_write_seconds": streamed_at,
+                    "projected_seconds": seconds,
+                    "projected_speedup": wall / seconds if seconds > 0 else None,
+                }
+            )
         found[kind] = {
             "executor_used": got["executor_used"],
             "measured_seconds_alone": wall,
@@ -409,8 +382,6 @@ def executor_projections(probe: dict[str, Any], nbytes: int, keys: int) -> dict[
             found[kind]["per_task"] = per_task
         if "baseline_per_held_worker" in got:
             found[kind]["baseline_per_held_worker"] = got["baseline_per_held_worker"]
-        if forked:
-            found[kind]["after_fork"] = forked
     return found
 
 
@@ -439,9 +410,9 @@ def _tasks(rows: list[dict[str, Any]], count: int) -> str:
     return str(next((r["tasks"] for r in rows if r["workers"] == count), "-"))
 
 
-def _x(rows: list[dict[str, Any]], count: int, field: str = "projected_speedup") -> str:
+def _x(rows: list[dict[str, Any]], count: int) -> str:
     row = next((r for r in rows if r["workers"] == count), None)
-    return f"{row[field]:.2f}x" if row and row.get(field) is not None else "-"
+    return f"{row['projected_speedup']:.2f}x" if row and row["projected_speedup"] is not None else "-"
 
 
 def executor_lines(executors: dict[str, Any], governor: list[dict[str, Any]] | None) -> list[str]:
@@ -480,15 +451,6 @@ def executor_lines(executors: dict[str, Any], governor: list[dict[str, Any]] | N
                 f"    {kind}: its baseline reading {b['baseline_seconds'][0] * 1e3:.2f} ms with 1 worker held,"
                 f" {b['baseline_seconds'][1] * 1e3:.2f} ms with {b['workers'][1]}:"
                 f" {b['seconds_per_held_worker'] * 1e6:.0f} us a worker held, in S(N)"
-            )
-        if "after_fork" in e:
-            f, field = e["after_fork"], "projected_speedup_after_fork"
-            lines.append(
-                f"    {kind}: its save right after the caller forked (the caller rolled up once):"
-                f" alone {f['alone_seconds']:.3f} s,"
-                f" before the first task {f['before_first_task_seconds'] * 1e3:.1f} ms"
-                f" against {e['serial_parts']['before_first_task_seconds'] * 1e3:.1f} ms; projected so:"
-                f" x16 {_x(e['rows'], 16, field)}, x64 {_x(e['rows'], 64, field)}"
             )
         if "per_task" in e:
             t = e["per_task"]
