@@ -3,7 +3,9 @@ follows the kind before it, whose saves fork the caller (`executor="processes"`,
 
 For each save: its wall and plan phase, and how the governor's baseline read each process it holds (the caller
 "me", the fork server "srv", the worker "w": `LOWER` counters only, `ROLLUP` smaps_rollup, `CHEAP` the caller
-anchored, `FULL` the whole smaps) with the carries it found (source, KiB, the reading that made them).
+anchored, `FULL` the whole smaps) with the carries it found (source, KiB, the reading that made them); and each
+rollup that made a carry: its process, its counters' bound against the charge it read, what the others held of its
+pages before and after (shared away), and the two rollups' measured errors (jitter), which bound the carry.
 
 Usage: flock LOCK python bench/bench_saver_after_fork.py GIB ROUNDS
 """
@@ -42,6 +44,25 @@ def shown_plan(self, pids, shared):
 
 
 process_memory.ChargeReader._baseline_plan = shown_plan
+take_rollup = process_memory.ChargeReader._take_rollup
+
+
+def shown_rollup(self, pid, known, rollup, counters, bound, at, jitter):
+    before, jittered, carries = known.shared_away, known.jitter, len(self._carries)
+    taken = take_rollup(self, pid, known, rollup, counters, bound, at, jitter)
+    if len(self._carries) > carries:
+        who = "me" if pid == os.getpid() else "a held process"
+        was = "unknown" if before is None else f"{before >> 10} KiB"
+        print(
+            f"      a rollup of {who} made a carry of {self._carries[-1].amount >> 10} KiB: bound {bound >> 10} KiB,"
+            f" charged {taken[0] >> 10} KiB, shared away {was} -> {known.shared_away >> 10} KiB,"
+            f" jitter {jittered >> 10} + {jitter >> 10} KiB",
+            flush=True,
+        )
+    return taken
+
+
+process_memory.ChargeReader._take_rollup = shown_rollup
 root = tempfile.mkdtemp(dir="/dev/shm", prefix="after-fork-")
 out = f"{root}/ck"
 
