@@ -77,9 +77,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from parallel_dcp.engine.proc_reading import FAULT_SLACK, charged_memory, counter_drift
+from parallel_dcp.engine.proc_reading import FAULT_SLACK as _FAULT_SLACK
 from parallel_dcp.engine.proc_reading import PAGE as _PAGE
 from parallel_dcp.engine.proc_reading import Counters as _Counters
+from parallel_dcp.engine.proc_reading import charged_memory, counter_drift
 from parallel_dcp.engine.proc_reading import exact_charge as _exact
 from parallel_dcp.engine.proc_reading import read_counters as _counters
 from parallel_dcp.engine.proc_reading import rollup_anon as _rollup_anon
@@ -100,7 +101,6 @@ _CODE_REFRESH_S = 5.0
 # A process whose counters show more than _FAULT_SLACK bytes of drift (faults that added no
 # resident page, pages freed) since its last rollup is due one, and any process a second after it.
 _ROLLUP_REFRESH_S = 1.0
-_FAULT_SLACK = FAULT_SLACK
 # At most one process in _ROLLUP_SHARE (at least one) is rolled up or read in full per reading,
 # besides processes never read before: a rollup walks every page table of the process (1.5 ms a
 # torch process, 8 ms one that inherited a 1 GiB state dict), so rolling every process up when all
