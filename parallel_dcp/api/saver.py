@@ -106,8 +106,9 @@ class Saver:
         ``layout_unchanged=True`` is a promise, for a training loop that only updates values
         (optimizer steps, ``copy_``): since this Saver's last save of these keys, no tensor was
         reshaped, retyped or restrided in place over the same bytes (``resize_`` within its
-        storage, ``t_``, ``as_strided_``, ``.data =`` a view of the same bytes), nor had its
-        ``requires_grad`` switched (``.metadata`` records it). The save then does not compare
+        storage, ``t_``, ``as_strided_``, ``.data =`` a view of the same bytes), nor replaced by
+        another view of the same first byte (``sd[k] = sd[k].t()``, ``.conj()``, ``.view(dtype)``),
+        nor had its ``requires_grad`` switched (``.metadata`` records it). The save then does not compare
         each tensor's dtype, shape, strides and ``requires_grad`` with the last save's (about 1 us
         a key at 50,000 keys) unless its bytes moved. Still checked every
         save: the keys, their order and nesting, each tensor's type, where each tensor's bytes lie

@@ -27,6 +27,8 @@ __all__ = [
     "chunk_count",
     "chunk_threshold",
     "exact_storage",
+    "lazy_bits",
+    "resolved",
     "split",
 ]
 
@@ -102,6 +104,23 @@ def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
     alias = torch.from_numpy(flat_bytes.numpy()).view(tensor.dtype).reshape(tensor.shape)
     # (.metadata records requires_grad, as stock's save does from the tensor it was given)
     return alias.requires_grad_() if tensor.requires_grad else alias
+
+
+def lazy_bits(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[bool, bool] | None:
+    """(its conjugate bit, its negative bit) where ``tensor`` (of ``dtype``) is a lazy view, whose
+    bytes are not its values (``x.conj()``; ``x.conj().imag`` and ``torch._neg_view(x)``; also
+    ``detach``, ``torch.load`` and ``nn.Parameter`` of one, which are no views); None otherwise.
+    One call into torch a tensor (~0.3 us; only a complex tensor can have its conjugate bit set)."""
+    neg = tensor.is_neg()
+    conj = dtype.is_complex and tensor.is_conj()
+    return (conj, neg) if neg or conj else None
+
+
+def resolved(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values in memory of their own where it is a lazy view (its conjugate or
+    negative bit set: ``x.conj()``, ``x.conj().imag``, whose bytes are not its values; a copy);
+    ``tensor`` itself otherwise. A writer that copies a tensor's bytes must take these instead."""
+    return tensor.resolve_conj().resolve_neg()
 
 
 def chunk_threshold(total_bytes: int, workers: int, task_budget: int) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from parallel_dcp.engine.chunks import Chunk, exact_storage
+from parallel_dcp.engine.chunks import Chunk, exact_storage, lazy_bits, resolved
 from parallel_dcp.formats import lean
 from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.validate import check_tensor, flatten_checked
@@ -36,6 +36,9 @@ class MemorySource(Source):
     # Per tensor key, from the opening pass: (Entry.nbytes, copied_bytes).
     _sizes: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     _plain: bool = True
+    # The lazy views (engine/chunks.lazy_bits) by key, with their (conjugate, negative) bits:
+    # their bytes are not their values, so a worker resolves each into a copy, charged.
+    _lazy: dict[str, tuple[bool, bool]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.kind = "memory"
@@ -45,6 +48,7 @@ class MemorySource(Source):
         tensor, plain_types, strided = torch.Tensor, lean._PLAIN, torch.strided
         new, (set_key, set_dtype, set_shape, set_file) = object.__new__, _SETTERS
         plain = True
+        lazy = self._lazy = {}
         for key, value in flat.items():
             if not isinstance(value, tensor):
                 values[key] = value
@@ -54,7 +58,7 @@ class MemorySource(Source):
                 check_tensor(key, value)
             entry = entries[key] = new(Entry)  # Entry(key, value.dtype, tuple(value.shape)), unchecked
             set_key(entry, key)
-            set_dtype(entry, value.dtype)
+            set_dtype(entry, dtype := value.dtype)
             set_shape(entry, tuple(value.shape))
             set_file(entry, "")
             # Contiguous: written from the shared pages as it is (copied_bytes 0). This class's
@@ -64,6 +68,10 @@ class MemorySource(Source):
             else:  # a subclass (DTensor, ...): its global shape, sized as the planner sizes it
                 plain = False
                 sizes[key] = (entry.nbytes, MemorySource.copied_bytes(self, key))
+            bits = lazy_bits(value, dtype)
+            if bits is not None:  # a lazy view: copied, resolved (see _lazy)
+                lazy[key] = bits
+                sizes[key] = (sizes[key][0], sizes[key][0])
         self._plain = plain
 
     def keys(self) -> tuple[str, ...]:
@@ -77,13 +85,22 @@ class MemorySource(Source):
         return self._sizes
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        if self._lazy:
+            return {key: exact_storage(self._resolved(key, self._flat[key])) for key in keys}
         return {key: exact_storage(self._flat[key]) for key in keys}
 
     def read_chunk(self, chunk: Chunk) -> torch.Tensor:
-        return exact_storage(chunk.of(self._flat[chunk.key]))
+        return exact_storage(self._resolved(chunk.key, chunk.of(self._flat[chunk.key])))
+
+    def _resolved(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (``key``'s, or a chunk of it) as its values: a lazy view's resolved into a
+        copy (charged: ``copied_bytes``, ``chunk_memory``), anything else as it is."""
+        return resolved(tensor) if key in self._lazy else tensor
 
     def chunk_memory(self, chunk: Chunk) -> int:
         # A row range of a contiguous tensor is aliased as it is; any other chunk is copied by DCP.
+        if chunk.key in self._lazy:
+            return chunk.nbytes(self.entries[chunk.key].dtype.itemsize)
         if chunk.dim == 0 and self._flat[chunk.key].is_contiguous():
             return 0
         return chunk.nbytes(self.entries[chunk.key].dtype.itemsize)
@@ -95,6 +112,8 @@ class MemorySource(Source):
         permuted whole tensor) is written from the shared pages as it is, and so is a contiguous
         slice of a larger storage (through an alias: see ``exact_storage``)."""
         tensor = self._flat[key]
+        if key in self._lazy:
+            return int(tensor.nbytes)
         if tensor.is_contiguous() or tensor.untyped_storage().nbytes() == tensor.nbytes:
             return 0
         return int(tensor.nbytes)

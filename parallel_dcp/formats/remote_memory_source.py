@@ -98,6 +98,8 @@ class SourcePart:
     values: dict[str, Any]
     mapping: dict[str, tuple[Any, ...]]
     grads: frozenset[str] = frozenset()
+    # The keys whose tensor is a lazy view: (its conjugate bit, its negative bit).
+    lazy: dict[str, tuple[bool, bool]] = field(default_factory=dict)
 
 
 def _requiring_grad(keys: Sequence[str], tensors: Iterable[torch.Tensor]) -> frozenset[str]:
@@ -173,11 +175,19 @@ class RemoteMemorySource(MemorySource):
         # What a worker copies: a contiguous tensor's span is its bytes (torch's rule is _layout's);
         # nothing for a tensor the writer copies itself.
         contiguous = map(torch.Tensor.is_contiguous, tensors)
+        lazy = self._lazy
         pends = self.pending_writes
         self._sizes = {
             key: (
                 nbytes,
-                (0 if pends and nbytes >= PENDING_MIN_BYTES and self.entries[key].dtype in LEAN_DTYPES else nbytes)
+                (
+                    0
+                    if pends
+                    and nbytes >= PENDING_MIN_BYTES
+                    and self.entries[key].dtype in LEAN_DTYPES
+                    and key not in lazy
+                    else nbytes
+                )
                 if whole
                 else self._memory(key, self._layout_of(key)),
             )
@@ -265,6 +275,7 @@ class RemoteMemorySource(MemorySource):
         shell.__dict__.pop("_leaves", None)
         shell.state_dict, shell._flat, shell._sizes, shell._layouts = None, {}, {}, {}
         shell.entries, shell.values, shell.mapping, shell._grads = {}, {}, {}, frozenset()
+        shell._lazy = {}
         return shell
 
     def part(self, keys: Sequence[str]) -> SourcePart:
@@ -283,6 +294,7 @@ class RemoteMemorySource(MemorySource):
             {key: values[key] for key in keys if key in values} if values else {},
             {key: mapping[key] for key in keys if key in mapping},
             _requiring_grad(tensor_keys, tensors),
+            {key: self._lazy[key] for key in tensor_keys if key in self._lazy} if self._lazy else {},
         )
 
     def with_part(self, part: SourcePart) -> RemoteMemorySource:
@@ -292,6 +304,7 @@ class RemoteMemorySource(MemorySource):
         source.entries, source._layouts = _rebuilt(part.keys, part.dtypes, part.shapes, part.strides, part.addresses)
         source.values, source.mapping, source._sizes = part.values, part.mapping, {}
         source._grads = part.grads
+        source._lazy = part.lazy
         return source
 
     def plain_tensors(self) -> bool:
@@ -305,7 +318,12 @@ class RemoteMemorySource(MemorySource):
         return self._memory(chunk.key, self._layout_of(chunk.key).narrow(chunk))
 
     def _pends(self, key: str, layout: _Layout) -> bool:
-        return self.pending_writes and layout.pending() and self.entries[key].dtype in LEAN_DTYPES
+        return (
+            self.pending_writes
+            and layout.pending()
+            and self.entries[key].dtype in LEAN_DTYPES
+            and key not in self._lazy
+        )
 
     def _memory(self, key: str, layout: _Layout) -> int:
         """What a worker allocates to read ``layout``: nothing where the writer copies it (see
@@ -314,9 +332,11 @@ class RemoteMemorySource(MemorySource):
 
     def read(self, keys: Iterable[str]) -> dict[str, Any]:  # type: ignore[override]
         """The tensors of ``keys``, in order: a :class:`PendingTensor` for each large one whose
-        storage is exactly its bytes (the writer copies it); the others copied in one gathered
-        read into one buffer, each owning just its bytes of it (an alias, as ``exact_storage``
-        makes), so writers see whole tensors."""
+        storage is exactly its bytes (the writer copies it); a lazy view copied into a buffer of
+        its own and resolved there (in a shared buffer it could lie misaligned for its dtype, and
+        torch's complex kernels crash on such memory); the others copied in one gathered read
+        into one buffer, each owning just its bytes of it (an alias, as ``exact_storage`` makes),
+        so writers see whole tensors."""
         keys = list(keys)
         out: dict[str, Any] = dict.fromkeys(keys)
         copied = []
@@ -324,6 +344,8 @@ class RemoteMemorySource(MemorySource):
             layout = self._layout_of(key)
             if self._pends(key, layout):
                 out[key] = self._pending(key, layout)
+            elif key in self._lazy:  # resolved in place: in memory of its own, aligned for its dtype
+                out[key] = self._fetch(key, layout)
             else:
                 copied.append((key, layout))
         buffer = numpy.empty(sum(layout.span for _, layout in copied), dtype=numpy.uint8)
@@ -365,4 +387,10 @@ class RemoteMemorySource(MemorySource):
             shaped = raw.view(dtype).view(layout.sizes)
         else:
             shaped = torch.as_strided(raw.view(dtype), layout.sizes, layout.strides)
+        conj, neg = self._lazy.get(key, (False, False))
+        if conj:  # a lazy view's values, from its bytes: in place, in this worker's copy (never a
+            # PendingTensor: the writer would copy the bytes as they are)
+            shaped.conj_physical_()
+        if neg:
+            shaped.neg_()
         return shaped.detach().requires_grad_() if key in self._grads else shaped

@@ -64,6 +64,7 @@ from typing import Any, TypeVar
 import torch
 
 from parallel_dcp import _compat
+from parallel_dcp.engine.chunks import lazy_bits
 from parallel_dcp.engine.partition import Item, Task, one_task_memory
 from parallel_dcp.formats import lean
 from parallel_dcp.formats.nesting import Skeleton, leaves, skeleton
@@ -98,6 +99,9 @@ class Layout:
     kinds: list[tuple[torch.dtype, torch.Size]]  # each tensor's dtype and shape
     strides: list[tuple[int, ...]]
     grads: list[bool]  # each tensor's requires_grad (.metadata records it; the parts carry it)
+    # The lazy views by key, with their conjugate and negative bits (engine/chunks.lazy_bits: a
+    # lazy view's bytes are not its values; the parts say which a worker resolves).
+    lazy: dict[str, tuple[bool, bool]]
     value_sizes: list[int]
     pending_writes: bool
     nesting: Skeleton | None  # the containers flattened (formats/nesting.py): None, flatten again
@@ -190,6 +194,7 @@ class PlanReuse:
             kinds=list(map(_kind, tensors)),
             strides=list(map(_stride, tensors)),
             grads=list(map(_grad, tensors)),
+            lazy=source._lazy,
             value_sizes=list(map(source.value_bytes, source.values)),
             pending_writes=source.pending_writes,
             nesting=skeleton(state_dict),
@@ -412,11 +417,12 @@ def _chunked(kept: _Kept, tensors: list[torch.Tensor], *, guard_now: bool) -> tu
 
 
 def _same_kinds(kept: _Kept, tensors: list[torch.Tensor], *, guard_tried: bool = False) -> bool:
-    """Whether every tensor has the dtype, shape, strides and ``requires_grad`` of ``kept``'s
-    layout: in C passes (``kept.guard``: 0.3 us a key at 50,000, against 1.2 for the dtype,
-    shape and strides passes in Python) where it says so (``guard_tried``: it was asked already,
+    """Whether every tensor has the dtype, shape, strides, ``requires_grad`` and conjugate and
+    negative bits of ``kept``'s layout: in C passes (``kept.guard``: 0.3 us a key at 50,000,
+    against 1.2 for the Python passes) where it says so (``guard_tried``: it was asked already,
     by _chunked, and did not); else by the Python passes, which decide (the guard is stricter: it
-    also compares each tensor's device and dispatch keys, and its False is no verdict). The guard
+    also compares each tensor's device and all its dispatch keys, of which those bits are two,
+    and its False is no verdict). The guard
     is made from the first tensors the Python passes found laid out as the layout (and again
     where it refused tensors they accept: it then holds what this layout's tensors now are), so
     its True means what theirs does.
@@ -432,10 +438,21 @@ def _same_kinds(kept: _Kept, tensors: list[torch.Tensor], *, guard_tried: bool =
         list(map(_kind, tensors)) != layout.kinds
         or list(map(_stride, tensors)) != layout.strides
         or list(map(_grad, tensors)) != layout.grads
+        or _lazy_views(layout, tensors) != layout.lazy
     ):
         return False
     kept.guard = _compat.layout_guard(tensors, [shape for _, shape in layout.kinds], layout.strides)
     return True
+
+
+def _lazy_views(layout: Layout, tensors: list[torch.Tensor]) -> dict[str, tuple[bool, bool]]:
+    """The lazy views among ``tensors`` (of the dtypes in ``layout.kinds``), as ``Layout.lazy``."""
+    lazy = {}
+    for key, tensor, (dtype, _) in zip(layout.tensor_keys, tensors, layout.kinds, strict=True):
+        bits = lazy_bits(tensor, dtype)
+        if bits is not None:
+            lazy[key] = bits
+    return lazy
 
 
 def _unchecked(tensors: list[torch.Tensor], addresses: list[int], before: list[int], moved: bool) -> list[torch.Tensor]:

@@ -1,0 +1,136 @@
+"""Lazy views (a tensor whose conjugate or negative bit is set: ``x.conj()``, ``x.conj().imag``)
+are saved as their values, as stock's ``dcp.save`` saves them: their bytes are not their values.
+A writer that copied their bytes wrote the conjugate or the negation without a word (a Saver,
+whose workers read the caller's memory), or failed in a worker after the save had started
+(``save``: ``view`` refuses a tensor with its negative bit set)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+import parallel_dcp
+from parallel_dcp import _compat
+from parallel_dcp.formats.memory_format import MemorySource
+from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
+from tests.conftest import assert_same
+
+
+def _lazy_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    big = torch.randn(128, 256, dtype=torch.complex64)  # past PENDING_MIN_BYTES: the writer would copy it
+    small = torch.randn(3, 5, dtype=torch.complex128)
+    real = torch.randn(96, 64)
+    grad = torch.randn(64, 64, dtype=torch.complex64, requires_grad=True)
+    return {
+        "conj": big.conj(),
+        "conj_small": small.conj(),
+        "conj_t": big.conj().t(),  # a lazy view with other strides
+        "neg": torch._neg_view(real),
+        "imag_of_conj": big.conj().imag,  # a real tensor with its negative bit set, and gaps
+        "neg_slice": torch._neg_view(real)[10:20],  # a contiguous slice of a larger storage
+        "conj_grad": grad.conj(),
+        "plain": torch.randn(128, 256),
+        "step": 7,
+    }
+
+
+def _values(sd: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint of ``sd`` must hold: each tensor's values, resolved and detached."""
+    return {k: v.detach().resolve_conj().resolve_neg() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+
+
+def _stock_load(path: Path, sd: dict[str, Any]) -> dict[str, Any]:
+    """``path`` read by stock ``dcp.load`` into fresh tensors shaped as ``sd``'s values."""
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in _values(sd).items()}
+    dcp.load(target, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return target
+
+
+def test_the_state_holds_lazy_views() -> None:
+    sd = _lazy_state()
+    assert sd["conj"].is_conj() and sd["neg"].is_neg() and sd["imag_of_conj"].is_neg()  # what the tests are about
+    # Their bytes (the view with its bit cleared) are not their values.
+    assert not torch.equal(sd["conj"].conj(), _values(sd)["conj"])
+    assert not torch.equal(torch._neg_view(sd["neg"]), _values(sd)["neg"])
+
+
+@pytest.mark.parametrize("executor", ["processes", "threads"])
+@pytest.mark.parametrize("chunk_size", [None, "16KiB"], ids=["whole", "chunked"])
+def test_save_writes_lazy_views_as_their_values(tmp_path: Path, executor: str, chunk_size: str | None) -> None:
+    sd = _lazy_state()
+    options: dict[str, Any] = {} if chunk_size is None else {"chunk_size": chunk_size}
+    parallel_dcp.save(sd, tmp_path / "out", workers=2, executor=executor, **options)
+    assert_same(_stock_load(tmp_path / "out", sd), _values(sd))
+    assert_same(parallel_dcp.load(tmp_path / "out"), _values(sd))
+
+
+@pytest.mark.parametrize("chunk_size", [None, "16KiB"], ids=["whole", "chunked"])
+def test_every_save_of_a_saver_writes_lazy_views_as_their_values(tmp_path: Path, chunk_size: str | None) -> None:
+    sd = _lazy_state()
+    options: dict[str, Any] = {} if chunk_size is None else {"chunk_size": chunk_size}
+    with parallel_dcp.Saver(workers=2) as saver:
+        saver.save(sd, tmp_path / "first", **options)
+        saver.save(sd, tmp_path / "later", **options)  # the layout kept: its plan (and parts) reused
+        saver.save(sd, tmp_path / "promised", layout_unchanged=True, **options)
+    for name in ("first", "later", "promised"):
+        assert_same(_stock_load(tmp_path / name, sd), _values(sd))
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["guard", "python-check"])
+def test_a_tensor_replaced_by_a_lazy_view_of_its_bytes_is_saved_as_its_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, guard: bool
+) -> None:
+    """Same address, dtype, shape and strides, only a bit differs: the layout check sees it (the
+    C guard compares dispatch keys; without one, the Python passes compare the bits)."""
+    if not guard:
+        monkeypatch.setattr(_compat, "layout_guard", lambda *args: None)
+    torch.manual_seed(1)
+    z, r = torch.randn(64, 128, dtype=torch.complex64), torch.randn(300, 100)
+    sd: dict[str, Any] = {"z": z, "r": r, "w": torch.randn(50)}
+    with parallel_dcp.Saver(workers=2) as saver:
+        saver.save(sd, tmp_path / "a")
+        saver.save(sd, tmp_path / "b")  # the kept layout now steady: the next save dispatches ahead of its check
+        sd["z"], sd["r"] = z.conj(), torch._neg_view(r)
+        saver.save(sd, tmp_path / "c")
+        sd["z"], sd["r"] = z, r  # and back
+        saver.save(sd, tmp_path / "d")
+    assert_same(
+        _stock_load(tmp_path / "c", {**sd, "z": z.conj(), "r": torch._neg_view(r)}),
+        _values({**sd, "z": z.conj(), "r": torch._neg_view(r)}),
+    )
+    assert_same(_stock_load(tmp_path / "d", sd), _values(sd))
+
+
+def test_a_lazy_view_is_charged_as_the_copy_a_worker_makes() -> None:
+    sd = _lazy_state()
+    for source in (MemorySource("x", state_dict=sd), RemoteMemorySource("x", state_dict=sd)):
+        sizes = source.tensor_sizes()
+        for key in ("conj", "conj_t", "neg", "neg_slice", "conj_grad"):
+            assert sizes[key] == (sd[key].nbytes, sd[key].nbytes), (type(source).__name__, key)
+            assert source.copied_bytes(key) == sd[key].nbytes
+        assert sizes["plain"][1] == 0  # a plain contiguous tensor is written from where it lies
+
+
+def test_the_metadata_records_what_stock_records(tmp_path: Path) -> None:
+    sd = _lazy_state()
+    dcp.save(sd, checkpoint_id=str(tmp_path / "stock"), no_dist=True)
+    with parallel_dcp.Saver(workers=2) as saver:
+        saver.save(sd, tmp_path / "saver")
+    parallel_dcp.save(sd, tmp_path / "save", workers=2)
+
+    def properties(path: Path) -> dict[str, Any]:
+        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return {
+            k: (m.properties.dtype, m.properties.requires_grad, m.size)
+            for k, m in metadata.items()
+            if hasattr(m, "properties")
+        }
+
+    assert properties(tmp_path / "saver") == properties(tmp_path / "stock")
+    assert properties(tmp_path / "save") == properties(tmp_path / "stock")
