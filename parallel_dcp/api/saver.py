@@ -55,6 +55,8 @@ class Saver:
       when it is collected. Workers also die with the caller (SIGKILL on its death).
     - The state dict must not change while :meth:`save` runs (the caller is inside it; another
       thread must not update the tensors in place meanwhile).
+    - Saves run one at a time: a save from another thread meanwhile waits for the one running
+      (a save from inside a save, a callback's, raises RuntimeError).
     - A failed save (a worker crash, the memory limit, a timeout, Ctrl-C) stops the workers as
       :func:`parallel_dcp.save` does, and nothing is committed; the next save starts new ones.
     - After ``os.fork()`` the child's copy of a Saver is not usable (``save`` raises
