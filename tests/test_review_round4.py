@@ -1,10 +1,15 @@
 """What a review of a Saver's and save()'s lifetime broke (round four), each pinned by a test:
 two threads saving on one Saver took each other's replies (a checkpoint committed without the
-other's shards, reported as a success)."""
+other's shards, reported as a success); a worker killed while a stale plan's tasks were drained
+surfaced as a bare EOFError."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +19,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import parallel_dcp
+from parallel_dcp.engine import pool as pool_module
+from parallel_dcp.engine.partition import Task
+from parallel_dcp.engine.pool import WorkerPool
+from parallel_dcp.engine.remote_memory import read_into
+from parallel_dcp.errors import WorkerCrashed
 from parallel_dcp.jobs import saver as saver_module
 from tests.conftest import assert_same
 
@@ -75,3 +85,38 @@ def test_a_save_from_inside_a_save_of_the_same_saver_is_refused(
     assert len(inner) == 1 and "inside a save" in str(inner[0])
     assert not (tmp_path / "inner").exists()
     assert_same(_stock_load(tmp_path / "outer", _state(3, 2)), _state(3, 2))
+
+
+class _StaleThenSlow:
+    """Task 0 reads unmapped memory at once (a stale plan); task 1 sleeps, long enough to be killed."""
+
+    def __call__(self, task: Task) -> int:
+        if task.index == 0:
+            out = ctypes.create_string_buffer(16)
+            read_into(os.getpid(), 8, 16, ctypes.addressof(out))
+        time.sleep(30)
+        return task.index
+
+
+def test_a_worker_killed_while_a_stale_plan_is_drained_is_a_worker_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drain found the dead worker's pipe readable (at its end) and read it: a bare EOFError.
+    (The kernel may report the process's end before its pipe's: the drain's look at the pipe is
+    made to come late enough to see it, as it did in the review's runs.)"""
+    real = pool_module.wait_ready
+
+    def late(waitables: Any, timeout: float | None) -> list[Any]:
+        if timeout == 0:
+            time.sleep(0.2)
+        return real(waitables, timeout)
+
+    monkeypatch.setattr(pool_module, "wait_ready", late)
+    with WorkerPool(2, _StaleThenSlow()) as workers:
+        victim = workers.pids[1]
+        timer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
+        timer.start()
+        try:
+            with pytest.raises(WorkerCrashed, match=f"pid {victim}"):
+                list(workers.run([Task(0, ("a",), 1), Task(1, ("b",), 1)]))
+        finally:
+            timer.cancel()
+            timer.join()

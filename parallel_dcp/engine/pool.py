@@ -457,10 +457,14 @@ class WorkerPool:
             while owed:
                 found = wait_ready([self._conns[w] for w in owed] + [self._procs[w].sentinel for w in owed], None)
                 for worker in [w for w in owed if self._conns[w] in found or self._procs[w].sentinel in found]:
+                    task = running[worker][0] if worker in running else ahead[worker][0]
                     if not wait_ready([self._conns[worker]], 0):  # its sentinel, and no reply: it died
-                        task = running[worker][0] if worker in running else ahead[worker][0]
                         self._receive(worker, task)  # raises WorkerCrashed
-                    _recv(self._conns[worker])  # dropped, with its buffers
+                    try:
+                        _recv(self._conns[worker])  # dropped, with its buffers
+                    except (EOFError, OSError):  # its pipe's end, not a reply: it died
+                        self._receive(worker, task)  # raises WorkerCrashed
+                        raise
                     owed[worker] -= 1
                     if not owed[worker]:
                         del owed[worker]
