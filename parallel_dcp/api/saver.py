@@ -109,13 +109,15 @@ class Saver:
         (optimizer steps, ``copy_``): since this Saver's last save of these keys, no tensor was
         reshaped, retyped or restrided in place over the same bytes (``resize_`` within its
         storage, ``t_``, ``as_strided_``, ``.data =`` a view of the same bytes), nor replaced by
-        another view of the same first byte (``sd[k] = sd[k].t()``, ``.conj()``, ``.view(dtype)``),
-        nor had its ``requires_grad`` switched (``.metadata`` records it). The save then does not compare
-        each tensor's dtype, shape, strides and ``requires_grad`` with the last save's (about 1 us
-        a key at 50,000 keys) unless its bytes moved. Still checked every
-        save: the keys, their order and nesting, each tensor's type, where each tensor's bytes lie
-        (a tensor replaced, ``set_`` or ``.data =`` to other memory, a ``resize_`` that
-        reallocated: compared in full, as without the promise), and the non-tensor values' sizes. A
+        another tensor whose first byte lies where its own did (a view: ``sd[k] = sd[k].t()``,
+        ``.conj()``, ``.view(dtype)``; or a new tensor of another dtype, shape or strides that the
+        allocator placed in the old one's freed memory), nor had its ``requires_grad`` switched
+        (``.metadata`` records it). The save then does not compare each tensor's dtype, shape,
+        strides and ``requires_grad`` with the last save's (about 1 us a key at 50,000 keys) unless
+        its bytes moved. Still checked every save: the keys, their order and nesting, each
+        tensor's type, where each tensor's bytes lie (a tensor replaced by one elsewhere in memory,
+        ``set_`` or ``.data =`` to other memory, a ``resize_`` that reallocated: compared in full,
+        as without the promise), and the non-tensor values' sizes. A
         broken promise writes a wrong checkpoint: the tensor with the dtype, shape, strides and
         ``requires_grad`` (and as many bytes) as at the save before. Default False: everything is compared.
 
