@@ -1,13 +1,15 @@
 """What a review of a Saver's and save()'s lifetime broke (round four), each pinned by a test:
 two threads saving on one Saver took each other's replies (a checkpoint committed without the
 other's shards, reported as a success); a worker killed while a stale plan's tasks were drained
-surfaced as a bare EOFError."""
+surfaced as a bare EOFError; a fork of the caller that exited normally killed the parent's
+workers."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ from parallel_dcp.engine.remote_memory import read_into
 from parallel_dcp.errors import WorkerCrashed
 from parallel_dcp.jobs import saver as saver_module
 from tests.conftest import assert_same
+from tests.fresh_interpreter import run_fresh
 
 
 def _state(seed: int, keys: int = 12) -> dict[str, torch.Tensor]:
@@ -120,3 +123,33 @@ def test_a_worker_killed_while_a_stale_plan_is_drained_is_a_worker_crash(monkeyp
         finally:
             timer.cancel()
             timer.join()
+
+
+def fork_exits_then_save(root: str) -> dict[str, Any]:
+    """(Run in a fresh interpreter.) A Saver's save; a fork of the caller that exits normally
+    (its atexit hooks run); the Saver's next save. What happened to the workers and that save."""
+    import psutil
+
+    sd = _state(4, 4)
+    with parallel_dcp.Saver(workers=2) as saver:
+        saver.save(sd, f"{root}/a")
+        before = sorted(p.pid for p in psutil.Process().children(recursive=True))
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a child that does nothing with the Saver and exits normally
+        os.waitpid(pid, 0)
+        after = sorted(p.pid for p in psutil.Process().children(recursive=True))
+        try:
+            saver.save(sd, f"{root}/b")
+            error = None
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    return {"before": before, "after": after, "error": error}
+
+
+def test_a_fork_of_the_caller_that_exits_leaves_the_parents_workers_alone(tmp_path: Path) -> None:
+    """multiprocess's atexit hook in the fork SIGTERMed every worker it had inherited as a child."""
+    outcome = run_fresh("tests.test_review_round4", "fork_exits_then_save", str(tmp_path))
+    assert outcome["error"] is None
+    assert outcome["after"] == outcome["before"]
+    assert_same(_stock_load(tmp_path / "b", _state(4, 4)), _state(4, 4))

@@ -28,6 +28,7 @@ import os
 import pickle
 import signal
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,22 @@ R = TypeVar("R")
 
 _JOIN_TIMEOUT_S = 5.0
 _PROGRESS_TICK_S = 0.1
+# Every worker process this process started, alive or not.
+_STARTED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _forget_inherited_workers() -> None:
+    """In a fork of this process (``os.fork()`` by the caller's program): its workers are its
+    parent's, not its own children. multiprocess lists them as its children all the same, and at
+    the fork's exit its atexit hook SIGTERMs the daemonic children it lists: a fork that exits
+    normally would kill the parent's workers in the middle of their next task."""
+    children = getattr(mp.process, "_children", None)
+    if children is not None:
+        children.difference_update(list(_STARTED))
+    _STARTED.clear()
+
+
+os.register_at_fork(after_in_child=_forget_inherited_workers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +195,7 @@ class WorkerPool:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             proc.start()
+            _STARTED.add(proc)
             child_end.close()
             self._conns[i] = parent_end
             self._procs[i] = proc
