@@ -2,7 +2,7 @@
 two threads saving on one Saver took each other's replies (a checkpoint committed without the
 other's shards, reported as a success); a worker killed while a stale plan's tasks were drained
 surfaced as a bare EOFError; a fork of the caller that exited normally killed the parent's
-workers."""
+workers; a Ctrl-C while an overwrite published left the old shards behind for good."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from parallel_dcp.engine.pool import WorkerPool
 from parallel_dcp.engine.remote_memory import read_into
 from parallel_dcp.errors import WorkerCrashed
 from parallel_dcp.jobs import saver as saver_module
+from parallel_dcp.storage.local_staging import LocalDirStaging
 from tests.conftest import assert_same
 from tests.fresh_interpreter import run_fresh
 
@@ -153,3 +154,40 @@ def test_a_fork_of_the_caller_that_exits_leaves_the_parents_workers_alone(tmp_pa
     assert outcome["error"] is None
     assert outcome["after"] == outcome["before"]
     assert_same(_stock_load(tmp_path / "b", _state(4, 4)), _state(4, 4))
+
+
+def _referenced(path: Path) -> set[str]:
+    """The shard files ``path``'s ``.metadata`` names."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {info.relative_path for info in metadata.storage_data.values()}
+
+
+@pytest.mark.parametrize("saver", [False, True], ids=["save", "Saver"])
+def test_ctrl_c_while_an_overwrite_publishes_is_held_until_it_is_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saver: bool
+) -> None:
+    """A Ctrl-C after the commit, while the old shards were being deleted, left them (and the
+    owner record) behind for good, and the save raised as if nothing had been committed."""
+    old, new = _state(5), _state(6)
+    path = tmp_path / "ck"
+    parallel_dcp.save(old, path, workers=2)
+    old_shards = _referenced(path)
+    publish = LocalDirStaging.publish
+
+    def interrupted(self: Any) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, as the deleting begins
+        time.sleep(0.05)
+        publish(self)
+
+    monkeypatch.setattr(LocalDirStaging, "publish", interrupted)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        if saver:
+            with parallel_dcp.Saver(workers=2) as s:
+                s.save(new, path, overwrite=True)
+        else:
+            parallel_dcp.save(new, path, workers=2, overwrite=True)
+    assert "holds the new checkpoint" in "".join(getattr(raised.value, "__notes__", []))
+    assert_same(_stock_load(path, new), new)
+    shards = {p.name for p in path.iterdir() if p.name.endswith(".distcp")}
+    assert shards == _referenced(path) and not shards & old_shards
+    assert not [p.name for p in path.iterdir() if "owner" in p.name]

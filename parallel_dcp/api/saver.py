@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +80,13 @@ class Saver:
         self._workers: SaverWorkers | None = SaverWorkers(self._options.worker_count(2**31))
         # A Saver dropped without close() (or alive at exit) still stops its workers.
         self._finalizer = weakref.finalize(self, self._workers.close)
+        # One save at a time: two threads' saves on one pool took each other's replies (a
+        # checkpoint committed without the other's shards). The thread saving now, to refuse a
+        # save from inside it (a callback) instead of waiting on itself for ever.
+        # (A fork's copy never waits on it: its parent may have held it at the fork; its save raises.)
+        self._saving = threading.Lock()
+        self._saving_thread: int | None = None
+        self._owner = os.getpid()
 
     @property
     def start_seconds(self) -> float:
@@ -140,7 +149,14 @@ class Saver:
             compress=compress,
             io=io,
         )
-        result = self._live().save(state_dict, path, options, layout_unchanged=layout_unchanged)
+        if self._saving_thread == threading.get_ident():
+            raise RuntimeError("Saver.save was called from inside a save of the same Saver (a callback?)")
+        with self._saving if os.getpid() == self._owner else contextlib.nullcontext():  # (see __init__)
+            self._saving_thread = threading.get_ident()
+            try:
+                result = self._live().save(state_dict, path, options, layout_unchanged=layout_unchanged)
+            finally:
+                self._saving_thread = None
         if result is None:  # its workers cannot read this process (warned): fork per save
             from parallel_dcp.jobs.save import save as fork_per_save
 

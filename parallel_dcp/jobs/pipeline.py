@@ -59,6 +59,7 @@ from parallel_dcp.engine.pool import TaskResult, WorkerPool
 from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs import fallback
+from parallel_dcp.jobs.held_interrupts import HeldInterrupts
 from parallel_dcp.jobs.staged import stage_job
 from parallel_dcp.jobs.streamed import streamed_data
 from parallel_dcp.jobs.targets import Job, Target
@@ -224,6 +225,7 @@ def run_job(
         todo = staged.todo
         phases: dict[str, float] = {}
         writing = False
+        held = HeldInterrupts()  # Ctrl-C while committing and publishing: delivered after them
         try:
             staging.check_space(max(0, needed_space(job) - staged.bytes_kept))
             if before_tasks is not None and todo:  # (a resume that kept every task runs none)
@@ -250,13 +252,16 @@ def run_job(
             busy = None if pool is None or not todo else max(0.0, phases["write"] - pool.waited_seconds)
             writing = False
             began = time.perf_counter()
-            files = target.commit(job, tasks, staged.values(results), staging, options)
-            staging.publish()
+            with held:
+                files = target.commit(job, tasks, staged.values(results), staging, options)
+                staging.publish()
             phases["merge"] = target.merge_seconds
             phases["commit"] = time.perf_counter() - began - target.merge_seconds
         except BaseException as failure:
             staged.fail(failure, writing=writing)
+            held.deliver()  # (a Ctrl-C held while the commit failed: raised, from the failure)
             raise
+    held.deliver(committed=str(staging.location.root))
     result = result_of(target, job, tasks, workers, results, files, governor, options, start, phases, executor)
     return dataclasses.replace(
         result,

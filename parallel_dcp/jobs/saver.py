@@ -163,11 +163,6 @@ class SaverWorkers:
         self._charges = ChargeReader()  # knows the workers' code shares from one save to the next
         self._plans = PlanReuse()  # the last layout saved: its listing, partitions and parts
         self._pool: WorkerPool | None = None
-        # One save at a time: two threads' saves on one pool would take each other's replies (a
-        # checkpoint committed without the other's shards). The thread saving now, to refuse a
-        # save from inside it (a progress callback) instead of waiting on itself for ever.
-        self._saving = threading.Lock()
-        self._saving_thread: int | None = None
         _server.acquire()
         self._released = False
         try:
@@ -205,15 +200,8 @@ class SaverWorkers:
         """The save on these workers; None where the kernel refused their reads of this process
         (warned once): the caller then saves as ``parallel_dcp.save`` does, forking per save.
         ``layout_unchanged``: see ``PlanReuse.job``."""
-        if self._saving_thread == threading.get_ident():
-            raise RuntimeError("Saver.save was called from inside a save of the same Saver (a callback?)")
-        with self._saving:  # another thread's save first: one at a time (see __init__)
-            self._saving_thread = threading.get_ident()
-            try:
-                with prompt_gil():
-                    return self._save_here(state_dict, path, options, layout_unchanged)
-            finally:
-                self._saving_thread = None
+        with prompt_gil():
+            return self._save_here(state_dict, path, options, layout_unchanged)
 
     def _save_here(
         self, state_dict: Any, path: str | os.PathLike[str], options: Options, layout_unchanged: bool

@@ -1,0 +1,63 @@
+"""Ctrl-C (and SIGTERM, which a job turns into one) held while a job commits and publishes.
+
+A commit renames ``.metadata`` into place; publishing then deletes what the checkpoint replaced
+(an overwrite's old shards) and the job's owner record. An interrupt raised in between left both
+behind for good (a later overwrite does not know them: they are not the new checkpoint's) and
+made the save raise KeyboardInterrupt after it had committed, which its contract says never
+happens. So the interrupt waits: the signal is recorded, the commit and the publishing finish,
+and the job delivers it then, as a KeyboardInterrupt that says whether the save had committed.
+Only in the main thread, where Python delivers signals; a signal whose handler is not Python's
+(its default action, ignored) is left alone.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType, TracebackType
+from typing import Any
+
+__all__ = ["HeldInterrupts"]
+
+_HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+class HeldInterrupts:
+    """``with held:`` records SIGINT and SIGTERM instead of raising; :meth:`deliver` raises the
+    KeyboardInterrupt held, if any (after the ``with``)."""
+
+    def __init__(self) -> None:
+        self.caught: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> HeldInterrupts:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for signum in _HELD:
+            handler = signal.getsignal(signum)
+            if callable(handler):  # Python's (a KeyboardInterrupt), not SIG_DFL or SIG_IGN
+                self._previous[signum] = signal.signal(signum, self._hold)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _hold(self, signum: int, frame: FrameType | None) -> None:
+        self.caught.append(signum)
+
+    def deliver(self, *, committed: str | None = None) -> None:
+        """Raise the KeyboardInterrupt held (nothing if none came): ``committed``, the path the
+        job had committed when it came (None: it had not, or failed)."""
+        if not self.caught:
+            return
+        name = signal.Signals(self.caught[0]).name
+        interrupt = KeyboardInterrupt(f"signal {name}")
+        if committed is not None:
+            interrupt.add_note(
+                f"{name} came while the job committed; it was held until the commit was whole: "
+                f"{committed} holds the new checkpoint"
+            )
+        self.caught.clear()
+        raise interrupt
