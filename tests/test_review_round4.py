@@ -2,7 +2,8 @@
 two threads saving on one Saver took each other's replies (a checkpoint committed without the
 other's shards, reported as a success); a worker killed while a stale plan's tasks were drained
 surfaced as a bare EOFError; a fork of the caller that exited normally killed the parent's
-workers; a Ctrl-C while an overwrite published left the old shards behind for good."""
+workers; a Ctrl-C while an overwrite published left the old shards behind for good; a Saver under a tight
+memory limit stopped a save that ``save()`` completes."""
 
 from __future__ import annotations
 
@@ -191,3 +192,18 @@ def test_ctrl_c_while_an_overwrite_publishes_is_held_until_it_is_whole(
     shards = {p.name for p in path.iterdir() if p.name.endswith(".distcp")}
     assert shards == _referenced(path) and not shards & old_shards
     assert not [p.name for p in path.iterdir() if "owner" in p.name]
+
+
+def test_a_saver_under_a_tight_limit_completes_what_save_completes(disk: Path) -> None:
+    """Its workers kept their direct-write buffers (32 MiB each) between files, counted nowhere:
+    under 50 MB the watchdog stopped, in its middle, a save that ``save()`` completes."""
+    tmp_path = disk
+    big = {"one": torch.randn(50 * 2**20)}  # 200 MiB
+    limit = 50 * 10**6
+    plain = parallel_dcp.save(big, tmp_path / "plain", workers=2, memory_limit=limit, executor="processes")
+    assert plain.peak_memory <= limit
+    with parallel_dcp.Saver(workers=2, memory_limit=limit) as saver:
+        for name in ("first", "later"):
+            result = saver.save(big, tmp_path / name, io="direct")  # (auto may measure buffered faster)
+            assert result.peak_memory <= limit
+            assert_same(_stock_load(tmp_path / name, big), big)

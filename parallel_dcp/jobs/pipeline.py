@@ -65,6 +65,7 @@ from parallel_dcp.jobs.streamed import streamed_data
 from parallel_dcp.jobs.targets import Job, Target
 from parallel_dcp.jobs.task_parts import job_parts, part_job
 from parallel_dcp.options import Options
+from parallel_dcp.storage import direct_write
 from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
 from parallel_dcp.storage.protocol import WriteLocation
 from parallel_dcp.storage.read_choice import ReadChoice
@@ -150,11 +151,14 @@ class TaskHandler:
     staging: WriteLocation
     options: Options
     recorder: Callable[[Task, Any], None] | None = None
+    # How many aligned write buffers each worker keeps from one file to the next (a Saver's
+    # workers, which outlive the job: see jobs/saver.py); None leaves the worker as it is.
+    keep_buffers: int | None = None
 
     def __reduce__(self) -> Any:
         # The job without its planning caches (sizes, positions: rebuilt where needed).
         job = Job(self.job.source, self.job.keys, self.job.dtype, self.job.chunks)
-        return (TaskHandler, (job, self.target, self.staging, self.options, self.recorder))
+        return (TaskHandler, (job, self.target, self.staging, self.options, self.recorder, self.keep_buffers))
 
     def with_part(self, part: Any, task: Task) -> TaskHandler:
         """In a worker of a pool that outlives one job: this handler, whose job is the shell, for
@@ -164,6 +168,8 @@ class TaskHandler:
     def prepare(self) -> None:
         """In a worker that did not fork for this job: what ``_worker_setup`` does at a fork."""
         _worker_setup(self.options)()
+        if self.keep_buffers is not None:
+            direct_write.keep_buffers(self.keep_buffers)
 
     def __call__(self, task: Task) -> Any:
         try:
@@ -203,6 +209,7 @@ def run_job(
     start: float | None = None,
     pool: WorkerPool | None = None,
     before_tasks: Callable[[WriteLocation, int], None] | None = None,
+    keep_buffers: int | None = None,
 ) -> SaveResult:
     """Plan, check, run and commit one job on this node (on ``pool``'s workers where given); on any
     failure the destination is as it was, except that a conversion leaves its finished tasks for
@@ -213,7 +220,8 @@ def run_job(
     ``governor`` must have been created before the source was opened, so that whatever opening
     it loaded counts against the limit. ``before_tasks(staging, workers)`` runs once the job and
     its destination are checked and staged, before any worker starts (a conversion measures how
-    to read its source there).
+    to read its source there). ``keep_buffers``: see ``TaskHandler.keep_buffers`` (``pool``'s
+    workers; the caller charges what they keep: ``MemoryGovernor.worker_extra``).
     """
     _compat.check_torch()
     start = time.perf_counter() if start is None else start
@@ -247,6 +255,7 @@ def run_job(
                 kept=staged.bytes_kept,
                 executor=executor,
                 pool=pool,
+                keep_buffers=keep_buffers,
             )
             phases["write"] = time.perf_counter() - began - phases.get("fork", 0.0)
             busy = None if pool is None or not todo else max(0.0, phases["write"] - pool.waited_seconds)
@@ -313,7 +322,7 @@ def plan_job(job: Job, target: Target, options: Options, governor: MemoryGoverno
         MemoryLimitExceeded: a unit, or a whole-file output, can never fit under the limit.
     """
     if isinstance(target.path, Remote) or isinstance(job.source.location, Remote):
-        governor.worker_extra = CLIENT_MEMORY
+        governor.worker_extra = max(governor.worker_extra, CLIENT_MEMORY)
     return fallback.plan_with_fallbacks(
         lambda gov, divisor: _plan_once(job, target, options, gov, scale=scale, divisor=divisor),
         target,
@@ -440,6 +449,7 @@ def run_tasks(
     kept: int = 0,
     executor: str | None = None,
     pool: WorkerPool | None = None,
+    keep_buffers: int | None = None,
 ) -> list[TaskResult[Any]]:
     """Run ``tasks`` on ``workers`` threads or forked processes; the results in task order.
     ``phases["fork"]`` gets the seconds spent starting the pool; ``recorder`` runs in the worker
@@ -449,7 +459,7 @@ def run_tasks(
     if not tasks:
         return []
     results: list[TaskResult[Any]] = []
-    handler = TaskHandler(job, target, staging, options, recorder)
+    handler = TaskHandler(job, target, staging, options, recorder, keep_buffers)
     label = "save" if isinstance(job.source, MemorySource) else "convert"
     if kept:
         label += f" (resumed: {format_bytes(kept)} kept, rewriting {format_bytes(sum(t.nbytes for t in tasks))})"

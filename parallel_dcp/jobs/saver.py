@@ -42,7 +42,7 @@ from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.plan_reuse import PlanReuse
 from parallel_dcp.jobs.targets import DcpTarget, Job, prepare_io
 from parallel_dcp.options import Options
-from parallel_dcp.storage.direct_write import DEPTH, keep_buffers
+from parallel_dcp.storage.direct_write import BUFFER_BYTES, DEPTH, keep_buffers, kept_buffers_fit
 
 __all__ = ["COORDINATOR_SWITCH_S", "SaverWorkers"]
 
@@ -50,13 +50,11 @@ __all__ = ["COORDINATOR_SWITCH_S", "SaverWorkers"]
 # result, the watchdog's sample) or comes back from a system call while a busy Python thread of the
 # caller holds the GIL, it waits out the switch interval (5 ms by default) before it runs again:
 # planning, dispatching and committing then take several times longer. During the save it asks for
-# the GIL back after this long instead (restored after; while the coordinator sleeps, the busy
-# thread runs undisturbed).
+# the GIL back after this long instead (restored after; the busy thread runs while it sleeps).
 COORDINATOR_SWITCH_S = 0.0005
 
 _PROBE = b"parallel_dcp reads the caller's memory"
-# Imported once in the fork server, so that no worker imports them itself (~1 s of CPU each):
-# this module (the workers' first function), the writers and DCP's planner they run.
+# Imported once in the fork server (no worker imports them, ~1 s of CPU each): this module, writers, DCP's planner.
 _PRELOAD = (
     "parallel_dcp.jobs.saver",
     "parallel_dcp.formats.lean",
@@ -258,8 +256,11 @@ class SaverWorkers:
         options = prepare_io(target, options)
         governor = self.governor(options.memory_ceiling(), pool)
         target.plans = self._plans
+        keep = DEPTH if kept_buffers_fit(governor.limit, self.workers) else 0
+        # Kept for the whole job, idle or not: charged, or dropped (unplanned, they stopped a save under 50 MB).
+        governor.worker_extra += keep * BUFFER_BYTES
         try:
-            return pipeline.run_job(job, target, options, governor, start=start, pool=pool)
+            return pipeline.run_job(job, target, options, governor, start=start, pool=pool, keep_buffers=keep)
         except BaseException:
             if not pool.pids:  # the pool stops its workers on any failure: new ones next time
                 self._pool = None

@@ -39,6 +39,7 @@ __all__ = [
     "direct_write_memory",
     "keep_buffers",
     "kept_buffers",
+    "kept_buffers_fit",
     "new_file",
 ]
 
@@ -86,6 +87,11 @@ def keep_buffers(count: int) -> None:
         _keep = count
         while len(_spare) > count:
             _spare.pop().close()
+
+
+def kept_buffers_fit(limit: int, workers: int) -> bool:
+    """Whether ``workers`` may each keep DEPTH buffers between files under ``limit`` (all: 1/4 of it at most)."""
+    return 4 * workers * DEPTH * BUFFER_BYTES <= limit
 
 
 def kept_buffers() -> int:
