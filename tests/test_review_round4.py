@@ -3,7 +3,8 @@ two threads saving on one Saver took each other's replies (a checkpoint committe
 other's shards, reported as a success); a worker killed while a stale plan's tasks were drained
 surfaced as a bare EOFError; a fork of the caller that exited normally killed the parent's
 workers; a Ctrl-C while an overwrite published left the old shards behind for good; a Saver under a tight
-memory limit stopped a save that ``save()`` completes."""
+memory limit stopped a save that ``save()`` completes; a nested tensor, or a value a Saver cannot
+pickle, failed without naming it."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from parallel_dcp.engine import pool as pool_module
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import WorkerPool
 from parallel_dcp.engine.remote_memory import read_into
-from parallel_dcp.errors import WorkerCrashed
+from parallel_dcp.errors import InvalidStateDictError, WorkerCrashed
 from parallel_dcp.jobs import saver as saver_module
 from parallel_dcp.storage.local_staging import LocalDirStaging
 from tests.conftest import assert_same
@@ -207,3 +208,33 @@ def test_a_saver_under_a_tight_limit_completes_what_save_completes(disk: Path) -
             result = saver.save(big, tmp_path / name, io="direct")  # (auto may measure buffered faster)
             assert result.peak_memory <= limit
             assert_same(_stock_load(tmp_path / name, big), big)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+@pytest.mark.parametrize("saver", [False, True], ids=["save", "Saver"])
+def test_a_nested_tensor_is_refused_by_name_before_anything_is_written(
+    tmp_path: Path, saver: bool, layout: torch.layout
+) -> None:
+    """It reached torch's own "Internal error ... please file an issue" (its shape cannot be read)."""
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], layout=layout)
+    sd = {"nt": nested, "x": torch.randn(3)}
+    with pytest.raises(InvalidStateDictError, match="'nt' is a nested tensor"):
+        if saver:
+            with parallel_dcp.Saver(workers=1) as s:
+                s.save(sd, tmp_path / "out")
+        else:
+            parallel_dcp.save(sd, tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unpicklable_value_in_a_saver_is_named(tmp_path: Path) -> None:
+    """A Saver pickles each task's values itself: a bare TypeError naming nothing."""
+    sd: dict[str, Any] = {"w": torch.randn(10), "lock": threading.Lock()}
+    with parallel_dcp.Saver(workers=1) as saver:
+        with pytest.raises(InvalidStateDictError, match="value 'lock' cannot be pickled"):
+            saver.save(sd, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+        sd["lock"] = 5
+        saver.save(sd, tmp_path / "out")  # the Saver saves on
+    assert_same(parallel_dcp.load(tmp_path / "out"), sd)

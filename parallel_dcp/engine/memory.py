@@ -333,8 +333,8 @@ class MemoryGovernor:
             raise MemoryLimitExceeded(
                 f"{describe_unit(key)} claims {format_bytes(nbytes)}: split into pieces that fit, the plan alone "
                 f"({self.planned_units + count} pieces) needs {format_bytes(need)} in this process, more than the "
-                f"memory limit {format_bytes(self.limit)}; nothing was read or written. A checkpoint that claims "
-                "more than it stores is damaged; otherwise raise --memory-limit",
+                f"memory limit {format_bytes(self.limit)}; nothing was read or written. Raise --memory-limit "
+                "(or, where a source file claims more than it stores, it is damaged)",
                 limit=self.limit,
                 measured=self.reserved + need,
                 keys=[key],

@@ -579,5 +579,8 @@ class WorkerPool:
 
 def _hint(exitcode: int | None) -> str:
     if exitcode == -signal.SIGKILL:
-        return "; SIGKILL is what the kernel's OOM killer sends: lower --workers or the memory limit"
+        return (
+            "; unless something else killed it, the kernel's out-of-memory killer did (it sends SIGKILL): "
+            "lower --workers or the memory limit"
+        )
     return ""

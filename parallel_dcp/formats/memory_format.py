@@ -59,7 +59,11 @@ class MemorySource(Source):
             entry = entries[key] = new(Entry)  # Entry(key, value.dtype, tuple(value.shape)), unchecked
             set_key(entry, key)
             set_dtype(entry, dtype := value.dtype)
-            set_shape(entry, tuple(value.shape))
+            try:
+                set_shape(entry, tuple(value.shape))
+            except RuntimeError:  # a tensor with no shape (nested): its own message
+                check_tensor(key, value)
+                raise
             set_file(entry, "")
             # Contiguous: written from the shared pages as it is (copied_bytes 0). This class's
             # rule, not an override's: a subclass re-sizes in its own pass.

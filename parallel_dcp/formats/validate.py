@@ -29,7 +29,9 @@ def _check_keys(value: Any, path: str) -> None:
 def check_tensor(key: str, tensor: torch.Tensor) -> None:
     """Raise InvalidStateDictError, naming ``key``, for a tensor that cannot be saved faithfully."""
     problem = None
-    if tensor.is_meta or tensor.device.type == "meta":
+    if tensor.is_nested:
+        problem = "is a nested tensor (no single shape); save its unbind() pieces as keys of their own"
+    elif tensor.is_meta or tensor.device.type == "meta":
         problem = "is a meta tensor (it has no data)"
     elif tensor.layout != torch.strided:
         problem = f"has layout {tensor.layout}; only dense (strided) tensors can be saved, call .to_dense() first"

@@ -33,6 +33,7 @@ from typing import Any
 from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import gc_paused
+from parallel_dcp.errors import InvalidStateDictError
 from parallel_dcp.formats.remote_memory_source import RemoteMemorySource, SourcePart
 from parallel_dcp.jobs.targets import Job
 
@@ -113,8 +114,11 @@ class JobParts:
             if isinstance(made, bytes):
                 return made
         # The part without its values as it was pickled, and the values as they are now.
-        values = self.source.values
-        return pickle.dumps((made.part, {key: values[key] for key in made.values}), protocol=pickle.HIGHEST_PROTOCOL)
+        values = {key: self.source.values[key] for key in made.values}
+        try:
+            return pickle.dumps((made.part, values), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # which value, by name (DCP pickles each value it saves: so must we)
+            raise _unpicklable(values, exc) from exc
 
     def _part(self, task: Task) -> KeptPart:
         """``task``'s part, pickled (without its values, if it has any: see :class:`ValuedPart`)."""
@@ -133,6 +137,18 @@ class JobParts:
                 part = dataclasses.replace(part, source=dataclasses.replace(part.source, values={}))
             made = pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)
         return ValuedPart(made, values) if values else made
+
+
+def _unpicklable(values: dict[str, Any], failure: Exception) -> InvalidStateDictError:
+    """The error for ``values`` that ``pickle`` refused (``failure``), naming the first that fails alone."""
+    for key, value in values.items():
+        try:
+            pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            return InvalidStateDictError(
+                f"value {key!r} cannot be pickled ({type(exc).__name__}: {exc}); nothing was committed"
+            )
+    return InvalidStateDictError(f"the values {sorted(values)} cannot be pickled ({type(failure).__name__}: {failure})")
 
 
 def job_parts(job: Job, tasks: Sequence[Task] = (), kept: dict[int, KeptPart] | None = None) -> JobParts | None:
