@@ -238,3 +238,35 @@ def test_an_unpicklable_value_in_a_saver_is_named(tmp_path: Path) -> None:
         sd["lock"] = 5
         saver.save(sd, tmp_path / "out")  # the Saver saves on
     assert_same(parallel_dcp.load(tmp_path / "out"), sd)
+
+
+def interrupted_in_a_fork_callback(root: str) -> dict[str, Any]:
+    """(Run in a fresh interpreter: its fork callback stays registered.) A save that forks its
+    workers, Ctrl-C landing while a fork callback runs, taken by another thread (which does not
+    block SIGINT): what the save did."""
+    sent: list[bool] = []
+
+    def ctrl_c_once() -> None:
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here, inside the callback
+
+    os.register_at_fork(after_in_parent=ctrl_c_once)
+    idle = threading.Event()
+    other = threading.Thread(target=idle.wait, daemon=True)  # a thread that takes the signal
+    other.start()
+    try:
+        parallel_dcp.save(_state(7, 4), f"{root}/ck", workers=2, executor="processes")
+        raised = None
+    except KeyboardInterrupt:
+        raised = "KeyboardInterrupt"
+    finally:
+        idle.set()
+    return {"sent": bool(sent), "raised": raised, "committed": os.path.exists(f"{root}/ck/.metadata")}
+
+
+def test_ctrl_c_during_a_workers_fork_stops_the_save(tmp_path: Path) -> None:
+    """Raised inside a fork callback, the KeyboardInterrupt was printed and dropped: the save committed."""
+    outcome = run_fresh("tests.test_review_round4", "interrupted_in_a_fork_callback", str(tmp_path))
+    assert outcome == {"sent": True, "raised": "KeyboardInterrupt", "committed": False}

@@ -37,6 +37,7 @@ from typing import Any, Generic, TypeVar
 import multiprocess as mp
 
 from parallel_dcp.engine.fork_server import ForkServerProcess, start_fork_server
+from parallel_dcp.engine.held_interrupts import HeldInterrupts
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.messages import Ahead as _Ahead
 from parallel_dcp.engine.messages import NewHandler as _NewHandler
@@ -190,17 +191,22 @@ class WorkerPool:
             daemon=True,
         )
         # SIGINT blocked across the fork: the child inherits the mask and ignores it before it
-        # unblocks; here a Ctrl-C that came meanwhile is delivered once the worker is recorded
-        # (so the pool's cleanup kills it), not lost or half-handled inside the fork.
+        # unblocks. Here a Ctrl-C that came meanwhile is held and raised once the worker is
+        # recorded (so the pool's cleanup kills it): the mask alone does not hold it where another
+        # thread takes the signal, and Python then raised it inside a fork callback, which
+        # swallows it ("Exception ignored in _releaseLock"): the save went on and committed.
+        held = HeldInterrupts()
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            proc.start()
+            with held:
+                proc.start()
             _STARTED.add(proc)
             child_end.close()
             self._conns[i] = parent_end
             self._procs[i] = proc
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        held.deliver()
 
     def request_charges(self) -> None:
         """Ask every worker (idle: between runs) to read its own ``smaps_rollup`` now

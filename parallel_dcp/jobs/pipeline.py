@@ -46,6 +46,7 @@ import torch.utils.serialization.config
 from parallel_dcp import _compat
 from parallel_dcp.engine import progress
 from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, chunk_threshold
+from parallel_dcp.engine.held_interrupts import HeldInterrupts
 from parallel_dcp.engine.memory import (
     ITEM_MEMORY_BYTES,
     TASK_MEMORY_BYTES,
@@ -59,7 +60,6 @@ from parallel_dcp.engine.pool import TaskResult, WorkerPool
 from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs import fallback
-from parallel_dcp.jobs.held_interrupts import HeldInterrupts
 from parallel_dcp.jobs.staged import stage_job
 from parallel_dcp.jobs.streamed import streamed_data
 from parallel_dcp.jobs.targets import Job, Target

@@ -1,4 +1,8 @@
-"""Ctrl-C (and SIGTERM, which a job turns into one) held while a job commits and publishes.
+"""Ctrl-C (and SIGTERM, which a job turns into one) held where raising it at once would lose it:
+while a job commits and publishes, and while a pool forks a worker.
+
+A fork runs Python's fork callbacks (logging's among them), and an exception raised in one is
+printed and dropped: a Ctrl-C that landed there was lost, and the save it meant to stop committed.
 
 A commit renames ``.metadata`` into place; publishing then deletes what the checkpoint replaced
 (an overwrite's old shards) and the job's owner record. An interrupt raised in between left both
