@@ -134,3 +134,46 @@ def test_the_metadata_records_what_stock_records(tmp_path: Path) -> None:
 
     assert properties(tmp_path / "saver") == properties(tmp_path / "stock")
     assert properties(tmp_path / "save") == properties(tmp_path / "stock")
+
+
+def _plain_lazy_state() -> dict[str, Any]:
+    """Lazy views torch.save and stock's dcp.save keep as such (the bit in the record's pickle)."""
+    torch.manual_seed(2)
+    z = torch.randn(300, 300, dtype=torch.complex64)
+    return {
+        "conj": z.conj(),
+        "neg": torch._neg_view(torch.randn(300, 300)),
+        "conj_small": torch.randn(3, dtype=torch.complex64).conj(),
+        "plain": torch.randn(5),
+    }
+
+
+def test_a_stock_checkpoint_of_lazy_views_loads_as_their_values(tmp_path: Path) -> None:
+    """Stock's records carry the bits (torch.save's ``metadata`` argument); the record parser read
+    their bytes as the values."""
+    sd = _plain_lazy_state()
+    dcp.save(sd, checkpoint_id=str(tmp_path / "stock"), no_dist=True)
+    expected = _values(sd)
+    assert_same(_stock_load(tmp_path / "stock", sd), expected)  # stock's own reader
+    assert_same(parallel_dcp.load(tmp_path / "stock"), expected)
+    into = {k: torch.zeros_like(v) for k, v in expected.items()}
+    parallel_dcp.load(tmp_path / "stock", into=into)
+    assert_same(into, expected)
+    assert parallel_dcp.verify(tmp_path / "stock").problems == []
+
+
+@pytest.mark.parametrize("options", [{}, {"chunk_size": "64KiB"}, {"to": "safetensors"}], ids=["dcp", "chunked", "st"])
+def test_a_torch_save_file_of_lazy_views_converts_to_their_values(tmp_path: Path, options: dict[str, Any]) -> None:
+    """Its contiguous tensors were copied from the file's bytes (raw ranges): the conjugate, the negation."""
+    sd = _plain_lazy_state()
+    torch.save(sd, tmp_path / "model.pt")
+    parallel_dcp.convert(tmp_path / "model.pt", tmp_path / "out", workers=2, **options)
+    if options.get("to") == "safetensors":
+        from safetensors.torch import load_file
+
+        got = {}
+        for file in sorted((tmp_path / "out").glob("*.safetensors")):
+            got.update(load_file(str(file)))
+        assert_same(got, _values(sd))
+    else:
+        assert_same(_stock_load(tmp_path / "out", sd), _values(sd))

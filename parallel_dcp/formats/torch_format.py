@@ -27,7 +27,7 @@ from typing import IO, Any
 import torch
 
 from parallel_dcp import _compat
-from parallel_dcp.engine.chunks import Chunk, exact_storage
+from parallel_dcp.engine.chunks import Chunk, exact_storage, lazy_bits, resolved
 from parallel_dcp.errors import CorruptCheckpointError, InsufficientSpaceError, UnsafeCheckpointError
 from parallel_dcp.formats.base import FileFormat, Source, entry_of, shard_files
 from parallel_dcp.formats.range_read import RawRange
@@ -129,6 +129,8 @@ class TorchSource(Source):
     _loaded: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
     _legacy: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
     _cleanup: Any = field(default=None, repr=False)
+    # Keys whose tensor torch.save wrote as a lazy view (engine/chunks.lazy_bits): read resolved.
+    _lazy: set[str] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         self.kind = "torch"
@@ -159,6 +161,8 @@ class TorchSource(Source):
                     raise ValueError(f"{self.path}: key {key!r} is in two shards")
                 if isinstance(value, torch.Tensor):
                     self.entries[key] = entry_of(key, value, file)
+                    if lazy_bits(value, value.dtype) is not None:
+                        self._lazy.add(key)
                 else:
                     self.values[key] = value
             if len(self.files) == 1:
@@ -181,8 +185,8 @@ class TorchSource(Source):
             flat = flatten_structure(obj if isinstance(obj, dict) else {"": obj})[0]
             for key, value in flat.items():
                 entry = self.entries.get(key)
-                if not isinstance(value, torch.Tensor) or entry is None or entry.file != file:
-                    continue
+                if not isinstance(value, torch.Tensor) or entry is None or entry.file != file or key in self._lazy:
+                    continue  # (a lazy view's bytes are not its values: read, resolved)
                 storage = value.untyped_storage()
                 offset = _compat.checkpoint_offset(storage)
                 first = value.storage_offset() * value.element_size()
@@ -200,20 +204,26 @@ class TorchSource(Source):
     def read_chunk(self, chunk: Chunk) -> torch.Tensor:
         """A view of the mapped file: only the chunk's pages are read (aliased, not copied, when
         the chunk is a row range)."""
-        return exact_storage(chunk.of(self.read([chunk.key])[chunk.key]))
+        return exact_storage(self._resolved(chunk.key, chunk.of(self._tensor(chunk.key))))
 
     def chunk_memory(self, chunk: Chunk) -> int:
         return 2 * chunk.nbytes(self.entries[chunk.key].dtype.itemsize)  # mapped pages (+ a copy if strided)
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        out = {}
-        for key in keys:
-            file = self.entries[key].file
-            flat = self._legacy.get(file) or self._loaded.get(file)
-            if flat is None:  # mapped in the worker on first use
-                flat = self._loaded[file] = flatten_checked(_load(file, mmap=True, trust_pickle=self.trust_pickle))[0]
-            out[key] = flat[key]
-        return out
+        return {key: self._resolved(key, self._tensor(key)) for key in keys}
+
+    def _tensor(self, key: str) -> torch.Tensor:
+        """``key``'s tensor as the file holds it (mapped)."""
+        file = self.entries[key].file
+        flat = self._legacy.get(file) or self._loaded.get(file)
+        if flat is None:  # mapped in the worker on first use
+            flat = self._loaded[file] = flatten_checked(_load(file, mmap=True, trust_pickle=self.trust_pickle))[0]
+        tensor: torch.Tensor = flat[key]
+        return tensor
+
+    def _resolved(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A lazy view's values, copied (a source on disk is charged a copy of every key)."""
+        return resolved(tensor) if key in self._lazy else tensor
 
 
 def shard_names(count: int) -> list[str]:
