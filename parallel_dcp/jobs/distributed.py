@@ -31,6 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from parallel_dcp.engine.held_interrupts import HeldInterrupts
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import TaskResult
@@ -216,6 +217,7 @@ def _write_and_commit(
     # 3. Rank 0 commits once, or removes what this save wrote.
     final: str | None = None
     files = 0
+    held = HeldInterrupts()  # a Ctrl-C while committing and publishing: raised after them
     if rank == 0:
         assert staging is not None
         try:
@@ -223,12 +225,15 @@ def _write_and_commit(
                 staging.discard()
             else:
                 values = sorted((entry for _, entries in gathered for entry in entries), key=lambda e: e[0])
-                files = target.commit(job, tasks, [value for *_, value in values], staging, options)
-                staging.publish()
+                with held:
+                    files = target.commit(job, tasks, [value for *_, value in values], staging, options)
+                    staging.publish()
         except Exception as exc:
             staging.discard()
             final = f"rank 0 ({host}) could not commit: {_describe(exc)}"
     final, files = _broadcast((final, files), group)
+    committed = staging is not None and final is None and not failures
+    held.deliver(committed=str(staging.location.root) if committed and staging is not None else None)
     if final is not None:
         failures[0] = final
     if failures:
