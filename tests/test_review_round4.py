@@ -4,11 +4,13 @@ other's shards, reported as a success); a worker killed while a stale plan's tas
 surfaced as a bare EOFError; a fork of the caller that exited normally killed the parent's
 workers; a Ctrl-C while an overwrite published left the old shards behind for good; a Saver under a tight
 memory limit stopped a save that ``save()`` completes; a nested tensor, or a value a Saver cannot
-pickle, failed without naming it."""
+pickle, failed without naming it; a sharded folder whose index disagreed with its shards converted
+without the keys they disagreed on."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -27,7 +29,7 @@ from parallel_dcp.engine import pool as pool_module
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import WorkerPool
 from parallel_dcp.engine.remote_memory import read_into
-from parallel_dcp.errors import InvalidStateDictError, WorkerCrashed
+from parallel_dcp.errors import CorruptCheckpointError, InvalidStateDictError, WorkerCrashed
 from parallel_dcp.jobs import saver as saver_module
 from parallel_dcp.storage.local_staging import LocalDirStaging
 from tests.conftest import assert_same
@@ -270,3 +272,35 @@ def test_ctrl_c_during_a_workers_fork_stops_the_save(tmp_path: Path) -> None:
     """Raised inside a fork callback, the KeyboardInterrupt was printed and dropped: the save committed."""
     outcome = run_fresh("tests.test_review_round4", "interrupted_in_a_fork_callback", str(tmp_path))
     assert outcome == {"sent": True, "raised": "KeyboardInterrupt", "committed": False}
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+@pytest.mark.parametrize("case", ["empty", "ghost", "wrong-shard"])
+def test_an_index_that_disagrees_with_its_shards_is_refused(tmp_path: Path, kind: str, case: str) -> None:
+    """An empty weight_map converted to a checkpoint of no key; a key the index names that no
+    shard holds was left out; keys in other shards than the index says were taken anyway."""
+    from safetensors.torch import save_file
+
+    first, second = f"model-00001-of-00002.{kind}", f"model-00002-of-00002.{kind}"
+    source = tmp_path / "model"
+    source.mkdir()
+    for name, key in ((first, "a"), (second, "b")):
+        if kind == "safetensors":
+            save_file({key: torch.ones(4)}, str(source / name))
+        else:
+            torch.save({key: torch.ones(4)}, source / name)
+    weight_map = {
+        "empty": {},
+        "ghost": {"a": first, "b": second, "lm_head.weight": second},
+        "wrong-shard": {"a": second, "b": first},
+    }[case]
+    index = "model.safetensors.index.json" if kind == "safetensors" else "pytorch_model.bin.index.json"
+    (source / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(
+        CorruptCheckpointError, match="names no tensor" if case == "empty" else "disagrees with its shards"
+    ):
+        parallel_dcp.convert(source, tmp_path / "out", workers=2)
+    assert not (tmp_path / "out").exists()
+    (source / index).write_text(json.dumps({"metadata": {}, "weight_map": {"a": first, "b": second}}))
+    parallel_dcp.convert(source, tmp_path / "out", workers=2)  # the index mended: converted
+    assert sorted(parallel_dcp.load(tmp_path / "out")) == ["a", "b"]

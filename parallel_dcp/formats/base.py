@@ -31,7 +31,17 @@ if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
     from parallel_dcp.formats.range_read import RawRange
 
-__all__ = ["MAX_ELEMENTS", "Entry", "FileFormat", "Source", "entry_of", "index_json", "index_names", "shard_files"]
+__all__ = [
+    "MAX_ELEMENTS",
+    "Entry",
+    "FileFormat",
+    "Source",
+    "entry_of",
+    "index_json",
+    "index_names",
+    "index_weight_map",
+    "shard_files",
+]
 
 
 # Dimensions (zero ones counted as one) multiply to less than this in any tensor torch can make.
@@ -237,11 +247,18 @@ def index_names(index: Location) -> list[str]:
     Raises:
         CorruptCheckpointError: the index is not readable, or names a file outside its directory.
     """
+    return [check_name(n, index) for n in dict.fromkeys(index_weight_map(index).values())]
+
+
+def index_weight_map(index: Location) -> dict[str, str]:
+    """An index's ``weight_map`` (key -> shard name). Raises CorruptCheckpointError: unreadable."""
     try:
-        names = list(dict.fromkeys(loads_json(_read_index(index))["weight_map"].values()))
+        weight_map = loads_json(_read_index(index))["weight_map"]
+        if not all(isinstance(name, str) for name in weight_map.values()):
+            raise TypeError("a shard name that is not a string")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{index} is not a readable index: {type(exc).__name__}: {exc}") from exc
-    return [check_name(n, index) for n in names]
+    return dict(weight_map)
 
 
 def shard_files(path: Location, index_name: str, suffix: str | None = None) -> list[str]:

@@ -29,6 +29,7 @@ from parallel_dcp._json import loads_json
 from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats.base import Entry, FileFormat, Source, shard_files
+from parallel_dcp.formats.index_check import check_index
 from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.storage.direct_read import ShardFile, direct_read_memory
 from parallel_dcp.storage.io_mode import uses_direct
@@ -157,7 +158,11 @@ class SafetensorsSource(Source):
         self.files = shard_files(self.location, INDEX_NAME, _SUFFIX)
         if isinstance(self.location, Remote):
             self._list_remote(self.location)
-            return
+        else:
+            self._list_local()
+        check_index(self.location, INDEX_NAME, self.files, {key: entry.file for key, entry in self.entries.items()})
+
+    def _list_local(self) -> None:
         for file in self.files:
             try:
                 handle = safe_open(file, framework="pt")

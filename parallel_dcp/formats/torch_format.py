@@ -30,6 +30,7 @@ from parallel_dcp import _compat
 from parallel_dcp.engine.chunks import Chunk, exact_storage, lazy_bits, resolved
 from parallel_dcp.errors import CorruptCheckpointError, InsufficientSpaceError, UnsafeCheckpointError
 from parallel_dcp.formats.base import FileFormat, Source, entry_of, shard_files
+from parallel_dcp.formats.index_check import check_index
 from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.validate import flatten_checked, flatten_structure
 from parallel_dcp.storage.local_staging import free_bytes
@@ -140,9 +141,11 @@ class TorchSource(Source):
                 f"{self.path}: trust_pickle=True runs the file's pickle code (weights_only=False)", stacklevel=3
             )
         local = {file: file for file in self.files}
+        holders: dict[str, str] = {}  # each key, and the file holding it as the index knows it (check_index)
         if isinstance(self.location, Remote):
             directory, local = _spool(self.files, self.storage_options)
             self._cleanup = weakref.finalize(self, _remove_if_owner, os.getpid(), directory)
+        origin = {copy: file for file, copy in local.items()}
         for file in (local[f] for f in self.files):
             _check_torch_file(file)
             legacy = not zipfile.is_zipfile(file)
@@ -159,6 +162,7 @@ class TorchSource(Source):
             for key, value in flat.items():
                 if key in self.entries or key in self.values:
                     raise ValueError(f"{self.path}: key {key!r} is in two shards")
+                holders[key] = origin[file]
                 if isinstance(value, torch.Tensor):
                     self.entries[key] = entry_of(key, value, file)
                     if lazy_bits(value, value.dtype) is not None:
@@ -167,6 +171,7 @@ class TorchSource(Source):
                     self.values[key] = value
             if len(self.files) == 1:
                 self.mapping = mapping
+        check_index(self.location, INDEX_NAME, self.files, holders)
 
     def release(self) -> None:
         self._loaded.clear()

@@ -1,0 +1,46 @@
+"""A sharded directory's index checked against its shards, once both are read.
+
+transformers reads each key from the shard its index names. An index that names no key, or a key
+its shard does not hold, is a damaged checkpoint: converted as it came, the output lacked those
+keys without a word (an empty ``weight_map`` gave a checkpoint of no key at all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.formats.base import index_names, index_weight_map
+from parallel_dcp.storage.location import Location, listdir
+
+__all__ = ["check_index"]
+
+_SHOWN = 5
+
+
+def check_index(path: Location, index_name: str, files: Sequence[str], holders: Mapping[str, str]) -> None:
+    """Where ``path`` is a directory with an index: that every key the index names is held by
+    the shard it names. ``files``: what ``shard_files`` gave for it (in the index's order);
+    ``holders``: each key the shards hold, and its file. (A shard may hold more keys than its
+    index names: they are read too, as transformers reads them.)
+
+    Raises:
+        CorruptCheckpointError: the index names no key, or keys its shards do not hold where it says.
+    """
+    if not path.is_dir() or index_name not in listdir(path):
+        return
+    index = path / index_name
+    weight_map = index_weight_map(index)
+    if not weight_map:
+        raise CorruptCheckpointError(f"{index} names no tensor (its weight_map is empty)")
+    named = dict(zip(files, index_names(index), strict=True))  # a file as read -> its name in the index
+    wrong = [key for key, name in weight_map.items() if named.get(holders.get(key, "")) != name]
+    if not wrong:
+        return
+    shown = ", ".join(
+        f"{key!r} (in {weight_map[key]}, says the index; "
+        + (f"held by {named.get(holders[key], holders[key])})" if key in holders else "held by no shard)")
+        for key in wrong[:_SHOWN]
+    )
+    more = f", and {len(wrong) - _SHOWN} more" if len(wrong) > _SHOWN else ""
+    raise CorruptCheckpointError(f"{index} disagrees with its shards on {len(wrong)} keys: {shown}{more}")
