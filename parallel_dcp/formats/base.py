@@ -18,30 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallel_dcp._json import loads_json
 from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
-from parallel_dcp.storage.location import Location, Remote, check_name, listdir, locate
+from parallel_dcp.formats.shard_index import index_names
+from parallel_dcp.storage.location import Location, Remote, listdir, locate
 from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, source_tree
-from parallel_dcp.storage.safe_reader import read_in_tree
 
 # An index lists one line per tensor: 64 MiB is far beyond any real one (a crafted one is refused).
-_INDEX_MAX_BYTES = 64 * 2**20
 
 if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
     from parallel_dcp.formats.range_read import RawRange
 
-__all__ = [
-    "MAX_ELEMENTS",
-    "Entry",
-    "FileFormat",
-    "Source",
-    "entry_of",
-    "index_json",
-    "index_names",
-    "index_weight_map",
-    "shard_files",
-]
+__all__ = ["MAX_ELEMENTS", "Entry", "FileFormat", "Source", "entry_of", "index_json", "shard_files"]
 
 
 # Dimensions (zero ones counted as one) multiply to less than this in any tensor torch can make.
@@ -241,26 +229,6 @@ def index_json(weight_map: dict[str, str], total_size: int) -> str:
     return json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n"
 
 
-def index_names(index: Location) -> list[str]:
-    """The shard names an index's ``weight_map`` lists, each a plain name inside its directory.
-
-    Raises:
-        CorruptCheckpointError: the index is not readable, or names a file outside its directory.
-    """
-    return [check_name(n, index) for n in dict.fromkeys(index_weight_map(index).values())]
-
-
-def index_weight_map(index: Location) -> dict[str, str]:
-    """An index's ``weight_map`` (key -> shard name). Raises CorruptCheckpointError: unreadable."""
-    try:
-        weight_map = loads_json(_read_index(index))["weight_map"]
-        if not all(isinstance(name, str) for name in weight_map.values()):
-            raise TypeError("a shard name that is not a string")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"{index} is not a readable index: {type(exc).__name__}: {exc}") from exc
-    return dict(weight_map)
-
-
 def shard_files(path: Location, index_name: str, suffix: str | None = None) -> list[str]:
     """The files of a single-file source, or of a sharded directory: the ones its index names,
     or (``suffix`` given, no index) every file with that suffix.
@@ -301,10 +269,3 @@ def _in_tree(file: Path, tree: Path) -> Path:
             raise
         raise UnsafeCheckpointError(f"{file} leads to {target}, which is not a regular file") from None
     return target
-
-
-def _read_index(index: Location) -> bytes:
-    if isinstance(index, Remote):
-        return index.read_bytes()
-    assert isinstance(index, Path)
-    return read_in_tree(index, source_tree(index.parent), limit=_INDEX_MAX_BYTES)

@@ -29,8 +29,8 @@ from parallel_dcp._json import loads_json
 from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats.base import Entry, FileFormat, Source, shard_files
-from parallel_dcp.formats.index_check import check_index
 from parallel_dcp.formats.range_read import RawRange
+from parallel_dcp.formats.shard_index import check_index
 from parallel_dcp.storage.direct_read import ShardFile, direct_read_memory
 from parallel_dcp.storage.io_mode import uses_direct
 from parallel_dcp.storage.location import MIN_PART_BYTES, Location, Remote, listdir, new_file_mode

@@ -30,8 +30,8 @@ from parallel_dcp import _compat
 from parallel_dcp.engine.chunks import Chunk, exact_storage, lazy_bits, resolved
 from parallel_dcp.errors import CorruptCheckpointError, InsufficientSpaceError, UnsafeCheckpointError
 from parallel_dcp.formats.base import FileFormat, Source, entry_of, shard_files
-from parallel_dcp.formats.index_check import check_index
 from parallel_dcp.formats.range_read import RawRange
+from parallel_dcp.formats.shard_index import check_index
 from parallel_dcp.formats.validate import flatten_checked, flatten_structure
 from parallel_dcp.storage.local_staging import free_bytes
 from parallel_dcp.storage.location import Location, Remote

@@ -1,4 +1,5 @@
-"""A sharded directory's index checked against its shards, once both are read.
+"""A sharded directory's index (``model.safetensors.index.json``): its shard names, its
+``weight_map``, and the index checked against its shards once both are read.
 
 transformers reads each key from the shard its index names. An index that names no key, or a key
 its shard does not hold, is a damaged checkpoint: converted as it came, the output lacked those
@@ -8,14 +9,18 @@ keys without a word (an empty ``weight_map`` gave a checkpoint of no key at all)
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.formats.base import index_names, index_weight_map
-from parallel_dcp.storage.location import Location, listdir
+from parallel_dcp.storage.location import Location, Remote, check_name, listdir
+from parallel_dcp.storage.safe_files import source_tree
+from parallel_dcp.storage.safe_reader import read_in_tree
 
-__all__ = ["check_index"]
+__all__ = ["check_index", "index_names", "index_weight_map"]
 
 _SHOWN = 5
+_INDEX_MAX_BYTES = 64 * 2**20
 
 
 def check_index(path: Location, index_name: str, files: Sequence[str], holders: Mapping[str, str]) -> None:
@@ -44,3 +49,30 @@ def check_index(path: Location, index_name: str, files: Sequence[str], holders: 
     )
     more = f", and {len(wrong) - _SHOWN} more" if len(wrong) > _SHOWN else ""
     raise CorruptCheckpointError(f"{index} disagrees with its shards on {len(wrong)} keys: {shown}{more}")
+
+
+def index_names(index: Location) -> list[str]:
+    """The shard names an index's ``weight_map`` lists, each a plain name inside its directory.
+
+    Raises:
+        CorruptCheckpointError: the index is not readable, or names a file outside its directory.
+    """
+    return [check_name(n, index) for n in dict.fromkeys(index_weight_map(index).values())]
+
+
+def index_weight_map(index: Location) -> dict[str, str]:
+    """An index's ``weight_map`` (key -> shard name). Raises CorruptCheckpointError: unreadable."""
+    try:
+        weight_map = loads_json(_read_index(index))["weight_map"]
+        if not all(isinstance(name, str) for name in weight_map.values()):
+            raise TypeError("a shard name that is not a string")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{index} is not a readable index: {type(exc).__name__}: {exc}") from exc
+    return dict(weight_map)
+
+
+def _read_index(index: Location) -> bytes:
+    if isinstance(index, Remote):
+        return index.read_bytes()
+    assert isinstance(index, Path)
+    return read_in_tree(index, source_tree(index.parent), limit=_INDEX_MAX_BYTES)
