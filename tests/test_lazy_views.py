@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import parallel_dcp
 from parallel_dcp import _compat
+from parallel_dcp.errors import InvalidStateDictError
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
 from tests.conftest import assert_same
@@ -177,3 +178,39 @@ def test_a_torch_save_file_of_lazy_views_converts_to_their_values(tmp_path: Path
         assert_same(got, _values(sd))
     else:
         assert_same(_stock_load(tmp_path / "out", sd), _values(sd))
+
+
+def test_load_into_a_lazy_view_is_refused_and_fast_reader_fills_it_as_stock(tmp_path: Path) -> None:
+    """Filled by its address, a conj target read back the conjugate of what was saved."""
+    sd = {"c": torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64), "f": torch.tensor([1.0, -2.0, 3.0])}
+    parallel_dcp.save(sd, tmp_path / "ck", workers=1)
+    z, f = torch.zeros(2, dtype=torch.complex64), torch.zeros(3)
+    with pytest.raises(InvalidStateDictError, match=r"into\['c'\] is a lazy view"):
+        parallel_dcp.load(tmp_path / "ck", into={"c": z.conj(), "f": f})
+    with pytest.raises(InvalidStateDictError, match=r"into\['f'\] is a lazy view"):
+        parallel_dcp.load(tmp_path / "ck", into={"c": z, "f": torch._neg_view(f)})
+    stock = {"c": torch.zeros(2, dtype=torch.complex64).conj(), "f": torch._neg_view(torch.zeros(3))}
+    dcp.load(stock, storage_reader=FileSystemReader(str(tmp_path / "ck")), no_dist=True)
+    ours = {"c": torch.zeros(2, dtype=torch.complex64).conj(), "f": torch._neg_view(torch.zeros(3))}
+    dcp.load(ours, storage_reader=parallel_dcp.FastReader(tmp_path / "ck"), no_dist=True)
+    for got in (stock, ours):
+        assert_same(_values(got), sd)
+
+
+def test_a_filled_target_is_marked_modified_for_autograd(tmp_path: Path) -> None:
+    """Filled by its address, a Parameter a graph had saved kept its version: backward used the
+    new values without a word, where stock's copy_ makes it raise."""
+    w = torch.nn.Parameter(torch.ones(4))
+    parallel_dcp.save({"w": torch.full((4,), 5.0)}, tmp_path / "ck", workers=1)
+    for load in ("into", "fast"):
+        loss = (w * w).sum()  # saves w for backward
+        before = w._version
+        if load == "into":
+            parallel_dcp.load(tmp_path / "ck", into={"w": w})
+        else:
+            dcp.load({"w": w}, storage_reader=parallel_dcp.FastReader(tmp_path / "ck"), no_dist=True)
+        assert w._version > before
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        with torch.no_grad():
+            w.fill_(1.0)

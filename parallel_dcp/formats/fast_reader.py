@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from parallel_dcp.engine.chunks import lazy_bits
 from parallel_dcp.engine.memory import MemoryGovernor, parse_size
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import CorruptCheckpointError
@@ -202,8 +203,10 @@ class FastReader(FileSystemReader):
                     f"{item.storage_index.fqn!r}: the planner's target has shape {list(target.shape)}, "
                     f"the read item {list(item.lengths)}"
                 )
-            # stock casts into a target of another dtype: its reader does that copy, as it would
-            requests.append(fast_read.Request(item, info, chunk, dtype, target, unfit=target.dtype != dtype))
+            # stock casts into a target of another dtype: its reader does that copy, as it would; and
+            # copies into a lazy view (x.conj()), whose memory holds the conjugate of its values
+            unfit = target.dtype != dtype or lazy_bits(target, target.dtype) is not None
+            requests.append(fast_read.Request(item, info, chunk, dtype, target, unfit=unfit))
             committed.append((item, target))
 
         def on_bytes(item: ReadItem, data: bytes) -> None:
@@ -219,6 +222,8 @@ class FastReader(FileSystemReader):
         read = fast_read.read_requests(self._where, requests, self.workers, on_bytes, budget, io=self.read_choice.io)
         read.read_choice = self.read_choice
         self.stats.add(read)
+        # Filled by their addresses, which autograd does not see: bumped as stock's copy_ bumps them.
+        torch.autograd.graph.increment_version([target for _, target in committed])
         for item, target in committed:
             planner.commit_tensor(item, target)
         future: Future[None] = Future()

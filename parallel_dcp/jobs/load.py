@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from parallel_dcp import _compat
 from parallel_dcp.engine import progress
+from parallel_dcp.engine.chunks import lazy_bits
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool, gc_paused
@@ -227,6 +228,7 @@ def _load(
                 and value.shape == shape
                 and value.is_contiguous()
                 and not value.is_meta
+                and lazy_bits(value, dtype) is None
             ):
                 if known is not None:
                     check_target(key, value, dtype, tuple(shape))
@@ -313,6 +315,11 @@ def _load(
     if stats is not None:
         stats.add(done)
     if into is not None:
+        # Filled in place by their addresses, which autograd does not see: their version counters
+        # bumped as copy_ bumps them (a graph that saved one raises at backward, as under stock).
+        filled = [flat_into[key] for key in tensor_keys]
+        filled += [entry[3] for entries in small.values() for entry in entries]
+        torch.autograd.graph.increment_version(filled)
         if not into_paths.keys() >= values.keys():  # a tensor of ``into`` stored as a value: it is replaced
             into_paths = _flatten_into(into, tensor_paths=True)[1]
         for key, value in values.items():

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from parallel_dcp.engine.chunks import lazy_bits
 from parallel_dcp.errors import CorruptCheckpointError, InvalidStateDictError, dtype_name
 from parallel_dcp.formats import fast_read
 from parallel_dcp.formats.read_units import SMALL_RECORD
@@ -50,6 +51,7 @@ def check_target(key: str, value: Any, dtype: torch.dtype, shape: tuple[int, ...
         and value.shape == shape
         and value.is_contiguous()
         and not value.is_meta
+        and lazy_bits(value, dtype) is None
     ):
         return
     if not isinstance(value, torch.Tensor):
@@ -85,6 +87,12 @@ def check_target(key: str, value: Any, dtype: torch.dtype, shape: tuple[int, ...
     if tuple(value.shape) != shape:
         raise InvalidStateDictError(
             f"into[{key!r}] has shape {list(value.shape)} but the checkpoint holds {list(shape)}"
+        )
+    if lazy_bits(value, dtype) is not None:  # its bytes are not its values: filled, it read back negated
+        raise InvalidStateDictError(
+            f"into[{key!r}] is a lazy view (its conjugate or negative bit is set: x.conj(), x.conj().imag): "
+            "load fills the memory under it, whose values are not its own; pass a tensor of its own "
+            "(.resolve_conj() / .resolve_neg(), or the tensor it views)"
         )
 
 
@@ -217,7 +225,13 @@ def small_targets(columns: WholeRecords, chosen: dict[str, Any]) -> tuple[dict[s
             continue
         dtype, shape = stored
         # (a CPU tensor is never a meta one: its data address is real)
-        if value.dtype == dtype and value.shape == shape and value.is_contiguous() and value.is_cpu:
+        if (
+            value.dtype == dtype
+            and value.shape == shape
+            and value.is_contiguous()
+            and value.is_cpu
+            and lazy_bits(value, dtype) is None
+        ):
             if name is not last:
                 found = small.setdefault(name, [])
                 last = name
