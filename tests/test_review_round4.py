@@ -304,3 +304,30 @@ def test_an_index_that_disagrees_with_its_shards_is_refused(tmp_path: Path, kind
     (source / index).write_text(json.dumps({"metadata": {}, "weight_map": {"a": first, "b": second}}))
     parallel_dcp.convert(source, tmp_path / "out", workers=2)  # the index mended: converted
     assert sorted(parallel_dcp.load(tmp_path / "out")) == ["a", "b"]
+
+
+@pytest.mark.parametrize("writer", ["stock", "ours"])
+def test_verify_finds_records_of_another_dtype_than_their_metadata_says(tmp_path: Path, writer: str) -> None:
+    """Another checkpoint's ``.metadata`` (same key and bytes, another dtype): load refused it,
+    verify said OK (it reads back through stock's reader, which casts)."""
+    import shutil
+
+    record, claimed = tmp_path / "record", tmp_path / "claimed"
+    for path, dtype in ((record, torch.bfloat16), (claimed, torch.float16)):
+        sd = {"x": torch.arange(64).to(dtype)}
+        if writer == "stock":
+            dcp.save(sd, checkpoint_id=str(path), no_dist=True)
+        else:
+            parallel_dcp.save(sd, path, workers=1, checksums=False)
+    shutil.copy(claimed / ".metadata", record / ".metadata")
+    if writer == "ours":  # (its shard named as the other's: as if two saves had mixed)
+        (shard,) = record.glob("*.distcp")
+        (theirs,) = claimed.glob("*.distcp")
+        shard.rename(record / theirs.name)
+        for side in record.glob(".parallel_dcp.*"):
+            side.unlink()
+    with pytest.raises(CorruptCheckpointError, match="holds bfloat16"):
+        parallel_dcp.load(record)
+    report = parallel_dcp.verify(record)
+    assert not report.ok
+    assert any("holds bfloat16 [64] but .metadata says float16 [64]" in p for p in report.problems)

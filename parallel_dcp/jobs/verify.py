@@ -16,6 +16,7 @@ bit-for-bit comparison form one job.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -28,14 +29,14 @@ from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, ChunkUnit,
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
-from parallel_dcp.errors import CorruptCheckpointError, dtype_name
+from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError, dtype_name
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dcp_format import DcpSource
 from parallel_dcp.jobs.diff import values_equal
 from parallel_dcp.jobs.inspect import side_index
 from parallel_dcp.jobs.verify_files import no_checksums_problem, recorded_checksums
-from parallel_dcp.jobs.verify_pass import one_pass_handler, records_by_file
+from parallel_dcp.jobs.verify_pass import one_pass_handler, record_problems, records_by_file
 from parallel_dcp.options import Options
 from parallel_dcp.storage.direct_read import PIECE_BYTES, direct_read_memory
 from parallel_dcp.storage.io_mode import resolve_io
@@ -261,6 +262,19 @@ def verify(
     return report
 
 
+def _record_problems(source: Source) -> list[tuple[str, str]]:
+    """(key, problem) for each record of a local DCP checkpoint whose head disagrees with
+    ``.metadata`` (verify_pass.record_problems); none for any other source, or a shard it cannot
+    open (the read-back names that)."""
+    if not isinstance(source, DcpSource) or source.metadata is None or not isinstance(source.location, Path):
+        return []
+    found: list[tuple[str, str]] = []
+    for name, stored in (records_by_file(source.metadata) or {}).items():
+        with contextlib.suppress(OSError, UnsafeCheckpointError):
+            found += record_problems(os.fspath(source.location), name, stored)
+    return found
+
+
 def _header_problem(source: Source, reference: Source, key: str, dtype: torch.dtype | None) -> str | None:
     """What differs between ``key`` here and in the reference, from headers alone (None: nothing)."""
     mine, theirs = key in source.entries, key in reference.entries
@@ -401,6 +415,9 @@ def _verify(
         report.problems = sorted(file_problems) + [f"{k}: {key_problems[k][1]}" for k in sorted(key_problems)]
         report.problems.append(str(exc))
         return report
+    if records is None and deep:  # records not checked on the way: their heads, against .metadata
+        for key, found in _record_problems(source):
+            key_problems.setdefault(key, (0, found))
     for side in (source, reference):
         if side is not None:
             side.load_values(k for k in keys if k not in side.entries and k in side.values)

@@ -25,6 +25,7 @@ from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError, d
 from parallel_dcp.formats.dcp_records import HEAD_BYTES, TAIL_BYTES, parse_record
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.manifest import FileDigest, Hasher
+from parallel_dcp.storage.safe_files import open_regular
 
 __all__ = ["StoredRecord", "one_pass_handler", "records_by_file"]
 
@@ -92,6 +93,23 @@ def _record_problem(name: str, r: StoredRecord) -> str | None:
     if (layout.storage_offset + math.prod(r.size)) * layout.dtype.itemsize > layout.data_bytes:
         return f"the record at byte {r.offset} of {name} has fewer data bytes than its elements need"
     return None
+
+
+def record_problems(directory: str, name: str, records: list[StoredRecord]) -> list[tuple[str, str]]:
+    """(key, problem) for each of ``records`` of file ``name`` whose head and tail, read alone,
+    disagree with ``.metadata`` (a checkpoint without checksums: stock's reader, which verify
+    reads it back through, casts a record of another dtype into the one ``.metadata`` says)."""
+    fd = open_regular(None, os.path.join(directory, name))
+    try:
+        for start, stop, buffer in _windows(records):
+            data = os.pread(fd, stop - start, start)
+            buffer[: len(data)] = data
+    finally:
+        os.close(fd)
+    found = [(r.key, problem) for r in records if (problem := _record_problem(name, r)) is not None]
+    for r in records:
+        r.head = r.tail = None
+    return found
 
 
 def check_file(
