@@ -5,7 +5,8 @@ surfaced as a bare EOFError; a fork of the caller that exited normally killed th
 workers; a Ctrl-C while an overwrite published left the old shards behind for good; a Saver under a tight
 memory limit stopped a save that ``save()`` completes; a nested tensor, or a value a Saver cannot
 pickle, failed without naming it; a sharded folder whose index disagreed with its shards converted
-without the keys they disagreed on."""
+without the keys they disagreed on; a damaged later source of several failed after the earlier
+outputs were committed."""
 
 from __future__ import annotations
 
@@ -331,3 +332,16 @@ def test_verify_finds_records_of_another_dtype_than_their_metadata_says(tmp_path
     report = parallel_dcp.verify(record)
     assert not report.ok
     assert any("holds bfloat16 [64] but .metadata says float16 [64]" in p for p in report.problems)
+
+
+def test_a_damaged_later_source_fails_a_conversion_of_several_before_anything_is_written(tmp_path: Path) -> None:
+    """The earlier sources were converted and committed first; the error did not say so, and the
+    command run again (the bad source mended) refused their outputs as existing checkpoints."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "good.pt")
+    (tmp_path / "bad.pt").write_bytes(b"garbage")
+    with pytest.raises(CorruptCheckpointError, match=r"bad\.pt"):
+        parallel_dcp.convert([tmp_path / "good.pt", tmp_path / "bad.pt"], tmp_path / "out")
+    assert not (tmp_path / "out" / "good").exists()
+    (tmp_path / "bad.pt").write_bytes((tmp_path / "good.pt").read_bytes())
+    results = parallel_dcp.convert([tmp_path / "good.pt", tmp_path / "bad.pt"], tmp_path / "out")
+    assert [r.keys for r in results] == [1, 1]

@@ -317,7 +317,7 @@ def convert(
         os.makedirs(dst, exist_ok=True)
     if rename is not None:
         _rename.compile_rules(rename)  # bad rules fail before any source is opened
-    results = [_convert.convert_one(one, out, options, **each) for one, out in zip(sources, outputs, strict=True)]
+    results = _convert.convert_all(sources, outputs, options, **each)
     if isinstance(src, (str, os.PathLike)):
         return results[0]
     if dry_run:
