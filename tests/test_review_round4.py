@@ -6,10 +6,11 @@ workers; a Ctrl-C while an overwrite published left the old shards behind for go
 memory limit stopped a save that ``save()`` completes; a nested tensor, or a value a Saver cannot
 pickle, failed without naming it; a sharded folder whose index disagreed with its shards converted
 without the keys they disagreed on; a damaged later source of several failed after the earlier
-outputs were committed."""
+outputs were committed; a resume failed under the memory limit its fresh run fits under."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -345,3 +346,47 @@ def test_a_damaged_later_source_fails_a_conversion_of_several_before_anything_is
     (tmp_path / "bad.pt").write_bytes((tmp_path / "good.pt").read_bytes())
     results = parallel_dcp.convert([tmp_path / "good.pt", tmp_path / "bad.pt"], tmp_path / "out")
     assert [r.keys for r in results] == [1, 1]
+
+
+_TIGHT: dict[str, Any] = {"workers": 2, "chunk_size": "256KiB", "io": "buffered", "memory_limit": "40MiB"}
+
+
+def fail_under_a_tight_limit(root: str) -> int:
+    """(Run in a fresh interpreter.) A conversion under 40 MiB that fails at its task 20 (as
+    ENOSPC would): how many of its files it left for a resume."""
+    from safetensors.torch import save_file
+
+    from parallel_dcp.jobs import targets
+
+    g = torch.Generator().manual_seed(0)
+    save_file({f"layer{i}.w": torch.randn(512, 1024, generator=g) for i in range(18)}, f"{root}/m.safetensors")
+    original = targets.DcpTarget.write
+
+    def write(self: Any, job: Any, task: Any, *rest: Any) -> Any:
+        if task.index >= 20:
+            raise OSError(28, "No space left on device (injected)")
+        return original(self, job, task, *rest)
+
+    targets.DcpTarget.write = write  # type: ignore[method-assign,assignment]
+    with contextlib.suppress(Exception):
+        parallel_dcp.convert(f"{root}/m.safetensors", f"{root}/out", **_TIGHT)
+    return len(os.listdir(f"{root}/out"))
+
+
+def resume_under_a_tight_limit(root: str) -> dict[str, Any]:
+    """(Run in a fresh interpreter: its heap is the job's.) That conversion resumed under the
+    same limit: what the resume did."""
+    try:
+        result = parallel_dcp.convert(f"{root}/m.safetensors", f"{root}/out", resume=True, **_TIGHT)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None, "kept": result.bytes_kept, "peak": result.peak_memory, "limit": result.memory_limit}
+
+
+def test_a_resume_fits_under_the_limit_its_fresh_run_fits_under(tmp_path: Path) -> None:
+    """Re-hashing the kept files left 8 MiB read buffers in 4 threads' malloc arenas, charged to
+    the resumed job: it refused a task its fresh run had fitted."""
+    assert run_fresh("tests.test_review_round4", "fail_under_a_tight_limit", str(tmp_path)) > 0
+    outcome = run_fresh("tests.test_review_round4", "resume_under_a_tight_limit", str(tmp_path))
+    assert outcome["error"] is None
+    assert outcome["kept"] > 0 and outcome["peak"] <= outcome["limit"]
