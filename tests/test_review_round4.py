@@ -390,3 +390,14 @@ def test_a_resume_fits_under_the_limit_its_fresh_run_fits_under(tmp_path: Path) 
     outcome = run_fresh("tests.test_review_round4", "resume_under_a_tight_limit", str(tmp_path))
     assert outcome["error"] is None
     assert outcome["kept"] > 0 and outcome["peak"] <= outcome["limit"]
+
+
+@pytest.mark.parametrize(("change", "said"), [(-100, "truncated?"), (100, "bytes appended?")])
+def test_verify_says_whether_a_shard_shrank_or_grew(tmp_path: Path, change: int, said: str) -> None:
+    """A shard with bytes appended was called "(truncated?)"."""
+    parallel_dcp.save(_state(8, 2), tmp_path / "ck", workers=1)
+    (shard,) = (tmp_path / "ck").glob("*.distcp")
+    data = shard.read_bytes()
+    shard.write_bytes(data[:change] if change < 0 else data + b"\0" * change)
+    report = parallel_dcp.verify(tmp_path / "ck")
+    assert any(f"({said})" in problem for problem in report.problems), report.problems

@@ -36,7 +36,7 @@ from parallel_dcp.formats.dcp_format import DcpSource
 from parallel_dcp.jobs.diff import values_equal
 from parallel_dcp.jobs.inspect import side_index
 from parallel_dcp.jobs.verify_files import no_checksums_problem, recorded_checksums
-from parallel_dcp.jobs.verify_pass import one_pass_handler, record_problems, records_by_file
+from parallel_dcp.jobs.verify_pass import one_pass_handler, record_problems, records_by_file, size_change
 from parallel_dcp.options import Options
 from parallel_dcp.storage.direct_read import PIECE_BYTES, direct_read_memory
 from parallel_dcp.storage.io_mode import resolve_io
@@ -181,10 +181,14 @@ def _hash_handler(directory: Location, recorded: dict[str, FileDigest], starts: 
                 continue
             if found.size != want.size and name in starts:
                 problems.append(
-                    f"file {name}: {found.size} bytes of tensor data, its header records {want.size} (truncated?)"
+                    f"file {name}: {found.size} bytes of tensor data, its header records {want.size} "
+                    f"({size_change(found.size, want.size)})"
                 )
             elif found.size != want.size:
-                problems.append(f"file {name}: {found.size} bytes, the manifest records {want.size} (truncated?)")
+                problems.append(
+                    f"file {name}: {found.size} bytes, the manifest records {want.size} "
+                    f"({size_change(found.size, want.size)})"
+                )
             elif want.digest is not None and found.digest != want.digest:
                 problems.append(f"file {name}: checksum {found.digest} != {want.digest} recorded (corrupted)")
         return problems

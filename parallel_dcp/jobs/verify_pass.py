@@ -27,7 +27,7 @@ from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.manifest import FileDigest, Hasher
 from parallel_dcp.storage.safe_files import open_regular
 
-__all__ = ["StoredRecord", "one_pass_handler", "records_by_file"]
+__all__ = ["StoredRecord", "one_pass_handler", "record_problems", "records_by_file", "size_change"]
 
 
 @dataclass(slots=True)
@@ -112,6 +112,11 @@ def record_problems(directory: str, name: str, records: list[StoredRecord]) -> l
     return found
 
 
+def size_change(found: int, recorded: int) -> str:
+    """What a file's size against its recorded one suggests."""
+    return "truncated?" if found < recorded else "bytes appended?"
+
+
 def check_file(
     path: str, want: FileDigest, records: list[StoredRecord], io: str
 ) -> tuple[list[str], list[tuple[str, str]]]:
@@ -147,7 +152,9 @@ def check_file(
     files: list[str] = []
     found = hasher.result()
     if found.size != want.size:
-        files.append(f"file {name}: {found.size} bytes, the manifest records {want.size} (truncated?)")
+        files.append(
+            f"file {name}: {found.size} bytes, the manifest records {want.size} ({size_change(found.size, want.size)})"
+        )
     elif want.digest is not None and found.digest != want.digest:
         files.append(f"file {name}: checksum {found.digest} != {want.digest} recorded (corrupted)")
     keys = []
