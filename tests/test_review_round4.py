@@ -401,3 +401,37 @@ def test_verify_says_whether_a_shard_shrank_or_grew(tmp_path: Path, change: int,
     shard.write_bytes(data[:change] if change < 0 else data + b"\0" * change)
     report = parallel_dcp.verify(tmp_path / "ck")
     assert any(f"({said})" in problem for problem in report.problems), report.problems
+
+
+def handlers_in_a_fork_while_held() -> dict[str, bool]:
+    """(Run in a fresh interpreter: it sets signal handlers.) What a fork made while interrupts
+    are held (a pool's worker forked in a job) inherits."""
+    from parallel_dcp.engine.held_interrupts import HeldInterrupts
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    read, write = os.pipe()
+    with HeldInterrupts():
+        pid = os.fork()
+        if pid == 0:
+            same = signal.getsignal(signal.SIGTERM) is terminate
+            os.write(write, b"1" if same else b"0")
+            os._exit(0)
+        os.waitpid(pid, 0)
+        held_here = signal.getsignal(signal.SIGTERM) is not terminate
+    return {
+        "child": os.read(read, 1) == b"1",
+        "held": held_here,
+        "after": signal.getsignal(signal.SIGTERM) is terminate,
+    }
+
+
+def test_a_fork_made_while_interrupts_are_held_gets_the_handlers_back() -> None:
+    """A worker forked while its pool held Ctrl-C inherited the holding handler: it ignored SIGTERM."""
+    assert run_fresh("tests.test_review_round4", "handlers_in_a_fork_while_held") == {
+        "child": True,
+        "held": True,
+        "after": True,
+    }

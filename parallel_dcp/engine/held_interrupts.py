@@ -16,6 +16,7 @@ Only in the main thread, where Python delivers signals; a signal whose handler i
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from types import FrameType, TracebackType
@@ -24,6 +25,20 @@ from typing import Any
 __all__ = ["HeldInterrupts"]
 
 _HELD = (signal.SIGINT, signal.SIGTERM)
+# The holders in force now (in the main thread): a fork made meanwhile (a pool's worker) gets the
+# handlers they replaced back, as it would have without them (else a worker ignored SIGTERM).
+_ACTIVE: list[HeldInterrupts] = []
+
+
+def _restore_in_child() -> None:
+    for held in _ACTIVE:
+        for signum, handler in held._previous.items():
+            signal.signal(signum, handler)
+        held._previous.clear()
+    _ACTIVE.clear()
+
+
+os.register_at_fork(after_in_child=_restore_in_child)
 
 
 class HeldInterrupts:
@@ -41,12 +56,16 @@ class HeldInterrupts:
             handler = signal.getsignal(signum)
             if callable(handler):  # Python's (a KeyboardInterrupt), not SIG_DFL or SIG_IGN
                 self._previous[signum] = signal.signal(signum, self._hold)
+        if self._previous:
+            _ACTIVE.append(self)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
 
     def _hold(self, signum: int, frame: FrameType | None) -> None:
         self.caught.append(signum)
