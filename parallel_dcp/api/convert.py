@@ -267,6 +267,7 @@ def convert(
     from parallel_dcp.jobs import convert as _convert
     from parallel_dcp.jobs import presets as _presets
     from parallel_dcp.jobs import rename as _rename
+    from parallel_dcp.jobs import several_sources as _several
     from parallel_dcp.jobs.dryrun import DryRunPlan
     from parallel_dcp.jobs.pipeline import SaveResult
     from parallel_dcp.storage.location import is_url
@@ -317,7 +318,7 @@ def convert(
         os.makedirs(dst, exist_ok=True)
     if rename is not None:
         _rename.compile_rules(rename)  # bad rules fail before any source is opened
-    results = _convert.convert_all(sources, outputs, options, **each)
+    results = _several.convert_all(sources, outputs, options, **each)
     if isinstance(src, (str, os.PathLike)):
         return results[0]
     if dry_run:

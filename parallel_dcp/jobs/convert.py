@@ -16,7 +16,6 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -49,7 +48,7 @@ from parallel_dcp.storage.location import Location, Remote, is_url, locate
 from parallel_dcp.storage.protocol import WriteLocation
 from parallel_dcp.storage.read_choice import ReadChoice
 
-__all__ = ["convert_all", "convert_one", "destinations", "parse_dtype", "select_keys"]
+__all__ = ["convert_one", "destinations", "parse_dtype", "select_keys"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -127,30 +126,6 @@ def destinations(sources: Sequence[str | os.PathLike[str]], dst: str | os.PathLi
     if duplicates:
         raise ValueError(f"several sources would write the same destination: {sorted(duplicates)}")
     return [f"{os.fspath(dst).rstrip('/')}/{n}" if is_url(dst) else os.path.join(dst, n) for n in names]
-
-
-def convert_all(
-    sources: Sequence[str | os.PathLike[str]], outputs: Sequence[str], options: Options, **each: Any
-) -> list[SaveResult | DryRunPlan]:
-    """:func:`convert_one` of each source into its output. With several, every source is opened
-    first: a damaged later one fails before anything is written (it failed after the earlier
-    outputs were committed, and the error did not say so); a failure past that names the
-    outputs committed before it."""
-    if len(sources) > 1:
-        for src in sources:
-            open_source(
-                src, trust_pickle=each.get("trust_pickle", False), storage_options=options.storage_options
-            ).close()
-    results: list[SaveResult | DryRunPlan] = []
-    for src, out in zip(sources, outputs, strict=True):
-        try:
-            results.append(convert_one(src, out, options, **each))
-        except BaseException as failure:
-            done = [str(r.path) for r in results if isinstance(r, SaveResult)]
-            if done:
-                failure.add_note(f"converted and committed before it: {', '.join(done)}")
-            raise
-    return results
 
 
 def convert_one(
