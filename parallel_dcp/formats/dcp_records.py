@@ -102,7 +102,8 @@ def _rebuild(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: A
     # The tensor's metadata (v2: the argument after the hooks; v3: after the dtype): its conjugate
     # or negative bit, set where torch.save wrote a lazy view (x.conj()). Its bytes are not its
     # values then: DCP's own reader (torch.load) resolves them.
-    metadata = rest[3 if storage.dtype is None else 2] if len(rest) > (3 if storage.dtype is None else 2) else None
+    at = 3 if storage.dtype is None else 2
+    metadata = rest[at] if len(rest) > at else None
     if metadata:
         raise _NotATensorRecord(f"a lazy view ({metadata!r})")
     return _Rebuilt(storage, storage_offset, _ints(size, "size"), _ints(stride, "stride"), dtype)

@@ -38,7 +38,10 @@ def check_index(path: Location, index_name: str, files: Sequence[str], holders: 
     weight_map = index_weight_map(index)
     if not weight_map:
         raise CorruptCheckpointError(f"{index} names no tensor (its weight_map is empty)")
-    named = dict(zip(files, index_names(index), strict=True))  # a file as read -> its name in the index
+    names = _names(weight_map, index)  # (from this one read: the index may have changed since shard_files)
+    if len(names) != len(files):
+        raise CorruptCheckpointError(f"{index} changed while it was read")
+    named = dict(zip(files, names, strict=True))  # a file as read -> its name in the index
     wrong = [key for key, name in weight_map.items() if named.get(holders.get(key, "")) != name]
     if not wrong:
         return
@@ -57,7 +60,12 @@ def index_names(index: Location) -> list[str]:
     Raises:
         CorruptCheckpointError: the index is not readable, or names a file outside its directory.
     """
-    return [check_name(n, index) for n in dict.fromkeys(index_weight_map(index).values())]
+    return _names(index_weight_map(index), index)
+
+
+def _names(weight_map: Mapping[str, str], index: Location) -> list[str]:
+    """The shard names ``weight_map`` lists, in its order, once each, each checked a plain name."""
+    return [check_name(n, index) for n in dict.fromkeys(weight_map.values())]
 
 
 def index_weight_map(index: Location) -> dict[str, str]:
