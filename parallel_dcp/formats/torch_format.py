@@ -156,7 +156,9 @@ class TorchSource(Source):
                     stacklevel=3,
                 )
             obj = _load(file, mmap=not legacy, trust_pickle=self.trust_pickle)
-            flat, mapping = flatten_checked(obj if isinstance(obj, dict) else {"": obj})
+            # (an empty mapping kept as a value: torch.load gives it back, so loads and
+            # conversions to torch.save do too; other formats drop it, as DCP does)
+            flat, mapping = flatten_checked(obj if isinstance(obj, dict) else {"": obj}, keep_empty=True)
             if legacy:
                 self._legacy[file] = flat  # workers inherit it by fork
             for key, value in flat.items():

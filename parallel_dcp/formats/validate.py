@@ -9,7 +9,7 @@ import torch
 
 from parallel_dcp.errors import InvalidStateDictError
 
-__all__ = ["check_tensor", "flatten_checked", "flatten_structure", "terminal_list"]
+__all__ = ["check_tensor", "empty_mapping", "flatten_checked", "flatten_structure", "terminal_list"]
 
 
 def _check_keys(value: Any, path: str) -> None:
@@ -46,6 +46,12 @@ def check_tensor(key: str, tensor: torch.Tensor) -> None:
 _SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
+def empty_mapping(value: Any) -> bool:
+    """Whether ``value`` is an empty mapping: a value of its own where a flattening keeps it
+    (``keep_empty``), which only torch.save files hold (DCP drops it, safetensors holds tensors)."""
+    return isinstance(value, Mapping) and not value
+
+
 def terminal_list(value: list[Any]) -> bool:
     """DCP's rule for a list: kept whole (one value) unless it holds a tensor, a mapping, or a
     list that is not kept whole itself."""
@@ -67,17 +73,23 @@ def flatten_structure(
 
 
 def _flatten(
-    state_dict: Mapping[Any, Any], tensor_paths: bool = True
+    state_dict: Mapping[Any, Any], tensor_paths: bool = True, keep_empty: bool = False
 ) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
     """DCP's ``flatten_state_dict`` (``_traverse.traverse_state_dict``'s rules: mappings walked,
     lists walked when not kept whole, tuples and everything else kept whole), in one pass with
     the key checks folded in: it runs once per key of a 50,000-key state dict before any worker
     starts. ``tests/test_validate.py`` checks it against DCP's own on many shapes of nesting.
 
+    DCP drops an empty mapping below the top level (an optimizer's ``"state": {}`` before its
+    first step). ``keep_empty`` keeps it as a value of its own instead, for a torch.save file
+    read as a source: torch.load returns it, so a load or a conversion to torch.save must too.
+    (Not in DCP: stored there, it would make stock ``dcp.load`` take a checkpoint for its
+    pre-2.4 layout when the template holds the same empty mapping, and fail.)
+
     Raises:
         InvalidStateDictError: a non-string key, or two keys flattening to one name.
     """
-    walk = _Walk(tensor_paths)
+    walk = _Walk(tensor_paths, keep_empty)
     walk.walk((), "", state_dict)
     return walk.flat, walk.mapping
 
@@ -87,12 +99,13 @@ class _Walk:
     each other hold each other through their cells, a cycle that keeps ``flat`` and ``mapping``
     (a tuple per key) alive until a garbage collection walks them all."""
 
-    __slots__ = ("flat", "mapping", "tensor_paths")
+    __slots__ = ("flat", "keep_empty", "mapping", "tensor_paths")
 
-    def __init__(self, tensor_paths: bool) -> None:
+    def __init__(self, tensor_paths: bool, keep_empty: bool) -> None:
         self.flat: dict[str, Any] = {}
         self.mapping: dict[str, tuple[Any, ...]] = {}
         self.tensor_paths = tensor_paths
+        self.keep_empty = keep_empty
 
     def leaf(self, path: tuple[Any, ...], name: str, value: Any) -> None:
         if isinstance(value, tuple):
@@ -106,7 +119,7 @@ class _Walk:
     def walk_list(self, path: tuple[Any, ...], name: str, value: list[Any]) -> None:
         for i, entry in enumerate(value):
             inner, at = (*path, i), f"{name}.{i}"
-            if isinstance(entry, Mapping):
+            if isinstance(entry, Mapping) and (entry or not self.keep_empty):
                 self.walk(inner, f"{at}.", entry)
             elif isinstance(entry, list) and not terminal_list(entry):
                 self.walk_list(inner, at, entry)
@@ -128,7 +141,10 @@ class _Walk:
                 if tensor_paths:
                     mapping[name] = (*path, key)
             elif type(value) is dict or isinstance(value, Mapping):  # a plain dict before the ABC check
-                self.walk((*path, key), f"{name}.", value)
+                if value or not self.keep_empty:
+                    self.walk((*path, key), f"{name}.", value)
+                else:
+                    self.leaf((*path, key), name, value)
             elif isinstance(value, list) and not terminal_list(value):
                 self.walk_list((*path, key), name, value)
             else:
@@ -136,11 +152,11 @@ class _Walk:
 
 
 def flatten_checked(
-    state_dict: Any, *, check_tensors: bool = True
+    state_dict: Any, *, check_tensors: bool = True, keep_empty: bool = False
 ) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
     """Flatten ``state_dict`` the way DCP does, refusing input that cannot be saved faithfully
     (``check_tensors=False``: every check but :func:`check_tensor`, for a caller that runs it in
-    its own pass over the keys).
+    its own pass over the keys; ``keep_empty``: empty mappings kept as values, see :func:`_flatten`).
 
     Returns:
         ``(flat, mapping)``: flattened keys to values, and each key's path in the original
@@ -152,7 +168,7 @@ def flatten_checked(
     """
     if not isinstance(state_dict, Mapping):
         raise InvalidStateDictError(f"a state dict must be a mapping, got {type(state_dict).__name__}")
-    flat, mapping = _flatten(state_dict)
+    flat, mapping = _flatten(state_dict, keep_empty=keep_empty)
     if not check_tensors:
         return flat, mapping
     strided = torch.strided

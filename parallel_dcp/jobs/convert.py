@@ -24,6 +24,7 @@ from parallel_dcp.errors import plural, printable
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
+from parallel_dcp.formats.validate import empty_mapping
 from parallel_dcp.jobs.copy_files import check_no_clash, files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.hf_config import prepare_config
@@ -255,6 +256,8 @@ def _convert_job(
     if quantization is not None and quantization.dequantize:
         source = dequantize_step(source, quantization)
     selected = select_keys(source, keys)
+    if not target.holds_empty:  # a torch.save source's empty mappings: dropped, as DCP drops them
+        selected = tuple(k for k in selected if not empty_mapping(source.values.get(k)))
     # Before any write: the files the selection needs are all there and long enough, and its
     # non-tensor values unpickle safely (an unsafe one is refused here, by name).
     source.check(k for k in selected if k in source.entries or k in source.values)

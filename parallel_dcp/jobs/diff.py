@@ -40,6 +40,7 @@ from parallel_dcp.engine.pool import WorkerPool
 from parallel_dcp.errors import plural, printable
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.validate import empty_mapping
 from parallel_dcp.options import Options
 from parallel_dcp.storage.location import CLIENT_MEMORY, is_url, locate
 
@@ -267,8 +268,9 @@ def _compare(a: Source, b: Source, options: Options, governor: MemoryGovernor) -
     in_b = set(keys_b)
     in_a = set(keys_a)
     common = [k for k in keys_a if k in in_b]
-    only_a = [k for k in keys_a if k not in in_b]
-    only_b = [k for k in keys_b if k not in in_a]
+    # (an empty mapping a torch.save file holds and another format drops is no difference)
+    only_a = [k for k in keys_a if k not in in_b and not empty_mapping(a.values.get(k))]
+    only_b = [k for k in keys_b if k not in in_a and not empty_mapping(b.values.get(k))]
 
     wanted: list[tuple[str, str]] = []
     for key in common:

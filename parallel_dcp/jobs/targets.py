@@ -199,12 +199,15 @@ class Job:
 
 class Target(ABC):
     """An output: ``kind`` is its format's name; ``tensors_only`` when the format holds tensors
-    only; ``splits_tensors`` when one tensor may be written as several chunks (DCP)."""
+    only; ``splits_tensors`` when one tensor may be written as several chunks (DCP);
+    ``holds_empty`` when it keeps an empty mapping as a value (torch.save; see
+    formats/validate.empty_mapping)."""
 
     kind: str
     path: Path | Remote
     tensors_only = False
     splits_tensors = False
+    holds_empty = False
     merge_seconds: float = 0.0  # of the last commit: joining the tasks' results (SaveResult.phases)
     plans: Any = None  # a Saver's memo of its last layout (jobs/plan_reuse.py: PlanReuse)
     # The destination's resolved I/O mode (see prepare_io); ``direct_capable``: this kind of output
@@ -415,6 +418,7 @@ class ShardedTarget(Target):
         self.format = FILE_FORMATS[kind]
         self.kind = kind
         self.tensors_only = self.format.tensors_only
+        self.holds_empty = kind == "torch"
         self.shard_size = shard_size
         self._index_name = self.format.index_name
         self._shard_names = self.format.shard_names
@@ -512,6 +516,7 @@ class FileTarget(Target):
         self.format = FILE_FORMATS[kind]
         self.kind = kind
         self.tensors_only = self.format.tensors_only
+        self.holds_empty = kind == "torch"
 
     @property
     def sidecar(self) -> str | None:

@@ -33,6 +33,7 @@ from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError, d
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dcp_format import DcpSource
+from parallel_dcp.formats.validate import empty_mapping
 from parallel_dcp.jobs.diff import values_equal
 from parallel_dcp.jobs.inspect import side_index
 from parallel_dcp.jobs.verify_files import no_checksums_problem, recorded_checksums
@@ -406,11 +407,13 @@ def _verify(
         key_problems.setdefault(key, (0, found))
     if reference is not None:
         theirs = set(reference.entries) | set(reference.values)
+        # (an empty mapping a torch.save file holds and another format drops is no difference)
         for k in keys:
-            if k not in theirs:
+            if k not in theirs and not empty_mapping(source.values.get(k)):
                 key_problems[k] = (0, f"not in {against}")
         for k in theirs - set(keys):
-            key_problems[k] = (0, f"in {against} but missing here")
+            if not empty_mapping(reference.values.get(k)):
+                key_problems[k] = (0, f"in {against} but missing here")
         keys = [k for k in keys if k in theirs]
     report.keys_checked = len(keys) if deep else 0  # --no-deep reads no key back
     try:  # damaged shards are found before reading; unsafe values are refused by name
