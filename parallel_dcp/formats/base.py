@@ -210,6 +210,7 @@ class FileFormat:
         write: writes a flat dict of tensors (and, for formats that keep nesting, values nested
             again by the mapping) to a path or a write stream.
         tensors_only: the format holds tensors only (no ints, strings, ...).
+        dtypes: the tensor dtypes it can hold (None: every one torch has).
         write_verifiable: for a format whose file can hold its own checksums (safetensors: in its
             header), writes a single-file output with them (``checksums=False``: sizes only);
             None: a single file of this format gets a sidecar manifest instead.
@@ -221,6 +222,7 @@ class FileFormat:
     shard_names: Callable[[int], list[str]]
     write: Callable[[dict[str, Any], Any, dict[str, tuple[Any, ...]] | None], None]
     tensors_only: bool = False
+    dtypes: frozenset[torch.dtype] | None = None
     write_verifiable: Callable[..., None] | None = None
 
 

@@ -66,7 +66,26 @@ _DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
     "C64": torch.complex64,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,  # the MX formats' scales
 }
+# Names the format has whose torch dtype is not one of the above: F4's shape counts 4-bit
+# elements, torch's float4_e2m1fn_x2 counts bytes of two; F6 packs across bytes.
+_UNSUPPORTED = {"F4": "float4 packed two to a byte", "F6_E2M3": "float6", "F6_E3M2": "float6"}
+
+
+def _dtype_problem(file: str, key: str, name: str) -> str:
+    """Why a tensor of safetensors dtype ``name`` cannot be read here."""
+    if name in _UNSUPPORTED:
+        return (
+            f"{file}: tensor {key!r} has dtype {name} ({_UNSUPPORTED[name]}), which parallel_dcp does not read; "
+            "safetensors.torch.load_file may"
+        )
+    return f"{file}: tensor {key!r} has dtype {name}, which torch cannot hold"
 
 
 _MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
@@ -176,9 +195,7 @@ class SafetensorsSource(Source):
                     piece = f.get_slice(key)
                     dtype = _DTYPES.get(piece.get_dtype())
                     if dtype is None:
-                        raise CorruptCheckpointError(
-                            f"{file}: tensor {key!r} has dtype {piece.get_dtype()}, which torch cannot hold"
-                        )
+                        raise CorruptCheckpointError(_dtype_problem(file, key, piece.get_dtype()))
                     if key in self.entries:
                         raise CorruptCheckpointError(f"{self.path}: tensor {key!r} is in two shards")
                     self.entries[key] = Entry(key, dtype, tuple(piece.get_shape()), file)
@@ -196,9 +213,7 @@ class SafetensorsSource(Source):
                 except (KeyError, TypeError, ValueError) as exc:
                     raise CorruptCheckpointError(f"{file}: tensor {key!r} has a malformed header entry") from exc
                 if dtype is None:
-                    raise CorruptCheckpointError(
-                        f"{file}: tensor {key!r} has dtype {info['dtype']}, which torch cannot hold"
-                    )
+                    raise CorruptCheckpointError(_dtype_problem(file, key, str(info["dtype"])))
                 if key in self.entries:
                     raise CorruptCheckpointError(f"{self.path}: tensor {key!r} is in two shards")
                 if any(n < 0 for n in shape) or not 0 <= first <= end or start + end > total:
@@ -494,5 +509,6 @@ FORMAT = FileFormat(
     shard_names=shard_names,
     write=write,
     tensors_only=True,
+    dtypes=frozenset(_NAMES),
     write_verifiable=write_verifiable,
 )

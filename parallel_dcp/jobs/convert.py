@@ -286,4 +286,6 @@ def _convert_job(
                 f"safetensors holds only tensors, and {src} selects {len(others)} other values "
                 f"({', '.join(printable(k) for k in others[:5])}); select tensors only with keys= (--keys)"
             )
-    return Job(source, selected, dtype)
+    job = Job(source, selected, dtype)
+    target.check_dtypes(job)
+    return job

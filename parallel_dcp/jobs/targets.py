@@ -28,6 +28,7 @@ from parallel_dcp.engine.chunks import Chunk, chunk_count, split
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, LEAN_TASK_MEMORY_BYTES, TASK_MEMORY_BYTES
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import gc_paused
+from parallel_dcp.errors import printable
 from parallel_dcp.formats import FILE_FORMATS, FORMATS, lean
 from parallel_dcp.formats.base import FileFormat, Source, index_json
 from parallel_dcp.formats.dcp_format import ChunkSavePlanner
@@ -206,6 +207,7 @@ class Target(ABC):
     kind: str
     path: Path | Remote
     tensors_only = False
+    dtypes: frozenset[torch.dtype] | None = None  # the tensor dtypes its format holds (None: all)
     splits_tensors = False
     holds_empty = False
     merge_seconds: float = 0.0  # of the last commit: joining the tasks' results (SaveResult.phases)
@@ -214,6 +216,26 @@ class Target(ABC):
     # writes its files through storage.direct_write when the mode says so.
     io: str = "buffered"
     direct_capable = False
+
+    def check_dtypes(self, job: Job) -> None:
+        """Refuse, before anything is written, tensors whose output dtype the format cannot hold."""
+        if self.dtypes is None:
+            return
+        entries = job.source.entries
+        found: dict[torch.dtype, list[str]] = {}
+        for key in job.keys:
+            if key in entries and (out := job.out_dtype(entries[key].dtype)) not in self.dtypes:
+                found.setdefault(out, []).append(key)
+        if found:
+            said = "; ".join(
+                f"{str(dt).removeprefix('torch.')} ({', '.join(printable(k) for k in keys[:3])}"
+                f"{f' and {len(keys) - 3} more' if len(keys) > 3 else ''})"
+                for dt, keys in found.items()
+            )
+            raise ValueError(
+                f"{self.kind} cannot hold these dtypes: {said}; leave those keys out with keys= (--keys), "
+                "cast floating ones with dtype= (--dtype), or write DCP or torch.save"
+            )
 
     def uses_direct(self, nbytes: int) -> bool:
         """Whether a file of about ``nbytes`` this target writes goes through O_DIRECT."""
@@ -418,6 +440,7 @@ class ShardedTarget(Target):
         self.format = FILE_FORMATS[kind]
         self.kind = kind
         self.tensors_only = self.format.tensors_only
+        self.dtypes = self.format.dtypes
         self.holds_empty = kind == "torch"
         self.shard_size = shard_size
         self._index_name = self.format.index_name
@@ -516,6 +539,7 @@ class FileTarget(Target):
         self.format = FILE_FORMATS[kind]
         self.kind = kind
         self.tensors_only = self.format.tensors_only
+        self.dtypes = self.format.dtypes
         self.holds_empty = kind == "torch"
 
     @property
