@@ -77,6 +77,6 @@ def test_a_dtype_safetensors_cannot_hold_is_refused_by_name_before_anything_is_w
 def test_a_packed_float4_safetensors_file_is_refused_as_unsupported_not_as_beyond_torch(tmp_path: Path) -> None:
     src = tmp_path / "f4.safetensors"
     st.save_file({"w": _random_bits(torch.float4_e2m1fn_x2, (2, 3))}, src)
-    with pytest.raises(CorruptCheckpointError, match="dtype F4 .*which parallel_dcp does not read") as caught:
+    with pytest.raises(CorruptCheckpointError, match=r"dtype F4 .*which parallel_dcp does not read") as caught:
         parallel_dcp.load(src)
     assert "torch cannot hold" not in str(caught.value)
