@@ -2,7 +2,8 @@
 the fnuz float8s and float8_e8m0fnu (the MX scale type), which the safetensors library writes
 and reads, were refused as "which torch cannot hold", and a conversion of such tensors (or of
 complex128, which safetensors cannot hold) to safetensors failed in a worker with a bare KeyError
-after the job had started."""
+after the job had started; `--quantize fp8-block` wrote weights ending in a partial block, which
+transformers 5 dequantizes with other blocks' scales (silently)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,56 @@ def test_a_packed_float4_safetensors_file_is_refused_as_unsupported_not_as_beyon
     with pytest.raises(CorruptCheckpointError, match=r"dtype F4 .*which parallel_dcp does not read") as caught:
         parallel_dcp.load(src)
     assert "torch cannot hold" not in str(caught.value)
+
+
+def _bf16_folder(path: Path, shapes: dict[str, tuple[int, int]]) -> Path:
+    path.mkdir()
+    g = torch.Generator().manual_seed(1)
+    st.save_file(
+        {k: torch.randn(*s, generator=g).to(torch.bfloat16) for k, s in shapes.items()}, path / "model.safetensors"
+    )
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": "bfloat16"}))
+    return path
+
+
+_SHAPES = {
+    "model.layers.0.mlp.up_proj.weight": (192, 64),  # 2 row blocks of 128, the second partial
+    "model.layers.0.self_attn.q_proj.weight": (96, 64),  # one block each way (shorter than it)
+    "model.layers.0.mlp.down_proj.weight": (64, 256),  # whole blocks
+}
+
+
+def test_the_default_rule_leaves_weights_ending_in_a_partial_block_plain(tmp_path: Path) -> None:
+    """transformers 5 dequantized a 192-row weight of 128-row blocks in 96-row blocks (the block
+    from the shapes), with other blocks' scales: wrong weights, no error."""
+    src = _bf16_folder(tmp_path / "src", _SHAPES)
+    with pytest.warns(UserWarning, match=r"1 weights span several 128x128 blocks .*up_proj.*left unquantized"):
+        parallel_dcp.convert(src, tmp_path / "q", to="safetensors", quantize="fp8-block", workers=1)
+    out = st.load_file(tmp_path / "q" / "model.safetensors")
+    assert out["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+    assert "model.layers.0.mlp.up_proj.weight_scale_inv" not in out
+    assert out["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert out["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["quantization_config"]["modules_to_not_convert"] == ["model.layers.0.mlp.up_proj"]
+    # a block that divides it quantizes it; naming it quantizes it with a partial edge block, and says so
+    parallel_dcp.convert(src, tmp_path / "q64", to="safetensors", quantize="fp8-block:64", workers=1)
+    assert st.load_file(tmp_path / "q64" / "model.safetensors")[
+        "model.layers.0.mlp.up_proj.weight_scale_inv"
+    ].shape == (3, 1)
+    with pytest.warns(UserWarning, match="quantized with partial edge blocks"):
+        parallel_dcp.convert(src, tmp_path / "qk", to="safetensors", quantize="fp8-block", quantize_keys=["*up_proj*"])
+    assert st.load_file(tmp_path / "qk" / "model.safetensors")["model.layers.0.mlp.up_proj.weight_scale_inv"].shape == (
+        2,
+        1,
+    )
+
+
+def test_a_default_rule_left_with_only_partial_blocks_says_so(tmp_path: Path) -> None:
+    src = _bf16_folder(tmp_path / "src", {"model.layers.0.mlp.up_proj.weight": (192, 64)})
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(parallel_dcp.QuantizationError, match="end in partial 128x128 blocks"),
+    ):
+        parallel_dcp.convert(src, tmp_path / "q", to="safetensors", quantize="fp8-block", workers=1)
+    assert not (tmp_path / "q").exists()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -185,6 +186,41 @@ def _rows(entry: Entry, start: int, stop: int) -> Chunk:
     return Chunk(entry.key, 0, start, stop, entry.shape)
 
 
+def _whole_blocks_or_warn(
+    source: Source, chosen: list[str], block: tuple[int, int], *, chosen_by_rule: bool
+) -> list[str]:
+    """``chosen`` without the weights that span more than one block and end in a partial one (a
+    side longer than the block and not a multiple of it), where the default rule chose them; with a
+    warning naming them either way. transformers 5 (``Fp8Dequantize``) takes the block from the
+    shapes (rows // scale rows), not from ``weight_block_size``: a 192-row weight of 128-row blocks
+    is dequantized in 96-row blocks with the wrong scales and no error, a 576-row one fails. (A
+    side no longer than the block is one block either way.) Left unquantized, such a weight is
+    listed in ``modules_to_not_convert`` and loads as it is."""
+    partial = [k for k in chosen if any(n > b and n % b for n, b in zip(source.entries[k].shape, block, strict=True))]
+    if not partial:
+        return chosen
+    named = ", ".join(f"{k} {list(source.entries[k].shape)}" for k in partial[:4])
+    more = f" and {len(partial) - 4} more" if len(partial) > 4 else ""
+    grid = f"{block[0]}x{block[1]}"
+    if chosen_by_rule:
+        warnings.warn(
+            f"{len(partial)} weights span several {grid} blocks and end in a partial one ({named}{more}): "
+            "left unquantized (and listed in "
+            "modules_to_not_convert), as transformers 5 dequantizes a partial block with another block's scale; "
+            "a block size that divides them quantizes them, and quantize_keys (--quantize-keys) quantizes them anyway",
+            stacklevel=4,
+        )
+        return [k for k in chosen if k not in set(partial)]
+    warnings.warn(
+        f"{len(partial)} weights span several {grid} blocks and end in a partial one ({named}{more}): "
+        "quantized with partial edge blocks "
+        "(the DeepSeek layout), which transformers 5 dequantizes with another block's scale or refuses; "
+        "a block size that divides them avoids it",
+        stacklevel=4,
+    )
+    return chosen
+
+
 def quantizing_source(
     source: Source,
     keys: Sequence[str],
@@ -205,10 +241,17 @@ def quantizing_source(
         def rule(entry: Entry) -> bool:
             return _quantizable(entry) and bool(match(entry.key))
 
-    chosen = [k for k in keys if k in source.entries and rule(source.entries[k])]
+    selected = [k for k in keys if k in source.entries and rule(source.entries[k])]
+    chosen = _whole_blocks_or_warn(source, selected, block, chosen_by_rule=quantize_keys is None)
     if not chosen:
         what = f"quantize_keys {quantize_keys!r}" if quantize_keys is not None else f"the default rule ({DEFAULT_RULE})"
-        raise QuantizationError(f"{what} selects no weight to quantize in {source.path}")
+        why = ""
+        if selected:
+            why = (
+                f": the {len(selected)} it selects end in partial {block[0]}x{block[1]} blocks "
+                "(see the warning); give a block size that divides them"
+            )
+        raise QuantizationError(f"{what} selects no weight to quantize in {source.path}{why}")
     taken = [k + SCALE_SUFFIX for k in chosen if k + SCALE_SUFFIX in source.entries or k + SCALE_SUFFIX in keys]
     if taken:
         raise QuantizationError(f"{source.path} already holds the scales {taken[:5]}: is it quantized already?")

@@ -147,6 +147,29 @@ def test_quantized_fp8_is_what_transformers_holds_and_dequantizes_as_ours(
         assert (got - weight.float()).abs().max() <= bound, name
 
 
+def test_weights_ending_in_a_partial_block_are_left_plain_and_load_as_the_original(
+    run_cli: Callable[..., object], tmp_path: Path
+) -> None:
+    """Intermediate 192 with the default 128 x 128 blocks: transformers takes the block from the
+    shapes (192 rows // 2 scale rows = 96), so an MLP weight quantized with a partial edge block
+    loaded with other blocks' scales, silently. The default rule leaves such weights in bf16
+    (listed in modules_to_not_convert); transformers loads them as they were, and dequantizes the
+    rest (one block each way) as ours."""
+    src = make_llama(tmp_path / "bf16", dtype=torch.bfloat16, seed=3, intermediate_size=192)
+    out = tmp_path / "fp8"
+    run_cli("convert", src, out, "--to", "safetensors", "--quantize", "fp8-block")
+    config = json.loads((out / "config.json").read_text())
+    skipped = config["quantization_config"]["modules_to_not_convert"]
+    mlp = [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")]
+    assert set(mlp) <= set(skipped), skipped
+    original = load_causal_lm(src).state_dict()
+    loaded = load_causal_lm(out).state_dict()
+    for name in mlp:
+        assert_tensor_equal(loaded[name + ".weight"], original[name + ".weight"], name)
+    run_cli("convert", out, tmp_path / "deq", "--to", "safetensors", "--dequantize")
+    assert_params_equal(load_causal_lm(tmp_path / "deq"), load_causal_lm(out))
+
+
 def test_quantized_gpt_oss_keeps_its_router(run_cli: Callable[..., object], tmp_path: Path) -> None:
     """gpt-oss's release and transformers keep the MoE router unquantized: the default rule must too.
 
