@@ -17,6 +17,7 @@ import torch
 
 import parallel_dcp
 from parallel_dcp.errors import CorruptCheckpointError
+from tests.quantized_checkpoints import FP8_WEIGHTS, PLAIN, fp8_checkpoint
 
 _SAFETENSORS_DTYPES = [
     torch.uint16,
@@ -134,3 +135,18 @@ def test_a_default_rule_left_with_only_partial_blocks_says_so(tmp_path: Path) ->
     ):
         parallel_dcp.convert(src, tmp_path / "q", to="safetensors", quantize="fp8-block", workers=1)
     assert not (tmp_path / "q").exists()
+
+
+def test_a_cast_of_an_fp8_source_without_dequantize_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """``--dtype bf16`` without ``--dequantize`` cast the FP8 codes to bf16 and rounded the float32
+    scales; the output kept its quantization_config, and transformers loaded other weights."""
+    src = fp8_checkpoint(tmp_path / "fp8")
+    for out in (tmp_path / "out", tmp_path / "dcp"):
+        with pytest.raises(parallel_dcp.QuantizationError, match="holds FP8 weights with scales") as caught:
+            parallel_dcp.convert(src, out, to="safetensors" if out.name == "out" else None, dtype="bfloat16")
+        assert set(caught.value.keys) == set(FP8_WEIGHTS)
+        assert not out.exists()
+    parallel_dcp.convert(src, tmp_path / "copied", to="safetensors", workers=1)  # as they are: fine
+    parallel_dcp.convert(src, tmp_path / "bf16", to="safetensors", dequantize=True, dtype="bfloat16", workers=1)
+    plain = [k for k in PLAIN if k.endswith(".weight")][:1]  # selecting no pair: a cast as any other
+    parallel_dcp.convert(src, tmp_path / "plain.safetensors", keys=plain, dtype="float32", workers=1)

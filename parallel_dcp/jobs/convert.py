@@ -37,6 +37,7 @@ from parallel_dcp.jobs.quantization import (
     dequantize_step,
     prepare_target,
     quantize_step,
+    refuse_cast_of_pairs,
     write_computed,
 )
 from parallel_dcp.jobs.rename import RenameRules, rename_source
@@ -262,6 +263,8 @@ def _convert_job(
     # non-tensor values unpickle safely (an unsafe one is refused here, by name).
     source.check(k for k in selected if k in source.entries or k in source.values)
     source.load_values(k for k in selected if k not in source.entries)
+    if dtype is not None and (quantization is None or not (quantization.dequantize or quantization.quantize)):
+        refuse_cast_of_pairs(source, selected, dtype)
     if steps.preset is not None:
         steps.done = apply_preset(
             source,

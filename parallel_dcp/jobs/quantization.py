@@ -115,6 +115,34 @@ def prepare_target(target: Target, quantization: Quantization) -> None:
         target.always_index = quantization.quantize is not None
 
 
+def refuse_cast_of_pairs(source: Source, selected: Sequence[str], dtype: torch.dtype) -> None:
+    """``dtype`` without dequantizing, on FP8 weights that have scales (``X.weight_scale_inv``
+    as DeepSeek and transformers name them, or ``X.weight_scale``): the cast would keep their
+    codes as numbers and round the float32 scales, and a reader that dequantizes the result
+    (transformers, with the ``quantization_config`` the output keeps) would get other weights,
+    with no error.
+
+    Raises:
+        QuantizationError: naming the weights, before anything is written.
+    """
+    entries, chosen = source.entries, set(selected)
+    scaled = [
+        k
+        for k in selected
+        if k in entries
+        and entries[k].dtype in FP8_DTYPES
+        and (k + SCALE_SUFFIX in chosen or k.removesuffix("weight") + "weight_scale" in chosen)
+    ]
+    if scaled:
+        raise QuantizationError(
+            f"{source.path} holds FP8 weights with scales ({describe_keys(scaled)}); dtype="
+            f"{str(dtype).removeprefix('torch.')} (--dtype) without dequantize (--dequantize) would cast their "
+            "codes and round their scales: add --dequantize for weights in that dtype, or leave --dtype out "
+            "to copy them as they are",
+            keys=scaled,
+        )
+
+
 def check_pairs_named(source: Source, keys: Sequence[str]) -> None:
     """After the user's rename of a quantizing job: every FP8 ``X.weight`` still has its
     ``X.weight_scale_inv`` and every scale its weight. Readers (transformers' FP8 layers, our
