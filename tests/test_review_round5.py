@@ -3,7 +3,10 @@ the fnuz float8s and float8_e8m0fnu (the MX scale type), which the safetensors l
 and reads, were refused as "which torch cannot hold", and a conversion of such tensors (or of
 complex128, which safetensors cannot hold) to safetensors failed in a worker with a bare KeyError
 after the job had started; `--quantize fp8-block` wrote weights ending in a partial block, which
-transformers 5 dequantizes with other blocks' scales (silently)."""
+transformers 5 dequantizes with other blocks' scales (silently); `--dtype` without `--dequantize`
+cast FP8 codes and scales; a tensor named ``__metadata__`` made an unreadable safetensors file; an
+empty tensor of a safetensors file failed a conversion to torch.save in a worker; a directory of
+one ``pytorch_model.bin`` (no index) was no source."""
 
 from __future__ import annotations
 
@@ -150,3 +153,44 @@ def test_a_cast_of_an_fp8_source_without_dequantize_is_refused_before_anything_i
     parallel_dcp.convert(src, tmp_path / "bf16", to="safetensors", dequantize=True, dtype="bfloat16", workers=1)
     plain = [k for k in PLAIN if k.endswith(".weight")][:1]  # selecting no pair: a cast as any other
     parallel_dcp.convert(src, tmp_path / "plain.safetensors", keys=plain, dtype="float32", workers=1)
+
+
+def test_a_tensor_named_as_the_safetensors_header_is_refused_for_a_safetensors_output(tmp_path: Path) -> None:
+    """A tensor named ``__metadata__`` replaced the header's metadata: a file no reader opens."""
+    parallel_dcp.save({"__metadata__": torch.ones(2), "w": torch.ones(3)}, tmp_path / "dcp", workers=1)
+    for out in (tmp_path / "one.safetensors", tmp_path / "sharded"):
+        with pytest.raises(ValueError, match="safetensors reserves the key __metadata__"):
+            parallel_dcp.convert(tmp_path / "dcp", out, to="safetensors", workers=1)
+        assert not out.exists()
+    parallel_dcp.convert(tmp_path / "dcp", tmp_path / "x.pt", workers=1)  # torch.save holds it
+    renamed = tmp_path / "renamed.safetensors"
+    parallel_dcp.convert(tmp_path / "dcp", renamed, rename=[(r"__metadata__", "meta")], workers=1)
+    assert set(st.load_file(renamed)) == {"meta", "w"}
+
+
+def test_an_empty_tensor_of_a_safetensors_file_converts_to_torch_save(tmp_path: Path) -> None:
+    """Read through the file's mmap, an empty tensor points at the next one's bytes: torch.save
+    refused the two as one storage of two dtypes, in a worker, after the job started."""
+    src = tmp_path / "in.safetensors"
+    tensors = {"a_empty": torch.empty(0, 5), "b": torch.arange(4, dtype=torch.int8)}
+    st.save_file(tensors, src)
+    for out, to in ((tmp_path / "x.pt", None), (tmp_path / "sharded", "torch")):
+        parallel_dcp.convert(src, out, to=to, workers=1)
+        assert parallel_dcp.verify(out, against=src).ok
+    loaded = torch.load(tmp_path / "x.pt")
+    assert loaded["a_empty"].shape == (0, 5) and torch.equal(loaded["b"], tensors["b"])
+
+
+def test_a_directory_of_one_pytorch_model_bin_is_a_torch_source(tmp_path: Path) -> None:
+    """Hugging Face writes one shard as ``pytorch_model.bin`` without an index, and so does a
+    conversion ``--to torch`` into a directory: neither could be read back (no format found)."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    weights = {"w": torch.arange(6.0).reshape(2, 3)}
+    torch.save(weights, folder / "pytorch_model.bin")
+    torch.save({"not": "weights"}, folder / "training_args.bin")  # another .bin beside it: not read
+    assert torch.equal(parallel_dcp.load(folder)["w"], weights["w"])
+    parallel_dcp.convert(folder, tmp_path / "out", to="torch", workers=1)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith(".")) == ["pytorch_model.bin"]
+    assert parallel_dcp.verify(tmp_path / "out", against=folder).ok
+    assert set(parallel_dcp.load(tmp_path / "out")) == {"w"}

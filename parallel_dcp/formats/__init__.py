@@ -58,7 +58,7 @@ def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] 
     raise ValueError(
         f"cannot tell the format of {path}: expected a DCP directory (.metadata), a .safetensors file or a "
         "directory of them (model.safetensors.index.json), or a torch.save file (.pt, .pth, .bin) or "
-        "a directory with pytorch_model.bin.index.json"
+        "a directory with pytorch_model.bin.index.json or pytorch_model.bin"
     )
 
 

@@ -211,6 +211,7 @@ class FileFormat:
             again by the mapping) to a path or a write stream.
         tensors_only: the format holds tensors only (no ints, strings, ...).
         dtypes: the tensor dtypes it can hold (None: every one torch has).
+        reserved_keys: names it keeps for itself (safetensors: ``__metadata__``).
         write_verifiable: for a format whose file can hold its own checksums (safetensors: in its
             header), writes a single-file output with them (``checksums=False``: sizes only);
             None: a single file of this format gets a sidecar manifest instead.
@@ -223,6 +224,7 @@ class FileFormat:
     write: Callable[[dict[str, Any], Any, dict[str, tuple[Any, ...]] | None], None]
     tensors_only: bool = False
     dtypes: frozenset[torch.dtype] | None = None
+    reserved_keys: frozenset[str] = frozenset()
     write_verifiable: Callable[..., None] | None = None
 
 
@@ -231,9 +233,10 @@ def index_json(weight_map: dict[str, str], total_size: int) -> str:
     return json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n"
 
 
-def shard_files(path: Location, index_name: str, suffix: str | None = None) -> list[str]:
+def shard_files(path: Location, index_name: str, suffix: str | None = None, lone: str | None = None) -> list[str]:
     """The files of a single-file source, or of a sharded directory: the ones its index names,
-    or (``suffix`` given, no index) every file with that suffix.
+    or (no index) every file with ``suffix``, or the file named ``lone`` (a directory of one shard,
+    as Hugging Face writes ``pytorch_model.bin``).
 
     Raises:
         FileNotFoundError: the index names a shard that does not exist.
@@ -242,7 +245,9 @@ def shard_files(path: Location, index_name: str, suffix: str | None = None) -> l
     if not path.is_dir():  # the file the user named (through any link: the user chose it)
         return [os.fspath(path) if isinstance(path, Remote) else os.path.realpath(path)]
     listing = listdir(path)
-    if index_name in listing or suffix is None:
+    if index_name not in listing and lone is not None and lone in listing:
+        names = [lone]
+    elif index_name in listing or suffix is None:
         names = index_names(path / index_name)
     else:
         names = sorted(n for n in listing if n.endswith(suffix))

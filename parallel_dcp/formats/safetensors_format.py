@@ -510,5 +510,6 @@ FORMAT = FileFormat(
     write=write,
     tensors_only=True,
     dtypes=frozenset(_NAMES),
+    reserved_keys=frozenset({"__metadata__"}),
     write_verifiable=write_verifiable,
 )

@@ -42,9 +42,12 @@ INDEX_NAME = "pytorch_model.bin.index.json"
 SUFFIXES = (".pt", ".pth", ".bin")
 
 
+LONE_NAME = "pytorch_model.bin"  # a Hugging Face directory of one shard holds it without an index
+
+
 def is_torch_save(path: Location) -> bool:
     if path.is_dir():
-        return (path / INDEX_NAME).is_file()
+        return (path / INDEX_NAME).is_file() or (path / LONE_NAME).is_file()
     return path.name.endswith(SUFFIXES)
 
 
@@ -135,7 +138,7 @@ class TorchSource(Source):
 
     def __post_init__(self) -> None:
         self.kind = "torch"
-        self.files = shard_files(self.location, INDEX_NAME)
+        self.files = shard_files(self.location, INDEX_NAME, lone=LONE_NAME)
         if self.trust_pickle:
             warnings.warn(
                 f"{self.path}: trust_pickle=True runs the file's pickle code (weights_only=False)", stacklevel=3
@@ -242,7 +245,13 @@ def shard_names(count: int) -> list[str]:
 def write_file(
     tensors: dict[str, Any], path: str | IO[bytes], mapping: dict[str, tuple[Any, ...]] | None = None
 ) -> None:
-    """``torch.save`` the flat dict (to a path or a write stream), nested again by ``mapping``."""
+    """``torch.save`` the flat dict (to a path or a write stream), nested again by ``mapping``.
+    An empty tensor is saved as a fresh one: read from a mapped file, it points where the next
+    tensor's bytes start, and torch.save refuses two storages at one address of two dtypes."""
+    tensors = {
+        k: torch.empty(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) and not v.numel() else v
+        for k, v in tensors.items()
+    }
     obj = _compat.unflatten_state_dict(tensors, mapping) if mapping else tensors
     torch.save(obj, path)
 

@@ -17,8 +17,11 @@ def _check_keys(value: Any, path: str) -> None:
         for key, inner in value.items():
             if not isinstance(key, str):
                 raise InvalidStateDictError(
-                    f"key {key!r} ({type(key).__name__}) under {path or 'the top level'} is not a string; "
-                    "DCP stores string keys only"
+                    f"key {key!r} ({type(key).__name__}) under {path or 'the top level'} is not a string. DCP "
+                    f"names it {str(key)!r}, so a load without a template returns the string (stock's "
+                    "dcp_to_torch_save too), and an optimizer's load_state_dict then silently drops the state "
+                    "kept under it; save string keys (for an optimizer: torch.distributed.checkpoint.state_dict."
+                    "get_optimizer_state_dict gives them by parameter name)"
                 )
             _check_keys(inner, f"{path}.{key}" if path else key)
     elif isinstance(value, (list, tuple)):

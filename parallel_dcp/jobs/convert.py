@@ -290,5 +290,5 @@ def _convert_job(
                 f"({', '.join(printable(k) for k in others[:5])}); select tensors only with keys= (--keys)"
             )
     job = Job(source, selected, dtype)
-    target.check_dtypes(job)
+    target.check_holds(job)
     return job

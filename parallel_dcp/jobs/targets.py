@@ -208,6 +208,7 @@ class Target(ABC):
     path: Path | Remote
     tensors_only = False
     dtypes: frozenset[torch.dtype] | None = None  # the tensor dtypes its format holds (None: all)
+    reserved_keys: frozenset[str] = frozenset()  # names its format keeps for itself
     splits_tensors = False
     holds_empty = False
     merge_seconds: float = 0.0  # of the last commit: joining the tasks' results (SaveResult.phases)
@@ -217,8 +218,16 @@ class Target(ABC):
     io: str = "buffered"
     direct_capable = False
 
-    def check_dtypes(self, job: Job) -> None:
-        """Refuse, before anything is written, tensors whose output dtype the format cannot hold."""
+    def check_holds(self, job: Job) -> None:
+        """Refuse, before anything is written, keys the format reserves (safetensors'
+        ``__metadata__``: a tensor of that name replaced the header's metadata, and no reader could
+        open the file) and tensors whose output dtype it cannot hold."""
+        reserved = [k for k in job.keys if k in self.reserved_keys]
+        if reserved:
+            raise ValueError(
+                f"{self.kind} reserves the key {printable(reserved[0])} for its own header; "
+                "rename it (rename=, --rename) or leave it out (keys=, --keys)"
+            )
         if self.dtypes is None:
             return
         entries = job.source.entries
@@ -441,6 +450,7 @@ class ShardedTarget(Target):
         self.kind = kind
         self.tensors_only = self.format.tensors_only
         self.dtypes = self.format.dtypes
+        self.reserved_keys = self.format.reserved_keys
         self.holds_empty = kind == "torch"
         self.shard_size = shard_size
         self._index_name = self.format.index_name
@@ -540,6 +550,7 @@ class FileTarget(Target):
         self.kind = kind
         self.tensors_only = self.format.tensors_only
         self.dtypes = self.format.dtypes
+        self.reserved_keys = self.format.reserved_keys
         self.holds_empty = kind == "torch"
 
     @property
