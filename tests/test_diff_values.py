@@ -97,6 +97,7 @@ def test_a_memory_error_names_the_key_without_internal_prefixes(tmp_path: Path) 
         (math.nan, -math.nan, False),  # other NaN bits (the sign)
         (torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0]), True),
         (1.0, 1.0, True),
+        (0.0, -0.0, False),  # bits, as tensors compare
         ("x", "y", False),
     ],
 )

@@ -98,7 +98,8 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
 
 def values_equal(a: Any, b: Any) -> bool:
     """Whether two non-tensor values are the same: containers element by element (same type and
-    length), tensors by dtype, shape and bits, floats by value or the same NaN bits; never raises."""
+    length), tensors by dtype, shape and bits, floats by their bits (as tensors are: -0.0 is not
+    0.0, a NaN is the same NaN); never raises."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
@@ -112,7 +113,7 @@ def values_equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
     if isinstance(a, float):
-        return a == b or struct.pack("<d", a) == struct.pack("<d", b)
+        return struct.pack("<d", a) == struct.pack("<d", b)
     try:
         return bool(a == b)
     except Exception:  # a type whose == raises or is not a truth value: compare what it shows
