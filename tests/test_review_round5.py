@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,41 @@ def test_a_directory_of_one_pytorch_model_bin_is_a_torch_source(tmp_path: Path) 
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith(".")) == ["pytorch_model.bin"]
     assert parallel_dcp.verify(tmp_path / "out", against=folder).ok
     assert set(parallel_dcp.load(tmp_path / "out")) == {"w"}
+
+
+def test_dtype_leaves_what_the_transformers_class_keeps_in_float32(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The class's lists, read from transformers where it is installed (here a stand-in module:
+    the client suite checks the real one against ``from_pretrained(src, dtype=...)``)."""
+    import types
+
+    fake = types.ModuleType("transformers")
+    fake.RouterForCausalLM = type(  # type: ignore[attr-defined]
+        "RouterForCausalLM", (), {"_keep_in_fp32_modules_strict": ["gate.weight", "e_score_correction_bias"]}
+    )
+    src = tmp_path / "src"
+    src.mkdir()
+    tensors = {
+        "model.layers.0.mlp.gate.weight": torch.randn(4, 8),
+        "model.layers.0.mlp.gate.e_score_correction_bias": torch.randn(4),
+        "model.layers.0.mlp.gate_proj.weight": torch.randn(8, 8),
+    }
+    st.save_file(tensors, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"architectures": ["RouterForCausalLM"], "dtype": "float32"}))
+    monkeypatch.setitem(sys.modules, "transformers", fake)
+    parallel_dcp.convert(src, tmp_path / "out", to="safetensors", dtype="bfloat16", workers=1)
+    out = st.load_file(tmp_path / "out" / "model.safetensors")
+    assert {k: v.dtype for k, v in out.items()} == {
+        "model.layers.0.mlp.gate.weight": torch.float32,
+        "model.layers.0.mlp.gate.e_score_correction_bias": torch.float32,
+        "model.layers.0.mlp.gate_proj.weight": torch.bfloat16,
+    }
+    assert torch.equal(out["model.layers.0.mlp.gate.weight"], tensors["model.layers.0.mlp.gate.weight"])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert parallel_dcp.verify(tmp_path / "out", against=src, dtype="bfloat16").ok
+    parallel_dcp.convert(src, tmp_path / "dcp", dtype="bfloat16", workers=1)  # DCP: torchtitan's, all cast
+    assert {v.dtype for v in parallel_dcp.load(tmp_path / "dcp").values()} == {torch.bfloat16}
+    monkeypatch.delitem(sys.modules, "transformers")  # (not installed here; the real one has no such class)
+    parallel_dcp.convert(src, tmp_path / "plain", to="safetensors", dtype="bfloat16", workers=1)
+    assert {v.dtype for v in st.load_file(tmp_path / "plain" / "model.safetensors").values()} == {torch.bfloat16}

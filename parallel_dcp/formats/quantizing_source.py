@@ -100,6 +100,7 @@ class QuantizingSource(WrappedSource):
     block: tuple[int, int] = (DEFAULT_BLOCK, DEFAULT_BLOCK)
     dtype: torch.dtype | None = None
     weights: dict[str, str] = field(default_factory=dict)  # output key -> inner weight (both units)
+    keep: frozenset[str] = frozenset()  # keys ``dtype`` leaves (jobs/kept_float32.py)
 
     def check(self, keys: Iterable[str] | None = None) -> None:
         keys = None if keys is None else list(dict.fromkeys(self.weights.get(k, k) for k in keys))
@@ -117,7 +118,7 @@ class QuantizingSource(WrappedSource):
     def _cast(self, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.dtype is None:
             return data
-        return {k: v.to(self.dtype) if v.dtype.is_floating_point else v for k, v in data.items()}
+        return {k: v.to(self.dtype) if v.dtype.is_floating_point and k not in self.keep else v for k, v in data.items()}
 
     def read_chunk(self, chunk: Chunk) -> torch.Tensor:
         weight = self.weights.get(chunk.key)
@@ -177,7 +178,8 @@ class QuantizingSource(WrappedSource):
     def fingerprint(self) -> dict[str, Any]:
         # What the output is made of includes the arithmetic: a resume must not mix blocks or dtypes.
         cast = str(self.dtype).removeprefix("torch.") if self.dtype is not None else None
-        return self._inner().fingerprint() | {"quantize": {"block": list(self.block), "dtype": cast}}
+        kept = {"keep": sorted(self.keep)} if self.keep else {}
+        return self._inner().fingerprint() | {"quantize": {"block": list(self.block), "dtype": cast, **kept}}
 
 
 def _rows(entry: Entry, start: int, stop: int) -> Chunk:
@@ -227,6 +229,7 @@ def quantizing_source(
     block: tuple[int, int],
     quantize_keys: str | Sequence[str] | None = None,
     dtype: torch.dtype | None = None,
+    keep: frozenset[str] = frozenset(),
 ) -> tuple[QuantizingSource, tuple[str, ...]]:
     """``source`` restricted to ``keys`` with the weights the rule selects quantized; the output
     keys in order (each weight followed by its scale).
@@ -255,7 +258,7 @@ def quantizing_source(
     taken = [k + SCALE_SUFFIX for k in chosen if k + SCALE_SUFFIX in source.entries or k + SCALE_SUFFIX in keys]
     if taken:
         raise QuantizationError(f"{source.path} already holds the scales {taken[:5]}: is it quantized already?")
-    view = QuantizingSource.around(source, block=block, dtype=dtype)
+    view = QuantizingSource.around(source, block=block, dtype=dtype, keep=keep)
     chosen_set = set(chosen)
     out: list[str] = []
     for key in keys:
@@ -267,7 +270,7 @@ def quantizing_source(
             out.append(key)
             continue
         if key not in chosen_set:
-            cast = dtype if dtype is not None and entry.dtype.is_floating_point else entry.dtype
+            cast = dtype if dtype is not None and entry.dtype.is_floating_point and key not in keep else entry.dtype
             view.entries[key] = Entry(key, cast, entry.shape, entry.file)
             view.mapping[key] = path
             out.append(key)

@@ -28,6 +28,7 @@ from parallel_dcp.formats.validate import empty_mapping
 from parallel_dcp.jobs.copy_files import check_no_clash, files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.hf_config import prepare_config
+from parallel_dcp.jobs.kept_float32 import keys_kept
 from parallel_dcp.jobs.key_patterns import matcher, patterns_of
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.presets import Preset, PresetStep, apply_preset
@@ -275,8 +276,10 @@ def _convert_job(
             copy_files_from=steps.copy_files_from,
         )
         source, selected = steps.done.source, steps.done.keys
+    # What transformers keeps in float32, left by the cast (a Hugging Face output named as its source)
+    keep = keys_kept(source, selected, dtype) if target.kind != "dcp" and not (rename or steps.preset) else frozenset()
     if quantization is not None and quantization.quantize is not None:
-        source, selected = quantize_step(source, selected, quantization, dtype)
+        source, selected = quantize_step(source, selected, quantization, dtype, keep)
         dtype = None  # the quantizing view casts the other tensors itself
     if rename is not None:
         source, selected = rename_source(source, selected, rename, strict=steps.rename_strict)
@@ -289,6 +292,6 @@ def _convert_job(
                 f"safetensors holds only tensors, and {src} selects {len(others)} other values "
                 f"({', '.join(printable(k) for k in others[:5])}); select tensors only with keys= (--keys)"
             )
-    job = Job(source, selected, dtype)
+    job = Job(source, selected, dtype, keep_dtype=keep if dtype is not None else frozenset())
     target.check_holds(job)
     return job

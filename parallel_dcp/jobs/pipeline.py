@@ -157,7 +157,7 @@ class TaskHandler:
 
     def __reduce__(self) -> Any:
         # The job without its planning caches (sizes, positions: rebuilt where needed).
-        job = Job(self.job.source, self.job.keys, self.job.dtype, self.job.chunks)
+        job = Job(self.job.source, self.job.keys, self.job.dtype, self.job.chunks, keep_dtype=self.job.keep_dtype)
         return (TaskHandler, (job, self.target, self.staging, self.options, self.recorder, self.keep_buffers))
 
     def with_part(self, part: Any, task: Task) -> TaskHandler:

@@ -102,10 +102,15 @@ def write_computed(job: Job, target: Target, options: Options) -> None:
 
 
 def quantize_step(
-    source: Source, selected: tuple[str, ...], quantization: Quantization, dtype: torch.dtype | None
+    source: Source,
+    selected: tuple[str, ...],
+    quantization: Quantization,
+    dtype: torch.dtype | None,
+    keep: frozenset[str] = frozenset(),
 ) -> tuple[Source, tuple[str, ...]]:
-    """``source`` restricted to ``selected`` with its weights quantized; other floats cast to ``dtype``."""
-    return quantizing_source(source, selected, quantization.block(), quantization.quantize_keys, dtype)
+    """``source`` restricted to ``selected`` with its weights quantized; other floats cast to
+    ``dtype``, but for those in ``keep``."""
+    return quantizing_source(source, selected, quantization.block(), quantization.quantize_keys, dtype, keep)
 
 
 def prepare_target(target: Target, quantization: Quantization) -> None:

@@ -116,7 +116,7 @@ def identity(job: Job, target: Target, options: Options) -> dict[str, Any]:
         "shard_size": getattr(target, "shard_size", None),
         "chunk_size": str(options.chunk_size) if options.chunk_size is not None else None,
         "compress": str(compression) if (compression := getattr(target, "compression", None)) is not None else None,
-    }
+    } | ({"keep_dtype": sorted(job.keep_dtype)} if job.keep_dtype else {})
 
 
 def check_identity(now: dict[str, Any]) -> IdentityCheck:
@@ -384,7 +384,7 @@ def _rebuilt_part(
         if entry is None:
             part.values.append((unit, offset, length))
             continue
-        dtype = job.out_dtype(entry.dtype)
+        dtype = job.out_dtype(entry.dtype, key)
         shape = tuple(entry.shape)
         if chunk is None:
             part.tensors.append((key, dtype, grad, pinned, shape, None, shape, offset, length))

@@ -93,7 +93,7 @@ def streamed_plan(job: Job, target: Target, task: Task) -> StreamPlan | None:
         shape = tuple(chunk.sizes) if chunk is not None else tuple(entry.shape)
         span = source.span(key, chunk)
         template = class_template(entry.dtype, shape)
-        if span is None or template is None or job.out_dtype(entry.dtype) != entry.dtype:
+        if span is None or template is None or job.out_dtype(entry.dtype, key) != entry.dtype:
             return None
         spans[unit] = span
         records[unit] = (entry.dtype, shape, template)
@@ -191,7 +191,7 @@ def measured_stream_source(
         or target.compression is not None
         or isinstance(source.location, Remote)
         or isinstance(target.path, Remote)
-        or not any(job.out_dtype(entry.dtype) == entry.dtype for entry in source.entries.values())
+        or not any(job.out_dtype(entry.dtype, entry.key) == entry.dtype for entry in source.entries.values())
     ):
         return None  # nothing this job would stream
     refusal = io_mode.direct_refusal(source.location, probe=False)

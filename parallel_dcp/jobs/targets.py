@@ -73,6 +73,8 @@ class Job:
     _positions: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     # What the planning reads of the sizes as a whole (see :meth:`totals`): kept with them.
     _totals: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # Source keys ``dtype`` leaves as they are (what transformers keeps in float32: kept_float32.py).
+    keep_dtype: frozenset[str] = frozenset()
 
     def positions(self) -> dict[str, int]:
         """Each unit's place in ``keys``: where its entries go in ``.metadata`` (built once per
@@ -117,7 +119,7 @@ class Job:
                 units.append(name)
                 chunks[name] = piece
         known = {unit: self._sizes[unit] for unit in units if unit in self._sizes}  # whole keys keep theirs
-        return Job(self.source, tuple(units), self.dtype, chunks, known)
+        return Job(self.source, tuple(units), self.dtype, chunks, known, keep_dtype=self.keep_dtype)
 
     def sizes(self) -> dict[str, tuple[int, int]]:
         """(bytes written, memory needed) of every unit, in ``keys`` order: the planning passes
@@ -171,15 +173,18 @@ class Job:
             if entry is None:  # a non-tensor value: its pickle, made in the worker
                 sizes = (0, source.value_bytes(key) if key in source.values else 0)
             else:
-                out = self.out_dtype(entry.dtype)
+                out = self.out_dtype(entry.dtype, key)
                 nbytes = chunk.nbytes(out.itemsize) if chunk else entry.nbytes // entry.dtype.itemsize * out.itemsize
                 read = source.chunk_memory(chunk) if chunk else source.copied_bytes(key)
                 sizes = (nbytes, read + (nbytes if out != entry.dtype else 0))
             self._sizes[unit] = sizes
         return sizes
 
-    def out_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
+    def out_dtype(self, dtype: torch.dtype, key: str | None = None) -> torch.dtype:
+        """What a tensor of ``dtype`` (of source key ``key``) is written as."""
+        if self.dtype is None or not dtype.is_floating_point or key in self.keep_dtype:
+            return dtype
+        return self.dtype
 
     def read(self, units: tuple[str, ...]) -> dict[str, Any]:
         """In a worker: the task's tensors and chunks (read and cast) and other values, by unit."""
@@ -191,10 +196,11 @@ class Job:
             elif unit not in data:
                 data[unit] = self.source.values[unit]
         for unit, value in data.items():
-            if isinstance(value, PendingTensor) and self.out_dtype(value.dtype) != value.dtype:
+            key = self.chunks[unit].key if unit in self.chunks else unit
+            if isinstance(value, PendingTensor) and self.out_dtype(value.dtype, key) != value.dtype:
                 value = value.materialize()  # cast: the bytes must be here
-            if isinstance(value, torch.Tensor) and self.out_dtype(value.dtype) != value.dtype:
-                data[unit] = value.to(self.out_dtype(value.dtype))
+            if isinstance(value, torch.Tensor) and self.out_dtype(value.dtype, key) != value.dtype:
+                data[unit] = value.to(self.out_dtype(value.dtype, key))
         return data
 
 
@@ -233,7 +239,7 @@ class Target(ABC):
         entries = job.source.entries
         found: dict[torch.dtype, list[str]] = {}
         for key in job.keys:
-            if key in entries and (out := job.out_dtype(entries[key].dtype)) not in self.dtypes:
+            if key in entries and (out := job.out_dtype(entries[key].dtype, key)) not in self.dtypes:
                 found.setdefault(out, []).append(key)
         if found:
             said = "; ".join(

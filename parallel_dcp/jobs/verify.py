@@ -36,6 +36,7 @@ from parallel_dcp.formats.dcp_format import DcpSource
 from parallel_dcp.formats.validate import empty_mapping
 from parallel_dcp.jobs.diff import values_equal
 from parallel_dcp.jobs.inspect import side_index
+from parallel_dcp.jobs.kept_float32 import keys_kept
 from parallel_dcp.jobs.verify_files import no_checksums_problem, recorded_checksums
 from parallel_dcp.jobs.verify_pass import one_pass_handler, record_problems, records_by_file, size_change
 from parallel_dcp.options import Options
@@ -125,11 +126,19 @@ class _Plan:
 class _Checker:
     """Reads units of a checkpoint (and of its reference) in a worker and compares them."""
 
-    def __init__(self, source: Source, reference: Source | None, dtype: torch.dtype | None, chunks: dict[str, Chunk]):
+    def __init__(
+        self,
+        source: Source,
+        reference: Source | None,
+        dtype: torch.dtype | None,
+        chunks: dict[str, Chunk],
+        keep: frozenset[str] = frozenset(),
+    ):
         self.source = source
         self.reference = reference
         self.dtype = dtype
         self.chunks = chunks
+        self.keep = keep  # keys the cast leaves (what transformers keeps in float32)
 
     def _read(self, side: Source, unit: str) -> torch.Tensor:
         chunk = self.chunks.get(unit)
@@ -145,7 +154,8 @@ class _Checker:
             try:
                 mine = self._read(self.source, unit)
                 if self.reference is not None:
-                    first = _first_difference(mine, _cast(self._read(self.reference, unit), self.dtype))
+                    cast = None if key in self.keep else self.dtype
+                    first = _first_difference(mine, _cast(self._read(self.reference, unit), cast))
                     if first is not None:
                         where = "" if chunk is None or chunk.dim == 0 else f" of rows {chunk.start}:{chunk.stop}"
                         problems.append(
@@ -280,8 +290,11 @@ def _record_problems(source: Source) -> list[tuple[str, str]]:
     return found
 
 
-def _header_problem(source: Source, reference: Source, key: str, dtype: torch.dtype | None) -> str | None:
+def _header_problem(
+    source: Source, reference: Source, key: str, dtype: torch.dtype | None, keep: frozenset[str] = frozenset()
+) -> str | None:
     """What differs between ``key`` here and in the reference, from headers alone (None: nothing)."""
+    dtype = None if key in keep else dtype
     mine, theirs = key in source.entries, key in reference.entries
     if mine != theirs:
         other = source.values[key] if not mine else reference.values[key]
@@ -358,6 +371,12 @@ def _verify(
 ) -> VerifyReport:
     against = reference.path if reference is not None else None
     report = VerifyReport(path=source.path, format=source.kind, against=against)
+    # A Hugging Face output of a conversion with dtype holds what transformers keeps in float32 uncast.
+    keep = (
+        keys_kept(reference, list(reference.entries), dtype)
+        if reference is not None and source.kind != "dcp"
+        else frozenset()
+    )
     checksums = recorded_checksums(source)
     directory = checksums.directory if checksums is not None else None
     recorded = checksums.files if checksums is not None else None
@@ -430,7 +449,7 @@ def _verify(
             side.load_values(k for k in keys if k not in side.entries and k in side.values)
     if reference is not None:
         for k in keys:
-            if (problem := _header_problem(source, reference, k, dtype)) is not None:
+            if (problem := _header_problem(source, reference, k, dtype, keep)) is not None:
                 key_problems[k] = (0, problem)
     tensors = [k for k in keys if k in source.entries and k not in key_problems] if deep else []
     if records is not None:  # read back in the one pass already
@@ -452,7 +471,7 @@ def _verify(
     tasks = partition(plan.items, workers, max_task_memory=governor.task_budget(workers), memory_adds_up=False)
     reading = "comparing keys with the reference" if reference is not None else "reading keys back"
     with governor.during(reading):
-        checked = _run(tasks, _Checker(source, reference, dtype, plan.chunks), options, governor, workers)
+        checked = _run(tasks, _Checker(source, reference, dtype, plan.chunks, keep), options, governor, workers)
     for key, element, problem in checked:
         if key not in key_problems or element < key_problems[key][0]:
             key_problems[key] = (element, problem)

@@ -1,0 +1,78 @@
+"""The tensors a Hugging Face model keeps in float32 when loaded as bfloat16 or float16, so that
+``--dtype`` leaves them as transformers' own cast does.
+
+    transformers' model class (config.json "architectures")
+      _keep_in_fp32_modules_strict  ──▶  kept in float32 for bfloat16 and float16 (DeepSeek-V3's
+                                          router "gate.weight" and "e_score_correction_bias")
+      _keep_in_fp32_modules         ──▶  kept in float32 for float16 (T5's "wo")
+
+``from_pretrained(src, dtype=torch.bfloat16)`` loads those in float32 with the source's values. A
+file that holds them cast loads them upcast again: rounded, with no warning, and a router's
+rounded bias can pick other experts. So a conversion with ``--dtype`` to a Hugging Face output
+keeps them in their dtype (float32 stays float32; a bfloat16 source's stay bfloat16, as
+transformers upcasts those too).
+
+The lists are the model class's, read from transformers where it is installed (nothing is
+built: class attributes only). Without transformers there is nothing to read, and every floating
+tensor is cast; docs/conversion.md says so. Names match as transformers matches them: each entry
+a pattern (``*`` any run of characters) searched anywhere in the key.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.quantized_pairs import source_config
+
+__all__ = ["kept_in_float32", "keys_kept"]
+
+
+def kept_in_float32(config: dict[str, Any] | None, dtype: torch.dtype | None) -> Callable[[str], bool] | None:
+    """Which keys transformers keeps in float32 for a model of ``config`` loaded as ``dtype``;
+    None when it keeps none (or transformers, or the class, is not there to say)."""
+    if config is None or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    modules = _class_lists(config, dtype)
+    if not modules:
+        return None
+    pattern = re.compile("|".join(f"(?:{m.replace('*', '.*')})" for m in sorted(modules)))
+    return lambda key: pattern.search(key) is not None
+
+
+def _class_lists(config: dict[str, Any], dtype: torch.dtype) -> set[str]:
+    architectures = config.get("architectures")
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        return set()
+    try:
+        transformers = importlib.import_module("transformers")
+        model_class = getattr(transformers, architectures[0], None)
+    except Exception:  # not installed, or broken on import: nothing to read
+        return set()
+    if model_class is None:
+        return set()
+    names = set(getattr(model_class, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        names |= set(getattr(model_class, "_keep_in_fp32_modules", None) or ())
+    return {n for n in names if isinstance(n, str) and n}
+
+
+def keys_kept(source: Source, keys: Sequence[str], dtype: torch.dtype | None) -> frozenset[str]:
+    """The floating tensors among ``keys`` that ``dtype`` leaves, for a Hugging Face output of
+    ``source`` (its ``config.json`` names the model class)."""
+    if dtype is None:
+        return frozenset()
+    try:
+        config = source_config(source)
+    except ValueError:  # not JSON, or refused by the rule for reading: said where the config is written
+        return frozenset()
+    kept = kept_in_float32(config, dtype)
+    if kept is None:
+        return frozenset()
+    entries = source.entries
+    return frozenset(k for k in keys if k in entries and entries[k].dtype.is_floating_point and kept(k))
