@@ -14,6 +14,7 @@ import json
 import struct
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch as st
@@ -233,3 +234,23 @@ def test_dtype_leaves_what_the_transformers_class_keeps_in_float32(
     monkeypatch.delitem(sys.modules, "transformers")  # (not installed here; the real one has no such class)
     parallel_dcp.convert(src, tmp_path / "plain", to="safetensors", dtype="bfloat16", workers=1)
     assert {v.dtype for v in st.load_file(tmp_path / "plain" / "model.safetensors").values()} == {torch.bfloat16}
+
+
+def test_the_limit_advised_for_a_sharded_output_written_direct_plans_and_runs(tmp_path: Path) -> None:
+    """A shard task of one tensor was not checked with its output stream's aligned buffers: the
+    plan (and the dry run) passed at the advised limit, and the task was refused at admission,
+    after the workers had started, under every limit from the advice up to twice it."""
+    from parallel_dcp.storage.io_mode import direct_refusal
+
+    if direct_refusal(tmp_path) is not None:
+        pytest.skip("no O_DIRECT here")
+    parallel_dcp.save({f"layer.{i}.w": torch.randn(512, 1024) for i in range(8)}, tmp_path / "dcp", workers=1)
+    with pytest.raises(parallel_dcp.MemoryLimitExceeded, match=r"at least (\d+) MiB") as caught:
+        parallel_dcp.convert(tmp_path / "dcp", tmp_path / "x", to="safetensors", io="direct", memory_limit="1MiB")
+    advised = f"{caught.value.measured // 2**20}MiB"
+    out = tmp_path / "out"
+    kwargs: dict[str, Any] = {"to": "safetensors", "io": "direct", "workers": 2, "memory_limit": advised}
+    plan = parallel_dcp.convert(tmp_path / "dcp", out, dry_run=True, **kwargs)
+    assert plan.predicted_peak_memory <= plan.memory_limit
+    parallel_dcp.convert(tmp_path / "dcp", out, **kwargs)  # refused at its first task's admission before
+    assert parallel_dcp.verify(out, against=tmp_path / "dcp").ok

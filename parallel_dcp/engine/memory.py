@@ -299,9 +299,11 @@ class MemoryGovernor:
     def reserve(self, nbytes: int, what: str) -> None:
         """Set aside memory the whole job holds (a load's output); fail now if it cannot fit."""
         if self.reserved + nbytes > self.limit:
+            beside = f" beside the {format_bytes(self.reserved)} set aside before it" if self.reserved else ""
             raise MemoryLimitExceeded(
-                f"{what} needs {format_bytes(self.reserved + nbytes)} in memory, more than the memory limit "
-                f"{format_bytes(self.limit)}: raise --memory-limit or select fewer keys",
+                f"{what} needs {format_bytes(nbytes)} in memory{beside}, more than the memory limit "
+                f"{format_bytes(self.limit)}: raise --memory-limit to at least {format_bytes(self.reserved + nbytes)} "
+                "or select fewer keys",
                 limit=self.limit,
                 measured=self.reserved + nbytes,
                 keys=[],

@@ -100,7 +100,9 @@ class SaveResult:
 
     ``peak_memory`` is the highest memory the job added to its process tree in the governor's
     samples (taken about once a second while resident sizes prove the job far under the limit,
-    every 50 ms otherwise), next to the ``memory_limit`` it ran under.
+    every 50 ms otherwise), next to the ``memory_limit`` it ran under: 0 for a job that ended
+    before its first sample (under a second, far under the limit: the resident sizes proved it),
+    and below the true peak where the peak fell between samples.
     """
 
     path: str
@@ -352,11 +354,16 @@ def _plan_once(
         job = job.split(threshold, governor.admit_units)
     workers = governor.workers_for(_largest_need(job), options.worker_count(len(job.keys)))
     tasks = target.plan(job, workers * scale, governor.task_budget(workers))
-    for task in tasks:  # a whole-file output is one task: it must fit as a whole
-        if len(task.keys) > 1:
-            governor.check_item(
-                f"{len(task.keys)} keys written as one file to {target.path}", task.memory + WORKER_MEMORY_BYTES
-            )
+    # Every task must fit as a whole beside its worker, as its admission will count it: a whole-file
+    # output's task, and a task of one key with the output stream's buffers (a shard written with
+    # O_DIRECT passed this plan and was refused at its admission, under the limit advised).
+    # With more workers, each one's resting cost is held beside the largest task: as many as leave it room.
+    resting = WORKER_MEMORY_BYTES + governor.worker_extra
+    for task in tasks:
+        what = f"{len(task.keys)} keys written as one file to {target.path}" if len(task.keys) > 1 else task.keys[0]
+        governor.check_item(what, task.memory + resting)
+    largest = max((task.memory for task in tasks), default=0)
+    workers = max(1, min(workers, (governor.limit - governor.reserved - largest) // resting))
     return Plan(job, tasks, workers, threshold)
 
 
