@@ -254,3 +254,32 @@ def test_the_limit_advised_for_a_sharded_output_written_direct_plans_and_runs(tm
     assert plan.predicted_peak_memory <= plan.memory_limit
     parallel_dcp.convert(tmp_path / "dcp", out, **kwargs)  # refused at its first task's admission before
     assert parallel_dcp.verify(out, against=tmp_path / "dcp").ok
+
+
+def test_a_folder_without_an_index_is_its_model_safetensors_as_transformers_reads_it(tmp_path: Path) -> None:
+    """Every top-level .safetensors file was merged in: a LoRA's adapter_model.safetensors beside
+    model.safetensors became part of the model."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    st.save_file({"w": torch.ones(2)}, folder / "model.safetensors")
+    st.save_file({"base_model.lora_A.weight": torch.zeros(2)}, folder / "adapter_model.safetensors")
+    assert set(parallel_dcp.load(folder)) == {"w"}
+    (folder / "model.safetensors").unlink()
+    assert set(parallel_dcp.load(folder)) == {"base_model.lora_A.weight"}  # no model.safetensors: every file
+
+
+def test_a_legacy_torch_save_file_larger_than_the_limit_is_refused_before_it_is_loaded(tmp_path: Path) -> None:
+    """A legacy (non-zip) file is loaded whole when opened: 128 MiB of it was loaded under a
+    21 MiB limit (6x over), and the job refused only in its write phase."""
+    src = tmp_path / "legacy.pt"
+    torch.save({f"l{i}": torch.zeros(256, 1024) for i in range(24)}, src, _use_new_zipfile_serialization=False)
+    for call in (
+        lambda: parallel_dcp.convert(src, tmp_path / "out", memory_limit="16MiB"),
+        lambda: parallel_dcp.load(src, memory_limit="16MiB"),
+        lambda: parallel_dcp.verify(src, against=src, memory_limit="16MiB"),
+    ):
+        with pytest.raises(parallel_dcp.MemoryLimitExceeded, match=r"legacy \(non-zip\) format.*zip format"):
+            call()
+    assert not (tmp_path / "out").exists()
+    with pytest.warns(UserWarning, match="legacy"):  # fits: converted, with the warning it always had
+        parallel_dcp.convert(src, tmp_path / "roomy", memory_limit="512MiB", workers=1)

@@ -63,14 +63,22 @@ def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] 
 
 
 def open_source(
-    path: str | os.PathLike[str], *, trust_pickle: bool = False, storage_options: dict[str, Any] | None = None
+    path: str | os.PathLike[str],
+    *,
+    trust_pickle: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    memory_limit: int | None = None,
 ) -> Source:
     """Open ``path`` (a path or a URL) for reading, listing its tensors from headers only.
 
     ``trust_pickle`` lets values (DCP) and torch.save files that need ``weights_only=False`` be
     unpickled; without it they are refused with UnsafeCheckpointError (nothing runs).
+    ``memory_limit``: the job's; a legacy torch.save file, loaded whole when opened, that is
+    larger is refused (MemoryLimitExceeded) before it is read.
     """
     path = os.fspath(locate(path, storage_options))
     kind = detect_format(path, storage_options)
     source_type = next(source for name, _, source in _READERS if name == kind)
+    if source_type is TorchSource:
+        return TorchSource(path, storage_options=storage_options, trust_pickle=trust_pickle, memory_limit=memory_limit)
     return source_type(path, storage_options=storage_options, trust_pickle=trust_pickle)

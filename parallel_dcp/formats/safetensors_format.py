@@ -174,7 +174,9 @@ class SafetensorsSource(Source):
 
     def __post_init__(self) -> None:
         self.kind = "safetensors"
-        self.files = shard_files(self.location, INDEX_NAME, _SUFFIX)
+        # (no index: model.safetensors alone where it is there, as transformers reads the folder;
+        # an adapter_model.safetensors beside it is not the model)
+        self.files = shard_files(self.location, INDEX_NAME, _SUFFIX, lone="model.safetensors")
         if isinstance(self.location, Remote):
             self._list_remote(self.location)
         else:

@@ -28,7 +28,13 @@ import torch
 
 from parallel_dcp import _compat
 from parallel_dcp.engine.chunks import Chunk, exact_storage, lazy_bits, resolved
-from parallel_dcp.errors import CorruptCheckpointError, InsufficientSpaceError, UnsafeCheckpointError
+from parallel_dcp.engine.memory import format_bytes
+from parallel_dcp.errors import (
+    CorruptCheckpointError,
+    InsufficientSpaceError,
+    MemoryLimitExceeded,
+    UnsafeCheckpointError,
+)
 from parallel_dcp.formats.base import FileFormat, Source, entry_of, shard_files
 from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.shard_index import check_index
@@ -135,6 +141,8 @@ class TorchSource(Source):
     _cleanup: Any = field(default=None, repr=False)
     # Keys whose tensor torch.save wrote as a lazy view (engine/chunks.lazy_bits): read resolved.
     _lazy: set[str] = field(default_factory=set, repr=False)
+    # The job's memory limit: a legacy file (loaded whole) larger than it is refused before it is read.
+    memory_limit: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.kind = "torch"
@@ -149,8 +157,10 @@ class TorchSource(Source):
             directory, local = _spool(self.files, self.storage_options)
             self._cleanup = weakref.finalize(self, _remove_if_owner, os.getpid(), directory)
         origin = {copy: file for file, copy in local.items()}
-        for file in (local[f] for f in self.files):
+        for file in local.values():
             _check_torch_file(file)
+        self._refuse_legacy_over_limit(list(local.values()))
+        for file in (local[f] for f in self.files):
             legacy = not zipfile.is_zipfile(file)
             if legacy:
                 warnings.warn(
@@ -177,6 +187,23 @@ class TorchSource(Source):
             if len(self.files) == 1:
                 self.mapping = mapping
         check_index(self.location, INDEX_NAME, self.files, holders)
+
+    def _refuse_legacy_over_limit(self, files: list[str]) -> None:
+        """Legacy files are loaded whole into this process when opened, before any plan: where
+        they alone are more than the memory limit, refused before they are read (one was loaded
+        6x over its limit, then refused in the write phase)."""
+        legacy = [f for f in files if not zipfile.is_zipfile(f)]
+        held = sum(os.path.getsize(f) for f in legacy)
+        if self.memory_limit is not None and legacy and held > self.memory_limit:
+            raise MemoryLimitExceeded(
+                f"{self.path} is in torch's legacy (non-zip) format: it is loaded whole, holding about "
+                f"{format_bytes(held)} in memory, more than the memory limit {format_bytes(self.memory_limit)}: "
+                "raise --memory-limit, or save it again in torch.save's zip format (the default), which is "
+                "read a piece at a time",
+                limit=self.memory_limit,
+                measured=held,
+                keys=[],
+            )
 
     def release(self) -> None:
         self._loaded.clear()

@@ -157,7 +157,9 @@ def convert_one(
     )
     locate(src, options.storage_options)  # a bad URL fails here; its filesystem's code is loaded
     governor = MemoryGovernor(options.memory_ceiling())
-    source = open_source(src, trust_pickle=trust_pickle, storage_options=options.storage_options)
+    source = open_source(
+        src, trust_pickle=trust_pickle, storage_options=options.storage_options, memory_limit=options.memory_ceiling()
+    )
     if isinstance(source, SafetensorsSource) and options.io == "direct":
         # Only when asked: under auto the library's mmap is kept, since a direct read adds a copy
         # (bounce buffer -> a fresh tensor, its pages faulted in) that costs more than it saves

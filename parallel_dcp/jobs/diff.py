@@ -334,9 +334,10 @@ def diff(
     governor = MemoryGovernor(options.memory_ceiling())
     if is_url(a) or is_url(b):
         governor.worker_extra = CLIENT_MEMORY
-    first = open_source(a, storage_options=options.storage_options, trust_pickle=trust_pickle)
+    limit = options.memory_ceiling()
+    first = open_source(a, storage_options=options.storage_options, trust_pickle=trust_pickle, memory_limit=limit)
     try:
-        second = open_source(b, storage_options=options.storage_options, trust_pickle=trust_pickle)
+        second = open_source(b, storage_options=options.storage_options, trust_pickle=trust_pickle, memory_limit=limit)
         try:
             for side in (first, second):  # damaged files found, unsafe values refused, before any read
                 side.check()

@@ -99,7 +99,12 @@ def load_any(
             "read by threads in this process: leave them out"
         )
     with gc_paused():  # per-key objects for 50,000 keys would otherwise walk the caller's heap
-        source = open_source(path, trust_pickle=trust_pickle, storage_options=options.storage_options)
+        source = open_source(
+            path,
+            trust_pickle=trust_pickle,
+            storage_options=options.storage_options,
+            memory_limit=options.memory_ceiling(),
+        )
         try:
             if dequantize:
                 source = dequantized_source(source, dtype or torch.bfloat16, block_size_of(source, block_size))

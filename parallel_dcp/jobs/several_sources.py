@@ -25,7 +25,9 @@ def convert_all(
     if len(sources) > 1:
         for src in sources:
             trust = each.get("trust_pickle", False)
-            open_source(src, trust_pickle=trust, storage_options=options.storage_options).close()
+            open_source(
+                src, trust_pickle=trust, storage_options=options.storage_options, memory_limit=options.memory_ceiling()
+            ).close()
     results: list[SaveResult | DryRunPlan] = []
     for src, out in zip(sources, outputs, strict=True):
         try:

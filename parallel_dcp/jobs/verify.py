@@ -252,10 +252,17 @@ def verify(
     governor = MemoryGovernor(options.memory_ceiling())
     if any(is_url(where) for where in (path, against)):
         governor.worker_extra = CLIENT_MEMORY  # each worker's own connection
-    source = open_source(path, storage_options=options.storage_options, trust_pickle=trust_pickle)
+    source = open_source(
+        path, storage_options=options.storage_options, trust_pickle=trust_pickle, memory_limit=options.memory_ceiling()
+    )
     try:
         reference = (
-            open_source(against, storage_options=options.storage_options, trust_pickle=trust_pickle)
+            open_source(
+                against,
+                storage_options=options.storage_options,
+                trust_pickle=trust_pickle,
+                memory_limit=options.memory_ceiling(),
+            )
             if against is not None
             else None
         )
