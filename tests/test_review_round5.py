@@ -21,7 +21,7 @@ import safetensors.torch as st
 import torch
 
 import parallel_dcp
-from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, InvalidStateDictError
 from tests.quantized_checkpoints import FP8_WEIGHTS, PLAIN, fp8_checkpoint
 
 _SAFETENSORS_DTYPES = [
@@ -283,3 +283,25 @@ def test_a_legacy_torch_save_file_larger_than_the_limit_is_refused_before_it_is_
     assert not (tmp_path / "out").exists()
     with pytest.warns(UserWarning, match="legacy"):  # fits: converted, with the warning it always had
         parallel_dcp.convert(src, tmp_path / "roomy", memory_limit="512MiB", workers=1)
+
+
+def test_a_torch_save_file_with_int_keys_loads_as_torch_load_gives_it(tmp_path: Path) -> None:
+    """An optimizer's state dict (int keys) in a torch.save file was refused by load with "DCP
+    stores string keys only", although the file is not DCP."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(3)).sum().backward()
+    optimizer.step()
+    src = tmp_path / "train.pt"
+    torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, src)
+    loaded = parallel_dcp.load(src)
+    expected = torch.load(src)
+    assert list(loaded["optim"]["state"]) == [0, 1]
+    assert torch.equal(loaded["optim"]["state"][0]["exp_avg"], expected["optim"]["state"][0]["exp_avg"])
+    torch.optim.Adam(model.parameters()).load_state_dict(loaded["optim"])
+    cast = parallel_dcp.load(src, dtype="bfloat16")
+    assert cast["optim"]["state"][1]["exp_avg_sq"].dtype == torch.bfloat16 and cast["optim"]["state"][0]["step"]
+    with pytest.raises(parallel_dcp.MemoryLimitExceeded, match="read whole"):
+        parallel_dcp.load(src, memory_limit=100)
+    with pytest.raises(InvalidStateDictError, match="not a string"):  # a conversion to DCP: refused, as before
+        parallel_dcp.convert(src, tmp_path / "dcp")

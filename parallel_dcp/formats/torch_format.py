@@ -42,7 +42,16 @@ from parallel_dcp.formats.validate import flatten_checked, flatten_structure
 from parallel_dcp.storage.local_staging import free_bytes
 from parallel_dcp.storage.location import Location, Remote
 
-__all__ = ["FORMAT", "INDEX_NAME", "SUFFIXES", "TorchSource", "is_torch_save", "shard_names", "write_file"]
+__all__ = [
+    "FORMAT",
+    "INDEX_NAME",
+    "SUFFIXES",
+    "TorchSource",
+    "is_torch_save",
+    "read_whole",
+    "shard_names",
+    "write_file",
+]
 
 INDEX_NAME = "pytorch_model.bin.index.json"
 SUFFIXES = (".pt", ".pth", ".bin")
@@ -108,6 +117,11 @@ def _check_torch_file(file: str) -> None:
         head = f.read(len(_LEGACY_MAGIC))
     if head != _LEGACY_MAGIC:
         raise CorruptCheckpointError(f"{file} is not a torch.save file (neither a zip archive nor the legacy format)")
+
+
+def read_whole(file: str, *, trust_pickle: bool) -> Any:
+    """The object of the torch.save file ``file``, as ``torch.load`` gives it (read whole, not mapped)."""
+    return _load(file, mmap=False, trust_pickle=trust_pickle)
 
 
 def _load(file: str, *, mmap: bool, trust_pickle: bool, meta: bool = False) -> Any:

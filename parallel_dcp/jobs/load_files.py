@@ -41,9 +41,9 @@ import torch
 
 from parallel_dcp import _compat
 from parallel_dcp.engine import progress
-from parallel_dcp.engine.memory import MemoryGovernor
+from parallel_dcp.engine.memory import MemoryGovernor, format_bytes
 from parallel_dcp.engine.pool import gc_paused
-from parallel_dcp.errors import KeyNotFoundError, describe_keys
+from parallel_dcp.errors import InvalidStateDictError, KeyNotFoundError, MemoryLimitExceeded, describe_keys
 from parallel_dcp.formats import detect_format, open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.bounced_read import bounce_memory, bounced, read_bounced
@@ -51,12 +51,13 @@ from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_s
 from parallel_dcp.formats.fast_read import ReadStats
 from parallel_dcp.formats.range_read import Piece, pieces_of, read_pieces, staging_bytes
 from parallel_dcp.formats.span_read import plan_spans, read_spans, span_bytes
+from parallel_dcp.formats.torch_format import read_whole
 from parallel_dcp.jobs import load as dcp_load
 from parallel_dcp.jobs.key_patterns import select
 from parallel_dcp.jobs.load import check_target
 from parallel_dcp.options import Options, usable_cores
 from parallel_dcp.storage.direct_read import direct_read_memory
-from parallel_dcp.storage.location import CLIENT_MEMORY, Remote
+from parallel_dcp.storage.location import CLIENT_MEMORY, Remote, locate
 from parallel_dcp.storage.read_choice import BUFFERED_MARGIN, ReadChoice, read_choice
 from parallel_dcp.storage.read_probe import probe_memory
 
@@ -99,18 +100,59 @@ def load_any(
             "read by threads in this process: leave them out"
         )
     with gc_paused():  # per-key objects for 50,000 keys would otherwise walk the caller's heap
-        source = open_source(
-            path,
-            trust_pickle=trust_pickle,
-            storage_options=options.storage_options,
-            memory_limit=options.memory_ceiling(),
-        )
+        try:
+            source = open_source(
+                path,
+                trust_pickle=trust_pickle,
+                storage_options=options.storage_options,
+                memory_limit=options.memory_ceiling(),
+            )
+        except InvalidStateDictError:  # a torch.save file whose keys DCP's names cannot hold (ints)
+            if kind != "torch" or keys is not None or into is not None or dequantize:
+                raise
+            return load_whole(path, options, trust_pickle, dtype)
         try:
             if dequantize:
                 source = dequantized_source(source, dtype or torch.bfloat16, block_size_of(source, block_size))
             return _load(source, keys, options, into, dtype, stats)
         finally:
             source.close()
+
+
+def load_whole(
+    path: str | os.PathLike[str], options: Options, trust_pickle: bool, dtype: torch.dtype | None
+) -> dict[str, Any]:
+    """A single torch.save file as ``torch.load`` gives it (a state dict with int keys: an
+    optimizer's), its floating tensors cast to ``dtype``: read whole, so refused where its size is
+    more than the memory limit."""
+    where = locate(path, options.storage_options)
+    if isinstance(where, Remote) or where.is_dir():
+        raise InvalidStateDictError(f"{path}: keys that are not strings are read from a local torch.save file only")
+    size, limit = os.path.getsize(where), options.memory_ceiling()
+    if size > limit:
+        raise MemoryLimitExceeded(
+            f"{path} holds keys that are not strings and is read whole: its {format_bytes(size)} are more than "
+            f"the memory limit {format_bytes(limit)}: raise --memory-limit",
+            limit=limit,
+            measured=size,
+            keys=[],
+        )
+    loaded = read_whole(os.path.realpath(where), trust_pickle=trust_pickle)  # the file the user named
+    if not isinstance(loaded, dict):
+        raise InvalidStateDictError(
+            f"{path} holds a {type(loaded).__name__} with keys that are not strings inside: load it with torch.load"
+        )
+    return _cast_floats(loaded, dtype) if dtype is not None else loaded
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return type(value)((k, _cast_floats(v, dtype)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    return value
 
 
 def _cast(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
