@@ -305,3 +305,22 @@ def test_a_torch_save_file_with_int_keys_loads_as_torch_load_gives_it(tmp_path: 
         parallel_dcp.load(src, memory_limit=100)
     with pytest.raises(InvalidStateDictError, match="not a string"):  # a conversion to DCP: refused, as before
         parallel_dcp.convert(src, tmp_path / "dcp")
+
+
+def test_a_copied_config_promising_quantized_weights_the_shards_lack_is_written_without_it(tmp_path: Path) -> None:
+    """A dequantized checkpoint written out with its release's files kept the release's
+    quantization_config: transformers would build quantized layers for plain weights."""
+    release = fp8_checkpoint(tmp_path / "fp8")
+    assert "quantization_config" in json.loads((release / "config.json").read_text())
+    parallel_dcp.convert(release, tmp_path / "dcp", dequantize=True, workers=1)  # plain bf16, as DCP
+    out = tmp_path / "hf"
+    parallel_dcp.convert(tmp_path / "dcp", out, to="safetensors", copy_files_from=release, workers=1)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config == {
+        k: v for k, v in json.loads((release / "config.json").read_text()).items() if k != "quantization_config"
+    }
+    kept = tmp_path / "kept"  # the FP8 release itself, as it is: its config copied byte for byte
+    parallel_dcp.convert(release, tmp_path / "fp8-dcp", workers=1)
+    parallel_dcp.convert(tmp_path / "fp8-dcp", kept, to="safetensors", copy_files_from=release, workers=1)
+    assert (kept / "config.json").read_bytes() == (release / "config.json").read_bytes()

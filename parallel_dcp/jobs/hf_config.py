@@ -79,6 +79,26 @@ def output_config(
     return config
 
 
+def _follow_the_data(target: ShardedTarget, copied: Any, job: Job) -> None:
+    """A copied config.json whose ``quantization_config`` promises quantized weights the shards do
+    not hold, where no option changed them (a dequantized checkpoint written out with its
+    release's files): written without it, so transformers builds plain layers for plain weights.
+    Otherwise (its dtype included: transformers casts on load as it would from the source) it is
+    copied byte for byte."""
+    try:
+        config = loads_json(read_copies({CONFIG_FILE: copied})[CONFIG_FILE])
+    except ValueError:
+        return  # copied as it is, as before
+    if not isinstance(config, dict) or "quantization_config" not in config:
+        return
+    entries = job.source.entries
+    keys = job.source_keys()
+    if any(k.endswith("_blocks") or (k in entries and entries[k].dtype in FP8_DTYPES) for k in keys):
+        return
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    target.extra_files[CONFIG_FILE] = (json.dumps(plain, indent=2) + "\n").encode()
+
+
 def prepare_config(
     target: Target, source: Source, job: Job, dtype: torch.dtype | None, quantization: Quantization | None
 ) -> None:
@@ -97,9 +117,11 @@ def prepare_config(
     active = quantization if quantization is not None and quantization.active else None
     if active is not None and active.quantize is not None and target.kind != "safetensors":
         active = None  # transformers reads FP8 blocks from safetensors only: no quantization_config
-    if dtype is None and active is None:
-        return
     copied = target.copies.get(CONFIG_FILE)
+    if dtype is None and active is None:
+        if copied is not None and target.extra_files.get(CONFIG_FILE) is None:
+            _follow_the_data(target, copied, job)
+        return
     given = target.extra_files.get(CONFIG_FILE)  # a preset's model config, written as the output's
     if given is not None:
         config = loads_json(given)
