@@ -6,13 +6,21 @@ after the job had started; `--quantize fp8-block` wrote weights ending in a part
 transformers 5 dequantizes with other blocks' scales (silently); `--dtype` without `--dequantize`
 cast FP8 codes and scales; a tensor named ``__metadata__`` made an unreadable safetensors file; an
 empty tensor of a safetensors file failed a conversion to torch.save in a worker; a directory of
-one ``pytorch_model.bin`` (no index) was no source."""
+one ``pytorch_model.bin`` (no index) was no source; a shard written with O_DIRECT passed the plan at
+the advised limit and was refused at admission; a legacy torch.save file was loaded 6x over the
+limit; an existing writable destination under a parent the user cannot write was refused; a FIFO
+named as the source hung; a single-file save's leftover records were not listed, and a
+neighbour's resume records were removed."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
 import struct
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +29,9 @@ import safetensors.torch as st
 import torch
 
 import parallel_dcp
-from parallel_dcp.errors import CorruptCheckpointError, InvalidStateDictError
+from parallel_dcp.errors import CorruptCheckpointError, InvalidStateDictError, UnsafeCheckpointError
+from parallel_dcp.storage.staging import stage_file
+from tests.fresh_interpreter import run_fresh
 from tests.quantized_checkpoints import FP8_WEIGHTS, PLAIN, fp8_checkpoint
 
 _SAFETENSORS_DTYPES = [
@@ -324,3 +334,73 @@ def test_a_copied_config_promising_quantized_weights_the_shards_lack_is_written_
     parallel_dcp.convert(release, tmp_path / "fp8-dcp", workers=1)
     parallel_dcp.convert(tmp_path / "fp8-dcp", kept, to="safetensors", copy_files_from=release, workers=1)
     assert (kept / "config.json").read_bytes() == (release / "config.json").read_bytes()
+
+
+def saves_into_its_own_directory_under_a_parent_it_cannot_write(where: str) -> list[str]:
+    """As an ordinary user (uid 65534) owning ``where/mine`` but not ``where``: a save into
+    ``mine`` (written inside only). Every failure, none when it commits."""
+    base = Path(where)
+    parallel_dcp.save({"w": torch.arange(4.0)}, base / "warm", workers=1)  # every import, while root may read them
+    parallel_dcp.load(base / "warm")
+    os.setgid(65534)
+    os.setuid(65534)
+    try:
+        parallel_dcp.save({"w": torch.arange(4.0)}, base / "mine", workers=1)
+    except Exception as exc:
+        return [f"{type(exc).__name__}: {exc}"]
+    return [] if torch.equal(parallel_dcp.load(base / "mine")["w"], torch.arange(4.0)) else ["wrong data"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_an_existing_writable_destination_under_a_parent_the_user_cannot_write_is_used() -> None:
+    """A container's mounted /output (its parent, /, root's) was refused: "directory / is not writable"."""
+    base = Path(tempfile.mkdtemp(prefix="parallel_dcp-parent-", dir="/tmp"))  # (tmp_path's parents are 0700)
+    try:
+        (base / "mine").mkdir()
+        os.chmod(base, 0o755)
+        os.chown(base / "mine", 65534, 65534)
+        save = "saves_into_its_own_directory_under_a_parent_it_cannot_write"
+        assert run_fresh("tests.test_review_round5", save, str(base)) == []
+    finally:
+        shutil.rmtree(base)
+
+
+def _dies_holding_records(destination: str) -> None:
+    """A save to ``destination`` killed after its owner record, before any temporary file."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            stage_file(Path(destination), overwrite=True)
+        finally:
+            os._exit(0)  # no cleanup: as a SIGKILL leaves it
+    os.waitpid(pid, 0)
+
+
+def test_the_leftover_records_of_a_single_file_save_are_listed_and_a_neighbours_resume_is_kept(
+    tmp_path: Path,
+) -> None:
+    """``inspect out.pt`` missed a save to it killed before its temporary file (its records do not
+    carry the output's name); a save to ``a.pt`` removed a dead conversion's finished tasks kept
+    for ``--resume`` of ``b.pt`` beside it."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "out.pt")
+    _dies_holding_records(str(tmp_path / "out.pt"))
+    report = parallel_dcp.inspect(tmp_path / "out.pt")
+    assert report["leftovers"] and report["leftovers"][0]["destination"] == str(tmp_path / "out.pt")
+    # a resumable leftover of b.pt (its job record and one finished task), then a save to a.pt
+    save_id = "0123456789ab"
+    record = {"save_id": save_id, "host": socket.gethostname(), "pid": 2**22 + 1, "destination": str(tmp_path / "b.pt")}
+    (tmp_path / f".parallel_dcp.owner.{save_id}").write_text(json.dumps(record))
+    (tmp_path / f".parallel_dcp.job.{save_id}").write_text("{}")
+    (tmp_path / f".parallel_dcp.done.{save_id}.0").write_text("{}")
+    parallel_dcp.convert(tmp_path / "out.pt", tmp_path / "a.pt", workers=1, overwrite=True)
+    assert (tmp_path / f".parallel_dcp.done.{save_id}.0").exists()
+
+
+def test_a_fifo_named_as_the_source_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """The safetensors library's open blocked on it: convert and inspect hung with no output."""
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    for call in (lambda: parallel_dcp.inspect(fifo), lambda: parallel_dcp.convert(fifo, tmp_path / "out")):
+        with pytest.raises(UnsafeCheckpointError, match="is not a regular file"):
+            call()
+    assert not (tmp_path / "out").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -243,7 +244,12 @@ def shard_files(path: Location, index_name: str, suffix: str | None = None, lone
         CorruptCheckpointError: the index is unreadable or names a file outside the directory.
     """
     if not path.is_dir():  # the file the user named (through any link: the user chose it)
-        return [os.fspath(path) if isinstance(path, Remote) else os.path.realpath(path)]
+        if isinstance(path, Remote):
+            return [os.fspath(path)]
+        real = os.path.realpath(path)
+        if os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode):  # (a FIFO would block the open)
+            raise UnsafeCheckpointError(f"{path} is not a regular file: no checkpoint is read from it")
+        return [real]
     listing = listdir(path)
     if index_name not in listing and lone is not None and lone in listing:
         names = [lone]

@@ -98,11 +98,17 @@ def side_index(where: Location, kind: str, memory_limit: int | None = None) -> I
 
 
 def _file_leftovers(path: Location) -> list[dict[str, Any]]:
-    """The leftovers beside a single-file output that are of saves to it (their files carry its name)."""
+    """The leftovers beside a single-file output that are of saves to it: their owner record names
+    it, or (no readable record) their files carry its name. (A save killed before its temporary
+    file existed left only its records, which do not.)"""
     parent = path.parent
     prefix = f".{path.name}."
+    mine = os.fspath(path)
     return [
-        left for left in find_leftovers(parent, listdir(parent)) if any(n.startswith(prefix) for n in left["files"])
+        left
+        for left in find_leftovers(parent, listdir(parent))
+        if left["destination"] == mine
+        or (not isinstance(left["destination"], str) and any(n.startswith(prefix) for n in left["files"]))
     ]
 
 

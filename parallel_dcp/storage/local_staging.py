@@ -114,7 +114,7 @@ class _LocalStaging(Staging):
     def _start(self) -> None:
         try:
             adopted = self._adopt() if self._resume is not None else None
-            clean_leftovers(self._dir, keep=adopted)
+            clean_leftovers(self._dir, keep=adopted, destination=self.destination)
             self._check()
             owner = owner_name(self.save_id)
             if adopted is not None:  # the dead save's owner record becomes this process's
@@ -369,7 +369,9 @@ class LocalDirStaging(_LocalStaging):
         resume: IdentityCheck | None = None,
     ) -> None:
         dest = Path(os.path.abspath(destination))
-        _check_parent(dest)
+        # Written inside only: its parent needs to be writable where it must be made (an existing
+        # /output of a container, its parent root's, was refused).
+        _check_parent(dest, writable=not dest.is_dir())
         if os.path.lexists(dest) and not dest.exists():
             raise InvalidDestinationError(f"cannot write a checkpoint to {dest}: it is a broken symbolic link")
         if dest.exists() and not dest.is_dir():
@@ -384,7 +386,7 @@ class LocalDirStaging(_LocalStaging):
             except OSError as exc:
                 raise InvalidDestinationError(f"cannot create {dest}: {exc.strerror}") from exc
         if not os.access(dest, os.W_OK | os.X_OK):
-            raise InvalidDestinationError(f"cannot write {dest}: the directory is not writable")
+            raise InvalidDestinationError(f"cannot write {dest}: {_why_not_writable(dest, 'the directory')}")
         self.layout = layout
         try:
             super().__init__(
@@ -478,12 +480,21 @@ class LocalFileStaging(_LocalStaging):
         super().commit(staged=staged, marker=marker, extras=extras)
 
 
-def _check_parent(destination: Path) -> None:
+def _check_parent(destination: Path, *, writable: bool = True) -> None:
     parent = destination.parent
     if not parent.is_dir():
         raise InvalidDestinationError(f"cannot write {destination}: its parent directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InvalidDestinationError(f"cannot write {destination}: directory {parent} is not writable")
+    if writable and not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidDestinationError(f"cannot write {destination}: {_why_not_writable(parent, f'directory {parent}')}")
+
+
+def _why_not_writable(directory: Path, what: str) -> str:
+    """``what`` is not writable, and why where the file system says: it is mounted read-only."""
+    try:
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return f"{what} is on a read-only file system" if read_only else f"{what} is not writable"
 
 
 def _check_space(where: Path, destination: Path, nbytes: int) -> None:

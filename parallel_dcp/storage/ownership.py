@@ -239,6 +239,7 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
         found.append(
             {
                 "save_id": save_id,
+                "destination": record.get("destination"),
                 "host": record.get("host"),
                 "pid": record.get("pid"),
                 "stopped": record.get("stopped") is True,
@@ -271,12 +272,22 @@ def _manifest_save_id(where: Location) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def clean_leftovers(where: Location, keep: str | None = None) -> None:
+def clean_leftovers(where: Location, keep: str | None = None, destination: Location | None = None) -> None:
     """Remove the files of saves to ``where`` whose owner process is gone (one warning each), but
-    those of save ``keep`` (the one a resumed conversion continues)."""
+    those of save ``keep`` (the one a resumed conversion continues), and, given this save's
+    ``destination``, a resumable conversion's to another one (a neighbouring file of the same
+    directory: a save to ``dir/a.pt`` removed the finished tasks of a dead one to ``dir/b.pt``)."""
     for leftover in find_leftovers(where):
         if leftover["running"] is not False or leftover["save_id"] == keep:
             continue
+        other = leftover["destination"]
+        if (
+            destination is not None
+            and leftover["resumable"]
+            and isinstance(other, str)
+            and other != os.fspath(destination)
+        ):
+            continue  # its own next run resumes or removes it
         for name in leftover["files"]:
             remove_path(where / name)
         remove_path(where / owner_name(leftover["save_id"]))
