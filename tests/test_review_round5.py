@@ -404,3 +404,15 @@ def test_a_fifo_named_as_the_source_is_refused_not_waited_on(tmp_path: Path) -> 
         with pytest.raises(UnsafeCheckpointError, match="is not a regular file"):
             call()
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tied_model_quantized_lists_its_lm_head_as_not_converted(tmp_path: Path) -> None:
+    """With tied embeddings the output holds no lm_head.weight, so modules_to_not_convert left it
+    out, and transformers' FP8 quantizer would make the (tied) head an FP8 layer."""
+    src = _bf16_folder(tmp_path / "src", {"model.embed_tokens.weight": (64, 64), **_SHAPES})
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    with pytest.warns(UserWarning):  # (the partial-block weight of _SHAPES)
+        parallel_dcp.convert(src, tmp_path / "q", to="safetensors", quantize="fp8-block", workers=1)
+    skipped = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert "lm_head" in skipped and "model.embed_tokens" in skipped

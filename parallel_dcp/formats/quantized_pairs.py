@@ -137,6 +137,11 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
             refuse(key, f"an FP8 weight without its scale {key + SCALE_SUFFIX!r}")
     if problems:
         shown = problems[:20] + ([f"  ... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        if any("does not match the" in p and "blocks of" in p for p in problems):
+            shown.append(
+                f"  (blocks of {block[0]}x{block[1]}: quantization_config.weight_block_size of a config.json beside "
+                "the source, else 128 x 128; --block-size N (block_size=N) gives the release's)"
+            )
         raise QuantizationError(
             f"{source.path} cannot be dequantized (nothing was written):", keys=offenders, lines=shown
         )

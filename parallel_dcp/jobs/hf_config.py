@@ -38,7 +38,7 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def modules_not_converted(job: Job) -> list[str]:
+def modules_not_converted(job: Job, *, tied: bool = False) -> list[str]:
     """The modules (output names, ``X`` of ``X.weight``, sorted) whose 2-D floating weight a quantizing
     job leaves unquantized: what transformers must keep as plain layers (routers, embeddings,
     ``lm_head``, and whatever ``quantize_keys`` did not select). Norms and biases are 1-D: no
@@ -53,6 +53,8 @@ def modules_not_converted(job: Job) -> list[str]:
             continue
         if entry.dtype.is_floating_point:
             out.append(key.removesuffix(".weight"))
+    if tied and "lm_head" not in out:  # tied to the embedding: no weight of its own here, and plain as it is
+        out.append("lm_head")
     return sorted(out)
 
 
@@ -71,7 +73,7 @@ def output_config(
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": list(quantization.block()),
-            "modules_to_not_convert": modules_not_converted(job),
+            "modules_to_not_convert": modules_not_converted(job, tied=config.get("tie_word_embeddings") is True),
         }
     if data_dtype is not None:
         # Both keys, the same value: transformers 5 reads "dtype" and falls back to "torch_dtype".
