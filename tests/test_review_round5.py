@@ -14,6 +14,7 @@ neighbour's resume records were removed."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -416,3 +417,22 @@ def test_a_tied_model_quantized_lists_its_lm_head_as_not_converted(tmp_path: Pat
         parallel_dcp.convert(src, tmp_path / "q", to="safetensors", quantize="fp8-block", workers=1)
     skipped = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
     assert "lm_head" in skipped and "model.embed_tokens" in skipped
+
+
+def test_a_full_file_system_or_too_many_open_files_is_explained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC on inodes named only a hidden temporary file; EMFILE said only its errno."""
+    from parallel_dcp.jobs import pipeline
+
+    for code, said in ((errno.ENOSPC, "full (of bytes, or of inodes"), (errno.EMFILE, "ulimit -n")):
+
+        def fails(*args: Any, code: int = code, **kwargs: Any) -> Any:
+            raise OSError(code, os.strerror(code), ".parallel_dcp.owner.0123456789ab")
+
+        monkeypatch.setattr(pipeline, "stage_job", fails)
+        with pytest.raises(OSError) as caught:
+            parallel_dcp.save({"w": torch.ones(2)}, tmp_path / "ckpt", workers=1)
+        assert any(
+            said in note and (code == errno.EMFILE or str(tmp_path / "ckpt") in note) for note in caught.value.__notes__
+        )

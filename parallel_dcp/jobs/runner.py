@@ -6,6 +6,7 @@ publish); distributed mode changes who runs which tasks and who commits.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable
 
@@ -38,4 +39,27 @@ def run_job(
             return distributed.run_job(
                 job, target, options, governor, start=time.perf_counter() if start is None else start
             )
-    return pipeline.run_job(job, target, options, governor, start=start, before_tasks=before_tasks)
+    try:
+        return pipeline.run_job(job, target, options, governor, start=start, before_tasks=before_tasks)
+    except OSError as failure:
+        explain_os_error(failure, target.path)
+        raise
+
+
+# What a bare errno says, and what to do: a full file system (of bytes, or of inodes where the
+# byte check passed), or a process out of file descriptors. The message itself may name only a
+# hidden temporary file.
+_HINTS = {
+    errno.ENOSPC: "the file system holding {where} is full (of bytes, or of inodes: see df -i)",
+    errno.EDQUOT: "the disk quota of the file system holding {where} is used up",
+    errno.EMFILE: "this process has too many open files: raise the limit (ulimit -n) or lower --workers",
+    errno.ENFILE: "the system has too many open files: lower --workers, or retry when fewer are open",
+}
+
+
+def explain_os_error(failure: OSError, where: object) -> None:
+    """Add a note to ``failure`` (a write to ``where`` that failed) saying what its errno means;
+    the message itself may name only a hidden temporary file."""
+    hint = _HINTS.get(failure.errno) if failure.errno is not None else None
+    if hint is not None:
+        failure.add_note(hint.format(where=where))
