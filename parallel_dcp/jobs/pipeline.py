@@ -360,6 +360,8 @@ def _plan_once(
     # With more workers, each one's resting cost is held beside the largest task: as many as leave it room.
     resting = WORKER_MEMORY_BYTES + governor.worker_extra
     for task in tasks:
+        if not task.keys:
+            continue
         what = f"{len(task.keys)} keys written as one file to {target.path}" if len(task.keys) > 1 else task.keys[0]
         governor.check_item(what, task.memory + resting)
     largest = max((task.memory for task in tasks), default=0)
