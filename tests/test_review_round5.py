@@ -242,6 +242,13 @@ def test_dtype_leaves_what_the_transformers_class_keeps_in_float32(
     assert parallel_dcp.verify(tmp_path / "out", against=src, dtype="bfloat16").ok
     parallel_dcp.convert(src, tmp_path / "dcp", dtype="bfloat16", workers=1)  # DCP: torchtitan's, all cast
     assert {v.dtype for v in parallel_dcp.load(tmp_path / "dcp").values()} == {torch.bfloat16}
+    # a DCP checkpoint exported to Hugging Face with the model's files: the copied config says the class
+    parallel_dcp.convert(src, tmp_path / "dcp32", workers=1)
+    exported = tmp_path / "exported"
+    parallel_dcp.convert(tmp_path / "dcp32", exported, to="safetensors", dtype="bfloat16", copy_files_from=src)
+    held = st.load_file(exported / "model.safetensors")
+    assert held["model.layers.0.mlp.gate.weight"].dtype == torch.float32
+    assert held["model.layers.0.mlp.gate_proj.weight"].dtype == torch.bfloat16
     monkeypatch.delitem(sys.modules, "transformers")  # (not installed here; the real one has no such class)
     parallel_dcp.convert(src, tmp_path / "plain", to="safetensors", dtype="bfloat16", workers=1)
     assert {v.dtype for v in st.load_file(tmp_path / "plain" / "model.safetensors").values()} == {torch.bfloat16}

@@ -28,7 +28,7 @@ from parallel_dcp.formats.validate import empty_mapping
 from parallel_dcp.jobs.copy_files import check_no_clash, files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.hf_config import prepare_config
-from parallel_dcp.jobs.kept_float32 import keys_kept
+from parallel_dcp.jobs.kept_float32 import kept_by_copied_config, keys_kept
 from parallel_dcp.jobs.key_patterns import matcher, patterns_of
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.presets import Preset, PresetStep, apply_preset
@@ -185,6 +185,7 @@ def convert_one(
         )
         if isinstance(target, ShardedTarget):
             target.copies = copies
+            job = kept_by_copied_config(job, copies, renamed=bool(rename or preset))
         if quantization is not None and quantization.active:
             prepare_target(target, quantization)
         if steps.done is not None and preset is not None and preset.writes_hf:
