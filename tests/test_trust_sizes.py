@@ -23,8 +23,8 @@ from parallel_dcp.engine.memory import PLAN_UNIT_BYTES
 from parallel_dcp.errors import CorruptCheckpointError, MemoryLimitExceeded
 from parallel_dcp.formats.base import Entry
 from parallel_dcp.jobs import diff as diff_job
+from parallel_dcp.jobs import job as job_module
 from parallel_dcp.jobs import load as load_job
-from parallel_dcp.jobs import targets
 from parallel_dcp.jobs import verify as verify_job
 
 HUGE_EMPTY = [0, 1 << 40, 1 << 40]
@@ -116,7 +116,7 @@ def test_a_claimed_size_is_admitted_before_its_chunks_are_planned(
         built.append(len(pieces))
         return pieces
 
-    for module in (targets, verify_job, diff_job):
+    for module in (job_module, verify_job, diff_job):  # (where each looks split up)
         monkeypatch.setattr(module, "split", counting_split)
     with pytest.raises(MemoryLimitExceeded, match=r"'w' claims 64.0 GiB: .* the plan alone \(\d+ pieces\)"):
         _commands(ckpt, tmp_path, "32MiB")[command]()
