@@ -13,16 +13,23 @@ keeps them in their dtype (float32 stays float32; a bfloat16 source's stay bfloa
 transformers upcasts those too).
 
 The lists are the model class's, read from transformers where it is installed (nothing is
-built: class attributes only). Without transformers there is nothing to read, and every floating
-tensor is cast; docs/conversion.md says so. Names match as transformers matches them: each entry
-a pattern (``*`` any run of characters) searched anywhere in the key.
+built: class attributes only). They are read in a short-lived child process, before the job
+starts: importing transformers and a model class costs ~150 MiB and several seconds, which this
+process would otherwise carry for the whole job, charged against ``--memory-limit``. Where the
+caller has imported transformers already, its module is read in place. Without transformers there
+is nothing to read, and every floating tensor is cast; docs/conversion.md says so. Names match as
+transformers matches them: each entry a pattern (``*`` any run of characters) searched anywhere in the key.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import importlib.util
+import json
 import re
+import subprocess
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,17 +60,91 @@ def _class_lists(config: dict[str, Any], dtype: torch.dtype) -> set[str]:
     architectures = config.get("architectures")
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
         return set()
+    strict, loose = _lists_of(architectures[0])
+    return set(strict) | (set(loose) if dtype == torch.float16 else set())
+
+
+# What each model class keeps, by class name, as a child process read it (a batch asks once a class).
+_LISTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+# The child's whole work: the class's two lists as JSON, or null where transformers has no such class.
+_READ_LISTS = """
+import json, sys
+import transformers
+model_class = getattr(transformers, sys.argv[1], None)
+def names(attribute):
+    value = getattr(model_class, attribute, None) or ()
+    return [n for n in value if isinstance(n, str) and n]
+print(json.dumps(None if model_class is None else
+                 [names("_keep_in_fp32_modules_strict"), names("_keep_in_fp32_modules")]))
+"""
+
+# Long enough for a cold import of transformers and torch on a loaded node.
+_READ_TIMEOUT = 300.0
+
+
+def _lists_of(class_name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The class's ``_keep_in_fp32_modules_strict`` and ``_keep_in_fp32_modules``; empty where
+    transformers is not installed or has no such class."""
+    loaded = sys.modules.get("transformers")
+    if loaded is not None:  # imported by the caller already: read in place, as it is now
+        return _lists_from(getattr(loaded, class_name, None))
+    if class_name not in _LISTS:
+        _LISTS[class_name] = _lists_read_apart(class_name)
+    return _LISTS[class_name]
+
+
+def _lists_from(model_class: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    def names(attribute: str) -> tuple[str, ...]:
+        try:
+            value = getattr(model_class, attribute, None) or ()
+            return tuple(n for n in value if isinstance(n, str) and n)
+        except Exception:  # a broken class: nothing to read
+            return ()
+
+    return names("_keep_in_fp32_modules_strict"), names("_keep_in_fp32_modules")
+
+
+def _lists_read_apart(class_name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The lists read by a child process that imports transformers (see the module's docstring)."""
     try:
-        transformers = importlib.import_module("transformers")
-        model_class = getattr(transformers, architectures[0], None)
-    except Exception:  # not installed, or broken on import: nothing to read
-        return set()
-    if model_class is None:
-        return set()
-    names = set(getattr(model_class, "_keep_in_fp32_modules_strict", None) or ())
-    if dtype == torch.float16:
-        names |= set(getattr(model_class, "_keep_in_fp32_modules", None) or ())
-    return {n for n in names if isinstance(n, str) and n}
+        installed = importlib.util.find_spec("transformers") is not None
+    except (ImportError, ValueError):
+        installed = False
+    if not installed:
+        return (), ()
+    try:
+        done = subprocess.run(
+            # -P (Python 3.11+): the working directory's files are not imported in place of transformers
+            [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c", _READ_LISTS, class_name],
+            capture_output=True,
+            text=True,
+            timeout=_READ_TIMEOUT,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return _unread(class_name, str(error))
+    said = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not said:
+        errors = done.stderr.strip().splitlines()
+        return _unread(class_name, errors[-1] if errors else f"exit status {done.returncode}")
+    try:
+        lists = json.loads(said[-1])
+    except ValueError:
+        return _unread(class_name, f"it printed {said[-1][:200]!r}")
+    if not isinstance(lists, list) or len(lists) != 2 or not all(isinstance(part, list) for part in lists):
+        return (), ()  # no such class in transformers
+    strict, loose = (tuple(n for n in part if isinstance(n, str) and n) for part in lists)
+    return strict, loose
+
+
+def _unread(class_name: str, why: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    warnings.warn(
+        f"could not read which tensors transformers keeps in float32 for {class_name} (importing it "
+        f"failed: {why}), so every floating tensor is cast",
+        stacklevel=5,
+    )
+    return (), ()
 
 
 def keys_kept(source: Source, keys: Sequence[str], dtype: torch.dtype | None) -> frozenset[str]:
