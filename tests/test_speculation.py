@@ -266,11 +266,28 @@ def test_a_worker_crash_during_a_speculative_save_fails_it_as_any_save(tmp_path:
         assert not before & set(_pids(saver))
 
 
-def test_ctrl_c_during_a_speculative_save_stops_it_as_any_save(tmp_path: Path) -> None:
+def test_ctrl_c_during_a_speculative_save_stops_it_as_any_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Ctrl-C reaches the pool's loop while the speculative tasks run (sent from the loop's
+    first look ahead, so that it cannot land in the commit, where it is held until the end)."""
+    sent: list[int] = []
+    ahead = speculation.SpeculativeParts.ahead
+
+    def interrupted(self: speculation.SpeculativeParts) -> None:
+        if not sent:
+            sent.append(os.getpid())
+            os.kill(os.getpid(), signal.SIGINT)
+        ahead(self)
+
+    monkeypatch.setattr(speculation.SpeculativeParts, "ahead", interrupted)
     with parallel_dcp.Saver(workers=2) as saver:
         before = set(_pids(saver))
-        raised = _speculating(saver, tmp_path, lambda: os.kill(os.getpid(), signal.SIGINT))
-        assert raised is KeyboardInterrupt
+        sd = _big_state()
+        saver.save(sd, tmp_path / "first")
+        with pytest.raises(KeyboardInterrupt):
+            saver.save(sd, tmp_path / "second")
+        assert sent
         assert _memo(saver).speculations == 1
         assert sorted(os.listdir(tmp_path)) == ["first"]
         saver.save({"w": torch.ones(8)}, tmp_path / "ok")
