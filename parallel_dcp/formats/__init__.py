@@ -12,8 +12,10 @@ are then read by byte ranges; torch.save files are first copied to a local tempo
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from parallel_dcp.formats import safetensors_format, torch_format
@@ -47,7 +49,7 @@ def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] 
     where = locate(path, storage_options)
     path = os.fspath(where)
     if not where.exists():
-        raise FileNotFoundError(f"no such file or directory: {path}")
+        _raise_unreachable(where, path)
     for kind, detect, _ in _READERS:
         if detect(where):
             return kind
@@ -60,6 +62,29 @@ def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] 
         "directory of them (model.safetensors.index.json), or a torch.save file (.pt, .pth, .bin) or "
         "a directory with pytorch_model.bin.index.json or pytorch_model.bin"
     )
+
+
+def _raise_unreachable(where: Location, path: str) -> None:
+    """Why nothing can be read at ``path``: not there, or (a local path) what ``stat`` says,
+    such as a loop of symbolic links or a directory that may not be searched."""
+    if isinstance(where, Path):
+        try:
+            os.stat(path)
+        except OSError as failure:
+            if failure.errno != errno.ENOENT:
+                said = _STAT_FAILURES.get(failure.errno or 0, failure.strerror or str(failure))
+                unreadable = OSError(f"cannot read {path}: {said}")
+                unreadable.errno = failure.errno  # (in the message: words, not "[Errno 40]")
+                raise unreadable from None
+    raise FileNotFoundError(f"no such file or directory: {path}")
+
+
+_STAT_FAILURES = {
+    errno.ELOOP: "too many levels of symbolic links (a loop of links?)",
+    errno.EACCES: "permission denied (a directory on the way may not be searched)",
+    errno.ENOTDIR: "a part of the path is a file, not a directory",
+    errno.ENAMETOOLONG: "the name is too long",
+}
 
 
 def open_source(

@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +42,10 @@ __all__ = ["ChunkSavePlanner", "DcpSource", "is_dcp", "read_keys"]
 
 
 def is_dcp(path: Location) -> bool:
-    return (path / METADATA_FILE).is_file()
+    metadata = path / METADATA_FILE
+    if isinstance(metadata, Path):  # a FIFO or a dangling link here is a DCP directory's, refused when opened
+        return os.path.lexists(metadata) and not metadata.is_dir()
+    return metadata.is_file()
 
 
 def read_keys(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from parallel_dcp._json import loads_json
@@ -317,7 +317,12 @@ class SafetensorsSource(Source):
         file = self.entries[key].file
         handle = self._handles.get(file)
         if handle is None:  # opened in the worker, on first use: an mmap is never shared
-            handle = self._handles[file] = safe_open(file, framework="pt")
+            try:
+                handle = self._handles[file] = safe_open(file, framework="pt")
+            except (SafetensorError, OSError) as failure:  # its header was read when the job opened it
+                raise CorruptCheckpointError(
+                    f"{file} can no longer be read ({failure}): it changed or went away after the job opened it"
+                ) from failure
         return handle
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
