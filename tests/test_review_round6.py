@@ -66,3 +66,84 @@ def test_a_safetensors_file_changed_after_it_was_opened_is_named(tmp_path: Path)
         f.truncate(100)
     with pytest.raises(CorruptCheckpointError, match=r"model\.safetensors can no longer be read.*changed or went away"):
         source.read(["w"])
+
+
+def _hf(folder: Path, value: float = 1.0) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    st.save_file({"a": torch.full((64,), value), "b": torch.ones(8)}, folder / "model.safetensors")
+    (folder / "config.json").write_text('{"model_type": "x"}')
+    return folder
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not p.name.startswith(".")
+    }
+
+
+def test_an_overwrite_replaces_a_copied_folders_files_and_keeps_the_rest(tmp_path: Path) -> None:
+    """A release's ``original/`` holds Meta's weights beside ``params.json``: an overwrite that
+    copies an ``original/params.json`` replaced the whole folder (deleting ``consolidated.00.pth``
+    and the user's notes), and deleted the job's own source file where it lay in that folder."""
+    src = _hf(tmp_path / "src", 2.0)
+    (src / "original").mkdir()
+    (src / "original" / "params.json").write_text('{"dim": 2}')
+    dst = _hf(tmp_path / "dst")
+    (dst / "original" / "deeper").mkdir(parents=True)
+    (dst / "original" / "consolidated.00.pth").write_bytes(b"the user's weights")
+    (dst / "original" / "deeper" / "NOTES.txt").write_text("notes")
+    (dst / "original" / "params.json").write_text('{"dim": 1}')
+    parallel_dcp.convert(src, dst, to="safetensors", overwrite=True, workers=1)
+    assert _tree(dst / "original") == {
+        "consolidated.00.pth": b"the user's weights",
+        "deeper/NOTES.txt": b"notes",
+        "params.json": b'{"dim": 2}',
+    }
+    assert torch.equal(parallel_dcp.load(dst)["a"], torch.full((64,), 2.0))
+    assert parallel_dcp.verify(dst).ok
+    assert not [p.name for p in dst.iterdir() if p.name.startswith(".") and p.name != ".parallel_dcp.json"]
+
+    # the job's source inside the folder a copy goes into: kept (it is not copied over)
+    own = dst / "original" / "consolidated.00.pth"
+    torch.save({"a": torch.arange(4.0)}, own)
+    before = own.read_bytes()
+    parallel_dcp.convert(own, dst, to="safetensors", overwrite=True, copy_files_from=src, workers=1)
+    assert own.read_bytes() == before
+    assert torch.equal(parallel_dcp.load(dst)["a"], torch.arange(4.0))
+    # ... and refused where a copied file would replace it (a sentence-transformers module's weights)
+    dense = dst / "2_Dense" / "model.safetensors"
+    dense.parent.mkdir()
+    st.save_file({"linear.weight": torch.ones(2, 2)}, dense)
+    before = dense.read_bytes()
+    base = _hf(tmp_path / "base")
+    (base / "modules.json").write_text('[{"idx": 0, "name": "1", "path": "2_Dense", "type": "x.Dense"}]')
+    (base / "2_Dense").mkdir()
+    st.save_file({"linear.weight": torch.zeros(2, 2)}, base / "2_Dense" / "model.safetensors")
+    with pytest.raises(parallel_dcp.InvalidDestinationError, match="it is a file of the source"):
+        parallel_dcp.convert(dense, dst, to="safetensors", overwrite=True, copy_files_from=base, workers=1)
+    assert dense.read_bytes() == before
+
+
+@pytest.mark.parametrize("planted", ["folder where a file goes", "file where a folder goes", "link where a folder goes"])
+def test_a_copy_that_cannot_merge_is_refused_before_anything_is_written(tmp_path: Path, planted: str) -> None:
+    src = _hf(tmp_path / "src", 2.0)
+    (src / "original" / "sub").mkdir(parents=True)
+    (src / "original" / "params.json").write_text("{}")
+    (src / "original" / "sub" / "x.json").write_text("{}")
+    dst = _hf(tmp_path / "dst")
+    (dst / "original").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    if planted == "folder where a file goes":
+        (dst / "original" / "params.json").mkdir()
+        (dst / "original" / "params.json" / "mine").write_text("kept")
+    elif planted == "file where a folder goes":
+        (dst / "original" / "sub").write_text("kept")
+    else:
+        (dst / "original" / "sub").symlink_to(tmp_path / "elsewhere")
+    before = _tree(dst)
+    with pytest.raises(parallel_dcp.InvalidDestinationError, match=r"original/(params\.json|sub).*nothing was written"):
+        parallel_dcp.convert(src, dst, to="safetensors", overwrite=True, workers=1)
+    assert _tree(dst) == before
+    assert not list((tmp_path / "elsewhere").iterdir())

@@ -192,7 +192,7 @@ def convert_one(
             _give_config(target, steps.done)
         prepare_config(target, source, job, dtype, quantization)  # config.json says what the shards hold
         if isinstance(target, ShardedTarget):
-            check_no_clash(copies, target.extra_files)
+            check_no_clash(copies, target.extra_files, overwriting=target.path if options.overwrite else None)
         if dry_run:
             plan = plan_dry_run(job, target, options, governor)
             if copies:

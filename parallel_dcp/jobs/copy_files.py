@@ -31,6 +31,7 @@ from parallel_dcp.storage.ownership import new_save_id, temp_name
 from parallel_dcp.storage.pinned_paths import pinned_path
 from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, source_tree
 from parallel_dcp.storage.safe_reader import open_bounded
+from parallel_dcp.storage.side_trees import check_merge
 
 __all__ = ["WEIGHT_SUFFIXES", "check_no_clash", "files_to_copy", "read_copies"]
 
@@ -170,14 +171,18 @@ def read_copies(copies: dict[str, Location]) -> dict[str, bytes]:
     return found
 
 
-def check_no_clash(copies: dict[str, Location], written: Iterable[str]) -> None:
+def check_no_clash(copies: dict[str, Location], written: Iterable[str], *, overwriting: Location | None = None) -> None:
     """Refuse a copied folder named like a file the output writes itself (``config.json/`` beside a
     preset's or a quantized output's config.json), before anything is written: both would take one
-    name in the destination.
+    name in the destination. ``overwriting``: the local destination an overwrite merges the copied
+    folders into (storage/side_trees.py), whose folders and files must not stand where the copies'
+    files and folders go.
 
     Raises:
         InvalidDestinationError: naming the folder and the file.
     """
+    if isinstance(overwriting, Path):
+        check_merge(overwriting, [name for name in copies if "/" in name])
     folders = {name.split("/")[0] for name in copies if "/" in name}
     for name in sorted(folders & set(written)):
         raise InvalidDestinationError(

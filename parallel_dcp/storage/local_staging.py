@@ -58,7 +58,7 @@ from parallel_dcp.storage.safe_files import (
     write_new,
 )
 from parallel_dcp.storage.side_index import INDEX_FILE
-from parallel_dcp.storage.side_trees import is_directory, remove_tree, split_trees, write_tree
+from parallel_dcp.storage.side_trees import is_directory, merge_tree, remove_tree, split_trees, write_tree
 
 __all__ = [
     "LocalDirStaging",
@@ -256,7 +256,8 @@ class _LocalStaging(Staging):
             write_tree(self.fd, temp_name(name, self.save_id), files)
         old = self._owned() if self.overwrite else set()
         new = {*staged, *small, *trees}
-        protect_sources(self._dir, old | new, self.protect)
+        # (a copied folder's files too: each replaces its namesake in a folder already there)
+        protect_sources(self._dir, old | new | {f"{t}/{p}" for t, files in trees.items() for p in files}, self.protect)
         if old:  # a save killed after its commit leaves these to the next save's cleanup
             record = self._record | {"replaces": sorted(old - new)}
             owner = owner_name(self.save_id)
@@ -274,25 +275,25 @@ class _LocalStaging(Staging):
         for name in extras:
             if name not in (MANIFEST_FILE, INDEX_FILE):
                 self._rename_into_place(name)
-        aside = [self._tree_into_place(name) for name in trees]
+        for name in trees:
+            self._tree_into_place(name)
         if MANIFEST_FILE in extras:
             self._rename_into_place(MANIFEST_FILE)
-        self._replaced = (old - new) | {name for name in aside if name is not None}
+        self._replaced = old - new
         sync_directory(self.fd)
 
-    def _tree_into_place(self, name: str) -> str | None:
-        """Rename a copied folder into place. With overwrite, a folder already there is first
-        renamed aside under this save's temporary name; that name is returned (removed at publish)."""
-        aside = None
+    def _tree_into_place(self, name: str) -> None:
+        """Rename a copied folder into place. With overwrite, into a folder already there file by
+        file: each copied file replaces its namesake, and the folder's other files are kept
+        (they are no checkpoint's: a release's ``original/consolidated.00.pth``)."""
         if self.overwrite and is_directory(self.fd, name):
-            aside = temp_name(f"{name}.old", self.save_id)
-            rename_name(self.fd, name, aside, replace=False)
-        elif self.overwrite:
+            merge_tree(self.fd, temp_name(name, self.save_id), name)
+            return
+        if self.overwrite:
             remove_name(self.fd, name)  # a file or a symlink there: removed itself, never followed
         rename_name(self.fd, temp_name(name, self.save_id), name, replace=False)
         if not self.overwrite:
             self._created.append(name)
-        return aside
 
     def _rename_into_place(self, name: str) -> None:
         rename_name(self.fd, temp_name(name, self.save_id), name, replace=self.overwrite)

@@ -6,8 +6,9 @@
     .1_Pooling.<save_id>.tmp/config.json               made new: mkdir + O_CREAT|O_EXCL|O_NOFOLLOW,
         │                                              every level opened O_DIRECTORY|O_NOFOLLOW
         ▼  after the commit point
-    1_Pooling/                                          one rename (an existing one, with overwrite,
-                                                        is first renamed aside and removed at publish)
+    1_Pooling/                                          one rename; with overwrite, into an existing
+                                                        folder file by file (merge_tree): each file
+                                                        replaces its namesake, the rest is kept
 
 Every name is resolved relative to an open directory descriptor, one plain component at a time, so
 nothing is written through a symlink or outside the destination, whatever was planted there.
@@ -18,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from parallel_dcp.errors import InvalidDestinationError, UnsafeCheckpointError
 from parallel_dcp.storage.safe_files import plain_name, write_new
 
-__all__ = ["is_directory", "remove_tree", "split_trees", "write_tree"]
+__all__ = ["check_merge", "is_directory", "merge_tree", "remove_tree", "split_trees", "write_tree"]
 
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -114,3 +115,73 @@ def remove_tree(directory: int, name: str) -> None:
         os.close(fd)
     with contextlib.suppress(FileNotFoundError):
         os.rmdir(name, dir_fd=directory)
+
+
+def merge_tree(directory: int, made: str, into: str) -> None:
+    """Move each file of the folder ``made`` (this save's, new) to the same path under the existing
+    folder ``into``, replacing the file or symlink of that name there (itself, never followed);
+    folders are made as needed, and whatever else ``into`` holds is kept. ``made``, emptied, is
+    removed. An overwrite replaces the files it copies, never a folder's other files (a release's
+    ``original/consolidated.00.pth`` beside a copied ``original/params.json``).
+
+    Raises:
+        UnsafeCheckpointError: a symlink or a file under ``into`` where a folder of ``made`` goes.
+        InvalidDestinationError: a folder under ``into`` where a file of ``made`` goes (both are
+            checked before anything is written: :func:`check_merge`).
+    """
+    source, target = _open_dir(directory, made), _open_dir(directory, into)
+    try:
+        _merge(source, target, into)
+    finally:
+        os.close(source)
+        os.close(target)
+    remove_tree(directory, made)
+
+
+def _merge(source: int, target: int, shown: str) -> None:
+    for name in sorted(os.listdir(source)):
+        if is_directory(source, name):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(plain_name(name), 0o755, dir_fd=target)
+            inner, outer = _open_dir(source, name), _open_dir(target, name)
+            try:
+                _merge(inner, outer, f"{shown}/{name}")
+            finally:
+                os.close(inner)
+                os.close(outer)
+            continue
+        if is_directory(target, name):
+            raise InvalidDestinationError(f"{shown}/{name} in the destination is a folder where a copied file goes")
+        os.replace(plain_name(name), name, src_dir_fd=source, dst_dir_fd=target)
+    os.fsync(target)
+
+
+def check_merge(destination: str | os.PathLike[str], paths: Iterable[str]) -> None:
+    """Refuse, before anything is written, copied files (``paths`` under ``destination``, each with
+    a "/") that an overwrite could not put in place without deleting a folder, or without writing
+    through a link: a folder where a file goes, a file or a symlink where a folder goes.
+
+    Raises:
+        InvalidDestinationError: naming the path.
+    """
+    for path in sorted(paths):
+        *folders, leaf = path.split("/")
+        at = os.fspath(destination)
+        for folder in folders:
+            at = os.path.join(at, folder)
+            try:
+                mode = os.lstat(at).st_mode
+            except FileNotFoundError:
+                break
+            if not stat.S_ISDIR(mode):
+                raise InvalidDestinationError(
+                    f"{at} is {'a symlink' if stat.S_ISLNK(mode) else 'a file'} where the copied folder "
+                    f"{'/'.join(folders)}/ goes; remove it, or convert with --no-copy-files (nothing was written)"
+                )
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISDIR(os.lstat(os.path.join(at, leaf)).st_mode):
+                    raise InvalidDestinationError(
+                        f"{os.path.join(at, leaf)} is a folder where the copied file {path} goes; remove it, or "
+                        "convert with --no-copy-files (nothing was written)"
+                    )
