@@ -287,11 +287,13 @@ def test_folders_through_dcp_with_copy_files_from_and_overwrite(tmp_path: Path) 
     parallel_dcp.convert(tmp_path / "hf", tmp_path / "dcp", workers=1)
     parallel_dcp.convert(tmp_path / "dcp", tmp_path / "out", to="safetensors", copy_files_from=tmp_path / "hf")
     assert _tree(tmp_path / "out")["1_Pooling/config.json"] == FOLDERS["1_Pooling/config.json"]
-    # overwrite: the old folder goes (a file only it had too), the new one is in place
-    (tmp_path / "out" / "1_Pooling" / "stale.txt").write_bytes(b"old")
+    # overwrite: the copied files replace their namesakes; a file only the old folder had is kept
+    # (no checkpoint owns it: it may be the user's)
+    (tmp_path / "out" / "1_Pooling" / "notes.txt").write_bytes(b"old")
     (tmp_path / "hf" / "1_Pooling" / "config.json").write_bytes(b'{"new": 1}')
     parallel_dcp.convert(tmp_path / "hf", tmp_path / "out", to="safetensors", overwrite=True, workers=1)
-    assert sorted(p.name for p in (tmp_path / "out" / "1_Pooling").iterdir()) == ["config.json"]
+    assert sorted(p.name for p in (tmp_path / "out" / "1_Pooling").iterdir()) == ["config.json", "notes.txt"]
+    assert (tmp_path / "out" / "1_Pooling" / "notes.txt").read_bytes() == b"old"
     assert (tmp_path / "out" / "1_Pooling" / "config.json").read_bytes() == b'{"new": 1}'
     assert not [p.name for p in (tmp_path / "out").iterdir() if p.name.endswith(".tmp")]
     loaded = st.load_file(tmp_path / "out" / "model.safetensors")

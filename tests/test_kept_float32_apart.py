@@ -34,9 +34,7 @@ def _installed(root: Path, monkeypatch: pytest.MonkeyPatch, init: str) -> None:
 def _router_source(tmp_path: Path) -> Path:
     src = tmp_path / "src"
     src.mkdir()
-    st.save_file(
-        {ROUTER: torch.randn(4, 8), BIAS: torch.randn(4), PLAIN: torch.randn(8, 8)}, src / "model.safetensors"
-    )
+    st.save_file({ROUTER: torch.randn(4, 8), BIAS: torch.randn(4), PLAIN: torch.randn(8, 8)}, src / "model.safetensors")
     (src / "config.json").write_text(json.dumps({"architectures": ["RouterForCausalLM"], "dtype": "float32"}))
     return src
 

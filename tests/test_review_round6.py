@@ -126,7 +126,9 @@ def test_an_overwrite_replaces_a_copied_folders_files_and_keeps_the_rest(tmp_pat
     assert dense.read_bytes() == before
 
 
-@pytest.mark.parametrize("planted", ["folder where a file goes", "file where a folder goes", "link where a folder goes"])
+@pytest.mark.parametrize(
+    "planted", ["folder where a file goes", "file where a folder goes", "link where a folder goes"]
+)
 def test_a_copy_that_cannot_merge_is_refused_before_anything_is_written(tmp_path: Path, planted: str) -> None:
     src = _hf(tmp_path / "src", 2.0)
     (src / "original" / "sub").mkdir(parents=True)

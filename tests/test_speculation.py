@@ -266,9 +266,7 @@ def test_a_worker_crash_during_a_speculative_save_fails_it_as_any_save(tmp_path:
         assert not before & set(_pids(saver))
 
 
-def test_ctrl_c_during_a_speculative_save_stops_it_as_any_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_ctrl_c_during_a_speculative_save_stops_it_as_any_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Ctrl-C reaches the pool's loop while the speculative tasks run (sent from the loop's
     first look ahead, so that it cannot land in the commit, where it is held until the end)."""
     sent: list[int] = []

@@ -158,8 +158,9 @@ def _merge(source: int, target: int, shown: str) -> None:
 
 def check_merge(destination: str | os.PathLike[str], paths: Iterable[str]) -> None:
     """Refuse, before anything is written, copied files (``paths`` under ``destination``, each with
-    a "/") that an overwrite could not put in place without deleting a folder, or without writing
-    through a link: a folder where a file goes, a file or a symlink where a folder goes.
+    a "/") that an overwrite could not merge without deleting a folder, or without writing through
+    a link: a folder where a file goes, a file or a symlink where a folder inside a copied folder
+    goes. (A file or a symlink where a whole copied folder goes is replaced by it, never followed.)
 
     Raises:
         InvalidDestinationError: naming the path.
@@ -167,12 +168,14 @@ def check_merge(destination: str | os.PathLike[str], paths: Iterable[str]) -> No
     for path in sorted(paths):
         *folders, leaf = path.split("/")
         at = os.fspath(destination)
-        for folder in folders:
+        for depth, folder in enumerate(folders):
             at = os.path.join(at, folder)
             try:
                 mode = os.lstat(at).st_mode
             except FileNotFoundError:
                 break
+            if depth == 0 and not stat.S_ISDIR(mode):
+                break  # a file or a symlink where a whole copied folder goes: replaced itself, never followed
             if not stat.S_ISDIR(mode):
                 raise InvalidDestinationError(
                     f"{at} is {'a symlink' if stat.S_ISLNK(mode) else 'a file'} where the copied folder "
