@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+import tracemalloc
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,6 +96,39 @@ def test_records_of_one_class_share_the_template(crc_off: None) -> None:
     assert records.template_for(a) is records.template_for(b)
     assert lean_record(a) != lean_record(b)
     assert torch.equal(torch.load(io.BytesIO(lean_record(b)), weights_only=True), b)
+
+
+@pytest.mark.parametrize("nbytes", [records.LEAN_MAX_BYTES, 3 * 1024 * 1024 + 512])
+def test_building_a_template_holds_no_copy_of_the_tensors_bytes(nbytes: int, crc_off: None) -> None:
+    """A template was torch.save of a whole tensor of the class into a buffer, taken out, sliced,
+    compared and joined again: four to five copies of its bytes at once (a 3 MiB class, 12-16 MiB
+    in a worker that had counted none of them, and an MXFP4 dequantize went over its limit). The
+    tensor's bytes are left out as torch.save writes them: building holds only the small rest."""
+    tensor = torch.empty(nbytes // 2 - 7, dtype=torch.bfloat16)  # a class no other test builds
+    tracemalloc.start()
+    try:
+        template = records.template_for(tensor)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert template is not None and template.nbytes == tensor.nbytes
+    assert peak < 256 * 1024, f"{peak / 2**20:.1f} MiB held to build the template of a {nbytes / 2**20:.1f} MiB class"
+    tensor.copy_(torch.arange(tensor.numel()))
+    assert torch.equal(torch.load(io.BytesIO(lean_record(tensor)), weights_only=True), tensor)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.ones(1, dtype=torch.uint8), torch.ones(2, dtype=torch.bool), torch.ones(6, dtype=torch.int8), torch.ones(0)],
+    ids=["1-byte", "2-byte", "6-byte", "empty"],
+)
+def test_a_tiny_class_keeps_torch_saves_own_small_writes(tensor: torch.Tensor, crc_off: None) -> None:
+    """torch.save writes 1-, 2- and 6-byte pieces of its zip before a tensor's bytes: only the write
+    right after the storage member's header is the tensor's, whatever its size."""
+    record = lean_record(tensor)
+    ours = serialization_id(record)
+    stock = torch_save_bytes(tensor, len(ours))
+    assert stock.replace(serialization_id(stock), ours) == record
 
 
 BUILD_ELSEWHERE = (

@@ -20,6 +20,11 @@ Only what ``tests/test_records.py`` compares bit for bit against torch.save take
 dtypes of :data:`LEAN_DTYPES`, strided CPU tensors whose storage is exactly their bytes, at
 offset 0, no conjugate or negative bit, at most :data:`LEAN_MAX_BYTES`) and only while torch.save's
 CRC is off; anything else is written by torch.save as before (:func:`template_for` says None).
+
+Longer than 300 lines because a template is only as safe as the checks of torch.save's zip layout
+that made it (which write is the tensor's bytes, where its member and the serialization id lie),
+and those checks read the record without its bytes (:class:`_Spliced`): apart, a change of one
+would silently leave the other checking a layout it no longer builds.
 """
 
 from __future__ import annotations
@@ -62,8 +67,9 @@ LEAN_DTYPES = frozenset(
         torch.float8_e5m2,
     }
 )
-# Building a template writes a tensor of the class once; above this the per-call cost of
-# torch.save is negligible beside the bytes, so large tensors keep going through it.
+# Building a template runs torch.save once for the class (the tensor's bytes left out as they are
+# written: no copy of them is held); above this the per-call cost of torch.save is negligible
+# beside the bytes, so large tensors keep going through it.
 LEAN_MAX_BYTES = 4 * 1024 * 1024
 _CACHE_LIMIT = 4096
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")
@@ -180,7 +186,9 @@ def fills_uninitialised() -> bool:
 
 
 class _Capture:
-    """A stream torch.save writes to: every write kept, except the one of the storage's bytes."""
+    """A stream torch.save writes to: every write kept, except the one of the storage's bytes (the
+    write of ``nbytes`` right after the local header of the ``data/0`` member: an earlier write of
+    the same size, such as a 2-byte one before a 2-byte tensor's, is kept)."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
@@ -190,7 +198,7 @@ class _Capture:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        if view.nbytes == self.nbytes and not self.skipped:
+        if view.nbytes == self.nbytes and not self.skipped and _ends_with_data_header(self.before):
             self.skipped += 1
         else:
             (self.after if self.skipped else self.before).extend(view)
@@ -200,18 +208,22 @@ class _Capture:
         """Nothing is buffered."""
 
 
+def _ends_with_data_header(prefix: bytes | bytearray) -> bool:
+    """Whether ``prefix`` ends with the whole local header of the storage's member (``.../data/0``)."""
+    at = prefix.rfind(b"PK\x03\x04")
+    if at < 0 or len(prefix) - at < _LOCAL_HEADER.size:
+        return False
+    _, *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(prefix, at)
+    name = bytes(prefix[at + _LOCAL_HEADER.size : at + _LOCAL_HEADER.size + name_length])
+    return at + _LOCAL_HEADER.size + name_length + extra_length == len(prefix) and name.endswith(b"/data/0")
+
+
 def _build_unread(dummy: torch.Tensor, nbytes: int) -> Template | None:
     capture = _Capture(nbytes)
     torch.save(dummy, capture)  # type: ignore[arg-type]
-    prefix = bytes(capture.before)
-    at = prefix.rfind(b"PK\x03\x04")
-    if capture.skipped != 1 or at < 0:
-        return None
-    _, *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(prefix, at)
-    name = prefix[at + _LOCAL_HEADER.size : at + _LOCAL_HEADER.size + name_length]
-    if at + _LOCAL_HEADER.size + name_length + extra_length != len(prefix) or not name.endswith(b"/data/0"):
-        return None  # the skipped write was not the storage's record: torch.save writes this class
-    return Template(prefix, bytes(capture.after), nbytes)
+    if capture.skipped != 1:
+        return None  # the storage's record was not written where this module expects it
+    return Template(bytes(capture.before), bytes(capture.after), nbytes)
 
 
 def storage_bytes(tensor: torch.Tensor) -> memoryview:
@@ -223,39 +235,93 @@ def storage_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def _build(tensor: torch.Tensor) -> Template | None:
+    """The template of ``tensor``'s class, made by torch.save of an untouched tensor of the class
+    whose bytes are left out as they are written (:class:`_Capture`): building it holds no copy
+    of the tensor's bytes. Made whole (in a buffer, taken out with ``getvalue``, sliced, compared
+    and joined again), a 3 MiB template took four to five copies at once, 12-16 MiB in a worker
+    whose task admission had counted none of them (a gpt-oss MXFP4 dequantize over its limit)."""
     dummy = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype)
-    if dummy.untyped_storage().nbytes() != tensor.nbytes:
+    nbytes = tensor.nbytes
+    if dummy.untyped_storage().nbytes() != nbytes:
         return None
-    buffer = io.BytesIO()
-    torch.save(dummy, buffer)
-    record = buffer.getvalue()
-    start = _data_offset(record)
-    if start is None:
+    capture = _Capture(nbytes)
+    torch.save(dummy, capture)  # type: ignore[arg-type]
+    if capture.skipped:
+        prefix, suffix = bytes(capture.before), bytes(capture.after)
+    else:  # no bytes to leave out (an empty tensor) or not the layout this module knows
+        record = bytes(capture.before)
+        start = _data_offset(_Spliced(record, 0, b"")) if nbytes == 0 else None
+        if start is None:
+            return None  # torch.save writes this class
+        prefix, suffix = record[:start], record[start:]
+    if _data_offset(_Spliced(prefix, nbytes, suffix)) != len(prefix):
         return None
-    end = start + tensor.nbytes
-    if record[start:end] != storage_bytes(dummy).tobytes():
-        return None  # not the layout this module knows: torch.save writes this class
-    record = _fixed_serialization_id(record, start, end)
-    return Template(record[:start], record[end:], tensor.nbytes)
+    return Template(prefix, _fixed_serialization_id(prefix, nbytes, suffix), nbytes)
 
 
-def _members(record: bytes) -> list[zipfile.ZipInfo] | None:
+class _Spliced(io.RawIOBase):
+    """A record read as ``prefix``, ``gap`` zero bytes (the tensor's place, never allocated) and
+    ``suffix``: what zipfile needs to list the members of a template's record."""
+
+    def __init__(self, prefix: bytes, gap: int, suffix: bytes) -> None:
+        super().__init__()
+        self.prefix, self.gap, self.suffix = prefix, gap, suffix
+        self.size = len(prefix) + gap + len(suffix)
+        self.position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        self.position = max(0, base + offset)
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self.at(self.position, view.nbytes)
+        view[: len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+    def at(self, offset: int, length: int) -> bytes:
+        """``length`` bytes of the record from ``offset`` (fewer at its end)."""
+        end = min(self.size, offset + length)
+        after = len(self.prefix) + self.gap
+        out = self.prefix[offset:end]
+        if end > len(self.prefix) and offset < after:
+            out += bytes(min(end, after) - max(offset, len(self.prefix)))
+        if end > after:
+            out += self.suffix[max(0, offset - after) : end - after]
+        return out
+
+
+def _members(record: _Spliced) -> list[zipfile.ZipInfo] | None:
     try:
-        with zipfile.ZipFile(io.BytesIO(record)) as archive:
+        with zipfile.ZipFile(record) as archive:
             return archive.infolist()
     except zipfile.BadZipFile:
         return None
 
 
-def _payload_offset(record: bytes, info: zipfile.ZipInfo) -> int | None:
+def _payload_offset(record: _Spliced, info: zipfile.ZipInfo) -> int | None:
     """Where the bytes of the zip member ``info`` start in ``record`` (after its local header)."""
-    signature, *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(record, info.header_offset)
+    header = record.at(info.header_offset, _LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size:
+        return None
+    signature, *_, name_length, extra_length = _LOCAL_HEADER.unpack(header)
     if signature != b"PK\x03\x04":
         return None
     return int(info.header_offset + _LOCAL_HEADER.size + name_length + extra_length)
 
 
-def _data_offset(record: bytes) -> int | None:
+def _data_offset(record: _Spliced) -> int | None:
     """Where the bytes of the one storage record (``<archive>/data/0``) start in ``record``."""
     members = _members(record) or []
     infos = [i for i in members if i.filename.endswith("/data/0")]
@@ -265,20 +331,22 @@ def _data_offset(record: bytes) -> int | None:
     return _payload_offset(record, infos[0])
 
 
-def _fixed_serialization_id(record: bytes, data_start: int, data_end: int) -> bytes:
-    """``record`` with its serialization id (random digits, after the tensor's bytes at
-    ``data_start:data_end``) replaced by as many digits taken from a hash of the record without
-    the id and the tensor's bytes; as it is where there is no such member or its CRC is set (it
-    would no longer match)."""
+def _fixed_serialization_id(prefix: bytes, nbytes: int, suffix: bytes) -> bytes:
+    """``suffix`` (what follows the tensor's ``nbytes`` bytes after ``prefix`` in a record) with the
+    serialization id (random digits) replaced by as many digits taken from a hash of the record
+    without the id and the tensor's bytes; as it is where there is no such member after the
+    tensor's bytes or its CRC is set (it would no longer match)."""
+    record = _Spliced(prefix, nbytes, suffix)
     ids = [i for i in _members(record) or [] if i.filename.endswith("/.data/serialization_id")]
     if len(ids) != 1 or ids[0].CRC != 0 or ids[0].compress_type != zipfile.ZIP_STORED:
-        return record
+        return suffix
     start = _payload_offset(record, ids[0])
-    if start is None or start < data_end:
-        return record
+    if start is None or start < len(prefix) + nbytes:
+        return suffix
+    start -= len(prefix) + nbytes  # in the suffix from here on
     end = start + ids[0].file_size
-    hashed = record[:data_start] + record[data_end:start] + record[end:]
+    hashed = prefix + suffix[:start] + suffix[end:]
     digits = "".join(str(b % 10) for b in hashlib.blake2b(hashed, digest_size=64).digest())
-    if end - start > len(digits) or end > len(record):
-        return record
-    return record[:start] + digits[: end - start].encode() + record[end:]
+    if end - start > len(digits) or end > len(suffix):
+        return suffix
+    return suffix[:start] + digits[: end - start].encode() + suffix[end:]
