@@ -6,6 +6,7 @@ neither the file nor the change."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -149,3 +150,32 @@ def test_a_copy_that_cannot_merge_is_refused_before_anything_is_written(tmp_path
         parallel_dcp.convert(src, dst, to="safetensors", overwrite=True, workers=1)
     assert _tree(dst) == before
     assert not list((tmp_path / "elsewhere").iterdir())
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "torch"])
+def test_a_shard_swapped_for_a_link_out_after_listing_is_refused(tmp_path: Path, kind: str) -> None:
+    """Someone who can write the source folder swaps a shard for a symlink to a file elsewhere
+    once the job has listed and checked the folder: the worker opened it by name and read the
+    file outside (the output held its values)."""
+    src, private = tmp_path / "src", tmp_path / "private"
+    src.mkdir()
+    private.mkdir()
+    suffix, index = (
+        (".safetensors", "model.safetensors.index.json")
+        if kind == "safetensors"
+        else (".bin", "pytorch_model.bin.index.json")
+    )
+    names = [f"model-0000{i}-of-00002{suffix}" for i in (1, 2)]
+
+    def write(tensors: dict[str, torch.Tensor], path: Path) -> None:
+        st.save_file(tensors, path) if kind == "safetensors" else torch.save(tensors, path)
+
+    write({"a": torch.arange(8.0)}, src / names[0])
+    write({"b": torch.ones(8)}, src / names[1])
+    write({"b": torch.full((8,), 42.0)}, private / f"secret{suffix}")
+    (src / index).write_text(json.dumps({"metadata": {}, "weight_map": {"a": names[0], "b": names[1]}}))
+    source = open_source(src)
+    (src / "swap").symlink_to(private / f"secret{suffix}")
+    os.replace(src / "swap", src / names[1])
+    with pytest.raises(UnsafeCheckpointError, match=rf"{names[1]} is a symlink; refusing to follow it"):
+        source.read(["b"])

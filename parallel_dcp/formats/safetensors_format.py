@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from parallel_dcp._json import loads_json
 from parallel_dcp.engine.chunks import Chunk
-from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
 from parallel_dcp.formats.base import Entry, FileFormat, Source, shard_files
 from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.shard_index import check_index
@@ -35,6 +35,7 @@ from parallel_dcp.storage.direct_read import ShardFile, direct_read_memory
 from parallel_dcp.storage.io_mode import uses_direct
 from parallel_dcp.storage.location import MIN_PART_BYTES, Location, Remote, listdir, new_file_mode
 from parallel_dcp.storage.manifest import EMBEDDED_KEY, FileDigest, Hasher, embedded_record, read_embedded
+from parallel_dcp.storage.pinned_paths import opened_for_library
 from parallel_dcp.storage.read_ahead import Span
 from parallel_dcp.storage.safe_files import open_regular
 
@@ -186,8 +187,9 @@ class SafetensorsSource(Source):
     def _list_local(self) -> None:
         for file in self.files:
             try:
-                handle = safe_open(file, framework="pt")
-            except FileNotFoundError:
+                with opened_for_library(file) as name:
+                    handle = safe_open(name, framework="pt")
+            except (FileNotFoundError, UnsafeCheckpointError):
                 raise
             except Exception as exc:  # SafetensorError and friends: the header is not valid
                 said = _coverage(file)  # the library's "file not fully covered", in our words
@@ -318,7 +320,8 @@ class SafetensorsSource(Source):
         handle = self._handles.get(file)
         if handle is None:  # opened in the worker, on first use: an mmap is never shared
             try:
-                handle = self._handles[file] = safe_open(file, framework="pt")
+                with opened_for_library(file) as name:  # a shard swapped for a link since: refused
+                    handle = self._handles[file] = safe_open(name, framework="pt")
             except (SafetensorError, OSError) as failure:  # its header was read when the job opened it
                 raise CorruptCheckpointError(
                     f"{file} can no longer be read ({failure}): it changed or went away after the job opened it"

@@ -41,6 +41,7 @@ from parallel_dcp.formats.shard_index import check_index
 from parallel_dcp.formats.validate import flatten_checked, flatten_structure
 from parallel_dcp.storage.local_staging import free_bytes
 from parallel_dcp.storage.location import Location, Remote
+from parallel_dcp.storage.pinned_paths import opened_for_library
 
 __all__ = [
     "FORMAT",
@@ -108,12 +109,12 @@ def _remove_if_owner(owner: int, directory: str) -> None:
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
 
 
-def _check_torch_file(file: str) -> None:
+def _check_torch_file(name: str, file: str) -> None:
     """A zip with a pickle inside, or the legacy format's magic: else not a torch.save file at
-    all (never worth advice to turn on pickle execution)."""
-    if zipfile.is_zipfile(file):
+    all (never worth advice to turn on pickle execution). ``name``: how to open ``file`` now."""
+    if zipfile.is_zipfile(name):
         return
-    with open(file, "rb") as f:
+    with open(name, "rb") as f:
         head = f.read(len(_LEGACY_MAGIC))
     if head != _LEGACY_MAGIC:
         raise CorruptCheckpointError(f"{file} is not a torch.save file (neither a zip archive nor the legacy format)")
@@ -125,10 +126,16 @@ def read_whole(file: str, *, trust_pickle: bool) -> Any:
 
 
 def _load(file: str, *, mmap: bool, trust_pickle: bool, meta: bool = False) -> Any:
-    _check_torch_file(file)
+    # opened by the one rule (a file swapped for a link since the listing is refused, never
+    # followed), and torch reads the file opened here
+    with opened_for_library(file) as name:
+        _check_torch_file(name, file)
+        return _load_named(name, file, mmap=mmap, trust_pickle=trust_pickle, meta=meta)
+
+
+def _load_named(name: str, file: str, *, mmap: bool, trust_pickle: bool, meta: bool) -> Any:
     try:
-        where = "meta" if meta else "cpu"
-        return torch.load(file, map_location=where, mmap=mmap, weights_only=not trust_pickle)
+        return torch.load(name, map_location="meta" if meta else "cpu", mmap=mmap, weights_only=not trust_pickle)
     except Exception as exc:
         if not trust_pickle and "Weights only load failed" in str(exc) and "GLOBAL" in str(exc):
             raise UnsafeCheckpointError(
@@ -172,7 +179,8 @@ class TorchSource(Source):
             self._cleanup = weakref.finalize(self, _remove_if_owner, os.getpid(), directory)
         origin = {copy: file for file, copy in local.items()}
         for file in local.values():
-            _check_torch_file(file)
+            with opened_for_library(file) as name:  # (a FIFO or a link in its place is refused)
+                _check_torch_file(name, file)
         self._refuse_legacy_over_limit(list(local.values()))
         for file in (local[f] for f in self.files):
             legacy = not zipfile.is_zipfile(file)

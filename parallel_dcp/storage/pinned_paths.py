@@ -8,18 +8,25 @@
 A folder of the source (``1_Pooling/``) swapped for a link out between the choice and the read is
 refused at the read, never followed: the pinned path had no link in it, so any link there now is
 a change (someone who can write the source folder on a shared file system).
+
+A shard listed when the job opened its source and read later by a library that opens files by
+name (safetensors' mmap, ``torch.load``) is opened here by the one rule and handed over as
+``/proc/self/fd/N`` (:func:`opened_for_library`): a shard swapped for a symlink out of the folder
+after the listing is refused, never followed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from parallel_dcp.errors import UnsafeCheckpointError
 from parallel_dcp.storage.safe_files import open_regular
 
-__all__ = ["open_without_links", "pinned_path"]
+__all__ = ["open_without_links", "opened_for_library", "pinned_path"]
 
 # O_PATH: a folder on the way needs only search permission (x), as for any path, not read (r):
 # a home directory of mode 0711 is walked as the kernel would walk it.
@@ -70,5 +77,25 @@ def open_without_links(path: str | os.PathLike[str]) -> int:
             os.close(fd)
             fd = below
         return open_regular(fd, leaf)
+    finally:
+        os.close(fd)
+
+
+_FDS = "/proc/self/fd"
+
+
+@contextlib.contextmanager
+def opened_for_library(path: str | os.PathLike[str]) -> Iterator[str]:
+    """A name for the regular file at ``path``, opened now by the one rule (no symlink in its last
+    component, never blocking on a FIFO): ``/proc/self/fd/N`` while the block runs, which the
+    library opens as the very file opened here, whatever ``path`` leads to by then. Where there is
+    no ``/proc``, ``path`` itself (checked just before).
+
+    Raises:
+        UnsafeCheckpointError: ``path`` is a symlink, or not a regular file.
+    """
+    fd = open_regular(None, path)
+    try:
+        yield f"{_FDS}/{fd}" if os.path.isdir(_FDS) else os.fspath(path)
     finally:
         os.close(fd)
