@@ -148,7 +148,7 @@ def test_a_side_folder_swapped_for_a_symlink_after_it_was_chosen_is_refused_at_t
     os.symlink(tmp_path / "private", src / "1_Pooling")
     with pytest.raises(UnsafeCheckpointError, match="symlink"):
         read_copies(copies)
-    assert read_copies({"config.json": copies["config.json"]}) == {"config.json": b"{}"}
+    assert read_copies(copies, ["config.json"]) == {"config.json": b"{}"}
 
 
 def test_side_files_are_read_through_a_symlinked_parent_the_user_chose(tmp_path: Path) -> None:

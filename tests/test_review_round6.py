@@ -179,3 +179,27 @@ def test_a_shard_swapped_for_a_link_out_after_listing_is_refused(tmp_path: Path,
     os.replace(src / "swap", src / names[1])
     with pytest.raises(UnsafeCheckpointError, match=rf"{names[1]} is a symlink; refusing to follow it"):
         source.read(["b"])
+
+
+def test_a_side_file_that_grows_after_it_was_chosen_is_refused_at_the_commit(tmp_path: Path) -> None:
+    """Side files are sized (and checked against the memory limit) when chosen and read at the
+    commit: one grown to 400 MiB meanwhile was read whole into the coordinator under a 64 MiB
+    limit and copied into the output."""
+    from parallel_dcp.jobs.copy_files import files_to_copy, read_copies
+
+    src = _hf(tmp_path / "src")
+    (src / "notes.txt").write_text("small\n")
+    source = open_source(src)
+    try:
+        copies = files_to_copy(
+            source, directory_output=True, copy_files=True, copy_files_from=None, storage_options=None, limit=2**20
+        )
+    finally:
+        source.close()
+    assert copies.sizes["notes.txt"] == 6
+    os.truncate(src / "notes.txt", 400 * 2**20)  # sparse
+    with pytest.raises(ValueError, match=r"notes\.txt, a file to copy beside the weights, grew past the 6 B"):
+        read_copies(copies)
+    assert read_copies(copies, ["config.json"]) == {"config.json": b'{"model_type": "x"}'}
+    os.truncate(src / "notes.txt", 3)  # shrunk: read as it is now (within what was counted)
+    assert read_copies(copies, ["notes.txt"]) == {"notes.txt": b"sma"}

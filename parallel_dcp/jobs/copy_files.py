@@ -33,7 +33,7 @@ from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, sourc
 from parallel_dcp.storage.safe_reader import open_bounded
 from parallel_dcp.storage.side_trees import check_merge
 
-__all__ = ["WEIGHT_SUFFIXES", "check_no_clash", "files_to_copy", "read_copies"]
+__all__ = ["WEIGHT_SUFFIXES", "Copies", "check_no_clash", "files_to_copy", "read_copies"]
 
 _NAME_MAX = 255  # bytes in a file name (Linux, and most file systems)
 
@@ -58,6 +58,16 @@ def _copyable(name: str) -> bool:
     return not name.startswith(".") and not name.endswith(WEIGHT_SUFFIXES)
 
 
+class Copies(dict[str, Location]):
+    """Name -> where to read it, for every file to copy into the output, and (``sizes``) each
+    one's size when it was chosen: what the memory limit was checked against, and the most its
+    read at the commit takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[str, int] = {}
+
+
 def files_to_copy(
     source: Source,
     *,
@@ -66,7 +76,7 @@ def files_to_copy(
     copy_files_from: str | os.PathLike[str] | None,
     storage_options: dict[str, Any] | None,
     limit: int,
-) -> dict[str, Location]:
+) -> Copies:
     """Name -> where to read it, for every file to copy into the output (empty: nothing to copy).
 
     A Hugging Face directory source (safetensors or torch shards) gives its own files when
@@ -90,9 +100,9 @@ def files_to_copy(
     elif copy_files and directory_output and source.kind != "dcp" and source.location.is_dir():
         where = source.location
     else:
-        return {}
-    copies: dict[str, Location] = {}
-    sizes: dict[str, int] = {}
+        return Copies()
+    copies = Copies()
+    sizes = copies.sizes
     tree = None if isinstance(where, Remote) else source_tree(where)
     for name in sorted(listdir(where)):
         if not _copyable(name):
@@ -154,24 +164,36 @@ def _check_name_length(name: str) -> None:
         )
 
 
-def read_copies(copies: dict[str, Location]) -> dict[str, bytes]:
-    """The bytes of every file in ``copies``, read at the commit (their total was checked).
+def read_copies(copies: Copies, names: Iterable[str] | None = None) -> dict[str, bytes]:
+    """The bytes of every file in ``copies`` (or of ``names`` among them), read at the commit
+    (their total was checked against the memory limit when they were chosen).
 
     Local files are opened by the one rule again (a file swapped for a symlink or a FIFO since it
     was chosen is refused, and so is a folder on its way swapped for a link: each local path is
     the realpath taken when it was chosen, walked without following any link) and read no further
-    than their fstat size."""
+    than the size it had when it was chosen.
+
+    Raises:
+        ValueError: a file grew since it was chosen (its new bytes were never counted).
+    """
     found = {}
-    for name, path in copies.items():
+    for name in copies if names is None else names:
+        path, chosen = copies[name], copies.sizes.get(name)
         if isinstance(path, Remote):
-            found[name] = path.read_bytes()
-            continue
-        with open_bounded(path, no_links=True) as stream:  # chosen as a realpath: a link now is a swap
-            found[name] = stream.read()
+            found[name] = path.read_bytes() if chosen is None else path.read_bytes(0, chosen + 1)
+        else:
+            with open_bounded(path, no_links=True) as stream:  # chosen as a realpath: a link now is a swap
+                found[name] = stream.read() if chosen is None else stream.read(chosen + 1)
+        if chosen is not None and len(found[name]) > chosen:
+            raise ValueError(
+                f"{printable(os.fspath(path))}, a file to copy beside the weights, grew past the "
+                f"{format_bytes(chosen)} it held when the job chose it: it changed while the job ran; "
+                "nothing was committed (run it again once it is whole)"
+            )
     return found
 
 
-def check_no_clash(copies: dict[str, Location], written: Iterable[str], *, overwriting: Location | None = None) -> None:
+def check_no_clash(copies: Copies, written: Iterable[str], *, overwriting: Location | None = None) -> None:
     """Refuse a copied folder named like a file the output writes itself (``config.json/`` beside a
     preset's or a quantized output's config.json), before anything is written: both would take one
     name in the destination. ``overwriting``: the local destination an overwrite merges the copied

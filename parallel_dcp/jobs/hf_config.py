@@ -81,14 +81,14 @@ def output_config(
     return config
 
 
-def _follow_the_data(target: ShardedTarget, copied: Any, job: Job) -> None:
+def _follow_the_data(target: ShardedTarget, job: Job) -> None:
     """A copied config.json whose ``quantization_config`` promises quantized weights the shards do
     not hold, where no option changed them (a dequantized checkpoint written out with its
     release's files): written without it, so transformers builds plain layers for plain weights.
     Otherwise (its dtype included: transformers casts on load as it would from the source) it is
     copied byte for byte."""
     try:
-        config = loads_json(read_copies({CONFIG_FILE: copied})[CONFIG_FILE])
+        config = loads_json(read_copies(target.copies, [CONFIG_FILE])[CONFIG_FILE])
     except ValueError:
         return  # copied as it is, as before
     if not isinstance(config, dict) or "quantization_config" not in config:
@@ -122,13 +122,13 @@ def prepare_config(
     copied = target.copies.get(CONFIG_FILE)
     if dtype is None and active is None:
         if copied is not None and target.extra_files.get(CONFIG_FILE) is None:
-            _follow_the_data(target, copied, job)
+            _follow_the_data(target, job)
         return
     given = target.extra_files.get(CONFIG_FILE)  # a preset's model config, written as the output's
     if given is not None:
         config = loads_json(given)
     elif copied is not None:
-        raw = read_copies({CONFIG_FILE: copied})[CONFIG_FILE]
+        raw = read_copies(target.copies, [CONFIG_FILE])[CONFIG_FILE]
         try:
             config = loads_json(raw)
         except ValueError as exc:

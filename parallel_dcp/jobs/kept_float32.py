@@ -38,7 +38,7 @@ import torch
 from parallel_dcp._json import loads_json
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.quantized_pairs import source_config
-from parallel_dcp.jobs.copy_files import read_copies
+from parallel_dcp.jobs.copy_files import Copies, read_copies
 from parallel_dcp.jobs.targets import Job
 
 __all__ = ["kept_by_copied_config", "kept_in_float32", "keys_kept"]
@@ -163,14 +163,14 @@ def keys_kept(source: Source, keys: Sequence[str], dtype: torch.dtype | None) ->
     return frozenset(k for k in keys if k in entries and entries[k].dtype.is_floating_point and kept(k))
 
 
-def kept_by_copied_config(job: Job, copies: dict[str, Any], renamed: bool) -> Job:
+def kept_by_copied_config(job: Job, copies: Copies, renamed: bool) -> Job:
     """``job`` with what transformers keeps in float32 left uncast, where the model's config.json
     comes from ``copies`` (``--copy-files-from``: a DCP checkpoint exported to Hugging Face) rather
     than from beside the source; as it is otherwise (no cast, names changed, or kept already)."""
     if job.dtype is None or job.keep_dtype or renamed or "config.json" not in copies:
         return job
     try:
-        config = loads_json(read_copies({"config.json": copies["config.json"]})["config.json"])
+        config = loads_json(read_copies(copies, ["config.json"])["config.json"])
     except ValueError:
         return job  # refused where the config is written, with its own message
     kept = kept_in_float32(config if isinstance(config, dict) else None, job.dtype)

@@ -29,7 +29,7 @@ from parallel_dcp.errors import printable
 from parallel_dcp.formats import FILE_FORMATS, FORMATS, lean
 from parallel_dcp.formats.base import FileFormat, Source, index_json
 from parallel_dcp.formats.dcp_format import ChunkSavePlanner
-from parallel_dcp.jobs.copy_files import read_copies
+from parallel_dcp.jobs.copy_files import Copies, read_copies
 from parallel_dcp.jobs.dcp_commit import metadata_files, outgoing_part
 from parallel_dcp.jobs.dcp_entries import remaining_entries
 from parallel_dcp.jobs.job import Job
@@ -322,7 +322,7 @@ class ShardedTarget(Target):
         self._layout = sharded_layout(kind, self._index_name, single, self.format.suffixes)
         # Files copied beside the shards (config.json, tokenizer files): name -> where to read it;
         # set by the conversion before it runs (see parallel_dcp.jobs.copy_files).
-        self.copies: dict[str, Any] = {}
+        self.copies = Copies()
         # A quantized output always has its index (stock's quantized reader pairs weights and
         # scales through it), and may carry files besides the shards (config.json).
         self.always_index = False
