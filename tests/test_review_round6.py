@@ -203,3 +203,30 @@ def test_a_side_file_that_grows_after_it_was_chosen_is_refused_at_the_commit(tmp
     assert read_copies(copies, ["config.json"]) == {"config.json": b'{"model_type": "x"}'}
     os.truncate(src / "notes.txt", 3)  # shrunk: read as it is now (within what was counted)
     assert read_copies(copies, ["notes.txt"]) == {"notes.txt": b"sma"}
+
+
+def test_a_cache_snapshot_named_through_a_link_is_a_source(tmp_path: Path) -> None:
+    """``mymodel -> hub/models--org--m/snapshots/abc``: the snapshot's own links into ``blobs/``
+    were refused as leading out, though the same snapshot named directly converts."""
+    repo = tmp_path / "hub" / "models--org--m"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    made = _hf(tmp_path / "made")
+    for name in ("model.safetensors", "config.json"):
+        (made / name).rename(repo / "blobs" / f"{name}.blob")
+        (repo / "snapshots" / "abc" / name).symlink_to(f"../../blobs/{name}.blob")
+    (tmp_path / "mymodel").symlink_to(repo / "snapshots" / "abc")
+    parallel_dcp.convert(tmp_path / "mymodel", tmp_path / "out", to="safetensors", workers=1)
+    assert _tree(tmp_path / "out")["config.json"] == b'{"model_type": "x"}'
+    assert torch.equal(parallel_dcp.load(tmp_path / "out")["a"], torch.ones(64))
+
+
+def test_an_output_written_into_its_source_is_not_copied_into_itself(tmp_path: Path) -> None:
+    """``convert src src/out --overwrite`` took the last output for one of the source's side
+    folders: each run nested one more copy (``src/out/out/out/...``)."""
+    src = _hf(tmp_path / "src")
+    (src / "1_Pooling").mkdir()
+    (src / "1_Pooling" / "config.json").write_text("{}")
+    for _ in range(3):
+        parallel_dcp.convert(src, src / "out", to="safetensors", overwrite=True, workers=1)
+    assert sorted(_tree(src / "out")) == ["1_Pooling/config.json", "config.json", "model.safetensors"]

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from parallel_dcp._json import loads_json
 from parallel_dcp.errors import UnsafeCheckpointError, printable
+from parallel_dcp.storage.layout import MANIFEST_FILE, METADATA_FILE
 from parallel_dcp.storage.pinned_paths import pinned_path
 from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
 from parallel_dcp.storage.safe_reader import open_bounded
@@ -65,6 +66,12 @@ def module_folders(modules_json: object) -> frozenset[str]:
 # conversion on the copy limits.
 def _run_folder(name: str) -> bool:
     return name == "runs" or (name.startswith("checkpoint-") and name[len("checkpoint-") :].isdigit())
+
+
+def _holds_checkpoint(folder: Path) -> bool:
+    """A folder that is a checkpoint of ours or a DCP one (its manifest or ``.metadata``), not a
+    model's side folder: a sentence-transformers module holds neither."""
+    return any(os.path.lexists(folder / name) for name in (MANIFEST_FILE, METADATA_FILE))
 
 
 def _resolve(path: Path, tree: Path) -> Path | None:
@@ -117,6 +124,8 @@ def folder_files(
             mode = os.stat(path, follow_symlinks=False).st_mode
             relative = f"{prefix}/{name}" if prefix else name
             if stat.S_ISDIR(mode):
+                if _holds_checkpoint(path):
+                    continue  # an output written into the source (convert src src/out): copied again, it nests
                 walk(path, relative, depth + 1)
             elif stat.S_ISREG(mode):
                 found[relative] = pinned_path(path, tree)  # read at the commit with no link on its way

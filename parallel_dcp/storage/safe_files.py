@@ -137,11 +137,12 @@ _HF_CACHE_REPOS = ("models--", "datasets--", "spaces--")
 def source_tree(directory: str | os.PathLike[str]) -> Path:
     """The tree a source directory's files may link within: the directory itself, or, for a
     snapshot in a Hugging Face cache (``models--X/snapshots/<revision>/``), the repository's cache
-    folder ``models--X/`` (its files are symlinks into ``../../blobs/``)."""
-    where = Path(os.path.abspath(directory))
-    if where.parent.name == "snapshots" and where.parent.parent.name.startswith(_HF_CACHE_REPOS):
-        return where.parent.parent
-    return where
+    folder ``models--X/`` (its files are symlinks into ``../../blobs/``), also where the
+    directory is named through a link to the snapshot (``mymodel -> hub/models--X/snapshots/abc``)."""
+    real = Path(os.path.realpath(directory))
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(_HF_CACHE_REPOS):
+        return real.parent.parent
+    return Path(os.path.abspath(directory))
 
 
 def resolve_in_tree(path: str | os.PathLike[str], tree: str | os.PathLike[str]) -> Path:
