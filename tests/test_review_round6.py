@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch as st
@@ -18,7 +19,7 @@ import torch
 
 import parallel_dcp
 from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
-from parallel_dcp.formats import open_source
+from parallel_dcp.formats import fast_read, open_source
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -230,3 +231,88 @@ def test_an_output_written_into_its_source_is_not_copied_into_itself(tmp_path: P
     for _ in range(3):
         parallel_dcp.convert(src, src / "out", to="safetensors", overwrite=True, workers=1)
     assert sorted(_tree(src / "out")) == ["1_Pooling/config.json", "config.json", "model.safetensors"]
+
+
+def _tied() -> dict[str, torch.Tensor]:
+    shared = torch.zeros(256, 64)
+    return {"a": shared, "b": shared, "c": torch.zeros(256, 64)}
+
+
+def _overlapping() -> dict[str, torch.Tensor]:
+    base = torch.zeros(256 * 64 + 128 * 64)
+    return {"a": base[: 256 * 64].view(256, 64), "b": base[128 * 64 :].view(256, 64), "c": torch.zeros(256, 64)}
+
+
+@pytest.mark.parametrize("template", [_tied, _overlapping], ids=["tied", "overlapping views"])
+@pytest.mark.parametrize("writer", ["ours", "stock"])
+def test_targets_sharing_memory_across_keys_load_as_stock_loads_them(
+    tmp_path: Path, template: Any, writer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A template whose keys share memory (a tied model) loaded from a checkpoint holding other
+    values under those keys: the reading threads filled both at once, giving another mix each
+    load and bytes torn between the two (1.0 and 2.0 read as 4.0). Now the last key in the
+    template's order holds the shared bytes, as stock's key-by-key copy leaves them."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"a": torch.full((256, 64), 1.0), "b": torch.full((256, 64), 2.0), "c": torch.full((256, 64), 3.0)}
+    where = tmp_path / "ckpt"
+    if writer == "ours":
+        parallel_dcp.save(state, where, workers=2, chunk_size="16KiB")
+    else:
+        dcp.save(state, checkpoint_id=where)
+    expected = template()
+    dcp.load(expected, checkpoint_id=where)
+    assert set(torch.unique(expected["a"]).tolist()) <= {1.0, 2.0}
+    batches: list[set[str]] = []  # the keys each parallel read fills
+    read_requests = fast_read.read_requests
+
+    def recorded(where: Any, requests: Any, *args: Any, small: Any = None, **kwargs: Any) -> Any:
+        requests = list(requests)
+        keys = {r.item.dest_index.fqn for r in requests} | {e[2] for es in (small or {}).values() for e in es}
+        batches.append(keys)
+        return read_requests(where, requests, *args, small=small, **kwargs)
+
+    monkeypatch.setattr(fast_read, "read_requests", recorded)
+    for _ in range(3):
+        for reader in ("load", "FastReader"):
+            batches.clear()
+            into = template()
+            if reader == "load":
+                parallel_dcp.load(where, into=into, workers=4)
+            else:
+                dcp.load(into, storage_reader=parallel_dcp.FastReader(where, workers=4))
+            assert all(torch.equal(into[k], expected[k]) for k in expected), reader
+            if template is _overlapping:
+                continue  # (the rows of "b" that "a" does not overlap may be read beside it)
+            # never filled at once; "b" after "a"
+            assert not any({"a", "b"} <= batch for batch in batches), (reader, batches)
+            with_a = [n for n, batch in enumerate(batches) if "a" in batch]
+            with_b = [n for n, batch in enumerate(batches) if "b" in batch]
+            assert max(with_a) < min(with_b), (reader, batches)
+
+
+def test_tied_targets_read_from_a_hugging_face_folder_load_as_stock(tmp_path: Path) -> None:
+    st.save_file({"a": torch.full((256, 64), 1.0), "b": torch.full((256, 64), 2.0)}, tmp_path / "model.safetensors")
+    import torch.distributed.checkpoint as dcp
+
+    for _ in range(3):
+        into = _tied()
+        del into["c"]
+        dcp.load(into, storage_reader=parallel_dcp.FastReader(tmp_path, workers=4))
+        assert torch.equal(into["a"], torch.full((256, 64), 2.0))
+
+
+def test_which_keys_are_read_after_the_others() -> None:
+    """Adjacent views are no overlap (FSDP's flat buffer); a chain of overlaps is one run, and in
+    each run every key but the first in the template's order is read later, in that order."""
+    from parallel_dcp.formats.aliased_targets import aliased_later
+
+    flat = torch.zeros(100)
+    adjacent = {"x": flat[:50], "y": flat[50:]}
+    assert aliased_later(list(adjacent), [], adjacent.items()) == []
+    chain = {"c": flat[40:60], "a": flat[:30], "b": flat[20:45], "d": torch.zeros(3), "e": flat[70:80]}
+    assert aliased_later(list(chain), [], chain.items()) == ["a", "b"]
+    strided = {"even": flat.view(50, 2)[:, 0], "odd": flat.view(50, 2)[:, 1]}  # interleaved: read in turn
+    assert aliased_later(list(strided), [], strided.items()) == ["odd"]
+    small = [[(0, 999, "s", flat[:10], None, None, None, flat[:10].data_ptr())]]
+    assert aliased_later(["t", "s"], small, [("t", flat[5:20])]) == ["s"]

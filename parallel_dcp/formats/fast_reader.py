@@ -13,6 +13,7 @@ must pass ``weights_only=True`` before the planner sees them, unless ``trust_pic
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from typing import Any
@@ -28,6 +29,7 @@ from parallel_dcp.engine.memory import MemoryGovernor, parse_size
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats import fast_read
+from parallel_dcp.formats.aliased_targets import AliasedTargets, check_no_aliases
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.source_storage import read_source_items, source_metadata, source_read_choice
@@ -167,6 +169,20 @@ class FastReader(FileSystemReader):
             return self._read_data(plan, planner)
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            return self._read_items(plan, planner)
+        except AliasedTargets as aliased:  # planned, nothing read: items whose targets overlap go last
+            later = set(aliased.later)
+        # one at a time after the others, in the plan's order, as stock's reader copies them
+        first = [item for n, item in enumerate(plan.items) if n not in later]
+        self._read_items(dataclasses.replace(plan, items=first), planner)
+        for n in sorted(later):
+            self._read_items(dataclasses.replace(plan, items=[plan.items[n]]), planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._source is not None:
             if self._ranges is None:
                 self._ranges = self._source.raw_ranges()
@@ -208,6 +224,7 @@ class FastReader(FileSystemReader):
             unfit = target.dtype != dtype or lazy_bits(target, target.dtype) is not None
             requests.append(fast_read.Request(item, info, chunk, dtype, target, unfit=unfit))
             committed.append((item, target))
+        check_no_aliases(plan.items, [target for _, target in committed], [item for item, _ in committed])
 
         def on_bytes(item: ReadItem, data: bytes) -> None:
             if not self.trust_pickle:

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.formats.aliased_targets import check_no_aliases
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.range_read import Piece, RawRange, pieces_of, read_pieces, region_pieces, staging_bytes
 from parallel_dcp.storage.read_choice import ReadChoice, read_choice
@@ -121,6 +122,7 @@ def read_source_items(
             continue
         row = entry.nbytes // entry.shape[0] if entry.shape and entry.shape[0] else 0
         pieces += pieces_of(key, where.file, where.offset + rows[0] * row, entry.dtype, target)
+    check_no_aliases(plan.items, [target for _, target in committed], [item for item, _ in committed])
     stage = staging_bytes(pieces)
     read_pieces(pieces, _fitting(threads, stage, memory_limit, pieces[0].key if pieces else ""), io_mode)
     if computed:

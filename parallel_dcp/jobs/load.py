@@ -56,6 +56,7 @@ from parallel_dcp.errors import (
     describe_keys,
 )
 from parallel_dcp.formats import fast_read, seated, small_reads
+from parallel_dcp.formats.aliased_targets import AliasedTargets, aliased_later
 from parallel_dcp.formats.compressed_read import bounded_reader
 from parallel_dcp.formats.dcp_format import read_keys
 from parallel_dcp.formats.fast_read import ReadStats
@@ -152,7 +153,16 @@ def load(
     # Building per-key objects (metadata, read items) for 50,000 keys otherwise triggers collections
     # that walk the caller's whole heap, several seconds.
     with gc_paused(), contextlib.ExitStack() as cleanup:
-        return _load(path, keys, options, into, trust_pickle, stats, cleanup)
+        try:
+            return _load(path, keys, options, into, trust_pickle, stats, cleanup)
+        except AliasedTargets as aliased:  # planned, nothing read: the keys whose targets overlap go last
+            split = aliased
+    assert into is not None
+    later = set(split.later)
+    load(path, [k for k in split.chosen if k not in later], options, into=into, trust_pickle=trust_pickle, stats=stats)
+    for key in split.later:  # one at a time, in the template's order: the last one's bytes stay
+        load(path, [key], options, into=into, trust_pickle=trust_pickle, stats=stats)
+    return into
 
 
 def _load(
@@ -234,6 +244,10 @@ def _load(
                     check_target(key, value, dtype, tuple(shape))
                 else:
                     check_into_target(key, value, stored[key])
+    if into is not None:  # targets that share memory across keys are read one after the other
+        later = aliased_later(list(chosen), small.values(), ((k, flat_into[k]) for k in tensor_keys))
+        if later:
+            raise AliasedTargets(later, list(chosen))
     # Kept by reservation alone: everything the read holds is set aside before it starts (the
     # output when it allocates, each thread's buffers); no sampling (reading PSS walks every page
     # table, as long as the read itself), and a thread could not be killed anyway.
