@@ -316,3 +316,29 @@ def test_which_keys_are_read_after_the_others() -> None:
     assert aliased_later(list(strided), [], strided.items()) == ["odd"]
     small = [[(0, 999, "s", flat[:10], None, None, None, flat[:10].data_ptr())]]
     assert aliased_later(["t", "s"], small, [("t", flat[5:20])]) == ["s"]
+
+
+@pytest.mark.parametrize("killed", ["a worker", "the fork server"])
+def test_a_saver_whose_idle_worker_died_starts_new_ones(tmp_path: Path, killed: str) -> None:
+    """A Saver's worker killed between saves (the OOM killer, an admin; or its fork server's end)
+    failed the next save with "died with SIGKILL while running task 0", blaming the save and
+    advising fewer workers, though it ran no task of it."""
+    import signal
+    import time
+
+    from parallel_dcp._compat import fork_server_pid
+
+    state = {"a": torch.randn(1000), "b": torch.ones(300)}
+    with parallel_dcp.Saver(workers=2) as saver:
+        saver.save(state, tmp_path / "first")
+        pool = saver._live()._pool
+        assert pool is not None
+        before = set(pool.pids)
+        os.kill(pool.pids[0] if killed == "a worker" else fork_server_pid(), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not pool.dead() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.warns(RuntimeWarning, match="a worker died while idle"):
+            saver.save(state, tmp_path / "second")
+        assert saver._live()._pool is not None and not before & set(saver._live()._pool.pids)
+    assert torch.equal(parallel_dcp.load(tmp_path / "second")["a"], state["a"])

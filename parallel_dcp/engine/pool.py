@@ -243,6 +243,12 @@ class WorkerPool:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs if p is not None]
 
+    def dead(self) -> list[tuple[int, int | None]]:
+        """(pid, exit code) of each worker that has exited (without a wait: an idle pool's
+        workers, killed meanwhile by the OOM killer, an admin or their fork server's death)."""
+        started = [p for p in self._procs if p is not None and p.pid is not None]
+        return [(p.pid, p.exitcode) for p in started if p.exitcode is not None]
+
     def __enter__(self) -> WorkerPool:
         return self
 

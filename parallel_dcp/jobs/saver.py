@@ -36,7 +36,7 @@ from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import WorkerPool, gc_paused
 from parallel_dcp.engine.process_memory import ChargeReader
 from parallel_dcp.engine.remote_memory import RemoteBytes, refusal
-from parallel_dcp.errors import StalePlan
+from parallel_dcp.errors import StalePlan, describe_exit
 from parallel_dcp.jobs import pipeline
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.plan_reuse import PlanReuse
@@ -212,6 +212,17 @@ class SaverWorkers:
         if self.refused is not None:
             return None
         start = time.perf_counter()
+        if self._pool is not None and self._pool.dead():
+            # a worker died between saves (the OOM killer, an admin, its fork server's end): this
+            # save gets new workers, not a task sent to the dead one and failed in its name
+            died = ", ".join(f"pid {pid} ({describe_exit(code)})" for pid, code in self._pool.dead())
+            warnings.warn(
+                f"parallel_dcp.Saver: a worker died while idle ({died}); starting new ones",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self._pool.kill()
+            self._pool = None
         restart = 0.0 if self._pool is not None else self._start()
         pool = self._pool
         if pool is None:  # refused after a restart: warned; fork per save from now on
