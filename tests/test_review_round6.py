@@ -342,3 +342,19 @@ def test_a_saver_whose_idle_worker_died_starts_new_ones(tmp_path: Path, killed: 
             saver.save(state, tmp_path / "second")
         assert saver._live()._pool is not None and not before & set(saver._live()._pool.pids)
     assert torch.equal(parallel_dcp.load(tmp_path / "second")["a"], state["a"])
+
+
+def test_a_resume_takes_one_chunk_size_however_it_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--chunk-size 512KiB`` then ``524288``: refused as "chunk_size was '512KiB', now '524288'"."""
+    from tests.test_resume import _fail_midway, _source
+
+    src, _ = _source(tmp_path)
+    out = tmp_path / "out"
+    _fail_midway(monkeypatch, src, out, "dcp", chunk_size="512KiB")
+    monkeypatch.undo()
+    result = parallel_dcp.convert(src, out, workers=2, resume=True, chunk_size=524288)
+    assert result.resumed
+    _fail_midway(monkeypatch, src, tmp_path / "other", "dcp", chunk_size="512KiB")
+    monkeypatch.undo()
+    with pytest.raises(parallel_dcp.ResumeError, match="chunk_size was 524288, now 262144"):  # another size
+        parallel_dcp.convert(src, tmp_path / "other", workers=2, resume=True, chunk_size="256KiB")

@@ -36,7 +36,13 @@ from typing import Any
 
 import xxhash
 
-from parallel_dcp.engine.memory import TASK_MEMORY_BYTES, WORKER_MEMORY_BYTES, MemoryGovernor, format_bytes
+from parallel_dcp.engine.memory import (
+    TASK_MEMORY_BYTES,
+    WORKER_MEMORY_BYTES,
+    MemoryGovernor,
+    format_bytes,
+    parse_size,
+)
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.errors import ResumeError
 from parallel_dcp.formats import lean
@@ -114,7 +120,8 @@ def identity(job: Job, target: Target, options: Options) -> dict[str, Any]:
         "dtype": str(job.dtype).removeprefix("torch.") if job.dtype is not None else None,
         "keys": {"count": len(names), "xxh3_64": xxhash.xxh3_64_hexdigest(_canonical(names))},
         "shard_size": getattr(target, "shard_size", None),
-        "chunk_size": str(options.chunk_size) if options.chunk_size is not None else None,
+        # in bytes: "512KiB" and 524288 are one size (a record from before this holds the text: refused once)
+        "chunk_size": parse_size(options.chunk_size, "chunk_size") if options.chunk_size is not None else None,
         "compress": str(compression) if (compression := getattr(target, "compression", None)) is not None else None,
     } | ({"keep_dtype": sorted(job.keep_dtype)} if job.keep_dtype else {})
 
