@@ -358,3 +358,10 @@ def test_a_resume_takes_one_chunk_size_however_it_is_written(tmp_path: Path, mon
     monkeypatch.undo()
     with pytest.raises(parallel_dcp.ResumeError, match="chunk_size was 524288, now 262144"):  # another size
         parallel_dcp.convert(src, tmp_path / "other", workers=2, resume=True, chunk_size="256KiB")
+
+
+def test_a_tuple_where_a_list_was_saved_is_named_with_what_the_checkpoint_holds(tmp_path: Path) -> None:
+    parallel_dcp.save({"nest": {"lst": [torch.ones(3), torch.zeros(2)]}, "w": torch.ones(2)}, tmp_path / "c")
+    into = {"nest": {"lst": (torch.empty(3), torch.empty(2))}, "w": torch.empty(2)}
+    with pytest.raises(parallel_dcp.KeyNotFoundError, match=r"'nest\.lst.*holds \['nest\.lst\.0', 'nest\.lst\.1'\]"):
+        parallel_dcp.load(tmp_path / "c", into=into)

@@ -395,7 +395,28 @@ def _selected(entries: dict[str, Any], keys: str | Iterable[str] | None, where: 
 def _check_present(selected: list[str], stored: Container[str], where: Location) -> None:
     missing = [k for k in selected if k not in stored]
     if missing:
-        raise KeyNotFoundError(f"not in the checkpoint at {where}: {describe_keys(missing)}", keys=missing)
+        raise KeyNotFoundError(
+            f"not in the checkpoint at {where}: {describe_keys(missing)}{_held_below(missing, stored)}", keys=missing
+        )
+
+
+def _held_below(missing: list[str], stored: Container[str]) -> str:
+    """Where the checkpoint holds keys below a missing one (``nest.lst.0`` for ``nest.lst``):
+    that container was flattened when saved, and ``into`` holds something there that is not (a
+    tuple, an object). Said in words; "" otherwise."""
+    listed = getattr(stored, "names", stored)  # (a side index lists its keys in ``names``)
+    if not isinstance(listed, Iterable):
+        return ""
+    names = [n for n in listed if isinstance(n, str)]
+    for key in missing[:8]:
+        below = [n for n in names if n.startswith(f"{key}.")]
+        if below:
+            return (
+                f"; it holds {describe_keys(sorted(below))} below {key!r}: a list or dict saved there is "
+                "stored element by element, and into= has something else at that place (a tuple or another "
+                "object is not looked into): give a list or dict of tensors there"
+            )
+    return ""
 
 
 def _load_with_processes(
