@@ -314,7 +314,7 @@ def test_which_keys_are_read_after_the_others() -> None:
     assert aliased_later(list(chain), [], chain.items()) == ["a", "b"]
     strided = {"even": flat.view(50, 2)[:, 0], "odd": flat.view(50, 2)[:, 1]}  # interleaved: read in turn
     assert aliased_later(list(strided), [], strided.items()) == ["odd"]
-    small = [[(0, 999, "s", flat[:10], None, None, None, flat[:10].data_ptr())]]
+    small = [[(0, 999, "s", flat[:10], None, torch.float32, (10,), flat[:10].data_ptr())]]
     assert aliased_later(["t", "s"], small, [("t", flat[5:20])]) == ["s"]
 
 

@@ -16,20 +16,20 @@ same values under both keys) loads as before, its second key read after the othe
 
 from __future__ import annotations
 
-from array import array
+import math
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
-from operator import attrgetter, itemgetter
-from typing import Any, TypeVar
+from operator import itemgetter
+from typing import Any
 
+import numpy
 import torch
 
-__all__ = ["AliasedTargets", "aliased_later", "check_no_aliases", "later_overlapping", "tensor_span"]
+__all__ = ["AliasedTargets", "aliased_later", "check_no_aliases", "later_in", "overlapping", "tensor_span"]
 
-K = TypeVar("K")
 
-_KEY, _TARGET, _ADDRESS = itemgetter(2), itemgetter(3), itemgetter(7)  # of a small record's entry
-_NBYTES = attrgetter("nbytes")  # (a small record's target is contiguous: its bytes are its extent)
+# of a small record's entry (its target is contiguous, of the stored dtype and shape)
+_KEY, _DTYPE, _SHAPE, _ADDRESS = itemgetter(2), itemgetter(5), itemgetter(6), itemgetter(7)
 
 
 class AliasedTargets(Exception):
@@ -45,31 +45,29 @@ class AliasedTargets(Exception):
 def aliased_later(order: Sequence[str], small: Iterable[list[Any]], general: Iterable[tuple[str, Any]]) -> list[str]:
     """The keys of ``order`` whose target overlaps the target of a key earlier in ``order``, in
     that order; [] when no two targets share a byte. ``small``: the small records' entries (each
-    with its key, target and the target's data address); ``general``: (key, target tensor) of the
-    others."""
+    with its key, the target's data address and the stored dtype and shape, which its target
+    has); ``general``: (key, target tensor) of the others."""
     entries = list(chain.from_iterable(small))
     starts = list(map(_ADDRESS, entries))
-    lengths = list(map(_NBYTES, map(_TARGET, entries)))
-    names: list[int | str] = list(range(len(entries)))  # an entry's place (its key looked up only if it overlaps)
+    # sized by class (the stored shape and dtype): a target's own nbytes is a cache miss a key
+    lengths = list(map(_ClassBytes().__getitem__, zip(map(_SHAPE, entries), map(_DTYPE, entries))))
+    keys: list[str] = []
     for key, target in general:
         span = tensor_span(target)
         if span is not None:
-            names.append(key)
+            keys.append(key)
             starts.append(span[0])
             lengths.append(span[1])
-    if len(names) < 2:
+    clusters = overlapping(starts, lengths)
+    if not clusters:
         return []
-    positions: dict[str, int] = {}
+    places = {key: i for i, key in enumerate(order)}
 
-    def key_of(name: int | str) -> str:
-        return _KEY(entries[name]) if isinstance(name, int) else name
+    def key_of(n: int) -> str:
+        return str(_KEY(entries[n])) if n < len(entries) else keys[n - len(entries)]
 
-    def position(name: int | str) -> int:
-        if not positions:  # (made only where targets overlap: a rare load)
-            positions.update((key, i) for i, key in enumerate(order))
-        return positions[key_of(name)]
-
-    return [key_of(name) for name in later_overlapping(names, starts, lengths, position)]
+    later = [key_of(n) for n in later_in(clusters, lambda n: places[key_of(n)])]
+    return sorted(later, key=places.__getitem__)
 
 
 def check_no_aliases(items: Sequence[Any], targets: Sequence[Any], of: Sequence[Any]) -> None:
@@ -79,48 +77,54 @@ def check_no_aliases(items: Sequence[Any], targets: Sequence[Any], of: Sequence[
     if len(targets) < 2:
         return
     index = {id(item): n for n, item in enumerate(items)}
-    names, starts, lengths = [], [], []
+    places, starts, lengths = [], [], []
     for item, target in zip(of, targets):
         span = tensor_span(target)
         if span is not None:
-            names.append(index[id(item)])
+            places.append(index[id(item)])
             starts.append(span[0])
             lengths.append(span[1])
-    later = later_overlapping(names, starts, lengths, int)
-    if later:
-        raise AliasedTargets(later, [])
+    clusters = overlapping(starts, lengths)
+    if clusters:
+        raise AliasedTargets(sorted(places[n] for n in later_in(clusters, places.__getitem__)), [])
 
 
-def later_overlapping(names: list[K], starts: list[int], lengths: list[int], position: Callable[[K], int]) -> list[K]:
-    """Of ``names`` (each with the bytes ``[start, start + length)`` of its target), those that
-    overlap one coming earlier by ``position``, ordered by it; [] when none overlap (one
-    vectorized pass: the common case)."""
-    if len(names) < 2:
+def overlapping(starts: list[int], lengths: list[int]) -> list[list[int]]:
+    """Runs of spans (``[start, start + length)``, by their place in the lists) that overlap, each
+    of two or more; [] when none overlap: one vectorized pass (single-threaded numpy), the common
+    case."""
+    if len(starts) < 2:
         return []
-    begin = torch.frombuffer(array("q", starts), dtype=torch.int64)  # (torch.tensor of a list: 5x slower)
-    end = begin + torch.frombuffer(array("q", lengths), dtype=torch.int64)
-    by_start = torch.argsort(begin, stable=True)
+    begin = numpy.array(starts, dtype=numpy.int64)
+    end = begin + numpy.array(lengths, dtype=numpy.int64)
+    by_start = numpy.argsort(begin, kind="stable")
     begin, end = begin[by_start], end[by_start]
-    reach = torch.cummax(end, 0).values
-    if not bool((begin[1:] < reach[:-1]).any()):
+    if not bool((begin[1:] < numpy.maximum.accumulate(end)[:-1]).any()):
         return []
-    return _later_of_clusters([names[i] for i in by_start.tolist()], begin.tolist(), end.tolist(), position)
-
-
-def _later_of_clusters(names: list[K], begin: list[int], end: list[int], position: Callable[[K], int]) -> list[K]:
-    """Runs of overlapping targets (sorted by their first byte); in each, every name but the first
-    by ``position``."""
-    later: list[K] = []
-    cluster: list[K] = []
+    clusters: list[list[int]] = []
+    run: list[int] = []
     reach = -1
-    for name, first, last in zip(names, begin, end):
-        if cluster and first >= reach:
-            later += sorted(cluster, key=position)[1:]
-            cluster = []
-        cluster.append(name)
-        reach = max(reach, last) if len(cluster) > 1 else last
-    later += sorted(cluster, key=position)[1:]
-    return sorted(later, key=position)
+    for n, first, last in zip(by_start.tolist(), begin.tolist(), end.tolist()):
+        if run and first >= reach:
+            clusters += [run] if len(run) > 1 else []
+            run = []
+        run.append(n)
+        reach = max(reach, last) if len(run) > 1 else last
+    return clusters + ([run] if len(run) > 1 else [])
+
+
+def later_in(clusters: list[list[int]], position: Callable[[int], int]) -> list[int]:
+    """In each run, every member but the first by ``position``."""
+    return [n for run in clusters for n in sorted(run, key=position)[1:]]
+
+
+class _ClassBytes(dict[tuple[Any, Any], int]):
+    """(shape, dtype) -> bytes, each class computed once."""
+
+    def __missing__(self, kind: tuple[Any, Any]) -> int:
+        shape, dtype = kind
+        size = self[kind] = int(math.prod(shape)) * int(dtype.itemsize)
+        return size
 
 
 def tensor_span(target: Any) -> tuple[int, int] | None:
