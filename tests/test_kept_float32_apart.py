@@ -77,3 +77,24 @@ def test_a_transformers_that_fails_to_import_is_named_and_everything_is_cast(
     with pytest.warns(UserWarning, match=r"RouterForCausalLM.*a broken install.*every floating tensor is cast"):
         parallel_dcp.convert(src, tmp_path / "out", to="safetensors", dtype="bfloat16", workers=1)
     assert {v.dtype for v in st.load_file(tmp_path / "out" / "model.safetensors").values()} == {torch.bfloat16}
+
+
+def test_a_transformers_found_on_sys_path_alone_is_read_by_the_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A path added at run time (``sys.path.insert``), not in PYTHONPATH: the child did not see it,
+    warned and cast everything."""
+    _installed(
+        tmp_path / "site",
+        monkeypatch,
+        "import sys\n"
+        "sys.stdout.buffer.write(b'caf\\xe9 on stdout\\n'); sys.stdout.flush()\n"
+        "sys.stderr.buffer.write(b'caf\\xe9 on stderr\\n')\n"
+        "class RouterForCausalLM:\n"
+        "    _keep_in_fp32_modules_strict = ['gate.weight']\n",
+    )
+    monkeypatch.delenv("PYTHONPATH")
+    src = _router_source(tmp_path)
+    parallel_dcp.convert(src, tmp_path / "out", to="safetensors", dtype="bfloat16", workers=1)
+    held = {k: v.dtype for k, v in st.load_file(tmp_path / "out" / "model.safetensors").items()}
+    assert held == {ROUTER: torch.float32, BIAS: torch.bfloat16, PLAIN: torch.bfloat16}

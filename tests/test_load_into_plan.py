@@ -114,12 +114,17 @@ def test_a_load_into_leaves_no_garbage_in_cycles(written: tuple[Path, dict[str, 
     path, sd, expected = written
     into = empty_like_state(sd)
     parallel_dcp.load(path, into=into, workers=2)  # imports, caches: once
-    gc.collect()
     enabled = gc.isenabled()
     gc.disable()
+    found = []
     try:
-        parallel_dcp.load(path, into=into, workers=2)
-        assert gc.collect() < 20  # (was 2 * COUNT and more)
+        # the fewest of three loads: an earlier test's threads (s3fs's event loop letting go of its
+        # botocore clients: ~35,000 objects) may leave garbage meanwhile; the load's own is in each
+        for _ in range(3):
+            gc.collect()
+            parallel_dcp.load(path, into=into, workers=2)
+            found.append(gc.collect())
+        assert min(found) < 20, found  # (was 2 * COUNT and more)
     finally:
         if enabled:
             gc.enable()

@@ -295,11 +295,17 @@ def test_tied_targets_read_from_a_hugging_face_folder_load_as_stock(tmp_path: Pa
     st.save_file({"a": torch.full((256, 64), 1.0), "b": torch.full((256, 64), 2.0)}, tmp_path / "model.safetensors")
     import torch.distributed.checkpoint as dcp
 
+    torch.save({"a": torch.full((256, 64), 1.0), "b": torch.full((256, 64), 2.0)}, tmp_path / "model.pt")
     for _ in range(3):
         into = _tied()
         del into["c"]
         dcp.load(into, storage_reader=parallel_dcp.FastReader(tmp_path, workers=4))
         assert torch.equal(into["a"], torch.full((256, 64), 2.0))
+        for source in (tmp_path / "model.safetensors", tmp_path / "model.pt"):
+            into = _tied()
+            del into["c"]
+            parallel_dcp.load(source, into=into, workers=4)
+            assert torch.equal(into["a"], torch.full((256, 64), 2.0)), source
 
 
 def test_which_keys_are_read_after_the_others() -> None:
@@ -312,8 +318,13 @@ def test_which_keys_are_read_after_the_others() -> None:
     assert aliased_later(list(adjacent), [], adjacent.items()) == []
     chain = {"c": flat[40:60], "a": flat[:30], "b": flat[20:45], "d": torch.zeros(3), "e": flat[70:80]}
     assert aliased_later(list(chain), [], chain.items()) == ["a", "b"]
-    strided = {"even": flat.view(50, 2)[:, 0], "odd": flat.view(50, 2)[:, 1]}  # interleaved: read in turn
-    assert aliased_later(list(strided), [], strided.items()) == ["odd"]
+    strided = {"even": flat.view(50, 2)[:, 0], "odd": flat.view(50, 2)[:, 1]}  # interleaved: no byte shared
+    assert aliased_later(list(strided), [], strided.items()) == []
+    fused = torch.zeros(8, 96)  # a fused QKV weight held as column thirds: no byte shared
+    thirds = {"q": fused[:, :32], "k": fused[:, 32:64], "v": fused[:, 64:]}
+    assert aliased_later(list(thirds), [], thirds.items()) == []
+    crossing = {"q": fused[:, :40], "k": fused[:, 32:64]}
+    assert aliased_later(list(crossing), [], crossing.items()) == ["k"]
     small = [[(0, 999, "s", flat[:10], None, torch.float32, (10,), flat[:10].data_ptr())]]
     assert aliased_later(["t", "s"], small, [("t", flat[5:20])]) == ["s"]
 

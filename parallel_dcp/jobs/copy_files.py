@@ -180,7 +180,12 @@ def read_copies(copies: Copies, names: Iterable[str] | None = None) -> dict[str,
     for name in copies if names is None else names:
         path, chosen = copies[name], copies.sizes.get(name)
         if isinstance(path, Remote):
-            found[name] = path.read_bytes() if chosen is None else path.read_bytes(0, chosen + 1)
+            if chosen is None:
+                found[name] = path.read_bytes()
+            elif chosen == 0:  # (a ranged read of an empty object is refused by S3: 416)
+                found[name] = b"" if path.size() == 0 else b"\0"
+            else:
+                found[name] = path.read_bytes(0, chosen + 1)
         else:
             with open_bounded(path, no_links=True) as stream:  # chosen as a realpath: a link now is a swap
                 found[name] = stream.read() if chosen is None else stream.read(chosen + 1)

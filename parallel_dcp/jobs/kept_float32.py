@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -113,20 +114,24 @@ def _lists_read_apart(class_name: str) -> tuple[tuple[str, ...], tuple[str, ...]
         installed = False
     if not installed:
         return (), ()
+    # the child imports from this process's sys.path (a path added at run time included), first
+    path = os.pathsep.join(os.path.abspath(entry) for entry in sys.path if entry)
+    env = {**os.environ, "PYTHONPATH": path}
     try:
         done = subprocess.run(
             # -P (Python 3.11+): the working directory's files are not imported in place of transformers
             [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c", _READ_LISTS, class_name],
             capture_output=True,
-            text=True,
+            env=env,
             timeout=_READ_TIMEOUT,
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as error:
         return _unread(class_name, str(error))
-    said = done.stdout.strip().splitlines()
+    # (whatever the library prints on import, in any encoding: the answer is the last line)
+    said = done.stdout.decode("utf-8", "replace").strip().splitlines()
     if done.returncode != 0 or not said:
-        errors = done.stderr.strip().splitlines()
+        errors = done.stderr.decode("utf-8", "replace").strip().splitlines()
         return _unread(class_name, errors[-1] if errors else f"exit status {done.returncode}")
     try:
         lists = json.loads(said[-1])

@@ -45,6 +45,7 @@ from parallel_dcp.engine.memory import MemoryGovernor, format_bytes
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import InvalidStateDictError, KeyNotFoundError, MemoryLimitExceeded, describe_keys
 from parallel_dcp.formats import detect_format, open_source
+from parallel_dcp.formats.aliased_targets import aliased_later
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.bounced_read import bounce_memory, bounced, read_bounced
 from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_source
@@ -275,8 +276,12 @@ def _load(
             targets |= read_bounced(whole, threads, choice.io, on_tick=bar.refresh)
         else:
             targets |= read_spans(spans, readers, choice.io, on_tick=bar.refresh)
-        read_pieces(pieces, threads, choice.io, on_tick=bar.refresh)
-        _read_mapped(source, mapped, targets, threads)
+        # targets that share memory across keys (a tied model): the later keys after the others,
+        # one at a time in the template's order, so the last one's bytes stay (formats/aliased_targets)
+        later = aliased_later(selected, [], ((k, targets[k]) for k in tensors)) if flat_into is not None else []
+        for phase in [set(tensors) - set(later), *({key} for key in later)]:
+            read_pieces([p for p in pieces if p.key in phase], threads, choice.io, on_tick=bar.refresh)
+            _read_mapped(source, [k for k in mapped if k in phase], targets, threads)
     source.release()
     if stats is not None:
         stats.add(

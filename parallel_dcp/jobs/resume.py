@@ -126,6 +126,13 @@ def identity(job: Job, target: Target, options: Options) -> dict[str, Any]:
     } | ({"keep_dtype": sorted(job.keep_dtype)} if job.keep_dtype else {})
 
 
+def _same_size(recorded: str, now: Any) -> bool:
+    try:
+        return bool(parse_size(recorded, "chunk_size") == now)
+    except ValueError:
+        return False
+
+
 def check_identity(now: dict[str, Any]) -> IdentityCheck:
     """The check a staging area runs on a dead conversion's recorded identity: why it is not ``now``."""
 
@@ -146,6 +153,11 @@ def check_identity(now: dict[str, Any]) -> IdentityCheck:
             if then.get(name) != now[name]:
                 if name == "keys":
                     found.append(f"{label} differ")
+                elif name == "chunk_size" and isinstance(then.get(name), str) and _same_size(then[name], now[name]):
+                    found.append(
+                        f"chunk_size was recorded as {then[name]!r} by an older parallel_dcp, which this one cannot "
+                        "match to its finished tasks: run it again without --resume"
+                    )
                 else:
                     found.append(f"{label} was {then.get(name)!r}, now {now[name]!r}")
         return found
