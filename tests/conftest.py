@@ -51,6 +51,11 @@ def sigint_delivered() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# The fork server and resource tracker a module's kept_fork_server started: they outlive each
+# test by design (every worker forked from the server must still be gone).
+_kept_servers: set[int] = set()
+
+
 @pytest.fixture(autouse=True)
 def no_child_survives() -> Iterator[None]:
     """Every worker a test starts must be gone (joined) when the test ends (the workers
@@ -61,11 +66,49 @@ def no_child_survives() -> Iterator[None]:
     shared_workers.stop()
     me = psutil.Process(os.getpid())
     deadline = time.monotonic() + 2.0
-    children = me.children(recursive=True)
+
+    def survivors() -> list[psutil.Process]:
+        return [
+            c
+            for c in me.children(recursive=True)
+            if c.pid not in _kept_servers and c.is_running() and c.status() != psutil.STATUS_ZOMBIE
+        ]
+
+    children = survivors()
     while children and time.monotonic() < deadline:
         time.sleep(0.05)
-        children = [c for c in me.children(recursive=True) if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        children = survivors()
     assert not children, f"child processes survived the test: {[c.pid for c in children]}"
+
+
+@pytest.fixture(scope="module")
+def kept_fork_server() -> Iterator[None]:
+    """multiprocess's fork server (and its resource tracker) started once for a module whose tests
+    open Savers, with the modules a Saver preloads. A Saver that finds them running uses them and
+    leaves them running at close, as it does a caller's own (jobs/saver.py, ``_ServerUsers``): its
+    workers are forked in milliseconds, where starting a server of its own imports torch and the
+    writers (3-6 s on this VM) and stopping it takes another second. Only for modules that do not
+    check the server's own start and stop; every worker forked from it must still be gone at the
+    end of each test (no_child_survives)."""
+    import multiprocess
+
+    from parallel_dcp._compat import fork_server_pid, running_servers, stop_fork_server
+    from parallel_dcp.engine.fork_server import start_fork_server
+    from parallel_dcp.jobs import saver
+
+    assert running_servers() == (False, False), "a fork server already runs: another module's was kept"
+    assert not psutil.Process().children(), "no other child may be taken for the server or its tracker"
+    preload = ["torch", "parallel_dcp.engine.pool", *saver._PRELOAD]  # what a Saver's own server imports
+    multiprocess.get_context("forkserver").set_forkserver_preload(preload)
+    start_fork_server()
+    assert running_servers() == (True, True)
+    _kept_servers.update(c.pid for c in psutil.Process().children())  # the server and the tracker
+    assert fork_server_pid() in _kept_servers and len(_kept_servers) == 2
+    try:
+        yield
+    finally:
+        stop_fork_server((False, False))
+        _kept_servers.clear()
 
 
 def assert_same(actual: Any, expected: Any, path: str = "") -> None:

@@ -21,6 +21,9 @@ from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
 from tests.conftest import assert_same
 
+# Savers in every test: their workers are forked from one fork server kept for the module.
+pytestmark = pytest.mark.usefixtures("kept_fork_server")
+
 
 def _lazy_state() -> dict[str, Any]:
     torch.manual_seed(0)

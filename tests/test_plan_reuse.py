@@ -25,6 +25,9 @@ from parallel_dcp.jobs.plan_reuse import PlanReuse
 from parallel_dcp.jobs.targets import DcpTarget
 from tests.conftest import assert_same, shards_by_task
 
+# Savers in every test: their workers are forked from one fork server kept for the module.
+pytestmark = pytest.mark.usefixtures("kept_fork_server")
+
 _SHARD = re.compile(r"__(\d+)_\w+_0\.distcp")
 
 

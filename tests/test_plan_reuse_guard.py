@@ -19,6 +19,9 @@ from parallel_dcp import _compat
 from parallel_dcp.engine import pool as pool_module
 from tests.test_plan_reuse import CHANGES, IN_PLACE, _assert_same_checkpoint, _Kinds, _memo, _state
 
+# Savers in every test: their workers are forked from one fork server kept for the module.
+pytestmark = pytest.mark.usefixtures("kept_fork_server")
+
 
 def _guard_of(tensors: list[torch.Tensor]) -> _compat.LayoutGuard:
     guard = _compat.layout_guard(tensors, [t.shape for t in tensors], [t.stride() for t in tensors])

@@ -25,6 +25,9 @@ from parallel_dcp.storage.pending import PendingTensor
 from parallel_dcp.storage.writers import ShardWriter
 from tests.conftest import assert_same
 
+# Savers in every test: their workers are forked from one fork server kept for the module.
+pytestmark = pytest.mark.usefixtures("kept_fork_server")
+
 MiB = 2**20
 
 

@@ -16,6 +16,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import parallel_dcp
 from tests.conftest import assert_same
 
+# Savers in every test: their workers are forked from one fork server kept for the module.
+pytestmark = pytest.mark.usefixtures("kept_fork_server")
+
 
 def _state() -> dict[str, Any]:
     torch.manual_seed(0)

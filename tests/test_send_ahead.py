@@ -19,6 +19,9 @@ from parallel_dcp.engine import pool
 from parallel_dcp.engine.partition import Task
 from tests.conftest import assert_same, shards_by_task
 
+# Savers in every test: their workers are forked from one fork server kept for the module.
+pytestmark = pytest.mark.usefixtures("kept_fork_server")
+
 # Enough keys that one worker gets several tasks (the partition splits the job at any count).
 KEYS = 2000
 

@@ -29,6 +29,9 @@ from parallel_dcp.jobs.plan_reuse import PlanReuse
 from tests.conftest import assert_same
 from tests.test_plan_reuse import CHANGES, IN_PLACE, _assert_same_checkpoint, _state
 
+# Savers in every test: their workers are forked from one fork server kept for the module.
+pytestmark = pytest.mark.usefixtures("kept_fork_server")
+
 MiB = 2**20
 
 
