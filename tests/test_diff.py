@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 import safetensors.torch as st
 import torch
 
 import parallel_dcp
+from parallel_dcp.cli import main
 from parallel_dcp.jobs.diff import tensor_checksum
 
 MiB = 2**20
@@ -79,17 +78,22 @@ def test_checksum_is_of_the_bytes() -> None:
     assert tensor_checksum(torch.zeros(0)) == tensor_checksum(torch.zeros(0, 3))
 
 
-def test_cli_inspect_diff(tmp_path: Path) -> None:
+def test_cli_inspect_diff(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command's exit codes and output, run in this process (main(argv), as ``python -m
+    parallel_dcp`` runs it; tests/test_cli.py runs the program itself)."""
     a, b = pair(tmp_path)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    cli = [sys.executable, "-m", "parallel_dcp", "inspect", str(a)]
-    run = subprocess.run([*cli, "--diff", str(b), "--json", "--workers", "2"], capture_output=True, text=True, env=env)
-    assert run.returncode == 1, run.stderr  # they differ
-    out = json.loads(run.stdout)
-    assert out["renamed"] == [["x.weight", "y.weight"]] and out["added"] == ["new"] and out["removed"] == ["gone"]
-    text = subprocess.run([*cli, "--diff", str(b)], capture_output=True, text=True, env=env)
-    assert "renamed x.weight -> y.weight" in text.stdout and "changed w2: dtype float32[128, 64]" in text.stdout
-    same = subprocess.run([*cli, "--diff", str(a)], capture_output=True, text=True, env=env)
-    assert same.returncode == 0 and "the same" in same.stdout
-    plain = subprocess.run([*cli, "--json"], capture_output=True, text=True, env=env)  # inspect alone still works
-    assert plain.returncode == 0 and json.loads(plain.stdout)["tensors"] == 7
+
+    def inspect(*args: str | Path) -> tuple[int, str]:
+        code = main(["inspect", str(a), *map(str, args)])
+        return code, capsys.readouterr().out
+
+    code, out = inspect("--diff", b, "--json", "--workers", "2")
+    assert code == 1  # they differ
+    found = json.loads(out)
+    assert found["renamed"] == [["x.weight", "y.weight"]] and found["added"] == ["new"] and found["removed"] == ["gone"]
+    _, text = inspect("--diff", b)
+    assert "renamed x.weight -> y.weight" in text and "changed w2: dtype float32[128, 64]" in text
+    code, same = inspect("--diff", a)
+    assert code == 0 and "the same" in same
+    code, plain = inspect("--json")  # inspect alone still works
+    assert code == 0 and json.loads(plain)["tensors"] == 7

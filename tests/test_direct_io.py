@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import parallel_dcp
 from parallel_dcp import CorruptCheckpointError, InvalidDestinationError, Options, WorkerError
+from parallel_dcp.cli import main
 from parallel_dcp.storage import direct_read, direct_write, io_mode
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.direct_write import DirectFile
@@ -341,17 +342,22 @@ def test_a_safetensors_source_is_read_with_direct_io(disk: Path, monkeypatch: py
     assert isinstance(raised.value, parallel_dcp.ParallelDCPError), raised.value
 
 
-def test_the_cli_takes_io_and_reports_it(disk: Path, shm: Path) -> None:
-    from tests.test_cli import cli
+def test_the_cli_takes_io_and_reports_it(disk: Path, shm: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command's flag, run in this process (main(argv), as ``python -m parallel_dcp`` runs it)."""
+
+    def cli(*args: str | Path, code: int = 0) -> tuple[str, str]:
+        assert main([str(a) for a in args]) == code
+        done = capsys.readouterr()
+        return done.out, done.err
 
     parallel_dcp.save({"w": torch.randn(64, 64)}, disk / "src", workers=1)
-    done = cli("convert", disk / "src", disk / "out", "--io", "direct", "--json")
-    assert json.loads(done.stdout)[0]["io"] == "direct"
-    assert "OK" in cli("verify", disk / "out", "--io", "direct").stdout
-    failed = cli("convert", disk / "src", shm / "out", "--io", "direct", check_code=1)
+    out, _ = cli("convert", disk / "src", disk / "out", "--io", "direct", "--json")
+    assert json.loads(out)[0]["io"] == "direct"
+    assert "OK" in cli("verify", disk / "out", "--io", "direct")[0]
+    _, failed = cli("convert", disk / "src", shm / "out", "--io", "direct", code=1)
     # The flag's spelling on the command line (issue 31, friction 5), not the keyword's.
-    assert "--io direct: cannot write" in failed.stderr and "tmpfs" in failed.stderr
-    assert "io=" not in failed.stderr
+    assert "--io direct: cannot write" in failed and "tmpfs" in failed
+    assert "io=" not in failed
     assert not (shm / "out").exists()
 
 
