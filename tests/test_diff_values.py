@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,18 +13,19 @@ import safetensors.torch as st
 import torch
 
 import parallel_dcp
+from parallel_dcp.cli import main
 from parallel_dcp.jobs.diff import values_equal
 from tests.fresh_interpreter import run_fresh
 
-ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, "-m", "parallel_dcp", *args], capture_output=True, text=True, env=env, timeout=300
-    )
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """The command run in this process (main(argv), what ``python -m parallel_dcp`` runs): its
+    exit code, stdout and stderr. An exception main lets out (a traceback) fails the test."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def diffs_under_a_tight_limit(where: str) -> list[str]:
@@ -70,7 +68,9 @@ def test_a_tensor_larger_than_a_task_may_read_is_hashed_in_row_ranges(tmp_path: 
     assert run_fresh("tests.test_diff_values", "diffs_under_a_tight_limit", str(tmp_path)) == []
 
 
-def test_a_memory_error_names_the_key_without_internal_prefixes(tmp_path: Path) -> None:
+def test_a_memory_error_names_the_key_without_internal_prefixes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     parallel_dcp.save({"model.embed_tokens.weight": torch.zeros(1024, 1024)}, tmp_path / "a", workers=1)
     parallel_dcp.save({"model.embed_tokens.weight": torch.ones(1024, 1024)}, tmp_path / "b", workers=1)
     with pytest.raises(parallel_dcp.MemoryLimitExceeded) as caught:
@@ -78,9 +78,11 @@ def test_a_memory_error_names_the_key_without_internal_prefixes(tmp_path: Path) 
     message = str(caught.value)
     assert "model.embed_tokens.weight" in message
     assert "\\x00" not in message and "\x00" not in message and "b\\x00" not in message
-    run = _cli("inspect", str(tmp_path / "a"), "--diff", str(tmp_path / "b"), "--memory-limit", "12MiB")
-    assert run.returncode == 1 and "model.embed_tokens.weight" in run.stderr
-    assert "\\x00" not in run.stderr and "Traceback" not in run.stderr
+    code, _, err = _cli(
+        capsys, "inspect", str(tmp_path / "a"), "--diff", str(tmp_path / "b"), "--memory-limit", "12MiB"
+    )
+    assert code == 1 and "model.embed_tokens.weight" in err
+    assert "\\x00" not in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(
@@ -106,7 +108,7 @@ def test_values_compare_element_wise_and_nan_by_bits(a: object, b: object, equal
     assert values_equal(b, a) is equal
 
 
-def test_diff_of_values_holding_tensors_and_nans(tmp_path: Path) -> None:
+def test_diff_of_values_holding_tensors_and_nans(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The reviewer's case: a tuple value holding a tensor raised a raw RuntimeError; a NaN value
     was "changed" between identical checkpoints."""
     state = {
@@ -123,19 +125,23 @@ def test_diff_of_values_holding_tensors_and_nans(tmp_path: Path) -> None:
     assert report.same, report.changed
     report = parallel_dcp.diff(tmp_path / "a.pt", tmp_path / "c.pt", workers=1)
     assert [(c["key"], c["change"]) for c in report.changed] == [("step", "value")]
-    run = _cli("inspect", str(tmp_path / "a.pt"), "--diff", str(tmp_path / "c.pt"))
-    assert run.returncode == 1 and "Traceback" not in run.stderr and "changed step: value" in run.stdout
+    code, out, err = _cli(capsys, "inspect", str(tmp_path / "a.pt"), "--diff", str(tmp_path / "c.pt"))
+    assert code == 1 and "Traceback" not in err and "changed step: value" in out
 
 
-def test_control_characters_in_names_are_escaped_in_the_text_but_exact_in_json(tmp_path: Path) -> None:
+def test_control_characters_in_names_are_escaped_in_the_text_but_exact_in_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     evil = "x\x1b[2J\x07\nchanged forged: content"
     st.save_file({evil: torch.ones(2), "keep": torch.ones(1)}, tmp_path / "a.safetensors")
     st.save_file({evil + "2": torch.ones(2), "keep": torch.zeros(1)}, tmp_path / "b.safetensors")
-    run = _cli("inspect", str(tmp_path / "a.safetensors"), "--diff", str(tmp_path / "b.safetensors"))
-    assert run.returncode == 1
-    assert "\x1b" not in run.stdout and "\x07" not in run.stdout
-    assert "x\\x1b[2J\\x07\\nchanged forged: content" in run.stdout
-    assert not any(line.startswith("changed forged") for line in run.stdout.splitlines())
-    data = _cli("inspect", str(tmp_path / "a.safetensors"), "--diff", str(tmp_path / "b.safetensors"), "--json")
-    out = json.loads(data.stdout)
+    code, text, _ = _cli(capsys, "inspect", str(tmp_path / "a.safetensors"), "--diff", str(tmp_path / "b.safetensors"))
+    assert code == 1
+    assert "\x1b" not in text and "\x07" not in text
+    assert "x\\x1b[2J\\x07\\nchanged forged: content" in text
+    assert not any(line.startswith("changed forged") for line in text.splitlines())
+    _, data, _ = _cli(
+        capsys, "inspect", str(tmp_path / "a.safetensors"), "--diff", str(tmp_path / "b.safetensors"), "--json"
+    )
+    out = json.loads(data)
     assert out["renamed"] == [[evil, evil + "2"]]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +16,7 @@ import torch
 
 import parallel_dcp
 from parallel_dcp import DryRunPlan, MemoryLimitExceeded
+from parallel_dcp.cli import main
 from parallel_dcp.storage import writers
 from tests.memory_probe import PeakSampler
 from tests.test_convert import write_hf_safetensors
@@ -219,17 +218,19 @@ def test_dry_run_refuses_what_the_run_would_refuse(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
 
 
-def test_cli_dry_run_json_writes_nothing(tmp_path: Path) -> None:
+def test_cli_dry_run_json_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command run in this process (main(argv), what ``python -m parallel_dcp`` runs)."""
     st.save_file({f"l.{i}": torch.randn(64, 64) for i in range(8)}, tmp_path / "m.safetensors")
     before = snapshot(tmp_path)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    cli = [sys.executable, "-m", "parallel_dcp", "convert", str(tmp_path / "m.safetensors"), str(tmp_path / "dcp")]
-    run = subprocess.run([*cli, "--dry-run", "--json", "--workers", "2"], capture_output=True, text=True, env=env)
-    assert run.returncode == 0, run.stderr
-    [plan] = json.loads(run.stdout)
+    cli = ["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "dcp")]
+    code = main([*cli, "--dry-run", "--json", "--workers", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    [plan] = json.loads(out)
     assert plan["dry_run"] and plan["keys"] == 8 and plan["format"] == "dcp"
     assert plan["predicted_peak_memory"] <= plan["memory_limit"] and plan["space_needed"] >= 8 * 64 * 64 * 4
     assert sum(len(f["keys"]) for f in plan["files"]) == 8
-    text = subprocess.run([*cli, "--dry-run"], capture_output=True, text=True, env=env)
-    assert text.returncode == 0 and "predicted peak memory" in text.stdout and "nothing was written" in text.stdout
+    code = main([*cli, "--dry-run"])
+    text = capsys.readouterr().out
+    assert code == 0 and "predicted peak memory" in text and "nothing was written" in text
     assert snapshot(tmp_path) == before

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import parallel_dcp
+from parallel_dcp.cli import main
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -41,10 +40,11 @@ def _data_start(path: Path) -> int:
     return 8 + size
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "parallel_dcp", *args], capture_output=True, text=True, timeout=300, check=False
-    )
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """The command run in this process (main(argv), what ``python -m parallel_dcp`` runs): its
+    exit code and stdout."""
+    code = main(list(args))
+    return code, capsys.readouterr().out
 
 
 @pytest.fixture
@@ -96,16 +96,18 @@ def test_a_single_safetensors_file_is_hashed_once(
     assert parallel_dcp.verify(out, workers=1).ok
 
 
-def test_verify_finds_a_flipped_byte_in_a_single_safetensors_file(dcp_dir: Path, tmp_path: Path) -> None:
+def test_verify_finds_a_flipped_byte_in_a_single_safetensors_file(
+    dcp_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "x.safetensors"
     parallel_dcp.convert(dcp_dir, out, workers=1)
     _flip(out, _data_start(out) + 1000)
     report = parallel_dcp.verify(out, workers=1)
     assert not report.ok
     assert any("x.safetensors" in p and "checksum" in p and "corrupted" in p for p in report.problems), report.problems
-    result = _cli("verify", str(out), "--workers", "1")
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "FAILED" in result.stdout and "corrupted" in result.stdout
+    code, out_text = _cli(capsys, "verify", str(out), "--workers", "1")
+    assert code == 1, out_text
+    assert "FAILED" in out_text and "corrupted" in out_text
 
 
 def test_verify_finds_a_renamed_key_in_a_single_safetensors_header(dcp_dir: Path, tmp_path: Path) -> None:
@@ -164,15 +166,15 @@ def test_a_planted_sidecar_symlink_is_not_written_through(dcp_dir: Path, tmp_pat
     assert not sidecar.is_symlink() and parallel_dcp.verify(tmp_path / "x.pt", workers=1).ok
 
 
-def test_a_file_without_checksums_is_not_ok_unless_against(tmp_path: Path) -> None:
+def test_a_file_without_checksums_is_not_ok_unless_against(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     foreign = tmp_path / "foreign.safetensors"
     save_file(_state(), foreign)
     report = parallel_dcp.verify(foreign, workers=1)
     assert not report.ok
     assert any("no checksums" in p for p in report.problems), report.problems
-    result = _cli("verify", str(foreign), "--workers", "1")
-    assert result.returncode == 1
-    assert "no checksums" in result.stdout and "--against" in result.stdout
+    code, out_text = _cli(capsys, "verify", str(foreign), "--workers", "1")
+    assert code == 1
+    assert "no checksums" in out_text and "--against" in out_text
     reference = tmp_path / "ref.safetensors"
     save_file(_state(), reference)
     assert parallel_dcp.verify(foreign, against=reference, workers=1).ok
