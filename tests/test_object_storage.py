@@ -368,14 +368,14 @@ def test_torch_source_on_s3_needs_local_space_first(
 ) -> None:
     """A torch.save source on object storage is copied locally: too little space fails before the copy."""
     from parallel_dcp.errors import InsufficientSpaceError
-    from parallel_dcp.formats import torch_format
+    from parallel_dcp.formats import torch_spool
 
     torch.save({"w": torch.randn(256, 256)}, tmp_path / "m.pt")
     s3.put(str(tmp_path / "m.pt"), f"{bucket}/pt/m.pt")
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    monkeypatch.setattr(torch_format.tempfile, "tempdir", None)  # re-read TMPDIR
-    monkeypatch.setattr(torch_format, "free_bytes", lambda _: 1024)
+    monkeypatch.setattr(torch_spool.tempfile, "tempdir", None)  # re-read TMPDIR
+    monkeypatch.setattr(torch_spool, "free_bytes", lambda _: 1024)
     with pytest.raises(InsufficientSpaceError, match="TMPDIR"):
         parallel_dcp.convert(f"s3://{bucket}/pt/m.pt", str(tmp_path / "out"), storage_options=options)
     assert list((tmp_path / "tmp").iterdir()) == []  # the copy's directory was removed

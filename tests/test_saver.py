@@ -258,7 +258,7 @@ class _SwitchProbe:
 
 
 def test_the_coordinator_takes_the_gil_back_promptly_during_a_save_and_restores_it(tmp_path: Path) -> None:
-    from parallel_dcp.jobs.saver import COORDINATOR_SWITCH_S
+    from parallel_dcp.engine.prompt_gil import COORDINATOR_SWITCH_S
 
     before = sys.getswitchinterval()
     assert before > COORDINATOR_SWITCH_S
@@ -287,8 +287,8 @@ def test_a_save_forked_per_call_also_takes_the_gil_back_promptly_and_restores_it
     runs the job under the lowered switch interval too (beside a busy thread it waited 5 ms at
     each wake-up); the workers forked meanwhile switch at the caller's interval, and the caller's
     interval is back after."""
+    from parallel_dcp.engine.prompt_gil import COORDINATOR_SWITCH_S
     from parallel_dcp.jobs import save as save_job
-    from parallel_dcp.jobs.saver import COORDINATOR_SWITCH_S
 
     seen: list[float] = []
     run_job = save_job.run_job

@@ -13,10 +13,7 @@ keys. Two kinds of file need the caller's say-so, never silent handling:
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
-import tempfile
 import warnings
 import weakref
 import zipfile
@@ -31,15 +28,14 @@ from parallel_dcp.engine.chunks import Chunk, exact_storage, lazy_bits, resolved
 from parallel_dcp.engine.memory import format_bytes
 from parallel_dcp.errors import (
     CorruptCheckpointError,
-    InsufficientSpaceError,
     MemoryLimitExceeded,
     UnsafeCheckpointError,
 )
 from parallel_dcp.formats.base import FileFormat, Source, entry_of, shard_files
 from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.shard_index import check_index
+from parallel_dcp.formats.torch_spool import remove_if_owner, spool
 from parallel_dcp.formats.validate import flatten_checked, flatten_structure
-from parallel_dcp.storage.local_staging import free_bytes
 from parallel_dcp.storage.location import Location, Remote
 from parallel_dcp.storage.pinned_paths import opened_for_library
 
@@ -67,44 +63,6 @@ def is_torch_save(path: Location) -> bool:
     return path.name.endswith(SUFFIXES)
 
 
-def _spool(files: list[str], options: dict[str, Any] | None) -> tuple[str, dict[str, str]]:
-    """Copy torch.save files from object storage to a local directory, in 8 MiB pieces.
-
-    A torch.save file is a pickle whose tensors can only be mapped (and so read a key at a time)
-    from a local file; the copy goes to disk, never whole into memory.
-
-    Raises:
-        InsufficientSpaceError: the temporary directory's file system cannot hold the files.
-    """
-    remotes = [Remote(f, options or {}) for f in files]
-    directory = tempfile.mkdtemp(prefix="parallel_dcp-source-")
-    need = sum(r.size() for r in remotes)
-    free = free_bytes(directory)
-    if free is not None and free < need:
-        shutil.rmtree(directory, ignore_errors=True)
-        raise InsufficientSpaceError(
-            errno.ENOSPC,
-            f"reading {files[0]} needs a local copy of {need} bytes ({need / 2**30:.2f} GiB; torch.save files "
-            f"cannot be read by ranges) and {directory} has {free} bytes free: point TMPDIR at a larger disk",
-        )
-    local = {}
-    try:
-        for i, remote in enumerate(remotes):
-            local[remote.url] = os.path.join(directory, f"{i}-{remote.name}")
-            with open(local[remote.url], "wb") as out:
-                for piece in remote.chunks():
-                    out.write(piece)
-    except BaseException:
-        shutil.rmtree(directory, ignore_errors=True)
-        raise
-    return directory, local
-
-
-def _remove_if_owner(owner: int, directory: str) -> None:
-    if os.getpid() == owner:  # a forked worker that exits must not delete the coordinator's copy
-        shutil.rmtree(directory, ignore_errors=True)
-
-
 # What torch.save's legacy (non-zip) format starts with: protocol 2, then its magic number.
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
 
@@ -130,22 +88,19 @@ def _load(file: str, *, mmap: bool, trust_pickle: bool, meta: bool = False) -> A
     # followed), and torch reads the file opened here
     with opened_for_library(file) as name:
         _check_torch_file(name, file)
-        return _load_named(name, file, mmap=mmap, trust_pickle=trust_pickle, meta=meta)
-
-
-def _load_named(name: str, file: str, *, mmap: bool, trust_pickle: bool, meta: bool) -> Any:
-    try:
-        return torch.load(name, map_location="meta" if meta else "cpu", mmap=mmap, weights_only=not trust_pickle)
-    except Exception as exc:
-        if not trust_pickle and "Weights only load failed" in str(exc) and "GLOBAL" in str(exc):
-            raise UnsafeCheckpointError(
-                f"{file} holds objects that safe loading (weights_only=True) refuses; loading it runs the "
-                "file's own pickle code. Only if you trust where it came from, pass trust_pickle=True "
-                f"(--trust-pickle). First line of torch's refusal: {_first_line_after(str(exc))}"
+        try:
+            return torch.load(name, map_location="meta" if meta else "cpu", mmap=mmap, weights_only=not trust_pickle)
+        except Exception as exc:
+            refused = _first_line_after(str(exc))
+            if not trust_pickle and "Weights only load failed" in str(exc) and "GLOBAL" in str(exc):
+                raise UnsafeCheckpointError(
+                    f"{file} holds objects that safe loading (weights_only=True) refuses; loading it runs the "
+                    "file's own pickle code. Only if you trust where it came from, pass trust_pickle=True "
+                    f"(--trust-pickle). First line of torch's refusal: {refused}"
+                ) from exc
+            raise CorruptCheckpointError(
+                f"{file} is not a readable torch.save file: {type(exc).__name__}: {refused}"
             ) from exc
-        raise CorruptCheckpointError(
-            f"{file} is not a readable torch.save file: {type(exc).__name__}: {_first_line_after(str(exc))}"
-        ) from exc
 
 
 def _first_line_after(message: str) -> str:
@@ -175,8 +130,8 @@ class TorchSource(Source):
         local = {file: file for file in self.files}
         holders: dict[str, str] = {}  # each key, and the file holding it as the index knows it (check_index)
         if isinstance(self.location, Remote):
-            directory, local = _spool(self.files, self.storage_options)
-            self._cleanup = weakref.finalize(self, _remove_if_owner, os.getpid(), directory)
+            directory, local = spool(self.files, self.storage_options)
+            self._cleanup = weakref.finalize(self, remove_if_owner, os.getpid(), directory)
         origin = {copy: file for file, copy in local.items()}
         for file in local.values():
             with opened_for_library(file) as name:  # (a FIFO or a link in its place is refused)

@@ -8,11 +8,11 @@ from typing import Any
 
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.pool import gc_paused
+from parallel_dcp.engine.prompt_gil import prompt_gil
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs import shared_workers
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.runner import run_job
-from parallel_dcp.jobs.saver import prompt_gil
 from parallel_dcp.jobs.targets import DcpTarget, Job
 from parallel_dcp.options import Options
 

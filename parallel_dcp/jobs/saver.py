@@ -22,12 +22,9 @@ save runs as ``parallel_dcp.save`` does, forking its workers.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from parallel_dcp._compat import forget_inherited_fork_server, fork_server_pid, running_servers, stop_fork_server
@@ -35,6 +32,7 @@ from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import WorkerPool, gc_paused
 from parallel_dcp.engine.process_memory import ChargeReader
+from parallel_dcp.engine.prompt_gil import prompt_gil
 from parallel_dcp.engine.remote_memory import RemoteBytes, refusal
 from parallel_dcp.errors import StalePlan, describe_exit
 from parallel_dcp.jobs import pipeline
@@ -44,14 +42,8 @@ from parallel_dcp.jobs.targets import DcpTarget, Job, prepare_io
 from parallel_dcp.options import Options
 from parallel_dcp.storage.direct_write import BUFFER_BYTES, DEPTH, keep_buffers, kept_buffers_fit
 
-__all__ = ["COORDINATOR_SWITCH_S", "SaverWorkers"]
+__all__ = ["SaverWorkers"]
 
-# During a save on these workers the caller's thread mostly waits on them. Each time it wakes (a
-# result, the watchdog's sample) or comes back from a system call while a busy Python thread of the
-# caller holds the GIL, it waits out the switch interval (5 ms by default) before it runs again:
-# planning, dispatching and committing then take several times longer. During the save it asks for
-# the GIL back after this long instead (restored after; the busy thread runs while it sleeps).
-COORDINATOR_SWITCH_S = 0.0005
 
 _PROBE = b"parallel_dcp reads the caller's memory"
 # Imported once in the fork server (no worker imports them, ~1 s of CPU each): this module, writers, DCP's planner.
@@ -94,41 +86,6 @@ class _ServerUsers:
 
 _server = _ServerUsers()
 os.register_at_fork(after_in_child=_server.forget)
-
-
-# The caller's switch interval while prompt_gil has it lowered (None otherwise): a process forked
-# meanwhile (a save's workers) gets it back, so that its own threads switch as they would have.
-_caller_switch: float | None = None
-
-
-@contextmanager
-def prompt_gil() -> Iterator[None]:
-    """Lower the interpreter's switch interval to :data:`COORDINATOR_SWITCH_S` for the block
-    (unless it is lower already), then restore it (unless someone changed it meanwhile); a fork
-    inside the block restores it in the child."""
-    global _caller_switch
-    before = sys.getswitchinterval()
-    if before <= COORDINATOR_SWITCH_S:
-        yield
-        return
-    sys.setswitchinterval(COORDINATOR_SWITCH_S)
-    _caller_switch = before
-    try:
-        yield
-    finally:
-        _caller_switch = None
-        if sys.getswitchinterval() == COORDINATOR_SWITCH_S:
-            sys.setswitchinterval(before)
-
-
-def _switch_back_in_child() -> None:
-    global _caller_switch
-    if _caller_switch is not None and sys.getswitchinterval() == COORDINATOR_SWITCH_S:
-        sys.setswitchinterval(_caller_switch)
-    _caller_switch = None
-
-
-os.register_at_fork(after_in_child=_switch_back_in_child)
 
 
 def _worker_start() -> None:
