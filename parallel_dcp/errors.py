@@ -33,6 +33,7 @@ __all__ = [
     "QuantizationError",
     "RemoteTraceback",
     "ResumeError",
+    "SourceChecksumError",
     "StalePlan",
     "TaskTimeoutError",
     "UnsafeCheckpointError",
@@ -217,6 +218,11 @@ class DestinationBusyError(InvalidDestinationError):
 
 class CorruptCheckpointError(ParallelDCPError, ValueError):
     """A checkpoint file is truncated, corrupt or not what it claims to be."""
+
+
+class SourceChecksumError(CorruptCheckpointError):
+    """A conversion's source file is not the bytes its own checksums were taken of (a flipped byte,
+    a truncated or replaced file): nothing was written, the destination is as it was."""
 
 
 class UnsafeCheckpointError(CorruptCheckpointError):

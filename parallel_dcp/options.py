@@ -68,6 +68,8 @@ class Options:
             ``"auto"``: direct where the file system accepts O_DIRECT and is a real device, for
             files of at least 16 MiB; buffered on tmpfs, FUSE, network file systems and object
             storage (see :mod:`parallel_dcp.storage.io_mode`).
+        check_source: a conversion checks the source files it reads whole against the checksums
+            the source carries (see :mod:`parallel_dcp.jobs.source_check`); False skips it.
     """
 
     workers: int | None = None
@@ -87,6 +89,7 @@ class Options:
     resume: bool = False
     compress: str | None = None
     io: str = "auto"
+    check_source: bool = True
 
     def __post_init__(self) -> None:
         check_io(self.io)

@@ -84,6 +84,7 @@ def convert(
     preset: str | Preset | None = None,
     model_config: str | os.PathLike[str] | None = None,
     rename_strict: bool = False,
+    check_source: bool = True,
 ) -> SaveResult | list[SaveResult]: ...
 
 
@@ -124,6 +125,7 @@ def convert(
     preset: str | Preset | None = None,
     model_config: str | os.PathLike[str] | None = None,
     rename_strict: bool = False,
+    check_source: bool = True,
 ) -> DryRunPlan | list[DryRunPlan]: ...
 
 
@@ -163,6 +165,7 @@ def convert(
     preset: str | Preset | None = None,
     model_config: str | os.PathLike[str] | None = None,
     rename_strict: bool = False,
+    check_source: bool = True,
 ) -> SaveResult | list[SaveResult] | DryRunPlan | list[DryRunPlan]:
     """Convert between DCP, safetensors and torch.save, with a pool of processes, under a memory limit.
 
@@ -240,6 +243,12 @@ def convert(
         rename_strict: every selected key must match a ``rename`` rule (else
             :class:`RenameError`, nothing written); without it the keys no rule matched are
             named in a :class:`RenameWarning`.
+        check_source: where the source carries parallel_dcp's checksums (a DCP or sharded
+            directory's ``.parallel_dcp.json``, a torch.save file's ``NAME.manifest.json``, a
+            safetensors file's own header), check the bytes read against them: each file a task
+            reads whole is hashed as that task reads it, and a mismatch is a
+            :class:`SourceChecksumError` naming the file, with nothing written (no task kept for
+            ``resume``). Which files are covered: docs/guarantees.md. False skips the check.
 
     Returns:
         A :class:`SaveResult` (a list of them for several sources) with ``format``, ``keys``,
@@ -251,6 +260,7 @@ def convert(
         RenameError: bad rename rules, several keys renamed to one name, an empty name, or
             clashing nesting (all listed; nothing is written).
         UnsafeCheckpointError: a torch.save file that needs ``trust_pickle``.
+        SourceChecksumError: a source file is not the bytes its recorded checksum was taken of.
         QuantizationError: ``dequantize`` of a source with a weight without its scale (or the
             reverse), a scale not shaped as the weight's blocks, a non-FP8 weight beside a
             ``weight_scale_inv``, an E8M0 exponent 255; a bad ``quantize`` spec or a rule that
@@ -291,6 +301,7 @@ def convert(
             resume=resume,
             compress=compress,
             io=io,
+            check_source=check_source,
         ),
     )
     cast = _convert.parse_dtype(dtype)

@@ -80,6 +80,9 @@ def add_parser(sub: Any) -> None:
         "--no-checksums", action="store_true", help="record file sizes only in the manifest (faster; see verify)"
     )
     convert.add_argument(
+        "--no-source-checks", action="store_true", help="skip checking the source against its own checksums"
+    )
+    convert.add_argument(
         "--trust-pickle", action="store_true", help="allow torch.save files that need weights_only=False (trusted only)"
     )
     convert.add_argument(
@@ -229,6 +232,7 @@ def run(args: argparse.Namespace, show_progress: bool) -> int:
         **_quantize_args(args),
         **presets.preset_args(args),
         io=args.io,
+        check_source=not args.no_source_checks,
     )
     assert isinstance(results, list)
     interrupt.finished()  # committed: a Ctrl-C while the summary prints changes nothing

@@ -268,6 +268,12 @@ class SafetensorsSource(Source):
         self._spans = {key: (found.file, found.offset) for key, found in self.raw_ranges().items()}
         self.stream_io = io
 
+    def direct_files(self) -> set[str]:
+        """The files read with O_DIRECT, past the page cache (``use_direct_reads``, ``stream_reads``)."""
+        if self.stream_io is not None and self.stream_io != "buffered":
+            return set(self.files)
+        return {self.entries[key].file for key in self._direct}
+
     def span(self, key: str, chunk: Chunk | None = None) -> Span | None:
         """Where the bytes of ``key`` (or of its ``chunk``, when it is rows: one run of bytes) lie,
         for a source set to :meth:`stream_reads`; None when they are not one local run."""

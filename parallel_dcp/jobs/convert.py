@@ -5,7 +5,7 @@
 
 The memory governor is created before the source is opened, so whatever opening loads (a legacy
 torch.save file) counts against the limit. Several sources convert one after the other, each
-with the whole pool, each into its own destination.
+with the whole pool, each into its own destination. A source's checksums are checked as it is read (source_check.py).
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ from parallel_dcp.jobs.quantization import (
 )
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
+from parallel_dcp.jobs.source_check import source_checks
 from parallel_dcp.jobs.streamed import measured_stream_source, stream_source
 from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.storage.io_mode import resolve_io
-from parallel_dcp.storage.location import Location, Remote, is_url, locate
+from parallel_dcp.storage.location import Remote, is_url, locate, same_place
 from parallel_dcp.storage.protocol import WriteLocation
 from parallel_dcp.storage.read_choice import ReadChoice
 
@@ -204,6 +205,7 @@ def convert_one(
             if steps.done is not None:
                 plan.notes.append(steps.done.note)
             return plan
+        job = dataclasses.replace(job, checks=source_checks(job.source, source) if options.check_source else None)
         measured: list[ReadChoice | None] = []
 
         def choose_reads(staging: WriteLocation, workers: int) -> None:
@@ -214,16 +216,9 @@ def convert_one(
                 )
 
         result = run_job(job, target, options, governor, start=start, before_tasks=choose_reads)
-        choice = measured[0] if measured else asked
-        return dataclasses.replace(result, read_choice=choice) if choice is not None else result
+        return dataclasses.replace(result, read_choice=measured[0] if measured else asked)  # (None: not a read choice)
     finally:
         source.close()
-
-
-def _same_place(a: Location, b: Location) -> bool:
-    if isinstance(a, Remote) or isinstance(b, Remote):
-        return str(a).rstrip("/") == str(b).rstrip("/")
-    return a.resolve() == b.resolve()
 
 
 @dataclass
@@ -256,7 +251,7 @@ def _convert_job(
     names, quantized, then renamed by the user's rules (checked before any write)."""
     rename, quantization = steps.rename, steps.quantization
     src = source.path
-    if _same_place(source.location, target.path):
+    if same_place(source.location, target.path):
         raise ValueError(f"{src} is both the source and the destination")
     if quantization is not None and quantization.dequantize:
         source = dequantize_step(source, quantization)

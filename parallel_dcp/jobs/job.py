@@ -39,6 +39,8 @@ class Job:
     _totals: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # Source keys ``dtype`` leaves as they are (what transformers keeps in float32: kept_float32.py).
     keep_dtype: frozenset[str] = frozenset()
+    # The source files a conversion's tasks check as they read them (a jobs.source_check.SourceChecks).
+    checks: Any = None
 
     def positions(self) -> dict[str, int]:
         """Each unit's place in ``keys``: where its entries go in ``.metadata`` (built once per
@@ -83,7 +85,7 @@ class Job:
                 units.append(name)
                 chunks[name] = piece
         known = {unit: self._sizes[unit] for unit in units if unit in self._sizes}  # whole keys keep theirs
-        return Job(self.source, tuple(units), self.dtype, chunks, known, keep_dtype=self.keep_dtype)
+        return Job(self.source, tuple(units), self.dtype, chunks, known, keep_dtype=self.keep_dtype, checks=self.checks)
 
     def sizes(self) -> dict[str, tuple[int, int]]:
         """(bytes written, memory needed) of every unit, in ``keys`` order: the planning passes

@@ -60,6 +60,7 @@ from parallel_dcp.engine.pool import TaskResult, WorkerPool
 from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs import fallback
+from parallel_dcp.jobs.source_check import as_source_error, check_task
 from parallel_dcp.jobs.staged import stage_job
 from parallel_dcp.jobs.streamed import streamed_data
 from parallel_dcp.jobs.targets import Job, Target
@@ -159,7 +160,14 @@ class TaskHandler:
 
     def __reduce__(self) -> Any:
         # The job without its planning caches (sizes, positions: rebuilt where needed).
-        job = Job(self.job.source, self.job.keys, self.job.dtype, self.job.chunks, keep_dtype=self.job.keep_dtype)
+        job = Job(
+            self.job.source,
+            self.job.keys,
+            self.job.dtype,
+            self.job.chunks,
+            keep_dtype=self.job.keep_dtype,
+            checks=self.job.checks,
+        )
         return (TaskHandler, (job, self.target, self.staging, self.options, self.recorder, self.keep_buffers))
 
     def with_part(self, part: Any, task: Task) -> TaskHandler:
@@ -175,6 +183,9 @@ class TaskHandler:
 
     def __call__(self, task: Task) -> Any:
         try:
+            # Files the task reads whole are hashed against the source's checksums first: that pass
+            # reads them from storage, the reads below find them in the page cache.
+            check_task(self.job.checks, task.keys, self.job.chunks)
             # A conversion to DCP writes what it can straight from the source's files, reading ahead.
             with streamed_data(self.job, self.target, task) as streamed:
                 data = streamed if streamed is not None else self.job.read(task.keys)
@@ -268,10 +279,14 @@ def run_job(
                 staging.publish()
             phases["merge"] = target.merge_seconds
             phases["commit"] = time.perf_counter() - began - target.merge_seconds
-        except BaseException as failure:
-            staged.fail(failure, writing=writing)
+        except BaseException as caught:
+            # A damaged source keeps nothing for resume: a resume would read the same bytes.
+            failure = as_source_error(caught)
+            staged.fail(failure, writing=writing and failure is caught)
             held.deliver()  # (a Ctrl-C held while the commit failed: raised, from the failure)
-            raise
+            if failure is caught:
+                raise
+            raise failure from caught
     held.deliver(committed=str(staging.location.root))
     result = result_of(target, job, tasks, workers, results, files, governor, options, start, phases, executor)
     return dataclasses.replace(

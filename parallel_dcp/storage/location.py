@@ -55,6 +55,7 @@ __all__ = [
     "locate",
     "new_file_mode",
     "part_size",
+    "same_place",
     "upload_memory",
 ]
 
@@ -98,6 +99,13 @@ def check_name(name: object, where: object) -> str:
 def is_url(path: object) -> bool:
     """True for ``"<protocol>://..."`` strings other than ``file://`` (those are local paths)."""
     return isinstance(path, str) and "://" in path and not path.startswith("file://")
+
+
+def same_place(a: Location, b: Location) -> bool:
+    """``a`` and ``b`` name one place (a local path through any link; a URL by its spelling)."""
+    if isinstance(a, Remote) or isinstance(b, Remote):
+        return str(a).rstrip("/") == str(b).rstrip("/")
+    return a.resolve() == b.resolve()
 
 
 def locate(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Location:
