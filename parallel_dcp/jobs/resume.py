@@ -50,6 +50,7 @@ from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs.targets import DcpTarget, FileTarget, Job, ShardedTarget, Target, _items, _whole_file_memory
 from parallel_dcp.options import Options
 from parallel_dcp.storage.compression import DESCRIPTOR
+from parallel_dcp.storage.layout import written_by_us
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.manifest import FileDigest
 from parallel_dcp.storage.ownership import is_of_save, temp_name
@@ -335,7 +336,10 @@ def keep_finished(job: Job, target: Target, tasks: list[Task], staging: Staging,
 
 
 def _kept_result(job: Job, target: Target, task: Task, directory: Path, save_id: str, job_digest: str) -> Any:
-    """The task's result rebuilt from its done record, or None when the record is not to be trusted."""
+    """The task's result rebuilt from its done record, or None when the record is not to be trusted
+    (another user's included: their files never become this user's checkpoint)."""
+    if not written_by_us(directory / done_name(save_id, task.index)):
+        return None
     record = read_sealed(directory, done_name(save_id, task.index))
     if record is None or record.get("version") != RECORD_VERSION or record.get("save_id") != save_id:
         return None

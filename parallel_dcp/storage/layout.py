@@ -3,7 +3,8 @@
 A :class:`Layout` says what marks a checkpoint directory and which of its files are the
 checkpoint's. The names a checkpoint's files mention (``.metadata``'s records, an index's
 ``weight_map``) count only where they also follow the layout's naming rule: a crafted file in the
-destination never gets a name outside that rule deleted.
+destination never gets a name outside that rule deleted. And only on this user's word
+(:func:`written_by_us`): a record another user wrote in a shared directory names nothing.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ __all__ = [
     "Layout",
     "committed_names",
     "is_dcp_shard_name",
+    "is_ours",
     "listing",
     "read_record",
     "replaceable_name",
     "sharded_layout",
+    "written_by_us",
 ]
 
 METADATA_FILE = ".metadata"
@@ -40,11 +43,14 @@ MANIFEST_FILE = ".parallel_dcp.json"
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """How a checkpoint directory of one format looks: what marks it, and what it owns."""
+    """How a checkpoint directory of one format looks: what marks it, and what it owns: its
+    ``fixed`` names, and the shards its ``record`` (``.metadata``, the index) names."""
 
     name: str
     markers: tuple[str, ...]
-    owned_names: Callable[[Location, list[str]], set[str]]
+    record: str
+    fixed: tuple[str, ...]
+    shards: Callable[[Location], set[str]]
     fixed_names: bool
 
     def holds_checkpoint(self, where: Location, names: list[str] | None = None) -> bool:
@@ -52,11 +58,34 @@ class Layout:
         return any(marker in names for marker in self.markers)
 
     def owned(self, where: Location) -> set[str]:
-        """The files the checkpoint at ``where`` owns (empty when there is none); each a plain name."""
+        """The files the checkpoint at ``where`` owns (empty when there is none); each a plain name.
+        The shards its record names count only when this user wrote the record and the shard."""
         names = listing(where)
         if not self.holds_checkpoint(where, names):
             return set()
-        return {check_name(n, where) for n in self.owned_names(where, names)}
+        found = {name for name in self.fixed if name in names}
+        if self.record in names and written_by_us(where / self.record):
+            found |= {name for name in self.shards(where) if written_by_us(where / name)}
+        return {check_name(n, where) for n in found}
+
+
+def written_by_us(path: Location) -> bool:
+    """The one rule for what a file found in a destination may decide: a record (an owner, job or
+    done record, ``.metadata``, an index) gets a file deleted, or adopted by a resume, only when
+    this user (the effective uid) owns the record and the file. Another user's files in a shared
+    directory (a sticky ``/scratch``) never get this user's files deleted, and never become this
+    user's checkpoint. Object storage has no owners: True there."""
+    if isinstance(path, Remote):
+        return True
+    try:
+        return is_ours(os.lstat(path))
+    except OSError:
+        return False
+
+
+def is_ours(st: os.stat_result) -> bool:
+    """:func:`written_by_us` for a file already open (its ``fstat``)."""
+    return st.st_uid == os.geteuid()
 
 
 # The names a checkpoint's shards can have, by layout. A name that ``.metadata`` or an index
@@ -77,17 +106,22 @@ def _shard_name_rule(suffixes: tuple[str, ...]) -> Callable[[str], bool]:
     return lambda name: not name.startswith(".") and name.endswith(suffixes) and "/" not in name
 
 
-def _dcp_owned(where: Location, names: list[str]) -> set[str]:
+def _dcp_shards(where: Location) -> set[str]:
     from parallel_dcp.storage.metadata import read_metadata  # metadata_io reads through this module's names
 
     metadata = read_metadata(where)
     mentioned = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
-    shards = {name for name in mentioned if is_dcp_shard_name(name)}
-    sides = [name for name in (MANIFEST_FILE, INDEX_FILE) if name in names]
-    return {METADATA_FILE, *shards, *sides}
+    return {name for name in mentioned if is_dcp_shard_name(name)}
 
 
-DCP_LAYOUT = Layout("DCP checkpoint", (METADATA_FILE,), _dcp_owned, fixed_names=False)
+DCP_LAYOUT = Layout(
+    "DCP checkpoint",
+    (METADATA_FILE,),
+    METADATA_FILE,
+    (METADATA_FILE, MANIFEST_FILE, INDEX_FILE),
+    _dcp_shards,
+    fixed_names=False,
+)
 
 
 def sharded_layout(kind: str, index_name: str, single: str, suffixes: tuple[str, ...] | None = None) -> Layout:
@@ -95,18 +129,22 @@ def sharded_layout(kind: str, index_name: str, single: str, suffixes: tuple[str,
     only names with one of ``suffixes`` (default: ``single``'s) are the checkpoint's."""
     is_shard = _shard_name_rule(suffixes or (os.path.splitext(single)[1],))
 
-    def owned(where: Location, names: list[str]) -> set[str]:
-        found = {n for n in (index_name, single, MANIFEST_FILE) if n in names}
-        if index_name in names:
-            try:
-                shards = loads_json(read_record(where / index_name))["weight_map"].values()
-                mentioned = {check_name(n, where / index_name) for n in shards}
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise CorruptCheckpointError(f"{where / index_name} is not a readable index: {exc}") from exc
-            found |= {n for n in mentioned if is_shard(n)}
-        return found
+    def shards(where: Location) -> set[str]:
+        try:
+            named = loads_json(read_record(where / index_name))["weight_map"].values()
+            mentioned = {check_name(n, where / index_name) for n in named}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptCheckpointError(f"{where / index_name} is not a readable index: {exc}") from exc
+        return {n for n in mentioned if is_shard(n)}
 
-    return Layout(f"{kind} checkpoint directory", (index_name, single), owned, fixed_names=True)
+    return Layout(
+        f"{kind} checkpoint directory",
+        (index_name, single),
+        index_name,
+        (index_name, single, MANIFEST_FILE),
+        shards,
+        fixed_names=True,
+    )
 
 
 # Files that may be a single-file checkpoint (``model.safetensors``, the user's ``best.pt``), and
@@ -124,7 +162,7 @@ def committed_names(where: Location, names: list[str]) -> set[str]:
     protected: set[str] = set()
     if METADATA_FILE in names:
         try:
-            protected |= DCP_LAYOUT.owned(where)
+            protected |= {METADATA_FILE, *DCP_LAYOUT.shards(where)}  # whoever wrote it
         except Exception:  # a damaged .metadata cannot say which are its shards: all are kept
             protected |= {METADATA_FILE, *(n for n in names if is_dcp_shard_name(n))}
     for name in names:

@@ -44,9 +44,10 @@ from parallel_dcp.storage.ownership import (
     owner_record,
     protect_sources,
     temp_name,
+    written_by_us,
 )
 from parallel_dcp.storage.protocol import Staging, WriteLocation
-from parallel_dcp.storage.resume import IdentityCheck, read_job_record
+from parallel_dcp.storage.resume import IdentityCheck, job_name, read_job_record
 from parallel_dcp.storage.safe_files import (
     FileData,
     open_directory,
@@ -74,6 +75,15 @@ def _manifest_save_id(directory: Path) -> str | None:
     except (ValueError, OSError, AttributeError):
         return None
     return value if isinstance(value, str) else None
+
+
+def _owned_by(path: Path) -> str:
+    """Whose ``path`` is, said for a refusal: ``belongs to uid 1001, not to you (uid 1000)``."""
+    try:
+        uid: object = os.lstat(path).st_uid
+    except OSError:
+        uid = "unknown"
+    return f"belongs to uid {uid}, not to you (uid {os.geteuid()})"
 
 
 class _LocalStaging(Staging):
@@ -129,26 +139,34 @@ class _LocalStaging(Staging):
         """Under the lock: take over the files of a dead conversion to this destination whose job
         record matches (``resume=True``); its save id becomes this save's. None when there is none.
 
+        Only this user's records are adopted (:func:`~parallel_dcp.storage.layout.written_by_us`):
+        another user's files never become this user's checkpoint.
+
         Raises:
-            ResumeError: there is a dead conversion to this destination, but of another job
-                (nothing is removed: the user decides).
+            ResumeError: there is a dead conversion to this destination, but of another job, or
+                another user's (nothing is removed: the user decides).
         """
         assert self._resume is not None
         committed = _manifest_save_id(self._dir)
-        refused: list[tuple[str, list[str]]] = []
+        refused: list[tuple[str, list[str], bool]] = []  # save id, reasons, another user's
         for leftover in find_leftovers(self._dir):
             save_id: str = leftover["save_id"]
             if leftover["running"] is not False or not leftover["resumable"] or save_id == committed:
                 continue
             record = read_job_record(self._dir, save_id)
             if record is None:
-                refused.append((save_id, ["its job record is damaged (it fails its checksum)"]))
+                refused.append((save_id, ["its job record is damaged (it fails its checksum)"], False))
                 continue
             if not self._same_output(record):
                 continue  # a neighbouring single-file output in the same directory
+            mine = (owner_name(save_id), job_name(save_id), *leftover["files"])
+            theirs = [n for n in mine if not written_by_us(self._dir / n)]
+            if theirs:
+                refused.append((save_id, [f"{self._dir / theirs[0]} {_owned_by(self._dir / theirs[0])}"], True))
+                continue
             reasons = self._resume(record["identity"])
             if reasons:
-                refused.append((save_id, reasons))
+                refused.append((save_id, reasons, False))
                 continue
             self.save_id = save_id
             self._record = owner_record(save_id, self.destination)
@@ -156,12 +174,17 @@ class _LocalStaging(Staging):
             self.resumed = record
             return save_id
         if refused:
-            save_id, reasons = refused[0]
+            save_id, reasons, foreign = refused[0]
             raise ResumeError(
                 f"cannot resume the conversion to {self.destination} (save {save_id}): "
                 + "; ".join(reasons)
-                + ". Run again with the arguments it had, or without resume to start over (its files are "
-                "then removed)",
+                + (
+                    ". Another user's records and files are never adopted nor removed: resume as that user, or "
+                    "convert without resume (they are left as they are)"
+                    if foreign
+                    else ". Run again with the arguments it had, or without resume to start over (its files are "
+                    "then removed)"
+                ),
                 reasons=reasons,
             )
         return None

@@ -42,6 +42,7 @@ from parallel_dcp.storage.layout import (
     read_record,
     replaceable_name,
     sharded_layout,
+    written_by_us,
 )
 from parallel_dcp.storage.location import Location, Remote, check_name
 from parallel_dcp.storage.side_index import INDEX_FILE
@@ -68,6 +69,7 @@ __all__ = [
     "remove_path",
     "sharded_layout",
     "temp_name",
+    "written_by_us",
 ]
 
 
@@ -214,9 +216,9 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
             record = {"save_id": save_id}
         files = [n for n in names if is_of_save(n, save_id) and n not in live]
         replaces = record.get("replaces")
-        if isinstance(replaces, list) and _written_by_us(where / name):
+        if isinstance(replaces, list) and written_by_us(where / name):
             # a save killed after its commit: the old checkpoint's shards, none that a committed
-            # checkpoint (of any layout) names
+            # checkpoint (of any layout) names, and only this user's
             for old in replaces:
                 if (
                     isinstance(old, str)
@@ -224,6 +226,7 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
                     and old in names
                     and old not in live
                     and old not in files
+                    and written_by_us(where / old)
                 ):
                     with contextlib.suppress(CorruptCheckpointError):
                         files.append(check_name(old, where))
@@ -253,17 +256,6 @@ def find_leftovers(where: Location, names: list[str] | None = None) -> list[dict
     return found
 
 
-def _written_by_us(record: Location) -> bool:
-    """A local record's ``replaces`` counts only in a file this user wrote: another user's record
-    (a shared directory) never gets this user's files deleted."""
-    if isinstance(record, Remote):
-        return True
-    try:
-        return os.lstat(record).st_uid == os.geteuid()
-    except OSError:
-        return False
-
-
 def _manifest_save_id(where: Location) -> str | None:
     try:
         value = loads_json(read_record(where / MANIFEST_FILE)).get("save_id")
@@ -276,10 +268,13 @@ def clean_leftovers(where: Location, keep: str | None = None, destination: Locat
     """Remove the files of saves to ``where`` whose owner process is gone (one warning each), but
     those of save ``keep`` (the one a resumed conversion continues), and, given this save's
     ``destination``, a resumable conversion's to another one (a neighbouring file of the same
-    directory: a save to ``dir/a.pt`` removed the finished tasks of a dead one to ``dir/b.pt``)."""
+    directory: a save to ``dir/a.pt`` removed the finished tasks of a dead one to ``dir/b.pt``).
+    Only this user's records and files (:func:`written_by_us`): another user's are left as they are."""
     for leftover in find_leftovers(where):
         if leftover["running"] is not False or leftover["save_id"] == keep:
             continue
+        if not written_by_us(where / owner_name(leftover["save_id"])):
+            continue  # another user's save (a shared directory): not ours to judge or remove
         other = leftover["destination"]
         if (
             destination is not None
@@ -288,11 +283,12 @@ def clean_leftovers(where: Location, keep: str | None = None, destination: Locat
             and other != os.fspath(destination)
         ):
             continue  # its own next run resumes or removes it
-        for name in leftover["files"]:
+        files = [name for name in leftover["files"] if written_by_us(where / name)]
+        for name in files:
             remove_path(where / name)
         remove_path(where / owner_name(leftover["save_id"]))
         warnings.warn(
-            f"{where}: removed {plural(len(leftover['files']), 'leftover file')} of save {leftover['save_id']} "
+            f"{where}: removed {plural(len(files), 'leftover file')} of save {leftover['save_id']} "
             f"({describe_owner(leftover)})"
             + (
                 f"; it was a conversion with {plural(leftover['tasks_done'], 'finished task')}, which "

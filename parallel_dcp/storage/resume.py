@@ -11,7 +11,8 @@ without it. A record is written to a temporary name, fsynced, renamed, and its d
 so after a crash it is either whole or absent; one that fails its seal, or does not parse, is
 ignored (its task is redone). A record is a claim, never proof: on resume every file a record
 names is hashed again and compared, and every name in it must be a plain name inside the
-destination (refused otherwise: a record may be hostile).
+destination (refused otherwise: a record may be hostile). A record and the files it names count
+only when this user wrote them (:func:`~parallel_dcp.storage.layout.written_by_us`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import xxhash
 
 from parallel_dcp._json import loads_json
 from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.storage.layout import is_ours, written_by_us
 from parallel_dcp.storage.location import check_name
 from parallel_dcp.storage.manifest import ALGORITHM, FileDigest
 from parallel_dcp.storage.ownership import DONE_PREFIX, JOB_PREFIX
@@ -128,8 +130,11 @@ def read_sealed(directory: Path, name: str) -> dict[str, Any] | None:
 
 
 def remove_record(directory: Path, name: str) -> None:
+    """Remove a record or a file it names, if this user's (another user's is left as it is)."""
+    path = directory / check_name(name, directory)
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(directory / check_name(name, directory))
+        if written_by_us(path):
+            os.unlink(path)
 
 
 def digest_of(entry: object) -> FileDigest | None:
@@ -149,14 +154,15 @@ def digest_entry(digest: FileDigest) -> dict[str, Any]:
 
 
 def verify_file(directory: Path, name: str, expected: FileDigest) -> bool:
-    """True when ``directory/name`` is a regular file (not a link) of ``expected``'s size and xxh3."""
+    """True when ``directory/name`` is a regular file (not a link) of this user's, of ``expected``'s
+    size and xxh3."""
     try:
         fd = open_regular(None, directory / check_name(name, directory))  # a FIFO planted there never blocks
     except (OSError, CorruptCheckpointError):
         return False
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != expected.size:
+        if not stat.S_ISREG(st.st_mode) or not is_ours(st) or st.st_size != expected.size:
             return False
         hasher = xxhash.xxh3_64()
         # Mapped, not from the heap: freed 8 MiB bytearrays stayed in the threads' malloc arenas,
