@@ -37,6 +37,11 @@ from parallel_dcp.storage.local_staging import LocalDirStaging
 from tests.conftest import assert_same
 from tests.fresh_interpreter import run_fresh
 
+# Savers in seven tests: their workers are forked from one fork server kept for the module. None
+# checks the server's own start or stop; the fork of the caller runs in a fresh interpreter, with a
+# server of its own.
+pytestmark = pytest.mark.usefixtures("kept_fork_server")
+
 
 def _state(seed: int, keys: int = 12) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
