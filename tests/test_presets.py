@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 import parallel_dcp
 from parallel_dcp import PRESETS, PresetError, RenameError, RenameWarning
+from parallel_dcp.cli import main
 from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.permuted_source import RowPermutation, permute_rows, permuted_source
@@ -333,36 +335,48 @@ def test_user_rules_after_a_preset_can_be_strict(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-def run_cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "parallel_dcp", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=300)
+@pytest.fixture
+def run_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str, str]]:
+    """A command run in this process, as ``python -m parallel_dcp`` runs it (``sys.exit(main())``,
+    a usage error's SystemExit included): its exit code, stdout and stderr. These tests check the
+    commands' output; tests/test_cli.py and test_cli_startup.py run the program itself."""
+
+    def run(*args: str | Path) -> tuple[int, str, str]:
+        capsys.readouterr()
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exited:
+            code = 0 if exited.code is None else exited.code if isinstance(exited.code, int) else 1
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
 
 
-def test_cli_presets_lists_each_with_client_and_version(tmp_path: Path) -> None:
-    run = run_cli("presets")
-    assert run.returncode == 0, run.stderr
-    assert "hf-llama3-to-torchtitan  (torchtitan 0.3.0)" in run.stdout
-    assert "torchtitan-to-hf-llama3" in run.stdout
-    listed = json.loads(run_cli("presets", "--json").stdout)
+def test_cli_presets_lists_each_with_client_and_version(run_cli: Callable[..., tuple[int, str, str]]) -> None:
+    code, out, err = run_cli("presets")
+    assert code == 0, err
+    assert "hf-llama3-to-torchtitan  (torchtitan 0.3.0)" in out
+    assert "torchtitan-to-hf-llama3" in out
+    listed = json.loads(run_cli("presets", "--json")[1])
     assert {p["name"]: p["client_version"] for p in listed}[TO_TITAN] == "0.3.0"
     assert [p.name for p in parallel_dcp.presets()] == sorted(PRESETS)
 
 
-def test_cli_convert_with_a_preset_and_its_errors(tmp_path: Path) -> None:
+def test_cli_convert_with_a_preset_and_its_errors(tmp_path: Path, run_cli: Callable[..., tuple[int, str, str]]) -> None:
     hf = hf_folder(tmp_path / "hf")
-    run = run_cli("convert", tmp_path / "hf", tmp_path / "titan", "--preset", TO_TITAN, "--workers", "1", "-q")
-    assert run.returncode == 0, run.stderr
+    code, _, err = run_cli("convert", tmp_path / "hf", tmp_path / "titan", "--preset", TO_TITAN, "--workers", "1", "-q")
+    assert code == 0, err
     assert_same(dcp_tensors(tmp_path / "titan"), titan_expected(hf))
-    run = run_cli("convert", tmp_path / "titan", tmp_path / "back", "--to", "safetensors", "--preset", TO_HF)
-    assert run.returncode == 1 and "--model-config" in run.stderr and not (tmp_path / "back").exists()
-    run = run_cli(
+    code, _, err = run_cli("convert", tmp_path / "titan", tmp_path / "back", "--to", "safetensors", "--preset", TO_HF)
+    assert code == 1 and "--model-config" in err and not (tmp_path / "back").exists()
+    code, out, err = run_cli(
         "convert", tmp_path / "titan", tmp_path / "back", "--to", "safetensors", "--preset", TO_HF, "--config",
         tmp_path / "hf", "--dry-run",
     )  # fmt: skip
-    assert run.returncode == 0 and "torchtitan-to-hf-llama3" in run.stdout, run.stderr
-    run = run_cli("convert", tmp_path / "hf", tmp_path / "x", "--rename", "a=b", "--rename-strict", "-q")
-    assert run.returncode == 1 and "rename_strict" in run.stderr and not (tmp_path / "x").exists()
+    assert code == 0 and "torchtitan-to-hf-llama3" in out, err
+    code, _, err = run_cli("convert", tmp_path / "hf", tmp_path / "x", "--rename", "a=b", "--rename-strict", "-q")
+    assert code == 1 and "rename_strict" in err and not (tmp_path / "x").exists()
 
 
 @pytest.mark.slow

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 import parallel_dcp
 from parallel_dcp import PRESETS, RenameError
+from parallel_dcp.cli import main
 from parallel_dcp.jobs.rename import compile_rules, parse_rule
 from parallel_dcp.storage.metadata import read_metadata
 from tests.conftest import assert_same
@@ -177,53 +175,37 @@ def test_rules_first_match_wins_and_cli_syntax() -> None:
         parse_rule("no-equals-sign")
 
 
-def test_cli_rename_and_rename_file(tmp_path: Path) -> None:
+def test_cli_rename_and_rename_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The flags' effect, run in this process (main(argv), what ``python -m parallel_dcp`` runs;
+    tests/test_cli.py and test_cli_startup.py run the program itself)."""
     sd = hf_llama(1)
     st.save_file(sd, tmp_path / "m.safetensors")
-    cli = [sys.executable, "-m", "parallel_dcp", "convert"]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+
+    def convert(*args: str | Path) -> tuple[int, str]:
+        try:
+            code = main(["convert", *map(str, args)])
+        except SystemExit as exited:  # a usage error: python -m parallel_dcp exits with its code
+            code = exited.code if isinstance(exited.code, int) else 1
+        return code, capsys.readouterr().err
+
     (tmp_path / "rules.json").write_text(json.dumps(TO_TITAN))
-    run = subprocess.run(
-        [
-            *cli,
-            str(tmp_path / "m.safetensors"),
-            str(tmp_path / "t"),
-            "--rename-file",
-            str(tmp_path / "rules.json"),
-            "--rename",
-            r"layers\.0\.(.*)=blocks.0.\1",
-            "-q",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr
+    code, err = convert(
+        tmp_path / "m.safetensors", tmp_path / "t", "--rename-file", tmp_path / "rules.json",
+        "--rename", r"layers\.0\.(.*)=blocks.0.\1", "-q",
+    )  # fmt: skip
+    assert code == 0, err
     names = set(read_metadata(tmp_path / "t").state_dict_metadata)
     # the file's rules come first, then --rename, and the first match wins: the --rename rule
     # sees only names the file's rules left alone (none here)
     assert names == titan_names(1)
-    run = subprocess.run(
-        [*cli, str(tmp_path / "t"), str(tmp_path / "b.safetensors"), "--rename", r"layers\.0\.(.*)=blocks.0.\1", "-q"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr
+    code, err = convert(tmp_path / "t", tmp_path / "b.safetensors", "--rename", r"layers\.0\.(.*)=blocks.0.\1", "-q")
+    assert code == 0, err
     assert {n for n in st.load_file(tmp_path / "b.safetensors") if n.startswith("blocks.0.")} == {
         n.replace("layers.0.", "blocks.0.") for n in titan_names(1) if n.startswith("layers.0.")
     }
     bad = tmp_path / "bad.json"
     bad.write_text('{"not": "a list"}')
-    run = subprocess.run(
-        [*cli, str(tmp_path / "m.safetensors"), str(tmp_path / "x"), "--rename-file", str(bad)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
+    code, err = convert(tmp_path / "m.safetensors", tmp_path / "x", "--rename-file", bad)
     # A usage error naming the flag (issue 31, friction 1), refused before anything is written.
-    assert run.returncode == 2 and "argument --rename-file: " in run.stderr and "JSON list" in run.stderr
+    assert code == 2 and "argument --rename-file: " in err and "JSON list" in err
     assert not (tmp_path / "x").exists()
