@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +16,19 @@ import safetensors.torch as st
 import torch
 
 import parallel_dcp
+from parallel_dcp.cli import main
 from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
 from parallel_dcp.formats import fast_read, open_source
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "parallel_dcp", *args], capture_output=True, text=True, timeout=300, check=False
-    )
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """The command run in this process (main(argv), what ``python -m parallel_dcp`` runs; the
+    program itself is run by tests/test_cli.py): its exit code and stderr."""
+    code = main(list(args))
+    return code, capsys.readouterr().err
 
 
-def test_a_loop_of_links_is_named_as_one(tmp_path: Path) -> None:
+def test_a_loop_of_links_is_named_as_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "a.pt").symlink_to("b.pt")
     (tmp_path / "b.pt").symlink_to("a.pt")
     with pytest.raises(OSError, match="too many levels of symbolic links") as caught:
@@ -39,12 +39,14 @@ def test_a_loop_of_links_is_named_as_one(tmp_path: Path) -> None:
         parallel_dcp.load(tmp_path / "file" / "x.pt")
     with pytest.raises(FileNotFoundError, match="no such file or directory"):
         open_source(tmp_path / "absent.pt")
-    run = _cli("inspect", str(tmp_path / "a.pt"))
-    assert run.returncode == 1
-    assert "too many levels of symbolic links" in run.stderr and "[Errno" not in run.stderr
+    code, err = _cli(capsys, "inspect", str(tmp_path / "a.pt"))
+    assert code == 1
+    assert "too many levels of symbolic links" in err and "[Errno" not in err
 
 
-def test_a_dcp_metadata_that_is_a_fifo_or_a_dangling_link_is_refused_by_name(tmp_path: Path) -> None:
+def test_a_dcp_metadata_that_is_a_fifo_or_a_dangling_link_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     fifo = tmp_path / "fifo"
     fifo.mkdir()
     os.mkfifo(fifo / ".metadata")
@@ -55,8 +57,8 @@ def test_a_dcp_metadata_that_is_a_fifo_or_a_dangling_link_is_refused_by_name(tmp
     (dangling / ".metadata").symlink_to(tmp_path / "nowhere")
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata is a symlink"):
         open_source(dangling)
-    run = _cli("convert", str(fifo), str(tmp_path / "out"))
-    assert run.returncode == 1 and "not a regular file" in run.stderr
+    code, err = _cli(capsys, "convert", str(fifo), str(tmp_path / "out"))
+    assert code == 1 and "not a regular file" in err
     assert not (tmp_path / "out").exists()
 
 
