@@ -27,8 +27,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import multiprocess.connection as mp_connection
-
 import parallel_dcp
 from parallel_dcp.engine import memory, messages, pool, remote_memory
 from parallel_dcp.engine.partition import planned_as_on
@@ -59,11 +57,11 @@ def wrap_the_path() -> None:
     for owner, name, label in [
         (pool.WorkerPool, "_receive", "result taken in, all (_receive)"),
         (pool, "_recv", "  its reply and buffers (receive_reply)"),
-        (mp_connection.Connection, "recv_bytes", "    the reply read from the pipe"),
+        (messages, "_read_head", "    its head and memory file read (recvmsg)"),
+        (messages, "_read_exactly", "    the rest read from the pipe"),
         (messages.pickle, "loads", "    the reply unpickled"),
-        (messages, "read_buffers", "    its buffers (read_buffers)"),
+        (messages, "_map_buffers", "    its buffers (_map_buffers)"),
         (messages, "_socket", "      the pipe's socket"),
-        (messages.socket, "recv_fds", "      the memory file's descriptor (recvmsg)"),
         (messages.os, "fstat", "      its size checked (fstat)"),
         (messages, "_mapped", "      mapped"),
         (pool.pickle, "loads", "  the result unpickled"),

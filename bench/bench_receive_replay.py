@@ -4,17 +4,17 @@ Usage: flock LOCK python bench/bench_receive_replay.py
 
 A `Saver(workers=1)` saves `synthetic.many_small(50000)` cut into 111 tasks (`partition.TASKS_PER_WORKER` set to 256:
 what a save on 64 workers had before 2026-12-06 noon; 64 since) and its results are recorded as the coordinator took
-them in (each over `messages.INLINE_RESULT_BYTES`, so each in a memory file). A child process
-then sends them again as a worker does (`messages.pickled_result`, the reply, `messages.send_buffers`), back to back
-or 30 ms apart (as one worker's results come), and this process takes each in as `WorkerPool._receive` does
+them in (each over `messages.INLINE_RESULT_BYTES`, so each in a memory file). A child process then sends them again
+as a worker does (`messages.pickled_result`, then the reply with its memory file, `messages.send_reply`), back to
+back or 30 ms apart (as one worker's results come), and this process takes each in as `WorkerPool._receive` does
 (`messages.receive_reply`, then the result unpickled). Prints each result's CPU seconds here (median, mean, total)
-and the parts (the socket, `recvmsg`, the mapping, `read_buffers` in all), twice each way.
+and the parts (the socket, `recvmsg` of the reply's head and its file, the mapping, `_map_buffers` in all), twice
+each way.
 """
 
 import os
 import pickle
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -62,8 +62,7 @@ def record() -> list[tuple[Any, list[bytes]]]:
 def _child(conn: Any, results: list[tuple[Any, list[bytes]]], pause: float) -> None:
     for reply, raw in results:
         data, sizes, shared = messages.pickled_result(pickle.loads(reply[2], buffers=raw))
-        conn.send_bytes(pickle.dumps(("ok", reply[1], data, 0.0, 0.0, 0.0, sizes), protocol=pickle.HIGHEST_PROTOCOL))
-        messages.send_buffers(conn.fileno(), shared, sent=True)
+        messages.send_reply(conn, pickle.dumps(("ok", reply[1], data, 0.0, 0.0, 0.0, sizes)), shared)
         if pause:
             time.sleep(pause)
     conn.recv_bytes()
@@ -105,8 +104,8 @@ def main() -> None:
 
     messages._mapped = timed("mapping", messages._mapped)
     messages._socket = timed("socket", messages._socket)
-    messages.socket.recv_fds = timed("recvmsg", socket.recv_fds)  # type: ignore[attr-defined]
-    messages.read_buffers = timed("read_buffers in all", messages.read_buffers)
+    messages._read_head = timed("recvmsg", messages._read_head)
+    messages._map_buffers = timed("_map_buffers in all", messages._map_buffers)
     for pause in (0.0, 0.03, 0.0, 0.03):
         parts.clear()
         per = replay(results, pause)

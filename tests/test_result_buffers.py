@@ -61,13 +61,17 @@ def test_a_results_buffers_arrive_as_read_only_views_of_its_bytes_and_leave_no_d
         assert value["plain"] == b"in band"
 
 
-def _die_before_the_buffers(conn_fd: int, shared: int | None, *, sent: bool) -> None:
+_send_reply = messages.send_reply
+
+
+def _die_before_the_buffers(conn: Any, data: bytes, shared: int | None) -> None:
     if shared is not None:
         os._exit(3)
+    _send_reply(conn, data, shared)
 
 
-def test_a_worker_dying_between_its_reply_and_its_buffers_is_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker_module, "send_buffers", _die_before_the_buffers)  # inherited by the forks
+def test_a_worker_dying_as_it_sends_a_result_with_buffers_is_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(worker_module, "send_reply", _die_before_the_buffers)  # inherited by the forks
     tasks = [Task(index=0, keys=("k0",), nbytes=1, memory=0)]
     with pytest.raises(WorkerCrashed, match="exit code 3"), WorkerPool(1, _with_buffers) as pool:
         list(pool.run(tasks))
@@ -87,7 +91,7 @@ def test_a_result_that_cannot_be_put_in_a_memory_file_is_the_tasks_error(monkeyp
 def test_a_save_whose_worker_dies_before_sending_its_runs_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(worker_module, "send_buffers", _die_before_the_buffers)
+    monkeypatch.setattr(worker_module, "send_reply", _die_before_the_buffers)
     with pytest.raises(WorkerCrashed):
         parallel_dcp.save(many_small(2000), tmp_path / "ckpt", workers=2)
     assert list(tmp_path.iterdir()) == []  # no shard, no staged or temporary name
@@ -128,11 +132,11 @@ def _saved(
     side index's pieces as the commit had them, and how many bytes the results sent out of band."""
     sent: list[int] = []
     captured: list[Any] = []
-    reading, indexing = messages.read_buffers, dcp_commit.index_for
+    reading, indexing = messages._map_buffers, dcp_commit.index_for
 
-    def read(conn_fd: int, sizes: Any) -> Any:
+    def read(fds: Any, sizes: Any) -> Any:
         sent.append(sum(sizes))
-        return reading(conn_fd, sizes)
+        return reading(fds, sizes)
 
     def index(pieces: Any, *args: Any) -> bytes:
         captured.append(
@@ -140,7 +144,7 @@ def _saved(
         )
         return indexing(pieces, *args)
 
-    monkeypatch.setattr(messages, "read_buffers", read)
+    monkeypatch.setattr(messages, "_map_buffers", read)
     monkeypatch.setattr(dcp_commit, "index_for", index)
     if not out_of_band:  # the runs pickled in band, as they travelled before
         monkeypatch.setattr(dcp_commit, "out_of_band", lambda result: result)
@@ -300,3 +304,31 @@ def test_a_parts_columns_copied_in_band_are_arrays_again() -> None:
     assert all(isinstance(c, bytes) for c in segment[:5]) and segment[4] == b"\2"
     for got, expected in zip(segment[5:], (dims, offsets, lengths), strict=True):
         assert isinstance(got, numpy.ndarray) and got.dtype == numpy.int64 and numpy.array_equal(got, expected)
+
+
+def test_a_reply_and_its_memory_file_arrive_as_one_message_read_exactly() -> None:
+    """One send carries the reply and its memory file (the coordinator never waits between them),
+    and each read takes one message: replies with and without a file, queued back to back in the
+    pipe, read back in order, with their buffers."""
+    import multiprocess
+
+    here, there = multiprocess.Pipe(duplex=True)
+    try:
+        sent = []
+        for i in range(3):
+            value = {"blob": pickle.PickleBuffer(bytes([i]) * (100_000 + i)), "i": i}
+            data, sizes, shared = messages.pickled_result(value)
+            assert shared is not None
+            messages.send_reply(there, pickle.dumps(("ok", 0.0, data, 0.0, 0.0, 0.0, sizes)), shared)
+            messages.send_reply(there, pickle.dumps(("charge", i)), None)
+            sent.append(value)
+        before = _open_descriptors()
+        for i in range(3):
+            reply, raw = messages.receive_reply(here)
+            value = pickle.loads(reply[2], buffers=raw)
+            assert value["i"] == i and bytes(value["blob"]) == bytes([i]) * (100_000 + i)
+            assert messages.receive_reply(here) == (("charge", i), [])
+        assert _open_descriptors() == before  # each file mapped and its descriptor closed
+    finally:
+        here.close()
+        there.close()

@@ -22,7 +22,7 @@ from typing import Any
 from parallel_dcp.engine.messages import Ahead as _Ahead
 from parallel_dcp.engine.messages import NewHandler as _NewHandler
 from parallel_dcp.engine.messages import TaskPart as _TaskPart
-from parallel_dcp.engine.messages import gc_paused, pickled_result, send_buffers
+from parallel_dcp.engine.messages import gc_paused, pickled_result, send_reply
 from parallel_dcp.engine.own_charge import own_charge
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.remote_memory import StaleRead
@@ -102,11 +102,13 @@ def worker_main(
         setup = 0.0  # reported with this run's first task on this worker only
         sending = time.perf_counter()
         try:
-            send(conn, reply)
+            data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # a result that cannot be pickled is the task's error, not a crash
-            send(conn, ("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc()))
+            data = pickle.dumps(("error", type(exc).__qualname__, _message_of(exc), traceback.format_exc()))
             reply = ("error",)
-        send_buffers(conn.fileno(), shared, sent=reply[0] == "ok")  # behind the reply; closed either way
+        send_reply(conn, data, shared if reply[0] == "ok" else None)  # the file with the reply
+        if reply[0] != "ok" and shared is not None:
+            os.close(shared)
         return_freed_memory()
         handed = time.perf_counter() - sending
 
