@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -116,6 +117,36 @@ def test_the_first_watch_reads_nothing_the_baseline_just_read(monkeypatch: pytes
         governor._next_sample = 0.0
         governor.watch(workers)
         assert governor._charges.readings == readings + 1
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_reading_for_the_peak_taken_aside_runs_on_another_thread_and_charges_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``watch(aside=True)`` (a Saver's pool): the reading the resident sizes do not call for is taken
+    on the governor's own thread, and counts in the peak once acted on (``finish``) as a reading
+    taken on this thread would."""
+    child = subprocess.Popen(_SLEEPER)
+    try:
+        governor = MemoryGovernor(2**40)
+        workers = {child.pid: (0, ("key",))}
+        threads: list[int] = []
+        plan = governor._charges.plan
+
+        def recorded(*args: object, **kwargs: object) -> list[int]:
+            threads.append(threading.get_ident())
+            return plan(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(governor._charges, "plan", recorded)
+        governor._next_sample = governor._next_relaxed = 0.0  # a reading for the peak is due
+        governor.watch(workers, aside=True)
+        governor.finish(workers)
+        assert len(threads) == 1 and threads[0] != threading.get_ident()
+        here = governor.read(workers).added  # the same idle tree, read on this thread
+        assert threads[1] == threading.get_ident()
+        assert governor.peak > 0 and abs(governor.peak - here) < 8 * 2**20
     finally:
         child.kill()
         child.wait()

@@ -38,7 +38,7 @@ import re
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import psutil
@@ -295,6 +295,9 @@ class MemoryGovernor:
         self._next_relaxed = time.monotonic() + _RELAXED_INTERVAL if measure else 0.0
         self._read_cost = 0.0
         self.settle_seconds = 0.0
+        # A reading for the peak taken on a thread of its own (watch(aside=True)), until acted on.
+        self._aside: Future[Reading] | None = None
+        self._aside_reader: ThreadPoolExecutor | None = None
 
     def reserve(self, nbytes: int, what: str) -> None:
         """Set aside memory the whole job holds (a load's output); fail now if it cannot fit."""
@@ -487,6 +490,10 @@ class MemoryGovernor:
         """One sample of the tree. Cheap (O(1) counters, or ``smaps_rollup`` where they moved:
         process_memory.ChargeReader) unless ``exact``: then every process's full smaps is read
         (~4-9 ms a process that has imported torch)."""
+        self._wait_aside()  # (one reading at a time: the charge reader is not shared between threads)
+        return self._read(worker_pids, exact=exact)
+
+    def _read(self, worker_pids: Iterable[int], *, exact: bool = False) -> Reading:
         if not self.measured:
             raise RuntimeError("a budget kept by reservation alone (measure=False) cannot sample the tree")
         started = time.monotonic()
@@ -512,12 +519,18 @@ class MemoryGovernor:
         with ThreadPoolExecutor(max_workers=threads) as pool:
             return list(pool.map(self._charges.charge, pids, how))
 
-    def watch(self, workers: dict[int, tuple[int, tuple[str, ...]]]) -> None:
+    def watch(self, workers: dict[int, tuple[int, tuple[str, ...]]], *, aside: bool = False) -> None:
         """Sample the tree if it is time; raise if it is over the ceiling twice in a row.
 
         Args:
             workers: pid -> (worker number, keys of its running task) for every live worker;
                 empty when the job runs on writer threads in this process.
+            aside: take the readings for the reported peak (about once a second, while the
+                resident sizes prove the tree under the ceiling) on a thread of their own, so this
+                one goes on while the kernel walks page tables (a rollup of a busy worker held a
+                Saver's coordinator 6-80 ms, 1-2 a save); the same reading, acted on at the first
+                watch after it ends, or by :meth:`finish`. Only where this process forks no worker
+                meanwhile (a Saver's pool: the fork server forks them).
 
         Raises:
             MemoryLimitExceeded: naming the worker with the most private memory (which the caller
@@ -525,15 +538,62 @@ class MemoryGovernor:
         """
         if not self.measured:
             raise RuntimeError("a budget kept by reservation alone (measure=False) cannot sample the tree")
+        if self._aside is not None and self._aside.done():
+            self._act(self._take_aside(), workers)
         now = time.monotonic()
         if now < self._next_sample:
             return
-        if self._bounded_under_limit(workers) and now < self._next_relaxed:
+        bounded = self._bounded_under_limit(workers)
+        if bounded and (now < self._next_relaxed or self._aside is not None):
             self._next_sample = now + self.interval
             return
+        if bounded and aside:
+            self._next_sample = now + self.interval
+            if self._aside_reader is None:
+                self._aside_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parallel_dcp-governor")
+            self._aside = self._aside_reader.submit(self._read, list(workers))
+            return
         first = self.read(workers)
+        self._scheduled()
+        self._act(first, workers)
+
+    def finish(self, workers: dict[int, tuple[int, tuple[str, ...]]] | None = None) -> None:
+        """A job's watch is over: a reading still taken aside is waited for and acted on as
+        :meth:`watch` would (``workers``: as it takes them), or, with none (the job failed), only
+        counted in the peak where under the ceiling; its thread ends."""
+        if workers is None:
+            self._wait_aside()
+        elif self._aside is not None:
+            self._act(self._take_aside(), workers)
+        if self._aside_reader is not None:
+            self._aside_reader.shutdown()
+            self._aside_reader = None
+
+    def _take_aside(self) -> Reading:
+        """The reading taken aside (waited for; its error raised here), scheduled as if taken now."""
+        assert self._aside is not None
+        try:
+            return self._aside.result()
+        finally:
+            self._aside = None
+            self._scheduled()
+
+    def _wait_aside(self) -> None:
+        """Wait for a reading taken aside; kept in the peak where under the ceiling (else the next decides)."""
+        if self._aside is None:
+            return
+        with contextlib.suppress(Exception):
+            reading = self._take_aside()
+            if reading.added <= self.limit:
+                self.peak = max(self.peak, reading.added)
+
+    def _scheduled(self) -> None:
+        """The next readings' times after one that took ``_read_cost`` seconds."""
         self._next_sample = time.monotonic() + max(self.interval, self._read_cost * _SAMPLING_SHARE)
         self._next_relaxed = time.monotonic() + max(_RELAXED_INTERVAL, self._read_cost * _SAMPLING_SHARE * 5)
+
+    def _act(self, first: Reading, workers: dict[int, tuple[int, tuple[str, ...]]]) -> None:
+        """A reading taken: the peak, or a breach measured again, exactly, and raised where confirmed."""
         if first.added <= self.limit:
             self.peak = max(self.peak, first.added)
             return

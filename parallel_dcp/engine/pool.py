@@ -379,17 +379,13 @@ class WorkerPool:
                 # tenth of a second once a second, under load), not after it.
                 self._dispatch(pending, idle, running, governor)
                 if governor is not None:  # idle workers too: what they keep still counts
-                    governor.watch(
-                        {
-                            proc.pid: (w, running[w][0].keys if w in running else ())
-                            for w, proc in enumerate(self._procs)
-                            if proc is not None
-                        }
-                    )
+                    governor.watch(self._watched(running), aside=self._fork_server)
                 if task_timeout is not None:
                     self._check_timeouts(running, task_timeout)
                 if on_tick is not None:
                     on_tick()
+            if governor is not None:  # a reading still taken aside: acted on as any
+                governor.finish(self._watched(running))
             if self._report_charges:  # each worker reads itself while this process commits
                 self.request_charges()
         except StalePlan:  # what was sent is waited for and dropped: the workers stay usable
@@ -399,12 +395,19 @@ class WorkerPool:
             self.kill()
             raise
         finally:
+            if governor is not None:
+                governor.finish()
             self._new_handler = None
             self._parts = None
             del pickled  # the workers copied it before their first task
             held.clear()  # (every worker replied, or was killed above)
             if ahead is not None:
                 ahead.clear()
+
+    def _watched(self, running: dict[int, tuple[Task, float]]) -> dict[int, tuple[int, tuple[str, ...]]]:
+        """What the governor's watch takes: each live worker's pid, number and running task's keys."""
+        procs = [(w, proc) for w, proc in enumerate(self._procs) if proc is not None]
+        return {proc.pid: (w, running[w][0].keys if w in running else ()) for w, proc in procs}
 
     @staticmethod
     def _admissible(task: Task, governor: MemoryGovernor | None) -> bool:
