@@ -1,5 +1,6 @@
 """A/B of a `Saver`'s later saves, part by part, between two trees: C (its work beside the workers), S (serial: wall -
-the workers' seconds) and the named functions inside them, wall and CPU (this thread's), interleaved runs.
+the workers' seconds) and the named functions inside them, wall and CPU (this thread's), and the coordinator
+thread's CPU in a whole save, interleaved runs.
 
 Usage: flock LOCK python bench/bench_saver_parts_ab.py TREE_A TREE_B [ROUNDS [SAVES [small|llm [TASKS]]]]
     ROUNDS (default 5): processes per tree, A and B taking turns (B first every other round)
@@ -73,9 +74,9 @@ def one(kind: str, saves: int, tasks: int) -> None:
             for n in range(saves + 2):
                 spent.clear()
                 with planned_as_on(tasks):
-                    began = time.perf_counter()
+                    began, cpu = time.perf_counter(), time.thread_time()
                     result = saver.save(sd, f"{root}/ck")
-                    wall = time.perf_counter() - began
+                    wall, cpu = time.perf_counter() - began, time.thread_time() - cpu
                 shutil.rmtree(f"{root}/ck")
                 if n < 2:
                     continue
@@ -91,6 +92,7 @@ def one(kind: str, saves: int, tasks: int) -> None:
                     - ph.get("fork", 0.0)
                     - ph.get("write", 0.0),
                     "C (coordinator_write_seconds)": result.coordinator_write_seconds or 0.0,
+                    "coordinator's thread CPU, whole save": cpu,
                     "tasks": result.tasks,
                 }
                 for label, (w, c) in spent.items():
