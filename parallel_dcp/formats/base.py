@@ -27,6 +27,8 @@ from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, sourc
 # An index lists one line per tensor: 64 MiB is far beyond any real one (a crafted one is refused).
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
     from parallel_dcp.engine.chunks import Chunk
     from parallel_dcp.formats.range_read import RawRange
 
@@ -90,6 +92,9 @@ class Source(ABC):
         trust_pickle: unpickle values that need more than ``weights_only=True`` (runs their code;
             formats that pickle nothing ignore it).
         storage_options: fsspec options for a source at a URL (see :mod:`parallel_dcp.storage.location`).
+        header_metadata: the free-form string metadata the source's files carry (safetensors'
+            ``__metadata__``, without parallel_dcp's own checksums), which an output of the same
+            format carries on (see :func:`parallel_dcp.formats.safetensors_format.header_metadata`).
     """
 
     path: str
@@ -100,11 +105,25 @@ class Source(ABC):
     files: list[str] = field(default_factory=list)
     storage_options: dict[str, Any] | None = None
     trust_pickle: bool = False
+    header_metadata: dict[str, str] = field(default_factory=dict)
 
     @property
     def location(self) -> Location:
         """The source's path, or a :class:`Remote` when it is a URL."""
         return locate(self.path, self.storage_options)
+
+    def keys(self) -> tuple[str, ...]:
+        """Every key, tensors and other values, in the source's order (a format that interleaves
+        them overrides this: the default lists the tensors first)."""
+        entries = self.entries
+        return (*entries, *(key for key in self.values if key not in entries))
+
+    def stated_properties(self) -> Callable[[str], TensorProperties | None] | None:
+        """Where the source states each tensor's ``TensorProperties`` (a DCP checkpoint's
+        ``.metadata``: ``requires_grad``, ``pin_memory``): a lookup by key (None for a key it states
+        nothing of), which a DCP output records instead of the read tensor's own. None: the source
+        states none (a DCP output records the tensors' own, as ``dcp.save`` does)."""
+        return None
 
     def close(self) -> None:  # noqa: B027 (a no-op is right for sources that keep nothing)
         """In the coordinator, when the job is over: drop what opening the source kept."""
@@ -216,6 +235,9 @@ class FileFormat:
         write_verifiable: for a format whose file can hold its own checksums (safetensors: in its
             header), writes a single-file output with them (``checksums=False``: sizes only);
             None: a single file of this format gets a sidecar manifest instead.
+        carries_metadata: its files hold free-form string metadata (safetensors' ``__metadata__``):
+            ``write`` and ``write_verifiable`` take a source's (``Source.header_metadata``) as
+            ``metadata=`` and carry it on.
     """
 
     kind: str
@@ -227,6 +249,7 @@ class FileFormat:
     dtypes: frozenset[torch.dtype] | None = None
     reserved_keys: frozenset[str] = frozenset()
     write_verifiable: Callable[..., None] | None = None
+    carries_metadata: bool = False
 
 
 def index_json(weight_map: dict[str, str], total_size: int) -> str:

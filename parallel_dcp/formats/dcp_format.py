@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,6 +127,23 @@ class DcpSource(Source):
         self._compressed = {
             index.fqn for index, info in (self.metadata.storage_data or {}).items() if is_compressed(info)
         }
+
+    def keys(self) -> tuple[str, ...]:
+        """``.metadata``'s order, tensors and values as saved (stock ``dcp_to_torch_save`` keeps it)."""
+        assert self.metadata is not None
+        return tuple(self.metadata.state_dict_metadata)
+
+    def stated_properties(self) -> Callable[[str], TensorProperties | None]:
+        """Each tensor's properties as ``.metadata`` records them (``requires_grad`` of a saved
+        ``nn.Parameter``, ``pin_memory``): a conversion to DCP records the same."""
+        assert self.metadata is not None
+        stored = self.metadata.state_dict_metadata
+
+        def stated(key: str) -> TensorProperties | None:
+            meta = stored.get(key)
+            return meta.properties if isinstance(meta, TensorStorageMetadata) else None
+
+        return stated
 
     def check(self, keys: Iterable[str] | None = None) -> None:
         """Every shard the keys need exists and is as long as ``.metadata`` records."""

@@ -73,6 +73,10 @@ class DequantizedSource(WrappedSource):
     # into its own buffers (formats.fp8_fill): set by the conversion for a DCP output written from
     # record templates (:func:`writes_computed`); a unit then holds no output tensor, and counts none.
     computed_writes: bool = False
+    order: list[str] = field(default_factory=list)  # every key, tensors and values, as the source has them
+
+    def keys(self) -> tuple[str, ...]:
+        return tuple(self.order)
 
     def _stored(self, keys: Iterable[str]) -> list[str]:
         """The inner keys that ``keys`` read."""
@@ -231,14 +235,19 @@ def dequantized_source(source: Source, dtype: torch.dtype, block: tuple[int, int
     view = DequantizedSource.around(source, values=source.values, dtype=dtype, block=block)
     scales = {p.scale for p in pairs.values()}
     by_values = {p.values: out for out, p in pairs.items()}
-    for key, entry in source.entries.items():
+    for key in source.keys():  # noqa: SIM118 (a Source is not a dict: its keys in order)
+        entry = source.entries.get(key)
         if key in scales:
             continue
         out = by_values.get(key)
         if out is None:
-            view.entries[key] = entry
-            view.mapping[key] = source.mapping.get(key, (key,))
+            view.order.append(key)
+            if entry is not None:
+                view.entries[key] = entry
+                view.mapping[key] = source.mapping.get(key, (key,))
             continue
+        assert entry is not None  # (a pair's values are a tensor)
+        view.order.append(out)
         pair = pairs[out]
         shape = entry.shape if pair.kind == "fp8" else mxfp4_shape(entry.shape)
         view.entries[out] = Entry(out, dtype, tuple(shape), entry.file)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import io
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,9 +108,13 @@ def write_part(
     chunks: Sequence[tuple[Chunk, torch.Tensor | StreamedTensor | PendingTensor]],
     part_idx: int,
     file_tag: str,
+    stated: Callable[[str], TensorProperties | None] | None = None,
 ) -> LeanPart:
     """Write one task's keys and chunks as one shard file, laid out as :func:`partial_save` lays
-    it out (values first, then whole tensors in order, then chunks)."""
+    it out (values first, then whole tensors in order, then chunks). Each tensor's
+    ``requires_grad`` and ``pin_memory`` are the tensor's own, or what ``stated`` says of its key
+    (a DCP source's ``.metadata``: ``Source.stated_properties``), as ``dcp.save`` records a
+    tensor with those properties."""
     name = file_name(part_idx, file_tag)
     values = [(key, value) for key, value in whole.items() if not isinstance(value, _TENSORS)]
     tensors = [(key, value) for key, value in whole.items() if isinstance(value, _TENSORS)]
@@ -124,17 +128,17 @@ def write_part(
     for key, tensor in tensors:
         offset, length = next(at)
         size = tuple(tensor.shape)
-        part.tensors.append(
-            (key, tensor.dtype, tensor.requires_grad, tensor.is_pinned(), size, None, size, offset, length)
-        )
+        grad, pinned = _flags(key, tensor, stated)
+        part.tensors.append((key, tensor.dtype, grad, pinned, size, None, size, offset, length))
     for chunk, tensor in chunks:
         offset, length = next(at)
+        grad, pinned = _flags(chunk.key, tensor, stated)
         part.tensors.append(
             (
                 chunk.key,
                 tensor.dtype,
-                tensor.requires_grad,
-                tensor.is_pinned(),
+                grad,
+                pinned,
                 chunk.shape,
                 chunk.offsets,
                 chunk.sizes,
@@ -145,6 +149,14 @@ def write_part(
     part.digests = writer.digests()
     part.descriptors = writer.descriptors()
     return part
+
+
+def _flags(key: str, tensor: Any, stated: Callable[[str], TensorProperties | None] | None) -> tuple[bool, bool]:
+    """``(requires_grad, pin_memory)`` recorded for ``key``: as stated by the source, else the tensor's."""
+    found = stated(key) if stated is not None else None
+    if found is not None:
+        return bool(found.requires_grad), bool(found.pin_memory)
+    return tensor.requires_grad, tensor.is_pinned()
 
 
 def encode(part: LeanPart, mapping: Mapping[str, tuple[Any, ...]], positions: Mapping[str, int]) -> LeanPart:

@@ -7,7 +7,7 @@ inner source under the old name, so a rename never changes a byte.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +16,8 @@ import torch
 from parallel_dcp.formats.base import Source
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
     from parallel_dcp.engine.chunks import Chunk
 
 __all__ = ["RenamedSource"]
@@ -34,6 +36,23 @@ class RenamedSource(Source):
 
     def close(self) -> None:
         self._inner().close()
+
+    def keys(self) -> tuple[str, ...]:
+        """The selected keys, renamed, in the order they were selected."""
+        return tuple(self.old_names)
+
+    def stated_properties(self) -> Callable[[str], TensorProperties | None] | None:
+        """The inner source's, asked under the old names."""
+        inner = self._inner().stated_properties()
+        if inner is None:
+            return None
+        old_names = self.old_names
+
+        def stated(key: str) -> TensorProperties | None:
+            old = old_names.get(key)
+            return inner(old) if old is not None else None
+
+        return stated
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         keys = list(keys)

@@ -44,6 +44,7 @@ __all__ = [
     "INDEX_NAME",
     "SafetensorsSource",
     "embedded_checksums",
+    "header_metadata",
     "is_safetensors",
     "shard_names",
     "write",
@@ -138,6 +139,29 @@ def _coverage(file: str) -> str | None:
     return None
 
 
+def _data_start(item: tuple[str, Any]) -> int:
+    """Where a header entry's data starts (a malformed entry sorts first, to be refused by name)."""
+    try:
+        return int(item[1]["data_offsets"][0])
+    except (KeyError, TypeError, ValueError, IndexError):
+        return -1
+
+
+def header_metadata(stated: list[dict[str, str]]) -> dict[str, str]:
+    """What a safetensors output carries on of its source's ``__metadata__`` (``stated``: each
+    shard's): every entry on which the shards that state it agree, except parallel_dcp's own
+    checksums (:data:`EMBEDDED_KEY`), which describe the source's file and are made anew for the
+    output. An entry the shards disagree on describes one shard, not the model: it is left out
+    (output shards hold other tensors than the source's)."""
+    merged: dict[str, str] = {}
+    clashing: set[str] = {EMBEDDED_KEY}
+    for metadata in stated:
+        for key, value in metadata.items():
+            if merged.setdefault(key, value) != value:
+                clashing.add(key)
+    return {key: value for key, value in merged.items() if key not in clashing}
+
+
 def _remote_header(remote: Remote, *, keep_metadata: bool = False) -> tuple[int, dict[str, Any]]:
     """Where the data starts, and the JSON header (without ``__metadata__`` unless
     ``keep_metadata``): two ranged reads, no tensor bytes."""
@@ -185,6 +209,7 @@ class SafetensorsSource(Source):
         check_index(self.location, INDEX_NAME, self.files, {key: entry.file for key, entry in self.entries.items()})
 
     def _list_local(self) -> None:
+        stated: list[dict[str, str]] = []
         for file in self.files:
             try:
                 with opened_for_library(file) as name:
@@ -195,7 +220,9 @@ class SafetensorsSource(Source):
                 said = _coverage(file)  # the library's "file not fully covered", in our words
                 raise CorruptCheckpointError(said or f"{file} is not a readable safetensors file: {exc}") from exc
             with handle as f:
-                for key in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                stated.append(f.metadata() or {})
+                # by offset, as load_file gives them (older libraries: by name)
+                for key in getattr(f, "offset_keys", f.keys)():
                     piece = f.get_slice(key)
                     dtype = _DTYPES.get(piece.get_dtype())
                     if dtype is None:
@@ -203,13 +230,19 @@ class SafetensorsSource(Source):
                     if key in self.entries:
                         raise CorruptCheckpointError(f"{self.path}: tensor {key!r} is in two shards")
                     self.entries[key] = Entry(key, dtype, tuple(piece.get_shape()), file)
+        self.header_metadata = header_metadata(stated)
 
     def _list_remote(self, location: Remote) -> None:
+        stated: list[dict[str, str]] = []
         for file in self.files:
             remote = Remote(file, location.options)
-            start, header = _remote_header(remote)
+            start, header = _remote_header(remote, keep_metadata=True)
+            metadata = header.pop("__metadata__", None)
+            # (not text to text: the library refuses such a file; nothing of it is carried here)
+            ok = isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+            stated.append(metadata if ok else {})
             total = remote.size()
-            for key, info in header.items():
+            for key, info in sorted(header.items(), key=_data_start):  # by offset, as load_file gives them
                 try:
                     dtype = _DTYPES.get(info["dtype"])
                     shape = tuple(int(n) for n in info["shape"])
@@ -230,6 +263,7 @@ class SafetensorsSource(Source):
                     raise CorruptCheckpointError(
                         f"{file}: tensor {key!r} has {end - first} bytes for its shape and dtype"
                     )
+        self.header_metadata = header_metadata(stated)
 
     def _read_range(self, key: str, first: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Bytes of ``key`` from ``first`` on (relative to its data) into a tensor of ``shape``."""
@@ -418,8 +452,14 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}{_SUFFIX}" for i in range(count)]
 
 
-def write_shard(tensors: dict[str, torch.Tensor], path: str) -> None:
-    """Write one shard. Tensors that share storage are copied apart (safetensors refuses sharing)."""
+def _ours(metadata: dict[str, str] | None) -> dict[str, str]:
+    """A header's ``__metadata__``: the source's (``metadata``), then ours over it."""
+    return {**(metadata or {}), "format": "pt"}
+
+
+def write_shard(tensors: dict[str, torch.Tensor], path: str, *, metadata: dict[str, str] | None = None) -> None:
+    """Write one shard (``metadata``: the source's ``__metadata__``, carried on under ours).
+    Tensors that share storage are copied apart (safetensors refuses sharing)."""
     seen: set[tuple[int, int]] = set()
     ready = {}
     for key, tensor in tensors.items():
@@ -429,7 +469,7 @@ def write_shard(tensors: dict[str, torch.Tensor], path: str) -> None:
             t = t.clone()
         seen.add(ident)
         ready[key] = t
-    save_file(ready, path, metadata={"format": "pt"})
+    save_file(ready, path, metadata=_ours(metadata))
     # The safetensors library creates its files 0600; an output gets the mode any new file gets.
     os.chmod(path, new_file_mode())
 
@@ -440,16 +480,24 @@ def _in_flight(nbytes: int) -> int:
     return 3 * min(nbytes, MIN_PART_BYTES)
 
 
-def write_stream(tensors: dict[str, torch.Tensor], stream: Any, *, checksums: bool | None = None) -> None:
+def write_stream(
+    tensors: dict[str, torch.Tensor],
+    stream: Any,
+    *,
+    checksums: bool | None = None,
+    metadata: dict[str, str] | None = None,
+) -> None:
     """Write one safetensors file to a write stream, a tensor at a time (object storage uploads).
 
     The layout is the format's own: an 8-byte little-endian header length, the JSON header
     (padded with spaces to 8 bytes), then every tensor's bytes back to back in header order.
     ``checksums`` (not None): the header's ``__metadata__`` also carries the file's own record
     (:func:`parallel_dcp.storage.manifest.embedded_record`; sizes only when False), so the file is
-    verifiable alone; the data is hashed from memory before the header is written.
+    verifiable alone; the data is hashed from memory before the header is written. ``metadata``:
+    the source's ``__metadata__`` (:func:`header_metadata`), carried on; ours (``format``, the
+    checksums) is written over it, never the other way round.
     """
-    metadata = {"format": "pt"}
+    metadata = _ours(metadata)
     index: dict[str, Any] = {}
     ready = []
     offset = 0
@@ -503,19 +551,30 @@ def embedded_checksums(path: Location) -> tuple[int, FileDigest, FileDigest, Fil
 
 
 def write_verifiable(
-    tensors: dict[str, Any], where: Any, mapping: dict[str, tuple[Any, ...]] | None = None, *, checksums: bool = True
+    tensors: dict[str, Any],
+    where: Any,
+    mapping: dict[str, tuple[Any, ...]] | None = None,
+    *,
+    checksums: bool = True,
+    metadata: dict[str, str] | None = None,
 ) -> None:
     """As :func:`write`, to a stream, with the file's checksums in its header (a single-file output)."""
-    write_stream(tensors, where, checksums=checksums)
+    write_stream(tensors, where, checksums=checksums, metadata=metadata)
 
 
-def write(tensors: dict[str, Any], where: Any, mapping: dict[str, tuple[Any, ...]] | None = None) -> None:
+def write(
+    tensors: dict[str, Any],
+    where: Any,
+    mapping: dict[str, tuple[Any, ...]] | None = None,
+    *,
+    metadata: dict[str, str] | None = None,
+) -> None:
     """Write one safetensors file to a path (``save_file``) or a write stream; a flat format, so
-    ``mapping`` (nesting) does not apply."""
+    ``mapping`` (nesting) does not apply; ``metadata``: the source's ``__metadata__``, carried on."""
     if isinstance(where, str):
-        write_shard(tensors, where)
+        write_shard(tensors, where, metadata=metadata)
     else:
-        write_stream(tensors, where)
+        write_stream(tensors, where, metadata=metadata)
 
 
 FORMAT = FileFormat(
@@ -528,4 +587,5 @@ FORMAT = FileFormat(
     dtypes=frozenset(_NAMES),
     reserved_keys=frozenset({"__metadata__"}),
     write_verifiable=write_verifiable,
+    carries_metadata=True,
 )

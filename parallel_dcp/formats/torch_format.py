@@ -119,6 +119,8 @@ class TorchSource(Source):
     _lazy: set[str] = field(default_factory=set, repr=False)
     # The job's memory limit: a legacy file (loaded whole) larger than it is refused before it is read.
     memory_limit: int | None = field(default=None, repr=False)
+    # Every key, tensors and values, in the files' order (torch.load's): what keys() gives.
+    _order: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.kind = "torch"
@@ -155,6 +157,7 @@ class TorchSource(Source):
                 if key in self.entries or key in self.values:
                     raise ValueError(f"{self.path}: key {key!r} is in two shards")
                 holders[key] = origin[file]
+                self._order.append(key)
                 if isinstance(value, torch.Tensor):
                     self.entries[key] = entry_of(key, value, file)
                     if lazy_bits(value, value.dtype) is not None:
@@ -164,6 +167,9 @@ class TorchSource(Source):
             if len(self.files) == 1:
                 self.mapping = mapping
         check_index(self.location, INDEX_NAME, self.files, holders)
+
+    def keys(self) -> tuple[str, ...]:
+        return tuple(self._order)
 
     def _refuse_legacy_over_limit(self, files: list[str]) -> None:
         """Legacy files are loaded whole into this process when opened, before any plan: where

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from parallel_dcp.formats.base import Source
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorProperties
 
 __all__ = ["WrappedSource"]
 
@@ -28,6 +31,7 @@ class WrappedSource(Source):
             files=list(source.files),
             storage_options=source.storage_options,
             trust_pickle=source.trust_pickle,
+            header_metadata=source.header_metadata,
             inner=source,
             **fields,
         )
@@ -44,3 +48,7 @@ class WrappedSource(Source):
 
     def value_bytes(self, key: str) -> int:
         return self._inner().value_bytes(key)
+
+    def stated_properties(self) -> Callable[[str], TensorProperties | None] | None:
+        """The inner source's, for the keys it holds under the same name (a computed scale: none)."""
+        return self._inner().stated_properties()

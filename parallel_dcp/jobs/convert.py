@@ -98,7 +98,7 @@ def select_keys(source: Source, patterns: str | Sequence[str] | None) -> tuple[s
         KeyPatternError: a bad regular expression (a ValueError).
         ValueError: patterns that select nothing (the keys are listed so the user can correct them).
     """
-    keys = list(source.entries) + [k for k in source.values if k not in source.entries]
+    keys = list(source.keys())
     if patterns is None:
         return tuple(keys)
     patterns = patterns_of(patterns)

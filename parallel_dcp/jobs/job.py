@@ -167,4 +167,6 @@ class Job:
                 value = value.materialize()  # cast: the bytes must be here
             if isinstance(value, torch.Tensor) and self.out_dtype(value.dtype, key) != value.dtype:
                 data[unit] = value.to(self.out_dtype(value.dtype, key))
-        return data
+        # In the task's order, tensors and values interleaved as in the source: a torch.save
+        # output nests them again in this order (tensors first would reorder every level).
+        return {unit: data[unit] for unit in units}

@@ -196,7 +196,7 @@ def _dcp_cast(
 def _selected(source: Source, keys: str | Iterable[str] | None, flat_into: dict[str, Any] | None) -> list[str]:
     """The keys to load: names or patterns (as ``convert``'s ``keys``) among the source's keys, or
     among ``into``'s; every one must be in the source."""
-    stored = [*source.entries, *source.values]
+    stored = list(source.keys())  # the source's order (safetensors: load_file's, by offset)
     if flat_into is not None:
         selected = list(flat_into) if keys is None else select(list(flat_into), keys, "into")
         missing = [k for k in selected if k not in source.entries and k not in source.values]

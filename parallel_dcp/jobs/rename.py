@@ -216,6 +216,7 @@ def rename_source(
         kind=source.kind,
         files=list(source.files),
         storage_options=source.storage_options,
+        header_metadata=source.header_metadata,  # the file's own annotation: names do not change it
         inner=source,
     )
     for old, new in new_of.items():

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from functools import partial
 from operator import itemgetter
 from pathlib import Path
@@ -251,7 +252,9 @@ class DcpTarget(Target):
         chunks = [(job.chunks[u], v) for u, v in data.items() if u in job.chunks]
         try:
             if lean.lean_eligible(data.values()):
-                return lean.write_part(writer, whole, chunks, task.index, staging.save_id)
+                # (a DCP source's values unpickle weights-only and its tensors are plain: always here)
+                stated = job.source.stated_properties()
+                return lean.write_part(writer, whole, chunks, task.index, staging.save_id, stated)
             planner = ChunkSavePlanner(chunks)
             metadata, writes = partial_save(whole, writer, planner, part_idx=task.index, file_tag=staging.save_id)
         except BaseException as exc:
@@ -368,9 +371,10 @@ class ShardedTarget(Target):
     def write(self, job: Job, task: Task, data: dict[str, Any], staging: WriteLocation, options: Options) -> Any:
         name = self._shard_names(self._count)[task.index]
         where = staging.file(name)  # a hidden temporary name until the commit renames it (local)
+        file_format = _carrying(self.format, job.source)
         if isinstance(where, Remote):
-            return {name: _write_remote(where, self.format, data, task.nbytes, options)}
-        return {name: _write_local(self, where, data, None, task.nbytes, options)}
+            return {name: _write_remote(where, file_format, data, task.nbytes, options)}
+        return {name: _write_local(self, where, data, None, task.nbytes, options, file_format)}
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         digests: dict[str, FileDigest] = {}
@@ -438,7 +442,7 @@ class FileTarget(Target):
         if self.format.write_verifiable is not None:  # the file carries its own checksums
             writer = partial(self.format.write_verifiable, checksums=options.checksums)
             options = dataclasses.replace(options, checksums=False)  # no sidecar: count, do not hash again
-        file_format = dataclasses.replace(self.format, write=writer)
+        file_format = _carrying(dataclasses.replace(self.format, write=writer), job.source)
         if isinstance(where, Remote):
             return _write_remote(where, file_format, data, task.nbytes, options, mapping)
         return _write_local(self, where, data, mapping, task.nbytes, options, file_format)
@@ -453,6 +457,16 @@ class FileTarget(Target):
             )
         staging.commit(staged=[self.path.name], extras=extras)  # one atomic rename (local); the upload (remote)
         return 1
+
+
+def _carrying(file_format: FileFormat, source: Source) -> FileFormat:
+    """``file_format`` writing ``source``'s own header metadata into each file, where the format
+    holds such metadata and the source has some (safetensors' ``__metadata__``, from a safetensors
+    source: ``format`` and parallel_dcp's checksums are written over it, never taken from it)."""
+    if not file_format.carries_metadata or not source.header_metadata:
+        return file_format
+    write: Callable[..., None] = file_format.write  # (such a format's writer takes metadata=)
+    return dataclasses.replace(file_format, write=partial(write, metadata=source.header_metadata))
 
 
 class _Hashing:
