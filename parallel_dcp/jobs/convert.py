@@ -256,12 +256,14 @@ def _convert_job(
     if quantization is not None and quantization.dequantize:
         source = dequantize_step(source, quantization)
     selected = select_keys(source, keys)
-    if not target.holds_empty:  # a torch.save source's empty mappings: dropped, as DCP drops them
-        selected = tuple(k for k in selected if not empty_mapping(source.values.get(k)))
     # Before any write: the files the selection needs are all there and long enough, and its
-    # non-tensor values unpickle safely (an unsafe one is refused here, by name).
+    # non-tensor values unpickle safely (an unsafe one is refused here, by name). The values are
+    # read together, before anything looks at one: read one at a time, each read walked all of
+    # .metadata (a DCP source of 3,000 values: 9.5 s).
     source.check(k for k in selected if k in source.entries or k in source.values)
     source.load_values(k for k in selected if k not in source.entries)
+    if not target.holds_empty:  # a torch.save source's empty mappings: dropped, as DCP drops them
+        selected = tuple(k for k in selected if not empty_mapping(source.values.get(k)))
     if dtype is not None and (quantization is None or not (quantization.dequantize or quantization.quantize)):
         refuse_cast_of_pairs(source, selected, dtype)
     if steps.preset is not None:
