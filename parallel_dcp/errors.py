@@ -34,6 +34,7 @@ __all__ = [
     "RemoteTraceback",
     "ResumeError",
     "SourceChecksumError",
+    "SourceNotCheckedWarning",
     "StalePlan",
     "TaskTimeoutError",
     "UnsafeCheckpointError",
@@ -290,6 +291,11 @@ class ResumeError(ParallelDCPError, ValueError):
     def __init__(self, message: str, *, reasons: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.reasons = list(reasons)
+
+
+class SourceNotCheckedWarning(UserWarning):
+    """A conversion's source carries a checksum record that cannot be read (a link, another
+    tool's entry, a damaged record): it converts without that check; ``verify`` reports the record."""
 
 
 class RenameWarning(UserWarning):

@@ -262,3 +262,23 @@ def test_a_safetensors_source_on_object_storage(tmp_path: Path) -> None:
     assert got["source"] == "x" and got["parallel_dcp"] != "old"
     assert list(st.load_file(tmp_path / "out.safetensors")) == list(expected)
     assert parallel_dcp.verify(tmp_path / "out.safetensors").ok
+
+
+def test_metadata_too_large_for_the_output_header_is_left_out_with_a_warning(tmp_path) -> None:
+    """A source header near the library's 100,000,000-byte limit loads; carried on with our own
+    entries over it, the output's header passed the limit and no reader could open it."""
+    import warnings as _warnings
+
+    from safetensors.torch import load_file as _load_file
+    from safetensors.torch import save_file as _save_file
+
+    from parallel_dcp.jobs.targets import CARRIED_METADATA_MAX_BYTES
+
+    src = tmp_path / "big.safetensors"
+    _save_file({"w": torch.ones(4)}, src, metadata={"notes": "x" * (CARRIED_METADATA_MAX_BYTES + 1), "k": "v"})
+    out = tmp_path / "out.safetensors"
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        parallel_dcp.convert(src, out, workers=1)
+    assert any("is not carried" in str(w.message) for w in caught)
+    assert torch.equal(_load_file(out)["w"], torch.ones(4))

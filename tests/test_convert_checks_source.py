@@ -30,11 +30,15 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 def _flip(path: Path, at: int) -> None:
+    """A byte flipped as a device flips it: the file's modification time stays (a file written
+    after its checksums were recorded is taken as rewritten, its record stale)."""
+    before = path.stat()
     with open(path, "r+b") as f:
         f.seek(at)
         byte = f.read(1)[0]
         f.seek(at)
         f.write(bytes([byte ^ 0x5A]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
 def _dcp_source(tmp: Path) -> Path:
@@ -155,3 +159,27 @@ def test_an_intact_checksummed_source_converts(tmp_path: Path) -> None:
     for out, workers in (("a.safetensors", 2), ("b_dcp", 1), ("c.pt", 2)):
         parallel_dcp.convert(clean, tmp_path / out, workers=workers)
         assert parallel_dcp.verify(tmp_path / out, against=clean).ok
+
+
+def test_a_file_rewritten_after_its_record_converts_with_a_warning(tmp_path: Path) -> None:
+    """A training loop's torch.save over a model.pt we once wrote leaves our sidecar record
+    stale: the file is not damaged, and converts (unchecked, said so), as before the check."""
+    src = tmp_path / "model.pt"
+    parallel_dcp.convert(_dcp_source_clean(tmp_path), src, workers=1)
+    record = src.with_name("model.pt.manifest.json").stat()
+    newer = {"w": torch.ones(3)}
+    torch.save(newer, src)
+    os.utime(src, ns=(record.st_atime_ns, record.st_mtime_ns + 1_000_000_000))  # written after the record
+    with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match="changed after model.pt.manifest.json"):
+        parallel_dcp.convert(src, tmp_path / "out", workers=1)
+    assert torch.equal(parallel_dcp.load(tmp_path / "out")["w"], newer["w"])
+
+
+def test_a_record_it_cannot_read_converts_with_a_warning(tmp_path: Path) -> None:
+    """Another tool's "parallel_dcp" header entry is no checksum record of ours: it proves nothing
+    about the data, so the file converts (unchecked, said so)."""
+    src = tmp_path / "other.safetensors"
+    save_file({"w": torch.ones(3)}, src, metadata={"parallel_dcp": "not ours"})
+    with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match="not checked"):
+        parallel_dcp.convert(src, tmp_path / "out", workers=1)
+    assert torch.equal(parallel_dcp.load(tmp_path / "out")["w"], torch.ones(3))

@@ -4,6 +4,9 @@ and, for file-based formats, how to write one (:class:`FileFormat`).
 A :class:`Source` is opened once in the coordinator (which lists it, reading headers only) and
 read from in forked workers. Anything a worker opens (an mmap, a file handle) is opened lazily in
 that worker and never shared, so a source is safe to fork before its first :meth:`Source.read`.
+
+Longer than 300 lines because the two contracts every format implements (what a source lists and
+states, what a file format writes) are documented here in one place, field by field.
 """
 
 from __future__ import annotations

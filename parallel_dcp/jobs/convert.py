@@ -45,7 +45,7 @@ from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
 from parallel_dcp.jobs.source_check import source_checks
 from parallel_dcp.jobs.streamed import measured_stream_source, stream_source
-from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for
+from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for, warn_metadata_left_out
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import Remote, is_url, locate, same_place
@@ -294,4 +294,5 @@ def _convert_job(
             )
     job = Job(source, selected, dtype, keep_dtype=keep if dtype is not None else frozenset())
     target.check_holds(job)
+    warn_metadata_left_out(target, job.source)
     return job

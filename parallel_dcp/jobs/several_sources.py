@@ -19,9 +19,10 @@ def convert_all(
     sources: Sequence[str | os.PathLike[str]], outputs: Sequence[str], options: Options, **each: Any
 ) -> list[SaveResult | DryRunPlan]:
     """:func:`convert_one` of each source into its output. With several, every source is opened
-    first: a damaged later one fails before anything is written (it failed after the earlier
-    outputs were committed, and the error did not say so); a failure past that names the
-    outputs committed before it."""
+    first: a later one that cannot be opened fails before anything is written (it failed after
+    the earlier outputs were committed, and the error did not say so); a failure past that (a
+    source's bytes that do not match its checksums are found only as its own job reads them)
+    names the outputs committed before it."""
     if len(sources) > 1:
         for src in sources:
             trust = each.get("trust_pickle", False)

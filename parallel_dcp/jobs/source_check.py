@@ -25,13 +25,14 @@ docs/guarantees.md says the same.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
-from parallel_dcp.errors import SourceChecksumError, WorkerError
+from parallel_dcp.errors import CorruptCheckpointError, SourceChecksumError, SourceNotCheckedWarning, WorkerError
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dcp_format import DcpSource
 from parallel_dcp.formats.renamed_source import RenamedSource
@@ -96,19 +97,60 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
         return None
     if isinstance(source.location, Remote) or not isinstance(source, (DcpSource, SafetensorsSource, TorchSource)):
         return None
-    recorded = recorded_checksums(source)
+    try:
+        recorded = recorded_checksums(source)
+    except CorruptCheckpointError as exc:
+        # A record that cannot be read (by the one rule: a Hugging Face cache snapshot's record is
+        # a link into its blobs; or another tool's "parallel_dcp" header entry) proves nothing
+        # about the data: converted unchecked, and said so (verify reports the record).
+        warnings.warn(f"{source.path}: not checked against its checksums: {exc}", SourceNotCheckedWarning, stacklevel=2)
+        return None
     if recorded is None:
         return None
     record = _record_name(source)
     if recorded.problems:  # the safetensors header differs from the one recorded (read on open)
         raise SourceChecksumError(f"{source.path}: {recorded.problems[0]}; {_ADVICE}")
     stored = _keys_by_file(source)
+    written = _record_written(source, record, recorded.directory)
+    named = [(name, digest) for name, digest in recorded.files.items() if digest.digest is not None and name in stored]
+    stale = [name for name, _ in named if _changed_since(recorded.directory / name, written)]
+    if stale:
+        warnings.warn(
+            f"{source.path}: not checked against its checksums: {', '.join(stale[:3])}"
+            f"{f' and {len(stale) - 3} more' if len(stale) > 3 else ''} changed after {record} was written "
+            "(rewritten by another program: the record is stale)",
+            SourceNotCheckedWarning,
+            stacklevel=2,
+        )
     files = tuple(
         CheckedFile(os.fspath(recorded.directory / name), recorded.starts.get(name, 0), digest, stored[name], record)
-        for name, digest in recorded.files.items()
-        if digest.digest is not None and name in stored
+        for name, digest in named
+        if name not in stale
     )
     return SourceChecks(files, source, old_names) if files else None
+
+
+def _record_written(source: Source, record: str, directory: Any) -> int | None:
+    """When a sidecar record was last written (ns), None for a header's own (written with the file)."""
+    if source.kind == "safetensors" and not source.location.is_dir():
+        return None
+    try:
+        return os.lstat(directory / record).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _changed_since(path: Any, written: int | None) -> bool:
+    """A file modified after its sidecar record was written (a training loop's torch.save over
+    ``model.pt``, ``save_pretrained`` over a shard) is not what the record describes: the record
+    is stale, not the file damaged. Our writers write each file before its record; a flipped bit
+    on the device changes no modification time."""
+    if written is None:
+        return False
+    try:
+        return os.lstat(path).st_mtime_ns > written
+    except OSError:
+        return False
 
 
 def _record_name(source: Source) -> str:

@@ -12,8 +12,10 @@ committing. The job they write is :mod:`parallel_dcp.jobs.job`'s.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from functools import partial
@@ -51,13 +53,16 @@ from parallel_dcp.storage.writers import ShardWriter
 AnyStaging = Staging  # kept for callers that imported the old union
 
 __all__ = [
+    "CARRIED_METADATA_MAX_BYTES",
     "DcpTarget",
     "FileTarget",
     "Job",
     "ShardedTarget",
     "Target",
+    "carried_metadata",
     "prepare_io",
     "target_for",
+    "warn_metadata_left_out",
 ]  # (Job: jobs/job.py)
 
 
@@ -463,10 +468,44 @@ def _carrying(file_format: FileFormat, source: Source) -> FileFormat:
     """``file_format`` writing ``source``'s own header metadata into each file, where the format
     holds such metadata and the source has some (safetensors' ``__metadata__``, from a safetensors
     source: ``format`` and parallel_dcp's checksums are written over it, never taken from it)."""
-    if not file_format.carries_metadata or not source.header_metadata:
+    carried = carried_metadata(source)
+    if not file_format.carries_metadata or not carried:
         return file_format
     write: Callable[..., None] = file_format.write  # (such a format's writer takes metadata=)
-    return dataclasses.replace(file_format, write=partial(write, metadata=source.header_metadata))
+    return dataclasses.replace(file_format, write=partial(write, metadata=carried))
+
+
+def carried_metadata(source: Source) -> dict[str, str]:
+    """The source's header metadata an output carries on: none where it is larger than
+    :data:`CARRIED_METADATA_MAX_BYTES` (:func:`warn_metadata_left_out` says so before planning)."""
+    metadata = source.header_metadata
+    return metadata if metadata and _json_size(metadata) <= CARRIED_METADATA_MAX_BYTES else {}
+
+
+def warn_metadata_left_out(target: Target, source: Source) -> None:
+    """In the caller, before anything is written: a source's header metadata too large to carry
+    into ``target``'s files (its header must stay readable) is left out, with a warning."""
+    file_format = getattr(target, "format", None)
+    if file_format is None or not file_format.carries_metadata or not source.header_metadata:
+        return
+    size = _json_size(source.header_metadata)
+    if size > CARRIED_METADATA_MAX_BYTES:
+        warnings.warn(
+            f"{source.path}: its safetensors __metadata__ ({size:,} bytes) is not carried into the output: "
+            f"more than {CARRIED_METADATA_MAX_BYTES:,} bytes of it could push the output's header past the "
+            "100,000,000 bytes the safetensors library reads",
+            stacklevel=3,
+        )
+
+
+def _json_size(metadata: dict[str, str]) -> int:
+    return len(json.dumps(metadata, separators=(",", ":")).encode())
+
+
+# The most of a source's safetensors ``__metadata__`` a conversion carries on (model cards and
+# training notes are kilobytes; the whole header, tensor index included, must stay under the
+# library's 100,000,000 bytes).
+CARRIED_METADATA_MAX_BYTES = 1024 * 1024
 
 
 class _Hashing:
