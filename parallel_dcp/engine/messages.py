@@ -1,7 +1,11 @@
 """What the coordinator of a :class:`~parallel_dcp.engine.pool.WorkerPool` sends its workers
 besides plain tasks, ``gc_paused``, which both sides use around their pickles, and how a result's
 large bytes travel back (:func:`pickled_result`). (Kept apart from engine/pool.py, whose failure
-handling is long enough on its own.)"""
+handling is long enough on its own.)
+
+Longer than 300 lines because a reply's framing is written and read here on both sides (the
+worker's one ``sendmsg`` of reply and memory file, the coordinator's exact reads of it): split,
+the two halves of one wire format would live apart."""
 
 from __future__ import annotations
 
