@@ -128,3 +128,32 @@ def test_another_users_dead_save_is_left_as_it_is(tmp_path: Path) -> None:
     parallel_dcp.convert(src, folder / "a.pt", workers=1)
     assert {k: v for k, v in _state(folder).items() if k in before} == before
     assert torch.equal(parallel_dcp.load(folder / "a.pt")["a"], torch.ones(4))
+
+
+def test_an_overwrite_says_which_files_of_another_user_it_kept(tmp_path: Path) -> None:
+    """Root's old shards in a directory of this user's, overwritten by this user: kept (only their
+    owner deletes them), and the run says so, naming them, instead of exiting quietly (review R1)."""
+    out = tmp_path / "out"
+    parallel_dcp.save({"w": torch.ones(64)}, out, workers=1)
+    shards = sorted(p.name for p in out.glob("*.distcp"))
+    _give_away(out, [*shards, ".metadata"])
+    with pytest.warns(UserWarning, match=rf"not yours \({shards[0]}"):
+        parallel_dcp.save({"w": torch.zeros(64)}, out, workers=1, overwrite=True)
+    assert all((out / name).exists() for name in shards)
+    assert torch.equal(parallel_dcp.load(out)["w"], torch.zeros(64))
+
+
+def test_a_lock_file_of_another_user_is_named_with_its_owner(tmp_path: Path) -> None:
+    """Another user's lock left in a shared directory: the error names whose it is (review R2)."""
+    from parallel_dcp.storage.lock import _whose
+
+    where = _shared(tmp_path / "shared")
+    (where / ".lock").write_text("{}")
+    _give_away(where, [".lock"])
+    fd = os.open(where, os.O_RDONLY)
+    try:
+        assert "uid 12345" in _whose(fd, ".lock") and "only that user or root" in _whose(fd, ".lock")
+        os.chown(where / ".lock", os.geteuid(), -1)
+        assert _whose(fd, ".lock") == ""
+    finally:
+        os.close(fd)

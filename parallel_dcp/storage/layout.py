@@ -68,6 +68,19 @@ class Layout:
             found |= {name for name in self.shards(where) if written_by_us(where / name)}
         return {check_name(n, where) for n in found}
 
+    def kept_of_others(self, where: Location) -> list[str]:
+        """The shards the checkpoint's record names that an overwrite keeps because this user did
+        not write them (or the record): another user's files, which only they may delete."""
+        names = listing(where)
+        if isinstance(where, Remote) or self.record not in names or not self.holds_checkpoint(where, names):
+            return []
+        try:
+            named = self.shards(where)
+        except (CorruptCheckpointError, OSError):
+            return []
+        ours = written_by_us(where / self.record)
+        return sorted(n for n in named if n in names and not (ours and written_by_us(where / n)))
+
 
 def written_by_us(path: Location) -> bool:
     """The one rule for what a file found in a destination may decide: a record (an owner, job or

@@ -15,6 +15,7 @@ import contextlib
 import errno
 import json
 import os
+import warnings
 from abc import abstractmethod
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -436,6 +437,16 @@ class LocalDirStaging(_LocalStaging):
                     f"{self._dir} already holds a checkpoint; pass overwrite=True (--overwrite) to replace it"
                 )
             protect_sources(self._dir, self.layout.owned(self._dir), self.protect)
+            kept = self.layout.kept_of_others(self._dir)
+            if kept:
+                warnings.warn(
+                    f"{self._dir}: {len(kept)} file{'s' if len(kept) > 1 else ''} of the checkpoint being replaced "
+                    f"{'are' if len(kept) > 1 else 'is'} not yours ({', '.join(kept[:3])}"
+                    f"{f' and {len(kept) - 3} more' if len(kept) > 3 else ''}, or the record naming them is "
+                    "another user's): kept beside the new checkpoint, never deleted on another user's behalf; "
+                    "their owner (or root) can remove them",
+                    stacklevel=2,
+                )
         elif names:
             raise InvalidDestinationError(
                 f"{self._dir} is a non-empty directory that is not a {self.layout.name}; "

@@ -14,6 +14,7 @@ import errno
 import fcntl
 import json
 import os
+import pwd
 import stat
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,7 @@ def _open_lock(directory: int, name: str, shown: str) -> int:
                 f"{shown} is a symbolic link; refusing to follow it (someone else may write this directory): "
                 "remove it and run again"
             ) from None
-        raise InvalidDestinationError(f"cannot create {shown}: {exc.strerror}") from exc
+        raise InvalidDestinationError(f"cannot create {shown}: {exc.strerror}{_whose(directory, name)}") from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -103,6 +104,25 @@ def _open_lock(directory: int, name: str, shown: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _whose(directory: int, name: str) -> str:
+    """Where the lock file cannot be opened because another user owns it (a save of theirs, perhaps
+    one that died, in a shared directory): whose it is, and who can remove it."""
+    try:
+        st = os.lstat(name, dir_fd=directory)
+    except OSError:
+        return ""
+    if st.st_uid == os.geteuid():
+        return ""
+    try:
+        owner = f"user {pwd.getpwuid(st.st_uid).pw_name} (uid {st.st_uid})"
+    except KeyError:
+        owner = f"uid {st.st_uid}"
+    return (
+        f": it belongs to {owner}, whose save to this place holds or held it (one that died leaves it); "
+        "only that user or root can remove it, or write to a directory only you use"
+    )
 
 
 def _holder(fd: int) -> str:
