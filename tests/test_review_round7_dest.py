@@ -157,3 +157,26 @@ def test_a_lock_file_of_another_user_is_named_with_its_owner(tmp_path: Path) -> 
         assert _whose(fd, ".lock") == ""
     finally:
         os.close(fd)
+
+
+def test_another_users_checkpoint_in_a_sticky_directory_is_refused_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a file's owner may replace it in a sticky directory another user owns: an overwrite of
+    another user's checkpoint there did all the work and then failed at the commit with a bare
+    EPERM (review R4). Now it is refused first, naming the file and its owner. (Played with a
+    pretended euid: root itself may replace anything.)"""
+    from parallel_dcp.errors import InvalidDestinationError
+    from parallel_dcp.storage.local_staging import check_replaceable
+
+    where = _shared(tmp_path / "shared")
+    os.chown(where, OTHER, OTHER)
+    (where / ".metadata").write_bytes(b"x")  # root's: not the pretended user's
+    monkeypatch.setattr(os, "geteuid", lambda: 54321)
+    with pytest.raises(InvalidDestinationError, match=r"belongs to uid 0.*nothing was written"):
+        check_replaceable(where, [".metadata"])
+    os.chown(where / ".metadata", 54321, 54321)
+    check_replaceable(where, [".metadata"])  # the user's own file: replaceable
+    os.chown(where, 54321, 54321)
+    os.chown(where / ".metadata", 0, 0)
+    check_replaceable(where, [".metadata"])  # the user's own directory: anything in it is

@@ -15,6 +15,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import warnings
 from abc import abstractmethod
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -437,6 +438,7 @@ class LocalDirStaging(_LocalStaging):
                     f"{self._dir} already holds a checkpoint; pass overwrite=True (--overwrite) to replace it"
                 )
             protect_sources(self._dir, self.layout.owned(self._dir), self.protect)
+            check_replaceable(self._dir, [n for n in self.layout.fixed if n in names])
             kept = self.layout.kept_of_others(self._dir)
             if kept:
                 warnings.warn(
@@ -495,6 +497,7 @@ class LocalFileStaging(_LocalStaging):
                         f"{self._dir / name} already exists{what}; pass overwrite=True (--overwrite) to replace it"
                     )
                 protect_sources(self._dir, [name], self.protect)
+                check_replaceable(self._dir, [name])
 
     def _owned(self) -> set[str]:
         owned = {self.destination.name} if self.destination.exists() else set()
@@ -513,6 +516,34 @@ class LocalFileStaging(_LocalStaging):
         if self.destination.is_dir():  # re-checked: a directory may have appeared meanwhile
             raise InvalidDestinationError(f"cannot write the file {self.destination}: a directory appeared there")
         super().commit(staged=staged, marker=marker, extras=extras)
+
+
+def check_replaceable(directory: Path, names: Sequence[str]) -> None:
+    """Before anything is written: an overwrite can replace ``names`` in ``directory``. In a sticky
+    directory (``/scratch``, ``/tmp``) that someone else owns, only a file's owner (or root) may
+    rename over it or remove it: another user's checkpoint there failed at the commit, after all
+    the work, with a bare "Operation not permitted".
+
+    Raises:
+        InvalidDestinationError: a name another user owns in such a directory."""
+    me = os.geteuid()
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return
+    if me == 0 or not st.st_mode & stat.S_ISVTX or st.st_uid == me:
+        return
+    for name in names:
+        try:
+            owner = os.lstat(directory / name).st_uid
+        except OSError:
+            continue
+        if owner != me:
+            raise InvalidDestinationError(
+                f"cannot replace {directory / name}: it belongs to uid {owner}, and in {directory} (a sticky "
+                "directory you do not own) only a file's owner may replace it; nothing was written. Ask its owner "
+                "to remove it, or write elsewhere"
+            )
 
 
 def _check_parent(destination: Path, *, writable: bool = True) -> None:
