@@ -180,3 +180,37 @@ def test_another_users_checkpoint_in_a_sticky_directory_is_refused_before_writin
     os.chown(where, 54321, 54321)
     os.chown(where / ".metadata", 0, 0)
     check_replaceable(where, [".metadata"])  # the user's own directory: anything in it is
+
+
+def test_the_refusals_over_another_users_dead_conversion_lead_somewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Over another user's dead conversion, the ResumeError advised "convert without resume",
+    which then failed as "a non-empty directory that is not a DCP checkpoint" without saying whose
+    files those were (review R3). Now the ResumeError advises another destination or
+    their owner, and the plain run's and the overwrite's refusal name the other user's leftovers,
+    their owner and the way out; both hold once their owner removed them."""
+    from parallel_dcp.errors import InvalidDestinationError
+
+    src, _ = _source(tmp_path)
+    out = _shared(tmp_path / "out")
+    _fail_midway(monkeypatch, src, out, "dcp")
+    _give_away(out)
+    save_id = finished_task_records(out)[0].split(".")[3]
+    before = _state(out)
+    with pytest.raises(ResumeError) as caught:
+        parallel_dcp.convert(src, out, workers=2, shard_size=600_000, resume=True)
+    assert "without resume" not in str(caught.value)
+    assert "convert to another destination, or have uid 12345 resume that conversion" in str(caught.value)
+    theirs = rf"it holds the files uid 12345's conversion \(save {save_id}, stopped on .*\) left: \d+ files"
+    for overwrite in (False, True):
+        with pytest.raises(InvalidDestinationError, match=theirs + r".*have their owner resume that job"):
+            parallel_dcp.convert(src, out, workers=2, overwrite=overwrite)
+    assert main(["convert", str(src), str(out), "-q"]) == 1
+    assert "uid 12345's conversion" in capsys.readouterr().err
+    assert _state(out) == before
+    parallel_dcp.convert(src, tmp_path / "elsewhere", workers=2)  # the first way out
+    for name in os.listdir(out):  # the second: their owner removes them
+        if save_id in name:
+            os.remove(out / name)
+    parallel_dcp.convert(src, out, workers=2)

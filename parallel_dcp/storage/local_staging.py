@@ -42,8 +42,10 @@ from parallel_dcp.storage.ownership import (
     find_leftovers,
     is_of_save,
     new_save_id,
+    others_leftovers,
     owner_name,
     owner_record,
+    owner_uid,
     protect_sources,
     temp_name,
     written_by_us,
@@ -81,11 +83,7 @@ def _manifest_save_id(directory: Path) -> str | None:
 
 def _owned_by(path: Path) -> str:
     """Whose ``path`` is, said for a refusal: ``belongs to uid 1001, not to you (uid 1000)``."""
-    try:
-        uid: object = os.lstat(path).st_uid
-    except OSError:
-        uid = "unknown"
-    return f"belongs to uid {uid}, not to you (uid {os.geteuid()})"
+    return f"belongs to uid {owner_uid(path)}, not to you (uid {os.geteuid()})"
 
 
 class _LocalStaging(Staging):
@@ -150,25 +148,26 @@ class _LocalStaging(Staging):
         """
         assert self._resume is not None
         committed = _manifest_save_id(self._dir)
-        refused: list[tuple[str, list[str], bool]] = []  # save id, reasons, another user's
+        refused: list[tuple[str, list[str], int | str | None]] = []  # save id, reasons, another user's uid
         for leftover in find_leftovers(self._dir):
             save_id: str = leftover["save_id"]
             if leftover["running"] is not False or not leftover["resumable"] or save_id == committed:
                 continue
             record = read_job_record(self._dir, save_id)
             if record is None:
-                refused.append((save_id, ["its job record is damaged (it fails its checksum)"], False))
+                refused.append((save_id, ["its job record is damaged (it fails its checksum)"], None))
                 continue
             if not self._same_output(record):
                 continue  # a neighbouring single-file output in the same directory
             mine = (owner_name(save_id), job_name(save_id), *leftover["files"])
             theirs = [n for n in mine if not written_by_us(self._dir / n)]
             if theirs:
-                refused.append((save_id, [f"{self._dir / theirs[0]} {_owned_by(self._dir / theirs[0])}"], True))
+                uid = owner_uid(self._dir / theirs[0])
+                refused.append((save_id, [f"{self._dir / theirs[0]} {_owned_by(self._dir / theirs[0])}"], uid))
                 continue
             reasons = self._resume(record["identity"])
             if reasons:
-                refused.append((save_id, reasons, False))
+                refused.append((save_id, reasons, None))
                 continue
             self.save_id = save_id
             self._record = owner_record(save_id, self.destination)
@@ -176,14 +175,15 @@ class _LocalStaging(Staging):
             self.resumed = record
             return save_id
         if refused:
-            save_id, reasons, foreign = refused[0]
+            save_id, reasons, other = refused[0]
             raise ResumeError(
                 f"cannot resume the conversion to {self.destination} (save {save_id}): "
                 + "; ".join(reasons)
                 + (
-                    ". Another user's records and files are never adopted nor removed: resume as that user, or "
-                    "convert without resume (they are left as they are)"
-                    if foreign
+                    ". Another user's records and files are never adopted nor removed, so only their owner can "
+                    f"clear this: convert to another destination, or have uid {other} resume that conversion or "
+                    "remove its files, then run again"
+                    if other is not None
                     else ". Run again with the arguments it had, or without resume to start over (its files are "
                     "then removed)"
                 ),
@@ -450,9 +450,15 @@ class LocalDirStaging(_LocalStaging):
                     stacklevel=2,
                 )
         elif names:
+            theirs = others_leftovers(self._dir, names)
             raise InvalidDestinationError(
-                f"{self._dir} is a non-empty directory that is not a {self.layout.name}; "
-                "refusing to write into it (choose an empty or new directory)"
+                f"{self._dir} is a non-empty directory that is not a {self.layout.name}; refusing to write into it "
+                + (
+                    f"(it holds {theirs}; another user's files are never removed on their behalf: choose another "
+                    "directory, or have their owner resume that job or remove its files)"
+                    if theirs
+                    else "(choose an empty or new directory)"
+                )
             )
 
     def _owned(self) -> set[str]:

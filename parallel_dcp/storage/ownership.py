@@ -63,8 +63,10 @@ __all__ = [
     "is_save_id",
     "listing",
     "new_save_id",
+    "others_leftovers",
     "owner_name",
     "owner_record",
+    "owner_uid",
     "protect_sources",
     "remove_path",
     "sharded_layout",
@@ -298,6 +300,33 @@ def clean_leftovers(where: Location, keep: str | None = None, destination: Locat
             ),
             stacklevel=4,
         )
+
+
+def others_leftovers(where: Location, names: list[str]) -> str | None:
+    """What another user's saves that did not finish left among ``names`` (files a save left and
+    :func:`clean_leftovers` never removes: they are not this user's), said for a refusal to write
+    beside them: ``the files uid 1001's conversion (save 0123456789ab, stopped on vm) left: 7
+    files``; None when there are none."""
+    parts = []
+    for leftover in find_leftovers(where, names):
+        owner = owner_name(leftover["save_id"])
+        if written_by_us(where / owner) or leftover["running"] is True:
+            continue
+        kind = "conversion" if leftover["resumable"] else "save"
+        count = plural(len(leftover["files"]) + 1, "file")
+        parts.append(
+            f"the files uid {owner_uid(where / owner)}'s {kind} (save {leftover['save_id']}, "
+            f"{describe_owner(leftover)}) left: {count}"
+        )
+    return "; ".join(parts) or None
+
+
+def owner_uid(path: Location) -> int | str:
+    """The uid that owns ``path`` (``"unknown"`` when it cannot be read)."""
+    try:
+        return os.lstat(path).st_uid
+    except OSError:
+        return "unknown"
 
 
 def protect_sources(where: Location, names: Iterable[str], protect: Sequence[str]) -> None:
