@@ -62,6 +62,23 @@ class AllocateInWorker:
         raise AssertionError(f"the memory governor let {len(chunks)} chunks live")
 
 
+class MarkThenHold:
+    """Creates the file ``marker`` once a worker pickles it (its task has started), then holds the
+    task ``hold_s`` seconds and fails it."""
+
+    def __init__(self, marker: str, hold_s: float = 60.0) -> None:
+        self.marker = marker
+        self.hold_s = hold_s
+
+    def __reduce__(self) -> Any:
+        import time
+
+        with open(self.marker, "w"):
+            pass
+        time.sleep(self.hold_s)
+        raise AssertionError("the memory governor let the job run past its limit")
+
+
 class SleepInWorker:
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds

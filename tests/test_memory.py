@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import threading
 import time
 from pathlib import Path
 
@@ -13,7 +16,7 @@ from parallel_dcp import MemoryLimitExceeded
 from parallel_dcp.engine.memory import DEFAULT_FRACTION, default_limit, parse_size
 from parallel_dcp.options import Options
 from tests.conftest import assert_same
-from tests.faults import AllocateInWorker
+from tests.faults import AllocateInWorker, MarkThenHold
 from tests.memory_probe import PeakSampler
 
 MiB = 2**20
@@ -60,6 +63,38 @@ def test_a_worker_that_allocates_past_the_limit_is_stopped(tmp_path: Path) -> No
     assert "hog" in info.value.keys and info.value.worker is not None
     assert info.value.measured > info.value.limit == 128 * MiB
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_breach_by_the_callers_own_memory_names_the_caller(tmp_path: Path) -> None:
+    """A thread of the caller that allocates past the limit while the workers write: the breach
+    names this process and its growth, not a worker (which was blamed, its small private memory
+    quoted: review s12, observation on t4_breach.py)."""
+    marker = tmp_path / "started"
+    sd = {"w": torch.ones(8), "slow": MarkThenHold(str(marker), hold_s=120)}
+    held: list[torch.Tensor] = []
+    done = threading.Event()
+
+    def allocate() -> None:
+        while not marker.exists() and not done.is_set():
+            time.sleep(0.01)
+        held.append(torch.ones(192 * MiB // 4))  # touched: this process's own memory grows
+        done.wait(120)
+        held.clear()
+
+    thread = threading.Thread(target=allocate)
+    thread.start()
+    try:
+        with pytest.raises(MemoryLimitExceeded) as info:
+            parallel_dcp.save(sd, tmp_path / "ckpt", workers=1, memory_limit="128MiB")
+    finally:
+        done.set()
+        thread.join()
+    message = str(info.value)
+    assert message.startswith(f"this process (pid {os.getpid()}: the caller"), message
+    grown = re.search(r"its own memory grew by ([0-9.]+) MiB", message)
+    assert grown is not None and float(grown.group(1)) >= 150, message
+    assert info.value.worker is None and info.value.measured > info.value.limit == 128 * MiB
+    assert not (tmp_path / "ckpt" / ".metadata").exists()
 
 
 def test_load_refuses_more_than_the_limit_before_reading(tmp_path: Path) -> None:

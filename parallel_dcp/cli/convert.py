@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import parallel_dcp
 from parallel_dcp.cli import flags, interrupt, presets
 from parallel_dcp.cli.messages import as_flags
-from parallel_dcp.engine.memory import format_bytes, format_rate
+from parallel_dcp.engine.sizes import format_bytes, format_rate
 from parallel_dcp.errors import plural, printable
 
 if TYPE_CHECKING:

@@ -23,9 +23,9 @@ Two mechanisms enforce the ceiling:
   16 within a CPU credit of 0.5 ms a process a reading (0.25 ms a process at 64 workers that all
   allocated), on top of each process's exact charge read in full once
   (process_memory.ChargeReader); a reading over
-  the ceiling is measured again, exactly (every full smaps), before acting, and then the worker
-  with the most private memory is killed and the job fails with
-  :class:`MemoryLimitExceeded` naming it, its keys and the figures.
+  the ceiling is measured again, exactly (every full smaps), before acting, and then the job
+  fails with :class:`MemoryLimitExceeded` naming the process that grew the most (a worker and its
+  keys, or the caller's own process: engine/breach.py) and the figures; its workers are killed.
 
 Longer than 300 lines because the whole memory model sits together on purpose: cost constants,
 worker arithmetic, admission and the watchdog.
@@ -34,7 +34,6 @@ worker arithmetic, admission and the watchdog.
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -43,8 +42,10 @@ from dataclasses import dataclass
 
 import psutil
 
+from parallel_dcp.engine.breach import anonymous_bytes, breach_error, growth
 from parallel_dcp.engine.process_memory import FULL, ROLLUP, ChargeReader
 from parallel_dcp.engine.resident import ResidentSizes
+from parallel_dcp.engine.sizes import format_bytes, parse_size
 from parallel_dcp.errors import MemoryLimitExceeded, describe_keys, describe_unit
 
 __all__ = [
@@ -121,23 +122,6 @@ _SAMPLING_SHARE = 20
 _RELAXED_INTERVAL = 1.0
 # The default ceiling: this fraction of the memory available when the job starts.
 DEFAULT_FRACTION = 0.5
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
 def zstd_compress_bytes(level: int) -> int:
@@ -153,44 +137,6 @@ def zstd_compress_bytes(level: int) -> int:
     except ImportError:  # the caller reports the missing package; this figure is then never used
         context = 96 * 1024 * 1024
     return context + _ZSTD_PIECE_BYTES
-
-
-def parse_size(value: int | str, what: str = "a memory limit") -> int:
-    """Bytes from an int or a string such as ``"512MiB"``, ``"32GiB"``, ``"16GB"``, ``"1.5G"``.
-
-    Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) of 1024.
-    ``what`` names the size in the error ("a memory limit", "the shard size", ...).
-
-    Raises:
-        ValueError: not a positive size, or an unknown unit.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"not a size: {value!r}")
-    if isinstance(value, int):
-        size = value
-    else:
-        match = _SIZE.match(str(value))
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
-            raise ValueError(f"not a size: {value!r} (use bytes or a unit: 512MiB, 32GiB, 16GB)")
-        size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"{what} must be positive, got {value!r}")
-    return size
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def format_rate(nbytes: float, seconds: float) -> str:
-    """``"750.0 MiB/s"``: a rate in the unit that shows it (a small job is not ``0.00 GiB/s``)."""
-    return f"{format_bytes(nbytes / seconds)}/s" if seconds > 0 else "-"
 
 
 _WARNED_OVER_MACHINE: set[int] = set()
@@ -220,10 +166,12 @@ _READ_THREADS = 16
 
 @dataclass(frozen=True, slots=True)
 class Reading:
-    """One sample of the tree: bytes added over the baseline, and each worker's private bytes."""
+    """One sample of the tree: bytes added over the baseline, each worker's private bytes, and each
+    process's charge (for a breach's culprit: engine/breach.py)."""
 
     added: int
     private: dict[int, int]
+    charged: dict[int, int]
 
 
 class MemoryGovernor:
@@ -263,16 +211,24 @@ class MemoryGovernor:
         self.measured = measure
         # Never above the truth (ChargeReader._baseline_plan), and without the carried shares:
         # they are the most that moved, part of every later reading until they are settled.
-        self.baseline = (
-            sum(
-                charged
-                for charged, _ in self._charge_all(
-                    pids, self._charges.plan(pids, baseline=True, shared=() if parent is None else (parent,))
+        # Each process's charge then, and this one's anonymous memory: a breach names the process
+        # that grew the most since (engine/breach.py).
+        self._anon = anonymous_bytes(self._me.pid) if measure else 0
+        self._started: dict[int, int] = (
+            {
+                pid: charged
+                for pid, (charged, _) in zip(
+                    pids,
+                    self._charge_all(
+                        pids, self._charges.plan(pids, baseline=True, shared=() if parent is None else (parent,))
+                    ),
+                    strict=True,
                 )
-            )
+            }
             if measure
-            else 0
+            else {}
         )
+        self.baseline = sum(self._started.values())
         # This process's and the workers' statm, kept open from one watch to the next.
         self._resident = ResidentSizes()
         self._rss_baseline = self._resident.of(self._me.pid) if measure else 0
@@ -506,10 +462,10 @@ class MemoryGovernor:
         # Plus the shares that may have moved to processes not rolled up since (ChargeReader.carried).
         total = self._charges.carried + sum(charged for charged, _ in found)
         private = {pid: uss for pid, (charged, uss) in zip(workers, found[1:], strict=False) if charged or uss}
-        added = total - self.baseline
+        charged = {pid: charged for pid, (charged, _) in zip(pids, found, strict=True)}
         # Keep the watchdog's share of one core near 1/_SAMPLING_SHARE however large the tree.
         self._read_cost = time.monotonic() - started
-        return Reading(added=added, private=private)
+        return Reading(added=total - self.baseline, private=private, charged=charged)
 
     def _charge_all(self, pids: list[int], how: list[int]) -> list[tuple[int, int]]:
         # Counters are too short a read to pay for a thread; rollups and full reads are not.
@@ -533,8 +489,8 @@ class MemoryGovernor:
                 meanwhile (a Saver's pool: the fork server forks them).
 
         Raises:
-            MemoryLimitExceeded: naming the worker with the most private memory (which the caller
-                then kills with all the others).
+            MemoryLimitExceeded: naming the process that grew the most since the baseline, a
+                worker or this one (engine/breach.py); the caller then kills every worker.
         """
         if not self.measured:
             raise RuntimeError("a budget kept by reservation alone (measure=False) cannot sample the tree")
@@ -619,17 +575,15 @@ class MemoryGovernor:
             )
         if not second.private:
             return
-        pid = max(second.private, key=lambda p: second.private[p])
-        worker, keys = workers[pid]
-        raise MemoryLimitExceeded(
-            f"worker {worker} (pid {pid}) pushed the job to {format_bytes(second.added)}, over the memory limit "
-            f"{format_bytes(self.limit)}, while {self.phase} {self.units} {describe_keys(keys)} (its private memory: "
-            f"{format_bytes(second.private[pid])}); it was stopped and nothing was committed. "
-            "Raise --memory-limit or lower --workers",
+        raise breach_error(
+            added=second.added,
             limit=self.limit,
-            measured=second.added,
-            keys=keys,
-            worker=worker,
+            grown=growth(second.charged, self._started, second.private, self._me.pid, self._anon),
+            coordinator=self._me.pid,
+            workers=workers,
+            private=second.private,
+            phase=self.phase,
+            units=self.units,
         )
 
 
