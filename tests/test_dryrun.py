@@ -234,3 +234,47 @@ def test_cli_dry_run_json_writes_nothing(tmp_path: Path, capsys: pytest.CaptureF
     text = capsys.readouterr().out
     assert code == 0 and "predicted peak memory" in text and "nothing was written" in text
     assert snapshot(tmp_path) == before
+
+
+def _anonymous() -> int:
+    """This process's RssAnon + RssShmem, bytes."""
+    found = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return sum(int(found[name].split()[0]) * 1024 for name in ("RssAnon", "RssShmem"))
+
+
+def test_a_one_worker_plan_leaves_room_for_the_coordinators_own_growth(tmp_path: Path) -> None:
+    """At one worker nothing in the plan covered what the coordinator itself grows by while its
+    worker runs (the pool's pipes and threads, the watchdog, the results: 1.7-2.9 MiB of RssAnon),
+    and the sampled peak rose over the dry run's prediction (s11 review, F6). The prediction with a
+    worker process is now, beside what the same plan predicts on threads (its tasks) and the
+    worker's resting cost, at least what this process grew by during the real run, sampled every
+    millisecond; and admission plans the same room (the run fits the limit the dry run fits)."""
+    from parallel_dcp.engine.memory import WORKER_MEMORY_BYTES
+
+    sd = {f"layer.{i}.w": torch.randn(1024, 512) for i in range(16)}  # 32 MiB
+    kwargs: dict[str, Any] = {"workers": 1, "sync_files": False, "overwrite": True, "memory_limit": "48MiB"}
+    parallel_dcp.save(sd, tmp_path / "warm", executor="processes", **kwargs)  # the job modules, loaded once
+    base, peak, stop = _anonymous(), [0], [False]
+
+    def sample() -> None:
+        while not stop[0]:
+            peak[0] = max(peak[0], _anonymous())
+            time.sleep(0.001)
+
+    import threading
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        parallel_dcp.save(sd, tmp_path / "ckpt", executor="processes", **kwargs)
+    finally:
+        stop[0] = True
+        sampler.join()
+    grew = peak[0] - base
+    on_workers = parallel_dcp.save(sd, tmp_path / "ckpt", executor="processes", dry_run=True, **kwargs)
+    on_threads = parallel_dcp.save(sd, tmp_path / "ckpt", executor="threads", dry_run=True, **kwargs)
+    assert isinstance(on_workers, DryRunPlan) and isinstance(on_threads, DryRunPlan)
+    assert on_workers.workers == on_threads.workers == 1 and on_workers.tasks == on_threads.tasks
+    beside = on_workers.predicted_peak_memory - on_threads.predicted_peak_memory - WORKER_MEMORY_BYTES
+    assert grew > 0 and beside >= grew, f"the coordinator grew {grew / MiB:.1f} MiB, {beside / MiB:.1f} planned"
+    assert on_workers.predicted_peak_memory <= on_workers.memory_limit

@@ -190,6 +190,8 @@ def plan_dry_run(job: Job, target: Target, options: Options, governor: MemoryGov
     used = min(plan.workers, len(tasks)) if tasks else 0
     overhead = used * (WORKER_MEMORY_BYTES + governor.worker_extra) if executor == "processes" else 0
     peak, per_worker = _replay(tasks, used, governor.limit - governor.reserved, overhead)
+    if executor == "processes":  # and beside the workers, the coordinator's own growth (set aside in reserved)
+        overhead += governor.coordinator
     chunks: dict[str, int] = {}
     for chunk in plan.job.chunks.values():
         chunks[chunk.key] = chunks.get(chunk.key, 0) + 1

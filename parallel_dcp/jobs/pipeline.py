@@ -340,6 +340,7 @@ def plan_job(job: Job, target: Target, options: Options, governor: MemoryGoverno
     """
     if isinstance(target.path, Remote) or isinstance(job.source.location, Remote):
         governor.worker_extra = max(governor.worker_extra, CLIENT_MEMORY)
+    governor.hold_coordinator()
     return fallback.plan_with_fallbacks(
         lambda gov, divisor: _plan_once(job, target, options, gov, scale=scale, divisor=divisor),
         target,
