@@ -58,10 +58,15 @@ def _abort_uploads(destination: Remote, mine: Callable[[str], bool]) -> None:
         return
     bucket, _, key = destination.key.partition("/")
     prefix = f"{key}/" if key else ""
-    with contextlib.suppress(Exception):  # best effort: cleanup must not hide the real failure
-        for upload in fs.list_multipart_uploads(bucket):
-            name = str(upload.get("Key", ""))
-            if name.startswith(prefix) and "/" not in name[len(prefix) :] and mine(name[len(prefix) :]):
+    try:
+        uploads = fs.list_multipart_uploads(bucket)
+    except Exception:  # best effort: cleanup must not hide the real failure
+        return
+    for upload in uploads:
+        name = str(upload.get("Key", ""))
+        if name.startswith(prefix) and "/" not in name[len(prefix) :] and mine(name[len(prefix) :]):
+            # Each on its own: one that completed meanwhile (NoSuchUpload) leaves the others to abort.
+            with contextlib.suppress(Exception):
                 fs.abort_mpu(bucket, name, upload["UploadId"])
 
 
@@ -161,12 +166,18 @@ class RemoteStaging(Staging):
 
     def discard(self) -> None:
         mine = self._mine
-        with contextlib.suppress(Exception):  # best effort: cleanup must not hide the real failure
-            if self._committed:
+        if self._committed:
+            with contextlib.suppress(Exception):  # best effort: cleanup must not hide the real failure
                 self.destination.remove_all([owner_name(self.save_id)])
-                return
-            self.destination.remove_all(n for n in self.destination.listdir() if mine(n))
+            return
+        # The unfinished uploads first, then the objects: a killed worker's last request (its
+        # upload's completion, sent before it died) may reach the server after the workers were
+        # reaped. Aborted first, its upload either completed before the abort, and is listed and
+        # deleted below, or fails to complete. Listed first, an object that completed between the
+        # listing and the abort was left behind (a shard of the save beside the old checkpoint).
         _abort_uploads(self.destination, mine)
+        with contextlib.suppress(Exception):
+            self.destination.remove_all(n for n in self.destination.listdir() if mine(n))
 
     def _mine(self, name: str) -> bool:
         if name in self._existing and not is_of_save(name, self.save_id):
