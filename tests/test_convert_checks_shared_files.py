@@ -161,3 +161,28 @@ def test_the_hash_pass_buffer_is_counted_in_the_dry_run(tmp_path: Path) -> None:
     unchecked = parallel_dcp.convert(src, tmp_path / "b", workers=2, dry_run=True, check_source=False)
     assert checked.tasks == unchecked.tasks == 2
     assert checked.predicted_peak_memory - unchecked.predicted_peak_memory == SOURCE_CHECK_BYTES
+
+
+def test_a_resumed_conversion_hashes_the_files_its_remaining_tasks_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dead conversion's finished tasks are kept, but the source file the remaining tasks read
+    is hashed again: damaged since, it is refused."""
+    from tests.test_resume import _fail_midway
+
+    src = _single(tmp_path, "model.safetensors", {f"w{i}": torch.randn(64, 1024) for i in range(8)})
+    out = tmp_path / "out"
+    _fail_midway(monkeypatch, src, out, "dcp")
+    _flip_inside(src, parallel_dcp.load(src, keys=["w7"])["w7"])
+    with pytest.raises(parallel_dcp.SourceChecksumError, match=r"model\.safetensors: its bytes are not"):
+        parallel_dcp.convert(src, out, workers=2, resume=True)
+    assert not (out / ".metadata").exists()
+
+
+def test_files_read_with_o_direct_are_named_as_not_checked(tmp_path: Path) -> None:
+    """O_DIRECT reads pass the page cache: a hash pass would read the file from storage a second
+    time, so it is not checked, and a warning says so instead of silence."""
+    src, damaged = _damaged(tmp_path, safetensors_file, "layer2.weight")
+    with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match=r"src\.safetensors read with O_DIRECT"):
+        parallel_dcp.convert(src, tmp_path / "out_dcp", workers=2, io="direct")
+    assert damaged == src
