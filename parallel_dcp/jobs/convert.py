@@ -196,6 +196,7 @@ def convert_one(
             check_no_clash(copies, target.extra_files, overwriting=target.path if options.overwrite else None)
         # (before a dry run too: the tasks that hash a file hold the pass's buffer, which it counts)
         job = dataclasses.replace(job, checks=source_checks(job.source, source) if options.check_source else None)
+        warn_unchecked_direct(job.checks, job.keys, job.chunks)  # (auto keeps a checked source off the ring)
         if dry_run:
             plan = plan_dry_run(job, target, options, governor)
             if copies:
@@ -215,7 +216,6 @@ def convert_one(
                 measured.append(
                     measured_stream_source(job, target, options, governor, staging.root, workers, staging.save_id)
                 )
-            warn_unchecked_direct(job.checks, job.keys, job.chunks)  # (the read choice is made now)
 
         result = run_job(job, target, options, governor, start=start, before_tasks=choose_reads)
         return dataclasses.replace(result, read_choice=measured[0] if measured else asked)  # (None: not a read choice)

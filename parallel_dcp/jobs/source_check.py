@@ -25,9 +25,10 @@ a file whose tensors several tasks share (or split into row ranges) is hashed wh
 while the others read their parts. A selection (``--keys``) that reads only some of a file's
 tensors hashes the whole file anyway: only the bytes read need to be right, but a damaged file
 should not convert silently (and the file is refused even where the damage lies outside the
-selection). Not checked: files read with O_DIRECT (the page cache would not hold what the hash
-pass read: a second read of storage; a SourceNotCheckedWarning names them), object storage, and
-dequantizing or quantizing views. docs/guarantees.md says the same.
+selection). Not checked, since that would read the source a second time: files read with O_DIRECT
+(the page cache would not hold what the hash pass read; under io="auto" a checked safetensors
+source keeps the mmap for that reason: jobs/streamed.py) and files on object storage, each named in
+a SourceNotCheckedWarning; nor dequantizing or quantizing views. docs/guarantees.md says the same.
 
 Longer than 300 lines because which files a source records, which task hashes each, and the hash
 pass are one contract, kept together so that a reader sees every file either checked or warned of.
@@ -171,7 +172,8 @@ def warn_unchecked_direct(checks: SourceChecks | None, keys: Sequence[str], chun
 def source_checks(view: Source, source: Source) -> SourceChecks | None:
     """In the coordinator, before any worker starts: what a job reading ``view`` (``source`` as
     opened, or a view of it) can check as it reads; None when the source carries no checksums or is read
-    in a way no task can check (object storage, O_DIRECT, a dequantizing or quantizing view).
+    in a way no task can check (object storage: warned of where it carries checksums; a dequantizing
+    or quantizing view).
 
     Raises:
         SourceChecksumError: a single safetensors file whose header is not the one recorded.
@@ -182,7 +184,10 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
         old_names = dict(view.old_names)
     elif view is not source:
         return None
-    if isinstance(source.location, Remote) or not isinstance(source, (DcpSource, SafetensorsSource, TorchSource)):
+    if not isinstance(source, (DcpSource, SafetensorsSource, TorchSource)):
+        return None
+    if isinstance(source.location, Remote):
+        _warn_remote(source)
         return None
     try:
         recorded = recorded_checksums(source)
@@ -215,6 +220,23 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
         if name not in stale
     )
     return SourceChecks(files, source, old_names) if files else None
+
+
+def _warn_remote(source: Source) -> None:
+    """A source on object storage is not checked (its tasks read ranges of its files: hashing a file
+    whole would fetch it a second time), but where it carries checksums a warning says so, at the
+    cost of reading its record (one small request; a safetensors file's header)."""
+    try:
+        recorded = recorded_checksums(source)
+    except (CorruptCheckpointError, OSError):
+        return  # (nothing usable: nothing unchecked to warn of)
+    if recorded is not None and any(digest.digest is not None for digest in recorded.files.values()):
+        warnings.warn(
+            f"{source.path}: not checked against its checksums: on object storage (checking would read every "
+            "file a second time); run verify on it first where that matters",
+            SourceNotCheckedWarning,
+            stacklevel=3,
+        )
 
 
 def _record_written(source: Source, record: str, directory: Any) -> int | None:
