@@ -102,12 +102,6 @@ class SourceChecks:
         key = chunks[unit].key if unit in chunks else unit
         return self.old_names.get(key, key) if self.old_names is not None else key
 
-    def due(self, task: Task) -> list[CheckedFile]:
-        """The files ``task`` hashes (those read with O_DIRECT left out)."""
-        # (the read choice may have set the source to O_DIRECT reads after this was planned)
-        direct = _direct_files(self.source)
-        return [f for f in self.duties.get(task.index, ()) if os.path.basename(f.path) not in direct]
-
 
 def plan_checks(
     checks: SourceChecks | None, tasks: Sequence[Task], chunks: Mapping[str, Any], *, skip: Container[int] = ()
@@ -115,6 +109,7 @@ def plan_checks(
     """In the coordinator, once the tasks are planned: give every recorded file that any task
     (but those in ``skip``: kept by a resume, not run) reads bytes of to exactly one of those tasks,
     whose memory gains ``SOURCE_CHECK_BYTES``. Returns the checks with their duties, and the tasks.
+    Files read with O_DIRECT get no task (hashing them would read storage twice).
 
     A file goes to the task that reads it with the least work so far (its bytes to write, plus
     the files it already hashes; the lowest index of equals), largest file first: a file one task
@@ -123,9 +118,10 @@ def plan_checks(
     """
     if checks is None:
         return None, list(tasks)
+    direct = _direct_files(checks.source)  # (chosen before the tasks are planned: warn_unchecked_direct)
     held: dict[str, list[int]] = {}
     for place, checked in enumerate(checks.files):
-        for key in checked.keys:
+        for key in checked.keys if os.path.basename(checked.path) not in direct else ():
             held.setdefault(key, []).append(place)
     readers: dict[int, list[Task]] = {}
     for task in tasks:
@@ -299,7 +295,7 @@ def check_task(checks: SourceChecks | None, task: Task) -> None:
     """
     if checks is None:
         return
-    for checked in checks.due(task):
+    for checked in checks.duties.get(task.index, ()):
         hasher = xxhash.xxh3_64()  # (not manifest.Hasher: that one counts what an output hashes)
         size = 0
         buffer = bytearray(SOURCE_CHECK_BYTES)
