@@ -161,6 +161,8 @@ def test_the_hash_pass_buffer_is_counted_in_the_dry_run(tmp_path: Path) -> None:
     unchecked = parallel_dcp.convert(src, tmp_path / "b", workers=2, dry_run=True, check_source=False)
     assert checked.tasks == unchecked.tasks == 2
     assert checked.predicted_peak_memory - unchecked.predicted_peak_memory == SOURCE_CHECK_BYTES
+    assert any("hashes 1 source file" in note for note in checked.notes)
+    assert not any("hashes" in note for note in unchecked.notes)
 
 
 def test_a_resumed_conversion_hashes_the_files_its_remaining_tasks_read(
