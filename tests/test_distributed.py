@@ -80,6 +80,25 @@ def test_a_rank_failing_mid_write_commits_nothing_and_every_rank_says_why(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no checkpoint, no staging
 
 
+def test_a_damaged_checksummed_source_commits_nothing_on_any_rank(tmp_path: Path, source: Path) -> None:
+    """The ranks split the one source file's tensors (and its large tensor into row ranges): one task
+    of one rank hashes the whole file (every rank plans the same duties), and its mismatch fails the
+    job on every rank before the commit."""
+    ours = tmp_path / "ours.safetensors"  # written by parallel_dcp: its checksums in its header
+    parallel_dcp.convert(source, ours, workers=1)
+    data = ours.read_bytes()
+    at = data.find(st.load_file(source)["embed"].view(torch.int16).numpy().tobytes()[:256]) + 1000
+    before = ours.stat()
+    with open(ours, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x5A]))
+    os.utime(ours, ns=(before.st_atime_ns, before.st_mtime_ns))
+    done = torchrun("ok", ours, tmp_path / "dist")
+    assert done.returncode != 0
+    assert "its bytes are not the ones its checksum" in done.stderr, done.stderr
+    assert not (tmp_path / "dist" / ".metadata").exists()
+
+
 def test_distributed_without_a_launcher_is_a_clear_error(tmp_path: Path, source: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "parallel_dcp", "convert", str(source), str(tmp_path / "out"), "--distributed"],

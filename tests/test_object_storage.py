@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -469,3 +470,20 @@ def test_a_folders_side_folders_go_to_object_storage(
     s3.pipe(f"{bucket}/st/1_Pooling/config.json", b'{"pooling_mode_mean_tokens": fals}')
     report = parallel_dcp.verify(f"s3://{bucket}/st", storage_options=options)
     assert any("1_Pooling/config.json" in p for p in report.problems), report.problems
+
+
+def test_a_checksummed_source_on_object_storage_converts_with_a_warning(
+    tmp_path: Path, s3: Any, bucket: str, options: dict[str, Any]
+) -> None:
+    """Hashing a file on object storage whole would fetch it a second time: it is not checked, and
+    a SourceNotCheckedWarning says so where the source carries checksums (ours do)."""
+    url = f"s3://{bucket}/ours"
+    parallel_dcp.save(_state(), url, storage_options=options, workers=1)
+    with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match="on object storage"):
+        parallel_dcp.convert(url, str(tmp_path / "out"), storage_options=options, workers=2)
+    plain = tmp_path / "plain.safetensors"
+    save_file({"w": torch.ones(3)}, str(plain))
+    s3.put(str(plain), f"{bucket}/plain/model.safetensors")
+    with warnings.catch_warnings():  # a file without checksums: nothing to warn of
+        warnings.simplefilter("error", parallel_dcp.SourceNotCheckedWarning)
+        parallel_dcp.convert(f"s3://{bucket}/plain/model.safetensors", str(tmp_path / "o2"), storage_options=options)

@@ -43,7 +43,7 @@ from parallel_dcp.jobs.quantization import (
 )
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
-from parallel_dcp.jobs.source_check import source_checks
+from parallel_dcp.jobs.source_check import source_checks, warn_unchecked_direct
 from parallel_dcp.jobs.streamed import measured_stream_source, stream_source
 from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for, warn_metadata_left_out
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
@@ -194,6 +194,9 @@ def convert_one(
         prepare_config(target, source, job, dtype, quantization)  # config.json says what the shards hold
         if isinstance(target, ShardedTarget):
             check_no_clash(copies, target.extra_files, overwriting=target.path if options.overwrite else None)
+        # (before a dry run too: the tasks that hash a file hold the pass's buffer, which it counts)
+        job = dataclasses.replace(job, checks=source_checks(job.source, source) if options.check_source else None)
+        warn_unchecked_direct(job.checks, job.keys, job.chunks)  # (auto keeps a checked source off the ring)
         if dry_run:
             plan = plan_dry_run(job, target, options, governor)
             if copies:
@@ -205,7 +208,6 @@ def convert_one(
             if steps.done is not None:
                 plan.notes.append(steps.done.note)
             return plan
-        job = dataclasses.replace(job, checks=source_checks(job.source, source) if options.check_source else None)
         measured: list[ReadChoice | None] = []
 
         def choose_reads(staging: WriteLocation, workers: int) -> None:

@@ -21,6 +21,7 @@ the others forever; torchrun also stops the remaining ranks when one exits with 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import hashlib
 import heapq
@@ -38,6 +39,7 @@ from parallel_dcp.engine.pool import TaskResult
 from parallel_dcp.errors import DistributedJobError
 from parallel_dcp.jobs import pipeline
 from parallel_dcp.jobs.dcp_commit import in_band
+from parallel_dcp.jobs.source_check import plan_checks
 from parallel_dcp.jobs.targets import AnyStaging, Job, Target
 from parallel_dcp.options import Options
 from parallel_dcp.storage.protocol import WriteLocation
@@ -191,6 +193,9 @@ def _write_and_commit(
     if announcement["threshold"]:
         job = job.split(announcement["threshold"])
     tasks = target.plan(job, announcement["workers"] * world, announcement["budget"])
+    if job.checks is not None:  # the same duties on every rank: each file hashed by one task
+        checks, tasks = plan_checks(job.checks, tasks, job.chunks)
+        job = dataclasses.replace(job, checks=checks)
     mine = share(tasks, world)[rank]
     location: WriteLocation = announcement["location"]
     staging_path = location.root

@@ -29,6 +29,7 @@ from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import describe_unit, plural, printable
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs.pipeline import Plan, choose_executor, needed_space, plan_job
+from parallel_dcp.jobs.source_check import SOURCE_CHECK_BYTES
 from parallel_dcp.jobs.targets import DcpTarget, Job, ShardedTarget, Target, prepare_io
 from parallel_dcp.options import Options
 from parallel_dcp.storage.local_staging import free_bytes
@@ -219,9 +220,21 @@ def plan_dry_run(job: Job, target: Target, options: Options, governor: MemoryGov
         chunks=chunks,
         files=files,
         per_worker=per_worker,
-        notes=_notes(target, options, needed, free),
+        notes=_notes(target, options, needed, free) + _check_notes(plan.job),
         marker=_marker(target, tasks),
     )
+
+
+def _check_notes(job: Job) -> list[str]:
+    """What the job checks of its source (jobs/source_check.py), and the buffer that costs."""
+    duties = job.checks.duties if job.checks is not None else {}
+    hashed = sum(map(len, duties.values()))
+    if not hashed:
+        return []
+    return [
+        f"hashes {plural(hashed, 'source file')} against the checksums the source carries before reading "
+        f"({plural(len(duties), 'task')} holding a {format_bytes(SOURCE_CHECK_BYTES)} buffer for it, counted above)"
+    ]
 
 
 def dry_run_save(state_dict: Any, path: str | os.PathLike[str], options: Options) -> DryRunPlan:

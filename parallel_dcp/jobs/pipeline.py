@@ -60,7 +60,7 @@ from parallel_dcp.engine.pool import TaskResult, WorkerPool
 from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs import fallback
-from parallel_dcp.jobs.source_check import as_source_error, check_task
+from parallel_dcp.jobs.source_check import as_source_error, check_task, plan_checks
 from parallel_dcp.jobs.staged import stage_job
 from parallel_dcp.jobs.streamed import streamed_data
 from parallel_dcp.jobs.targets import Job, Target
@@ -183,9 +183,9 @@ class TaskHandler:
 
     def __call__(self, task: Task) -> Any:
         try:
-            # Files the task reads whole are hashed against the source's checksums first: that pass
-            # reads them from storage, the reads below find them in the page cache.
-            check_task(self.job.checks, task.keys, self.job.chunks)
+            # The source files given to this task (plan_checks) are hashed against their checksums
+            # first: that pass reads them from storage, the reads below find them in the page cache.
+            check_task(self.job.checks, task)
             # A conversion to DCP writes what it can straight from the source's files, reading ahead.
             with streamed_data(self.job, self.target, task) as streamed:
                 data = streamed if streamed is not None else self.job.read(task.keys)
@@ -370,6 +370,9 @@ def _plan_once(
         job = job.split(threshold, governor.admit_units)
     workers = governor.workers_for(_largest_need(job), options.worker_count(len(job.keys)))
     tasks = target.plan(job, workers * scale, governor.task_budget(workers))
+    if job.checks is not None:  # every checksummed source file read goes to one task to hash
+        checks, tasks = plan_checks(job.checks, tasks, job.chunks)
+        job = dataclasses.replace(job, checks=checks)
     # Every task must fit as a whole beside its worker, as its admission will count it: a whole-file
     # output's task, and a task of one key with the output stream's buffers (a shard written with
     # O_DIRECT passed this plan and was refused at its admission, under the limit advised).

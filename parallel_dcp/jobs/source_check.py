@@ -5,33 +5,47 @@
       │   safetensors file's own header: jobs/verify_files.py, the records verify reads), each
       │   with the keys stored in it; a safetensors header that is not the one recorded: refused here
       ▼
-    worker, before a task reads its units: every recorded file all of whose tensors the task
-      │   reads whole ── hashed in one sequential pass (xxh3-64, 1 MiB pieces, as verify hashes it),
-      │   the task's first read of those bytes: the format's own reads that follow (torch.load,
-      │   safetensors' mmap, DCP's records) find them in the page cache, so storage is read once
+    coordinator, once the tasks are planned: plan_checks ── every recorded file that any task
+      │   reads any bytes of (a tensor whole, a row range of one, one key of a --keys selection)
+      │   goes to exactly one of the tasks that read it (the least loaded, counting the hashing:
+      │   a file one task reads all of stays with that task), whose memory gains the pass's buffer
+      │   (SOURCE_CHECK_BYTES: admission and the dry run count it)
       ▼
-    a mismatch: SourceChecksumError naming the file; the pipeline discards everything the job
-    wrote (no finished task is kept for resume: a resume would read the same damaged bytes)
+    worker, before a task reads its units: each file it was given ── hashed whole in one
+      │   sequential pass (xxh3-64, 1 MiB pieces, as verify hashes it); the format's reads that
+      │   follow (torch.load, safetensors' mmap, DCP's records), this task's and the others',
+      │   find the bytes in the page cache, so storage is read once (where it holds the file)
+      ▼
+    the commit runs only once every task, so every file's verdict, is in; a mismatch:
+    SourceChecksumError naming the file; the pipeline discards everything the job wrote (no
+    finished task is kept for resume: a resume would read the same damaged bytes)
 
-Whole-file checksums cannot be split: xxh3 of a file is not made of the digests of its parts, and
-a task that reads some of a file's tensors reads only their bytes. So a file is checked only where
-one task reads all of its tensors (a small checkpoint, or a shard of a few large tensors); a file
-whose tensors several tasks share, a tensor split into row ranges, a selection (``--keys``) that
-leaves some of a file's tensors out, and files read with O_DIRECT (where the page cache would not
-hold what the hash pass read: a second read of storage) or from object storage are not checked.
-docs/guarantees.md says the same.
+Whole-file checksums cannot be split: xxh3 of a file is not made of the digests of its parts, so
+a file whose tensors several tasks share (or split into row ranges) is hashed whole by one of them
+while the others read their parts. A selection (``--keys``) that reads only some of a file's
+tensors hashes the whole file anyway: only the bytes read need to be right, but a damaged file
+should not convert silently (and the file is refused even where the damage lies outside the
+selection). Not checked, since that would read the source a second time: files read with O_DIRECT
+(the page cache would not hold what the hash pass read; under io="auto" a checked safetensors
+source keeps the mmap for that reason: jobs/streamed.py) and files on object storage, each named in
+a SourceNotCheckedWarning; nor dequantizing or quantizing views. docs/guarantees.md says the same.
+
+Longer than 300 lines because which files a source records, which task hashes each, and the hash
+pass are one contract, kept together so that a reader sees every file either checked or warned of.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Container, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
+from parallel_dcp.engine.partition import Task
 from parallel_dcp.errors import CorruptCheckpointError, SourceChecksumError, SourceNotCheckedWarning, WorkerError
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dcp_format import DcpSource
@@ -43,10 +57,20 @@ from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.manifest import FileDigest
 from parallel_dcp.storage.safe_reader import open_bounded
 
-__all__ = ["CheckedFile", "SourceChecks", "as_source_error", "check_task", "source_checks"]
+__all__ = [
+    "SOURCE_CHECK_BYTES",
+    "CheckedFile",
+    "SourceChecks",
+    "as_source_error",
+    "check_task",
+    "plan_checks",
+    "source_checks",
+    "warn_unchecked_direct",
+]
 
-# The hash pass reads through one buffer of this size per task (inside a task's fixed allowance).
-_PIECE = 1024 * 1024
+# The hash pass reads through one buffer of this size: a task given files to hash holds it beside
+# its reads, so plan_checks adds it to that task's memory (admission and the dry run count it).
+SOURCE_CHECK_BYTES = 1024 * 1024
 _ADVICE = "restore it (or convert anyway with --no-source-checks, check_source=False)"
 
 
@@ -64,27 +88,88 @@ class CheckedFile:
 
 @dataclass(frozen=True, slots=True)
 class SourceChecks:
-    """What a conversion's workers check: the recorded files, and how the job's units name the
-    source keys (a renamed source: new name -> old)."""
+    """What a conversion's workers check: the recorded files, how the job's units name the source
+    keys (a renamed source: new name -> old), and which task hashes which file (``duties``: task
+    index -> the files it hashes, set by :func:`plan_checks` once the tasks are planned)."""
 
     files: tuple[CheckedFile, ...]
     source: Source  # the source as opened (job.source may be a renamed view of it)
     old_names: dict[str, str] | None = None
+    duties: Mapping[int, tuple[CheckedFile, ...]] = field(default_factory=dict)
 
-    def due(self, units: Iterable[str], chunks: Mapping[str, Any]) -> list[CheckedFile]:
-        """The files whose every key is among ``units`` read whole (not one of ``chunks``)."""
-        whole = {unit for unit in units if unit not in chunks}
-        if self.old_names is not None:
-            whole = {self.old_names.get(unit, unit) for unit in whole}
-        # (the read choice may have set the source to O_DIRECT reads after this was planned)
-        direct = _direct_files(self.source)
-        return [f for f in self.files if f.keys and f.keys <= whole and os.path.basename(f.path) not in direct]
+    def source_key(self, unit: str, chunks: Mapping[str, Any]) -> str:
+        """The source key whose bytes the job's ``unit`` (a key, or one of ``chunks``) reads."""
+        key = chunks[unit].key if unit in chunks else unit
+        return self.old_names.get(key, key) if self.old_names is not None else key
+
+
+def plan_checks(
+    checks: SourceChecks | None, tasks: Sequence[Task], chunks: Mapping[str, Any], *, skip: Container[int] = ()
+) -> tuple[SourceChecks | None, list[Task]]:
+    """In the coordinator, once the tasks are planned: give every recorded file that any task
+    (but those in ``skip``: kept by a resume, not run) reads bytes of to exactly one of those tasks,
+    whose memory gains ``SOURCE_CHECK_BYTES``. Returns the checks with their duties, and the tasks.
+    Files read with O_DIRECT get no task (hashing them would read storage twice).
+
+    A file goes to the task that reads it with the least work so far (its bytes to write, plus
+    the files it already hashes; the lowest index of equals), largest file first: a file one task
+    reads alone stays with it, and a file of a one-file source goes to one of its readers. The
+    same tasks give the same duties (every rank of a distributed job computes them alike).
+    """
+    if checks is None:
+        return None, list(tasks)
+    direct = _direct_files(checks.source)  # (chosen before the tasks are planned: warn_unchecked_direct)
+    held: dict[str, list[int]] = {}
+    for place, checked in enumerate(checks.files):
+        for key in checked.keys if os.path.basename(checked.path) not in direct else ():
+            held.setdefault(key, []).append(place)
+    readers: dict[int, list[Task]] = {}
+    for task in tasks:
+        if task.index in skip:
+            continue
+        read = {place for unit in task.keys for place in held.get(checks.source_key(unit, chunks), ())}
+        for place in read:
+            readers.setdefault(place, []).append(task)
+    load = {task.index: task.nbytes for task in tasks}
+    duties: dict[int, list[CheckedFile]] = {}
+    for place in sorted(readers, key=lambda p: (-checks.files[p].digest.size, p)):
+        checked = checks.files[place]
+        chosen = min(readers[place], key=lambda task: (load[task.index], task.index))
+        load[chosen.index] += checked.digest.size
+        duties.setdefault(chosen.index, []).append(checked)
+    planned = [
+        dataclasses.replace(task, memory=task.memory + SOURCE_CHECK_BYTES) if task.index in duties else task
+        for task in tasks
+    ]
+    return dataclasses.replace(checks, duties={index: tuple(files) for index, files in duties.items()}), planned
+
+
+def warn_unchecked_direct(checks: SourceChecks | None, keys: Sequence[str], chunks: Mapping[str, Any]) -> None:
+    """In the coordinator, once the read choice is made: warn about the recorded files that the
+    job's units ``keys`` read with O_DIRECT (a hash pass through the page cache would read them
+    from storage a second time, so they are not checked)."""
+    if checks is None:
+        return
+    direct = _direct_files(checks.source)
+    if not direct:
+        return
+    read = {checks.source_key(unit, chunks) for unit in keys}
+    names = [os.path.basename(f.path) for f in checks.files if os.path.basename(f.path) in direct and f.keys & read]
+    if names:
+        warnings.warn(
+            f"{checks.source.path}: not checked against its checksums: {', '.join(names[:3])}"
+            f"{f' and {len(names) - 3} more' if len(names) > 3 else ''} read with O_DIRECT (checking would read "
+            "them from storage twice; run verify on the source first, or convert with --io buffered)",
+            SourceNotCheckedWarning,
+            stacklevel=2,
+        )
 
 
 def source_checks(view: Source, source: Source) -> SourceChecks | None:
     """In the coordinator, before any worker starts: what a job reading ``view`` (``source`` as
     opened, or a view of it) can check as it reads; None when the source carries no checksums or is read
-    in a way no task can check (object storage, O_DIRECT, a dequantizing or quantizing view).
+    in a way no task can check (object storage: warned of where it carries checksums; a dequantizing
+    or quantizing view).
 
     Raises:
         SourceChecksumError: a single safetensors file whose header is not the one recorded.
@@ -95,7 +180,10 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
         old_names = dict(view.old_names)
     elif view is not source:
         return None
-    if isinstance(source.location, Remote) or not isinstance(source, (DcpSource, SafetensorsSource, TorchSource)):
+    if not isinstance(source, (DcpSource, SafetensorsSource, TorchSource)):
+        return None
+    if isinstance(source.location, Remote):
+        _warn_remote(source)
         return None
     try:
         recorded = recorded_checksums(source)
@@ -128,6 +216,23 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
         if name not in stale
     )
     return SourceChecks(files, source, old_names) if files else None
+
+
+def _warn_remote(source: Source) -> None:
+    """A source on object storage is not checked (its tasks read ranges of its files: hashing a file
+    whole would fetch it a second time), but where it carries checksums a warning says so, at the
+    cost of reading its record (one small request; a safetensors file's header)."""
+    try:
+        recorded = recorded_checksums(source)
+    except (CorruptCheckpointError, OSError):
+        return  # (nothing usable: nothing unchecked to warn of)
+    if recorded is not None and any(digest.digest is not None for digest in recorded.files.values()):
+        warnings.warn(
+            f"{source.path}: not checked against its checksums: on object storage (checking would read every "
+            "file a second time); run verify on it first where that matters",
+            SourceNotCheckedWarning,
+            stacklevel=3,
+        )
 
 
 def _record_written(source: Source, record: str, directory: Any) -> int | None:
@@ -181,19 +286,19 @@ def _direct_files(source: Source) -> set[str]:
     return {os.path.basename(file) for file in source.direct_files()}
 
 
-def check_task(checks: SourceChecks | None, units: Iterable[str], chunks: Mapping[str, Any]) -> None:
-    """In a worker, before the task reads ``units`` (``chunks``: the units that are row ranges of
-    a tensor): hash every recorded file it reads whole.
+def check_task(checks: SourceChecks | None, task: Task) -> None:
+    """In a worker, before ``task`` reads its units: hash every recorded file :func:`plan_checks`
+    gave it, whole.
 
     Raises:
         SourceChecksumError: a file's bytes are not the ones its checksum was taken of.
     """
     if checks is None:
         return
-    for checked in checks.due(units, chunks):
+    for checked in checks.duties.get(task.index, ()):
         hasher = xxhash.xxh3_64()  # (not manifest.Hasher: that one counts what an output hashes)
         size = 0
-        buffer = bytearray(_PIECE)
+        buffer = bytearray(SOURCE_CHECK_BYTES)
         view = memoryview(buffer)
         with open_bounded(checked.path) as stream:
             stream.seek(checked.start)

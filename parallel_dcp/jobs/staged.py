@@ -17,6 +17,7 @@ asks the staged job which tasks to run, what to record after each, and what to c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import TaskResult, gc_paused
 from parallel_dcp.jobs import resume
+from parallel_dcp.jobs.source_check import plan_checks
 from parallel_dcp.jobs.targets import Job, Target
 from parallel_dcp.options import Options
 from parallel_dcp.storage.protocol import Staging
@@ -132,12 +134,22 @@ def stage_job(job: Job, target: Target, options: Options, governor: MemoryGovern
         staging.expect(target.output_names(staged.tasks))
         if staged.resumed:
             staged.kept = resume.keep_finished(staged.job, target, staged.tasks, staging, digest)
+            _check_what_runs(staged)
         elif records:
             resume.start_record(staging, identity, resume.plan_record(staged.tasks, planned.threshold, target))
     except BaseException as failure:
         staged.fail(failure, writing=False)
         raise
     return staged
+
+
+def _check_what_runs(staged: StagedJob) -> None:
+    """A resume's recorded plan: the checksummed source files its remaining tasks read go to
+    them to hash (the kept tasks' files were hashed by the dead run, but are read again now)."""
+    if staged.job.checks is None:
+        return
+    checks, staged.tasks = plan_checks(staged.job.checks, staged.tasks, staged.job.chunks, skip=staged.kept.results)
+    staged.job = dataclasses.replace(staged.job, checks=checks)
 
 
 def _plan_and_stage(

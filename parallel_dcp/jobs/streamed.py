@@ -179,7 +179,8 @@ def measured_stream_source(
     called after every check of the job and its destination, before any worker starts), else
     keep the mmap (storage.copy_choice: once per source and destination file system and
     process; the probe's scratch files are named as temporary files of the save ``save_id``).
-    Returns the choice; None where the job is not of that kind (nothing measured).
+    Returns the choice; None where the job is not of that kind (nothing measured). A source checked
+    against its checksums keeps the mmap, unmeasured: the hash pass and the reads share its pages.
 
     The measurement runs only where its buffers fit under the limit; otherwise auto keeps the mmap.
     """
@@ -194,6 +195,9 @@ def measured_stream_source(
         or not any(job.out_dtype(entry.dtype, entry.key) == entry.dtype for entry in source.entries.values())
     ):
         return None  # nothing this job would stream
+    if job.checks is not None:  # (jobs/source_check.py) the ring's O_DIRECT reads pass the page
+        # cache, so checking its files would read them from storage twice; the mmap reads them once
+        return ReadChoice("auto", "buffered", "the source is checked against its checksums: the mmap")
     refusal = io_mode.direct_refusal(source.location, probe=False)
     if refusal is not None:
         return ReadChoice("buffered", "buffered", refusal)
