@@ -30,6 +30,7 @@ from parallel_dcp.engine.remote_memory import RemoteBytes
 __all__ = [
     "Ahead",
     "NewHandler",
+    "PartAt",
     "TaskPart",
     "gc_paused",
     "pickled_result",
@@ -101,7 +102,26 @@ class TaskPart:
         return (_task_part, (self.pickled_task, self.part))
 
 
-def _task_part(pickled_task: bytes, part: Any) -> TaskPart:
+@dataclass(frozen=True, slots=True)
+class PartAt:
+    """A :class:`TaskPart` whose part is bytes, sent as where its two pickles lie in the coordinator:
+    the task's kept pickle and its part, which the coordinator holds, unchanged, until the worker
+    has replied for the task. The worker copies both out when it takes it (remote_memory), so the
+    coordinator neither pickles nor copies a part of thousands of keys per task: pickled into the
+    message and copied again into a buffer to send ahead, ~0.13 ms a task (a save of 50,000 keys
+    cut into 64 tasks); and a message this small never blocks on a pipe the worker is not reading."""
+
+    task: RemoteBytes
+    part: RemoteBytes
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PartAt, (self.task, self.part))  # (as RemoteBytes.__reduce__: not through copyreg)
+
+    def load(self) -> TaskPart:
+        return _task_part(self.task.fetch(), self.part.fetch())
+
+
+def _task_part(pickled_task: bytes | bytearray, part: Any) -> TaskPart:
     """A :class:`TaskPart` unpickled from its task's kept pickle (``TaskPart.__reduce__``)."""
     with gc_paused():
         task = pickle.loads(pickled_task)
