@@ -51,6 +51,7 @@ from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.process_memory import ChargeReport
 from parallel_dcp.engine.ready import wait_ready
 from parallel_dcp.engine.remote_memory import RemoteBytes, StaleRead
+from parallel_dcp.engine.result_region import ResultRegion
 from parallel_dcp.engine.worker import REPORT_CHARGE, worker_main
 from parallel_dcp.engine.worker import send as _send
 from parallel_dcp.errors import (
@@ -175,6 +176,9 @@ class WorkerPool:
         # A running task's bytes that its worker copies out of this process (_message): kept until
         # its reply.
         self._held: dict[int, object] = {}
+        # Where this run's results are mapped, side by side (dropped at its end: unmapped at once
+        # when the last of them goes).
+        self._region: ResultRegion | None = None
         # Seconds the last run spent waiting on its workers (the rest of it: the coordinator's own
         # work, handing tasks out and taking results in, while the workers work).
         self.waited_seconds = 0.0
@@ -310,6 +314,7 @@ class WorkerPool:
         ahead: dict[int, tuple[Task, object]] | None = {} if handler is not None else None
         held = self._held  # a running task's bytes (sent ahead, or as a _PartAt)
         held.clear()
+        self._region = ResultRegion()
         self.waited_seconds = 0.0
         attempts: dict[int, int] = {}
         idle = deque(w for w, proc in enumerate(self._procs) if proc is not None)
@@ -406,6 +411,7 @@ class WorkerPool:
                 governor.finish()
             self._new_handler = None
             self._parts = None
+            self._region = None  # (its results' views keep it mapped)
             del pickled  # the workers copied it before their first task
             held.clear()  # (every worker replied, or was killed above)
             if ahead is not None:
@@ -539,10 +545,12 @@ class WorkerPool:
         conn = self._conns[worker]
         try:
             # (Not conn.poll(): multiprocess's selector, ~0.1 ms a result.)
-            reply, raw = _recv(conn) if wait_ready([conn], 0) else (None, [])
+            reply, raw = _recv(conn, self._region) if wait_ready([conn], 0) else (None, [])
             while reply is not None and reply[0] == "charge":  # a late answer to request_charges
                 proc = self._procs[worker]
-                reply, raw = _recv(conn) if conn in wait_ready([conn, proc.sentinel], None) else (None, [])
+                reply, raw = (
+                    _recv(conn, self._region) if conn in wait_ready([conn, proc.sentinel], None) else (None, [])
+                )
         except (EOFError, OSError):
             reply = None
         if reply is None:
