@@ -189,10 +189,10 @@ def test_each_tasks_pickle_is_kept_from_one_save_to_the_next(tmp_path: Path, mon
     original = pool_module.WorkerPool._message
 
     def message(self: pool_module.WorkerPool, task: Any) -> Any:
-        made = original(self, task)
-        if isinstance(made, pool_module._TaskPart):  # (not the Saver's probe of its workers)
-            sent[-1][task.index] = made.pickled_task
-        return made
+        made, keep = original(self, task)
+        if isinstance(made, pool_module._PartAt):  # (not the Saver's probe of its workers)
+            sent[-1][task.index] = keep[0]  # the task's pickle, held for the worker to copy
+        return made, keep
 
     monkeypatch.setattr(pool_module.WorkerPool, "_message", message)
     sd = _state()

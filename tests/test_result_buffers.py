@@ -134,9 +134,9 @@ def _saved(
     captured: list[Any] = []
     reading, indexing = messages._map_buffers, dcp_commit.index_for
 
-    def read(fds: Any, sizes: Any) -> Any:
+    def read(fds: Any, sizes: Any, *region: Any) -> Any:
         sent.append(sum(sizes))
-        return reading(fds, sizes)
+        return reading(fds, sizes, *region)
 
     def index(pieces: Any, *args: Any) -> bytes:
         captured.append(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -116,3 +117,40 @@ def test_a_worker_failing_on_a_task_sent_ahead_fails_the_save_cleanly(
         result = saver.save(_state(), tmp_path / "next")  # new workers
         assert result.tasks >= 3
     assert_same(parallel_dcp.load(tmp_path / "next"), _state())
+
+
+def test_a_later_save_sends_each_task_as_where_its_bytes_lie(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later save's tasks travel as where their kept bytes lie (the task's pickle and its part,
+    which the coordinator holds until the worker's reply): per task, whether sent ahead or not, the
+    coordinator pickles and writes a few hundred bytes, however many keys the task has."""
+    sd = _state(name="run")
+    sent = _SentAhead(monkeypatch)
+    written: list[int] = []  # the size of each message written into a worker's pipe
+    pickled: list[int] = []  # the size of each pickle the pool made
+    send, dumps = pool._send, pool.pickle.dumps
+
+    def recording_send(conn: Any, message: Any) -> None:
+        written.append(len(dumps(message)))
+        send(conn, message)
+
+    def recording_dumps(value: Any, *args: Any, **kwargs: Any) -> bytes:
+        made = dumps(value, *args, **kwargs)
+        pickled.append(len(made))
+        return made
+
+    monkeypatch.setattr(pool, "_send", recording_send)
+    monkeypatch.setattr(pool, "pickle", SimpleNamespace(**vars(pool.pickle)))
+    monkeypatch.setattr(pool.pickle, "dumps", recording_dumps)
+    with parallel_dcp.Saver(workers=1) as saver:
+        saver.save(sd, tmp_path / "first")
+        written.clear()
+        pickled.clear()
+        sent.tasks.clear()
+        result = saver.save(sd, tmp_path / "second")
+    assert result.tasks >= 3 and len(sent.tasks) == result.tasks - 1
+    keys = min(len(task.keys) for task in sent.tasks)
+    assert keys >= 100
+    assert len(written) >= result.tasks and max(written) < 512, written
+    # (the run's handler, the job without keys, is pickled once a run: not per task)
+    assert all(size < 512 for size in sorted(pickled)[:-1]), pickled
+    assert_same(parallel_dcp.load(tmp_path / "second"), sd)

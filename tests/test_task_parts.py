@@ -45,6 +45,8 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, Any]]:
         if isinstance(message, pool_module._NewHandler):  # its bytes live only while the run does
             data = message.pickled.fetch()
             sent.append((id(conn), (len(data), pickle.loads(data))))
+        elif isinstance(message, pool_module._PartAt):  # a task and its part, as where their bytes lie
+            sent.append((id(conn), message.load()))
         else:
             sent.append((id(conn), message))
         real(conn, message)

@@ -26,10 +26,12 @@ from typing import Any
 
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.remote_memory import RemoteBytes
+from parallel_dcp.engine.result_region import ResultRegion
 
 __all__ = [
     "Ahead",
     "NewHandler",
+    "PartAt",
     "TaskPart",
     "gc_paused",
     "pickled_result",
@@ -101,7 +103,26 @@ class TaskPart:
         return (_task_part, (self.pickled_task, self.part))
 
 
-def _task_part(pickled_task: bytes, part: Any) -> TaskPart:
+@dataclass(frozen=True, slots=True)
+class PartAt:
+    """A :class:`TaskPart` whose part is bytes, sent as where its two pickles lie in the coordinator:
+    the task's kept pickle and its part, which the coordinator holds, unchanged, until the worker
+    has replied for the task. The worker copies both out when it takes it (remote_memory), so the
+    coordinator neither pickles nor copies a part of thousands of keys per task: pickled into the
+    message and copied again into a buffer to send ahead, ~0.13 ms a task (a save of 50,000 keys
+    cut into 64 tasks); and a message this small never blocks on a pipe the worker is not reading."""
+
+    task: RemoteBytes
+    part: RemoteBytes
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PartAt, (self.task, self.part))  # (as RemoteBytes.__reduce__: not through copyreg)
+
+    def load(self) -> TaskPart:
+        return _task_part(self.task.fetch(), self.part.fetch())
+
+
+def _task_part(pickled_task: bytes | bytearray, part: Any) -> TaskPart:
     """A :class:`TaskPart` unpickled from its task's kept pickle (``TaskPart.__reduce__``)."""
     with gc_paused():
         task = pickle.loads(pickled_task)
@@ -177,9 +198,10 @@ _LONG_SIZE = struct.Struct("!Q")
 _ONE_FD = socket.CMSG_SPACE(_SIZE.size)
 
 
-def receive_reply(conn: Any) -> tuple[Any, list[memoryview]]:
+def receive_reply(conn: Any, region: ResultRegion | None = None) -> tuple[Any, list[memoryview]]:
     """In the coordinator: a worker's reply (a pickled tuple; an "ok" one's last field the sizes of
-    its buffers), and those buffers, mapped from the memory file that came with it (:func:`send_reply`).
+    its buffers), and those buffers, mapped from the memory file that came with it (:func:`send_reply`):
+    into ``region`` (a run's results side by side, engine/result_region.py), else on their own.
 
     Raises:
         EOFError: the worker's pipe closed before the whole reply (it died), or a reply whose
@@ -194,7 +216,7 @@ def receive_reply(conn: Any) -> tuple[Any, list[memoryview]]:
             with gc_paused():
                 reply = pickle.loads(data)
             sizes = reply[-1] if reply[0] == "ok" else []
-            return reply, _map_buffers(fds, sizes)
+            return reply, _map_buffers(fds, sizes, region)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -235,7 +257,7 @@ def _read_exactly(sock: socket.socket, size: int) -> bytearray:
     return data
 
 
-def _map_buffers(fds: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
+def _map_buffers(fds: Sequence[int], sizes: Sequence[int], region: ResultRegion | None = None) -> list[memoryview]:
     """The buffers a reply's ``sizes`` describe, as read-only views of the memory file ``fds[0]``,
     mapped (no copy: the bytes are read where the worker wrote them, when ``.metadata`` is hashed
     and written); the descriptors are the caller's to close.
@@ -247,7 +269,9 @@ def _map_buffers(fds: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
     total = sum(sizes)
     if len(fds) != 1 or os.fstat(fds[0]).st_size != total:
         raise EOFError("the worker's result came without its memory file, or with one of another size")
-    whole = _mapped(fds[0], total) if total else memoryview(b"")
+    whole = region.map(fds[0], total) if region is not None and total else None
+    if whole is None:
+        whole = _mapped(fds[0], total) if total else memoryview(b"")
     views: list[memoryview] = []
     at = 0
     for size in sizes:

@@ -10,7 +10,9 @@
 
 A pool that outlives one job (a Saver's: ``run(handler=)``) also sends each busy worker its next
 task ahead (``_Ahead``: the worker copies the pickled task out of the coordinator when it takes
-it), so a worker that replies finds its next task waiting and the hand-off overlaps its work.
+it), so a worker that replies finds its next task waiting and the hand-off overlaps its work. A
+task with its part of the job (``run(parts=)``) goes as where its bytes lie (``_PartAt``), sent
+ahead or not: the coordinator keeps them until the worker replies, and copies none of them.
 
 Workers are forked, never spawned: the job's data (a state dict, an open checkpoint's metadata)
 is read copy-on-write and never travels through a pipe. Only task descriptions and small results
@@ -41,6 +43,7 @@ from parallel_dcp.engine.held_interrupts import HeldInterrupts
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.messages import Ahead as _Ahead
 from parallel_dcp.engine.messages import NewHandler as _NewHandler
+from parallel_dcp.engine.messages import PartAt as _PartAt
 from parallel_dcp.engine.messages import TaskPart as _TaskPart
 from parallel_dcp.engine.messages import gc_paused
 from parallel_dcp.engine.messages import receive_reply as _recv
@@ -48,6 +51,7 @@ from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.process_memory import ChargeReport
 from parallel_dcp.engine.ready import wait_ready
 from parallel_dcp.engine.remote_memory import RemoteBytes, StaleRead
+from parallel_dcp.engine.result_region import ResultRegion
 from parallel_dcp.engine.worker import REPORT_CHARGE, worker_main
 from parallel_dcp.engine.worker import send as _send
 from parallel_dcp.errors import (
@@ -169,6 +173,12 @@ class WorkerPool:
         self._parts: Callable[[Task], Any] | None = None
         self._primed: set[int] = set()
         self._pickled: dict[int, tuple[Task, bytes]] = {}  # id(task) -> (task, its pickle): _message
+        # A running task's bytes that its worker copies out of this process (_message): kept until
+        # its reply.
+        self._held: dict[int, object] = {}
+        # Where this run's results are mapped, side by side (dropped at its end: unmapped at once
+        # when the last of them goes).
+        self._region: ResultRegion | None = None
         # Seconds the last run spent waiting on its workers (the rest of it: the coordinator's own
         # work, handing tasks out and taking results in, while the workers work).
         self.waited_seconds = 0.0
@@ -300,9 +310,11 @@ class WorkerPool:
         running: dict[int, tuple[Task, float]] = {}
         # Where the workers copy what this process holds (a run that brings its handler): a
         # task sent ahead to each busy worker, so that its next task is there when it replies
-        # (the hand-off overlaps its work); kept here, pickled, until its reply.
-        ahead: dict[int, tuple[Task, bytearray]] | None = {} if handler is not None else None
-        held: dict[int, bytearray] = {}  # a running task that was sent ahead: its pickled bytes
+        # (the hand-off overlaps its work); its bytes kept here until its reply.
+        ahead: dict[int, tuple[Task, object]] | None = {} if handler is not None else None
+        held = self._held  # a running task's bytes (sent ahead, or as a _PartAt)
+        held.clear()
+        self._region = ResultRegion()
         self.waited_seconds = 0.0
         attempts: dict[int, int] = {}
         idle = deque(w for w, proc in enumerate(self._procs) if proc is not None)
@@ -399,6 +411,7 @@ class WorkerPool:
                 governor.finish()
             self._new_handler = None
             self._parts = None
+            self._region = None  # (its results' views keep it mapped)
             del pickled  # the workers copied it before their first task
             held.clear()  # (every worker replied, or was killed above)
             if ahead is not None:
@@ -429,32 +442,40 @@ class WorkerPool:
                 return  # wait until a running task frees its memory
             pending.popleft()
             worker = idle.popleft()
+            message, keep = self._message(task)
+            if keep is not None:
+                self._held[worker] = keep
             # A worker that died idle (or loading this run's handler) closed its pipe: the task
             # is its now, and its sentinel reports the death with the task's keys.
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 if self._new_handler is not None and worker not in self._primed:
                     self._primed.add(worker)
                     _send(self._conns[worker], self._new_handler)
-                _send(self._conns[worker], self._message(task))
+                _send(self._conns[worker], message)
             running[worker] = (task, time.monotonic())
 
-    def _message(self, task: Task) -> Any:
-        """What a worker receives for ``task``: the task, or with its part of the job and its
-        pickle kept from an earlier run of the same Task object (``_pickled``)."""
+    def _message(self, task: Task) -> tuple[Any, object]:
+        """What a worker receives for ``task``, and what this process must keep, unchanged, until
+        the worker's reply for it (None: nothing). The task alone; or with its part of the job and
+        its pickle kept from an earlier run of the same Task object (``_pickled``): where the part
+        is bytes, as where both lie (``_PartAt``, kept: the pickle and the part), else pickled whole."""
         if self._parts is None:
-            return task
+            return task, None
         kept = self._pickled.get(id(task))
         if kept is None or kept[0] is not task:
             kept = (task, pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL))
             self._pickled[id(task)] = kept
-        return _TaskPart(task, self._parts(task), kept[1])
+        part = self._parts(task)
+        if isinstance(part, bytes):
+            return _PartAt(RemoteBytes.of(kept[1]), RemoteBytes.of(part)), (kept[1], part)
+        return _TaskPart(task, part, kept[1]), None
 
     def _send_ahead(
         self,
         pending: deque[Task],
         idle: deque[int],
         running: dict[int, tuple[Task, float]],
-        ahead: dict[int, tuple[Task, bytearray]],
+        ahead: dict[int, tuple[Task, object]],
         governor: MemoryGovernor | None,
     ) -> None:
         """Every worker busy, and as many tasks waiting as there are workers: send each busy worker
@@ -474,13 +495,15 @@ class WorkerPool:
             ):
                 return
             pending.popleft()
-            message = self._message(task)
-            data = bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-            ahead[worker] = (task, data)
+            message, keep = self._message(task)
+            if not isinstance(message, _PartAt):  # pickled here; the worker copies it out
+                keep = bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+                message = _Ahead(RemoteBytes.of(keep))
+            ahead[worker] = (task, keep)
             # A worker that died meanwhile closed its pipe: its sentinel reports it (and both tasks
             # wait again where retries allow).
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                _send(self._conns[worker], _Ahead(RemoteBytes.of(data)))
+                _send(self._conns[worker], message)
 
     def _drain(self, running: dict[int, tuple[Task, float]], ahead: dict[int, Any]) -> None:
         """Wait for the reply of every task sent (running, or sent ahead) and drop it; a worker
@@ -522,10 +545,12 @@ class WorkerPool:
         conn = self._conns[worker]
         try:
             # (Not conn.poll(): multiprocess's selector, ~0.1 ms a result.)
-            reply, raw = _recv(conn) if wait_ready([conn], 0) else (None, [])
+            reply, raw = _recv(conn, self._region) if wait_ready([conn], 0) else (None, [])
             while reply is not None and reply[0] == "charge":  # a late answer to request_charges
                 proc = self._procs[worker]
-                reply, raw = _recv(conn) if conn in wait_ready([conn, proc.sentinel], None) else (None, [])
+                reply, raw = (
+                    _recv(conn, self._region) if conn in wait_ready([conn, proc.sentinel], None) else (None, [])
+                )
         except (EOFError, OSError):
             reply = None
         if reply is None:

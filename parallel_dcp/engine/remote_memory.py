@@ -128,11 +128,18 @@ class RemoteBytes:
     length: int
 
     @classmethod
-    def of(cls, data: bytearray) -> RemoteBytes:
-        """Where ``data`` lies in this process (keep ``data`` alive while others read it)."""
+    def of(cls, data: bytes | bytearray) -> RemoteBytes:
+        """Where ``data`` lies in this process (keep ``data`` alive, and a bytearray unchanged,
+        while others read it). Bytes are not copied: their own buffer is read."""
         # The first byte's address: an array type made per length (c_char * n) costs ~15-50 us a
-        # message sent ahead.
-        address = ctypes.addressof(ctypes.c_char.from_buffer(data)) if data else 0
+        # message sent ahead. A c_char_p made from bytes points into their buffer (no copy), read
+        # back as a number (``ctypes.cast``: ~6 us, against ~1.5).
+        if not data:
+            address = 0
+        elif isinstance(data, bytes):
+            address = ctypes.c_size_t.from_buffer(ctypes.c_char_p(data)).value
+        else:
+            address = ctypes.addressof(ctypes.c_char.from_buffer(data))
         return cls(os.getpid(), address, len(data))
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -21,6 +21,7 @@ from typing import Any
 
 from parallel_dcp.engine.messages import Ahead as _Ahead
 from parallel_dcp.engine.messages import NewHandler as _NewHandler
+from parallel_dcp.engine.messages import PartAt as _PartAt
 from parallel_dcp.engine.messages import TaskPart as _TaskPart
 from parallel_dcp.engine.messages import gc_paused, pickled_result, send_reply
 from parallel_dcp.engine.own_charge import own_charge
@@ -68,7 +69,7 @@ def worker_main(
                 report = None
             send(conn, ("charge", report))
             continue
-        if isinstance(message, _Ahead):
+        if isinstance(message, (_Ahead, _PartAt)):  # copied out of the coordinator
             try:
                 message = message.load()
             except BaseException as exc:  # this task's error: the coordinator expects its reply next
