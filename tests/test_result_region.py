@@ -102,3 +102,34 @@ def test_a_runs_results_are_mapped_into_one_range_not_each_on_its_own(monkeypatc
     assert all(bytes(r.value) == bytes([r.task.index]) * (100_000 + r.task.index) for r in results)
     starts = sorted(_base(r.value) for r in results)
     assert starts[-1] - starts[0] < 1 << 30
+
+
+def test_a_process_that_cannot_reserve_a_range_maps_each_result_on_its_own() -> None:
+    # A process under ``ulimit -v`` may have no room for a range's addresses: its results are then
+    # mapped each on its own (the caller's path for a result too large for a range), not refused.
+    # (In a forked child: the limit is the process's.)
+    import resource
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        code = 1
+        try:
+            with open("/proc/self/status") as status:
+                size = next(int(line.split()[1]) for line in status if line.startswith("VmSize:")) * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (size + (256 << 20), resource.RLIM_INFINITY))
+            fd = _memory_file(b"own" * 1000)
+            region = ResultRegion()
+            first = region.map(fd, 3000)
+            view = messages._map_buffers([fd], [3000], region)[0]
+            code = 0 if first is None and bytes(view) == b"own" * 1000 else 2
+        finally:
+            os.write(write, bytes([code]))
+            os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"\x00"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)

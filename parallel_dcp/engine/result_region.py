@@ -66,21 +66,28 @@ class ResultRegion:
         self._base = 0
         self._at = 0  # the next free offset in it
         self._ranges: list[tuple[int, int]] = []  # what its finalizer unmaps
+        self._unreservable = False  # the kernel refused a range: map each result on its own
 
     def map(self, fd: int, size: int) -> memoryview | None:
         """The first ``size`` bytes of memory file ``fd``, mapped read-only and populated at the next
-        free page of the current range; None where the result is too large for a range (the caller
-        maps it on its own).
+        free page of the current range; None where the result is too large for a range, or where no
+        range could be reserved (the caller maps it on its own).
 
         Raises:
             OSError: the kernel refused the mapping (the range is then closed: no later result goes
                 into it, and its finalizer leaves the refused pages alone).
         """
         pages = -(-size // _PAGE) * _PAGE
-        if pages > SPAN // 4:
+        if pages > SPAN // 4 or self._unreservable:
             return None
         if self._whole is None or self._at + pages > SPAN:
-            self._reserve()
+            try:
+                self._reserve()
+            except OSError:
+                # No room for a range's addresses (a process under ``ulimit -v``): this run's
+                # results are mapped each on its own, as before ranges.
+                self._unreservable = True
+                return None
         assert self._whole is not None  # (for mypy: _reserve made it)
         at, address = self._at, self._base + self._at
         got = _libc().mmap(address, size, mmap.PROT_READ, _RESULT, fd, 0)
