@@ -181,6 +181,34 @@ def test_a_resumed_conversion_hashes_the_files_its_remaining_tasks_read(
     assert not (out / ".metadata").exists()
 
 
+def test_a_resumed_conversion_that_finds_the_source_damaged_keeps_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resumed run refused for a damaged source keeps no task for a later resume, neither the
+    dead run's nor its own: any of them may have read the damaged bytes before the verdict, and a
+    resume after the file is restored would commit them (verify of the output then passes: its
+    checksums were taken of those bytes)."""
+    from tests.test_resume import _fail_midway, finished_task_records
+
+    state = {f"w{i}": torch.randn(64, 1024) for i in range(8)}
+    src = _single(tmp_path, "model.safetensors", state)
+    out = tmp_path / "out"
+    _fail_midway(monkeypatch, src, out, "dcp")
+    clean = src.read_bytes()
+    stat = src.stat()
+    _flip_inside(src, state["w0"])  # (a tensor a finished task read)
+    with pytest.raises(parallel_dcp.SourceChecksumError, match=r"model\.safetensors: its bytes are not") as caught:
+        parallel_dcp.convert(src, out, workers=2, resume=True)
+    assert any("nothing was kept for --resume" in note for note in getattr(caught.value, "__notes__", []))
+    assert finished_task_records(out) == []
+    src.write_bytes(clean)  # restored
+    os.utime(src, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    result = parallel_dcp.convert(src, out, workers=2, resume=True)
+    assert result.bytes_kept == 0
+    loaded = parallel_dcp.load(out)
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
 def test_files_read_with_o_direct_are_named_as_not_checked(tmp_path: Path) -> None:
     """O_DIRECT reads pass the page cache: a hash pass would read the file from storage a second
     time, so it is not checked, and a warning says so instead of silence."""

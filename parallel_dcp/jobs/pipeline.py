@@ -58,6 +58,7 @@ from parallel_dcp.engine.memory import (
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import TaskResult, WorkerPool
 from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain_value
+from parallel_dcp.errors import SourceChecksumError
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs import fallback
 from parallel_dcp.jobs.source_check import as_source_error, check_task, plan_checks
@@ -280,9 +281,11 @@ def run_job(
             phases["merge"] = target.merge_seconds
             phases["commit"] = time.perf_counter() - began - target.merge_seconds
         except BaseException as caught:
-            # A damaged source keeps nothing for resume: a resume would read the same bytes.
+            # A damaged source keeps nothing for resume, not even a resumed run's: a task finished
+            # before the verdict may have read the damaged bytes.
             failure = as_source_error(caught)
-            staged.fail(failure, writing=writing and failure is caught)
+            damaged = isinstance(failure, SourceChecksumError)
+            staged.fail(failure, writing=writing and failure is caught, damaged=damaged)
             held.deliver()  # (a Ctrl-C held while the commit failed: raised, from the failure)
             if failure is caught:
                 raise

@@ -18,7 +18,8 @@
       ▼
     the commit runs only once every task, so every file's verdict, is in; a mismatch:
     SourceChecksumError naming the file; the pipeline discards everything the job wrote (no
-    finished task is kept for resume: a resume would read the same damaged bytes)
+    finished task is kept for resume, not even a resumed run's: a task finished before the verdict
+    may have read the damaged bytes)
 
 Whole-file checksums cannot be split: xxh3 of a file is not made of the digests of its parts, so
 a file whose tensors several tasks share (or split into row ranges) is hashed whole by one of them

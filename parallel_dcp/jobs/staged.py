@@ -88,11 +88,21 @@ class StagedJob:
         values = kept | {r.task.index: r.value for r in ran}
         return [values[task.index] for task in self.tasks]
 
-    def fail(self, failure: BaseException, *, writing: bool) -> None:
+    def fail(self, failure: BaseException, *, writing: bool, damaged: bool = False) -> None:
         """After ``failure``: killed, out of space or interrupted while tasks ran (``writing``),
         what finished stays, with its records, for resume (in a resumed run, whenever it fails:
         those files were there before it); a fresh run failing to plan or commit leaves nothing,
-        as a save does."""
+        as a save does. A ``damaged`` source (a checksum mismatch) leaves nothing, in a resumed
+        run too: a task finished before the verdict, in this run or the dead one, may have read
+        the damaged bytes, and a resume after the file is restored would keep them."""
+        if damaged:
+            self.staging.discard()
+            if self.records:
+                failure.add_note(
+                    "nothing was kept for --resume (tasks that finished before the check may have read the "
+                    "damaged bytes): once the source is restored, convert again"
+                )
+            return
         if not (self.records and (writing or self.resumed)):
             self.staging.discard()
             return
