@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,10 +18,31 @@ import parallel_dcp
 from parallel_dcp import cli
 from parallel_dcp.engine import progress
 from tests.memory_probe import PeakSampler
-from tests.test_cli import cli as run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
+
+
+@pytest.fixture
+def run_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """A command run in this process, as ``python -m parallel_dcp`` runs it (``sys.exit(main())``,
+    a usage error's SystemExit included), its exit code checked against ``check_code`` (None: not
+    checked). These tests check the commands' output; tests/test_cli.py and test_cli_startup.py
+    run the program itself."""
+
+    def run(*args: str | Path, check_code: int | None = 0) -> subprocess.CompletedProcess[str]:
+        argv = [str(a) for a in args]
+        capsys.readouterr()
+        try:
+            code = cli.main(argv)
+        except SystemExit as exited:
+            code = 0 if exited.code is None else exited.code if isinstance(exited.code, int) else 1
+        out, err = capsys.readouterr()
+        if check_code is not None:
+            assert code == check_code, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
+        return subprocess.CompletedProcess(argv, code, out, err)
+
+    return run
 
 
 def test_verify_works_under_the_limit_the_conversion_ran_under(tmp_path: Path) -> None:
@@ -44,7 +67,9 @@ def test_verify_works_under_the_limit_the_conversion_ran_under(tmp_path: Path) -
     assert report.problems == [f"embed: data differs (first at element {20000 * 1024 + 7})"]
 
 
-def test_keys_and_files_are_counted_the_same_by_convert_and_inspect(tmp_path: Path) -> None:
+def test_keys_and_files_are_counted_the_same_by_convert_and_inspect(
+    tmp_path: Path, run_cli: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
     tensors = {f"layer{i}": torch.randn(512, 256) for i in range(9)} | {"embed": torch.randn(4096, 256)}
     st.save_file(tensors, tmp_path / "model.safetensors")
     result = parallel_dcp.convert(tmp_path / "model.safetensors", tmp_path / "dcp", workers=2, chunk_size="1MiB")
@@ -106,7 +131,9 @@ def test_every_output_file_gets_the_mode_the_umask_gives(tmp_path: Path) -> None
     assert set(modes.values()) == {"0o644"}, modes
 
 
-def test_verify_after_a_dtype_cast_compares_against_the_cast_reference(tmp_path: Path) -> None:
+def test_verify_after_a_dtype_cast_compares_against_the_cast_reference(
+    tmp_path: Path, run_cli: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
     tensors = {f"w{i}": torch.randn(64, 64) for i in range(5)} | {"ids": torch.arange(10)}
     st.save_file(tensors, tmp_path / "model.safetensors")
     parallel_dcp.convert(tmp_path / "model.safetensors", tmp_path / "bf16", dtype="bf16", workers=2)
@@ -135,14 +162,18 @@ def test_verify_after_a_dtype_cast_compares_against_the_cast_reference(tmp_path:
     ],
     ids=["workers-0", "dtype-int4", "memory-limit-lots", "shard-size", "misspelled-flag"],
 )
-def test_usage_errors_exit_2_with_the_subcommands_usage(tmp_path: Path, args: list[str], message: str) -> None:
+def test_usage_errors_exit_2_with_the_subcommands_usage(
+    tmp_path: Path, args: list[str], message: str, run_cli: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
     done = run_cli("convert", tmp_path / "src.safetensors", tmp_path / "dst", *args, check_code=2)
     assert done.stderr.startswith("usage: parallel-dcp convert "), done.stderr
     assert re.search(message, done.stderr), done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing was written"
 
 
-def test_verify_and_inspect_usage_errors_exit_2(tmp_path: Path) -> None:
+def test_verify_and_inspect_usage_errors_exit_2(
+    tmp_path: Path, run_cli: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
     done = run_cli("verify", tmp_path, "--workrs", "2", check_code=2)
     assert done.stderr.startswith("usage: parallel-dcp verify ") and "did you mean --workers?" in done.stderr
     done = run_cli("inspect", check_code=2)
