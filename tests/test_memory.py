@@ -7,13 +7,14 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import parallel_dcp
 from parallel_dcp import MemoryLimitExceeded
-from parallel_dcp.engine.memory import DEFAULT_FRACTION, default_limit, parse_size
+from parallel_dcp.engine.memory import DEFAULT_FRACTION, MemoryGovernor, default_limit, parse_size
 from parallel_dcp.options import Options
 from tests.conftest import assert_same
 from tests.faults import AllocateInWorker, MarkThenHold
@@ -95,6 +96,51 @@ def test_a_breach_by_the_callers_own_memory_names_the_caller(tmp_path: Path) -> 
     assert grown is not None and float(grown.group(1)) >= 150, message
     assert info.value.worker is None and info.value.measured > info.value.limit == 128 * MiB
     assert not (tmp_path / "ckpt" / ".metadata").exists()
+
+
+def test_a_callers_breach_quotes_its_growth_as_of_the_reading_that_confirmed_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's growth in the message is read with the confirming reading, not after it: a
+    caller's thread still allocating made the parts exceed the total ("pushed the job to 245 MiB
+    ... its own memory grew by 303 MiB": review s13, F7). Here 64 MiB more is touched right after
+    the confirming reading."""
+    later: list[torch.Tensor] = []
+    read = MemoryGovernor.read
+
+    def read_then_grow(self: MemoryGovernor, *args: Any, **kwargs: Any) -> Any:
+        reading = read(self, *args, **kwargs)
+        if kwargs.get("exact"):
+            later.append(torch.ones(64 * MiB // 4))  # after the reading, before the error
+        return reading
+
+    monkeypatch.setattr(MemoryGovernor, "read", read_then_grow)
+    marker = tmp_path / "started"
+    sd = {"w": torch.ones(8), "slow": MarkThenHold(str(marker), hold_s=120)}
+    held: list[torch.Tensor] = []
+    done = threading.Event()
+
+    def allocate() -> None:
+        while not marker.exists() and not done.is_set():
+            time.sleep(0.01)
+        held.append(torch.ones(192 * MiB // 4))
+        done.wait(120)
+        held.clear()
+
+    thread = threading.Thread(target=allocate)
+    thread.start()
+    try:
+        with pytest.raises(MemoryLimitExceeded) as info:
+            parallel_dcp.save(sd, tmp_path / "ckpt", workers=1, memory_limit="128MiB")
+    finally:
+        done.set()
+        thread.join()
+        later.clear()
+    message = str(info.value)
+    total = re.search(r"pushed the job to ([0-9.]+) MiB", message)
+    grown = re.search(r"its own memory grew by ([0-9.]+) MiB", message)
+    assert total is not None and grown is not None, message
+    assert float(grown.group(1)) <= float(total.group(1)) + 16, message  # (64 MiB more, read late)
 
 
 def test_load_refuses_more_than_the_limit_before_reading(tmp_path: Path) -> None:

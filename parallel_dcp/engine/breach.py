@@ -35,17 +35,20 @@ def anonymous_bytes(pid: int) -> int:
 
 
 def growth(
-    charged: Mapping[int, int], started: Mapping[int, int], private: Mapping[int, int], coordinator: int, anon: int
+    charged: Mapping[int, int],
+    started: Mapping[int, int],
+    private: Mapping[int, int],
+    coordinator: int,
+    anon: int,
+    anon_now: int,
 ) -> dict[int, int]:
     """How far each process in ``charged`` (pid -> its charge now) grew since the job's baseline:
     ``started`` (pid -> its charge then), ``private`` (each worker's private bytes now), and
-    ``anon``, the coordinator's anonymous memory then (see the module's docstring)."""
+    ``anon``, the coordinator's anonymous memory then, ``anon_now`` the same read with the reading
+    of ``charged`` (read later, a caller's thread still allocating would show more than the
+    reading holds: the parts of the message would exceed its total)."""
     return {
-        pid: anonymous_bytes(pid) - anon
-        if pid == coordinator
-        else now - started[pid]
-        if pid in started
-        else private.get(pid, 0)
+        pid: anon_now - anon if pid == coordinator else now - started[pid] if pid in started else private.get(pid, 0)
         for pid, now in charged.items()
     }
 

@@ -572,6 +572,7 @@ class MemoryGovernor:
             self.peak = max(self.peak, first.added)
             return
         time.sleep(0.01)  # measure again, exactly: a transient spike, or a stale code share, is not a breach
+        anon_now = anonymous_bytes(self._me.pid)  # (with the reading: what it counts of this process)
         second = self.read(workers, exact=True)
         # Nor is it the job's peak. The processes are read one after another while mappings
         # change (a worker maps a source shard another has mapped: PSS shares move between two
@@ -596,7 +597,7 @@ class MemoryGovernor:
         raise breach_error(
             added=second.added,
             limit=self.limit,
-            grown=growth(second.charged, self._started, second.private, self._me.pid, self._anon),
+            grown=growth(second.charged, self._started, second.private, self._me.pid, self._anon, anon_now),
             coordinator=self._me.pid,
             workers=workers,
             private=second.private,
