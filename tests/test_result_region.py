@@ -133,3 +133,19 @@ def test_a_process_that_cannot_reserve_a_range_maps_each_result_on_its_own() -> 
     finally:
         os.close(read)
         os.waitpid(pid, 0)
+
+
+def test_a_result_this_process_cannot_map_is_its_own_error_not_a_worker_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Out of address space (ulimit -v) or memory, the coordinator's own mapping fails: that was
+    # reported as "worker 1 died with no exit status" after 5 s, and retried (review s13 rev2).
+    import errno
+
+    from parallel_dcp.engine.result_region import ResultNotMapped
+
+    def refused(self: ResultRegion, fd: int, size: int) -> memoryview:
+        raise ResultNotMapped(errno.ENOMEM)
+
+    monkeypatch.setattr(ResultRegion, "map", refused)
+    tasks = [Task(index=i, keys=(f"k{i}",), nbytes=1, memory=0) for i in range(2)]
+    with WorkerPool(1, _blob) as pool, pytest.raises(ResultNotMapped, match="into this process: Cannot allocate"):
+        list(pool.run(tasks, retries=2))

@@ -26,7 +26,7 @@ from typing import Any
 
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.remote_memory import RemoteBytes
-from parallel_dcp.engine.result_region import ResultRegion
+from parallel_dcp.engine.result_region import ResultNotMapped, ResultRegion
 
 __all__ = [
     "Ahead",
@@ -323,7 +323,7 @@ def _mapped(fd: int, size: int) -> memoryview:
     address = libc.mmap(None, size, mmap.PROT_READ, _SHARED_NOW, fd, 0)
     if address is None or address == ctypes.c_void_p(-1).value:  # MAP_FAILED
         error = ctypes.get_errno()
-        raise OSError(error, f"cannot map a worker's result: {os.strerror(error)}")
+        raise ResultNotMapped(error)
     # An array type of the next power of two, made once, not one of ``size`` made per result
     # (~15-50 us each). Only the first ``size`` bytes, mapped, are ever viewed.
     area = _area_type(max(1, size - 1).bit_length()).from_address(address)

@@ -51,7 +51,7 @@ from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.process_memory import ChargeReport
 from parallel_dcp.engine.ready import wait_ready
 from parallel_dcp.engine.remote_memory import RemoteBytes, StaleRead
-from parallel_dcp.engine.result_region import ResultRegion
+from parallel_dcp.engine.result_region import ResultNotMapped, ResultRegion
 from parallel_dcp.engine.worker import REPORT_CHARGE, worker_main
 from parallel_dcp.engine.worker import send as _send
 from parallel_dcp.errors import (
@@ -551,6 +551,8 @@ class WorkerPool:
                 reply, raw = (
                     _recv(conn, self._region) if conn in wait_ready([conn, proc.sentinel], None) else (None, [])
                 )
+        except ResultNotMapped:
+            raise  # this process's own failure: the worker replied (it is no crash, nor retried)
         except (EOFError, OSError):
             reply = None
         if reply is None:

@@ -26,7 +26,20 @@ import os
 import weakref
 from typing import Any
 
-__all__ = ["ResultRegion"]
+__all__ = ["ResultNotMapped", "ResultRegion"]
+
+
+class ResultNotMapped(OSError):
+    """This process (the coordinator) could not map a worker's result: its own address space or
+    memory, not the worker's failure (the worker replied, and lives)."""
+
+    def __init__(self, error: int) -> None:
+        super().__init__(
+            error,
+            f"cannot map a worker's result into this process: {os.strerror(error)} (this process's address "
+            "space or memory is exhausted: a ulimit -v, or the memory limit's room taken by the caller)",
+        )
+
 
 # Addresses reserved a range: no memory (PROT_NONE, MAP_NORESERVE), only page-table room when used.
 SPAN = 1 << 30
@@ -74,7 +87,7 @@ class ResultRegion:
         range could be reserved (the caller maps it on its own).
 
         Raises:
-            OSError: the kernel refused the mapping (the range is then closed: no later result goes
+            ResultNotMapped: the kernel refused the mapping (the range is then closed: no later result goes
                 into it, and its finalizer leaves the refused pages alone).
         """
         pages = -(-size // _PAGE) * _PAGE
@@ -97,7 +110,7 @@ class ResultRegion:
             # those addresses to anyone: never unmap them later.
             self._ranges[:] = [(self._base, at), (address + pages, SPAN - at - pages)]
             self._whole = None
-            raise OSError(error, f"cannot map a worker's result: {os.strerror(error)}")
+            raise ResultNotMapped(error)
         self._at += pages
         return self._whole[at : at + size]
 
