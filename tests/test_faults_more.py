@@ -10,6 +10,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -41,6 +42,34 @@ def test_retries_rerun_a_crashed_task_and_succeed(tmp_path: Path) -> None:
     assert loaded["flaky"] == "ok"
     assert_same({k: v for k, v in loaded.items() if k != "flaky"}, {k: v for k, v in sd.items() if k != "flaky"})
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ckpt"]
+
+
+def test_a_retried_task_rewrites_the_files_its_dead_attempt_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker killed after it created its shard (the OOM killer mid-write): the retry writes the
+    same names again, each created new, and failed with FileExistsError naming the directory
+    (review s13 rev2); now the dead attempt's files of this save go first."""
+    from parallel_dcp.jobs import targets
+
+    marker = tmp_path / "killed-once"
+    write = targets.DcpTarget.write
+
+    def write_then_die(self: Any, job: Any, task: Any, *args: Any, **kwargs: Any) -> Any:
+        result = write(self, job, task, *args, **kwargs)
+        if task.index == 0 and not marker.exists():  # (in the forked worker: its files are complete)
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    monkeypatch.setattr(targets.DcpTarget, "write", write_then_die)
+    sd = {f"w{i}": torch.randn(64, 64) for i in range(6)}
+    out = tmp_path / "out" / "ckpt"
+    (tmp_path / "out").mkdir()
+    parallel_dcp.save(sd, out, workers=2, executor="processes", retries=1)
+    assert marker.exists(), "the first attempt really died after writing"
+    assert_same(parallel_dcp.load(out), sd)
+    assert parallel_dcp.verify(out).ok
 
 
 def test_without_retries_the_crash_is_final(tmp_path: Path) -> None:

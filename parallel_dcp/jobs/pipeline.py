@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from operator import itemgetter
+from pathlib import Path
 from typing import Any
 
 import fsspec.core  # noqa: F401  (see below)
@@ -61,6 +62,7 @@ from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain
 from parallel_dcp.errors import SourceChecksumError
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs import fallback
+from parallel_dcp.jobs.resume import task_files
 from parallel_dcp.jobs.source_check import as_source_error, check_task, plan_checks
 from parallel_dcp.jobs.staged import stage_job
 from parallel_dcp.jobs.streamed import streamed_data
@@ -187,6 +189,10 @@ class TaskHandler:
             # The source files given to this task (plan_checks) are hashed against their checksums
             # first: that pass reads them from storage, the reads below find them in the page cache.
             check_task(self.job.checks, task)
+            if self.options.retries and isinstance(self.staging.root, Path):
+                # A retried task writes its files again under the same names, each created new:
+                # what its dead attempt left goes first (this save's names only).
+                self.staging.clear_attempt(task_files(self.target, task, self.staging.save_id))
             # A conversion to DCP writes what it can straight from the source's files, reading ahead.
             with streamed_data(self.job, self.target, task) as streamed:
                 data = streamed if streamed is not None else self.job.read(task.keys)

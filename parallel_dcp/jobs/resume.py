@@ -83,6 +83,7 @@ __all__ = [
     "replan",
     "resumable",
     "start_record",
+    "task_files",
 ]
 
 _HASH_THREADS = 4
@@ -242,7 +243,7 @@ def _units_digest(task: Task) -> str:
     return xxhash.xxh3_64_hexdigest(_canonical(list(task.keys)))
 
 
-def _task_files(target: Target, task: Task, save_id: str) -> dict[str, str]:
+def task_files(target: Target, task: Task, save_id: str) -> dict[str, str]:
     """The files task ``task`` writes: name on disk -> name in its result."""
     if isinstance(target, DcpTarget):
         name = lean.file_name(task.index, save_id)
@@ -268,7 +269,7 @@ class Recorder:
         digests = self._digests(result)
         if digests is None or any(d.digest is None for d in digests.values()):
             return  # nothing a resume could check (checksums off, or a part DCP's planner wrote)
-        on_disk = {result_name: disk for disk, result_name in _task_files(self.target, task, self.save_id).items()}
+        on_disk = {result_name: disk for disk, result_name in task_files(self.target, task, self.save_id).items()}
         document: dict[str, Any] = {
             "version": RECORD_VERSION,
             "save_id": self.save_id,
@@ -325,12 +326,12 @@ def keep_finished(job: Job, target: Target, tasks: list[Task], staging: Staging,
         for task, result in pool.map(check, tasks):
             if result is None:
                 remove_record(directory, done_name(save_id, task.index))
-                for name in _task_files(target, task, save_id):
+                for name in task_files(target, task, save_id):
                     remove_record(directory, name)
                 continue
             kept.results[task.index] = result
             kept.bytes_kept += task.nbytes
-            kept.files.update(_task_files(target, task, save_id))
+            kept.files.update(task_files(target, task, save_id))
             kept.files.add(done_name(save_id, task.index))
     return kept
 
@@ -346,7 +347,7 @@ def _kept_result(job: Job, target: Target, task: Task, directory: Path, save_id:
     if (record.get("job"), record.get("task"), record.get("units")) != (job_digest, task.index, _units_digest(task)):
         return None
     files = record.get("files")
-    expected = _task_files(target, task, save_id)
+    expected = task_files(target, task, save_id)
     if not isinstance(files, dict) or set(files) != set(expected):  # names: exactly the task's, nothing else
         return None
     digests: dict[str, FileDigest] = {}
@@ -431,7 +432,7 @@ def finished_files(target: Target, tasks: list[Task], staging: Staging) -> set[s
         name = done_name(save_id, task.index)
         if read_sealed(directory, name) is not None:
             keep.add(name)
-            keep.update(_task_files(target, task, save_id))
+            keep.update(task_files(target, task, save_id))
     return keep | {job_name(save_id)} if keep else set()
 
 

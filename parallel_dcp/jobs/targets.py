@@ -265,7 +265,8 @@ class DcpTarget(Target):
         except BaseException as exc:
             original = writer.original_error()
             if original is not None:  # say what the file system said, not "unexpected pos ..."
-                raise OSError(original.errno, f"{original.strerror} writing {staging.root}") from exc
+                where = staging.root / original.filename if isinstance(original.filename, str) else staging.root
+                raise OSError(original.errno, f"{original.strerror} writing {where}") from exc
             raise
         return metadata, writes, writer.digests()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -9,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from parallel_dcp.storage.location import Remote
-from parallel_dcp.storage.ownership import temp_name
-from parallel_dcp.storage.safe_files import FileData
+from parallel_dcp.storage.ownership import is_of_save, temp_name
+from parallel_dcp.storage.safe_files import FileData, open_directory, remove_name
 
 __all__ = [
     "Staging",
@@ -32,6 +34,24 @@ class WriteLocation:
 
     def file(self, name: str) -> Path | Remote:
         return self.root / (temp_name(name, self.save_id) if self.private else name)
+
+    def clear_attempt(self, names: Iterable[str]) -> None:
+        """In a worker, before a task writes: remove what a dead attempt of it left under
+        ``names``, this save's names for the task's files (a retried task writes them again, and a
+        local file is only ever created new). Only names of this save (``is_of_save``), by name
+        relative to the directory, never followed; object storage: nothing (a put replaces)."""
+        if isinstance(self.root, Remote):
+            return
+        ours = [name for name in names if is_of_save(name, self.save_id)]
+        if not ours:
+            return
+        directory = open_directory(self.root)
+        try:
+            for name in ours:
+                with contextlib.suppress(FileNotFoundError):
+                    remove_name(directory, name)
+        finally:
+            os.close(directory)
 
 
 class Staging(ABC):
