@@ -20,6 +20,12 @@
     SourceChecksumError naming the file; the pipeline discards everything the job wrote (no
     finished task is kept for resume: a resume would read the same damaged bytes)
 
+A file modified after its sidecar record was written is hashed like the others: a rewrite on
+purpose (a training loop's torch.save over model.pt) leaves it so, but so does every copy that
+does not keep modification times (cp without -p, a download, s3 cp), damaged or not. Its
+mismatch says both (a stale record: --no-source-checks; or damage: restore it), never "damaged"
+alone.
+
 Whole-file checksums cannot be split: xxh3 of a file is not made of the digests of its parts, so
 a file whose tensors several tasks share (or split into row ranges) is hashed whole by one of them
 while the others read their parts. A selection (``--keys``) that reads only some of a file's
@@ -84,6 +90,9 @@ class CheckedFile:
     digest: FileDigest
     keys: frozenset[str]
     record: str  # where the checksum was recorded, for the error
+    # Why different bytes need not be damage (the file changed after its record was written):
+    # a mismatch then says both what may have happened and the way out of each; "" where it is not.
+    rewritten: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,19 +210,17 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
     stored = _keys_by_file(source)
     written = _record_written(source, record, recorded.directory)
     named = [(name, digest) for name, digest in recorded.files.items() if digest.digest is not None and name in stored]
-    stale = [name for name, _ in named if _changed_since(recorded.directory / name, written)]
-    if stale:
-        warnings.warn(
-            f"{source.path}: not checked against its checksums: {', '.join(stale[:3])}"
-            f"{f' and {len(stale) - 3} more' if len(stale) > 3 else ''} changed after {record} was written "
-            "(rewritten by another program: the record is stale)",
-            SourceNotCheckedWarning,
-            stacklevel=2,
-        )
     files = tuple(
-        CheckedFile(os.fspath(recorded.directory / name), recorded.starts.get(name, 0), digest, stored[name], record)
+        CheckedFile(
+            os.fspath(recorded.directory / name),
+            recorded.starts.get(name, 0),
+            digest,
+            stored[name],
+            record,
+            # (hashed all the same: the pass is the task's own read; only a mismatch needs the hint)
+            f"it changed after {record} was written" if _changed_since(recorded.directory / name, written) else "",
+        )
         for name, digest in named
-        if name not in stale
     )
     return SourceChecks(files, source, old_names) if files else None
 
@@ -246,10 +253,11 @@ def _record_written(source: Source, record: str, directory: Any) -> int | None:
 
 
 def _changed_since(path: Any, written: int | None) -> bool:
-    """A file modified after its sidecar record was written (a training loop's torch.save over
-    ``model.pt``, ``save_pretrained`` over a shard) is not what the record describes: the record
-    is stale, not the file damaged. Our writers write each file before its record; a flipped bit
-    on the device changes no modification time."""
+    """A file modified after its sidecar record was written: either rewritten on purpose (a
+    training loop's torch.save over ``model.pt``, ``save_pretrained`` over a shard; the record is
+    stale) or merely copied by a program that does not keep modification times (cp without -p,
+    a download, s3 cp), damaged or not. Our writers write each file before its record; so the
+    time alone decides nothing, and the file is hashed anyway: only a mismatch says both."""
     if written is None:
         return False
     try:
@@ -314,8 +322,20 @@ def check_task(checks: SourceChecks | None, task: Task) -> None:
             )
             raise SourceChecksumError(
                 f"{checked.path}: its bytes are not the ones its checksum in {checked.record} was taken of "
-                f"({what}): the source is damaged; {_ADVICE}"
+                f"({what}): {_mismatch_advice(checked.rewritten)}"
             )
+
+
+def _mismatch_advice(rewritten: str) -> str:
+    """What a mismatch means and the way out: damage, or (``rewritten`` says why it may be) a
+    file rewritten on purpose since its record, whose record is then stale."""
+    if not rewritten:
+        return f"the source is damaged; {_ADVICE}"
+    return (
+        f"{rewritten}: either it was rewritten on purpose by another program, and then its record is stale "
+        "(convert it anyway with --no-source-checks, check_source=False), or it is damaged (in a copy, on "
+        "the device): restore it"
+    )
 
 
 def as_source_error(failure: BaseException) -> BaseException:

@@ -1,0 +1,78 @@
+"""A conversion finds a checksummed source's record where the file it reads is, and a file's
+bytes that differ from its record say what may have happened, not only "damaged".
+
+- A copy that does not keep modification times (cp without -p, a download, s3 cp) leaves every
+  file newer than its record; that used to turn the check off ("the record is stale"), and a
+  shard damaged in the copy converted. Such a file is now hashed like any other: the same bytes
+  pass quietly, other bytes are refused, the error saying it may be a rewrite or damage.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import parallel_dcp
+
+
+def _state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    return {f"layer{i}.weight": torch.randn(80 + i, 40, generator=gen) for i in range(4)}
+
+
+def _flip_inside(paths: list[Path], tensor: torch.Tensor) -> Path:
+    """Flip one byte in ``tensor``'s bytes in the one of ``paths`` that holds it, keeping the
+    modification time (as a device's flipped bit, or damage in a copy that its own time hides)."""
+    raw = tensor.contiguous().numpy().tobytes()
+    path = next(p for p in paths if p.read_bytes().find(raw[:256]) >= 0)
+    data = path.read_bytes()
+    at = data.find(raw[:256])
+    at += len(raw) // 2
+    before = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x5A]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    return path
+
+
+def _copied_folder(tmp: Path) -> Path:
+    """A sharded safetensors folder copied file by file without modification times, the record
+    first (as a downloader that fetches small files first lands it): every shard is newer."""
+    dcp = tmp / "made_dcp"
+    parallel_dcp.save(_state(), dcp, workers=1)
+    original = tmp / "original_hf"
+    parallel_dcp.convert(dcp, original, workers=1, to="safetensors", shard_size="20KB")
+    copy = tmp / "copy_hf"
+    copy.mkdir()
+    for path in sorted(original.iterdir(), key=lambda p: p.stat().st_size):
+        shutil.copyfile(path, copy / path.name)
+        time.sleep(0.01)
+    record = (copy / ".parallel_dcp.json").stat().st_mtime_ns
+    shards = sorted(copy.glob("*.safetensors"))
+    assert len(shards) > 1 and all(p.stat().st_mtime_ns > record for p in shards)
+    return copy
+
+
+def test_a_copy_newer_than_its_record_is_checked(tmp_path: Path) -> None:
+    copy = _copied_folder(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", parallel_dcp.SourceNotCheckedWarning)
+        parallel_dcp.convert(copy, tmp_path / "clean_dcp", workers=2)
+    assert parallel_dcp.verify(tmp_path / "clean_dcp", against=copy).ok
+
+    damaged = _flip_inside(sorted(copy.glob("*.safetensors")), _state()["layer0.weight"])
+    with pytest.raises(parallel_dcp.SourceChecksumError) as caught:
+        parallel_dcp.convert(copy, tmp_path / "out_dcp", workers=2)
+    message = str(caught.value)
+    assert f"{damaged}: its bytes are not the ones its checksum in .parallel_dcp.json was taken of" in message
+    assert "changed after .parallel_dcp.json was written" in message
+    assert "rewritten on purpose" in message and "--no-source-checks" in message  # the one way
+    assert "damaged" in message and "restore it" in message  # and the other
+    assert not (tmp_path / "out_dcp").exists()
