@@ -176,7 +176,7 @@ def test_a_file_rewritten_after_its_record_is_refused_naming_both_causes(tmp_pat
         parallel_dcp.convert(src, tmp_path / "out", workers=1)
     message = str(caught.value)
     assert "changed after model.pt.manifest.json was written" in message
-    assert "rewritten on purpose" in message and "record is stale" in message and "--no-source-checks" in message
+    assert "rewrote it on purpose" in message and "record is stale" in message and "--no-source-checks" in message
     assert "or it is damaged" in message
     assert not (tmp_path / "out").exists()
     parallel_dcp.convert(src, tmp_path / "out", workers=1, check_source=False)  # the way out it names

@@ -5,11 +5,15 @@ bytes that differ from its record say what may have happened, not only "damaged"
   file newer than its record; that used to turn the check off ("the record is stale"), and a
   shard damaged in the copy converted. Such a file is now hashed like any other: the same bytes
   pass quietly, other bytes are refused, the error saying it may be a rewrite or damage.
+- A safetensors file's own record lives in its header, and stock safetensors keeps it when a
+  script rewrites the file (``save_file(..., metadata=f.metadata())``): its refusal called an
+  edit on purpose "damaged; restore it". It now says the file may have been rewritten so.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 import warnings
@@ -17,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import parallel_dcp
 
@@ -73,6 +79,34 @@ def test_a_copy_newer_than_its_record_is_checked(tmp_path: Path) -> None:
     message = str(caught.value)
     assert f"{damaged}: its bytes are not the ones its checksum in .parallel_dcp.json was taken of" in message
     assert "changed after .parallel_dcp.json was written" in message
-    assert "rewritten on purpose" in message and "--no-source-checks" in message  # the one way
+    assert "rewrote it on purpose" in message and "--no-source-checks" in message  # the one way
     assert "damaged" in message and "restore it" in message  # and the other
     assert not (tmp_path / "out_dcp").exists()
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["same-header", "tensor-added"])
+def test_a_safetensors_file_rewritten_keeping_its_metadata_is_not_called_damaged(tmp_path: Path, add: bool) -> None:
+    """The usual edit script: open, change a tensor (add one), save keeping the metadata."""
+    dcp = tmp_path / "made_dcp"
+    parallel_dcp.save(_state(), dcp, workers=1)
+    src = tmp_path / "edited.safetensors"
+    parallel_dcp.convert(dcp, src, workers=1)
+    with safe_open(src, "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(src)
+    assert "parallel_dcp" in metadata
+    tensors["layer1.weight"] = tensors["layer1.weight"] * 2
+    if add:
+        tensors["extra"] = torch.zeros(4)
+    save_file(tensors, src, metadata=metadata)
+    with pytest.raises(parallel_dcp.SourceChecksumError) as caught:
+        parallel_dcp.convert(src, tmp_path / "out_dcp", workers=2)
+    message = str(caught.value)
+    assert os.fspath(src) in message
+    assert re.search(r'(kept|keeping) its "parallel_dcp" metadata entry', message)
+    assert "record is stale" in message and "--no-source-checks" in message
+    assert "damaged" in message and "restore it" in message
+    assert "the source is damaged;" not in message  # never damage alone
+    assert not (tmp_path / "out_dcp").exists()
+    parallel_dcp.convert(src, tmp_path / "out_dcp", workers=2, check_source=False)
+    assert torch.equal(parallel_dcp.load(tmp_path / "out_dcp")["layer1.weight"], tensors["layer1.weight"])

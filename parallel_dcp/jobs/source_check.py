@@ -24,7 +24,8 @@ A file modified after its sidecar record was written is hashed like the others: 
 purpose (a training loop's torch.save over model.pt) leaves it so, but so does every copy that
 does not keep modification times (cp without -p, a download, s3 cp), damaged or not. Its
 mismatch says both (a stale record: --no-source-checks; or damage: restore it), never "damaged"
-alone.
+alone. So does any mismatch of a safetensors file's own header record: stock safetensors keeps it
+in a rewrite (save_file(..., metadata=f.metadata())).
 
 Whole-file checksums cannot be split: xxh3 of a file is not made of the digests of its parts, so
 a file whose tensors several tasks share (or split into row ranges) is hashed whole by one of them
@@ -78,6 +79,12 @@ __all__ = [
 # its reads, so plan_checks adds it to that task's memory (admission and the dry run count it).
 SOURCE_CHECK_BYTES = 1024 * 1024
 _ADVICE = "restore it (or convert anyway with --no-source-checks, check_source=False)"
+# A safetensors file's own record travels with its header: stock safetensors keeps it in a rewrite
+# (safe_open, edit, save_file(..., metadata=f.metadata())), so other bytes under it need not be damage.
+_HEADER_KEPT = (
+    'either a program rewrote it keeping its "parallel_dcp" metadata entry (safetensors\' '
+    "save_file(..., metadata=f.metadata()) keeps it)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +97,8 @@ class CheckedFile:
     digest: FileDigest
     keys: frozenset[str]
     record: str  # where the checksum was recorded, for the error
-    # Why different bytes need not be damage (the file changed after its record was written):
-    # a mismatch then says both what may have happened and the way out of each; "" where it is not.
+    # How other bytes may be a rewrite on purpose, not damage ("either ..."; "" where nothing says
+    # so): a mismatch then names both and the way out of each (:func:`_mismatch_advice`).
     rewritten: str = ""
 
 
@@ -206,7 +213,10 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
         return None
     record = _record_name(source)
     if recorded.problems:  # the safetensors header differs from the one recorded (read on open)
-        raise SourceChecksumError(f"{source.path}: {recorded.problems[0]}; {_ADVICE}")
+        raise SourceChecksumError(  # (the problem names both causes: verify reports it alike)
+            f"{source.path}: {recorded.problems[0]}: if rewritten on purpose, its record is stale (convert it "
+            "anyway with --no-source-checks, check_source=False); if damaged (in a copy, on the device), restore it"
+        )
     stored = _keys_by_file(source)
     written = _record_written(source, record, recorded.directory)
     named = [(name, digest) for name, digest in recorded.files.items() if digest.digest is not None and name in stored]
@@ -218,7 +228,7 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
             stored[name],
             record,
             # (hashed all the same: the pass is the task's own read; only a mismatch needs the hint)
-            f"it changed after {record} was written" if _changed_since(recorded.directory / name, written) else "",
+            _why_rewritten(source, record, _changed_since(recorded.directory / name, written)),
         )
         for name, digest in named
     )
@@ -326,15 +336,22 @@ def check_task(checks: SourceChecks | None, task: Task) -> None:
             )
 
 
+def _why_rewritten(source: Source, record: str, changed: bool) -> str:
+    """How a file's other bytes may be a rewrite on purpose: its own header's record (kept by any
+    rewrite that keeps the metadata), or a sidecar record older than the file; "" otherwise."""
+    if source.kind == "safetensors" and not source.location.is_dir():
+        return _HEADER_KEPT
+    return f"it changed after {record} was written: either another program rewrote it on purpose" if changed else ""
+
+
 def _mismatch_advice(rewritten: str) -> str:
-    """What a mismatch means and the way out: damage, or (``rewritten`` says why it may be) a
-    file rewritten on purpose since its record, whose record is then stale."""
+    """What a mismatch means and the way out: damage, or (``rewritten``: how it may be) a file
+    rewritten on purpose since its record, whose record is then stale."""
     if not rewritten:
         return f"the source is damaged; {_ADVICE}"
     return (
-        f"{rewritten}: either it was rewritten on purpose by another program, and then its record is stale "
-        "(convert it anyway with --no-source-checks, check_source=False), or it is damaged (in a copy, on "
-        "the device): restore it"
+        f"{rewritten}, and then its record is stale (convert it anyway with --no-source-checks, "
+        "check_source=False), or it is damaged (in a copy, on the device): restore it"
     )
 
 

@@ -57,7 +57,8 @@ def recorded_checksums(source: Source) -> Recorded | None:
         if index.digest is not None and index_now.digest != index.digest:
             recorded.problems.append(
                 f"file {location.name}: its header (tensor names, dtypes, shapes, offsets) is not the one its "
-                f"checksum was taken of: {index_now.digest} != {index.digest} recorded (corrupted header)"
+                f"checksum was taken of: {index_now.digest} != {index.digest} recorded (a corrupted header, or a "
+                'rewrite that kept its "parallel_dcp" metadata entry)'
             )
         return recorded
     files = read_manifest(location.parent, of_file=location.name)
