@@ -8,6 +8,11 @@ bytes that differ from its record say what may have happened, not only "damaged"
 - A safetensors file's own record lives in its header, and stock safetensors keeps it when a
   script rewrites the file (``save_file(..., metadata=f.metadata())``): its refusal called an
   edit on purpose "damaged; restore it". It now says the file may have been rewritten so.
+- A single file named through a symlink (``latest.pt -> store/model.pt``) is read where the link
+  leads, but its record was looked for beside the link (a torch.save file: none found, nothing
+  checked, nothing said) or refused as a link (a safetensors header: "refusing to follow it",
+  converted unchecked; ``verify`` failed outright). The check now reads the record of the file
+  the conversion reads: the sidecar beside the resolved file, or its header.
 """
 
 from __future__ import annotations
@@ -110,3 +115,47 @@ def test_a_safetensors_file_rewritten_keeping_its_metadata_is_not_called_damaged
     assert not (tmp_path / "out_dcp").exists()
     parallel_dcp.convert(src, tmp_path / "out_dcp", workers=2, check_source=False)
     assert torch.equal(parallel_dcp.load(tmp_path / "out_dcp")["layer1.weight"], tensors["layer1.weight"])
+
+
+def _linked(tmp: Path, suffix: str) -> tuple[Path, Path]:
+    """A single file written by parallel_dcp in a store folder, and a link to it under another
+    name in another folder (its record lies beside the file, not beside the link)."""
+    dcp = tmp / "made_dcp"
+    parallel_dcp.save(_state(), dcp, workers=1)
+    store, run = tmp / "store", tmp / "run"
+    store.mkdir()
+    run.mkdir()
+    real = store / f"model{suffix}"
+    parallel_dcp.convert(dcp, real, workers=1)
+    link = run / f"latest{suffix}"
+    link.symlink_to(real)
+    return real, link
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_file_named_through_a_link_is_checked_against_the_record_of_the_file_it_leads_to(
+    tmp_path: Path, suffix: str
+) -> None:
+    real, link = _linked(tmp_path, suffix)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", parallel_dcp.SourceNotCheckedWarning)
+        parallel_dcp.convert(link, tmp_path / "clean_dcp", workers=2)
+    assert parallel_dcp.verify(link).ok and parallel_dcp.verify(link).files_checked == 1
+
+    _flip_inside([real], _state()["layer2.weight"])
+    with pytest.raises(parallel_dcp.SourceChecksumError) as caught:
+        parallel_dcp.convert(link, tmp_path / "out_dcp", workers=2)
+    assert f"{real}: its bytes are not the ones its checksum" in str(caught.value)
+    assert not (tmp_path / "out_dcp").exists()
+    assert any("checksum" in problem for problem in parallel_dcp.verify(link).problems)  # verify reads it too
+
+
+def test_a_record_beside_the_resolved_file_that_cannot_be_read_safely_is_warned_of(tmp_path: Path) -> None:
+    """The sidecar beside the file a link leads to is itself a link: refused by the one rule, and
+    the conversion says it did not check, never silently."""
+    real, link = _linked(tmp_path, ".pt")
+    sidecar = real.with_name("model.pt.manifest.json")
+    kept = sidecar.rename(tmp_path / "kept.manifest.json")
+    sidecar.symlink_to(kept)
+    with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match="not checked against its checksums"):
+        parallel_dcp.convert(link, tmp_path / "out_dcp", workers=1)

@@ -25,7 +25,9 @@ purpose (a training loop's torch.save over model.pt) leaves it so, but so does e
 does not keep modification times (cp without -p, a download, s3 cp), damaged or not. Its
 mismatch says both (a stale record: --no-source-checks; or damage: restore it), never "damaged"
 alone. So does any mismatch of a safetensors file's own header record: stock safetensors keeps it
-in a rewrite (save_file(..., metadata=f.metadata())).
+in a rewrite (save_file(..., metadata=f.metadata())). A single file named through a symlink is
+checked as the file it leads to, which every read of it reads: its record is that file's
+(recorded_checksums resolves the name once), and the hash pass opens the resolved path.
 
 Whole-file checksums cannot be split: xxh3 of a file is not made of the digests of its parts, so
 a file whose tensors several tasks share (or split into row ranges) is hashed whole by one of them
@@ -89,17 +91,20 @@ _HEADER_KEPT = (
 
 @dataclass(frozen=True, slots=True)
 class CheckedFile:
-    """One source file with a recorded checksum: its path, the bytes the checksum covers (from
-    ``start`` on), the record, and the source keys whose bytes lie in it."""
+    """One source file with a recorded checksum: its path (a single file's resolved path: the
+    file a link named as the source leads to), the bytes the checksum covers (from ``start`` on),
+    the record, the source keys whose bytes lie in it, and its name as the source's reads name it
+    (``name``: the link's own, where the source was named through one)."""
 
     path: str
     start: int
     digest: FileDigest
     keys: frozenset[str]
     record: str  # where the checksum was recorded, for the error
+    name: str
     # How other bytes may be a rewrite on purpose, not damage ("either ..."; "" where nothing says
     # so): a mismatch then names both and the way out of each (:func:`_mismatch_advice`).
-    rewritten: str = ""
+    rewritten: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +142,7 @@ def plan_checks(
     direct = _direct_files(checks.source)  # (chosen before the tasks are planned: warn_unchecked_direct)
     held: dict[str, list[int]] = {}
     for place, checked in enumerate(checks.files):
-        for key in checked.keys if os.path.basename(checked.path) not in direct else ():
+        for key in checked.keys if checked.name not in direct else ():
             held.setdefault(key, []).append(place)
     readers: dict[int, list[Task]] = {}
     for task in tasks:
@@ -170,7 +175,7 @@ def warn_unchecked_direct(checks: SourceChecks | None, keys: Sequence[str], chun
     if not direct:
         return
     read = {checks.source_key(unit, chunks) for unit in keys}
-    names = [os.path.basename(f.path) for f in checks.files if os.path.basename(f.path) in direct and f.keys & read]
+    names = [f.name for f in checks.files if f.name in direct and f.keys & read]
     if names:
         warnings.warn(
             f"{checks.source.path}: not checked against its checksums: {', '.join(names[:3])}"
@@ -211,13 +216,13 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
         return None
     if recorded is None:
         return None
-    record = _record_name(source)
+    record = recorded.record
     if recorded.problems:  # the safetensors header differs from the one recorded (read on open)
         raise SourceChecksumError(  # (the problem names both causes: verify reports it alike)
             f"{source.path}: {recorded.problems[0]}: if rewritten on purpose, its record is stale (convert it "
             "anyway with --no-source-checks, check_source=False); if damaged (in a copy, on the device), restore it"
         )
-    stored = _keys_by_file(source)
+    stored = _keys_by_file(source, recorded.files)
     written = _record_written(source, record, recorded.directory)
     named = [(name, digest) for name, digest in recorded.files.items() if digest.digest is not None and name in stored]
     files = tuple(
@@ -227,6 +232,7 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
             digest,
             stored[name],
             record,
+            os.path.basename(name) if source.location.is_dir() else source.location.name,
             # (hashed all the same: the pass is the task's own read; only a mismatch needs the hint)
             _why_rewritten(source, record, _changed_since(recorded.directory / name, written)),
         )
@@ -276,17 +282,11 @@ def _changed_since(path: Any, written: int | None) -> bool:
         return False
 
 
-def _record_name(source: Source) -> str:
-    if source.location.is_dir():
-        return ".parallel_dcp.json"
-    if source.kind == "safetensors":
-        return "its header"
-    return f"{source.location.name}.manifest.json"
-
-
-def _keys_by_file(source: Source) -> dict[str, frozenset[str]]:
+def _keys_by_file(source: Source, recorded: Mapping[str, FileDigest]) -> dict[str, frozenset[str]]:
     """Each file's name (as the manifest records it) -> the keys whose bytes lie in it."""
     found: dict[str, set[str]] = {}
+    if not source.location.is_dir():  # one file, whatever name it has (a link's, or its own)
+        return {name: frozenset(source.entries) for name in recorded}
     if isinstance(source, DcpSource):
         assert source.metadata is not None
         for index, info in (source.metadata.storage_data or {}).items():
