@@ -159,3 +159,24 @@ def test_a_record_beside_the_resolved_file_that_cannot_be_read_safely_is_warned_
     sidecar.symlink_to(kept)
     with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match="not checked against its checksums"):
         parallel_dcp.convert(link, tmp_path / "out_dcp", workers=1)
+
+
+def test_a_folders_shards_that_link_within_it_are_checked_where_they_lead(tmp_path: Path) -> None:
+    """A Hugging Face folder whose shards are links into its own blobs/ (read where they lead, by
+    the in-tree rule) and whose record is a regular file: hashed as read, not refused as links."""
+    dcp = tmp_path / "made_dcp"
+    parallel_dcp.save(_state(), dcp, workers=1)
+    src = tmp_path / "linked_hf"
+    parallel_dcp.convert(dcp, src, workers=1, to="safetensors", shard_size="20KB")
+    (src / "blobs").mkdir()
+    for shard in sorted(src.glob("*.safetensors")):
+        shard.rename(src / "blobs" / f"blob-{shard.name}")
+        shard.symlink_to(Path("blobs") / f"blob-{shard.name}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", parallel_dcp.SourceNotCheckedWarning)
+        parallel_dcp.convert(src, tmp_path / "clean_dcp", workers=2)
+
+    damaged = _flip_inside(sorted((src / "blobs").iterdir()), _state()["layer3.weight"])
+    with pytest.raises(parallel_dcp.SourceChecksumError) as caught:
+        parallel_dcp.convert(src, tmp_path / "out_dcp", workers=2)
+    assert f"{damaged}: its bytes are not the ones its checksum" in str(caught.value)

@@ -27,7 +27,8 @@ mismatch says both (a stale record: --no-source-checks; or damage: restore it), 
 alone. So does any mismatch of a safetensors file's own header record: stock safetensors keeps it
 in a rewrite (save_file(..., metadata=f.metadata())). A single file named through a symlink is
 checked as the file it leads to, which every read of it reads: its record is that file's
-(recorded_checksums resolves the name once), and the hash pass opens the resolved path.
+(recorded_checksums resolves the name once), and the hash pass opens the resolved path; so is a
+Hugging Face folder's shard that links within its tree (_files_read).
 
 Whole-file checksums cannot be split: xxh3 of a file is not made of the digests of its parts, so
 a file whose tensors several tasks share (or split into row ranges) is hashed whole by one of them
@@ -50,20 +51,28 @@ import os
 import warnings
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from parallel_dcp.engine.partition import Task
-from parallel_dcp.errors import CorruptCheckpointError, SourceChecksumError, SourceNotCheckedWarning, WorkerError
+from parallel_dcp.errors import (
+    CorruptCheckpointError,
+    SourceChecksumError,
+    SourceNotCheckedWarning,
+    UnsafeCheckpointError,
+    WorkerError,
+)
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dcp_format import DcpSource
 from parallel_dcp.formats.renamed_source import RenamedSource
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.formats.torch_format import TorchSource
-from parallel_dcp.jobs.verify_files import recorded_checksums
+from parallel_dcp.jobs.verify_files import Recorded, recorded_checksums
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.manifest import FileDigest
+from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
 from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = [
@@ -222,21 +231,22 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
             f"{source.path}: {recorded.problems[0]}: if rewritten on purpose, its record is stale (convert it "
             "anyway with --no-source-checks, check_source=False); if damaged (in a copy, on the device), restore it"
         )
-    stored = _keys_by_file(source, recorded.files)
+    stored = _files_read(source, recorded)
     written = _record_written(source, record, recorded.directory)
-    named = [(name, digest) for name, digest in recorded.files.items() if digest.digest is not None and name in stored]
     files = tuple(
         CheckedFile(
-            os.fspath(recorded.directory / name),
+            os.fspath(read),
             recorded.starts.get(name, 0),
             digest,
-            stored[name],
+            keys,
             record,
-            os.path.basename(name) if source.location.is_dir() else source.location.name,
+            os.path.basename(read) if source.location.is_dir() else source.location.name,
             # (hashed all the same: the pass is the task's own read; only a mismatch needs the hint)
-            _why_rewritten(source, record, _changed_since(recorded.directory / name, written)),
+            _why_rewritten(source, record, _changed_since(read, written)),
         )
-        for name, digest in named
+        for name, digest in recorded.files.items()
+        if digest.digest is not None and name in stored
+        for read, keys in [stored[name]]
     )
     return SourceChecks(files, source, old_names) if files else None
 
@@ -282,19 +292,35 @@ def _changed_since(path: Any, written: int | None) -> bool:
         return False
 
 
-def _keys_by_file(source: Source, recorded: Mapping[str, FileDigest]) -> dict[str, frozenset[str]]:
-    """Each file's name (as the manifest records it) -> the keys whose bytes lie in it."""
+def _files_read(source: Source, recorded: Recorded) -> dict[str, tuple[Path, frozenset[str]]]:
+    """Each recorded file that the source's keys lie in, by its recorded name -> the path the
+    job's reads open (the hash pass opens the same, never through a link) and those keys.
+
+    A single file is the resolved one recorded_checksums found (a link's target); a Hugging
+    Face folder's shard that is a link within its tree is read where it leads (formats/base.py
+    shard_files, by the same resolve_in_tree); a DCP shard is read by its own name.
+    """
+    directory = Path(os.fspath(recorded.directory))
+    if not source.location.is_dir():  # one file, whatever name it was named by
+        return {name: (directory / name, frozenset(source.entries)) for name in recorded.files}
     found: dict[str, set[str]] = {}
-    if not source.location.is_dir():  # one file, whatever name it has (a link's, or its own)
-        return {name: frozenset(source.entries) for name in recorded}
     if isinstance(source, DcpSource):
         assert source.metadata is not None
         for index, info in (source.metadata.storage_data or {}).items():
             found.setdefault(str(info.relative_path), set()).add(index.fqn)
-    else:
-        for key, entry in source.entries.items():
-            found.setdefault(os.path.basename(entry.file), set()).add(key)
-    return {name: frozenset(keys) for name, keys in found.items()}
+        return {name: (directory / name, frozenset(keys)) for name, keys in found.items()}
+    for key, entry in source.entries.items():
+        found.setdefault(os.fspath(entry.file), set()).add(key)
+    tree = source_tree(directory)
+    read: dict[str, tuple[Path, frozenset[str]]] = {}
+    for name in recorded.files:
+        try:
+            path = resolve_in_tree(directory / name, tree)
+        except UnsafeCheckpointError:
+            continue  # (a link out of the tree: no key's bytes are read through it, or opening refused)
+        if (keys := found.get(os.fspath(path))) is not None:
+            read[name] = (path, frozenset(keys))
+    return read
 
 
 def _direct_files(source: Source) -> set[str]:
