@@ -34,7 +34,7 @@ def _big_state() -> dict[str, torch.Tensor]:
 
 def _flip_inside(path: Path, tensor: torch.Tensor) -> None:
     """Flip one byte in the middle of ``tensor``'s bytes in ``path``, as a device flips it (the
-    modification time stays: a file written after its record is taken as rewritten)."""
+    modification time stays: a file written after its record may be a rewrite, and its refusal says so)."""
     raw = tensor.contiguous().numpy().tobytes()
     data = path.read_bytes()
     at = data.find(raw[:256])

@@ -31,7 +31,7 @@ def _state() -> dict[str, torch.Tensor]:
 
 def _flip(path: Path, at: int) -> None:
     """A byte flipped as a device flips it: the file's modification time stays (a file written
-    after its checksums were recorded is taken as rewritten, its record stale)."""
+    after its checksums were recorded may be a rewrite: its refusal says so too)."""
     before = path.stat()
     with open(path, "r+b") as f:
         f.seek(at)
@@ -161,17 +161,25 @@ def test_an_intact_checksummed_source_converts(tmp_path: Path) -> None:
         assert parallel_dcp.verify(tmp_path / out, against=clean).ok
 
 
-def test_a_file_rewritten_after_its_record_converts_with_a_warning(tmp_path: Path) -> None:
-    """A training loop's torch.save over a model.pt we once wrote leaves our sidecar record
-    stale: the file is not damaged, and converts (unchecked, said so), as before the check."""
+def test_a_file_rewritten_after_its_record_is_refused_naming_both_causes(tmp_path: Path) -> None:
+    """A training loop's torch.save over a model.pt we once wrote leaves our sidecar record stale;
+    a copy that does not keep modification times makes an intact or a damaged file just as new.
+    The time cannot tell them apart, so the file is hashed: the refusal never calls it damaged
+    without saying it may be a rewrite, and names the way out of each."""
     src = tmp_path / "model.pt"
     parallel_dcp.convert(_dcp_source_clean(tmp_path), src, workers=1)
     record = src.with_name("model.pt.manifest.json").stat()
     newer = {"w": torch.ones(3)}
     torch.save(newer, src)
     os.utime(src, ns=(record.st_atime_ns, record.st_mtime_ns + 1_000_000_000))  # written after the record
-    with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match="changed after model.pt.manifest.json"):
+    with pytest.raises(parallel_dcp.SourceChecksumError) as caught:
         parallel_dcp.convert(src, tmp_path / "out", workers=1)
+    message = str(caught.value)
+    assert "changed after model.pt.manifest.json was written" in message
+    assert "rewrote it on purpose" in message and "record is stale" in message and "--no-source-checks" in message
+    assert "or it is damaged" in message
+    assert not (tmp_path / "out").exists()
+    parallel_dcp.convert(src, tmp_path / "out", workers=1, check_source=False)  # the way out it names
     assert torch.equal(parallel_dcp.load(tmp_path / "out")["w"], newer["w"])
 
 

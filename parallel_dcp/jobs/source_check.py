@@ -21,6 +21,16 @@
     finished task is kept for resume, not even a resumed run's: a task finished before the verdict
     may have read the damaged bytes)
 
+A file modified after its sidecar record was written is hashed like the others: a rewrite on
+purpose (a training loop's torch.save over model.pt) leaves it so, but so does every copy that
+does not keep modification times (cp without -p, a download, s3 cp), damaged or not. Its
+mismatch says both (a stale record: --no-source-checks; or damage: restore it), never "damaged"
+alone. So does any mismatch of a safetensors file's own header record: stock safetensors keeps it
+in a rewrite (save_file(..., metadata=f.metadata())). A single file named through a symlink is
+checked as the file it leads to, which every read of it reads: its record is that file's
+(recorded_checksums resolves the name once), and the hash pass opens the resolved path; so is a
+Hugging Face folder's shard that links within its tree (_files_read).
+
 Whole-file checksums cannot be split: xxh3 of a file is not made of the digests of its parts, so
 a file whose tensors several tasks share (or split into row ranges) is hashed whole by one of them
 while the others read their parts. A selection (``--keys``) that reads only some of a file's
@@ -42,20 +52,28 @@ import os
 import warnings
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from parallel_dcp.engine.partition import Task
-from parallel_dcp.errors import CorruptCheckpointError, SourceChecksumError, SourceNotCheckedWarning, WorkerError
+from parallel_dcp.errors import (
+    CorruptCheckpointError,
+    SourceChecksumError,
+    SourceNotCheckedWarning,
+    UnsafeCheckpointError,
+    WorkerError,
+)
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dcp_format import DcpSource
 from parallel_dcp.formats.renamed_source import RenamedSource
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.formats.torch_format import TorchSource
-from parallel_dcp.jobs.verify_files import recorded_checksums
+from parallel_dcp.jobs.verify_files import Recorded, recorded_checksums
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.manifest import FileDigest
+from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
 from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = [
@@ -73,18 +91,30 @@ __all__ = [
 # its reads, so plan_checks adds it to that task's memory (admission and the dry run count it).
 SOURCE_CHECK_BYTES = 1024 * 1024
 _ADVICE = "restore it (or convert anyway with --no-source-checks, check_source=False)"
+# A safetensors file's own record travels with its header: stock safetensors keeps it in a rewrite
+# (safe_open, edit, save_file(..., metadata=f.metadata())), so other bytes under it need not be damage.
+_HEADER_KEPT = (
+    'either a program rewrote it keeping its "parallel_dcp" metadata entry (safetensors\' '
+    "save_file(..., metadata=f.metadata()) keeps it)"
+)
 
 
 @dataclass(frozen=True, slots=True)
 class CheckedFile:
-    """One source file with a recorded checksum: its path, the bytes the checksum covers (from
-    ``start`` on), the record, and the source keys whose bytes lie in it."""
+    """One source file with a recorded checksum: its path (a single file's resolved path: the
+    file a link named as the source leads to), the bytes the checksum covers (from ``start`` on),
+    the record, the source keys whose bytes lie in it, and its name as the source's reads name it
+    (``name``: the link's own, where the source was named through one)."""
 
     path: str
     start: int
     digest: FileDigest
     keys: frozenset[str]
     record: str  # where the checksum was recorded, for the error
+    name: str
+    # How other bytes may be a rewrite on purpose, not damage ("either ..."; "" where nothing says
+    # so): a mismatch then names both and the way out of each (:func:`_mismatch_advice`).
+    rewritten: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +152,7 @@ def plan_checks(
     direct = _direct_files(checks.source)  # (chosen before the tasks are planned: warn_unchecked_direct)
     held: dict[str, list[int]] = {}
     for place, checked in enumerate(checks.files):
-        for key in checked.keys if os.path.basename(checked.path) not in direct else ():
+        for key in checked.keys if checked.name not in direct else ():
             held.setdefault(key, []).append(place)
     readers: dict[int, list[Task]] = {}
     for task in tasks:
@@ -155,7 +185,7 @@ def warn_unchecked_direct(checks: SourceChecks | None, keys: Sequence[str], chun
     if not direct:
         return
     read = {checks.source_key(unit, chunks) for unit in keys}
-    names = [os.path.basename(f.path) for f in checks.files if os.path.basename(f.path) in direct and f.keys & read]
+    names = [f.name for f in checks.files if f.name in direct and f.keys & read]
     if names:
         warnings.warn(
             f"{checks.source.path}: not checked against its checksums: {', '.join(names[:3])}"
@@ -196,25 +226,28 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
         return None
     if recorded is None:
         return None
-    record = _record_name(source)
+    record = recorded.record
     if recorded.problems:  # the safetensors header differs from the one recorded (read on open)
-        raise SourceChecksumError(f"{source.path}: {recorded.problems[0]}; {_ADVICE}")
-    stored = _keys_by_file(source)
-    written = _record_written(source, record, recorded.directory)
-    named = [(name, digest) for name, digest in recorded.files.items() if digest.digest is not None and name in stored]
-    stale = [name for name, _ in named if _changed_since(recorded.directory / name, written)]
-    if stale:
-        warnings.warn(
-            f"{source.path}: not checked against its checksums: {', '.join(stale[:3])}"
-            f"{f' and {len(stale) - 3} more' if len(stale) > 3 else ''} changed after {record} was written "
-            "(rewritten by another program: the record is stale)",
-            SourceNotCheckedWarning,
-            stacklevel=2,
+        raise SourceChecksumError(  # (the problem names both causes: verify reports it alike)
+            f"{source.path}: {recorded.problems[0]}: if rewritten on purpose, its record is stale (convert it "
+            "anyway with --no-source-checks, check_source=False); if damaged (in a copy, on the device), restore it"
         )
+    stored = _files_read(source, recorded)
+    written = _record_written(source, record, recorded.directory)
     files = tuple(
-        CheckedFile(os.fspath(recorded.directory / name), recorded.starts.get(name, 0), digest, stored[name], record)
-        for name, digest in named
-        if name not in stale
+        CheckedFile(
+            os.fspath(read),
+            recorded.starts.get(name, 0),
+            digest,
+            keys,
+            record,
+            os.path.basename(read) if source.location.is_dir() else source.location.name,
+            # (hashed all the same: the pass is the task's own read; only a mismatch needs the hint)
+            _why_rewritten(source, record, _changed_since(read, written)),
+        )
+        for name, digest in recorded.files.items()
+        if digest.digest is not None and name in stored
+        for read, keys in [stored[name]]
     )
     return SourceChecks(files, source, old_names) if files else None
 
@@ -247,10 +280,11 @@ def _record_written(source: Source, record: str, directory: Any) -> int | None:
 
 
 def _changed_since(path: Any, written: int | None) -> bool:
-    """A file modified after its sidecar record was written (a training loop's torch.save over
-    ``model.pt``, ``save_pretrained`` over a shard) is not what the record describes: the record
-    is stale, not the file damaged. Our writers write each file before its record; a flipped bit
-    on the device changes no modification time."""
+    """A file modified after its sidecar record was written: either rewritten on purpose (a
+    training loop's torch.save over ``model.pt``, ``save_pretrained`` over a shard; the record is
+    stale) or merely copied by a program that does not keep modification times (cp without -p,
+    a download, s3 cp), damaged or not. Our writers write each file before its record; so the
+    time alone decides nothing, and the file is hashed anyway: only a mismatch says both."""
     if written is None:
         return False
     try:
@@ -259,25 +293,35 @@ def _changed_since(path: Any, written: int | None) -> bool:
         return False
 
 
-def _record_name(source: Source) -> str:
-    if source.location.is_dir():
-        return ".parallel_dcp.json"
-    if source.kind == "safetensors":
-        return "its header"
-    return f"{source.location.name}.manifest.json"
+def _files_read(source: Source, recorded: Recorded) -> dict[str, tuple[Path, frozenset[str]]]:
+    """Each recorded file that the source's keys lie in, by its recorded name -> the path the
+    job's reads open (the hash pass opens the same, never through a link) and those keys.
 
-
-def _keys_by_file(source: Source) -> dict[str, frozenset[str]]:
-    """Each file's name (as the manifest records it) -> the keys whose bytes lie in it."""
+    A single file is the resolved one recorded_checksums found (a link's target); a Hugging
+    Face folder's shard that is a link within its tree is read where it leads (formats/base.py
+    shard_files, by the same resolve_in_tree); a DCP shard is read by its own name.
+    """
+    directory = Path(os.fspath(recorded.directory))
+    if not source.location.is_dir():  # one file, whatever name it was named by
+        return {name: (directory / name, frozenset(source.entries)) for name in recorded.files}
     found: dict[str, set[str]] = {}
     if isinstance(source, DcpSource):
         assert source.metadata is not None
         for index, info in (source.metadata.storage_data or {}).items():
             found.setdefault(str(info.relative_path), set()).add(index.fqn)
-    else:
-        for key, entry in source.entries.items():
-            found.setdefault(os.path.basename(entry.file), set()).add(key)
-    return {name: frozenset(keys) for name, keys in found.items()}
+        return {name: (directory / name, frozenset(keys)) for name, keys in found.items()}
+    for key, entry in source.entries.items():
+        found.setdefault(os.fspath(entry.file), set()).add(key)
+    tree = source_tree(directory)
+    read: dict[str, tuple[Path, frozenset[str]]] = {}
+    for name in recorded.files:
+        try:
+            path = resolve_in_tree(directory / name, tree)
+        except UnsafeCheckpointError:
+            continue  # (a link out of the tree: no key's bytes are read through it, or opening refused)
+        if (keys := found.get(os.fspath(path))) is not None:
+            read[name] = (path, frozenset(keys))
+    return read
 
 
 def _direct_files(source: Source) -> set[str]:
@@ -315,8 +359,27 @@ def check_task(checks: SourceChecks | None, task: Task) -> None:
             )
             raise SourceChecksumError(
                 f"{checked.path}: its bytes are not the ones its checksum in {checked.record} was taken of "
-                f"({what}): the source is damaged; {_ADVICE}"
+                f"({what}): {_mismatch_advice(checked.rewritten)}"
             )
+
+
+def _why_rewritten(source: Source, record: str, changed: bool) -> str:
+    """How a file's other bytes may be a rewrite on purpose: its own header's record (kept by any
+    rewrite that keeps the metadata), or a sidecar record older than the file; "" otherwise."""
+    if source.kind == "safetensors" and not source.location.is_dir():
+        return _HEADER_KEPT
+    return f"it changed after {record} was written: either another program rewrote it on purpose" if changed else ""
+
+
+def _mismatch_advice(rewritten: str) -> str:
+    """What a mismatch means and the way out: damage, or (``rewritten``: how it may be) a file
+    rewritten on purpose since its record, whose record is then stale."""
+    if not rewritten:
+        return f"the source is damaged; {_ADVICE}"
+    return (
+        f"{rewritten}, and then its record is stale (convert it anyway with --no-source-checks, "
+        "check_source=False), or it is damaged (in a copy, on the device): restore it"
+    )
 
 
 def as_source_error(failure: BaseException) -> BaseException:

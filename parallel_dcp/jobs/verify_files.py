@@ -5,17 +5,24 @@
     safetensors file model.safetensors ── its own header's __metadata__: the tensor index's digest
                                           (checked here) and the data section's (hashed by the pool)
 
+A single local file named through a symlink (a "latest" link, a run folder pointing into a
+checkpoint store) is read wherever it leads, so its record is the one of the file it leads to:
+the name is resolved once (realpath), and the sidecar beside the resolved file, or its header, is
+read from there by the one rule (never through a link: the resolved name is none).
+
 Every record is read by :mod:`parallel_dcp.storage.manifest` (one algorithm, one document).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import embedded_checksums
-from parallel_dcp.storage.location import Location
-from parallel_dcp.storage.manifest import FileDigest, read_manifest, sidecar_name
+from parallel_dcp.storage.location import Location, Remote
+from parallel_dcp.storage.manifest import MANIFEST_FILE, FileDigest, read_manifest, sidecar_name
 
 __all__ = ["Recorded", "no_checksums_problem", "recorded_checksums"]
 
@@ -25,20 +32,23 @@ class Recorded:
     """The checksums an output carries.
 
     Attributes:
-        directory: where the recorded files are.
+        directory: where the recorded files are (a single file's real folder: not through a link).
         files: each file's recorded size and checksum (of its bytes from ``starts[name]`` on).
+        record: where they are recorded, as an error names it ("model.pt.manifest.json").
         starts: for a file whose record covers only its data section: where that begins.
         problems: what the record itself shows (a header that differs from the one recorded).
     """
 
     directory: Location
     files: dict[str, FileDigest]
+    record: str
     starts: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
 
 def recorded_checksums(source: Source) -> Recorded | None:
-    """The checksums ``source``'s files carry; None when they carry none.
+    """The checksums ``source``'s files carry; None when they carry none. A single local file's
+    are those of the file its name resolves to (``directory`` is that file's folder).
 
     Raises:
         CorruptCheckpointError: a record exists but cannot be read, or names other files.
@@ -46,22 +56,25 @@ def recorded_checksums(source: Source) -> Recorded | None:
     location = source.location
     if location.is_dir():
         files = read_manifest(location, current_only=True)
-        return Recorded(location, files) if files is not None else None
+        return Recorded(location, files, MANIFEST_FILE) if files is not None else None
+    if not isinstance(location, Remote):
+        location = Path(os.path.realpath(location))
     if source.kind == "safetensors":
         found = embedded_checksums(location)
         if found is None:
             return None
         start, index, data, index_now = found
-        recorded = Recorded(location.parent, {location.name: data})
+        recorded = Recorded(location.parent, {location.name: data}, "its header")
         recorded.starts[location.name] = start
         if index.digest is not None and index_now.digest != index.digest:
             recorded.problems.append(
                 f"file {location.name}: its header (tensor names, dtypes, shapes, offsets) is not the one its "
-                f"checksum was taken of: {index_now.digest} != {index.digest} recorded (corrupted header)"
+                f"checksum was taken of: {index_now.digest} != {index.digest} recorded (a corrupted header, or a "
+                'rewrite that kept its "parallel_dcp" metadata entry)'
             )
         return recorded
     files = read_manifest(location.parent, of_file=location.name)
-    return Recorded(location.parent, files) if files is not None else None
+    return Recorded(location.parent, files, sidecar_name(location.name)) if files is not None else None
 
 
 def no_checksums_problem(source: Source) -> str:

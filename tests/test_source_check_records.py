@@ -1,0 +1,182 @@
+"""A conversion finds a checksummed source's record where the file it reads is, and a file's
+bytes that differ from its record say what may have happened, not only "damaged".
+
+- A copy that does not keep modification times (cp without -p, a download, s3 cp) leaves every
+  file newer than its record; that used to turn the check off ("the record is stale"), and a
+  shard damaged in the copy converted. Such a file is now hashed like any other: the same bytes
+  pass quietly, other bytes are refused, the error saying it may be a rewrite or damage.
+- A safetensors file's own record lives in its header, and stock safetensors keeps it when a
+  script rewrites the file (``save_file(..., metadata=f.metadata())``): its refusal called an
+  edit on purpose "damaged; restore it". It now says the file may have been rewritten so.
+- A single file named through a symlink (``latest.pt -> store/model.pt``) is read where the link
+  leads, but its record was looked for beside the link (a torch.save file: none found, nothing
+  checked, nothing said) or refused as a link (a safetensors header: "refusing to follow it",
+  converted unchecked; ``verify`` failed outright). The check now reads the record of the file
+  the conversion reads: the sidecar beside the resolved file, or its header.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import parallel_dcp
+
+
+def _state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    return {f"layer{i}.weight": torch.randn(80 + i, 40, generator=gen) for i in range(4)}
+
+
+def _flip_inside(paths: list[Path], tensor: torch.Tensor) -> Path:
+    """Flip one byte in ``tensor``'s bytes in the one of ``paths`` that holds it, keeping the
+    modification time (as a device's flipped bit, or damage in a copy that its own time hides)."""
+    raw = tensor.contiguous().numpy().tobytes()
+    path = next(p for p in paths if p.read_bytes().find(raw[:256]) >= 0)
+    data = path.read_bytes()
+    at = data.find(raw[:256])
+    at += len(raw) // 2
+    before = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0x5A]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    return path
+
+
+def _copied_folder(tmp: Path) -> Path:
+    """A sharded safetensors folder copied file by file without modification times, the record
+    first (as a downloader that fetches small files first lands it): every shard is newer."""
+    dcp = tmp / "made_dcp"
+    parallel_dcp.save(_state(), dcp, workers=1)
+    original = tmp / "original_hf"
+    parallel_dcp.convert(dcp, original, workers=1, to="safetensors", shard_size="20KB")
+    copy = tmp / "copy_hf"
+    copy.mkdir()
+    for path in sorted(original.iterdir(), key=lambda p: p.stat().st_size):
+        shutil.copyfile(path, copy / path.name)
+        time.sleep(0.01)
+    record = (copy / ".parallel_dcp.json").stat().st_mtime_ns
+    shards = sorted(copy.glob("*.safetensors"))
+    assert len(shards) > 1 and all(p.stat().st_mtime_ns > record for p in shards)
+    return copy
+
+
+def test_a_copy_newer_than_its_record_is_checked(tmp_path: Path) -> None:
+    copy = _copied_folder(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", parallel_dcp.SourceNotCheckedWarning)
+        parallel_dcp.convert(copy, tmp_path / "clean_dcp", workers=2)
+    assert parallel_dcp.verify(tmp_path / "clean_dcp", against=copy).ok
+
+    damaged = _flip_inside(sorted(copy.glob("*.safetensors")), _state()["layer0.weight"])
+    with pytest.raises(parallel_dcp.SourceChecksumError) as caught:
+        parallel_dcp.convert(copy, tmp_path / "out_dcp", workers=2)
+    message = str(caught.value)
+    assert f"{damaged}: its bytes are not the ones its checksum in .parallel_dcp.json was taken of" in message
+    assert "changed after .parallel_dcp.json was written" in message
+    assert "rewrote it on purpose" in message and "--no-source-checks" in message  # the one way
+    assert "damaged" in message and "restore it" in message  # and the other
+    assert not (tmp_path / "out_dcp").exists()
+
+
+@pytest.mark.parametrize("add", [False, True], ids=["same-header", "tensor-added"])
+def test_a_safetensors_file_rewritten_keeping_its_metadata_is_not_called_damaged(tmp_path: Path, add: bool) -> None:
+    """The usual edit script: open, change a tensor (add one), save keeping the metadata."""
+    dcp = tmp_path / "made_dcp"
+    parallel_dcp.save(_state(), dcp, workers=1)
+    src = tmp_path / "edited.safetensors"
+    parallel_dcp.convert(dcp, src, workers=1)
+    with safe_open(src, "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(src)
+    assert "parallel_dcp" in metadata
+    tensors["layer1.weight"] = tensors["layer1.weight"] * 2
+    if add:
+        tensors["extra"] = torch.zeros(4)
+    save_file(tensors, src, metadata=metadata)
+    with pytest.raises(parallel_dcp.SourceChecksumError) as caught:
+        parallel_dcp.convert(src, tmp_path / "out_dcp", workers=2)
+    message = str(caught.value)
+    assert os.fspath(src) in message
+    assert re.search(r'(kept|keeping) its "parallel_dcp" metadata entry', message)
+    assert "record is stale" in message and "--no-source-checks" in message
+    assert "damaged" in message and "restore it" in message
+    assert "the source is damaged;" not in message  # never damage alone
+    assert not (tmp_path / "out_dcp").exists()
+    parallel_dcp.convert(src, tmp_path / "out_dcp", workers=2, check_source=False)
+    assert torch.equal(parallel_dcp.load(tmp_path / "out_dcp")["layer1.weight"], tensors["layer1.weight"])
+
+
+def _linked(tmp: Path, suffix: str) -> tuple[Path, Path]:
+    """A single file written by parallel_dcp in a store folder, and a link to it under another
+    name in another folder (its record lies beside the file, not beside the link)."""
+    dcp = tmp / "made_dcp"
+    parallel_dcp.save(_state(), dcp, workers=1)
+    store, run = tmp / "store", tmp / "run"
+    store.mkdir()
+    run.mkdir()
+    real = store / f"model{suffix}"
+    parallel_dcp.convert(dcp, real, workers=1)
+    link = run / f"latest{suffix}"
+    link.symlink_to(real)
+    return real, link
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_file_named_through_a_link_is_checked_against_the_record_of_the_file_it_leads_to(
+    tmp_path: Path, suffix: str
+) -> None:
+    real, link = _linked(tmp_path, suffix)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", parallel_dcp.SourceNotCheckedWarning)
+        parallel_dcp.convert(link, tmp_path / "clean_dcp", workers=2)
+    assert parallel_dcp.verify(link).ok and parallel_dcp.verify(link).files_checked == 1
+
+    _flip_inside([real], _state()["layer2.weight"])
+    with pytest.raises(parallel_dcp.SourceChecksumError) as caught:
+        parallel_dcp.convert(link, tmp_path / "out_dcp", workers=2)
+    assert f"{real}: its bytes are not the ones its checksum" in str(caught.value)
+    assert not (tmp_path / "out_dcp").exists()
+    assert any("checksum" in problem for problem in parallel_dcp.verify(link).problems)  # verify reads it too
+
+
+def test_a_record_beside_the_resolved_file_that_cannot_be_read_safely_is_warned_of(tmp_path: Path) -> None:
+    """The sidecar beside the file a link leads to is itself a link: refused by the one rule, and
+    the conversion says it did not check, never silently."""
+    real, link = _linked(tmp_path, ".pt")
+    sidecar = real.with_name("model.pt.manifest.json")
+    kept = sidecar.rename(tmp_path / "kept.manifest.json")
+    sidecar.symlink_to(kept)
+    with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match="not checked against its checksums"):
+        parallel_dcp.convert(link, tmp_path / "out_dcp", workers=1)
+
+
+def test_a_folders_shards_that_link_within_it_are_checked_where_they_lead(tmp_path: Path) -> None:
+    """A Hugging Face folder whose shards are links into its own blobs/ (read where they lead, by
+    the in-tree rule) and whose record is a regular file: hashed as read, not refused as links."""
+    dcp = tmp_path / "made_dcp"
+    parallel_dcp.save(_state(), dcp, workers=1)
+    src = tmp_path / "linked_hf"
+    parallel_dcp.convert(dcp, src, workers=1, to="safetensors", shard_size="20KB")
+    (src / "blobs").mkdir()
+    for shard in sorted(src.glob("*.safetensors")):
+        shard.rename(src / "blobs" / f"blob-{shard.name}")
+        shard.symlink_to(Path("blobs") / f"blob-{shard.name}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", parallel_dcp.SourceNotCheckedWarning)
+        parallel_dcp.convert(src, tmp_path / "clean_dcp", workers=2)
+
+    damaged = _flip_inside(sorted((src / "blobs").iterdir()), _state()["layer3.weight"])
+    with pytest.raises(parallel_dcp.SourceChecksumError) as caught:
+        parallel_dcp.convert(src, tmp_path / "out_dcp", workers=2)
+    assert f"{damaged}: its bytes are not the ones its checksum" in str(caught.value)
