@@ -180,3 +180,53 @@ def test_a_folders_shards_that_link_within_it_are_checked_where_they_lead(tmp_pa
     with pytest.raises(parallel_dcp.SourceChecksumError) as caught:
         parallel_dcp.convert(src, tmp_path / "out_dcp", workers=2)
     assert f"{damaged}: its bytes are not the ones its checksum" in str(caught.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays another user: needs root to change uid in a child")
+def test_a_record_this_user_may_not_read_converts_unchecked_with_a_warning(tmp_path: Path) -> None:
+    """Another user's checkpoint whose data this user may read but whose record (mode 0600) it may
+    not: the conversion failed with a bare "[Errno 13] Permission denied" (review s13, F5); an
+    unreadable record proves nothing about the data, so it converts unchecked, and says so."""
+    import tempfile
+
+    # (pytest's folders are root's 0700: a folder the other user can reach, removed at the end)
+    base = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else "/var/tmp"))
+    base.chmod(0o755)
+    try:
+        _convert_as_nobody(base)
+    finally:
+        shutil.rmtree(base)
+
+
+def _convert_as_nobody(base: Path) -> None:
+    src = base / "src"
+    parallel_dcp.save(_state(), src, workers=1)
+    os.chmod(src / ".parallel_dcp.json", 0o600)
+    out = base / "shared"
+    out.mkdir()
+    os.chown(out, 65534, 65534)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child, as uid 65534
+        os.close(read)
+        outcome = "?"
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                parallel_dcp.convert(src, out / "o", workers=1)
+            named = [str(w.message) for w in caught if issubclass(w.category, parallel_dcp.SourceNotCheckedWarning)]
+            outcome = "warned" if any("Permission denied" in m for m in named) else f"silent {named}"
+        except BaseException as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        finally:
+            os.write(write, outcome.encode()[:4000])
+            os._exit(0)
+    os.close(write)
+    try:
+        got = os.read(read, 4096).decode()
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert got == "warned", got

@@ -200,11 +200,10 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
     """In the coordinator, before any worker starts: what a job reading ``view`` (``source`` as
     opened, or a view of it) can check as it reads; None when the source carries no checksums or is read
     in a way no task can check (object storage: warned of where it carries checksums; a dequantizing
-    or quantizing view).
+    or quantizing view; a record that cannot be read, or not by this user: warned of).
 
     Raises:
         SourceChecksumError: a single safetensors file whose header is not the one recorded.
-        CorruptCheckpointError: a record exists but cannot be read.
     """
     old_names: dict[str, str] | None = None
     if isinstance(view, RenamedSource) and view.inner is source:
@@ -218,10 +217,11 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
         return None
     try:
         recorded = recorded_checksums(source)
-    except CorruptCheckpointError as exc:
+    except (CorruptCheckpointError, PermissionError) as exc:
         # A record that cannot be read (by the one rule: a Hugging Face cache snapshot's record is
-        # a link into its blobs; or another tool's "parallel_dcp" header entry) proves nothing
-        # about the data: converted unchecked, and said so (verify reports the record).
+        # a link into its blobs; or another tool's "parallel_dcp" header entry; or one this user
+        # may not read, beside data it may) proves nothing about the data: converted unchecked,
+        # and said so (verify reports the record).
         warnings.warn(f"{source.path}: not checked against its checksums: {exc}", SourceNotCheckedWarning, stacklevel=2)
         return None
     if recorded is None:
