@@ -26,7 +26,7 @@ from typing import Any
 
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.remote_memory import RemoteBytes
-from parallel_dcp.engine.result_region import ResultNotMapped, ResultRegion
+from parallel_dcp.engine.result_region import ResultNotMapped, ResultRegion, mapping_libc
 
 __all__ = [
     "Ahead",
@@ -306,20 +306,11 @@ def _detached(sock: socket.socket) -> Iterator[socket.socket]:
 _SHARED_NOW = mmap.MAP_SHARED | mmap.MAP_POPULATE
 
 
-@functools.cache
-def _libc() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return libc
-
-
 def _mapped(fd: int, size: int) -> memoryview:
     """``fd``'s first ``size`` bytes mapped read-only and shared, unmapped when the last view of
     them goes. (Not ``mmap.mmap``: it keeps a copy of the descriptor open while mapped, one per
     result until the commit, and a save of thousands of tasks would run out of descriptors.)"""
-    libc = _libc()
+    libc = mapping_libc()
     address = libc.mmap(None, size, mmap.PROT_READ, _SHARED_NOW, fd, 0)
     if address is None or address == ctypes.c_void_p(-1).value:  # MAP_FAILED
         error = ctypes.get_errno()

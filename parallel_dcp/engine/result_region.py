@@ -26,7 +26,7 @@ import os
 import weakref
 from typing import Any
 
-__all__ = ["ResultNotMapped", "ResultRegion"]
+__all__ = ["ResultNotMapped", "ResultRegion", "mapping_libc"]
 
 
 class ResultNotMapped(OSError):
@@ -52,7 +52,8 @@ _AREA = ctypes.c_char * SPAN
 
 
 @functools.cache
-def _libc() -> Any:
+def mapping_libc() -> Any:
+    """libc with ``mmap`` and ``munmap`` typed (shared with engine/messages.py)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -67,7 +68,7 @@ def _failed(address: int | None) -> bool:
 def _unmap(ranges: list[tuple[int, int]]) -> None:
     for address, length in ranges:
         if length:
-            _libc().munmap(address, length)
+            mapping_libc().munmap(address, length)
 
 
 class ResultRegion:
@@ -103,7 +104,7 @@ class ResultRegion:
                 return None
         assert self._whole is not None  # (for mypy: _reserve made it)
         at, address = self._at, self._base + self._at
-        got = _libc().mmap(address, size, mmap.PROT_READ, _RESULT, fd, 0)
+        got = mapping_libc().mmap(address, size, mmap.PROT_READ, _RESULT, fd, 0)
         if _failed(got) or got != address:
             error = ctypes.get_errno()
             # A failed MAP_FIXED may have unmapped our reservation there, and the kernel may give
@@ -115,7 +116,8 @@ class ResultRegion:
         return self._whole[at : at + size]
 
     def _reserve(self) -> None:
-        base = _libc().mmap(None, SPAN, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        base = mapping_libc().mmap(None, SPAN, _PROT_NONE, flags, -1, 0)
         if _failed(base):
             error = ctypes.get_errno()
             raise OSError(error, f"cannot reserve addresses for workers' results: {os.strerror(error)}")

@@ -62,11 +62,10 @@ from parallel_dcp.engine.threads import THREAD_MIN_ITEM_BYTES, ThreadPool, plain
 from parallel_dcp.errors import SourceChecksumError
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs import fallback
-from parallel_dcp.jobs.resume import task_files
 from parallel_dcp.jobs.source_check import as_source_error, check_task, plan_checks
 from parallel_dcp.jobs.staged import stage_job
 from parallel_dcp.jobs.streamed import streamed_data
-from parallel_dcp.jobs.targets import Job, Target
+from parallel_dcp.jobs.targets import Job, Target, task_file_names
 from parallel_dcp.jobs.task_parts import job_parts, part_job
 from parallel_dcp.options import Options
 from parallel_dcp.storage import direct_write
@@ -192,7 +191,7 @@ class TaskHandler:
             if self.options.retries and isinstance(self.staging.root, Path):
                 # A retried task writes its files again under the same names, each created new:
                 # what its dead attempt left goes first (this save's names only).
-                self.staging.clear_attempt(task_files(self.target, task, self.staging.save_id))
+                self.staging.clear_attempt(task_file_names(self.target, task, self.staging.save_id))
             # A conversion to DCP writes what it can straight from the source's files, reading ahead.
             with streamed_data(self.job, self.target, task) as streamed:
                 data = streamed if streamed is not None else self.job.read(task.keys)

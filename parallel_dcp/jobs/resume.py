@@ -47,13 +47,21 @@ from parallel_dcp.engine.partition import Task
 from parallel_dcp.errors import ResumeError
 from parallel_dcp.formats import lean
 from parallel_dcp.formats.memory_format import MemorySource
-from parallel_dcp.jobs.targets import DcpTarget, FileTarget, Job, ShardedTarget, Target, _items, _whole_file_memory
+from parallel_dcp.jobs.targets import (
+    DcpTarget,
+    Job,
+    ShardedTarget,
+    Target,
+    _items,
+    _whole_file_memory,
+    task_file_names,
+)
 from parallel_dcp.options import Options
 from parallel_dcp.storage.compression import DESCRIPTOR
 from parallel_dcp.storage.layout import written_by_us
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.manifest import FileDigest
-from parallel_dcp.storage.ownership import is_of_save, temp_name
+from parallel_dcp.storage.ownership import is_of_save
 from parallel_dcp.storage.protocol import Staging
 from parallel_dcp.storage.resume import (
     RECORD_VERSION,
@@ -83,7 +91,6 @@ __all__ = [
     "replan",
     "resumable",
     "start_record",
-    "task_files",
 ]
 
 _HASH_THREADS = 4
@@ -243,18 +250,6 @@ def _units_digest(task: Task) -> str:
     return xxhash.xxh3_64_hexdigest(_canonical(list(task.keys)))
 
 
-def task_files(target: Target, task: Task, save_id: str) -> dict[str, str]:
-    """The files task ``task`` writes: name on disk -> name in its result."""
-    if isinstance(target, DcpTarget):
-        name = lean.file_name(task.index, save_id)
-        return {name: name}
-    if isinstance(target, ShardedTarget):
-        name = target._shard_names(target._count)[task.index]
-        return {temp_name(name, save_id): name}
-    assert isinstance(target, FileTarget) and isinstance(target.path, Path)
-    return {temp_name(target.path.name, save_id): target.path.name}
-
-
 @dataclass(frozen=True, slots=True)
 class Recorder:
     """Runs in the worker once a task's files are written (and fsynced): its done record."""
@@ -269,7 +264,7 @@ class Recorder:
         digests = self._digests(result)
         if digests is None or any(d.digest is None for d in digests.values()):
             return  # nothing a resume could check (checksums off, or a part DCP's planner wrote)
-        on_disk = {result_name: disk for disk, result_name in task_files(self.target, task, self.save_id).items()}
+        on_disk = {result_name: disk for disk, result_name in task_file_names(self.target, task, self.save_id).items()}
         document: dict[str, Any] = {
             "version": RECORD_VERSION,
             "save_id": self.save_id,
@@ -326,12 +321,12 @@ def keep_finished(job: Job, target: Target, tasks: list[Task], staging: Staging,
         for task, result in pool.map(check, tasks):
             if result is None:
                 remove_record(directory, done_name(save_id, task.index))
-                for name in task_files(target, task, save_id):
+                for name in task_file_names(target, task, save_id):
                     remove_record(directory, name)
                 continue
             kept.results[task.index] = result
             kept.bytes_kept += task.nbytes
-            kept.files.update(task_files(target, task, save_id))
+            kept.files.update(task_file_names(target, task, save_id))
             kept.files.add(done_name(save_id, task.index))
     return kept
 
@@ -347,7 +342,7 @@ def _kept_result(job: Job, target: Target, task: Task, directory: Path, save_id:
     if (record.get("job"), record.get("task"), record.get("units")) != (job_digest, task.index, _units_digest(task)):
         return None
     files = record.get("files")
-    expected = task_files(target, task, save_id)
+    expected = task_file_names(target, task, save_id)
     if not isinstance(files, dict) or set(files) != set(expected):  # names: exactly the task's, nothing else
         return None
     digests: dict[str, FileDigest] = {}
@@ -432,7 +427,7 @@ def finished_files(target: Target, tasks: list[Task], staging: Staging) -> set[s
         name = done_name(save_id, task.index)
         if read_sealed(directory, name) is not None:
             keep.add(name)
-            keep.update(task_files(target, task, save_id))
+            keep.update(task_file_names(target, task, save_id))
     return keep | {job_name(save_id)} if keep else set()
 
 

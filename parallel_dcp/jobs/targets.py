@@ -43,7 +43,7 @@ from parallel_dcp.storage.direct_write import direct_write_memory, new_file
 from parallel_dcp.storage.io_mode import resolve_io, uses_direct
 from parallel_dcp.storage.location import Remote, locate, upload_memory
 from parallel_dcp.storage.manifest import FileDigest, Hasher, manifest_bytes, sidecar_name
-from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout
+from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_FILE, sharded_layout, temp_name
 from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck
 from parallel_dcp.storage.side_index import INDEX_FILE
@@ -62,6 +62,7 @@ __all__ = [
     "carried_metadata",
     "prepare_io",
     "target_for",
+    "task_file_names",
     "warn_metadata_left_out",
 ]  # (Job: jobs/job.py)
 
@@ -597,3 +598,16 @@ def target_for(
     if by_suffix is not None:
         return FileTarget(path, to, storage_options)
     return ShardedTarget(path, to, shard_size, storage_options)
+
+
+def task_file_names(target: Target, task: Task, save_id: str) -> dict[str, str]:
+    """The files task ``task`` writes: name on disk -> name in its result (a resume's records,
+    a retried task's clean-up)."""
+    if isinstance(target, DcpTarget):
+        name = lean.file_name(task.index, save_id)
+        return {name: name}
+    if isinstance(target, ShardedTarget):
+        name = target._shard_names(target._count)[task.index]
+        return {temp_name(name, save_id): name}
+    assert isinstance(target, FileTarget) and isinstance(target.path, Path)
+    return {temp_name(target.path.name, save_id): target.path.name}
