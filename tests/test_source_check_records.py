@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import parallel_dcp
+from tests.test_convert_checks_shared_files import _flip_inside as flip_in_file
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -42,14 +43,7 @@ def _flip_inside(paths: list[Path], tensor: torch.Tensor) -> Path:
     modification time (as a device's flipped bit, or damage in a copy that its own time hides)."""
     raw = tensor.contiguous().numpy().tobytes()
     path = next(p for p in paths if p.read_bytes().find(raw[:256]) >= 0)
-    data = path.read_bytes()
-    at = data.find(raw[:256])
-    at += len(raw) // 2
-    before = path.stat()
-    with open(path, "r+b") as f:
-        f.seek(at)
-        f.write(bytes([data[at] ^ 0x5A]))
-    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    flip_in_file(path, tensor)
     return path
 
 
