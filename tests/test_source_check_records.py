@@ -12,7 +12,11 @@ bytes that differ from its record say what may have happened, not only "damaged"
   leads, but its record was looked for beside the link (a torch.save file: none found, nothing
   checked, nothing said) or refused as a link (a safetensors header: "refusing to follow it",
   converted unchecked; ``verify`` failed outright). The check now reads the record of the file
-  the conversion reads: the sidecar beside the resolved file, or its header.
+  the conversion reads: the sidecar beside the resolved file, or its header. A damaged one is
+  named as the user typed it and as found ("run/latest.pt -> store/model.pt"), not only resolved.
+- A sidecar beside the link's name alone (the file moved away and linked back, or a link repointed
+  over a file we once wrote) converted unchecked without a word: it is not used (it was written
+  for whatever file that name held), and the conversion and ``verify`` both say so.
 """
 
 from __future__ import annotations
@@ -142,6 +146,32 @@ def test_a_file_named_through_a_link_is_checked_against_the_record_of_the_file_i
     assert f"{real}: its bytes are not the ones its checksum" in str(caught.value)
     assert not (tmp_path / "out_dcp").exists()
     assert any("checksum" in problem for problem in parallel_dcp.verify(link).problems)  # verify reads it too
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_damaged_file_named_through_a_link_is_named_as_typed_and_as_found(tmp_path: Path, suffix: str) -> None:
+    """The error named only the resolved path: a user who typed run/latest.pt did not see it."""
+    real, link = _linked(tmp_path, suffix)
+    _flip_inside([real], _state()["layer1.weight"])
+    with pytest.raises(parallel_dcp.SourceChecksumError) as caught:
+        parallel_dcp.convert(link, tmp_path / "out_dcp", workers=2)
+    assert f"{link} -> {real}: its bytes are not the ones its checksum" in str(caught.value)
+    assert not (tmp_path / "out_dcp").exists()
+
+
+def test_a_record_beside_the_link_alone_is_not_used_and_said_so(tmp_path: Path) -> None:
+    """A torch.save file moved to a store and linked back: its sidecar stayed beside the link. The
+    file's bytes are damaged; the conversion converted them unchecked and said nothing."""
+    real, link = _linked(tmp_path, ".pt")
+    moved = real.with_name("model.pt.manifest.json").rename(link.with_name("latest.pt.manifest.json"))
+    _flip_inside([real], _state()["layer2.weight"])
+    with pytest.warns(parallel_dcp.SourceNotCheckedWarning) as caught:
+        parallel_dcp.convert(link, tmp_path / "out_dcp", workers=2)
+    message = str(next(w.message for w in caught if w.category is parallel_dcp.SourceNotCheckedWarning))
+    assert message.startswith(f"{link}: not checked against its checksums: it is a link to {real}")
+    assert f"{moved} beside the link is not used" in message
+    report = parallel_dcp.verify(link)
+    assert not report.ok and any(f"{moved} beside the link is not used" in p for p in report.problems)
 
 
 def test_a_record_beside_the_resolved_file_that_cannot_be_read_safely_is_warned_of(tmp_path: Path) -> None:

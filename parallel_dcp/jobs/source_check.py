@@ -29,7 +29,9 @@ alone. So does any mismatch of a safetensors file's own header record: stock saf
 in a rewrite (save_file(..., metadata=f.metadata())). A single file named through a symlink is
 checked as the file it leads to, which every read of it reads: its record is that file's
 (recorded_checksums resolves the name once), and the hash pass opens the resolved path; so is a
-Hugging Face folder's shard that links within its tree (_files_read).
+Hugging Face folder's shard that links within its tree (_files_read). A mismatch names both (the
+name given, the file read: "LINK -> PATH"); a sidecar beside a link's name alone is warned of,
+not used (verify_files.record_beside_link).
 
 Whole-file checksums cannot be split: xxh3 of a file is not made of the digests of its parts, so
 a file whose tensors several tasks share (or split into row ranges) is hashed whole by one of them
@@ -70,7 +72,7 @@ from parallel_dcp.formats.dcp_format import DcpSource
 from parallel_dcp.formats.renamed_source import RenamedSource
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.formats.torch_format import TorchSource
-from parallel_dcp.jobs.verify_files import Recorded, recorded_checksums
+from parallel_dcp.jobs.verify_files import Recorded, record_beside_link, recorded_checksums
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.manifest import FileDigest
 from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
@@ -103,8 +105,9 @@ _HEADER_KEPT = (
 class CheckedFile:
     """One source file with a recorded checksum: its path (a single file's resolved path: the
     file a link named as the source leads to), the bytes the checksum covers (from ``start`` on),
-    the record, the source keys whose bytes lie in it, and its name as the source's reads name it
-    (``name``: the link's own, where the source was named through one)."""
+    the record, the source keys whose bytes lie in it, its name as the source's reads name it
+    (``name``: the link's own, where the source was named through one), and how an error names it
+    (``shown``: the path, after the name the user gave where that is a link to it: "LINK -> PATH")."""
 
     path: str
     start: int
@@ -115,6 +118,7 @@ class CheckedFile:
     # How other bytes may be a rewrite on purpose, not damage ("either ..."; "" where nothing says
     # so): a mismatch then names both and the way out of each (:func:`_mismatch_advice`).
     rewritten: str
+    shown: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,14 +229,23 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
         warnings.warn(f"{source.path}: not checked against its checksums: {exc}", SourceNotCheckedWarning, stacklevel=2)
         return None
     if recorded is None:
+        if (beside_link := record_beside_link(source)) is not None:  # (never silence: a record was found)
+            warnings.warn(
+                f"{source.path}: not checked against its checksums: {beside_link}",
+                SourceNotCheckedWarning,
+                stacklevel=2,
+            )
         return None
     record = recorded.record
     if recorded.problems:  # the safetensors header differs from the one recorded (read on open)
+        real = Path(os.fspath(recorded.directory)) / next(iter(recorded.files))  # (where a link leads)
         raise SourceChecksumError(  # (the problem names both causes: verify reports it alike)
-            f"{source.path}: {recorded.problems[0]}: if rewritten on purpose, its record is stale (convert it "
-            "anyway with --no-source-checks, check_source=False); if damaged (in a copy, on the device), restore it"
+            f"{_shown(source.path, real)}: {recorded.problems[0]}: if rewritten on purpose, its record is stale "
+            "(convert it anyway with --no-source-checks, check_source=False); if damaged (in a copy, on the device), "
+            "restore it"
         )
     stored = _files_read(source, recorded)
+    directory = Path(os.fspath(source.location))  # (a folder's files as its listing names them)
     written = _record_written(source, record, recorded.directory)
     files = tuple(
         CheckedFile(
@@ -244,12 +257,22 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
             os.path.basename(read) if source.location.is_dir() else source.location.name,
             # (hashed all the same: the pass is the task's own read; only a mismatch needs the hint)
             _why_rewritten(source, record, _changed_since(read, written)),
+            _shown(source.path if not source.location.is_dir() else directory / name, read),
         )
         for name, digest in recorded.files.items()
         if digest.digest is not None and name in stored
         for read, keys in [stored[name]]
     )
     return SourceChecks(files, source, old_names) if files else None
+
+
+def _shown(named: str | os.PathLike[str], read: Path) -> str:
+    """How an error names a file read at ``read`` that was ``named`` so (what the user typed, or a
+    folder's entry): both, where the name is a link to it, so that the user finds what they typed
+    and the file that was found damaged ("run/latest.pt -> /store/model.pt"); else the path."""
+    if os.path.abspath(named) == os.path.abspath(read):
+        return os.fspath(read)
+    return f"{os.fspath(named)} -> {read}"
 
 
 def _warn_remote(source: Source) -> None:
@@ -358,7 +381,7 @@ def check_task(checks: SourceChecks | None, task: Task) -> None:
                 else f"xxh3_64 {found.digest}, not the {checked.digest.digest} recorded"
             )
             raise SourceChecksumError(
-                f"{checked.path}: its bytes are not the ones its checksum in {checked.record} was taken of "
+                f"{checked.shown}: its bytes are not the ones its checksum in {checked.record} was taken of "
                 f"({what}): {_mismatch_advice(checked.rewritten)}"
             )
 

@@ -8,7 +8,11 @@
 A single local file named through a symlink (a "latest" link, a run folder pointing into a
 checkpoint store) is read wherever it leads, so its record is the one of the file it leads to:
 the name is resolved once (realpath), and the sidecar beside the resolved file, or its header, is
-read from there by the one rule (never through a link: the resolved name is none).
+read from there by the one rule (never through a link: the resolved name is none). A sidecar
+beside the link's own name, where the file it leads to has none, is not used: it was written for
+whatever file that name held then (a link repointed since, ``ln -sf step2000.pt latest.pt`` over a
+file we once wrote, leaves it beside another file), so it proves nothing about this one; a
+conversion says it did not check (:func:`record_beside_link`), and ``verify`` names it.
 
 Every record is read by :mod:`parallel_dcp.storage.manifest` (one algorithm, one document).
 """
@@ -24,7 +28,7 @@ from parallel_dcp.formats.safetensors_format import embedded_checksums
 from parallel_dcp.storage.location import Location, Remote
 from parallel_dcp.storage.manifest import MANIFEST_FILE, FileDigest, read_manifest, sidecar_name
 
-__all__ = ["Recorded", "no_checksums_problem", "recorded_checksums"]
+__all__ = ["Recorded", "no_checksums_problem", "record_beside_link", "recorded_checksums"]
 
 
 @dataclass
@@ -77,9 +81,32 @@ def recorded_checksums(source: Source) -> Recorded | None:
     return Recorded(location.parent, files, sidecar_name(location.name)) if files is not None else None
 
 
+def record_beside_link(source: Source) -> str | None:
+    """Where a single torch.save file named through a symlink has no sidecar record beside the file
+    it leads to but one beside the link's name: why that one is not used, naming the link, the
+    file and the record; None otherwise (a safetensors file's record travels in its header)."""
+    location = source.location
+    if isinstance(location, Remote) or location.is_dir() or source.kind == "safetensors":
+        return None
+    real = Path(os.path.realpath(location))
+    beside_link = Path(location).parent / sidecar_name(location.name)
+    if os.path.lexists(real.parent / sidecar_name(real.name)) or not os.path.lexists(beside_link):
+        return None
+    advice = "Compare"
+    if real.name == location.name:  # (the record names the file it was written for: only one of that name)
+        advice = f"If {real} was moved there and linked back, move the record beside it; otherwise compare"
+    return (
+        f"it is a link to {real}, which has no {sidecar_name(real.name)} beside it; {beside_link} beside the link "
+        "is not used: it was written for the file that name held then, which need not be this one (a link "
+        f"repointed since). {advice} it with the checkpoint it was made from: verify --against SOURCE"
+    )
+
+
 def no_checksums_problem(source: Source) -> str:
     """What ``verify`` reports for a single file that carries no checksums."""
     name = source.location.name
+    if (beside_link := record_beside_link(source)) is not None:
+        return f"{name}: no checksums: {beside_link}"
     where = "in its header" if source.kind == "safetensors" else f"in {sidecar_name(name)} beside it"
     return (
         f"{name}: no checksums (parallel_dcp writes them {where}): a flipped byte cannot be found "
