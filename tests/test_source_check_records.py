@@ -185,17 +185,24 @@ def test_a_record_beside_the_resolved_file_that_cannot_be_read_safely_is_warned_
         parallel_dcp.convert(link, tmp_path / "out_dcp", workers=1)
 
 
-def test_a_folders_shards_that_link_within_it_are_checked_where_they_lead(tmp_path: Path) -> None:
-    """A Hugging Face folder whose shards are links into its own blobs/ (read where they lead, by
-    the in-tree rule) and whose record is a regular file: hashed as read, not refused as links."""
-    dcp = tmp_path / "made_dcp"
+def _linked_folder(tmp: Path) -> Path:
+    """A Hugging Face folder whose shards are links into its own blobs/ (as a cache snapshot's),
+    its record a regular file."""
+    dcp = tmp / "made_dcp"
     parallel_dcp.save(_state(), dcp, workers=1)
-    src = tmp_path / "linked_hf"
+    src = tmp / "linked_hf"
     parallel_dcp.convert(dcp, src, workers=1, to="safetensors", shard_size="20KB")
     (src / "blobs").mkdir()
     for shard in sorted(src.glob("*.safetensors")):
         shard.rename(src / "blobs" / f"blob-{shard.name}")
         shard.symlink_to(Path("blobs") / f"blob-{shard.name}")
+    return src
+
+
+def test_a_folders_shards_that_link_within_it_are_checked_where_they_lead(tmp_path: Path) -> None:
+    """A Hugging Face folder whose shards are links into its own blobs/ (read where they lead, by
+    the in-tree rule) and whose record is a regular file: hashed as read, not refused as links."""
+    src = _linked_folder(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error", parallel_dcp.SourceNotCheckedWarning)
         parallel_dcp.convert(src, tmp_path / "clean_dcp", workers=2)
@@ -204,6 +211,30 @@ def test_a_folders_shards_that_link_within_it_are_checked_where_they_lead(tmp_pa
     with pytest.raises(parallel_dcp.SourceChecksumError) as caught:
         parallel_dcp.convert(src, tmp_path / "out_dcp", workers=2)
     assert f"{damaged}: its bytes are not the ones its checksum" in str(caught.value)
+
+
+def test_verify_follows_the_links_convert_follows_and_refuses_those_it_refuses(tmp_path: Path) -> None:
+    """verify reported every in-tree linked shard as "a symlink; refusing to follow it" (not ok)
+    while convert read and checked them: it now hashes them where they lead, as convert does, and
+    a link leaving the folder is refused by both."""
+    src = _linked_folder(tmp_path)
+    shards = sorted(src.glob("*.safetensors"))
+    report = parallel_dcp.verify(src, workers=2)
+    assert report.ok and report.files_checked == len(shards) + 1, report.problems  # (and the index)
+
+    damaged = _flip_inside(sorted((src / "blobs").iterdir()), _state()["layer3.weight"])
+    shard = next(s for s in shards if s.resolve() == damaged)
+    problems = parallel_dcp.verify(src, workers=2).problems
+    files = [p for p in problems if p.startswith("file ")]
+    assert len(files) == 1 and files[0].startswith(f"file {shard.name}: checksum"), problems
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shards[0].unlink()
+    shards[0].symlink_to((src / "blobs" / f"blob-{shards[0].name}").rename(outside / shards[0].name))
+    for run in (lambda: parallel_dcp.verify(src, workers=2), lambda: parallel_dcp.convert(src, tmp_path / "out")):
+        with pytest.raises(parallel_dcp.UnsafeCheckpointError, match=f"{shards[0]} is a symlink leading out of"):
+            run()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="plays another user: needs root to change uid in a child")

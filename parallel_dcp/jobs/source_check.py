@@ -72,10 +72,10 @@ from parallel_dcp.formats.dcp_format import DcpSource
 from parallel_dcp.formats.renamed_source import RenamedSource
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.formats.torch_format import TorchSource
-from parallel_dcp.jobs.verify_files import Recorded, record_beside_link, recorded_checksums
+from parallel_dcp.jobs.verify_files import Recorded, links_within, record_beside_link, recorded_checksums
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.manifest import FileDigest
-from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
+from parallel_dcp.storage.safe_files import resolve_in_tree
 from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = [
@@ -335,7 +335,8 @@ def _files_read(source: Source, recorded: Recorded) -> dict[str, tuple[Path, fro
         return {name: (directory / name, frozenset(keys)) for name, keys in found.items()}
     for key, entry in source.entries.items():
         found.setdefault(os.fspath(entry.file), set()).add(key)
-    tree = source_tree(directory)
+    tree = links_within(source)
+    assert tree is not None  # (a local folder that is no DCP)
     read: dict[str, tuple[Path, frozenset[str]]] = {}
     for name in recorded.files:
         try:

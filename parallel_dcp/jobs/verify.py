@@ -37,7 +37,7 @@ from parallel_dcp.formats.validate import empty_mapping
 from parallel_dcp.jobs.diff import values_equal
 from parallel_dcp.jobs.inspect import side_index
 from parallel_dcp.jobs.kept_float32 import keys_kept
-from parallel_dcp.jobs.verify_files import no_checksums_problem, recorded_checksums
+from parallel_dcp.jobs.verify_files import links_within, no_checksums_problem, recorded_checksums
 from parallel_dcp.jobs.verify_pass import one_pass_handler, record_problems, records_by_file, size_change
 from parallel_dcp.options import Options
 from parallel_dcp.storage.direct_read import PIECE_BYTES, direct_read_memory
@@ -45,6 +45,7 @@ from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, is_url, locate
 from parallel_dcp.storage.manifest import FileDigest, file_digest
 from parallel_dcp.storage.read_choice import ReadChoice, read_choice
+from parallel_dcp.storage.safe_files import resolve_in_tree
 from parallel_dcp.storage.side_index_use import DAMAGED, UNSAFE, IndexUse
 
 __all__ = ["VerifyReport", "verify"]
@@ -170,9 +171,13 @@ class _Checker:
         return problems
 
 
-def _hash_handler(directory: Location, recorded: dict[str, FileDigest], starts: dict[str, int]) -> Any:
+def _hash_handler(
+    directory: Location, recorded: dict[str, FileDigest], starts: dict[str, int], tree: Path | None
+) -> Any:
     """Hashes files against their record; ``starts``: files recorded from that byte on (a
-    safetensors file's data section, recorded in its own header)."""
+    safetensors file's data section, recorded in its own header); ``tree``: a folder's file that is a
+    link within it is hashed where it leads, as conversions read it (verify_files.links_within;
+    None: none followed)."""
 
     def run(task: Task) -> list[str]:
         problems = []
@@ -185,7 +190,9 @@ def _hash_handler(directory: Location, recorded: dict[str, FileDigest], starts: 
                 problems.append(f"file {name}: missing")
                 continue
             want = recorded[name]
-            try:  # a symlink or a FIFO in place of a file is named, never read through
+            try:  # a symlink (but one within the tree) or a FIFO in place of a file is named, never read through
+                if tree is not None and not nested:
+                    path = resolve_in_tree(path, tree)
                 found = file_digest(path, checksum=want.digest is not None, start=starts.get(name, 0), no_links=nested)
             except CorruptCheckpointError as exc:
                 problems.append(f"file {name}: {exc}")
@@ -422,7 +429,7 @@ def _verify(
         else:
             sizes = [Item(name, d.size, 0) for name, d in recorded.items()]
             tasks = partition(sizes, workers, memory_adds_up=False)
-            handler = _hash_handler(directory, recorded, starts)
+            handler = _hash_handler(directory, recorded, starts, links_within(source))
             with governor.during("checking the shard files' checksums", "files"):
                 file_problems += _run(tasks, handler, options, governor, workers)
         report.files_checked = len(recorded)

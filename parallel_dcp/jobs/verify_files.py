@@ -14,6 +14,11 @@ whatever file that name held then (a link repointed since, ``ln -sf step2000.pt 
 file we once wrote, leaves it beside another file), so it proves nothing about this one; a
 conversion says it did not check (:func:`record_beside_link`), and ``verify`` names it.
 
+A folder's file that is a link within the source's tree (a Hugging Face cache snapshot's links into
+its blobs/) is read where it leads, by conversions and ``verify`` alike (:func:`links_within`); a
+link out of the tree is refused, and a DCP shard is read by its own name (DCP's reader follows no
+link).
+
 Every record is read by :mod:`parallel_dcp.storage.manifest` (one algorithm, one document).
 """
 
@@ -27,8 +32,9 @@ from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import embedded_checksums
 from parallel_dcp.storage.location import Location, Remote
 from parallel_dcp.storage.manifest import MANIFEST_FILE, FileDigest, read_manifest, sidecar_name
+from parallel_dcp.storage.safe_files import source_tree
 
-__all__ = ["Recorded", "no_checksums_problem", "record_beside_link", "recorded_checksums"]
+__all__ = ["Recorded", "links_within", "no_checksums_problem", "record_beside_link", "recorded_checksums"]
 
 
 @dataclass
@@ -79,6 +85,18 @@ def recorded_checksums(source: Source) -> Recorded | None:
         return recorded
     files = read_manifest(location.parent, of_file=location.name)
     return Recorded(location.parent, files, sidecar_name(location.name)) if files is not None else None
+
+
+def links_within(source: Source) -> Path | None:
+    """The tree within which a local source folder's files may be links that its reads follow
+    (:func:`~parallel_dcp.storage.safe_files.resolve_in_tree`: formats/base.py shard_files opens a
+    Hugging Face folder's shards so); None where no link is followed: a DCP directory (its reader
+    opens each shard by its own name, a link refused), a single file (its name resolved once, by
+    :func:`recorded_checksums`), object storage."""
+    location = source.location
+    if isinstance(location, Remote) or not location.is_dir() or source.kind == "dcp":
+        return None
+    return source_tree(location)
 
 
 def record_beside_link(source: Source) -> str | None:
