@@ -96,10 +96,11 @@ LEAN_TASK_MEMORY_BYTES = 3 * 1024 * 1024
 # (tests/test_worker_resting_memory.py measures every kind against this figure).
 WORKER_MEMORY_BYTES = 10 * 1024 * 1024
 ITEM_MEMORY_BYTES = 16 * 1024
-# What the coordinator itself grows by while a write job's workers run, set aside once a job
-# (MemoryGovernor.hold_coordinator) before planning, so admission, the advised minimum and the dry
-# run count it alike: the pool's pipes and threads, the watchdog, the workers' results and the
-# plan. Measured as RssAnon of the coordinator from the fork to the commit: +1.7 MiB (a save),
+# What the coordinator itself grows by while a job's workers run under the limit, set aside once a
+# job (MemoryGovernor.hold_coordinator) before planning, so admission, the advised minimum and the
+# dry run count it alike: the pool's pipes and threads, the watchdog, the workers' results and the
+# plan. Every job that runs workers holds it: save, convert, verify, diff, load with workers.
+# Measured as RssAnon of the coordinator from the fork to the commit: +1.7 MiB (a save),
 # +2.0-2.9 (MXFP4 dequantize), +1.7 (FP8). WORKER_MEMORY_BYTES holds it at two workers and more
 # (the tree's growth per worker counts it), not at one: there an MXFP4 dequantize at its advised
 # minimum was read by 1 ms counters up to 2.9 MiB over its prediction (s11 review, F6).

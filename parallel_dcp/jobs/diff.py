@@ -332,6 +332,7 @@ def diff(
     for where in (a, b):
         locate(where, options.storage_options)
     governor = MemoryGovernor(options.memory_ceiling())
+    governor.hold_coordinator()  # (its workers hash and compare under the limit beside it)
     if is_url(a) or is_url(b):
         governor.worker_extra = CLIENT_MEMORY
     limit = options.memory_ceiling()

@@ -434,6 +434,7 @@ def _load_with_processes(
     items = [it if it.key in tensor_metas else Item(it.key, 0, 2 * values[it.key]) for it in items]
     # The output lives in memory for good; each item also needs a read buffer of its size.
     governor = MemoryGovernor(options.memory_ceiling())
+    governor.hold_coordinator()  # (its workers read under the limit beside it)
     if isinstance(path, Remote):
         governor.worker_extra = CLIENT_MEMORY  # each worker's own connection
     governor.reserve(sum(item.nbytes for item in items), f"loading {len(items)} keys from {path}")

@@ -257,6 +257,7 @@ def verify(
         if where is not None:
             locate(where, options.storage_options)  # a bad URL fails here; its filesystem is loaded
     governor = MemoryGovernor(options.memory_ceiling())
+    governor.hold_coordinator()  # (its workers hash and read back under the limit beside it)
     if any(is_url(where) for where in (path, against)):
         governor.worker_extra = CLIENT_MEMORY  # each worker's own connection
     source = open_source(
