@@ -222,8 +222,12 @@ class CorruptCheckpointError(ParallelDCPError, ValueError):
 
 
 class SourceChecksumError(CorruptCheckpointError):
-    """A conversion's source file is not the bytes its own checksums were taken of (a flipped byte,
-    a truncated or replaced file): nothing was written, the destination is as it was."""
+    """A conversion's source file is not the bytes its own checksums were taken of: damaged (a
+    flipped byte, a truncated or replaced file), or rewritten on purpose since its record was
+    written, which is then stale (the message says which it can be, and the way out of each). It
+    names the file as given and, where that is a link, the file it leads to. Nothing of this
+    source's output was written: its destination is as it was (with several sources, the outputs of
+    those converted before it stay committed)."""
 
 
 class UnsafeCheckpointError(CorruptCheckpointError):
@@ -294,8 +298,11 @@ class ResumeError(ParallelDCPError, ValueError):
 
 
 class SourceNotCheckedWarning(UserWarning):
-    """A conversion's source carries a checksum record that cannot be read (a link, another
-    tool's entry, a damaged record): it converts without that check; ``verify`` reports the record."""
+    """A conversion's source carries checksums that it converts without checking, named in the
+    message: a record that cannot be read (a link, another tool's entry, a damaged record, one this
+    user may not read), a sidecar beside a link's name only (written for whatever file that name
+    held), files read with O_DIRECT, or a source on object storage. ``verify`` reports the record;
+    run it on the source where that matters."""
 
 
 class RenameWarning(UserWarning):

@@ -208,6 +208,12 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
 
     Raises:
         SourceChecksumError: a single safetensors file whose header is not the one recorded.
+
+    Warns (and converts unchecked, never raising for it):
+        SourceNotCheckedWarning: a record that exists but cannot be read (recorded_checksums'
+            CorruptCheckpointError: a link, another tool's entry, a damaged record; a
+            PermissionError: another user's), a sidecar beside a link's name only, a source on
+            object storage that carries checksums.
     """
     old_names: dict[str, str] | None = None
     if isinstance(view, RenamedSource) and view.inner is source:
