@@ -216,3 +216,30 @@ def test_files_read_with_o_direct_are_named_as_not_checked(tmp_path: Path) -> No
     with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match=r"src\.safetensors read with O_DIRECT"):
         parallel_dcp.convert(src, tmp_path / "out_dcp", workers=2, io="direct")
     assert damaged == src
+
+
+class _StalledHash:
+    """An xxh3 hasher whose first piece takes far longer than the task timeout (storage that has
+    stopped answering under a hash pass of a large file)."""
+
+    def update(self, piece: object) -> None:
+        import time
+
+        time.sleep(600)
+
+
+def test_a_task_timeout_while_hashing_names_the_file_it_hashes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task that ran past its timeout in its hash pass blamed only its keys (which it had not
+    begun to read): the message names the file it hashes first, its size, and says so."""
+    import types
+
+    from parallel_dcp.engine.memory import format_bytes
+    from parallel_dcp.jobs import source_check
+
+    src = _single(tmp_path, "src.pt", _state())
+    monkeypatch.setattr(source_check, "xxhash", types.SimpleNamespace(xxh3_64=_StalledHash))  # (the workers fork)
+    with pytest.raises(parallel_dcp.TaskTimeoutError, match=r"past the task timeout of 3 s") as caught:
+        parallel_dcp.convert(src, tmp_path / "out_dcp", workers=1, task_timeout=3)
+    hashed = f"Before its keys it hashes {src} ({format_bytes(src.stat().st_size)}) whole against its checksum"
+    assert f"{hashed}: that may be what ran long" in str(caught.value), str(caught.value)
+    assert not (tmp_path / "out_dcp").exists()

@@ -69,6 +69,9 @@ class Task:
     keys: tuple[str, ...]
     nbytes: int
     memory: int = 0
+    # What the task does before it reads its keys, for the messages that name it ("hashes
+    # /src/model.pt (13.5 GiB) whole against its checksum": jobs/source_check.py plan_checks).
+    duty: str = ""
 
 
 def one_task_memory(items: Sequence[Item], *, memory_adds_up: bool = True) -> int:

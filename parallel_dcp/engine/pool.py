@@ -533,9 +533,13 @@ class WorkerPool:
         for worker, (task, started) in running.items():
             if now - started > task_timeout:
                 proc = self._procs[worker]
+                # (a task given a long pass before its keys, such as hashing a large source file
+                # whole, may have spent the time there: the message names it)
+                before = f". Before its keys it {task.duty}: that may be what ran long" if task.duty else ""
                 raise TaskTimeoutError(
                     f"task {task.index} with keys {describe_keys(task.keys)} ran {now - started:.1f} s on worker "
-                    f"{worker} (pid {proc.pid}), past the task timeout of {task_timeout:g} s; the worker was killed",
+                    f"{worker} (pid {proc.pid}), past the task timeout of {task_timeout:g} s; the worker was killed"
+                    f"{before}",
                     worker=worker,
                     keys=task.keys,
                     seconds=now - started,

@@ -59,6 +59,7 @@ from typing import Any
 
 import xxhash
 
+from parallel_dcp.engine.memory import format_bytes
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.errors import (
     CorruptCheckpointError,
@@ -173,10 +174,23 @@ def plan_checks(
         load[chosen.index] += checked.digest.size
         duties.setdefault(chosen.index, []).append(checked)
     planned = [
-        dataclasses.replace(task, memory=task.memory + SOURCE_CHECK_BYTES) if task.index in duties else task
+        dataclasses.replace(task, memory=task.memory + SOURCE_CHECK_BYTES, duty=_duty(duties[task.index]))
+        if task.index in duties
+        else task
         for task in tasks
     ]
     return dataclasses.replace(checks, duties={index: tuple(files) for index, files in duties.items()}), planned
+
+
+def _duty(files: Sequence[CheckedFile]) -> str:
+    """What a task given ``files`` to hash does before its keys, as a message names it (a task
+    timeout: the pass reads each file whole, which may be what took the time)."""
+    if len(files) == 1:
+        return f"hashes {files[0].shown} ({format_bytes(files[0].digest.size)}) whole against its checksum"
+    named = ", ".join(f"{f.shown} ({format_bytes(f.digest.size)})" for f in files[:3])
+    more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+    total = format_bytes(sum(f.digest.size for f in files))
+    return f"hashes {len(files)} source files ({total}) whole against their checksums: {named}{more}"
 
 
 def warn_unchecked_direct(checks: SourceChecks | None, keys: Sequence[str], chunks: Mapping[str, Any]) -> None:
