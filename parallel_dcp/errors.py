@@ -301,7 +301,8 @@ class SourceNotCheckedWarning(UserWarning):
     """A conversion's source carries checksums that it converts without checking, named in the
     message: a record that cannot be read (a link, another tool's entry, a damaged record, one this
     user may not read), a sidecar beside a link's name only (written for whatever file that name
-    held), files read with O_DIRECT, or a source on object storage. ``verify`` reports the record;
+    held), a manifest left stale by a save stopped between its commit's two renames, files read
+    with O_DIRECT, or a source on object storage. ``verify`` reports the record;
     run it on the source where that matters."""
 
 

@@ -243,3 +243,17 @@ def test_a_task_timeout_while_hashing_names_the_file_it_hashes(tmp_path: Path, m
     hashed = f"Before its keys it hashes {src} ({format_bytes(src.stat().st_size)}) whole against its checksum"
     assert f"{hashed}: that may be what ran long" in str(caught.value), str(caught.value)
     assert not (tmp_path / "out_dcp").exists()
+
+
+def test_a_stale_manifest_is_named_as_not_checked(tmp_path: Path) -> None:
+    """A save stopped between its commit's two renames leaves the old save's manifest beside the
+    new ``.metadata``: it describes other bytes, so the conversion runs unchecked, and says so in
+    the warning a caller filters for unchecked sources."""
+    src = tmp_path / "src"
+    parallel_dcp.save({"w": torch.zeros(64)}, src, workers=1)
+    old_manifest = (src / ".parallel_dcp.json").read_bytes()
+    parallel_dcp.save({"w": torch.ones(64)}, src, workers=1, overwrite=True)
+    (src / ".parallel_dcp.json").write_bytes(old_manifest)
+    with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match="stale"):
+        parallel_dcp.convert(src, tmp_path / "out", to="safetensors", workers=1)
+    assert torch.equal(parallel_dcp.load(tmp_path / "out")["w"], torch.ones(64))

@@ -32,7 +32,7 @@ import xxhash
 
 from parallel_dcp._json import loads_json
 from parallel_dcp._version import __version__
-from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, SourceNotCheckedWarning
 from parallel_dcp.storage.layout import read_record
 from parallel_dcp.storage.location import Location, Remote, check_name, locate
 from parallel_dcp.storage.ownership import MANIFEST_FILE, METADATA_FILE
@@ -245,6 +245,7 @@ def read_manifest(
         warnings.warn(
             f"{path} belongs to another save than {locate(directory) / METADATA_FILE} (a save was stopped "
             "between its commit and the manifest's rename): it is stale and was not used",
+            SourceNotCheckedWarning,
             stacklevel=2,
         )
         return None
