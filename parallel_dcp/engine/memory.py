@@ -494,6 +494,14 @@ class MemoryGovernor:
         with ThreadPoolExecutor(max_workers=threads) as pool:
             return list(pool.map(self._charges.charge, pids, how))
 
+    def due(self) -> bool:
+        """Whether :meth:`watch` would read anything now (a reading taken aside is done, or the
+        next one is due): a caller whose ``workers`` map costs a walk over every worker makes it
+        only then (most of a pool's wakes come between two samples)."""
+        if not self.measured or (self._aside is not None and self._aside.done()):
+            return True
+        return time.monotonic() >= self._next_sample
+
     def watch(self, workers: dict[int, tuple[int, tuple[str, ...]]], *, aside: bool = False) -> None:
         """Sample the tree if it is time; raise if it is over the ceiling twice in a row.
 

@@ -49,7 +49,7 @@ from parallel_dcp.engine.messages import gc_paused
 from parallel_dcp.engine.messages import receive_reply as _recv
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.process_memory import ChargeReport
-from parallel_dcp.engine.ready import wait_ready
+from parallel_dcp.engine.ready import ReadySet, wait_ready
 from parallel_dcp.engine.remote_memory import RemoteBytes, StaleRead
 from parallel_dcp.engine.result_region import ResultNotMapped, ResultRegion
 from parallel_dcp.engine.worker import REPORT_CHARGE, worker_main
@@ -176,6 +176,11 @@ class WorkerPool:
         # A running task's bytes that its worker copies out of this process (_message): kept until
         # its reply.
         self._held: dict[int, object] = {}
+        # A run's running workers' pipes and sentinels, registered as each starts a task and
+        # unregistered as it stops (a wake then costs what happened, not the number of workers);
+        # and those of them with no task sent ahead, in the order they started theirs (_send_ahead).
+        self._ready: ReadySet[int] = ReadySet()
+        self._bare: dict[int, None] = {}
         # Where this run's results are mapped, side by side (dropped at its end: unmapped at once
         # when the last of them goes).
         self._region: ResultRegion | None = None
@@ -314,6 +319,9 @@ class WorkerPool:
         ahead: dict[int, tuple[Task, object]] | None = {} if handler is not None else None
         held = self._held  # a running task's bytes (sent ahead, or as a _PartAt)
         held.clear()
+        ready = self._ready = ReadySet()
+        bare = self._bare
+        bare.clear()
         self._region = ResultRegion()
         self.waited_seconds = 0.0
         attempts: dict[int, int] = {}
@@ -350,23 +358,20 @@ class WorkerPool:
                 make_ahead = getattr(self._parts, "ahead", None)
                 if make_ahead is not None:  # the next task's part (or a check), made while the workers work
                     make_ahead()
-                # Map what we wait on to workers now: a worker restarted below gets new ones.
-                owners: dict[Any, int] = {self._procs[w].sentinel: w for w in running}
-                owners.update({id(self._conns[w]): w for w in running})
-                waitables = [self._conns[w] for w in running] + [self._procs[w].sentinel for w in running]
                 waited = time.perf_counter()
-                found = wait_ready(waitables, tick)
+                found = ready.wait(tick)
                 self.waited_seconds += time.perf_counter() - waited
-                for ready in found:
-                    worker = owners[ready if isinstance(ready, int) else id(ready)]
+                for worker in found:
                     if worker not in running:
                         continue  # its reply and its sentinel were both ready; handled once
                     task, _ = running.pop(worker)
+                    bare.pop(worker, None)
                     if governor is not None:
                         governor.release(task.memory)
                     try:
                         result = self._receive(worker, task)
                     except WorkerCrashed:
+                        ready.discard(worker)  # (its pipe closed: before a new one may take its number)
                         attempts[task.index] = attempts.get(task.index, 0) + 1
                         if attempts[task.index] > retries:
                             raise
@@ -384,13 +389,16 @@ class WorkerPool:
                         yield result
                         if ahead is not None and worker in ahead:  # its next task is with it already
                             later, held[worker] = ahead.pop(worker)
-                            running[worker] = (later, time.monotonic())
+                            running[worker] = (later, time.monotonic())  # (still waited on)
+                            bare[worker] = None
                             continue
+                    ready.discard(worker)
                     idle.append(worker)
                 # The freed workers take their next tasks before the watchdog's reading (up to a
                 # tenth of a second once a second, under load), not after it.
                 self._dispatch(pending, idle, running, governor)
-                if governor is not None:  # idle workers too: what they keep still counts
+                # Idle workers too: what they keep still counts (mapped only when it is read).
+                if governor is not None and governor.due():
                     governor.watch(self._watched(running), aside=self._fork_server)
                 if task_timeout is not None:
                     self._check_timeouts(running, task_timeout)
@@ -453,6 +461,8 @@ class WorkerPool:
                     _send(self._conns[worker], self._new_handler)
                 _send(self._conns[worker], message)
             running[worker] = (task, time.monotonic())
+            self._ready.add(worker, (self._conns[worker], self._procs[worker].sentinel))
+            self._bare[worker] = None
 
     def _message(self, task: Task) -> tuple[Any, object]:
         """What a worker receives for ``task``, and what this process must keep, unchanged, until
@@ -484,17 +494,16 @@ class WorkerPool:
         while another worker idles."""
         if idle or self._unstarted:
             return
-        for worker in running:
-            if len(pending) < len(running):
-                return
-            if worker in ahead:
-                continue
+        bare = self._bare  # the busy workers with nothing ahead, in the order they started
+        while bare and len(pending) >= len(running):
+            worker = next(iter(bare))
             task = pending[0]
             if governor is not None and not governor.admit_task(
                 task.index, task.keys, task.memory, others_running=True
             ):
                 return
             pending.popleft()
+            del bare[worker]
             message, keep = self._message(task)
             if not isinstance(message, _PartAt):  # pickled here; the worker copies it out
                 keep = bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
@@ -529,8 +538,12 @@ class WorkerPool:
             raise
 
     def _check_timeouts(self, running: dict[int, tuple[Task, float]], task_timeout: float) -> None:
-        now = time.monotonic()
-        for worker, (task, started) in running.items():
+        # ``running`` holds its tasks in the order they started (each added at its start, after a
+        # worker's last one was removed): none is past the timeout unless the first one is.
+        if running:
+            worker = next(iter(running))
+            task, started = running[worker]
+            now = time.monotonic()
             if now - started > task_timeout:
                 proc = self._procs[worker]
                 # (a task given a long pass before its keys, such as hashing a large source file
