@@ -124,7 +124,8 @@ def test_partition_skips_a_full_task_once_not_once_per_item(monkeypatch: pytest.
     def pops_for(n: int) -> int:
         nonlocal pops
         pops = 0
-        items = [Item(f"k{i}", 4096, memory) for i in range(n)]
+        # (one large item among them: small ones alone are cut into consecutive runs, no heap)
+        items = [Item(f"k{i}", 4096, memory) for i in range(n)] + [Item("large", 100 << 20, memory)]
         tasks = partition(items, 2, max_task_memory=cap)
         assert sorted(k for t in tasks for k in t.keys) == sorted(it.key for it in items)
         assert all(t.memory <= cap for t in tasks)
