@@ -49,6 +49,12 @@ class ForkedProcess:
         child_end.close()
         self.returncode: int | None = None
 
+    @property
+    def pid(self) -> int:
+        pid = self._process.pid
+        assert pid is not None
+        return pid
+
     def poll(self) -> int | None:
         """The exit code once the child ended, else None."""
         if self._process.exitcode is not None:
@@ -56,8 +62,12 @@ class ForkedProcess:
         return self.returncode
 
     def communicate(self, timeout: float) -> str:
-        """Wait for the child's output and its end (at most ``timeout`` s each); its stdout."""
-        out = self._conn.recv() if self._conn.poll(timeout) else ""
+        """Wait for the child's output and its end (at most ``timeout`` s each); its stdout ("" for
+        a child killed before it could send it)."""
+        try:
+            out = self._conn.recv() if self._conn.poll(timeout) else ""
+        except EOFError:  # killed
+            out = ""
         self._process.join(timeout)
         self.poll()
         return out
