@@ -1,10 +1,18 @@
-"""The parallel-dcp command end to end, as a user runs it: exit codes, JSON, messages, verify."""
+"""The parallel-dcp command end to end, as a user runs it: exit codes, JSON, messages, verify.
+
+The commands run in this process (``main(argv)``, as ``python -m parallel_dcp`` runs it, a usage
+error's SystemExit included): a fresh interpreter importing torch costs 3-6 s a command on this VM,
+and what these tests check is the commands' output, codes and files. The program itself, as a
+process, is run by test_usage_errors_exit_2_and_failures_exit_1 (a usage error and a failure, each
+with its exit code and no traceback) and by tests/test_cli_startup.py.
+"""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,10 +21,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import parallel_dcp
+from parallel_dcp.cli import main
 from tests.conftest import assert_same
 
 
-def cli(*args: str | Path, check_code: int | None = 0) -> subprocess.CompletedProcess[str]:
+def program(*args: str | Path, check_code: int | None = 0) -> subprocess.CompletedProcess[str]:
+    """``python -m parallel_dcp ARGS`` in a fresh interpreter, its exit code checked."""
     done = subprocess.run(
         [sys.executable, "-m", "parallel_dcp", *map(str, args)], capture_output=True, text=True, timeout=300
     )
@@ -26,13 +36,36 @@ def cli(*args: str | Path, check_code: int | None = 0) -> subprocess.CompletedPr
 
 
 @pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """A command run in this process as the program runs it (``sys.exit(main(argv))``), its exit
+    code checked against ``check_code`` (None: not checked)."""
+
+    def run(*args: str | Path, check_code: int | None = 0) -> subprocess.CompletedProcess[str]:
+        argv = [str(a) for a in args]
+        capsys.readouterr()
+        try:
+            code = main(argv)
+        except SystemExit as exited:
+            code = 0 if exited.code is None else exited.code if isinstance(exited.code, int) else 1
+        out, err = capsys.readouterr()
+        if check_code is not None:
+            assert code == check_code, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
+        return subprocess.CompletedProcess(argv, code, out, err)
+
+    return run
+
+
+Cli = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
 def model(tmp_path: Path) -> dict[str, torch.Tensor]:
     tensors = {f"layers.{i}.weight": torch.randn(64, 32) for i in range(6)} | {"embed": torch.randn(300, 32).half()}
     st.save_file(tensors, tmp_path / "model.safetensors")
     return tensors
 
 
-def test_convert_inspect_verify_as_a_user_runs_them(tmp_path: Path, model: dict[str, torch.Tensor]) -> None:
+def test_convert_inspect_verify_as_a_user_runs_them(tmp_path: Path, model: dict[str, torch.Tensor], cli: Cli) -> None:
     out = cli("convert", tmp_path / "model.safetensors", tmp_path / "dcp", "--workers", "2", "--json").stdout
     summary = json.loads(out)
     assert summary[0]["format"] == "dcp" and summary[0]["keys"] == len(model) and summary[0]["bytes"] > 0
@@ -60,7 +93,7 @@ def flip_one_byte(path: Path, offset: int) -> None:
 
 
 def test_verify_finds_a_flipped_byte_that_stock_dcp_loads_silently(
-    tmp_path: Path, model: dict[str, torch.Tensor]
+    tmp_path: Path, model: dict[str, torch.Tensor], cli: Cli
 ) -> None:
     parallel_dcp.convert(tmp_path / "model.safetensors", tmp_path / "dcp", workers=1)
     metadata = parallel_dcp.load_metadata(dcp.FileSystemReader(str(tmp_path / "dcp")))
@@ -81,7 +114,7 @@ def test_verify_finds_a_flipped_byte_that_stock_dcp_loads_silently(
     assert "FAILED" in against and "embed: data differs" in against
 
 
-def test_verify_finds_a_truncated_shard(tmp_path: Path, model: dict[str, torch.Tensor]) -> None:
+def test_verify_finds_a_truncated_shard(tmp_path: Path, model: dict[str, torch.Tensor], cli: Cli) -> None:
     parallel_dcp.convert(tmp_path / "model.safetensors", tmp_path / "dcp", workers=2)
     shard = next((tmp_path / "dcp").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-10])
@@ -89,11 +122,11 @@ def test_verify_finds_a_truncated_shard(tmp_path: Path, model: dict[str, torch.T
     assert f"file {shard.name}:" in out and "truncated" in out
 
 
-def test_usage_errors_exit_2_and_failures_exit_1(tmp_path: Path, model: dict[str, torch.Tensor]) -> None:
-    assert "usage" in cli(check_code=2).stderr
+def test_usage_errors_exit_2_and_failures_exit_1(tmp_path: Path, model: dict[str, torch.Tensor], cli: Cli) -> None:
+    assert "usage" in program(check_code=2).stderr  # the program itself: exit 2, usage on stderr
     assert "at least one SRC and a DST" in cli("convert", tmp_path / "model.safetensors", check_code=2).stderr
     assert "invalid choice" in cli("convert", "a", "b", "--to", "onnx", check_code=2).stderr
-    missing = cli("convert", tmp_path / "nope.pt", tmp_path / "out", check_code=1)
+    missing = program("convert", tmp_path / "nope.pt", tmp_path / "out", check_code=1)  # exit 1, no traceback
     assert "parallel-dcp: error: no such file" in missing.stderr and "Traceback" not in missing.stderr
     cli("convert", tmp_path / "model.safetensors", tmp_path / "dcp", "-q")
     exists = cli("convert", tmp_path / "model.safetensors", tmp_path / "dcp", check_code=1)
@@ -102,7 +135,7 @@ def test_usage_errors_exit_2_and_failures_exit_1(tmp_path: Path, model: dict[str
     assert "not a size" in limit.stderr  # a bad value is a usage error (exit 2), caught before any work
 
 
-def test_batch_conversion_from_the_command_line(tmp_path: Path, model: dict[str, torch.Tensor]) -> None:
+def test_batch_conversion_from_the_command_line(tmp_path: Path, model: dict[str, torch.Tensor], cli: Cli) -> None:
     torch.save({"w": torch.ones(3)}, tmp_path / "other.pt")
     out = cli("convert", tmp_path / "model.safetensors", tmp_path / "other.pt", tmp_path / "all", "--dtype", "bf16")
     assert out.stdout.count(" -> ") == 2
@@ -111,7 +144,9 @@ def test_batch_conversion_from_the_command_line(tmp_path: Path, model: dict[str,
     assert_same(parallel_dcp.load(tmp_path / "all" / "other"), {"w": torch.ones(3, dtype=torch.bfloat16)})
 
 
-def test_without_checksums_verify_still_finds_truncation(tmp_path: Path, model: dict[str, torch.Tensor]) -> None:
+def test_without_checksums_verify_still_finds_truncation(
+    tmp_path: Path, model: dict[str, torch.Tensor], cli: Cli
+) -> None:
     cli("convert", tmp_path / "model.safetensors", tmp_path / "dcp", "--no-checksums", "-q")
     manifest = json.loads((tmp_path / "dcp" / ".parallel_dcp.json").read_text())
     assert all(set(entry) == {"size"} for entry in manifest["files"].values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from parallel_dcp import (
 )
 from tests.conftest import assert_same
 from tests.faults import FillDisk, KillOnce, SleepInWorker
+from tests.forked_process import ForkedProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -162,28 +164,26 @@ def test_disk_filling_up_mid_save_is_a_clear_error_and_leaves_nothing(tiny_tmpfs
     assert [p.name for p in tiny_tmpfs.iterdir()] == ["neighbour"]
 
 
-FSIZE_SCRIPT = textwrap.dedent(
-    """
-    import resource, signal, sys, torch, parallel_dcp
+def _save_under_a_file_size_limit(dest: Path) -> None:
+    """(In a forked child: the limit is the process's own) a save whose shards pass RLIMIT_FSIZE."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
     try:
-        parallel_dcp.save({"w%d" % i: torch.randn(512, 1024) for i in range(4)}, sys.argv[1], workers=2)
+        parallel_dcp.save({f"w{i}": torch.randn(512, 1024) for i in range(4)}, dest, workers=2)
     except parallel_dcp.WorkerError as e:
         print(e)
         sys.exit(1)
-    """
-)
 
 
 def test_file_size_limit_is_a_clear_error_and_leaves_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    done = subprocess.run(
-        [sys.executable, "-c", FSIZE_SCRIPT, str(out / "ckpt")], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 1, done.stderr
-    assert "File too large" in done.stdout
+    child = ForkedProcess(_save_under_a_file_size_limit, out / "ckpt")
+    printed = child.communicate(timeout=120)
+    if child.poll() is None:
+        child.kill()
+    assert child.returncode == 1, printed
+    assert "File too large" in printed
     assert list(out.iterdir()) == []
 
 
@@ -208,27 +208,24 @@ def test_missing_shard_is_refused_before_reading(tmp_path: Path) -> None:
         parallel_dcp.load(tmp_path / "ckpt")
 
 
+def _save_held_by_sleeping_workers(dest: Path) -> None:
+    parallel_dcp.save({"a": SleepInWorker(60), "b": SleepInWorker(60)}, dest, workers=2)
+
+
 def test_coordinator_killed_takes_its_workers_with_it(tmp_path: Path) -> None:
-    script = textwrap.dedent(
-        """
-        import sys, torch, parallel_dcp
-        from tests.faults import SleepInWorker
-        print("saving", flush=True)
-        parallel_dcp.save({"a": SleepInWorker(60), "b": SleepInWorker(60)}, sys.argv[1], workers=2)
-        """
-    )
-    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "ckpt")], cwd=ROOT, stdout=subprocess.PIPE)
+    """The coordinator is a process forked from this one (tests/forked_process.py), SIGKILLed once
+    both its workers run."""
+    proc = ForkedProcess(_save_held_by_sleeping_workers, tmp_path / "ckpt")
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"saving"
         workers = wait_for_workers(proc.pid, 2)
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+        proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
         _gone, alive = psutil.wait_procs(workers, timeout=60)
         assert not alive, "workers outlived a SIGKILLed coordinator"
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
 
 
 def wait_for_workers(pid: int, count: int) -> list[psutil.Process]:

@@ -1,12 +1,11 @@
 """Another process in the checkpoint directory: symlinks planted while a save runs, an overwrite
-while a load reads. Each attack runs in a real second process."""
+while a load reads. Each attack runs in a real second process, forked from this one
+(tests/forked_process.py: a fresh interpreter would import torch again first, 3-15 s)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -17,23 +16,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import parallel_dcp
 from parallel_dcp import ParallelDCPError
+from tests.faults import WaitForFile
+from tests.forked_process import ForkedProcess
 
-ROOT = Path(__file__).resolve().parent.parent
-ENV = os.environ | {"PYTHONPATH": str(ROOT)}
 
-SAVE_SCRIPT = textwrap.dedent(
-    """
-    import sys, torch, parallel_dcp
-    from tests.faults import WaitForFile
-    sd = {"w": torch.randn(256, 1024), "held": WaitForFile(sys.argv[2])}
+def _save_held_by_a_marker(dest: Path, marker: Path, io: str) -> None:
+    """The save under attack (in the second process): a task held until ``marker`` exists."""
+    sd = {"w": torch.randn(256, 1024), "held": WaitForFile(str(marker))}
     try:
-        parallel_dcp.save(sd, sys.argv[1], workers=2, io=sys.argv[3])
+        parallel_dcp.save(sd, dest, workers=2, io=io)
     except parallel_dcp.ParallelDCPError as e:
         print("refused:", e)
         sys.exit(1)
     print("saved")
-    """
-)
 
 
 @pytest.mark.parametrize("io", ["direct", "buffered"])
@@ -43,14 +38,7 @@ def test_shard_names_planted_as_symlinks_during_a_save_are_never_written_through
     victim = tmp_path / "victim.txt"
     victim.write_bytes(b"precious")
     dest, marker = tmp_path / "ckpt", tmp_path / "planted"
-    saver = subprocess.Popen(
-        [sys.executable, "-c", SAVE_SCRIPT, str(dest), str(marker), io],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    saver = ForkedProcess(_save_held_by_a_marker, dest, marker, io)
     try:
         # The attacker: waits for the save's owner record, learns its id, plants every shard name.
         deadline = time.monotonic() + 120
@@ -69,27 +57,23 @@ def test_shard_names_planted_as_symlinks_during_a_save_are_never_written_through
                 pass  # that task had already created its shard
         assert planted, "nothing could be planted"
         marker.touch()
-        out, err = saver.communicate(timeout=120)
+        out = saver.communicate(timeout=120)
     finally:
         if saver.poll() is None:
             saver.kill()
-            saver.wait()
-    assert saver.returncode == 1, (out, err)
+    assert saver.returncode == 1, out
     assert "refused:" in out and "File exists" in out, out
     assert victim.read_bytes() == b"precious"
     assert not any(p.is_symlink() for p in dest.iterdir()) if dest.exists() else True
 
 
-OVERWRITE_SCRIPT = textwrap.dedent(
-    """
-    import sys, torch, parallel_dcp
+def _overwrite(dest: Path, times: int) -> None:
+    """The writer (in the second process): ``times`` saves over ``dest``, alternating two checkpoints."""
     a = {"w": torch.full((512, 1024), 1.0), "v": torch.arange(100)}
     b = {"w": torch.full((512, 1024), 2.0), "x": torch.ones(3000)}
-    for i in range(int(sys.argv[2])):
-        parallel_dcp.save(a if i % 2 else b, sys.argv[1], workers=2, overwrite=True)
+    for i in range(times):
+        parallel_dcp.save(a if i % 2 else b, dest, workers=2, overwrite=True)
     print("done", flush=True)
-    """
-)
 
 
 def _one_of(loaded: dict[str, torch.Tensor]) -> bool:
@@ -105,9 +89,7 @@ def _one_of(loaded: dict[str, torch.Tensor]) -> bool:
 def test_reading_while_another_process_overwrites_is_right_or_a_clear_error(tmp_path: Path) -> None:
     dest = tmp_path / "ckpt"
     parallel_dcp.save({"w": torch.full((512, 1024), 2.0), "x": torch.ones(3000)}, dest, workers=1)
-    writer = subprocess.Popen(
-        [sys.executable, "-c", OVERWRITE_SCRIPT, str(dest), "30"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE
-    )
+    writer = ForkedProcess(_overwrite, dest, 30)
     loads = changed = 0
     try:
         while writer.poll() is None:
@@ -130,9 +112,9 @@ def test_reading_while_another_process_overwrites_is_right_or_a_clear_error(tmp_
                 assert _one_of(loaded), {k: v.flatten()[:3] for k, v in loaded.items()}
                 loads += 1
     finally:
+        out = writer.communicate(timeout=120)
         if writer.poll() is None:
             writer.kill()
-        writer.wait(timeout=120)
-    assert writer.returncode == 0
+    assert writer.returncode == 0, out
     assert loads + changed >= 1, "no read ran while the checkpoint was overwritten"
     assert _one_of(parallel_dcp.load(dest, workers=2))  # once the writer is done, a plain load

@@ -99,8 +99,17 @@ def test_a_breach_by_the_callers_own_memory_names_the_caller(tmp_path: Path) -> 
     error = _breach_by_a_caller_thread(tmp_path)
     message = str(error)
     assert message.startswith(f"this process (pid {os.getpid()}: the caller"), message
-    grown = re.search(r"its own memory grew by ([0-9.]+) MiB", message)
-    assert grown is not None and float(grown.group(1)) >= 150, message
+    # The breach is confirmed while the thread may still be touching its 192 MiB (torch.ones fills
+    # page by page), so the caller's quoted growth is anything from what crossed the limit up (143
+    # MiB once under load): what the breach guarantees, in the message's own figures, is that the
+    # caller's is the larger part and covers at least what the job went over the limit by.
+    total = re.search(r"pushed the job to ([0-9.]+ \w+), over the memory limit 128.0 MiB", message)
+    parts = re.search(
+        r"its own memory grew by ([0-9.]+ \w+) since the job started, the workers' by ([0-9.]+ \w+)", message
+    )
+    assert total is not None and parts is not None, message
+    caller, workers = parse_size(parts.group(1)), parse_size(parts.group(2))
+    assert caller > workers and caller >= parse_size(total.group(1)) - 128 * MiB, message
     assert error.worker is None and error.measured > error.limit == 128 * MiB
     assert not (tmp_path / "ckpt" / ".metadata").exists()
 
