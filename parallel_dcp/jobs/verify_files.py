@@ -28,11 +28,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parallel_dcp.errors import UnsafeCheckpointError
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import embedded_checksums
 from parallel_dcp.storage.location import Location, Remote
 from parallel_dcp.storage.manifest import MANIFEST_FILE, FileDigest, read_manifest, sidecar_name
-from parallel_dcp.storage.safe_files import source_tree
+from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
 
 __all__ = ["Recorded", "links_within", "no_checksums_problem", "record_beside_link", "recorded_checksums"]
 
@@ -47,6 +48,8 @@ class Recorded:
         record: where they are recorded, as an error names it ("model.pt.manifest.json").
         starts: for a file whose record covers only its data section: where that begins.
         problems: what the record itself shows (a header that differs from the one recorded).
+        records: a folder whose files carry their own records (no record of its own): each
+            file's ("its header", "pytorch_model.bin.manifest.json"), read beside the file.
     """
 
     directory: Location
@@ -54,11 +57,18 @@ class Recorded:
     record: str
     starts: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    records: dict[str, str] = field(default_factory=dict)
+
+    def record_of(self, name: str) -> str:
+        """Where file ``name``'s checksum is recorded, as an error names it."""
+        return self.records.get(name, self.record)
 
 
 def recorded_checksums(source: Source) -> Recorded | None:
     """The checksums ``source``'s files carry; None when they carry none. A single local file's
-    are those of the file its name resolves to (``directory`` is that file's folder).
+    are those of the file its name resolves to (``directory`` is that file's folder): its own
+    (header, sidecar). A folder's are its
+    ``.parallel_dcp.json``'s, else its shards' own (a folder is no way round a file's record).
 
     Raises:
         CorruptCheckpointError: a record exists but cannot be read, or names other files.
@@ -66,25 +76,64 @@ def recorded_checksums(source: Source) -> Recorded | None:
     location = source.location
     if location.is_dir():
         files = read_manifest(location, current_only=True)
-        return Recorded(location, files, MANIFEST_FILE) if files is not None else None
+        if files is not None:
+            return Recorded(location, files, MANIFEST_FILE)
+        return _own_records(source) if source.kind != "dcp" and not isinstance(location, Remote) else None
     if not isinstance(location, Remote):
         location = Path(os.path.realpath(location))
-    if source.kind == "safetensors":
+    return _file_record(source.kind, location, location.name)
+
+
+def _file_record(kind: str, location: Location, name: str) -> Recorded | None:
+    """The record one file carries of itself (``location``: never a link), under ``name``: a
+    safetensors file's header entry, a torch.save file's sidecar beside it; None where it has none."""
+    if kind == "safetensors":
         found = embedded_checksums(location)
         if found is None:
             return None
         start, index, data, index_now = found
-        recorded = Recorded(location.parent, {location.name: data}, "its header")
-        recorded.starts[location.name] = start
+        recorded = Recorded(location.parent, {name: data}, "its header")
+        recorded.starts[name] = start
         if index.digest is not None and index_now.digest != index.digest:
             recorded.problems.append(
-                f"file {location.name}: its header (tensor names, dtypes, shapes, offsets) is not the one its "
+                f"file {name}: its header (tensor names, dtypes, shapes, offsets) is not the one its "
                 f"checksum was taken of: {index_now.digest} != {index.digest} recorded (a corrupted header, or a "
                 'rewrite that kept its "parallel_dcp" metadata entry)'
             )
         return recorded
     files = read_manifest(location.parent, of_file=location.name)
-    return Recorded(location.parent, files, sidecar_name(location.name)) if files is not None else None
+    if files is None:
+        return None
+    return Recorded(location.parent, {name: files[location.name]}, sidecar_name(location.name))
+
+
+def _own_records(source: Source) -> Recorded | None:
+    """A local Hugging Face folder with no record of its own whose shards carry theirs (a
+    ``model.safetensors`` written by ``convert ckpt folder/model.safetensors``, its checksums in
+    its header; a ``pytorch_model.bin`` with its sidecar): each shard's record, by the shard's
+    name in the folder, so that a file is checked whichever way it is reached (named, or its
+    folder). A shard that is a link within the tree has the record of the file it leads to,
+    as a single file named through a link does. None where no shard carries one.
+    """
+    folder = Path(os.fspath(source.location))
+    tree = source_tree(folder)
+    read = set(source.files)  # (resolved: formats/base.py shard_files)
+    recorded = Recorded(folder, {}, "")
+    for name in sorted(os.listdir(folder)):
+        try:
+            real = resolve_in_tree(folder / name, tree)
+        except UnsafeCheckpointError:
+            continue  # (not a file the job reads: its shards were resolved so, or refused)
+        if os.fspath(real) not in read or (own := _file_record(source.kind, real, name)) is None:
+            continue
+        recorded.files |= own.files
+        recorded.starts |= own.starts
+        recorded.records[name] = own.record
+        recorded.problems += own.problems
+    if not recorded.files:
+        return None
+    recorded.record = recorded.records[next(iter(recorded.files))] if len(recorded.files) == 1 else "their own records"
+    return recorded
 
 
 def links_within(source: Source) -> Path | None:

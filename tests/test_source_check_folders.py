@@ -1,0 +1,64 @@
+"""A file's own record is used whichever way the file is reached: named, or through its folder.
+
+- A folder holding one parallel_dcp ``model.safetensors`` (its checksums in its header) or one
+  ``pytorch_model.bin`` with its sidecar, and no ``.parallel_dcp.json`` (``convert ckpt
+  folder/model.safetensors`` plus a config.json: the usual model folder, a hub upload), was
+  checked when the file was named, but the folder named converted a damaged shard without a word
+  and ``verify`` of the folder said OK. The folder's shards' own records are now its record.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import parallel_dcp
+from tests.test_convert_checks_shared_files import _flip_inside
+
+
+def _state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return {"w": torch.randn(96, 64, generator=gen), "tgt": torch.randn(64, 128, generator=gen)}
+
+
+def _model_folder(tmp: Path, name: str) -> Path:
+    """A model folder of one file ``name`` written by parallel_dcp (its own record: header or
+    sidecar) beside a config.json, with no folder record."""
+    dcp = tmp / "made_dcp"
+    parallel_dcp.save(_state(), dcp, workers=1)
+    folder = tmp / "model"
+    folder.mkdir()
+    parallel_dcp.convert(dcp, folder / name, workers=1)
+    (folder / "config.json").write_text("{}")
+    assert not (folder / ".parallel_dcp.json").exists()
+    return folder
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin"])
+def test_a_folder_checks_its_files_own_records(tmp_path: Path, name: str) -> None:
+    folder = _model_folder(tmp_path, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (clean: checked, nothing to warn of)
+        parallel_dcp.convert(folder, tmp_path / "clean_out", workers=2)
+        report = parallel_dcp.verify(folder)
+    assert report.problems == [] and report.manifest and report.files_checked == 1
+
+    _flip_inside(folder / name, _state()["tgt"])
+    with pytest.raises(parallel_dcp.SourceChecksumError, match=rf"model/{name}: its bytes are not"):
+        parallel_dcp.convert(folder, tmp_path / "out", workers=2)
+    assert not (tmp_path / "out").exists()
+    assert [p.split(":")[0] for p in parallel_dcp.verify(folder).problems] == [f"file {name}"]
+
+
+def test_a_folder_whose_file_links_within_it_checks_the_file_it_leads_to(tmp_path: Path) -> None:
+    folder = _model_folder(tmp_path, "model.safetensors")
+    (folder / "store").mkdir()
+    (folder / "model.safetensors").rename(folder / "store" / "model.safetensors")
+    (folder / "model.safetensors").symlink_to("store/model.safetensors")
+    _flip_inside(folder / "store" / "model.safetensors", _state()["tgt"])
+    with pytest.raises(parallel_dcp.SourceChecksumError, match=r"model\.safetensors -> .*store/model\.safetensors"):
+        parallel_dcp.convert(folder, tmp_path / "out", workers=1)
+    assert len(parallel_dcp.verify(folder).problems) == 1
