@@ -62,3 +62,30 @@ def test_a_folder_whose_file_links_within_it_checks_the_file_it_leads_to(tmp_pat
     with pytest.raises(parallel_dcp.SourceChecksumError, match=r"model\.safetensors -> .*store/model\.safetensors"):
         parallel_dcp.convert(folder, tmp_path / "out", workers=1)
     assert len(parallel_dcp.verify(folder).problems) == 1
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_one_shard_named_alone_is_checked_against_its_folders_record(tmp_path: Path, to: str) -> None:
+    """One shard of a Hugging Face folder parallel_dcp wrote, named alone: its checksum is in the
+    ``.parallel_dcp.json`` beside it (the folder's shards carry no record of their own), which
+    was never looked at: converted unchecked, without a word, and ``verify`` said no record exists."""
+    dcp = tmp_path / "made_dcp"
+    parallel_dcp.save(_state(), dcp, workers=1)
+    folder = tmp_path / "hf"
+    parallel_dcp.convert(dcp, folder, workers=1, to=to, shard_size="20KB")
+    shard = next(p for p in sorted(folder.iterdir()) if p.read_bytes().find(_raw("tgt")) >= 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parallel_dcp.convert(shard, tmp_path / "clean_out", workers=1)
+    assert parallel_dcp.verify(shard).problems == []
+
+    _flip_inside(shard, _state()["tgt"])
+    with pytest.raises(parallel_dcp.SourceChecksumError, match=r"checksum in \.parallel_dcp\.json"):
+        parallel_dcp.convert(shard, tmp_path / "out", workers=1)
+    assert parallel_dcp.verify(shard).problems == [
+        next(p for p in parallel_dcp.verify(folder).problems if p.startswith(f"file {shard.name}:"))
+    ]
+
+
+def _raw(key: str) -> bytes:
+    return _state()[key].contiguous().numpy().tobytes()[:256]

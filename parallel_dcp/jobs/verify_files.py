@@ -67,7 +67,7 @@ class Recorded:
 def recorded_checksums(source: Source) -> Recorded | None:
     """The checksums ``source``'s files carry; None when they carry none. A single local file's
     are those of the file its name resolves to (``directory`` is that file's folder): its own
-    (header, sidecar). A folder's are its
+    (header, sidecar), else its folder's entry for it (a shard named alone). A folder's are its
     ``.parallel_dcp.json``'s, else its shards' own (a folder is no way round a file's record).
 
     Raises:
@@ -81,7 +81,19 @@ def recorded_checksums(source: Source) -> Recorded | None:
         return _own_records(source) if source.kind != "dcp" and not isinstance(location, Remote) else None
     if not isinstance(location, Remote):
         location = Path(os.path.realpath(location))
-    return _file_record(source.kind, location, location.name)
+    if (own := _file_record(source.kind, location, location.name)) is not None:
+        return own
+    return _folder_record(location)
+
+
+def _folder_record(file: Location) -> Recorded | None:
+    """A file with no record of its own that is a shard of a folder whose ``.parallel_dcp.json``
+    records it (one shard of a Hugging Face folder parallel_dcp wrote, named alone): that entry;
+    None where the folder records no such file."""
+    files = read_manifest(file.parent, current_only=True)
+    if files is None or file.name not in files:
+        return None
+    return Recorded(file.parent, {file.name: files[file.name]}, MANIFEST_FILE)
 
 
 def _file_record(kind: str, location: Location, name: str) -> Recorded | None:
@@ -176,6 +188,7 @@ def no_checksums_problem(source: Source) -> str:
         return f"{name}: no checksums: {beside_link}"
     where = "in its header" if source.kind == "safetensors" else f"in {sidecar_name(name)} beside it"
     return (
-        f"{name}: no checksums (parallel_dcp writes them {where}): a flipped byte cannot be found "
+        f"{name}: no checksums (parallel_dcp writes a single file's {where}, a folder's shards' in the "
+        f"{MANIFEST_FILE} beside them): a flipped byte cannot be found "
         "without them; compare the file with its source: verify --against SOURCE"
     )
