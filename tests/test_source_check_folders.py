@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -89,3 +90,36 @@ def test_one_shard_named_alone_is_checked_against_its_folders_record(tmp_path: P
 
 def _raw(key: str) -> bytes:
     return _state()[key].contiguous().numpy().tobytes()[:256]
+
+
+def test_a_folder_named_through_a_link_repointed_mid_job_is_read_from_one_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training run's ``latest -> step-100/``, repointed to ``step-200/`` (``ln -sfn``) after the
+    job's first task: every shard open walked the link again, so one output held the first key of
+    step-100 and the rest of step-200 (stock DCP's shard names are the same in both saves), and it
+    verified clean. The folder is now resolved once, when the source is opened."""
+    import torch.distributed.checkpoint as dcp
+
+    from parallel_dcp.engine import pool
+
+    for step in (100, 200):
+        state = {f"k{i:02d}": torch.full((64, 64), float(step + i)) for i in range(8)}
+        dcp.save(state, checkpoint_id=tmp_path / f"step-{step}")
+    latest = tmp_path / "latest"
+    latest.symlink_to("step-100")
+    run = pool.WorkerPool.run
+
+    def run_then_repoint(self: pool.WorkerPool, tasks: object, *args: object, **kwargs: object) -> object:
+        for n, result in enumerate(run(self, tasks, *args, **kwargs)):  # type: ignore[arg-type]
+            if n == 0 and os.readlink(latest) == "step-100":
+                latest.unlink()
+                latest.symlink_to("step-200")
+            yield result
+
+    monkeypatch.setattr(pool.WorkerPool, "run", run_then_repoint)
+    out = tmp_path / "out"
+    parallel_dcp.convert(latest, out, to="safetensors", shard_size="20KB", workers=2)
+    assert os.readlink(latest) == "step-200"  # (the repoint happened mid-job)
+    got = parallel_dcp.load(out)
+    assert {k: got[k].unique().tolist() for k in got} == {f"k{i:02d}": [100.0 + i] for i in range(8)}
