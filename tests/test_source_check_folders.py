@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -123,3 +124,33 @@ def test_a_folder_named_through_a_link_repointed_mid_job_is_read_from_one_checkp
     assert os.readlink(latest) == "step-200"  # (the repoint happened mid-job)
     got = parallel_dcp.load(out)
     assert {k: got[k].unique().tolist() for k in got} == {f"k{i:02d}": [100.0 + i] for i in range(8)}
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_file_link_repointed_between_listing_and_check_is_checked_as_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str
+) -> None:
+    """``latest.pt -> step1.pt`` (damaged) repointed to a clean ``step2.pt`` (``ln -sf``) after the
+    source's files were listed but before its record was looked up: the name was resolved again
+    there, so the check hashed step2 and passed while the job converted step1. Its name is now
+    resolved once; the check hashes the file the job reads."""
+    from parallel_dcp.jobs import source_check
+
+    dcp = tmp_path / "made_dcp"
+    parallel_dcp.save(_state(), dcp, workers=1)
+    for step in ("step1", "step2"):
+        parallel_dcp.convert(dcp, tmp_path / f"{step}{suffix}", workers=1)
+    _flip_inside(tmp_path / f"step1{suffix}", _state()["tgt"])
+    latest = tmp_path / f"latest{suffix}"
+    latest.symlink_to(f"step1{suffix}")
+    recorded = source_check.recorded_checksums
+
+    def repointed_first(source: object) -> object:
+        latest.unlink()
+        latest.symlink_to(f"step2{suffix}")
+        return recorded(source)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(source_check, "recorded_checksums", repointed_first)
+    with pytest.raises(parallel_dcp.SourceChecksumError, match=rf"step1{re.escape(suffix)}: its bytes are not"):
+        parallel_dcp.convert(latest, tmp_path / "out", workers=2)
+    assert os.readlink(latest) == f"step2{suffix}"

@@ -7,12 +7,13 @@
 
 A single local file named through a symlink (a "latest" link, a run folder pointing into a
 checkpoint store) is read wherever it leads, so its record is the one of the file it leads to:
-the name is resolved once (realpath), and the sidecar beside the resolved file, or its header, is
-read from there by the one rule (never through a link: the resolved name is none). A sidecar
-beside the link's own name, where the file it leads to has none, is not used: it was written for
-whatever file that name held then (a link repointed since, ``ln -sf step2000.pt latest.pt`` over a
-file we once wrote, leaves it beside another file), so it proves nothing about this one; a
-conversion says it did not check (:func:`record_beside_link`), and ``verify`` names it.
+the name is resolved once (realpath, when the source's files are listed), and the sidecar beside
+the resolved file, or its header, is read from there by the one rule (never through a link: the
+resolved name is none). A sidecar beside the link's own name, where the file it leads to has
+none, is not used: it was written for whatever file that name held then (a link repointed since,
+``ln -sf step2000.pt latest.pt`` over a file we once wrote, leaves it beside another file), so it
+proves nothing about this one; a conversion says it did not check (:func:`record_beside_link`),
+and ``verify`` names it.
 
 A folder's file that is a link within the source's tree (a Hugging Face cache snapshot's links into
 its blobs/) is read where it leads, by conversions and ``verify`` alike (:func:`links_within`); a
@@ -80,10 +81,18 @@ def recorded_checksums(source: Source) -> Recorded | None:
             return Recorded(location, files, MANIFEST_FILE)
         return _own_records(source) if source.kind != "dcp" and not isinstance(location, Remote) else None
     if not isinstance(location, Remote):
-        location = Path(os.path.realpath(location))
+        location = _file_read(source)
     if (own := _file_record(source.kind, location, location.name)) is not None:
         return own
     return _folder_record(location)
+
+
+def _file_read(source: Source) -> Path:
+    """The file a single local source's reads open: its name resolved once, when its files were
+    listed (formats/base.py shard_files), never again here; a link repointed since (``ln -sf
+    step2.pt latest.pt`` by a training loop) must not make the check hash another file than the
+    one the job converts."""
+    return Path(source.files[0]) if len(source.files) == 1 else Path(os.path.realpath(source.location))
 
 
 def _folder_record(file: Location) -> Recorded | None:
@@ -167,7 +176,7 @@ def record_beside_link(source: Source) -> str | None:
     location = source.location
     if isinstance(location, Remote) or location.is_dir() or source.kind == "safetensors":
         return None
-    real = Path(os.path.realpath(location))
+    real = _file_read(source)
     beside_link = Path(location).parent / sidecar_name(location.name)
     if os.path.lexists(real.parent / sidecar_name(real.name)) or not os.path.lexists(beside_link):
         return None
