@@ -154,3 +154,23 @@ def test_a_file_link_repointed_between_listing_and_check_is_checked_as_read(
     with pytest.raises(parallel_dcp.SourceChecksumError, match=rf"step1{re.escape(suffix)}: its bytes are not"):
         parallel_dcp.convert(latest, tmp_path / "out", workers=2)
     assert os.readlink(latest) == f"step2{suffix}"
+
+
+def test_verify_says_a_stale_manifest_is_stale_not_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A save stopped between its commit's two renames leaves the old save's record beside the new
+    ``.metadata``: not used (no corruption: OK), but verify printed "OK (no manifest; ...)" as
+    if there were none."""
+    from parallel_dcp import cli
+
+    src = tmp_path / "src"
+    parallel_dcp.save({"w": torch.zeros(64)}, src, workers=1)
+    old_manifest = (src / ".parallel_dcp.json").read_bytes()
+    parallel_dcp.save({"w": torch.ones(64)}, src, workers=1, overwrite=True)
+    (src / ".parallel_dcp.json").write_bytes(old_manifest)
+    with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match="stale"):
+        report = parallel_dcp.verify(src, workers=1)
+    assert report.ok and not report.manifest and report.manifest_stale
+    capsys.readouterr()
+    assert cli.main(["verify", str(src), "--workers", "1"]) == 0  # (the CLI prints the warning)
+    out = capsys.readouterr().out
+    assert "stale manifest, not used" in out and "no manifest" not in out

@@ -36,7 +36,14 @@ from parallel_dcp.storage.location import Location, Remote
 from parallel_dcp.storage.manifest import MANIFEST_FILE, FileDigest, read_manifest, sidecar_name
 from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
 
-__all__ = ["Recorded", "links_within", "no_checksums_problem", "record_beside_link", "recorded_checksums"]
+__all__ = [
+    "Recorded",
+    "links_within",
+    "no_checksums_problem",
+    "record_beside_link",
+    "recorded_checksums",
+    "stale_record",
+]
 
 
 @dataclass
@@ -188,6 +195,14 @@ def record_beside_link(source: Source) -> str | None:
         "is not used: it was written for the file that name held then, which need not be this one (a link "
         f"repointed since). {advice} it with the checkpoint it was made from: verify --against SOURCE"
     )
+
+
+def stale_record(source: Source) -> bool:
+    """Whether a local checkpoint directory that :func:`recorded_checksums` found no record for
+    holds a ``.parallel_dcp.json`` all the same: a stale one (it belongs to another save than its
+    ``.metadata``: a save stopped between its commit's two renames), so no file was checked."""
+    location = source.location
+    return not isinstance(location, Remote) and location.is_dir() and os.path.lexists(location / MANIFEST_FILE)
 
 
 def no_checksums_problem(source: Source) -> str:
