@@ -174,3 +174,29 @@ def test_verify_says_a_stale_manifest_is_stale_not_missing(tmp_path: Path, capsy
     assert cli.main(["verify", str(src), "--workers", "1"]) == 0  # (the CLI prints the warning)
     out = capsys.readouterr().out
     assert "stale manifest, not used" in out and "no manifest" not in out
+
+
+def test_a_dangling_link_in_a_folder_is_named_as_a_link_to_a_missing_file(tmp_path: Path) -> None:
+    """A Hugging Face folder's file that links within it to a file that is gone (a hub snapshot
+    whose blob was deleted, an interrupted download) was a raw ``[Errno 2]`` naming only the
+    missing target, or "vanished: the checkpoint changed while reading"."""
+    dcp = tmp_path / "made_dcp"
+    parallel_dcp.save(_state(), dcp, workers=1)
+    first = tmp_path / "first"
+    parallel_dcp.convert(dcp, first, workers=1, to="safetensors")
+    (first / "config.json").write_text("{}")
+    folder = tmp_path / "hf"
+    parallel_dcp.convert(first, folder, workers=1, to="safetensors")  # (config.json recorded)
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to("store/config.json")
+    gone = rf"{re.escape(str(folder / 'config.json'))} is a link to .*store/config\.json, which does not exist"
+    link, target = folder / "config.json", folder / "store" / "config.json"
+    assert [p for p in parallel_dcp.verify(folder).problems if "config.json" in p] == [
+        f"file config.json: {link} is a link to {target}, which does not exist"
+    ]
+    with pytest.raises(FileNotFoundError, match=gone):
+        parallel_dcp.convert(folder, tmp_path / "out", workers=1, to="safetensors")
+    (folder / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")
+    (folder / "model.safetensors").symlink_to("store/model.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors is a link to .*store/model\.safetensors, which"):
+        parallel_dcp.load(folder)

@@ -150,7 +150,7 @@ def _own_records(source: Source) -> Recorded | None:
     for name in sorted(os.listdir(folder)):
         try:
             real = resolve_in_tree(folder / name, tree)
-        except UnsafeCheckpointError:
+        except (UnsafeCheckpointError, FileNotFoundError):
             continue  # (not a file the job reads: its shards were resolved so, or refused)
         if os.fspath(real) not in read or (own := _file_record(source.kind, real, name)) is None:
             continue
