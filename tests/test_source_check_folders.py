@@ -5,6 +5,11 @@
   folder/model.safetensors`` plus a config.json: the usual model folder, a hub upload), was
   checked when the file was named, but the folder named converted a damaged shard without a word
   and ``verify`` of the folder said OK. The folder's shards' own records are now its record.
+- One shard of a folder parallel_dcp wrote, named alone, is checked against the folder's record.
+- A name through a link is resolved once, and the job reads, checks and hashes what it led to
+  then: a source folder (``latest -> step-100/``) and a single file (``latest.pt``) alike.
+- verify says a stale record is stale; a dangling link in a folder names itself; a record beside
+  the middle link of a chain is warned of (review s14 F14, F11, F5).
 """
 
 from __future__ import annotations
@@ -200,3 +205,23 @@ def test_a_dangling_link_in_a_folder_is_named_as_a_link_to_a_missing_file(tmp_pa
     (folder / "model.safetensors").symlink_to("store/model.safetensors")
     with pytest.raises(FileNotFoundError, match=r"model\.safetensors is a link to .*store/model\.safetensors, which"):
         parallel_dcp.load(folder)
+
+
+def test_a_record_beside_the_middle_link_of_a_chain_is_warned_of(tmp_path: Path) -> None:
+    """``run/latest.pt -> ../ckpt/mid.pt -> ../store/real.pt``, the record left beside ``ckpt/mid.pt``
+    (the file moved to the store and linked back): named as ``ckpt/mid.pt`` it was warned of, named
+    as ``run/latest.pt`` it converted unchecked without a word, and verify looked beside the wrong name."""
+    dcp = tmp_path / "made_dcp"
+    parallel_dcp.save(_state(), dcp, workers=1)
+    for folder in ("run", "ckpt", "store"):
+        (tmp_path / folder).mkdir()
+    parallel_dcp.convert(dcp, tmp_path / "ckpt" / "mid.pt", workers=1)
+    (tmp_path / "ckpt" / "mid.pt").rename(tmp_path / "store" / "real.pt")
+    (tmp_path / "ckpt" / "mid.pt").symlink_to("../store/real.pt")
+    latest = tmp_path / "run" / "latest.pt"
+    latest.symlink_to("../ckpt/mid.pt")
+    record = re.escape(str(tmp_path / "ckpt" / "mid.pt.manifest.json"))
+    with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match=rf"{record} beside the link is not used"):
+        parallel_dcp.convert(latest, tmp_path / "out", workers=1)
+    (problem,) = parallel_dcp.verify(latest).problems
+    assert re.search(rf"real\.pt\.manifest\.json beside it; {record}", problem), problem

@@ -184,17 +184,32 @@ def record_beside_link(source: Source) -> str | None:
     if isinstance(location, Remote) or location.is_dir() or source.kind == "safetensors":
         return None
     real = _file_read(source)
-    beside_link = Path(location).parent / sidecar_name(location.name)
-    if os.path.lexists(real.parent / sidecar_name(real.name)) or not os.path.lexists(beside_link):
+    if os.path.lexists(real.parent / sidecar_name(real.name)):
+        return None
+    # (beside any link on the way: run/latest.pt -> ../ckpt/mid.pt -> ../store/real.pt, the record
+    # left beside ckpt/mid.pt when the file was moved to the store and linked back)
+    records = ((link, link.parent / sidecar_name(link.name)) for link in _links_on_the_way(Path(location)))
+    link, beside_link = next(((link, record) for link, record in records if os.path.lexists(record)), (None, None))
+    if link is None or beside_link is None:
         return None
     advice = "Compare"
-    if real.name == location.name:  # (the record names the file it was written for: only one of that name)
+    if real.name == link.name:  # (the record names the file it was written for: only one of that name)
         advice = f"If {real} was moved there and linked back, move the record beside it; otherwise compare"
     return (
         f"it is a link to {real}, which has no {sidecar_name(real.name)} beside it; {beside_link} beside the link "
         "is not used: it was written for the file that name held then, which need not be this one (a link "
         f"repointed since). {advice} it with the checkpoint it was made from: verify --against SOURCE"
     )
+
+
+def _links_on_the_way(name: Path) -> list[Path]:
+    """The symlinks a name passes through to its file, itself first (``run/latest.pt ->
+    ../ckpt/mid.pt -> ../store/real.pt``: both); at most 40, the kernel's own bound."""
+    links: list[Path] = []
+    while name.is_symlink() and len(links) < 40:
+        links.append(name)
+        name = Path(os.path.normpath(Path(os.path.realpath(name.parent)) / os.readlink(name)))
+    return links
 
 
 def stale_record(source: Source) -> bool:
@@ -210,9 +225,12 @@ def no_checksums_problem(source: Source) -> str:
     name = source.location.name
     if (beside_link := record_beside_link(source)) is not None:
         return f"{name}: no checksums: {beside_link}"
-    where = "in its header" if source.kind == "safetensors" else f"in {sidecar_name(name)} beside it"
+    # (looked for beside the file read: for a link, where it leads, not beside the name typed)
+    real = _file_read(source) if not isinstance(source.location, Remote) else Path(name)
+    beside = "beside it" if real in (Path(name), Path(os.path.abspath(source.location))) else f"beside {real}"
+    where = "in its header" if source.kind == "safetensors" else f"in {sidecar_name(real.name)} {beside}"
     return (
-        f"{name}: no checksums (parallel_dcp writes a single file's {where}, a folder's shards' in the "
+        f"{name}: no checksums (parallel_dcp writes them {where}; a folder's shards', in the "
         f"{MANIFEST_FILE} beside them): a flipped byte cannot be found "
         "without them; compare the file with its source: verify --against SOURCE"
     )
