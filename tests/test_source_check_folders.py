@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import parallel_dcp
 from tests.test_convert_checks_shared_files import _flip_inside
@@ -225,3 +226,24 @@ def test_a_record_beside_the_middle_link_of_a_chain_is_warned_of(tmp_path: Path)
         parallel_dcp.convert(latest, tmp_path / "out", workers=1)
     (problem,) = parallel_dcp.verify(latest).problems
     assert re.search(rf"real\.pt\.manifest\.json beside it; {record}", problem), problem
+
+
+def test_a_folder_named_with_dotdot_after_a_link_keeps_the_tree_its_reads_open(tmp_path: Path) -> None:
+    """``lnk -> real/sub``: ``lnk/../hf`` is ``real/hf`` to the kernel but ``hf`` to abspath, so the
+    tree its links were checked against was the wrong folder: a clean link within ``real/hf`` was
+    refused, and a link out of it into ``hf`` was followed (review s14 F12)."""
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "lnk").symlink_to("real/sub")
+    folder = tmp_path / "real" / "hf"
+    (folder / "store").mkdir(parents=True)
+    save_file({"w": torch.ones(4, 4)}, folder / "store" / "model.safetensors")
+    (folder / "model.safetensors").symlink_to("store/model.safetensors")
+    named = tmp_path / "lnk" / ".." / "hf"
+    assert torch.equal(parallel_dcp.load(named)["w"], torch.ones(4, 4))  # (within its tree)
+
+    (tmp_path / "hf").mkdir()
+    save_file({"w": torch.full((4, 4), 7.0)}, tmp_path / "hf" / "outside.safetensors")
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to(tmp_path / "hf" / "outside.safetensors")
+    with pytest.raises(parallel_dcp.UnsafeCheckpointError, match="leading out of"):
+        parallel_dcp.load(named)

@@ -142,7 +142,7 @@ def source_tree(directory: str | os.PathLike[str]) -> Path:
     real = Path(os.path.realpath(directory))
     if real.parent.name == "snapshots" and real.parent.parent.name.startswith(_HF_CACHE_REPOS):
         return real.parent.parent
-    return Path(os.path.abspath(directory))
+    return real  # (the folder the reads open: abspath would fold a ``..`` after a link into another)
 
 
 def resolve_in_tree(path: str | os.PathLike[str], tree: str | os.PathLike[str]) -> Path:
