@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
@@ -247,3 +248,28 @@ def test_a_folder_named_with_dotdot_after_a_link_keeps_the_tree_its_reads_open(t
     (folder / "model.safetensors").symlink_to(tmp_path / "hf" / "outside.safetensors")
     with pytest.raises(parallel_dcp.UnsafeCheckpointError, match="leading out of"):
         parallel_dcp.load(named)
+
+
+def test_verify_hashes_a_module_file_that_links_within_the_folder_where_it_leads(tmp_path: Path) -> None:
+    """A converted sentence-transformers folder whose recorded ``1_Pooling/config.json`` is a link
+    within it (``-> ../store/pool.json``, same bytes; in a hub snapshot every module file is such a
+    link): convert copies it, but verify reported "is a symlink; refusing to follow it" (review s14 F9)."""
+    src = tmp_path / "src"
+    (src / "1_Pooling").mkdir(parents=True)
+    save_file({"embeddings.w": torch.randn(128, 64)}, src / "model.safetensors")
+    (src / "config.json").write_text('{"model_type": "bert"}')
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    (src / "modules.json").write_text(json.dumps(modules))
+    (src / "1_Pooling" / "config.json").write_text('{"word_embedding_dimension": 64}')
+    out = tmp_path / "out"
+    parallel_dcp.convert(src, out, workers=1, to="safetensors", shard_size="20KB")
+    assert "1_Pooling/config.json" in json.loads((out / ".parallel_dcp.json").read_text())["folder_files"]
+    (out / "store").mkdir()
+    (out / "1_Pooling" / "config.json").rename(out / "store" / "pool.json")
+    (out / "1_Pooling" / "config.json").symlink_to("../store/pool.json")
+    assert parallel_dcp.verify(out, workers=1).problems == []
+    (out / "store" / "pool.json").write_text('{"word_embedding_dimension": 65}')
+    assert [p.split(":")[0] for p in parallel_dcp.verify(out, workers=1).problems] == ["file 1_Pooling/config.json"]

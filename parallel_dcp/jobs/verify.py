@@ -199,7 +199,7 @@ def _hash_handler(
                 continue
             want = recorded[name]
             try:  # a symlink (but one within the tree) or a FIFO in place of a file is named, never read through
-                if tree is not None and not nested:
+                if tree is not None:  # (a nested one too: convert copies 1_Pooling/config.json -> ../store/x)
                     path = resolve_in_tree(path, tree)
                 found = file_digest(path, checksum=want.digest is not None, start=starts.get(name, 0), no_links=nested)
             except (CorruptCheckpointError, FileNotFoundError) as exc:  # (a dangling link names itself)
