@@ -61,8 +61,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     elif not args.quiet:
+        manifest = "stale manifest, not used; " if report.manifest_stale else "no manifest; "
         checked = (
-            (f"{plural(report.files_checked, 'file')} against the manifest, " if report.manifest else "no manifest; ")
+            (f"{plural(report.files_checked, 'file')} against the manifest, " if report.manifest else manifest)
             + (
                 f"{plural(report.keys_checked, 'key')} read back"
                 if args.deep or report.against

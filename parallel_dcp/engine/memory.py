@@ -45,7 +45,7 @@ import psutil
 from parallel_dcp.engine.breach import anonymous_bytes, breach_error, growth
 from parallel_dcp.engine.process_memory import FULL, ROLLUP, ChargeReader
 from parallel_dcp.engine.resident import ResidentSizes
-from parallel_dcp.engine.sizes import format_bytes, parse_size
+from parallel_dcp.engine.sizes import format_at_least, format_bytes, parse_size
 from parallel_dcp.errors import MemoryLimitExceeded, describe_keys, describe_unit
 
 __all__ = [
@@ -272,8 +272,8 @@ class MemoryGovernor:
             beside = f" beside the {format_bytes(self.reserved)} set aside before it" if self.reserved else ""
             raise MemoryLimitExceeded(
                 f"{what} needs {format_bytes(nbytes)} in memory{beside}, more than the memory limit "
-                f"{format_bytes(self.limit)}: raise --memory-limit to at least {format_bytes(self.reserved + nbytes)} "
-                "or select fewer keys",
+                f"{format_bytes(self.limit)}: raise --memory-limit to at least "
+                f"{format_at_least(self.reserved + nbytes)} or select fewer keys",
                 limit=self.limit,
                 measured=self.reserved + nbytes,
                 keys=[],
@@ -329,7 +329,7 @@ class MemoryGovernor:
             raise MemoryLimitExceeded(
                 f"{describe_unit(key)} needs {format_bytes(need)} in memory at once{beside}, more than the "
                 f"memory limit {format_bytes(self.limit)}: raise --memory-limit to at least "
-                f"{format_bytes(self.reserved + need)}",
+                f"{format_at_least(self.reserved + need)}",
                 limit=self.limit,
                 measured=self.reserved + need,
                 keys=[key],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_bytes", "format_rate", "parse_size"]
+__all__ = ["format_at_least", "format_bytes", "format_rate", "parse_size"]
 
 _UNITS = {
     "": 1,
@@ -57,6 +57,21 @@ def format_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def format_at_least(n: int) -> str:
+    """``n`` bytes in the unit :func:`format_bytes` picks, rounded up, never to nearest: an advised
+    minimum (``raise --memory-limit to at least 24.1 MiB``), which :func:`parse_size` reads back
+    as no less than ``n``, so the figure a refusal advises is accepted when passed back."""
+    if n < 1024:
+        return f"{n} B"
+    scale, unit = 1024, "KiB"
+    for larger in ("MiB", "GiB", "TiB"):
+        if n < scale * 1024:
+            break
+        scale, unit = scale * 1024, larger
+    tenths = -(-n * 10 // scale)  # (an integer ceiling: no float rounding it down)
+    return f"{tenths // 10}.{tenths % 10} {unit}"
 
 
 def format_rate(nbytes: float, seconds: float) -> str:

@@ -256,7 +256,6 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
                 stacklevel=2,
             )
         return None
-    record = recorded.record
     if recorded.problems:  # the safetensors header differs from the one recorded (read on open)
         real = Path(os.fspath(recorded.directory)) / next(iter(recorded.files))  # (where a link leads)
         raise SourceChecksumError(  # (the problem names both causes: verify reports it alike)
@@ -266,17 +265,16 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
         )
     stored = _files_read(source, recorded)
     directory = Path(os.fspath(source.location))  # (a folder's files as its listing names them)
-    written = _record_written(source, record, recorded.directory)
     files = tuple(
         CheckedFile(
             os.fspath(read),
             recorded.starts.get(name, 0),
             digest,
             keys,
-            record,
+            recorded.record_of(name),
             os.path.basename(read) if source.location.is_dir() else source.location.name,
             # (hashed all the same: the pass is the task's own read; only a mismatch needs the hint)
-            _why_rewritten(source, record, _changed_since(read, written)),
+            _why_rewritten(recorded, name, _changed_since(read, _record_written(recorded, name, read))),
             _shown(source.path if not source.location.is_dir() else directory / name, read),
         )
         for name, digest in recorded.files.items()
@@ -312,12 +310,16 @@ def _warn_remote(source: Source) -> None:
         )
 
 
-def _record_written(source: Source, record: str, directory: Any) -> int | None:
-    """When a sidecar record was last written (ns), None for a header's own (written with the file)."""
-    if source.kind == "safetensors" and not source.location.is_dir():
+def _record_written(recorded: Recorded, name: str, read: Path) -> int | None:
+    """When file ``name``'s sidecar record was last written (ns), None for a header's own (written
+    with the file). A folder's own record is in the folder; a file's own sidecar, beside the file
+    read (``read``: where a link leads)."""
+    if name in recorded.starts:
         return None
+    record = recorded.record_of(name)
+    where = read.parent if name in recorded.records else Path(os.fspath(recorded.directory))
     try:
-        return os.lstat(directory / record).st_mtime_ns
+        return os.lstat(where / record).st_mtime_ns
     except OSError:
         return None
 
@@ -407,11 +409,12 @@ def check_task(checks: SourceChecks | None, task: Task) -> None:
             )
 
 
-def _why_rewritten(source: Source, record: str, changed: bool) -> str:
-    """How a file's other bytes may be a rewrite on purpose: its own header's record (kept by any
-    rewrite that keeps the metadata), or a sidecar record older than the file; "" otherwise."""
-    if source.kind == "safetensors" and not source.location.is_dir():
+def _why_rewritten(recorded: Recorded, name: str, changed: bool) -> str:
+    """How file ``name``'s other bytes may be a rewrite on purpose: its own header's record (kept by
+    any rewrite that keeps the metadata), or a sidecar record older than the file; "" otherwise."""
+    if name in recorded.starts:
         return _HEADER_KEPT
+    record = recorded.record_of(name)
     return f"it changed after {record} was written: either another program rewrote it on purpose" if changed else ""
 
 

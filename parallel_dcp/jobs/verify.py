@@ -37,7 +37,12 @@ from parallel_dcp.formats.validate import empty_mapping
 from parallel_dcp.jobs.diff import values_equal
 from parallel_dcp.jobs.inspect import side_index
 from parallel_dcp.jobs.kept_float32 import keys_kept
-from parallel_dcp.jobs.verify_files import links_within, no_checksums_problem, recorded_checksums
+from parallel_dcp.jobs.verify_files import (
+    links_within,
+    no_checksums_problem,
+    recorded_checksums,
+    stale_record,
+)
 from parallel_dcp.jobs.verify_pass import one_pass_handler, record_problems, records_by_file, size_change
 from parallel_dcp.options import Options
 from parallel_dcp.storage.direct_read import PIECE_BYTES, direct_read_memory
@@ -61,6 +66,8 @@ class VerifyReport:
     keys_checked: int = 0
     bytes_checked: int = 0
     manifest: bool = False
+    # A DCP directory's record that belongs to another save than its .metadata: not used.
+    manifest_stale: bool = False
     against: str | None = None
     problems: list[str] = field(default_factory=list)
     # Set when every problem is a floating dtype that a cast explains (the checkpoint holds the
@@ -85,6 +92,7 @@ class VerifyReport:
             "format": self.format,
             "ok": self.ok,
             "manifest": self.manifest,
+            "manifest_stale": self.manifest_stale,
             "against": self.against,
             "files_checked": self.files_checked,
             "keys_checked": self.keys_checked,
@@ -191,10 +199,10 @@ def _hash_handler(
                 continue
             want = recorded[name]
             try:  # a symlink (but one within the tree) or a FIFO in place of a file is named, never read through
-                if tree is not None and not nested:
+                if tree is not None:  # (a nested one too: convert copies 1_Pooling/config.json -> ../store/x)
                     path = resolve_in_tree(path, tree)
                 found = file_digest(path, checksum=want.digest is not None, start=starts.get(name, 0), no_links=nested)
-            except CorruptCheckpointError as exc:
+            except (CorruptCheckpointError, FileNotFoundError) as exc:  # (a dangling link names itself)
                 problems.append(f"file {name}: {exc}")
                 continue
             if found.size != want.size and name in starts:
@@ -400,6 +408,9 @@ def _verify(
     file_problems: list[str] = list(checksums.problems) if checksums is not None else []
     if checksums is None and reference is None and not source.location.is_dir():
         file_problems.append(no_checksums_problem(source))
+    # A stale record (a save stopped between its commit's two renames) is no corruption: OK, but
+    # said so, not "no manifest" (there is one, unused); its warning says why.
+    report.manifest_stale = checksums is None and stale_record(source)
 
     # One pass (verify_pass.py): each shard read once, hashed and its records checked on the way.
     records = (

@@ -7,12 +7,13 @@
 
 A single local file named through a symlink (a "latest" link, a run folder pointing into a
 checkpoint store) is read wherever it leads, so its record is the one of the file it leads to:
-the name is resolved once (realpath), and the sidecar beside the resolved file, or its header, is
-read from there by the one rule (never through a link: the resolved name is none). A sidecar
-beside the link's own name, where the file it leads to has none, is not used: it was written for
-whatever file that name held then (a link repointed since, ``ln -sf step2000.pt latest.pt`` over a
-file we once wrote, leaves it beside another file), so it proves nothing about this one; a
-conversion says it did not check (:func:`record_beside_link`), and ``verify`` names it.
+the name is resolved once (realpath, when the source's files are listed), and the sidecar beside
+the resolved file, or its header, is read from there by the one rule (never through a link: the
+resolved name is none). A sidecar beside the link's own name, where the file it leads to has
+none, is not used: it was written for whatever file that name held then (a link repointed since,
+``ln -sf step2000.pt latest.pt`` over a file we once wrote, leaves it beside another file), so it
+proves nothing about this one; a conversion says it did not check (:func:`record_beside_link`),
+and ``verify`` names it.
 
 A folder's file that is a link within the source's tree (a Hugging Face cache snapshot's links into
 its blobs/) is read where it leads, by conversions and ``verify`` alike (:func:`links_within`); a
@@ -28,13 +29,21 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parallel_dcp.errors import UnsafeCheckpointError
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import embedded_checksums
 from parallel_dcp.storage.location import Location, Remote
 from parallel_dcp.storage.manifest import MANIFEST_FILE, FileDigest, read_manifest, sidecar_name
-from parallel_dcp.storage.safe_files import source_tree
+from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
 
-__all__ = ["Recorded", "links_within", "no_checksums_problem", "record_beside_link", "recorded_checksums"]
+__all__ = [
+    "Recorded",
+    "links_within",
+    "no_checksums_problem",
+    "record_beside_link",
+    "recorded_checksums",
+    "stale_record",
+]
 
 
 @dataclass
@@ -47,6 +56,8 @@ class Recorded:
         record: where they are recorded, as an error names it ("model.pt.manifest.json").
         starts: for a file whose record covers only its data section: where that begins.
         problems: what the record itself shows (a header that differs from the one recorded).
+        records: a folder whose files carry their own records (no record of its own): each
+            file's ("its header", "pytorch_model.bin.manifest.json"), read beside the file.
     """
 
     directory: Location
@@ -54,11 +65,18 @@ class Recorded:
     record: str
     starts: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    records: dict[str, str] = field(default_factory=dict)
+
+    def record_of(self, name: str) -> str:
+        """Where file ``name``'s checksum is recorded, as an error names it."""
+        return self.records.get(name, self.record)
 
 
 def recorded_checksums(source: Source) -> Recorded | None:
     """The checksums ``source``'s files carry; None when they carry none. A single local file's
-    are those of the file its name resolves to (``directory`` is that file's folder).
+    are those of the file its name resolves to (``directory`` is that file's folder): its own
+    (header, sidecar), else its folder's entry for it (a shard named alone). A folder's are its
+    ``.parallel_dcp.json``'s, else its shards' own (a folder is no way round a file's record).
 
     Raises:
         CorruptCheckpointError: a record exists but cannot be read, or names other files.
@@ -66,25 +84,84 @@ def recorded_checksums(source: Source) -> Recorded | None:
     location = source.location
     if location.is_dir():
         files = read_manifest(location, current_only=True)
-        return Recorded(location, files, MANIFEST_FILE) if files is not None else None
+        if files is not None:
+            return Recorded(location, files, MANIFEST_FILE)
+        return _own_records(source) if source.kind != "dcp" and not isinstance(location, Remote) else None
     if not isinstance(location, Remote):
-        location = Path(os.path.realpath(location))
-    if source.kind == "safetensors":
+        location = _file_read(source)
+    if (own := _file_record(source.kind, location, location.name)) is not None:
+        return own
+    return _folder_record(location)
+
+
+def _file_read(source: Source) -> Path:
+    """The file a single local source's reads open: its name resolved once, when its files were
+    listed (formats/base.py shard_files), never again here; a link repointed since (``ln -sf
+    step2.pt latest.pt`` by a training loop) must not make the check hash another file than the
+    one the job converts."""
+    return Path(source.files[0]) if len(source.files) == 1 else Path(os.path.realpath(source.location))
+
+
+def _folder_record(file: Location) -> Recorded | None:
+    """A file with no record of its own that is a shard of a folder whose ``.parallel_dcp.json``
+    records it (one shard of a Hugging Face folder parallel_dcp wrote, named alone): that entry;
+    None where the folder records no such file."""
+    files = read_manifest(file.parent, current_only=True)
+    if files is None or file.name not in files:
+        return None
+    return Recorded(file.parent, {file.name: files[file.name]}, MANIFEST_FILE)
+
+
+def _file_record(kind: str, location: Location, name: str) -> Recorded | None:
+    """The record one file carries of itself (``location``: never a link), under ``name``: a
+    safetensors file's header entry, a torch.save file's sidecar beside it; None where it has none."""
+    if kind == "safetensors":
         found = embedded_checksums(location)
         if found is None:
             return None
         start, index, data, index_now = found
-        recorded = Recorded(location.parent, {location.name: data}, "its header")
-        recorded.starts[location.name] = start
+        recorded = Recorded(location.parent, {name: data}, "its header")
+        recorded.starts[name] = start
         if index.digest is not None and index_now.digest != index.digest:
             recorded.problems.append(
-                f"file {location.name}: its header (tensor names, dtypes, shapes, offsets) is not the one its "
+                f"file {name}: its header (tensor names, dtypes, shapes, offsets) is not the one its "
                 f"checksum was taken of: {index_now.digest} != {index.digest} recorded (a corrupted header, or a "
                 'rewrite that kept its "parallel_dcp" metadata entry)'
             )
         return recorded
     files = read_manifest(location.parent, of_file=location.name)
-    return Recorded(location.parent, files, sidecar_name(location.name)) if files is not None else None
+    if files is None:
+        return None
+    return Recorded(location.parent, {name: files[location.name]}, sidecar_name(location.name))
+
+
+def _own_records(source: Source) -> Recorded | None:
+    """A local Hugging Face folder with no record of its own whose shards carry theirs (a
+    ``model.safetensors`` written by ``convert ckpt folder/model.safetensors``, its checksums in
+    its header; a ``pytorch_model.bin`` with its sidecar): each shard's record, by the shard's
+    name in the folder, so that a file is checked whichever way it is reached (named, or its
+    folder). A shard that is a link within the tree has the record of the file it leads to,
+    as a single file named through a link does. None where no shard carries one.
+    """
+    folder = Path(os.fspath(source.location))
+    tree = source_tree(folder)
+    read = set(source.files)  # (resolved: formats/base.py shard_files)
+    recorded = Recorded(folder, {}, "")
+    for name in sorted(os.listdir(folder)):
+        try:
+            real = resolve_in_tree(folder / name, tree)
+        except (UnsafeCheckpointError, FileNotFoundError):
+            continue  # (not a file the job reads: its shards were resolved so, or refused)
+        if os.fspath(real) not in read or (own := _file_record(source.kind, real, name)) is None:
+            continue
+        recorded.files |= own.files
+        recorded.starts |= own.starts
+        recorded.records[name] = own.record
+        recorded.problems += own.problems
+    if not recorded.files:
+        return None
+    recorded.record = recorded.records[next(iter(recorded.files))] if len(recorded.files) == 1 else "their own records"
+    return recorded
 
 
 def links_within(source: Source) -> Path | None:
@@ -106,12 +183,17 @@ def record_beside_link(source: Source) -> str | None:
     location = source.location
     if isinstance(location, Remote) or location.is_dir() or source.kind == "safetensors":
         return None
-    real = Path(os.path.realpath(location))
-    beside_link = Path(location).parent / sidecar_name(location.name)
-    if os.path.lexists(real.parent / sidecar_name(real.name)) or not os.path.lexists(beside_link):
+    real = _file_read(source)
+    if os.path.lexists(real.parent / sidecar_name(real.name)):
+        return None
+    # (beside any link on the way: run/latest.pt -> ../ckpt/mid.pt -> ../store/real.pt, the record
+    # left beside ckpt/mid.pt when the file was moved to the store and linked back)
+    records = ((link, link.parent / sidecar_name(link.name)) for link in _links_on_the_way(Path(location)))
+    link, beside_link = next(((link, record) for link, record in records if os.path.lexists(record)), (None, None))
+    if link is None or beside_link is None:
         return None
     advice = "Compare"
-    if real.name == location.name:  # (the record names the file it was written for: only one of that name)
+    if real.name == link.name:  # (the record names the file it was written for: only one of that name)
         advice = f"If {real} was moved there and linked back, move the record beside it; otherwise compare"
     return (
         f"it is a link to {real}, which has no {sidecar_name(real.name)} beside it; {beside_link} beside the link "
@@ -120,13 +202,35 @@ def record_beside_link(source: Source) -> str | None:
     )
 
 
+def _links_on_the_way(name: Path) -> list[Path]:
+    """The symlinks a name passes through to its file, itself first (``run/latest.pt ->
+    ../ckpt/mid.pt -> ../store/real.pt``: both); at most 40, the kernel's own bound."""
+    links: list[Path] = []
+    while name.is_symlink() and len(links) < 40:
+        links.append(name)
+        name = Path(os.path.normpath(Path(os.path.realpath(name.parent)) / os.readlink(name)))
+    return links
+
+
+def stale_record(source: Source) -> bool:
+    """Whether a local checkpoint directory that :func:`recorded_checksums` found no record for
+    holds a ``.parallel_dcp.json`` all the same: a stale one (it belongs to another save than its
+    ``.metadata``: a save stopped between its commit's two renames), so no file was checked."""
+    location = source.location
+    return not isinstance(location, Remote) and location.is_dir() and os.path.lexists(location / MANIFEST_FILE)
+
+
 def no_checksums_problem(source: Source) -> str:
     """What ``verify`` reports for a single file that carries no checksums."""
     name = source.location.name
     if (beside_link := record_beside_link(source)) is not None:
         return f"{name}: no checksums: {beside_link}"
-    where = "in its header" if source.kind == "safetensors" else f"in {sidecar_name(name)} beside it"
+    # (looked for beside the file read: for a link, where it leads, not beside the name typed)
+    real = _file_read(source) if not isinstance(source.location, Remote) else Path(name)
+    beside = "beside it" if real in (Path(name), Path(os.path.abspath(source.location))) else f"beside {real}"
+    where = "in its header" if source.kind == "safetensors" else f"in {sidecar_name(real.name)} {beside}"
     return (
-        f"{name}: no checksums (parallel_dcp writes them {where}): a flipped byte cannot be found "
+        f"{name}: no checksums (parallel_dcp writes them {where}; a folder's shards', in the "
+        f"{MANIFEST_FILE} beside them): a flipped byte cannot be found "
         "without them; compare the file with its source: verify --against SOURCE"
     )

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from parallel_dcp import _compat
 from parallel_dcp.engine.memory import default_limit, format_bytes
+from parallel_dcp.engine.sizes import format_at_least
 from parallel_dcp.errors import (
     CorruptCheckpointError,
     MemoryLimitExceeded,
@@ -163,7 +164,7 @@ def _read_metadata(file: Location, f: BinaryIO, size: int, memory_limit: int | N
         raise MemoryLimitExceeded(
             f"{file} has {format_bytes(need // METADATA_MEMORY_FACTOR)}; unpickling it needs up to "
             f"{format_bytes(need)}, more than the memory limit {format_bytes(limit)} (nothing of it was read): "
-            f"raise --memory-limit to at least {format_bytes(need)}",
+            f"raise --memory-limit to at least {format_at_least(need)}",
             limit=limit,
             measured=need,
             keys=[],

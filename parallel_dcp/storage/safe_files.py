@@ -142,7 +142,7 @@ def source_tree(directory: str | os.PathLike[str]) -> Path:
     real = Path(os.path.realpath(directory))
     if real.parent.name == "snapshots" and real.parent.parent.name.startswith(_HF_CACHE_REPOS):
         return real.parent.parent
-    return Path(os.path.abspath(directory))
+    return real  # (the folder the reads open: abspath would fold a ``..`` after a link into another)
 
 
 def resolve_in_tree(path: str | os.PathLike[str], tree: str | os.PathLike[str]) -> Path:
@@ -152,6 +152,9 @@ def resolve_in_tree(path: str | os.PathLike[str], tree: str | os.PathLike[str]) 
     Raises:
         UnsafeCheckpointError: a symlink leading out of ``tree`` (``tokenizer.json -> /etc/passwd``,
             ``README.md -> /proc/self/environ``), or a loop.
+        FileNotFoundError: a link within ``tree`` to a file that does not exist (a hub snapshot
+            whose blob was deleted, an interrupted download), naming the link as the folder
+            shows it, not only the missing target.
     """
     path = Path(path)
     if not path.is_symlink():
@@ -162,6 +165,8 @@ def resolve_in_tree(path: str | os.PathLike[str], tree: str | os.PathLike[str]) 
         raise UnsafeCheckpointError(
             f"{os.fspath(path)} is a symlink leading out of {root} (to {real}); refusing to follow it"
         )
+    if not os.path.lexists(real):
+        raise FileNotFoundError(f"{os.fspath(path)} is a link to {real}, which does not exist")
     return real
 
 
