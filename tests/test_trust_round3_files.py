@@ -88,8 +88,9 @@ def test_a_side_file_name_too_long_to_commit_is_refused_before_anything_is_writt
     assert not (tmp_path / "out").exists()
 
 
-def _hf_cache(tmp_path: Path, sharded: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A Hugging Face cache repository: snapshot files are links into ``../../blobs/``."""
+def _hf_cache(tmp_path: Path, sharded: bool = False, below: str = "") -> tuple[Path, dict[str, torch.Tensor]]:
+    """A Hugging Face cache repository: snapshot files are links into ``../../blobs/`` (with
+    ``below``, the model lies in that folder of the snapshot, its links one level deeper)."""
     repo = tmp_path / "hub" / "models--org--tiny"
     staged = tmp_path / "staged"
     tensors = _model(tmp_path / "single")
@@ -97,13 +98,24 @@ def _hf_cache(tmp_path: Path, sharded: bool = False) -> tuple[Path, dict[str, to
     parallel_dcp.convert(tmp_path / "single", staged, to="safetensors", workers=1, **shards)  # type: ignore[arg-type]
     assert (staged / "model.safetensors.index.json").exists() == sharded
     (repo / "blobs").mkdir(parents=True)
-    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot = repo / "snapshots" / "0123abcd" / below
     snapshot.mkdir(parents=True)
+    up = [".."] * (2 + len(Path(below).parts))
     for i, name in enumerate(sorted(os.listdir(staged))):
         blob = repo / "blobs" / f"{i:040x}"
         blob.write_bytes((staged / name).read_bytes())
-        (snapshot / name).symlink_to(Path("..", "..", "blobs", blob.name))
+        (snapshot / name).symlink_to(Path(*up, "blobs", blob.name))
     return snapshot, tensors
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_a_model_in_a_folder_of_a_cache_snapshot_reads_as_the_snapshot_does(sharded: bool, tmp_path: Path) -> None:
+    """A diffusers ``unet/`` (or a repository's ``subfolder=``): its files link into the same
+    repository's ``blobs/``, three levels up; it was refused as "a symlink leading out"."""
+    folder, tensors = _hf_cache(tmp_path, sharded, below="unet")
+    parallel_dcp.convert(folder, tmp_path / "out", to="safetensors", workers=1)
+    loaded = st.load_file(tmp_path / "out" / "model.safetensors")
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])

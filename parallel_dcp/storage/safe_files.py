@@ -138,10 +138,12 @@ def source_tree(directory: str | os.PathLike[str]) -> Path:
     """The tree a source directory's files may link within: the directory itself, or, for a
     snapshot in a Hugging Face cache (``models--X/snapshots/<revision>/``), the repository's cache
     folder ``models--X/`` (its files are symlinks into ``../../blobs/``), also where the
-    directory is named through a link to the snapshot (``mymodel -> hub/models--X/snapshots/abc``)."""
+    directory is named through a link to the snapshot (``mymodel -> hub/models--X/snapshots/abc``)
+    and where it is a folder below the snapshot's root (a diffusers ``unet/``, a ``subfolder=``)."""
     real = Path(os.path.realpath(directory))
-    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(_HF_CACHE_REPOS):
-        return real.parent.parent
+    for folder in (real, *real.parents):
+        if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith(_HF_CACHE_REPOS):
+            return folder.parent.parent
     return real  # (the folder the reads open: abspath would fold a ``..`` after a link into another)
 
 
