@@ -252,9 +252,8 @@ def test_a_shard_gone_with_an_overwrite_names_the_overwrite_and_one_gone_alone_t
     """A load that read ``.metadata`` before another save replaced the checkpoint finds its shards
     gone: that is the overwrite, not damage (it was called "damaged: shard ... is missing"); a
     shard missing while ``.metadata`` still names it is damage."""
-    from parallel_dcp.storage.geometry import check_shards
     from parallel_dcp.storage.location import locate
-    from parallel_dcp.storage.metadata import read_metadata
+    from parallel_dcp.storage.metadata import check_shards, read_metadata
 
     dest = tmp_path / "ckpt"
     parallel_dcp.save({"w": torch.zeros(64)}, dest, workers=1)

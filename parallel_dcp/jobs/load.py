@@ -74,11 +74,11 @@ from parallel_dcp.jobs.load_plan import (
 from parallel_dcp.options import Options, usable_cores
 from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.storage.direct_read import direct_read_memory
-from parallel_dcp.storage.geometry import check_shard_sizes
 from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, locate
 from parallel_dcp.storage.metadata import (
     SafeLoadPlanner,
+    check_shard_sizes,
     check_shards,
     read_index_or_metadata_use,
     read_metadata_columns,

@@ -35,6 +35,7 @@ from parallel_dcp.storage.safe_files import regular_size, vanished
 
 __all__ = [
     "MAX_PATH_DEPTH",
+    "MissingShard",
     "PairBudget",
     "check_chunks",
     "check_planner_data",
@@ -229,7 +230,7 @@ def check_shard_sizes(path: Location, needed: dict[str, int]) -> None:
     present = set(listdir(path))
     for name, end in needed.items():
         if name not in present:
-            raise _missing(path, name)
+            raise MissingShard(path, name)
         try:  # a local shard by the one rule: a symlink or a FIFO planted there is refused by name
             size = file_size(path / name) if isinstance(path, Remote) else regular_size(path / name)
         except FileNotFoundError:
@@ -241,23 +242,13 @@ def check_shard_sizes(path: Location, needed: dict[str, int]) -> None:
             )
 
 
-def _missing(path: Location, name: str) -> CorruptCheckpointError:
-    """The error for a shard that ``.metadata`` (as read) names and the folder lacks: damage, or
-    another save that replaced the checkpoint since (its new ``.metadata`` names other shards,
-    and the old ones are gone: a load beside a training loop's overwrites)."""
-    from parallel_dcp.errors import ParallelDCPError
-    from parallel_dcp.storage.metadata import read_metadata
+class MissingShard(CorruptCheckpointError):
+    """A shard that ``.metadata`` (as read) names and the folder lacks; storage/metadata.py's
+    ``check_shards`` tells damage from another save that replaced the checkpoint since."""
 
-    try:
-        now = {info.relative_path for info in (read_metadata(path).storage_data or {}).values()}
-    except (ParallelDCPError, OSError):  # gone, or being replaced itself
-        return vanished(path / name)
-    if name not in now:
-        return CorruptCheckpointError(
-            f"{path} changed while reading: another save overwrote it after its .metadata was read "
-            f"(shard {name} is gone, the new .metadata names other shards); load it again"
-        )
-    return CorruptCheckpointError(f"{path} is damaged: shard {name} is missing")
+    def __init__(self, path: Location, name: str) -> None:
+        super().__init__(f"{path} is damaged: shard {name} is missing")
+        self.name = name
 
 
 def describe_index(index: object) -> str:

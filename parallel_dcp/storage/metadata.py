@@ -43,10 +43,12 @@ from parallel_dcp.errors import (
     UnsafeCheckpointError,
     describe_keys,
 )
-from parallel_dcp.storage.geometry import check_shards
+from parallel_dcp.storage import geometry
+from parallel_dcp.storage.geometry import MissingShard
 from parallel_dcp.storage.location import Location, Remote, file_size, listdir, locate
 from parallel_dcp.storage.metadata_check import WholeRecords, check_metadata_fields
 from parallel_dcp.storage.plain_values import plain_value
+from parallel_dcp.storage.safe_files import vanished
 from parallel_dcp.storage.safe_reader import open_bounded
 from parallel_dcp.storage.side_index_read import SideIndex, examine_index
 from parallel_dcp.storage.side_index_use import NOT_ASKED, IndexUse
@@ -55,6 +57,7 @@ __all__ = [
     "METADATA_MEMORY_FACTOR",
     "SafeLoadPlanner",
     "check_metadata",
+    "check_shard_sizes",
     "check_shards",
     "read_index_or_metadata",
     "read_index_or_metadata_use",
@@ -313,3 +316,39 @@ def safe_empty_planner(trust_pickle: bool = False) -> DefaultLoadPlanner:
     planner: DefaultLoadPlanner = planner_type()
     planner.trust_pickle = trust_pickle  # type: ignore[attr-defined]
     return planner
+
+
+def check_shards(path: Location, metadata: Any, keys: list[str] | None = None) -> None:
+    """:func:`storage.geometry.check_shards`, a missing shard told apart (:func:`_missing`)."""
+    with _missing_told_apart(path):
+        geometry.check_shards(path, metadata, keys)
+
+
+def check_shard_sizes(path: Location, needed: dict[str, int]) -> None:
+    """:func:`storage.geometry.check_shard_sizes`, a missing shard told apart (:func:`_missing`)."""
+    with _missing_told_apart(path):
+        geometry.check_shard_sizes(path, needed)
+
+
+@contextlib.contextmanager
+def _missing_told_apart(path: Location) -> Iterator[None]:
+    try:
+        yield
+    except MissingShard as missing:
+        raise _missing(path, missing.name) from None
+
+
+def _missing(path: Location, name: str) -> CorruptCheckpointError:
+    """The error for a shard that ``.metadata`` (as read) names and the folder lacks: damage, or
+    another save that replaced the checkpoint since (its new ``.metadata`` names other shards,
+    and the old ones are gone: a load beside a training loop's overwrites)."""
+    try:
+        now = {info.relative_path for info in (read_metadata(path).storage_data or {}).values()}
+    except (ParallelDCPError, OSError):  # gone, or being replaced itself
+        return vanished(path / name)
+    if name not in now:
+        return CorruptCheckpointError(
+            f"{path} changed while reading: another save overwrote it after its .metadata was read "
+            f"(shard {name} is gone, the new .metadata names other shards); load it again"
+        )
+    return CorruptCheckpointError(f"{path} is damaged: shard {name} is missing")
