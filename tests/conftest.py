@@ -171,3 +171,14 @@ def finished_task_records(out: Path) -> list[str]:
     """The done records of a conversion's finished tasks in ``out``: sealed ones only (a ``.tmp``
     record is still being written, and a kill then leaves its task unfinished)."""
     return sorted(n for n in os.listdir(out) if n.startswith(".parallel_dcp.done.") and not n.endswith(".tmp"))
+
+
+def save_with_a_stale_manifest(src: Path) -> None:
+    """At ``src``, a save of ``w`` = ones whose record is the save before's (zeros): what a save
+    stopped between its commit's two renames leaves (the new ``.metadata``, the old manifest)."""
+    import parallel_dcp
+
+    parallel_dcp.save({"w": torch.zeros(64)}, src, workers=1)
+    old_manifest = (src / ".parallel_dcp.json").read_bytes()
+    parallel_dcp.save({"w": torch.ones(64)}, src, workers=1, overwrite=True)
+    (src / ".parallel_dcp.json").write_bytes(old_manifest)

@@ -9,6 +9,7 @@ with its exit code and no traceback) and by tests/test_cli_startup.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import parallel_dcp
-from parallel_dcp.cli import main
+from tests.cli_in_process import run_in_process
 from tests.conftest import assert_same
 
 
@@ -40,19 +41,7 @@ def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., subprocess.Complete
     """A command run in this process as the program runs it (``sys.exit(main(argv))``), its exit
     code checked against ``check_code`` (None: not checked)."""
 
-    def run(*args: str | Path, check_code: int | None = 0) -> subprocess.CompletedProcess[str]:
-        argv = [str(a) for a in args]
-        capsys.readouterr()
-        try:
-            code = main(argv)
-        except SystemExit as exited:
-            code = 0 if exited.code is None else exited.code if isinstance(exited.code, int) else 1
-        out, err = capsys.readouterr()
-        if check_code is not None:
-            assert code == check_code, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
-        return subprocess.CompletedProcess(argv, code, out, err)
-
-    return run
+    return functools.partial(run_in_process, capsys)
 
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]

@@ -20,6 +20,7 @@ import torch
 
 import parallel_dcp
 from parallel_dcp.jobs.source_check import SOURCE_CHECK_BYTES
+from tests.conftest import save_with_a_stale_manifest
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -250,10 +251,7 @@ def test_a_stale_manifest_is_named_as_not_checked(tmp_path: Path) -> None:
     new ``.metadata``: it describes other bytes, so the conversion runs unchecked, and says so in
     the warning a caller filters for unchecked sources."""
     src = tmp_path / "src"
-    parallel_dcp.save({"w": torch.zeros(64)}, src, workers=1)
-    old_manifest = (src / ".parallel_dcp.json").read_bytes()
-    parallel_dcp.save({"w": torch.ones(64)}, src, workers=1, overwrite=True)
-    (src / ".parallel_dcp.json").write_bytes(old_manifest)
+    save_with_a_stale_manifest(src)
     with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match="stale"):
         parallel_dcp.convert(src, tmp_path / "out", to="safetensors", workers=1)
     assert torch.equal(parallel_dcp.load(tmp_path / "out")["w"], torch.ones(64))

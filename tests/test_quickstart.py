@@ -3,6 +3,7 @@ sizes, file modes, usage errors, the progress bar, the help text, and CI running
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import torch
 import parallel_dcp
 from parallel_dcp import cli
 from parallel_dcp.engine import progress
+from tests.cli_in_process import run_in_process
 from tests.memory_probe import PeakSampler
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,19 +32,7 @@ def run_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., subprocess.Comp
     checked). These tests check the commands' output; tests/test_cli.py and test_cli_startup.py
     run the program itself."""
 
-    def run(*args: str | Path, check_code: int | None = 0) -> subprocess.CompletedProcess[str]:
-        argv = [str(a) for a in args]
-        capsys.readouterr()
-        try:
-            code = cli.main(argv)
-        except SystemExit as exited:
-            code = 0 if exited.code is None else exited.code if isinstance(exited.code, int) else 1
-        out, err = capsys.readouterr()
-        if check_code is not None:
-            assert code == check_code, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
-        return subprocess.CompletedProcess(argv, code, out, err)
-
-    return run
+    return functools.partial(run_in_process, capsys)
 
 
 def test_verify_works_under_the_limit_the_conversion_ran_under(tmp_path: Path) -> None:

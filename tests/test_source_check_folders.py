@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 import parallel_dcp
+from tests.conftest import save_with_a_stale_manifest
 from tests.test_convert_checks_shared_files import _flip_inside
 
 
@@ -170,10 +171,7 @@ def test_verify_says_a_stale_manifest_is_stale_not_missing(tmp_path: Path, capsy
     from parallel_dcp import cli
 
     src = tmp_path / "src"
-    parallel_dcp.save({"w": torch.zeros(64)}, src, workers=1)
-    old_manifest = (src / ".parallel_dcp.json").read_bytes()
-    parallel_dcp.save({"w": torch.ones(64)}, src, workers=1, overwrite=True)
-    (src / ".parallel_dcp.json").write_bytes(old_manifest)
+    save_with_a_stale_manifest(src)
     with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match="stale"):
         report = parallel_dcp.verify(src, workers=1)
     assert report.ok and not report.manifest and report.manifest_stale
