@@ -134,6 +134,55 @@ def test_a_folder_named_through_a_link_repointed_mid_job_is_read_from_one_checkp
     assert {k: got[k].unique().tolist() for k in got} == {f"k{i:02d}": [100.0 + i] for i in range(8)}
 
 
+def _two_steps_and_latest(tmp_path: Path) -> Path:
+    """``step-100/`` and ``step-200/`` saved by stock DCP (the same shard names, other offsets: 200
+    holds one key more, first), and ``latest -> step-100``."""
+    import torch.distributed.checkpoint as dcp
+
+    for step in (100, 200):
+        state = {f"k{i:02d}": torch.full((64, 64), float(step + i)) for i in range(8)}
+        if step == 200:
+            state = {"a_first": torch.zeros(32, 64), **state}
+        dcp.save(state, checkpoint_id=tmp_path / f"step-{step}")
+    latest = tmp_path / "latest"
+    latest.symlink_to("step-100")
+    return latest
+
+
+@pytest.mark.parametrize("route", ["load", "load(into=)", "dcp.load(FastReader)"])
+def test_a_load_through_a_folder_link_repointed_after_its_metadata_reads_one_checkpoint(
+    route: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same repoint under a load: ``.metadata`` read from step-100, then each shard opened
+    through the link again read step-200's bytes at step-100's offsets. Resolved once now."""
+    import torch.distributed.checkpoint as dcp
+
+    from parallel_dcp.storage import metadata as metadata_module
+
+    latest = _two_steps_and_latest(tmp_path)
+    read = metadata_module._read_metadata
+
+    def read_then_repoint(*args: object, **kwargs: object) -> object:
+        found = read(*args, **kwargs)
+        if os.readlink(latest) == "step-100":
+            latest.unlink()
+            latest.symlink_to("step-200")
+        return found
+
+    monkeypatch.setattr(metadata_module, "_read_metadata", read_then_repoint)
+    wanted = {f"k{i:02d}": [100.0 + i] for i in range(8)}
+    if route == "load":
+        got = parallel_dcp.load(latest, workers=2)
+    else:
+        got = {k: torch.empty(64, 64) for k in wanted}
+        if route == "load(into=)":
+            parallel_dcp.load(latest, into=got, workers=2)
+        else:
+            dcp.load(got, storage_reader=parallel_dcp.FastReader(latest, workers=2))
+    assert os.readlink(latest) == "step-200"  # (the repoint happened after .metadata was read)
+    assert {k: got[k].unique().tolist() for k in got} == wanted
+
+
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_a_file_link_repointed_between_listing_and_check_is_checked_as_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str

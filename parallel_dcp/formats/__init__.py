@@ -23,7 +23,7 @@ from parallel_dcp.formats.base import Entry, FileFormat, Source
 from parallel_dcp.formats.dcp_format import DcpSource, is_dcp
 from parallel_dcp.formats.safetensors_format import SafetensorsSource, is_safetensors
 from parallel_dcp.formats.torch_format import TorchSource, is_torch_save
-from parallel_dcp.storage.location import Location, listdir, locate
+from parallel_dcp.storage.location import Location, listdir, locate, resolved_once
 
 __all__ = ["FILE_FORMATS", "FORMATS", "Entry", "FileFormat", "Source", "detect_format", "open_source"]
 
@@ -87,17 +87,6 @@ _STAT_FAILURES = {
 }
 
 
-def _resolved_once(folder: Path) -> str:
-    """A local folder named through a symlink (a training run's ``latest -> step-100/``, or a
-    ``..`` after one), as the folder it leads to now; a name through no link as given. Every read
-    of the job (each worker's shard opens, the record, the side files) is then made in the
-    checkpoint its plan was made from, though the link is repointed while the job runs (a
-    trainer's ``ln -sfn step-200 latest``): never one output mixing two saves. (A single file's
-    name is resolved once where its files are listed: formats/base.py shard_files.)"""
-    real = os.path.realpath(folder)
-    return real if real != os.path.abspath(folder) else os.fspath(folder)
-
-
 def open_source(
     path: str | os.PathLike[str],
     *,
@@ -112,8 +101,7 @@ def open_source(
     ``memory_limit``: the job's; a legacy torch.save file, loaded whole when opened, that is
     larger is refused (MemoryLimitExceeded) before it is read.
     """
-    where = locate(path, storage_options)
-    path = _resolved_once(where) if isinstance(where, Path) and where.is_dir() else os.fspath(where)
+    path = os.fspath(resolved_once(locate(path, storage_options)))
     kind = detect_format(path, storage_options)
     source_type = next(source for name, _, source in _READERS if name == kind)
     if source_type is TorchSource:

@@ -35,7 +35,7 @@ from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.source_storage import read_source_items, source_metadata, source_read_choice
 from parallel_dcp.options import usable_cores
 from parallel_dcp.storage.io_mode import resolve_io
-from parallel_dcp.storage.location import Location, Remote, RemoteFileSystem, locate
+from parallel_dcp.storage.location import Location, Remote, RemoteFileSystem, locate, resolved_once
 from parallel_dcp.storage.metadata import check_metadata, read_metadata, unpickle_value
 from parallel_dcp.storage.read_choice import ReadChoice, read_choice
 from parallel_dcp.storage.safe_reader import SafeFileSystem
@@ -90,7 +90,7 @@ class FastReader(FileSystemReader):
         memory_limit: int | str | None = None,
         io: str = "auto",
     ) -> None:
-        self._where: Location = locate(path, storage_options)
+        self._where: Location = resolved_once(locate(path, storage_options))  # (a linked folder: one checkpoint)
         self.io = resolve_io(io, self._where, writing=False)
         self._io_asked = io
         super().__init__(os.fspath(self._where))
@@ -115,8 +115,10 @@ class FastReader(FileSystemReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             options = self._where.options if isinstance(self._where, Remote) else None
-            self._where = locate(checkpoint_id, options)
+            self._where = resolved_once(locate(checkpoint_id, options))
             self._source, self._ranges = open_other_format(self._where, options, self.trust_pickle), None
+            if not isinstance(self._where, Remote):  # (the stock reader opens its shards under this path)
+                checkpoint_id = self._where
         super().reset(checkpoint_id)
         self.read_choice = None  # another checkpoint may live on another file system
         if isinstance(self._where, Remote):

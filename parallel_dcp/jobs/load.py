@@ -75,7 +75,7 @@ from parallel_dcp.options import Options, usable_cores
 from parallel_dcp.partial import extract_metadata, partial_load
 from parallel_dcp.storage.direct_read import direct_read_memory
 from parallel_dcp.storage.io_mode import resolve_io
-from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, locate
+from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, locate, resolved_once
 from parallel_dcp.storage.metadata import (
     SafeLoadPlanner,
     check_shard_sizes,
@@ -175,7 +175,7 @@ def _load(
     cleanup: contextlib.ExitStack,
 ) -> dict[str, Any]:
     _compat.check_torch()
-    location = locate(path, options.storage_options)
+    location = resolved_once(locate(path, options.storage_options))  # (a linked folder: one checkpoint)
     # the shards read into the page cache while .metadata is parsed, where that helps (storage/prefetch.py)
     all_keys_here = keys is None and not (options.retries or options.task_timeout is not None)
     scatters = small_reads.scatters(location)  # small records read buffered whatever io says

@@ -55,6 +55,7 @@ __all__ = [
     "locate",
     "new_file_mode",
     "part_size",
+    "resolved_once",
     "same_place",
     "upload_memory",
 ]
@@ -267,6 +268,20 @@ class Remote:
 
 
 Location = Path | Remote
+
+
+def resolved_once(where: Location) -> Location:
+    """A local folder named through a symlink (a training run's ``latest -> step-100/``, or a
+    ``..`` after one), as the folder it leads to now; anything else as given. A reading job takes
+    its source through this once, so every read it makes (each worker's shard opens, the record,
+    the side files) is in the checkpoint its plan was made from, though the link is repointed
+    while it runs (a trainer's ``ln -sfn step-200 latest``): never one result mixing two saves.
+    (A single file's name is resolved once where its files are listed: formats/base.py.)"""
+    if isinstance(where, Path) and where.is_dir():
+        real = Path(os.path.realpath(where))
+        if real != Path(os.path.abspath(where)):
+            return real
+    return where
 
 
 class _BoundedWrites:
