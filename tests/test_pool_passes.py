@@ -136,9 +136,11 @@ def _one_stuck(task: Task) -> int:
 def test_a_timeout_is_found_behind_tasks_that_started_after_it() -> None:
     """Task 40 starts after the first 32 and hangs while the others keep finishing and starting
     (each after it): it is the one the timeout names, before the others are done."""
-    tasks = _tasks(2000)  # ~6 s of the others' work on 31 workers
+    # ~13 s of the others' work on 31 workers, past a timeout 50 times an ordinary task's sleep
+    # (a loaded 2-core machine delays a 0.1 s task by seconds at worst, not by 5)
+    tasks = _tasks(4000)
     results: list[int] = []
     with WorkerPool(WORKERS, _one_stuck) as pool, pytest.raises(TaskTimeoutError) as caught:
-        results += (r.value for r in pool.run(tasks, task_timeout=2.0))
+        results += (r.value for r in pool.run(tasks, task_timeout=5.0))
     assert list(caught.value.keys) == ["k40"]
     assert len(results) < len(tasks) - 1
