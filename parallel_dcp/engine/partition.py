@@ -272,7 +272,7 @@ def _ranges_within(
     CPU a save at 16 workers, against 0.26-0.52 s for contiguous runs: docs/performance.md, round
     nine). Runs keep each task's keys together, as without a cap."""
     room = cap - TASK_MEMORY_BYTES
-    needed = one_task_memory(items, memory_adds_up=memory_adds_up) - TASK_MEMORY_BYTES
+    needed = _held(list(items), memory_adds_up)  # (one task of every item: what the runs share)
     runs = max(n_bins, math.ceil(needed / room)) if room > 0 else len(items)
     if runs > workers:
         runs = -(-runs // workers) * workers
