@@ -226,7 +226,7 @@ def test_verify_follows_the_links_convert_follows_and_refuses_those_it_refuses(t
     shard = next(s for s in shards if s.resolve() == damaged)
     problems = parallel_dcp.verify(src, workers=2).problems
     files = [p for p in problems if p.startswith("file ")]
-    assert len(files) == 1 and files[0].startswith(f"file {shard.name}: checksum"), problems
+    assert len(files) == 1 and files[0].startswith(f"file {shard.name} -> {damaged}: checksum"), problems
 
     outside = tmp_path / "outside"
     outside.mkdir()

@@ -74,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{printable(report.path)}: {'OK' if report.ok else 'FAILED'} ({checked})")
         for problem in report.problems:
             print(f"  {printable(problem)}")
-        if report.side_index is not None and not report.warnings:  # (a warning below says it)
+        if report.side_index is not None and not any(  # (a warning below says it)
+            warning.startswith(report.side_index.state()) for warning in report.warnings
+        ):
             print(f"  {printable(report.side_index.state())}")
     if not args.json:  # a warning is no summary text: shown under --quiet too
         for warning in report.warnings:

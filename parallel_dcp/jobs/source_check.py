@@ -73,9 +73,10 @@ from parallel_dcp.formats.dcp_format import DcpSource
 from parallel_dcp.formats.renamed_source import RenamedSource
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.formats.torch_format import TorchSource
-from parallel_dcp.jobs.verify_files import Recorded, links_within, record_beside_link, recorded_checksums
+from parallel_dcp.jobs.unrecorded import index_name, unrecorded_files
+from parallel_dcp.jobs.verify_files import Recorded, links_within, record_beside_link, recorded_checksums, shown_as
 from parallel_dcp.storage.location import Remote
-from parallel_dcp.storage.manifest import FileDigest
+from parallel_dcp.storage.manifest import MANIFEST_FILE, FileDigest, file_digest
 from parallel_dcp.storage.safe_files import resolve_in_tree
 from parallel_dcp.storage.safe_reader import open_bounded
 
@@ -120,6 +121,7 @@ class CheckedFile:
     # so): a mismatch then names both and the way out of each (:func:`_mismatch_advice`).
     rewritten: str
     shown: str
+    listed: str = ""  # (its name as the source lists it, where ``name`` is a link's target's: a warning's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +205,7 @@ def warn_unchecked_direct(checks: SourceChecks | None, keys: Sequence[str], chun
     if not direct:
         return
     read = {checks.source_key(unit, chunks) for unit in keys}
-    names = [f.name for f in checks.files if f.name in direct and f.keys & read]
+    names = [f.listed or f.name for f in checks.files if f.name in direct and f.keys & read]
     if names:
         warnings.warn(
             f"{checks.source.path}: not checked against its checksums: {', '.join(names[:3])}"
@@ -259,10 +261,11 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
     if recorded.problems:  # the safetensors header differs from the one recorded (read on open)
         real = Path(os.fspath(recorded.directory)) / next(iter(recorded.files))  # (where a link leads)
         raise SourceChecksumError(  # (the problem names both causes: verify reports it alike)
-            f"{_shown(source.path, real)}: {recorded.problems[0]}: if rewritten on purpose, its record is stale "
+            f"{shown_as(source.path, real)}: {recorded.problems[0]}: if rewritten on purpose, its record is stale "
             "(convert it anyway with --no-source-checks, check_source=False); if damaged (in a copy, on the device), "
             "restore it"
         )
+    _refuse_changed_folder(source, recorded)
     stored = _files_read(source, recorded)
     directory = Path(os.fspath(source.location))  # (a folder's files as its listing names them)
     files = tuple(
@@ -275,7 +278,8 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
             os.path.basename(read) if source.location.is_dir() else source.location.name,
             # (hashed all the same: the pass is the task's own read; only a mismatch needs the hint)
             _why_rewritten(recorded, name, _changed_since(read, _record_written(recorded, name, read))),
-            _shown(source.path if not source.location.is_dir() else directory / name, read),
+            shown_as(source.path if not source.location.is_dir() else directory / name, read),
+            name if source.location.is_dir() else source.location.name,
         )
         for name, digest in recorded.files.items()
         if digest.digest is not None and name in stored
@@ -284,13 +288,48 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
     return SourceChecks(files, source, old_names) if files else None
 
 
-def _shown(named: str | os.PathLike[str], read: Path) -> str:
-    """How an error names a file read at ``read`` that was ``named`` so (what the user typed, or a
-    folder's entry): both, where the name is a link to it, so that the user finds what they typed
-    and the file that was found damaged ("run/latest.pt -> /store/model.pt"); else the path."""
-    if os.path.abspath(named) == os.path.abspath(read):
-        return os.fspath(read)
-    return f"{os.fspath(named)} -> {read}"
+def _refuse_changed_folder(source: Source, recorded: Recorded) -> None:
+    """A local Hugging Face folder with a record of its own that no longer holds what it records,
+    where that matters to the job: a file its reads open that the record does not list (a shard
+    added, and named in the index, after the record was written), or its recorded index with other
+    bytes (read when the source was opened: it decides which shard each key is read from, and
+    holds no key, so no task hashes it). Refused, not warned of: the folder converts as something
+    its record does not describe, and ``verify`` fails on it too; the error names the file and
+    both ways out (a change on purpose: the record is stale; or files of another checkpoint).
+
+    Raises:
+        SourceChecksumError: either.
+    """
+    if (tree := links_within(source)) is None or recorded.record != MANIFEST_FILE or recorded.records:
+        return
+    directory = Path(os.fspath(source.location))
+    if added := unrecorded_files(source, recorded):
+        names = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+        raise SourceChecksumError(
+            f"{directory}: its reads open {names}, which its {MANIFEST_FILE} does not record (the folder changed "
+            "after its record was written): either on purpose (a shard merged in, the index edited), and then its "
+            "record is stale (convert it anyway with --no-source-checks, check_source=False), or it holds files of "
+            "another checkpoint: restore it"
+        )
+    index = index_name(source)
+    if index not in recorded.files or not os.path.lexists(directory / index):
+        return
+    read = resolve_in_tree(directory / index, tree)
+    want = recorded.files[index]
+    found = file_digest(read, checksum=want.digest is not None)
+    if found != want:
+        rewritten = _why_rewritten(recorded, index, _changed_since(read, _record_written(recorded, index, read)))
+        raise SourceChecksumError(
+            f"{shown_as(directory / index, read)}: its bytes are not the ones its checksum in {MANIFEST_FILE} was "
+            f"taken of ({_difference(found, want)}): {_mismatch_advice(rewritten)}"
+        )
+
+
+def _difference(found: FileDigest, want: FileDigest) -> str:
+    """How a file's bytes differ from its record, as a mismatch says it."""
+    if found.size != want.size:
+        return f"{found.size} bytes where {want.size} were recorded"
+    return f"xxh3_64 {found.digest}, not the {want.digest} recorded"
 
 
 def _warn_remote(source: Source) -> None:
@@ -318,8 +357,8 @@ def _record_written(recorded: Recorded, name: str, read: Path) -> int | None:
         return None
     record = recorded.record_of(name)
     where = read.parent if name in recorded.records else Path(os.fspath(recorded.directory))
-    try:
-        return os.lstat(where / record).st_mtime_ns
+    try:  # (followed: a Hugging Face cache snapshot's record is a link into its blobs/, read where it leads)
+        return os.stat(where / record).st_mtime_ns
     except OSError:
         return None
 
@@ -398,14 +437,9 @@ def check_task(checks: SourceChecks | None, task: Task) -> None:
                 size += n
         found = FileDigest(size, hasher.hexdigest())
         if found != checked.digest:
-            what = (
-                f"{found.size} bytes where {checked.digest.size} were recorded"
-                if found.size != checked.digest.size
-                else f"xxh3_64 {found.digest}, not the {checked.digest.digest} recorded"
-            )
             raise SourceChecksumError(
                 f"{checked.shown}: its bytes are not the ones its checksum in {checked.record} was taken of "
-                f"({what}): {_mismatch_advice(checked.rewritten)}"
+                f"({_difference(found, checked.digest)}): {_mismatch_advice(checked.rewritten)}"
             )
 
 

@@ -37,10 +37,13 @@ from parallel_dcp.formats.validate import empty_mapping
 from parallel_dcp.jobs.diff import values_equal
 from parallel_dcp.jobs.inspect import side_index
 from parallel_dcp.jobs.kept_float32 import keys_kept
+from parallel_dcp.jobs.unrecorded import unrecorded_files
 from parallel_dcp.jobs.verify_files import (
+    Recorded,
     links_within,
     no_checksums_problem,
     recorded_checksums,
+    shown_as,
     stale_record,
 )
 from parallel_dcp.jobs.verify_pass import one_pass_handler, record_problems, records_by_file, size_change
@@ -48,7 +51,7 @@ from parallel_dcp.options import Options
 from parallel_dcp.storage.direct_read import PIECE_BYTES, direct_read_memory
 from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import CLIENT_MEMORY, Location, Remote, is_url, locate
-from parallel_dcp.storage.manifest import FileDigest, file_digest
+from parallel_dcp.storage.manifest import MANIFEST_FILE, FileDigest, file_digest
 from parallel_dcp.storage.read_choice import ReadChoice, read_choice
 from parallel_dcp.storage.safe_files import resolve_in_tree
 from parallel_dcp.storage.side_index_use import DAMAGED, UNSAFE, IndexUse
@@ -180,12 +183,17 @@ class _Checker:
 
 
 def _hash_handler(
-    directory: Location, recorded: dict[str, FileDigest], starts: dict[str, int], tree: Path | None
+    directory: Location,
+    recorded: dict[str, FileDigest],
+    starts: dict[str, int],
+    tree: Path | None,
+    shown: dict[str, str] | None = None,
 ) -> Any:
     """Hashes files against their record; ``starts``: files recorded from that byte on (a
     safetensors file's data section, recorded in its own header); ``tree``: a folder's file that is a
     link within it is hashed where it leads, as conversions read it (verify_files.links_within;
-    None: none followed)."""
+    None: none followed), and a problem names both ("NAME -> FILE"); ``shown``: how a problem
+    names a file (a single file named through a link: "LINK -> FILE"), else by its name."""
 
     def run(task: Task) -> list[str]:
         problems = []
@@ -194,32 +202,43 @@ def _hash_handler(
             # realpath one component at a time: a folder swapped for a symlink is refused.
             nested = "/" in name and not isinstance(directory, Remote)
             path = Path(os.path.realpath(directory)) / name if nested else directory / name
+            label = (shown or {}).get(name, name)
             if not (path.exists() if isinstance(path, Remote) else os.path.lexists(path)):
-                problems.append(f"file {name}: missing")
+                problems.append(f"file {label}: missing")
                 continue
             want = recorded[name]
             try:  # a symlink (but one within the tree) or a FIFO in place of a file is named, never read through
-                if tree is not None:  # (a nested one too: convert copies 1_Pooling/config.json -> ../store/x)
-                    path = resolve_in_tree(path, tree)
+                if tree is not None and (read := resolve_in_tree(path, tree)) != path:
+                    path, label = read, f"{label} -> {read}"  # (a nested one too: 1_Pooling/config.json -> ../store/x)
                 found = file_digest(path, checksum=want.digest is not None, start=starts.get(name, 0), no_links=nested)
             except (CorruptCheckpointError, FileNotFoundError) as exc:  # (a dangling link names itself)
-                problems.append(f"file {name}: {exc}")
+                problems.append(f"file {label}: {exc}")
                 continue
             if found.size != want.size and name in starts:
                 problems.append(
-                    f"file {name}: {found.size} bytes of tensor data, its header records {want.size} "
+                    f"file {label}: {found.size} bytes of tensor data, its header records {want.size} "
                     f"({size_change(found.size, want.size)})"
                 )
             elif found.size != want.size:
                 problems.append(
-                    f"file {name}: {found.size} bytes, the manifest records {want.size} "
+                    f"file {label}: {found.size} bytes, the manifest records {want.size} "
                     f"({size_change(found.size, want.size)})"
                 )
             elif want.digest is not None and found.digest != want.digest:
-                problems.append(f"file {name}: checksum {found.digest} != {want.digest} recorded (corrupted)")
+                problems.append(f"file {label}: checksum {found.digest} != {want.digest} recorded (corrupted)")
         return problems
 
     return run
+
+
+def _shown_files(source: Source, checksums: Recorded) -> dict[str, str]:
+    """How verify's problems name a single local file named through a link: "LINK -> FILE" (its
+    record names the file the link leads to; the user typed the link)."""
+    if source.location.is_dir() or isinstance(source.location, Remote):
+        return {}
+    named = os.path.abspath(source.location)
+    read = {name: Path(os.fspath(checksums.directory)) / name for name in checksums.files}
+    return {name: f"{source.location.name} -> {path}" for name, path in read.items() if shown_as(named, path) != named}
 
 
 def _run(tasks: list[Task], handler: Any, options: Options, governor: MemoryGovernor, workers: int) -> list[Any]:
@@ -400,7 +419,7 @@ def _verify(
         if reference is not None and source.kind != "dcp"
         else frozenset()
     )
-    checksums = recorded_checksums(source)
+    checksums = recorded_checksums(source, warn_stale=False)  # (a stale record: reported below, not warned of)
     directory = checksums.directory if checksums is not None else None
     recorded = checksums.files if checksums is not None else None
     starts = checksums.starts if checksums is not None else {}
@@ -408,9 +427,21 @@ def _verify(
     file_problems: list[str] = list(checksums.problems) if checksums is not None else []
     if checksums is None and reference is None and not source.location.is_dir():
         file_problems.append(no_checksums_problem(source))
+    if checksums is not None:  # (a conversion refuses such a folder: jobs/source_check.py)
+        file_problems += [
+            f"file {name}: not in the manifest, though a conversion reads it (the folder changed after the manifest "
+            "was written)"
+            for name in unrecorded_files(source, checksums)
+        ]
     # A stale record (a save stopped between its commit's two renames) is no corruption: OK, but
     # said so, not "no manifest" (there is one, unused); its warning says why.
     report.manifest_stale = checksums is None and stale_record(source)
+    if report.manifest_stale:
+        report.warnings.append(
+            f"{source.location / MANIFEST_FILE} belongs to another save than its .metadata (a save was stopped "
+            "between its commit and the manifest's rename): it is stale and was not used, so no file was checked "
+            "against checksums (compare with its source: verify --against SOURCE)"
+        )
 
     # One pass (verify_pass.py): each shard read once, hashed and its records checked on the way.
     records = (
@@ -441,7 +472,8 @@ def _verify(
         else:
             sizes = [Item(name, d.size, 0) for name, d in recorded.items()]
             tasks = partition(sizes, workers, memory_adds_up=False)
-            handler = _hash_handler(directory, recorded, starts, links_within(source))
+            assert checksums is not None
+            handler = _hash_handler(directory, recorded, starts, links_within(source), _shown_files(source, checksums))
             with governor.during("checking the shard files' checksums", "files"):
                 file_problems += _run(tasks, handler, options, governor, workers)
         report.files_checked = len(recorded)

@@ -32,6 +32,7 @@ from pathlib import Path
 from parallel_dcp.errors import UnsafeCheckpointError
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import embedded_checksums
+from parallel_dcp.jobs.snapshot_records import snapshot_record, snapshot_sidecar, snapshot_tree
 from parallel_dcp.storage.location import Location, Remote
 from parallel_dcp.storage.manifest import MANIFEST_FILE, FileDigest, read_manifest, sidecar_name
 from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
@@ -42,6 +43,7 @@ __all__ = [
     "no_checksums_problem",
     "record_beside_link",
     "recorded_checksums",
+    "shown_as",
     "stale_record",
 ]
 
@@ -72,26 +74,34 @@ class Recorded:
         return self.records.get(name, self.record)
 
 
-def recorded_checksums(source: Source) -> Recorded | None:
+def recorded_checksums(source: Source, *, warn_stale: bool = True) -> Recorded | None:
     """The checksums ``source``'s files carry; None when they carry none. A single local file's
     are those of the file its name resolves to (``directory`` is that file's folder): its own
-    (header, sidecar), else its folder's entry for it (a shard named alone). A folder's are its
-    ``.parallel_dcp.json``'s, else its shards' own (a folder is no way round a file's record).
+    (header, sidecar), else its folder's entry for it (a shard named alone), else, for a file of
+    a Hugging Face cache snapshot, the record the snapshot holds beside its name
+    (:func:`~parallel_dcp.jobs.snapshot_records.snapshot_record`). A folder's are its
+    ``.parallel_dcp.json``'s (read as its files are: a link only within its tree,
+    :func:`links_within`), else its shards' own (a folder is no way round a file's record).
+    ``warn_stale``: a stale record is warned of (else only None: ``verify`` reports it).
 
     Raises:
         CorruptCheckpointError: a record exists but cannot be read, or names other files.
     """
     location = source.location
     if location.is_dir():
-        files = read_manifest(location, current_only=True)
+        files = read_manifest(location, current_only=True, tree=links_within(source), warn_stale=warn_stale)
         if files is not None:
             return Recorded(location, files, MANIFEST_FILE)
         return _own_records(source) if source.kind != "dcp" and not isinstance(location, Remote) else None
-    if not isinstance(location, Remote):
-        location = _file_read(source)
-    if (own := _file_record(source.kind, location, location.name)) is not None:
+    if isinstance(location, Remote):
+        return _file_record(source.kind, location, location.name) or _folder_record(location)
+    read = _file_read(source)
+    if (own := _file_record(source.kind, read, read.name)) is not None:
         return own
-    return _folder_record(location)
+    if (folder := _folder_record(read)) is not None:
+        return folder
+    found = snapshot_record(source.location, read, source.kind)
+    return Recorded(read.parent, {read.name: found[0]}, found[1]) if found is not None else None
 
 
 def _file_read(source: Source) -> Path:
@@ -141,7 +151,9 @@ def _own_records(source: Source) -> Recorded | None:
     its header; a ``pytorch_model.bin`` with its sidecar): each shard's record, by the shard's
     name in the folder, so that a file is checked whichever way it is reached (named, or its
     folder). A shard that is a link within the tree has the record of the file it leads to,
-    as a single file named through a link does. None where no shard carries one.
+    as a single file named through a link does (in a Hugging Face cache snapshot, the sidecar the
+    snapshot holds beside it: :func:`~parallel_dcp.jobs.snapshot_records.snapshot_sidecar`). None
+    where no shard carries one.
     """
     folder = Path(os.fspath(source.location))
     tree = source_tree(folder)
@@ -152,7 +164,12 @@ def _own_records(source: Source) -> Recorded | None:
             real = resolve_in_tree(folder / name, tree)
         except (UnsafeCheckpointError, FileNotFoundError):
             continue  # (not a file the job reads: its shards were resolved so, or refused)
-        if os.fspath(real) not in read or (own := _file_record(source.kind, real, name)) is None:
+        if os.fspath(real) not in read:
+            continue
+        if (own := _file_record(source.kind, real, name)) is None and source.kind != "safetensors":
+            digest = snapshot_sidecar(folder / name, real)
+            own = Recorded(folder, {name: digest}, sidecar_name(name)) if digest is not None else None
+        if own is None:
             continue
         recorded.files |= own.files
         recorded.starts |= own.starts
@@ -193,6 +210,13 @@ def record_beside_link(source: Source) -> str | None:
     if link is None or beside_link is None:
         return None
     advice = "Compare"
+    if snapshot_tree(link, real) is not None:  # (a linked sidecar there was used: this one is a plain file)
+        return (
+            f"it is a file of a Hugging Face cache snapshot, a link to {real}; {beside_link} beside it is not "
+            "used: it is not one of the snapshot's files (the cache writes each file of a revision as a link into "
+            "its blobs/; this one is a plain file, put there since), so it need not be this file's record. Compare "
+            "it with the checkpoint it was made from: verify --against SOURCE"
+        )
     if real.name == link.name:  # (the record names the file it was written for: only one of that name)
         advice = f"If {real} was moved there and linked back, move the record beside it; otherwise compare"
     return (
@@ -210,6 +234,18 @@ def _links_on_the_way(name: Path) -> list[Path]:
         links.append(name)
         name = Path(os.path.normpath(Path(os.path.realpath(name.parent)) / os.readlink(name)))
     return links
+
+
+def shown_as(named: str | os.PathLike[str], read: str | os.PathLike[str]) -> str:
+    """How a message names a file read at ``read`` that was ``named`` so (what the user typed, or a
+    folder's entry): both, where the name is a link to it, so that the user finds what they typed
+    and the file that was found damaged ("run/latest.pt -> /store/model.pt"); else the name alone
+    (a plain file, though a folder on its way be a link: ``/data -> /mnt/data``)."""
+    named, read = os.fspath(named), os.fspath(read)
+    plain = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(named))), os.path.basename(named))
+    if os.path.abspath(named) == os.path.abspath(read) or plain == os.path.abspath(read):
+        return named
+    return f"{named} -> {read}"
 
 
 def stale_record(source: Source) -> bool:

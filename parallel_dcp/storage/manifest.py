@@ -36,7 +36,7 @@ from parallel_dcp.errors import CorruptCheckpointError, SourceNotCheckedWarning
 from parallel_dcp.storage.layout import read_record
 from parallel_dcp.storage.location import Location, Remote, check_name, locate
 from parallel_dcp.storage.ownership import MANIFEST_FILE, METADATA_FILE
-from parallel_dcp.storage.safe_reader import open_bounded
+from parallel_dcp.storage.safe_reader import open_bounded, read_in_tree
 
 __all__ = [
     "EMBEDDED_KEY",
@@ -62,6 +62,7 @@ _SIDECAR_SUFFIX = ".manifest.json"
 # The manifest's record of the files in folders copied beside the output (a key of its own: a
 # reader that knows only ``files`` keeps reading plain names there).
 FOLDER_FILES_KEY = "folder_files"
+_RECORD_MAX_BYTES = 64 * 2**20  # (as storage.layout.read_record: no save writes a larger one)
 
 
 def sidecar_name(name: str) -> str:
@@ -210,25 +211,36 @@ def check_folder_name(name: object, where: object) -> str:
 
 
 def read_manifest(
-    directory: str | os.PathLike[str] | Remote, *, current_only: bool = False, of_file: str | None = None
+    directory: str | os.PathLike[str] | Remote,
+    *,
+    current_only: bool = False,
+    of_file: str | None = None,
+    tree: str | os.PathLike[str] | None = None,
+    warn_stale: bool = True,
 ) -> dict[str, FileDigest] | None:
     """The files the manifest records, or None when there is no manifest.
 
     Every name in it must be a plain file name inside ``directory`` (checked before anything is
     read). ``of_file``: read the sidecar manifest of that single file instead (it must record
     that file and nothing else). With ``current_only``, a manifest that belongs to another save than the directory's
-    ``.metadata`` (left by a save killed between the two renames of its commit) is stale: a
-    warning, and None.
+    ``.metadata`` (left by a save killed between the two renames of its commit) is stale: None,
+    and (``warn_stale``) a warning; ``verify`` reports it instead.
+
+    ``tree``: the tree within which the source's files may be links that its reads follow
+    (a Hugging Face cache snapshot's files, this record among them, link into the repository's
+    ``blobs/``): the record is read by the same rule as those files (a link only within ``tree``,
+    then a regular file); None: never through a link, as a DCP directory's files are read.
 
     Raises:
         CorruptCheckpointError: the manifest exists but cannot be read, or names a file outside
-            the checkpoint.
+            the checkpoint (UnsafeCheckpointError: a link, or one leading out of ``tree``).
     """
     path = locate(directory) / (sidecar_name(of_file) if of_file is not None else MANIFEST_FILE)
     if not (path.is_file() if isinstance(path, Remote) else os.path.lexists(path)):
         return None
-    try:  # by the one rule: a symlink or a FIFO planted as the manifest is refused, never followed
-        document = loads_json(read_record(path))
+    try:  # by the one rule: a symlink (out of ``tree``) or a FIFO planted as the manifest is refused, never followed
+        raw = read_record(path) if tree is None else read_in_tree(path, tree, limit=_RECORD_MAX_BYTES)
+        document = loads_json(raw)
         if document.get("checksum") != ALGORITHM:
             raise ValueError(f"unknown checksum {document.get('checksum')!r}")
         files = {check_name(name, path): _parse_digest(v) for name, v in document["files"].items()}
@@ -239,15 +251,20 @@ def read_manifest(
             raise ValueError(f"it records {sorted(files)}, not {of_file} alone")
     except CorruptCheckpointError:
         raise
+    except FileNotFoundError as exc:  # (a link within the tree to nothing: resolve_in_tree names both)
+        raise CorruptCheckpointError(
+            f"{exc} (a file of the cache deleted, or a download that did not finish: download it again)"
+        ) from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{path} is not a readable manifest: {exc}") from exc
     if current_only and of_file is None and _stale(locate(directory), document.get("save_id")):
-        warnings.warn(
-            f"{path} belongs to another save than {locate(directory) / METADATA_FILE} (a save was stopped "
-            "between its commit and the manifest's rename): it is stale and was not used",
-            SourceNotCheckedWarning,
-            stacklevel=2,
-        )
+        if warn_stale:
+            warnings.warn(
+                f"{path} belongs to another save than {locate(directory) / METADATA_FILE} (a save was stopped "
+                "between its commit and the manifest's rename): it is stale and was not used",
+                SourceNotCheckedWarning,
+                stacklevel=2,
+            )
         return None
     return files
 
