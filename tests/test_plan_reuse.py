@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 import parallel_dcp
-from parallel_dcp.engine.partition import Item
+from parallel_dcp.engine.partition import CapRange, Item, one_task_memory
 from parallel_dcp.errors import InvalidStateDictError
 from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
 from parallel_dcp.jobs import plan_reuse, targets
@@ -425,7 +425,7 @@ def _items(n: int, memory: int) -> list[Item]:
     return [Item(f"k{i}", 1024, memory, 0) for i in range(n)]
 
 
-def test_the_partition_is_kept_by_the_room_only_where_the_room_binds(tmp_path: Path) -> None:
+def test_the_partition_is_kept_by_the_caps_that_give_it(tmp_path: Path) -> None:
     memo = PlanReuse()
     sd = {f"k{i}": torch.full((256,), float(i)) for i in range(64)}
     job = memo.job(sd, str(tmp_path), pending_writes=True)
@@ -433,9 +433,9 @@ def test_the_partition_is_kept_by_the_room_only_where_the_room_binds(tmp_path: P
     target.plans = memo
     made: list[int] = []
 
-    def plan(items: list[Item], workers: int, budget: int) -> list[Any]:
+    def plan(items: list[Item], workers: int, budget: int, caps: CapRange) -> list[Any]:
         made.append(budget)
-        return target._plan(True, items, workers, budget)
+        return target._plan(True, items, workers, budget, caps)
 
     def tasks(budget: int) -> list[Any]:
         return memo.tasks(job, 4, budget, targets._items, target._room, plan, ("decision",))
@@ -443,14 +443,14 @@ def test_the_partition_is_kept_by_the_room_only_where_the_room_binds(tmp_path: P
     roomy = tasks(2**40)
     assert tasks(2**40 + 12345) == roomy and made == [2**40]  # both above the whole job's memory
     assert memo._current is not None
-    whole = memo._current.items[(None, ())][2]
+    whole = one_task_memory(targets._items(job)) + target.io_memory(memo._current.items[(None, ())][1])
     assert tasks(whole) == roomy and len(made) == 1
     tight = tasks(whole // 8)  # binding: planned, and planned as without the memo
     assert len(made) == 2 and tight == target._plan(True, targets._items(job), 4, whole // 8)
     assert tasks(whole // 8) == tight and len(made) == 2
     other = memo.tasks(job, 4, 2**40, targets._items, target._room, plan, ("another",))
     assert other == roomy and len(made) == 3  # another target decision: planned again
-    for step in range(10):  # a binding room that moves every save: planned each time, a few kept
+    for step in range(10):  # a binding room that moves every save: what a fresh plan gives, a few kept
         budget = whole // 8 + 4096 * (step + 1)
         assert tasks(budget) == target._plan(True, targets._items(job), 4, budget)
-    assert len(memo._current.tasks) <= 4
+    assert len(memo._current.tasks) <= 4 and all(len(kept) <= 4 for kept in memo._current.tasks.values())

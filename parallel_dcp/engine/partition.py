@@ -17,7 +17,7 @@ import heapq
 import itertools
 import math
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import itemgetter
@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, TASK_MEMORY_BYTES
 
-__all__ = ["Item", "Task", "one_task_memory", "partition", "planned_as_on", "task_count"]
+__all__ = ["CapRange", "Item", "Task", "one_task_memory", "partition", "planned_as_on", "task_count"]
 
 # What one item costs beyond its bytes, in byte-equivalents: about 40 us of Python work per
 # ``torch.save`` record at ~1.5 GiB/s.
@@ -78,10 +78,34 @@ class Task:
     duty: str = ""
 
 
+@dataclass(slots=True)
+class CapRange:
+    """The caps (``max_task_memory``) ``lo <= cap < hi`` over which :func:`partition` of the same
+    items on the same workers gives the same tasks: every decision it takes from its cap (whether
+    one task could hold every item, how many runs, where a run is cut, which bin an item fits) is
+    a comparison of a figure with the cap, and each comes out the same there. Filled in by
+    :func:`partition`; a planner that outlives one job keeps a plan for the whole range
+    (``jobs/plan_reuse.py``: the default limit moves with the memory available, save to save)."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+
+    def __contains__(self, cap: float) -> bool:
+        return self.lo <= cap < self.hi
+
+    def fits(self, need: float, cap: float) -> bool:
+        """``need <= cap``, noted: the range narrows to the caps on the same side of ``need``."""
+        if need <= cap:
+            self.lo = max(self.lo, need)
+            return True
+        self.hi = min(self.hi, need)
+        return False
+
+
 def one_task_memory(items: Sequence[Item], *, memory_adds_up: bool = True) -> int:
     """The memory of one task holding every item of ``items`` (not empty). Under a
     ``max_task_memory`` at least this, :func:`partition` gives the same tasks whatever the limit
-    (a planner that outlives one job keys its memo on that: ``jobs/plan_reuse.py``)."""
+    (its :class:`CapRange` then reaches up without end)."""
     kept: int = sum(map(_memory, items)) - (sum(map(_transient, items)) if memory_adds_up else 0)
     largest_read: int = max(map(_transient, items))
     return TASK_MEMORY_BYTES + kept + ITEM_MEMORY_BYTES * len(items) + largest_read
@@ -93,6 +117,7 @@ def partition(
     *,
     max_task_memory: int | None = None,
     memory_adds_up: bool = True,
+    caps: CapRange | None = None,
 ) -> list[Task]:
     """Group ``items`` into disjoint tasks balanced by cost, largest first.
 
@@ -107,6 +132,8 @@ def partition(
         memory_adds_up: a task's memory is the sum of its items' (a save keeps every copy of a
             file until the file is written) or, when False, the largest of them (a load frees
             each item's buffer before the next).
+        caps: where given, set to the caps over which these very tasks come out (see
+            :class:`CapRange`; the whole range where ``max_task_memory`` is None).
 
     Returns:
         Tasks with indices ``0..n-1`` ordered by decreasing cost, so that dispatching them in
@@ -120,25 +147,34 @@ def partition(
         raise ValueError(f"workers must be >= 1, got {workers}")
     if len(set(map(_key, items))) != len(items):
         raise ValueError("partition needs unique keys")
+    seen = caps if caps is not None else CapRange()
+    seen.lo, seen.hi = -math.inf, math.inf
     if not items:
         return []
+    if max_task_memory is None:  # (no cap: every comparison fits, whatever the range says)
+        return _partition(items, workers, math.inf, memory_adds_up, CapRange())
+    return _partition(items, workers, max_task_memory, memory_adds_up, seen)
+
+
+def _partition(items: Sequence[Item], workers: int, cap: float, memory_adds_up: bool, seen: CapRange) -> list[Task]:
+    """:func:`partition` of ``items`` (not empty, keys checked) under ``cap``, noting in ``seen``
+    each comparison with the cap."""
     # Column sums (C loops over the named tuples): this runs once over every key of a 50,000-key job.
     total = sum(map(_nbytes, items)) + ITEM_OVERHEAD_BYTES * len(items)
     n_bins = task_count(total, workers, len(items))
-    cap = max_task_memory if max_task_memory is not None else math.inf
 
     def combined(memory: int, item: Item) -> int:
         buffers = memory + item.memory - item.transient if memory_adds_up else max(memory, item.memory)
         return buffers + ITEM_MEMORY_BYTES
 
     # Where every item in one task would fit, no bin can overflow: plain LPT, memory added after.
-    if one_task_memory(items, memory_adds_up=memory_adds_up) <= cap:
+    if seen.fits(one_task_memory(items, memory_adds_up=memory_adds_up), cap):
         largest = max(map(_nbytes, items)) + ITEM_OVERHEAD_BYTES
         if largest * _SMALL_ITEMS_PER_BIN <= total / n_bins:
             return _tasks(_ranges(items, n_bins, total), memory_adds_up)
         return _tasks(_lpt(sorted(items, key=_cost, reverse=True), n_bins), memory_adds_up)
     if max(map(_nbytes, items)) + ITEM_OVERHEAD_BYTES <= total / n_bins / _SMALL_ITEMS_PER_BIN:
-        return _tasks(_ranges_within(items, n_bins, total, cap, workers, memory_adds_up), memory_adds_up)
+        return _tasks(_ranges_within(items, n_bins, total, cap, workers, memory_adds_up, seen), memory_adds_up)
     ordered = sorted(items, key=_cost, reverse=True)
     # Greedy LPT: each item, largest first, into the cheapest bin whose memory still fits it;
     # a new bin when none does. ``memory`` holds what a bin's items keep, ``transient`` the
@@ -154,18 +190,22 @@ def partition(
         that a full bin is skipped once, not once per later item (keys x bins)."""
         kept, largest_read = lightest[after]
         if not memory_adds_up:
-            return TASK_MEMORY_BYTES + max(memory[i], kept) + ITEM_MEMORY_BYTES > cap
-        return TASK_MEMORY_BYTES + memory[i] + kept + ITEM_MEMORY_BYTES + max(transient[i], largest_read) > cap
+            return not seen.fits(TASK_MEMORY_BYTES + max(memory[i], kept) + ITEM_MEMORY_BYTES, cap)
+        return not seen.fits(
+            TASK_MEMORY_BYTES + memory[i] + kept + ITEM_MEMORY_BYTES + max(transient[i], largest_read), cap
+        )
 
     for at, item in enumerate(ordered):
         skipped = []
         while (
             heap
             and bins[heap[0][1]]
-            and TASK_MEMORY_BYTES
-            + combined(memory[heap[0][1]], item)
-            + (max(transient[heap[0][1]], item.transient) if memory_adds_up else 0)
-            > cap
+            and not seen.fits(
+                TASK_MEMORY_BYTES
+                + combined(memory[heap[0][1]], item)
+                + (max(transient[heap[0][1]], item.transient) if memory_adds_up else 0),
+                cap,
+            )
         ):
             skipped.append(heapq.heappop(heap))
         if heap:
@@ -260,33 +300,64 @@ def _ranges(items: Sequence[Item], n_bins: int, total: int) -> list[list[Item]]:
 
 
 def _ranges_within(
-    items: Sequence[Item], n_bins: int, total: int, cap: float, workers: int, memory_adds_up: bool
+    items: Sequence[Item], n_bins: int, total: int, cap: float, workers: int, memory_adds_up: bool, seen: CapRange
 ) -> list[list[Item]]:
     """Consecutive runs of small ``items`` (as :func:`_ranges` cuts them) whose memory each fits
     under ``cap``: as many runs as the job's memory needs at ``cap`` a task (rounded up to whole
     rounds of ``workers``), and a run still over it cut further, in order, where it fills up.
+    ``seen`` notes the caps that give the same runs and cuts.
 
     The greedy split below spreads small keys one by one over the cheapest task: 50,000 small
     tensors under a 493 MB task cap went out as 50,002 one-key pieces over 64 tasks, and the
     commit then built ``.metadata`` and the side index key by key (1.9-2.9 s of the coordinator's
     CPU a save at 16 workers, against 0.26-0.52 s for contiguous runs: docs/performance.md, round
     nine). Runs keep each task's keys together, as without a cap."""
-    room = cap - TASK_MEMORY_BYTES
     needed = _held(list(items), memory_adds_up)  # (one task of every item: what the runs share)
-    runs = max(n_bins, math.ceil(needed / room)) if room > 0 else len(items)
-    if runs > workers:
-        runs = -(-runs // workers) * workers
+
+    def run_count(needs: int) -> int:  # the runs for ``needs`` tasks' worth of room, as cut below
+        runs = max(n_bins, needs)
+        return min(-(-runs // workers) * workers if runs > workers else runs, len(items))
+
+    room = int(cap) - TASK_MEMORY_BYTES  # (caps are whole bytes)
+    if seen.fits(TASK_MEMORY_BYTES + 1, cap):  # room > 0
+        needs = -(-needed // room)  # ceil: the tasks of ``room`` the job's memory fills
+        runs = run_count(needs)
+        # Every cap whose ``needs`` gives as many runs gives these runs: ``needs`` is monotone
+        # in the room, ``run_count`` in ``needs``; the ends found by bisection (a few steps).
+        fewest = _first(lambda n: run_count(n) >= runs, 1, needs)
+        most = _first(lambda n: run_count(n) > runs, needs, max(needs, len(items) * workers) + 1) - 1
+        seen.fits(TASK_MEMORY_BYTES + -(-needed // most), cap)  # needs <= most: room >= needed / most
+        if fewest > 1:  # needs >= fewest: room < needed / (fewest - 1), whole bytes
+            seen.fits(TASK_MEMORY_BYTES + -(-needed // (fewest - 1)), cap)
+    else:
+        runs = len(items)
     cut: list[list[Item]] = []
-    for run in _ranges(items, min(runs, len(items)), total):
-        cut.extend(_filled_in_order(run, room, memory_adds_up) if _held(run, memory_adds_up) > room else [run])
+    for run in _ranges(items, runs, total):
+        if seen.fits(TASK_MEMORY_BYTES + _held(run, memory_adds_up), cap):
+            cut.append(run)
+        else:
+            cut.extend(_filled_in_order(run, room, memory_adds_up, seen))
     return cut
 
 
-def _filled_in_order(run: list[Item], room: float, memory_adds_up: bool) -> list[list[Item]]:
+def _first(holds: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The least ``n`` in ``lo..hi`` for which ``holds`` (monotone: False, then True), else ``hi``."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _filled_in_order(run: list[Item], room: int, memory_adds_up: bool, seen: CapRange) -> list[list[Item]]:
     """``run`` cut, in order, into pieces each holding what fits in ``room`` (an item alone larger
-    than ``room`` is a piece of its own, as :func:`partition` promises)."""
+    than ``room`` is a piece of its own, as :func:`partition` promises); ``seen`` notes the caps
+    (``room`` + ``TASK_MEMORY_BYTES``) that cut it the same."""
     pieces: list[list[Item]] = [[]]
     kept = largest_read = 0
+    fitted, over = -math.inf, math.inf  # the most that fitted, the least that did not
     for item in run:
         for _ in range(2):  # in the current piece, else alone in a new one
             if memory_adds_up:
@@ -294,12 +365,17 @@ def _filled_in_order(run: list[Item], room: float, memory_adds_up: bool) -> list
                 now_read = max(largest_read, item.transient)
             else:
                 now_kept, now_read = max(kept, item.memory) + ITEM_MEMORY_BYTES, 0
-            if not pieces[-1] or now_kept + now_read <= room:
+            if not pieces[-1]:
                 break
+            if now_kept + now_read <= room:
+                fitted = max(fitted, now_kept + now_read)
+                break
+            over = min(over, now_kept + now_read)
             pieces.append([])
             kept = largest_read = 0
         pieces[-1].append(item)
         kept, largest_read = now_kept, now_read
+    seen.lo, seen.hi = max(seen.lo, TASK_MEMORY_BYTES + fitted), min(seen.hi, TASK_MEMORY_BYTES + over)
     return pieces
 
 

@@ -12,7 +12,9 @@ keeps) does that work for the first save of a layout only:
     remember the layout's columns                save n's listing over save n + 1's tensors
     plan: the same decisions every save (limit, workers, chunk size, each item against the limit:
       O(1) or per task), then the partition, which depends on the layout and those decisions
-      only; kept by them (a limit at least the whole job's memory: one entry, whatever it is)
+      only; kept by them, with the range of task caps that give the same partition (a limit at
+      least the whole job's memory: all of them; the default limit, which moves save to save
+      with the memory available, mostly stays inside it)
     parts: each task's keys and addresses,     parts: save n's pickled bytes, where the tensors
       pickled (jobs/task_parts.py)               lie where they lay and the task holds no
                                                  non-tensor value; the others made again
@@ -65,7 +67,7 @@ import torch
 
 from parallel_dcp import _compat
 from parallel_dcp.engine.chunks import lazy_bits
-from parallel_dcp.engine.partition import Item, Task, one_task_memory
+from parallel_dcp.engine.partition import CapRange, Item, Task
 from parallel_dcp.formats import lean
 from parallel_dcp.formats.nesting import Skeleton, leaves, skeleton
 from parallel_dcp.formats.remote_memory_source import RemoteMemorySource
@@ -117,8 +119,9 @@ class _Kept:
         self.caches = (job._sizes, job._ordered_sizes, job._positions, job._totals)  # filled as it is planned
         self.addresses = addresses  # where the current save's tensors lie, in tensor_keys order
         # Per (dtype, chunks) of a job over this layout: its items, their bytes, one task's memory.
-        self.items: dict[Any, tuple[list[Item], int, int]] = {}
-        self.tasks: dict[Any, list[Task]] = {}
+        self.items: dict[Any, tuple[list[Item], int]] = {}
+        # Per (shape, workers, decision): the last partitions made, each with the caps it holds for.
+        self.tasks: dict[Any, list[tuple[CapRange, list[Task]]]] = {}
         # Pickled parts of the tasks in ``parted`` (the same Task objects), made for ``parted_at``.
         self.parts: dict[int, KeptPart] = {}
         self.parted: list[Task] = []
@@ -265,29 +268,36 @@ class PlanReuse:
         budget: int,
         items: Callable[[Any], list[Item]],
         room: Callable[[int, int], int],
-        plan: Callable[[list[Item], int, int], list[Task]],
+        plan: Callable[[list[Item], int, int, CapRange], list[Task]],
         decision: tuple[Any, ...],
     ) -> list[Task]:
-        """``plan(items(job), workers, budget)`` (a target's partition of ``job``), kept by what it
-        depends on: the job's shape over this layout, ``workers``, the target's ``decision`` (its
-        I/O mode and what sizes its streams) and the room a task has (``room(bytes of the items,
-        budget)``) where it binds: the partition does not depend on it where one task could hold
-        every item (``one_task_memory``)."""
+        """``plan(items(job), workers, budget, caps)`` (a target's partition of ``job``, which
+        sets ``caps`` to the task caps that give the same tasks), kept by what it depends on: the
+        job's shape over this layout, ``workers``, the target's ``decision`` (its I/O mode and what
+        sizes its streams), and the room a task has (``room(bytes of the items, budget)``) as far
+        as the partition's output depends on it: a kept plan is taken again wherever the room
+        falls in its ``caps`` (every cap where one task could hold every item; under a cap that
+        binds, the caps that give as many runs cut at the same keys). The default limit moves with
+        the memory available, save to save: its saves found their plan again only where the cap
+        did not bind."""
         kept = self._this_save(job)
         if kept is None:
-            return plan(items(job), workers, budget)
+            return plan(items(job), workers, budget, CapRange())
         shape = (job.dtype, tuple(job.chunks.items()))
         found = kept.items.get(shape)
         if found is None:
             listed = items(job)
-            whole = one_task_memory(listed) if listed else 0
-            found = _keep(kept.items, shape, (listed, sum(map(itemgetter(1), listed)), whole))
-        listed, nbytes, whole = found
+            found = _keep(kept.items, shape, (listed, sum(map(itemgetter(1), listed))))
+        listed, nbytes = found
         cap = room(nbytes, budget)
-        key = (shape, workers, decision, None if whole <= cap else cap)
-        tasks = kept.tasks.get(key)
+        key = (shape, workers, decision)
+        plans = kept.tasks.get(key, [])
+        tasks = next((tasks for caps, tasks in plans if cap in caps), None)
         if tasks is None:
-            tasks = _keep(kept.tasks, key, plan(listed, workers, budget))
+            caps = CapRange()
+            tasks = plan(listed, workers, budget, caps)
+            kept.tasks.pop(key, None)  # (kept as the newest)
+            _keep(kept.tasks, key, [(caps, tasks), *plans[: _KEPT - 1]])
         return list(tasks)
 
     def parts(self, job: Job, tasks: Sequence[Task]) -> dict[int, KeptPart] | None:
@@ -490,9 +500,9 @@ def _cpu_strided(tensor: torch.Tensor) -> bool:
 
 
 def _keep(memo: dict[Any, V], key: Any, value: V) -> V:
-    """``memo[key] = value``, the oldest entries dropped past ``_KEPT``: where the limit binds and
-    moves from save to save (the default, half the memory available), each save plans anew, and
-    a long training run must not keep every plan it made."""
+    """``memo[key] = value``, the oldest entries dropped past ``_KEPT``: a long training run must
+    not keep every plan it made (a limit that binds and moves beyond a kept plan's caps, save to
+    save, makes a new one each time)."""
     memo[key] = value
     while len(memo) > _KEPT:
         del memo[next(iter(memo))]

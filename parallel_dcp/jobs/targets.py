@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from parallel_dcp.engine.memory import ITEM_MEMORY_BYTES, LEAN_TASK_MEMORY_BYTES, TASK_MEMORY_BYTES
-from parallel_dcp.engine.partition import Item, Task, partition
+from parallel_dcp.engine.partition import CapRange, Item, Task, partition
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import printable
 from parallel_dcp.formats import FILE_FORMATS, FORMATS, lean
@@ -237,8 +237,11 @@ class DcpTarget(Target):
     def _room(self, nbytes: int, budget: int) -> int:  # items of nbytes, one file per task: one stream
         return max(1, budget - self.io_memory(nbytes))
 
-    def _plan(self, plain: bool, items: list[Item], workers: int, budget: int) -> list[Task]:
-        tasks = partition(items, workers, max_task_memory=self._room(sum(map(itemgetter(1), items)), budget))
+    def _plan(
+        self, plain: bool, items: list[Item], workers: int, budget: int, caps: CapRange | None = None
+    ) -> list[Task]:
+        cap = self._room(sum(map(itemgetter(1), items)), budget)
+        tasks = partition(items, workers, max_task_memory=cap, caps=caps)
         # A task on the lean path (plain tensors) holds no DCP planner: a smaller fixed cost. It was
         # measured for local files; an upload to object storage keeps the full figure.
         local = not isinstance(self.path, Remote)
