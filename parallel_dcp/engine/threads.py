@@ -24,10 +24,10 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from parallel_dcp.engine.malloc import return_freed_memory
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.pool import TaskResult
-from parallel_dcp.engine.worker import return_freed_memory
 from parallel_dcp.errors import RemoteTraceback, WorkerError, describe_keys
 
 __all__ = ["THREAD_MIN_ITEM_BYTES", "ThreadPool", "plain_value"]

@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from parallel_dcp.engine.malloc import fix_mmap_threshold, return_freed_memory
 from parallel_dcp.engine.messages import Ahead as _Ahead
 from parallel_dcp.engine.messages import NewHandler as _NewHandler
 from parallel_dcp.engine.messages import PartAt as _PartAt
@@ -28,7 +29,7 @@ from parallel_dcp.engine.own_charge import own_charge
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.engine.remote_memory import StaleRead
 
-__all__ = ["REPORT_CHARGE", "return_freed_memory", "send", "worker_main"]
+__all__ = ["REPORT_CHARGE", "send", "worker_main"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -42,6 +43,9 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent(coordinator)
+    # A read freed is given back, not kept on the heap for the task's next read (engine/malloc.py):
+    # a caller that freed large tensors before forking would otherwise hand its raised threshold on.
+    fix_mmap_threshold()
     broken: BaseException | None = None  # a run's handler that could not be loaded
     setup = 0.0  # seconds spent loading it, reported with the next task's result
     handed = 0.0  # seconds spent handing over the run's last result, reported with the next one
@@ -156,13 +160,6 @@ def _die_with_parent(coordinator: int | None) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if coordinator is not None and os.getppid() != coordinator:  # it died before prctl took effect
         os._exit(1)
-
-
-def return_freed_memory() -> None:
-    """Give freed heap pages back to the OS between tasks, so the governor sees real usage."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
 
 
 def _message_of(exc: BaseException) -> str:

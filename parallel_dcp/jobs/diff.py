@@ -234,9 +234,12 @@ def _hash(
     workers = governor.workers_for(((it.key, it.memory) for it in items), workers)
     tasks = partition(items, workers, max_task_memory=governor.task_budget(workers), memory_adds_up=False)
     hashed: dict[str, dict[str, str]] = {}
-    with WorkerPool(
-        min(workers, len(tasks)), _hash_handler(sources, units), initializer=lambda: torch.set_num_threads(1)
-    ) as pool:
+    with (
+        WorkerPool(
+            min(workers, len(tasks)), _hash_handler(sources, units), initializer=lambda: torch.set_num_threads(1)
+        ) as pool,
+        governor.during("hashing"),
+    ):
         for result in pool.run(tasks, governor=governor, task_timeout=options.task_timeout, retries=options.retries):
             hashed.update(result.value)
     names_of: dict[str, list[str]] = {}

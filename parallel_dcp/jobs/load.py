@@ -463,6 +463,7 @@ def _load_with_processes(
                 _load_handler(path, metadata, targets, trust_pickle),
                 initializer=lambda: torch.set_num_threads(1),
             ) as pool,
+            governor.during("reading"),
         ):
             for result in pool.run(
                 tasks,
