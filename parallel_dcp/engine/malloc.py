@@ -9,7 +9,7 @@ tensor, every later 8 MiB read comes from the heap, and there a freed read is no
 next read of the same size (torch allocates with ``posix_memalign``, which asks for more than the
 hole the last one left): the heap grows by read after read until holes happen to merge. A forked
 worker inherits its caller's raised threshold (a script that saved, then diffs), and a fresh one
-raises its own at its first freed read. Measured (s15 review F7): a ``diff`` worker hashing 8
+raises its own at its first freed read. Measured (round nine's review, F7): a ``diff`` worker hashing 8
 reads of 8 MiB in one task held 42 MiB of private heap (50 MiB when forked from a caller that had
 saved them first), where the plan counts 8; a 2-worker diff under 100 MiB breached at 110 MiB.
 
