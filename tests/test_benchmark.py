@@ -7,6 +7,7 @@ ratios of the medians, and that nothing is left behind on the target.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -18,10 +19,13 @@ import pytest
 import torch
 
 from parallel_dcp import benchmark
+from parallel_dcp.benchmark import pieces
 from parallel_dcp.benchmark.config import BenchConfig, Target
+from parallel_dcp.benchmark.governor_cost import GOVERNOR_COUNTS
 from parallel_dcp.benchmark.measure import Case, Measured, PeakMemory
 from parallel_dcp.benchmark.report import document, scenario_lines
 from parallel_dcp.benchmark.results import Scenario, row_figures, summary
+from tests.cli_in_process import run_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -59,50 +63,22 @@ def _strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
-# Run first in the bench's own interpreter (``python -c``, then what ``python -m parallel_dcp``
-# runs), for the two suites whose cost in the tests is set-up rather than what they check:
-# - the scaling suite opens eight Savers, and each would start a fork server of its own (a fresh
-#   interpreter importing torch and the writers, 3-6 s here) and stop it (1 s): started first,
-#   as a caller's own (the kept_fork_server fixture's way), every Saver forks its workers from it
-#   and leaves it running. A Saver's own server start and stop are test_saver's; the suite's
-#   figures are only checked for being there and in range.
-# - the compress suite's MiniLM scenario falls back, where the model's package is not installed
-#   (here), to a synthetic float32 stand-in of the model's 90 MiB, whatever --gib says: every row
-#   (seven saves, two checkpoints written for the loads, four loads) writes or reads all of it.
-#   The rows, their ratios and the loads' figures are what is checked, not the size: 8 MiB.
-_KEPT_FORK_SERVER = (
-    "import multiprocess\n"
-    "from parallel_dcp.engine.fork_server import start_fork_server\n"
-    "from parallel_dcp.jobs.saver import _PRELOAD\n"
-    "multiprocess.get_context('forkserver').set_forkserver_preload(['torch', 'parallel_dcp.engine.pool', *_PRELOAD])\n"
-    "start_fork_server()\n"
-)
-_SMALL_MINILM_STAND_IN = (
-    "import parallel_dcp.benchmark.compression\nparallel_dcp.benchmark.compression._MINILM_BYTES = 8 * 2**20\n"
-)
-
-
 def _bench(
-    args: list[str], cwd: Path, env: dict[str, str] | None = None, first: str = ""
+    args: list[str], cwd: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m parallel_dcp bench ARGS`` in a fresh interpreter (its memory sampler reads that
-    process's tree); with ``first``, that code runs before the command, in the same interpreter."""
-    if env is None:  # this checkout's parallel_dcp, wherever the test runs from
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    command = ["-m", "parallel_dcp"]
-    if first:
-        command = ["-c", first + "import sys\nfrom parallel_dcp.cli import main\nsys.exit(main(sys.argv[1:]))\n"]
-    return subprocess.run(
-        [sys.executable, *command, "bench", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,  # this checkout's parallel_dcp, wherever the test runs from
-    )
+    """``parallel-dcp bench ARGS`` run from ``cwd`` in the test's own process, as ``python -m
+    parallel_dcp`` runs it (cli_in_process): a fresh interpreter importing torch, the writers and
+    the report costs 4-17 s a suite on this VM, more than the suite's rows at these sizes. Its
+    memory sampler reads this process's tree, above each row's own start, as it reads the bench's.
+    The program itself runs in test_bench_script_keeps_the_first_benchmarks_flags and
+    test_a_bench_stopped_by_sigterm_leaves_no_checkpoint_behind."""
+    monkeypatch.chdir(cwd)
+    return run_in_process(capsys, "bench", *args, check_code=None)
 
 
-def test_bench_runs_every_suite_and_writes_table_json_and_png(tmp_path: Path) -> None:
+def test_bench_runs_every_suite_and_writes_table_json_and_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     target, results = tmp_path / "target", tmp_path / "results"
     target.mkdir()
     results.mkdir()
@@ -112,7 +88,9 @@ def test_bench_runs_every_suite_and_writes_table_json_and_png(tmp_path: Path) ->
             *("--suite", "save", "small", "convert", "lopsided", "--targets", "disk", "--disk-dir", str(target)),
             *("--json", str(results / "bench.json"), "--plot", str(results / "bench.png")),
         ],
-        cwd=tmp_path,
+        tmp_path,
+        capsys,
+        monkeypatch,
     )
     assert run.returncode == 0, run.stderr
     out = run.stdout
@@ -344,14 +322,33 @@ def test_nvrx_peer_writes_a_stock_loadable_checkpoint(tmp_path: Path) -> None:
     assert all(torch.equal(back[k], state_dict[k]) for k in state_dict)
 
 
-def test_scaling_suite_projects_from_its_own_measurements(tmp_path: Path) -> None:
+# The suite opens eight Savers: on the module's kept fork server (conftest), not each on a server of
+# its own (a fresh interpreter importing torch and the writers, 3-6 s here, and 1 s to stop). A
+# Saver's own server start and stop are test_saver's; the suite's figures are only checked for
+# being there and in range.
+@pytest.mark.usefixtures("kept_fork_server")
+def test_scaling_suite_projects_from_its_own_measurements(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from parallel_dcp.benchmark import suites
+
+    # Its two measurements that fork a process per worker counted, 16 and 8 + 32 + 64 of them on
+    # 2 cores (17 and 23 s of the suite's 80 s under load), at fewer: what each held worker adds
+    # to a Saver's baseline from Savers of 1 and 3 workers (the probe test's count), the governor's
+    # reading cost at 2, 4 and 8 children. The same code measures and reports any count; the
+    # suite's own counts are checked as constants first.
+    assert GOVERNOR_COUNTS == (8, 32, 64) and pieces.BASELINE_PROBE_WORKERS == 16
+    monkeypatch.setattr(pieces, "BASELINE_PROBE_WORKERS", 3)
+    monkeypatch.setattr(suites, "GOVERNOR_COUNTS", (2, 4, 8))
+    monkeypatch.setattr(suites, "governor_cost", functools.partial(suites.governor_cost, counts=(2, 4, 8)))
     target = tmp_path / "target"
     target.mkdir()
     json_path = tmp_path / "bench.json"
     run = _bench(
         [*TINY, "--suite", "scaling", "--targets", str(target), "--json", str(json_path)],
-        cwd=tmp_path,
-        first=_KEPT_FORK_SERVER,
+        tmp_path,
+        capsys,
+        monkeypatch,
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.count("PROJECTION (a model fed with this run's measurements, not a measurement)") == 2
@@ -406,11 +403,14 @@ def test_scaling_suite_projects_from_its_own_measurements(tmp_path: Path) -> Non
             assert parts["before_first_task_seconds"] > 0 and parts["after_last_result_seconds"] > 0
         assert projection["executors"]["processes"]["coordinator_write_seconds"] == 0  # nothing sent ahead
     governor = scenarios["scaling:llm/" + str(target) + "/sync-on"]["projection"]["governor"]
-    assert [row["workers"] for row in governor] == [8, 32, 64]
+    assert [row["workers"] for row in governor] == [2, 4, 8]  # as patched above
     assert all(row[f"{kind}_ms_per_process"] >= 0 for row in governor for kind in ("cheap", "rollup", "exact"))
     for label in ("default", "threads", "processes", "saver", "saver_unchanged"):
         assert run.stdout.count(f"projected {label}: x16 ") == 2
-    assert run.stdout.count("governor reading at 64 workers") == 1
+    assert run.stdout.count("governor reading at 8 workers") == 1
+    for scenario in scenarios.values():
+        held = scenario["projection"]["probe"]["saver"]["baseline_per_held_worker"]
+        assert held["workers"] == [1, 3] and held["seconds_per_held_worker"] >= 0
     assert list(target.iterdir()) == []
 
 
@@ -645,7 +645,9 @@ def test_staggered_work() -> None:
     assert staggered_work_seconds(0.1, 8, 1.0) == pytest.approx(0.1)
 
 
-def test_load_suites_compare_every_reader_on_both_checkpoints(tmp_path: Path) -> None:
+def test_load_suites_compare_every_reader_on_both_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     target, results = tmp_path / "target", tmp_path / "results"
     target.mkdir()
     results.mkdir()
@@ -655,8 +657,9 @@ def test_load_suites_compare_every_reader_on_both_checkpoints(tmp_path: Path) ->
             *("--suite", "load", "load-small", "--targets", "disk", "--disk-dir", str(target)),
             *("--json", str(results / "bench.json"), "--plot", str(results / "bench.png")),
         ],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout's code, not an installed one
+        tmp_path,
+        capsys,
+        monkeypatch,
     )
     assert run.returncode == 0, run.stderr
     assert "[stock] load into w=2 vs stock dcp.load" in run.stdout and "[pdcp] FastReader w=2" in run.stdout
@@ -689,7 +692,16 @@ def test_load_suites_compare_every_reader_on_both_checkpoints(tmp_path: Path) ->
     assert list(target.iterdir()) == [], "the benchmark removes what it wrote"
 
 
-def test_compress_suite_compares_levels_workers_and_stock(tmp_path: Path) -> None:
+def test_compress_suite_compares_levels_workers_and_stock(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from parallel_dcp.benchmark import compression
+
+    # The MiniLM scenario falls back, where the model's package is not installed (here), to a
+    # synthetic float32 stand-in of the model's 90 MiB, whatever --gib says: every row (seven
+    # saves, two checkpoints written for the loads, four loads) writes or reads all of it. The
+    # rows, their ratios and the loads' figures are what is checked, not the size: 8 MiB.
+    monkeypatch.setattr(compression, "_MINILM_BYTES", 8 * 2**20)
     target, results = tmp_path / "target", tmp_path / "results"
     target.mkdir()
     results.mkdir()
@@ -700,8 +712,9 @@ def test_compress_suite_compares_levels_workers_and_stock(tmp_path: Path) -> Non
             "--json",
             str(results / "bench.json"),
         ],
-        cwd=tmp_path,
-        first=_SMALL_MINILM_STAND_IN,
+        tmp_path,
+        capsys,
+        monkeypatch,
     )
     assert run.returncode == 0, run.stderr
     assert "compressed save zstd:3 w=2 vs stock zstd t=2" in run.stdout and "zstd:3 save w=2 vs w=1" in run.stdout
@@ -720,7 +733,9 @@ def test_compress_suite_compares_levels_workers_and_stock(tmp_path: Path) -> Non
         assert scenario["summary"]["save_vs_stock"] is not None
 
 
-def test_read_suite_compares_every_reader_cold_on_both_copies(tmp_path: Path) -> None:
+def test_read_suite_compares_every_reader_cold_on_both_copies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     target, results = tmp_path / "target", tmp_path / "results"
     target.mkdir()
     results.mkdir()
@@ -729,8 +744,9 @@ def test_read_suite_compares_every_reader_cold_on_both_copies(tmp_path: Path) ->
             *TINY,
             *("--suite", "read", "--targets", "disk", "--disk-dir", str(target), "--json", str(results / "b.json")),
         ],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        tmp_path,
+        capsys,
+        monkeypatch,
     )
     assert run.returncode == 0, run.stderr
     assert "[hf] load w=2 (defaults) of the best plain read" in run.stdout
@@ -783,7 +799,9 @@ def test_read_suite_compares_every_reader_cold_on_both_copies(tmp_path: Path) ->
     assert list(target.iterdir()) == [], "the benchmark removes what it wrote"
 
 
-def test_disk_suite_reports_the_read_choice_for_both_checkpoints(tmp_path: Path) -> None:
+def test_disk_suite_reports_the_read_choice_for_both_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     target, results = tmp_path / "target", tmp_path / "results"
     target.mkdir()
     results.mkdir()
@@ -793,7 +811,9 @@ def test_disk_suite_reports_the_read_choice_for_both_checkpoints(tmp_path: Path)
             *("--suite", "disk", "--targets", "disk", "--disk-dir", str(target)),
             *("--json", str(results / "bench.json")),
         ],
-        cwd=tmp_path,
+        tmp_path,
+        capsys,
+        monkeypatch,
     )
     assert run.returncode == 0, run.stderr
     assert "our checkpoint: io=auto read" in run.stdout and "stock-written checkpoint: io=auto read" in run.stdout
@@ -853,10 +873,12 @@ def test_quantized_summary_gives_scaling_stock_ratio_and_peaks_against_the_limit
     assert f"peak reported / sampled 400 / {sampled // 2**20} MiB of the 512 MiB limit: {held}" in text
 
 
-def test_quantized_suite_runs_and_prints_its_summary(tmp_path: Path) -> None:
+def test_quantized_suite_runs_and_prints_its_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     target = tmp_path / "target"
     target.mkdir()
-    run = _bench([*TINY, "--suite", "quantized", "--targets", str(target), "--no-peers"], cwd=tmp_path)
+    run = _bench([*TINY, "--suite", "quantized", "--targets", str(target), "--no-peers"], tmp_path, capsys, monkeypatch)
     assert run.returncode == 0, run.stderr
     for label in ("fp8->bf16", "mxfp4->bf16", "bf16->fp8"):
         line = next(line for line in run.stdout.splitlines() if line.startswith(f"{label}: parallel_dcp w=2 vs stock"))
@@ -921,3 +943,32 @@ def test_a_bench_stopped_by_sigterm_leaves_no_checkpoint_behind(tmp_path: Path) 
     )
     assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr, done.stderr
     assert list(target.iterdir()) == []
+
+
+def test_each_rows_collection_walks_only_what_the_run_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row starts with a full collection (``release_free_memory``): the objects that existed
+    before the run (torch's import: a quarter million, 0.3-0.9 s a collection) are frozen while it
+    runs, so the collector does not walk them before each row, and thawed again afterwards."""
+    import argparse
+    import gc
+
+    from parallel_dcp.benchmark import suites
+    from parallel_dcp.benchmark.config import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = BenchConfig.from_args(parser.parse_args([*TINY, "--suite", "small", "--targets", str(tmp_path)]))
+    made_before: list[int] = []  # a container the collector tracks, made before the run
+    walked_in_run: list[bool] = []
+
+    def run_all(config: BenchConfig, on_scenario: Any = None) -> list[Scenario]:
+        # gc.get_objects() lists what a collection walks (frozen objects are not in it).
+        walked_in_run.append(any(o is made_before for o in gc.get_objects()))
+        return []
+
+    monkeypatch.setattr(suites, "run_all", run_all)
+    assert gc.get_freeze_count() == 0
+    assert benchmark._run(config) == 0
+    assert walked_in_run == [False]
+    assert any(o is made_before for o in gc.get_objects())
+    assert gc.get_freeze_count() == 0, "the caller's collector is left as it was"
