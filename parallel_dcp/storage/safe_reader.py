@@ -1,7 +1,8 @@
 """The one way a job opens a local file to read it, also for torch's own DCP reader.
 
-    open_regular (safe_files)    O_NOFOLLOW | O_NONBLOCK, then fstat: a regular file, else refused
-        │                        (a planted symlink is never followed, a FIFO never blocked on)
+    open_source (pinned_paths)   O_NOFOLLOW | O_NONBLOCK, then fstat: a regular file, else refused
+        │                        (a planted symlink is never followed, a FIFO never blocked on, a
+        │                        folder on the way swapped for a link refused)
         ▼
     BoundedFile                  pread, never past the size fstat gave at the open (a file that
         │                        grows is read as it was; one that shrinks is "truncated")
@@ -28,8 +29,8 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.storage.pinned_paths import open_without_links
-from parallel_dcp.storage.safe_files import open_regular, resolve_in_tree, vanished
+from parallel_dcp.storage.pinned_paths import open_source, open_without_links
+from parallel_dcp.storage.safe_files import resolve_in_tree, vanished
 
 __all__ = ["BoundedFile", "SafeFileSystem", "open_bounded", "read_in_tree", "vanished"]
 
@@ -93,9 +94,10 @@ class BoundedFile(io.RawIOBase):
 def open_bounded(
     path: str | os.PathLike[str], *, buffering: int = io.DEFAULT_BUFFER_SIZE, no_links: bool = False
 ) -> io.BufferedReader:
-    """``path`` for reading by the one rule: a regular file, never through a symlink in its last
-    component, never blocking on a FIFO, bounded by its fstat size. ``no_links``: ``path`` is a
-    realpath taken earlier, and no component of it may be a symlink now
+    """``path`` for reading by the one rule (:func:`~parallel_dcp.storage.pinned_paths.open_source`):
+    a regular file, no symlink followed on its way (but a hub cache snapshot's into its blobs),
+    never blocking on a FIFO, bounded by its fstat size. ``no_links``: ``path`` is a realpath
+    taken earlier, and no component of it may be a symlink now
     (:func:`~parallel_dcp.storage.pinned_paths.open_without_links`).
 
     Raises:
@@ -103,7 +105,7 @@ def open_bounded(
         CorruptCheckpointError: the file is gone (it vanished: see :func:`vanished`).
     """
     try:
-        fd = open_without_links(path) if no_links else open_regular(None, path)
+        fd = open_without_links(path) if no_links else open_source(path)
     except FileNotFoundError:
         raise vanished(os.fspath(path)) from None
     try:
