@@ -28,6 +28,7 @@ import parallel_dcp
 import parallel_dcp.formats.base as base
 import parallel_dcp.jobs.source_check as source_check
 import parallel_dcp.jobs.verify as verify_job
+import parallel_dcp.storage.safe_files as safe_files
 from parallel_dcp.errors import InvalidDestinationError, SourceChecksumError, UnsafeCheckpointError, WorkerError
 
 # --- F6: a folder on a resolved in-tree link's path swapped for a link out of the tree -----------
@@ -228,3 +229,22 @@ def test_nothing_is_written_into_a_hub_cache_snapshot(tmp_path: Path, overwrite:
     with pytest.raises(InvalidDestinationError, match="Hugging Face cache"):
         parallel_dcp.convert(made, snapshot / "model.safetensors", overwrite=overwrite, workers=1)
     assert {n: os.readlink(snapshot / n) for n in os.listdir(snapshot)} == before
+
+
+def test_a_hub_blobs_folder_swapped_for_a_link_after_the_snapshot_link_was_resolved_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = tmp_path / "made"
+    parallel_dcp.save(_STATE, made, workers=1)
+    snapshot = _hub_snapshot(made, tmp_path / "hub")
+    blobs = tmp_path / "hub" / "models--org--m" / "blobs"
+    shutil.copytree(blobs, tmp_path / "elsewhere")  # (the same bytes: only where they lie differs)
+
+    def swap() -> None:
+        if not blobs.is_symlink():
+            blobs.rename(tmp_path / "blobs.old")
+            blobs.symlink_to(tmp_path / "elsewhere")
+
+    _swap_after(monkeypatch, safe_files, "hub_blob", swap)
+    with pytest.raises(UnsafeCheckpointError, match=r"out of its Hugging Face cache repository .*models--org--m"):
+        parallel_dcp.load(snapshot)

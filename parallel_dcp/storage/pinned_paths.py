@@ -9,12 +9,13 @@ A folder of the source (``1_Pooling/``) swapped for a link out between the choic
 refused at the read, never followed: the pinned path had no link in it, so any link there now is
 a change (someone who can write the source folder on a shared file system).
 
-Every file of a source a job reads (a shard, ``.metadata``, an index) is opened by one rule,
-:func:`open_source`: the listing gave it as a path with no link on its way (the source folder
-resolved once, an in-tree link resolved to where it leads), and the open confirms that the file
-opened is the one at that path now, so a folder on the way swapped for a link out of the tree
-after the listing (``store -> /elsewhere``, a hub cache's ``blobs -> /elsewhere``) is refused, never
-followed:
+Every shard of a source a job reads (and every file a link within the tree was resolved for:
+verify's and the source check's hashing, an index) is opened by one rule, :func:`open_source`: the
+listing gave it as a path with no link on its way (the source folder resolved once, an in-tree
+link resolved to where it leads), and the open confirms that the file opened is the one at that
+path now, so a folder on the way swapped for a link out of the tree after the listing
+(``store -> /elsewhere``) is refused, never followed. (A hub snapshot's own link is confirmed the
+same way by ``open_regular``, for every reader: ``blobs -> /elsewhere`` is refused.)
 
     open_regular(path)           O_NOFOLLOW | O_NONBLOCK on its last component, fstat S_ISREG
        │
@@ -128,17 +129,8 @@ def open_source(path: str | os.PathLike[str]) -> int:
         opened = os.readlink(f"{_FDS}/{fd}")
     except OSError:
         opened = None  # (no /proc: the walk below confirms it)
-    if opened == path:
-        return fd
-    repository = hub_repository(path)
-    if opened is not None and repository is not None and os.path.islink(path):
-        if os.path.commonpath([repository, opened]) == repository:
-            return fd  # a snapshot's link, opened in its repository's blobs/
-        os.close(fd)
-        raise UnsafeCheckpointError(
-            f"{path} was opened at {opened}, out of {repository} (a folder on its way swapped for a link "
-            "out of the cache); refusing to read it"
-        )
+    if opened == path or (hub_repository(path) is not None and os.path.islink(path)):
+        return fd  # (a snapshot's link: open_regular confirmed it was opened within its repository)
     os.close(fd)
     return open_without_links(path)
 

@@ -108,12 +108,7 @@ def open_regular(directory: int | None, name: str | os.PathLike[str], *, flags: 
         blob = hub_blob(name) if directory is None else None
         if blob is None:
             raise UnsafeCheckpointError(f"{_shown(directory, name)} is a symlink; refusing to follow it") from None
-        try:  # (a realpath: a link there now is a change, refused)
-            fd = os.open(blob, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as again:
-            if again.errno == errno.ELOOP:
-                raise UnsafeCheckpointError(f"{os.fspath(name)} -> {blob}: a symlink; refusing to follow it") from None
-            raise
+        fd = _open_blob(os.fspath(name), blob, flags)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -122,6 +117,30 @@ def open_regular(directory: int | None, name: str | os.PathLike[str], *, flags: 
     except BaseException:
         os.close(fd)
         raise
+    return fd
+
+
+def _open_blob(name: str, blob: str, flags: int) -> int:
+    """The hub snapshot link ``name``'s file ``blob`` (its realpath, in its repository), opened and
+    confirmed by the kernel's name for the file opened to lie in that repository: a ``blobs/``
+    swapped for a link out since the link was resolved is refused, never read."""
+    try:
+        fd = os.open(blob, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeCheckpointError(f"{name} -> {blob}: a symlink; refusing to follow it") from None
+        raise
+    repository = hub_repository(blob)
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        opened = blob  # (no /proc: as resolved, the last component not followed)
+    if repository is None or os.path.commonpath([repository, opened]) != repository:
+        os.close(fd)
+        raise UnsafeCheckpointError(
+            f"{name} was opened at {opened}, out of its Hugging Face cache repository {repository} (a folder "
+            "on its way swapped for a link out); refusing to read it"
+        )
     return fd
 
 
