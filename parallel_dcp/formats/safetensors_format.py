@@ -35,9 +35,8 @@ from parallel_dcp.storage.direct_read import ShardFile, direct_read_memory
 from parallel_dcp.storage.io_mode import uses_direct
 from parallel_dcp.storage.location import MIN_PART_BYTES, Location, Remote, listdir, new_file_mode
 from parallel_dcp.storage.manifest import EMBEDDED_KEY, FileDigest, Hasher, embedded_record, read_embedded
-from parallel_dcp.storage.pinned_paths import opened_for_library
+from parallel_dcp.storage.pinned_paths import open_source, opened_for_library
 from parallel_dcp.storage.read_ahead import Span
-from parallel_dcp.storage.safe_files import open_regular
 
 __all__ = [
     "FORMAT",
@@ -102,7 +101,7 @@ def is_safetensors(path: Location) -> bool:
 
 def _local_header(path: str) -> tuple[int, dict[str, Any]]:
     """As :func:`_remote_header`, for a local file (two small reads)."""
-    fd = open_regular(None, path)
+    fd = open_source(path)
     try:
         return _remote_header(_LocalBytes(path, fd))  # type: ignore[arg-type]
     finally:
@@ -426,7 +425,7 @@ def _reads_are_mapped(file: str) -> bool:
         return known
     found = False
     try:
-        with safe_open(file, framework="pt") as f:
+        with opened_for_library(file) as name, safe_open(name, framework="pt") as f:  # (by the one rule)
             keys = list(f.keys())
             if keys:
                 key = min(keys, key=lambda k: math.prod(f.get_slice(k).get_shape()))
@@ -537,7 +536,7 @@ def embedded_checksums(path: Location) -> tuple[int, FileDigest, FileDigest, Fil
     Raises:
         CorruptCheckpointError: the header, or the record in it, cannot be read.
     """
-    reader: Any = path if isinstance(path, Remote) else _LocalBytes(str(path), open_regular(None, str(path)))
+    reader: Any = path if isinstance(path, Remote) else _LocalBytes(str(path), open_source(str(path)))
     try:
         start, header = _remote_header(reader, keep_metadata=True)
     finally:

@@ -430,7 +430,7 @@ def check_task(checks: SourceChecks | None, task: Task) -> None:
         size = 0
         buffer = bytearray(SOURCE_CHECK_BYTES)
         view = memoryview(buffer)
-        with open_bounded(checked.path) as stream:
+        with open_bounded(checked.path, listed=True) as stream:
             stream.seek(checked.start)
             while n := stream.readinto(buffer):
                 hasher.update(view[:n])

@@ -208,9 +208,11 @@ def _hash_handler(
                 continue
             want = recorded[name]
             try:  # a symlink (but one within the tree) or a FIFO in place of a file is named, never read through
+                named = path
                 if tree is not None and (read := resolve_in_tree(path, tree)) != path:
                     path, label = read, f"{label} -> {read}"  # (a nested one too: 1_Pooling/config.json -> ../store/x)
-                found = file_digest(path, checksum=want.digest is not None, start=starts.get(name, 0), no_links=nested)
+                linked = nested or path != named  # (a realpath now: a folder on its way swapped since is refused)
+                found = file_digest(path, checksum=want.digest is not None, start=starts.get(name, 0), no_links=linked)
             except (CorruptCheckpointError, FileNotFoundError) as exc:  # (a dangling link names itself)
                 problems.append(f"file {label}: {exc}")
                 continue

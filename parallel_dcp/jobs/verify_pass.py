@@ -25,7 +25,7 @@ from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError, d
 from parallel_dcp.formats.dcp_records import HEAD_BYTES, TAIL_BYTES, parse_record
 from parallel_dcp.storage.direct_read import ShardFile
 from parallel_dcp.storage.manifest import FileDigest, Hasher
-from parallel_dcp.storage.safe_files import open_regular
+from parallel_dcp.storage.pinned_paths import open_source
 
 __all__ = ["StoredRecord", "one_pass_handler", "record_problems", "records_by_file", "size_change"]
 
@@ -99,7 +99,7 @@ def record_problems(directory: str, name: str, records: list[StoredRecord]) -> l
     """(key, problem) for each of ``records`` of file ``name`` whose head and tail, read alone,
     disagree with ``.metadata`` (a checkpoint without checksums: stock's reader, which verify
     reads it back through, casts a record of another dtype into the one ``.metadata`` says)."""
-    fd = open_regular(None, os.path.join(directory, name))
+    fd = open_source(os.path.join(directory, name))
     try:
         for start, stop, buffer in _windows(records):
             data = os.pread(fd, stop - start, start)

@@ -32,7 +32,7 @@ from typing import Any
 from parallel_dcp.engine.memory import ZSTD_MAX_WINDOW_BYTES, zstd_compress_bytes
 from parallel_dcp.errors import CompressionUnavailableError, CorruptCheckpointError
 from parallel_dcp.storage.direct_read import vanished
-from parallel_dcp.storage.safe_files import open_regular
+from parallel_dcp.storage.pinned_paths import open_source
 
 __all__ = [
     "DESCRIPTOR",
@@ -207,7 +207,7 @@ class _StoredRecord:
         self.consumed = 0
         if not _is_remote(where):
             try:  # never through a symlink; a shard gone meanwhile is a checkpoint that changed
-                self._fd = open_regular(None, os.fspath(where))
+                self._fd = open_source(os.fspath(where))
             except FileNotFoundError:
                 raise vanished(where) from None
 

@@ -42,7 +42,8 @@ from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.storage.direct_jobs import Job, plan_direct
 from parallel_dcp.storage.direct_write import MEMMOVE_BYTES, address
 from parallel_dcp.storage.io_mode import ALIGN, uses_direct
-from parallel_dcp.storage.safe_files import open_regular, vanished
+from parallel_dcp.storage.pinned_paths import open_source
+from parallel_dcp.storage.safe_files import vanished
 
 __all__ = ["DEPTH", "PIECE_BYTES", "REQUEST_BYTES", "ShardFile", "direct_read_memory", "huge_pages", "vanished"]
 
@@ -162,7 +163,7 @@ class ShardFile:
         self._pending: cf.Future[int] | None = None
         self.fd = -1
         try:
-            self.fd = open_regular(None, self.path)
+            self.fd = open_source(self.path)
         except FileNotFoundError:
             raise vanished(self.path) from None
         self.size = os.fstat(self.fd).st_size

@@ -54,6 +54,7 @@ from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck, job_name, read_job_record
 from parallel_dcp.storage.safe_files import (
     FileData,
+    hub_repository,
     open_directory,
     read_small,
     remove_name,
@@ -556,6 +557,14 @@ def _check_parent(destination: Path, *, writable: bool = True) -> None:
     parent = destination.parent
     if not parent.is_dir():
         raise InvalidDestinationError(f"cannot write {destination}: its parent directory {parent} does not exist")
+    # A hub cache snapshot's files are links the hub library manages into blobs/ (a checkpoint there
+    # is read through them): a save would replace them, an overwrite delete them.
+    repository = hub_repository(os.path.realpath(destination if destination.is_dir() else parent))
+    if repository is not None:
+        raise InvalidDestinationError(
+            f"cannot write {destination}: it is in the Hugging Face cache {repository}, whose files the hub "
+            "library manages (links into its blobs/); write to a folder outside the cache"
+        )
     if writable and not os.access(parent, os.W_OK | os.X_OK):
         raise InvalidDestinationError(f"cannot write {destination}: {_why_not_writable(parent, f'directory {parent}')}")
 

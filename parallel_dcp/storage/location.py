@@ -354,9 +354,11 @@ class RemoteFileSystem(FileSystemBase):
 
 
 def dcp_reader(location: str | os.PathLike[str] | Remote) -> FileSystemReader:
-    """DCP's ``FileSystemReader`` for a local directory or a checkpoint on object storage."""
+    """DCP's ``FileSystemReader`` for a local directory or a checkpoint on object storage. A local
+    directory is resolved once (its realpath): its shards are opened by that path, no link
+    followed on the way (storage/pinned_paths.open_source)."""
     if not isinstance(location, Remote):
-        local = FileSystemReader(location)
+        local = FileSystemReader(os.path.realpath(location))
         local.fs = SafeFileSystem()  # shards opened by the one rule, never through a planted symlink
         return local
     reader = FileSystemReader(location.url)

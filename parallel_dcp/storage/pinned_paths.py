@@ -9,10 +9,24 @@ A folder of the source (``1_Pooling/``) swapped for a link out between the choic
 refused at the read, never followed: the pinned path had no link in it, so any link there now is
 a change (someone who can write the source folder on a shared file system).
 
-A shard listed when the job opened its source and read later by a library that opens files by
-name (safetensors' mmap, ``torch.load``) is opened here by the one rule and handed over as
-``/proc/self/fd/N`` (:func:`opened_for_library`): a shard swapped for a symlink out of the folder
-after the listing is refused, never followed.
+Every shard of a source a job reads (and every file a link within the tree was resolved for:
+verify's and the source check's hashing, an index) is opened by one rule, :func:`open_source`: the
+listing gave it as a path with no link on its way (the source folder resolved once, an in-tree
+link resolved to where it leads), and the open confirms that the file opened is the one at that
+path now, so a folder on the way swapped for a link out of the tree after the listing
+(``store -> /elsewhere``) is refused, never followed. (A hub snapshot's own link is confirmed the
+same way by ``open_regular``, for every reader: ``blobs -> /elsewhere`` is refused.)
+
+    open_regular(path)           O_NOFOLLOW | O_NONBLOCK on its last component, fstat S_ISREG
+       │
+       ▼
+    the kernel's name for it    readlink(/proc/self/fd/N) == path: no link was followed on the way
+       │ (else, or no /proc)     (one syscall, where walking costs two per folder of the path)
+       ▼
+    open_without_links(path)     the walk: opens it if nothing changed, else names the link
+
+A library that opens files by name (safetensors' mmap, ``torch.load``) gets the file opened here
+as ``/proc/self/fd/N`` (:func:`opened_for_library`).
 """
 
 from __future__ import annotations
@@ -24,9 +38,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from parallel_dcp.errors import UnsafeCheckpointError
-from parallel_dcp.storage.safe_files import open_regular
+from parallel_dcp.storage.safe_files import hub_repository, open_regular
 
-__all__ = ["open_without_links", "opened_for_library", "pinned_path"]
+__all__ = ["open_source", "open_without_links", "opened_for_library", "pinned_path"]
 
 # O_PATH: a folder on the way needs only search permission (x), as for any path, not read (r):
 # a home directory of mode 0711 is walked as the kernel would walk it.
@@ -71,7 +85,8 @@ def open_without_links(path: str | os.PathLike[str]) -> int:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     shown = "/" + "/".join(folders[: at + 1])
                     raise UnsafeCheckpointError(
-                        f"{shown} (on the way to {path}) is now a symlink or not a folder; refusing to follow it"
+                        f"{shown}{_leads(shown)} (on the way to {path}) is now a symlink or not a folder; "
+                        "refusing to follow it"
                     ) from None
                 raise
             os.close(fd)
@@ -81,20 +96,56 @@ def open_without_links(path: str | os.PathLike[str]) -> int:
         os.close(fd)
 
 
+def _leads(link: str) -> str:
+    """`` -> where it leads`` for a symlink, else nothing (for messages)."""
+    try:
+        return f" -> {os.readlink(link)}"
+    except OSError:
+        return ""
+
+
 _FDS = "/proc/self/fd"
+
+
+def open_source(path: str | os.PathLike[str]) -> int:
+    """Open the regular file at ``path``, a file of a source as its listing gave it (a path with
+    no link on its way: the folder resolved once, an in-tree link resolved to where it leads), by
+    the one rule for reading a source: no symlink followed anywhere on the path, never blocking
+    on a FIFO, a regular file. A folder on the way swapped for a link since is refused.
+
+    The one link followed is a file of a Hugging Face cache snapshot (``models--X/snapshots/<rev>/
+    .metadata -> ../../blobs/<sha>``, a DCP checkpoint on the hub; :func:`~parallel_dcp.storage.
+    safe_files.open_regular`): the file opened must then lie, by the kernel's name for it, in the
+    repository's cache folder the path names. A link in any other folder is refused.
+
+    Raises:
+        UnsafeCheckpointError: a planted link, a folder on the way that is now a link (naming it
+            and where it leads), not a regular file.
+        FileNotFoundError: nothing there (a hub snapshot's link to a missing blob names the link).
+    """
+    path = os.path.abspath(path)
+    fd = open_regular(None, path)
+    try:
+        opened = os.readlink(f"{_FDS}/{fd}")
+    except OSError:
+        opened = None  # (no /proc: the walk below confirms it)
+    if opened == path or (hub_repository(path) is not None and os.path.islink(path)):
+        return fd  # (a snapshot's link: open_regular confirmed it was opened within its repository)
+    os.close(fd)
+    return open_without_links(path)
 
 
 @contextlib.contextmanager
 def opened_for_library(path: str | os.PathLike[str]) -> Iterator[str]:
-    """A name for the regular file at ``path``, opened now by the one rule (no symlink in its last
-    component, never blocking on a FIFO): ``/proc/self/fd/N`` while the block runs, which the
-    library opens as the very file opened here, whatever ``path`` leads to by then. Where there is
-    no ``/proc``, ``path`` itself (checked just before).
+    """A name for the regular file at ``path``, opened now by the one rule (:func:`open_source`):
+    ``/proc/self/fd/N`` while the block runs, which the library opens as the very file opened
+    here, whatever ``path`` leads to by then. Where there is no ``/proc``, ``path`` itself
+    (checked just before).
 
     Raises:
         UnsafeCheckpointError: ``path`` is a symlink, or not a regular file.
     """
-    fd = open_regular(None, path)
+    fd = open_source(path)
     try:
         yield f"{_FDS}/{fd}" if os.path.isdir(_FDS) else os.fspath(path)
     finally:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from parallel_dcp.errors import CorruptCheckpointError, InvalidDestinationError, UnsafeCheckpointError
 from parallel_dcp.storage import io_mode, read_probe
-from parallel_dcp.storage.safe_files import open_regular
+from parallel_dcp.storage.pinned_paths import open_source
 
 if TYPE_CHECKING:
     from parallel_dcp.storage.location import Remote
@@ -189,7 +189,7 @@ def _largest(files: Iterable[str | os.PathLike[str]]) -> list[tuple[str, int, in
     found = []
     for name in dict.fromkeys(os.fspath(f) for f in files):
         try:
-            fd = open_regular(None, name)
+            fd = open_source(name)
         except (OSError, UnsafeCheckpointError):
             continue
         try:

@@ -39,6 +39,8 @@ from parallel_dcp.errors import (
 
 __all__ = [
     "create_new",
+    "hub_blob",
+    "hub_repository",
     "open_directory",
     "open_in_tree",
     "open_regular",
@@ -90,6 +92,10 @@ def open_regular(directory: int | None, name: str | os.PathLike[str], *, flags: 
     ``directory`` is a descriptor ``name`` is relative to (``name`` must then be a plain name), or
     None for a path. Raises UnsafeCheckpointError if the name is a symlink, a directory, a FIFO or
     anything else that is not a regular file; FileNotFoundError if it does not exist.
+
+    The one link followed: a file of a Hugging Face cache snapshot named by its path
+    (``models--X/snapshots/<rev>/.metadata -> ../../blobs/<sha>``: a DCP checkpoint on the hub, a
+    record), opened where it leads within the repository's cache folder (:func:`hub_blob`).
     """
     if directory is not None:
         name = plain_name(os.fspath(name))
@@ -97,9 +103,12 @@ def open_regular(directory: int | None, name: str | os.PathLike[str], *, flags: 
         # O_NONBLOCK: opening a planted FIFO must not hang before fstat can refuse it.
         fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=directory)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
+        if exc.errno != errno.ELOOP:
+            raise
+        blob = hub_blob(name) if directory is None else None
+        if blob is None:
             raise UnsafeCheckpointError(f"{_shown(directory, name)} is a symlink; refusing to follow it") from None
-        raise
+        fd = _open_blob(os.fspath(name), blob, flags)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -108,6 +117,30 @@ def open_regular(directory: int | None, name: str | os.PathLike[str], *, flags: 
     except BaseException:
         os.close(fd)
         raise
+    return fd
+
+
+def _open_blob(name: str, blob: str, flags: int) -> int:
+    """The hub snapshot link ``name``'s file ``blob`` (its realpath, in its repository), opened and
+    confirmed by the kernel's name for the file opened to lie in that repository: a ``blobs/``
+    swapped for a link out since the link was resolved is refused, never read."""
+    try:
+        fd = os.open(blob, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeCheckpointError(f"{name} -> {blob}: a symlink; refusing to follow it") from None
+        raise
+    repository = hub_repository(blob)
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        opened = blob  # (no /proc: as resolved, the last component not followed)
+    if repository is None or os.path.commonpath([repository, opened]) != repository:
+        os.close(fd)
+        raise UnsafeCheckpointError(
+            f"{name} was opened at {opened}, out of its Hugging Face cache repository {repository} (a folder "
+            "on its way swapped for a link out); refusing to read it"
+        )
     return fd
 
 
@@ -145,6 +178,35 @@ def source_tree(directory: str | os.PathLike[str]) -> Path:
         if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith(_HF_CACHE_REPOS):
             return folder.parent.parent
     return real  # (the folder the reads open: abspath would fold a ``..`` after a link into another)
+
+
+def hub_blob(path: str | os.PathLike[str]) -> str | None:
+    """Where ``path`` leads, if it is a symlink in a Hugging Face cache snapshot leading within
+    the repository's cache folder (:func:`source_tree`); None if it is no link of a snapshot (a
+    link elsewhere stays refused: our saves never make one, so it was planted).
+
+    Raises:
+        UnsafeCheckpointError: a snapshot's link leading out of its repository.
+        FileNotFoundError: a snapshot's link to a blob that is not there (naming both).
+    """
+    if not os.path.islink(path):
+        return None
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    tree = source_tree(folder)
+    if os.fspath(tree) == folder:
+        return None
+    return os.fspath(resolve_in_tree(path, tree))
+
+
+def hub_repository(path: str) -> str | None:
+    """The Hugging Face cache repository folder (``.../models--X``) the absolute ``path`` names a
+    file of, read from the path alone (``models--X/snapshots/<rev>/...`` or ``models--X/blobs/...``);
+    None where it names none."""
+    parts = path.split("/")
+    for at in range(len(parts) - 1, 0, -1):
+        if parts[at].startswith(_HF_CACHE_REPOS) and at + 1 < len(parts) and parts[at + 1] in ("snapshots", "blobs"):
+            return "/".join(parts[: at + 1])
+    return None
 
 
 def resolve_in_tree(path: str | os.PathLike[str], tree: str | os.PathLike[str]) -> Path:

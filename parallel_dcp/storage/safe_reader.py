@@ -1,7 +1,9 @@
 """The one way a job opens a local file to read it, also for torch's own DCP reader.
 
     open_regular (safe_files)    O_NOFOLLOW | O_NONBLOCK, then fstat: a regular file, else refused
-        │                        (a planted symlink is never followed, a FIFO never blocked on)
+        │                        (a planted symlink is never followed, a FIFO never blocked on);
+        │                        a listed source file by open_source (pinned_paths): no folder on
+        │                        its way swapped for a link since either
         ▼
     BoundedFile                  pread, never past the size fstat gave at the open (a file that
         │                        grows is read as it was; one that shrinks is "truncated")
@@ -23,12 +25,13 @@ import contextlib
 import io
 import os
 from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.storage.pinned_paths import open_without_links
+from parallel_dcp.storage.pinned_paths import open_source, open_without_links
 from parallel_dcp.storage.safe_files import open_regular, resolve_in_tree, vanished
 
 __all__ = ["BoundedFile", "SafeFileSystem", "open_bounded", "read_in_tree", "vanished"]
@@ -91,19 +94,28 @@ class BoundedFile(io.RawIOBase):
 
 
 def open_bounded(
-    path: str | os.PathLike[str], *, buffering: int = io.DEFAULT_BUFFER_SIZE, no_links: bool = False
+    path: str | os.PathLike[str],
+    *,
+    buffering: int = io.DEFAULT_BUFFER_SIZE,
+    no_links: bool = False,
+    listed: bool = False,
 ) -> io.BufferedReader:
-    """``path`` for reading by the one rule: a regular file, never through a symlink in its last
-    component, never blocking on a FIFO, bounded by its fstat size. ``no_links``: ``path`` is a
-    realpath taken earlier, and no component of it may be a symlink now
-    (:func:`~parallel_dcp.storage.pinned_paths.open_without_links`).
+    """``path`` for reading by the one rule (:func:`~parallel_dcp.storage.pinned_paths.open_source`):
+    a regular file, no symlink followed on its way (but a hub cache snapshot's into its blobs),
+    never blocking on a FIFO, bounded by its fstat size. ``no_links``: ``path`` is a realpath
+    taken earlier, and no component of it may be a symlink now
+    (:func:`~parallel_dcp.storage.pinned_paths.open_without_links`). ``listed``: ``path`` is a
+    source's file as its listing gave it (a link within the tree resolved to where it leads), and
+    no folder on its way may have become a link since (:func:`~parallel_dcp.storage.pinned_paths.
+    open_source`); by default, as :func:`~parallel_dcp.storage.safe_files.open_regular` (the
+    destination's own files are read so, by the path the user gave).
 
     Raises:
         UnsafeCheckpointError: a symlink, a FIFO, a directory, anything not a regular file.
         CorruptCheckpointError: the file is gone (it vanished: see :func:`vanished`).
     """
     try:
-        fd = open_without_links(path) if no_links else open_regular(None, path)
+        fd = open_without_links(path) if no_links else open_source(path) if listed else open_regular(None, path)
     except FileNotFoundError:
         raise vanished(os.fspath(path)) from None
     try:
@@ -123,7 +135,8 @@ def read_in_tree(path: str | os.PathLike[str], tree: str | os.PathLike[str], *, 
         UnsafeCheckpointError: a link out of ``tree``, or not a regular file.
         CorruptCheckpointError: larger than ``limit``, or gone.
     """
-    with open_bounded(resolve_in_tree(path, tree)) as stream:
+    target = resolve_in_tree(path, tree)
+    with open_bounded(target, listed=target != Path(path)) as stream:  # (a link resolved: no folder swapped since)
         size = stream.raw.size  # type: ignore[attr-defined]
         if size > limit:
             raise CorruptCheckpointError(
