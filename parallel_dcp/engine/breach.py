@@ -15,6 +15,12 @@ much (a worker holding 8 MiB of its own was charged 105 MiB, in a caller of 200 
 - a worker forked during the job: its private memory (all of it is the job's);
 - a process held from before the job (a ``Saver``'s workers and fork server): its charge now less
   its charge in the baseline.
+
+Not told apart (open): pages a worker forked from the caller still maps, which the caller frees
+while the job runs (a large tensor it drops), become that worker's private memory without the
+worker allocating anything, and leave the caller's anonymous memory; a caller that frees 100 MiB
+and then allocates 192 MiB mid-job is reported as a worker that grew by ~109 MiB. The total (the
+ceiling's charge) is right; only the name in the message is not.
 """
 
 from __future__ import annotations
