@@ -6,6 +6,10 @@
 - torch.save file (.pt/.pth/.bin) or HF ``.bin`` directory: read with
   ``torch.load(mmap=True, weights_only=True)``; written with ``torch.save`` per shard plus the index.
 
+A Hugging Face folder means the weights transformers loads from it (:mod:`.folder_choice`):
+``model.safetensors``, its index, ``pytorch_model.bin``, its index, the first there; only a folder
+with none of them is read by another rule (every ``*.safetensors``, a PEFT adapter beside others not).
+
 Any of them may be at a URL (``s3://...``, see :mod:`parallel_dcp.storage.location`): DCP and safetensors
 are then read by byte ranges; torch.save files are first copied to a local temporary directory.
 """
@@ -19,13 +23,24 @@ from pathlib import Path
 from typing import Any
 
 from parallel_dcp.formats import safetensors_format, torch_format
-from parallel_dcp.formats.base import Entry, FileFormat, Source
+from parallel_dcp.formats.base import Entry, FileFormat, Source, folder_index
 from parallel_dcp.formats.dcp_format import DcpSource, is_dcp
+from parallel_dcp.formats.folder_choice import client_choice
 from parallel_dcp.formats.safetensors_format import SafetensorsSource, is_safetensors
 from parallel_dcp.formats.torch_format import TorchSource, is_torch_save
-from parallel_dcp.storage.location import Location, listdir, locate, resolved_once
+from parallel_dcp.storage.location import Location, Remote, listdir, locate, resolved_once
 
-__all__ = ["FILE_FORMATS", "FORMATS", "Entry", "FileFormat", "Source", "detect_format", "open_source"]
+__all__ = [
+    "FILE_FORMATS",
+    "FORMATS",
+    "Entry",
+    "FileFormat",
+    "Source",
+    "detect_format",
+    "folder_weights",
+    "index_read",
+    "open_source",
+]
 
 # The registry. Reading: each format's detector and source, tried in this order.
 _READERS: tuple[tuple[str, Callable[[Location], bool], type[Source]], ...] = (
@@ -50,6 +65,8 @@ def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] 
     path = os.fspath(where)
     if not where.exists():
         _raise_unreachable(where, path)
+    if where.is_dir() and not is_dcp(where) and (choice := client_choice(listdir(where))) is not None:
+        return choice.kind  # what transformers loads from the folder, before any other weights in it
     for kind, detect, _ in _READERS:
         if detect(where):
             return kind
@@ -107,3 +124,30 @@ def open_source(
     if source_type is TorchSource:
         return TorchSource(path, storage_options=storage_options, trust_pickle=trust_pickle, memory_limit=memory_limit)
     return source_type(path, storage_options=storage_options, trust_pickle=trust_pickle)
+
+
+def index_read(source: Source) -> Location | None:
+    """The index a Hugging Face folder ``source`` was opened by (as its ``files`` were chosen);
+    None where it read none: a file, a DCP directory, a folder read by its single
+    ``model.safetensors`` or ``pytorch_model.bin`` (an index beside it is not read), or one with no index."""
+    file_format = FILE_FORMATS.get(source.kind)
+    if file_format is None:
+        return None
+    return folder_index(source.location, file_format.index_name, file_format.shard_names(1)[0])
+
+
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def folder_weights(source: Source) -> tuple[list[str], list[str]]:
+    """The weight files and indexes at the top of a local Hugging Face folder ``source``, by name:
+    those its reads open, and those they do not (the other format's set, an older set beside
+    ``model.safetensors``, an adapter), as the client leaves them too; ([], []) for any other source."""
+    folder = source.location
+    if source.kind not in FILE_FORMATS or isinstance(folder, Remote) or not folder.is_dir():
+        return [], []
+    index = index_read(source)
+    read = {os.path.realpath(f) for f in [*source.files, *([index] if index is not None else [])]}
+    names = [n for n in sorted(listdir(folder)) if not n.startswith(".") and n.endswith(_WEIGHTS)]
+    opened = [n for n in names if os.path.realpath(folder / n) in read]
+    return opened, [n for n in names if n not in opened]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
+from parallel_dcp.formats.folder_choice import client_choice, fallback_names
 from parallel_dcp.formats.shard_index import index_names
 from parallel_dcp.storage.location import Location, Remote, listdir, locate
 from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, source_tree
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
     from parallel_dcp.formats.range_read import RawRange
 
-__all__ = ["MAX_ELEMENTS", "Entry", "FileFormat", "Source", "entry_of", "index_json", "shard_files"]
+__all__ = ["MAX_ELEMENTS", "Entry", "FileFormat", "Source", "entry_of", "folder_index", "index_json", "shard_files"]
 
 
 # Dimensions (zero ones counted as one) multiply to less than this in any tensor torch can make.
@@ -261,9 +262,10 @@ def index_json(weight_map: dict[str, str], total_size: int) -> str:
 
 
 def shard_files(path: Location, index_name: str, suffix: str | None = None, lone: str | None = None) -> list[str]:
-    """The files of a single-file source, or of a sharded directory: the ones its index names,
-    or (no index) every file with ``suffix``, or the file named ``lone`` (a directory of one shard,
-    as Hugging Face writes ``pytorch_model.bin``).
+    """The files of a single-file source, or of a sharded directory: what the real client loads
+    from it (:func:`folder_index`): the file named ``lone`` (``model.safetensors``, as Hugging Face
+    writes a directory of one shard) before the shards its index names, or (neither there) every
+    file with ``suffix`` (:func:`~parallel_dcp.formats.folder_choice.fallback_names`).
 
     Raises:
         FileNotFoundError: the index names a shard that does not exist.
@@ -277,18 +279,29 @@ def shard_files(path: Location, index_name: str, suffix: str | None = None, lone
             raise UnsafeCheckpointError(f"{path} is not a regular file: no checkpoint is read from it")
         return [real]
     listing = listdir(path)
-    if index_name not in listing and lone is not None and lone in listing:
-        names = [lone]
-    elif index_name in listing or suffix is None:
+    choice = client_choice(n for n in listing if n in (index_name, lone))
+    if choice is not None and not choice.sharded:
+        names = [choice.name]
+    elif choice is not None or suffix is None:
         names = index_names(path / index_name)
     else:
-        names = sorted(n for n in listing if n.endswith(suffix))
+        names = fallback_names(listing, suffix)
     missing = [n for n in names if n not in listing]
     if missing:
         raise FileNotFoundError(f"{path}: the index names shards that do not exist: {', '.join(missing)}")
     if isinstance(path, Remote):
         return [os.fspath(path / n) for n in names]
     return [os.fspath(_in_tree(path / n, source_tree(path))) for n in names]
+
+
+def folder_index(path: Location, index_name: str, lone: str | None = None) -> Location | None:
+    """The index a directory source is read by (as :func:`shard_files` chooses); None for a file,
+    a directory read by its ``lone`` file (an index beside it is not read, as transformers does
+    not), or one with no index."""
+    if not path.is_dir():
+        return None
+    choice = client_choice(n for n in listdir(path) if n in (index_name, lone))
+    return path / index_name if choice is not None and choice.sharded else None
 
 
 def _in_tree(file: Path, tree: Path) -> Path:

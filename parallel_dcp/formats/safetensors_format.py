@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from parallel_dcp._json import loads_json
 from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
-from parallel_dcp.formats.base import Entry, FileFormat, Source, shard_files
+from parallel_dcp.formats.base import Entry, FileFormat, Source, folder_index, shard_files
 from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.shard_index import check_index
 from parallel_dcp.storage.direct_read import ShardFile, direct_read_memory
@@ -41,6 +41,7 @@ from parallel_dcp.storage.read_ahead import Span
 __all__ = [
     "FORMAT",
     "INDEX_NAME",
+    "LONE_NAME",
     "SafetensorsSource",
     "embedded_checksums",
     "header_metadata",
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
+LONE_NAME = "model.safetensors"  # a Hugging Face directory of one shard (transformers reads it before an index)
 _SUFFIX = ".safetensors"
 _DTYPES = {
     "F64": torch.float64,
@@ -198,14 +200,15 @@ class SafetensorsSource(Source):
 
     def __post_init__(self) -> None:
         self.kind = "safetensors"
-        # (no index: model.safetensors alone where it is there, as transformers reads the folder;
-        # an adapter_model.safetensors beside it is not the model)
-        self.files = shard_files(self.location, INDEX_NAME, _SUFFIX, lone="model.safetensors")
+        # (as transformers reads the folder: model.safetensors before an index beside it; an
+        # adapter_model.safetensors beside other weights is not the model: formats/folder_choice.py)
+        self.files = shard_files(self.location, INDEX_NAME, _SUFFIX, lone=LONE_NAME)
         if isinstance(self.location, Remote):
             self._list_remote(self.location)
         else:
             self._list_local()
-        check_index(self.location, INDEX_NAME, self.files, {key: entry.file for key, entry in self.entries.items()})
+        if folder_index(self.location, INDEX_NAME, LONE_NAME) is not None:
+            check_index(self.location, INDEX_NAME, self.files, {k: entry.file for k, entry in self.entries.items()})
 
     def _list_local(self) -> None:
         stated: list[dict[str, str]] = []
@@ -447,7 +450,7 @@ def _reads_are_mapped(file: str) -> bool:
 def shard_names(count: int) -> list[str]:
     """Hugging Face shard names; a single shard is plain ``model.safetensors``."""
     if count == 1:
-        return ["model.safetensors"]
+        return [LONE_NAME]
     return [f"model-{i + 1:05d}-of-{count:05d}{_SUFFIX}" for i in range(count)]
 
 

@@ -31,7 +31,7 @@ from parallel_dcp.errors import (
     MemoryLimitExceeded,
     UnsafeCheckpointError,
 )
-from parallel_dcp.formats.base import FileFormat, Source, entry_of, shard_files
+from parallel_dcp.formats.base import FileFormat, Source, entry_of, folder_index, shard_files
 from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.shard_index import check_index
 from parallel_dcp.formats.torch_spool import remove_if_owner, spool
@@ -166,7 +166,8 @@ class TorchSource(Source):
                     self.values[key] = value
             if len(self.files) == 1:
                 self.mapping = mapping
-        check_index(self.location, INDEX_NAME, self.files, holders)
+        if folder_index(self.location, INDEX_NAME, LONE_NAME) is not None:  # (not read beside pytorch_model.bin)
+            check_index(self.location, INDEX_NAME, self.files, holders)
 
     def keys(self) -> tuple[str, ...]:
         return tuple(self._order)

@@ -27,6 +27,8 @@ from parallel_dcp.engine.memory import WORKER_MEMORY_BYTES, MemoryGovernor, form
 from parallel_dcp.engine.partition import ITEM_OVERHEAD_BYTES, Task
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import describe_unit, plural, printable
+from parallel_dcp.formats import folder_weights
+from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs.pipeline import Plan, choose_executor, needed_space, plan_job
 from parallel_dcp.jobs.source_check import SOURCE_CHECK_BYTES
@@ -220,9 +222,19 @@ def plan_dry_run(job: Job, target: Target, options: Options, governor: MemoryGov
         chunks=chunks,
         files=files,
         per_worker=per_worker,
-        notes=_notes(target, options, needed, free) + _check_notes(plan.job),
+        notes=_notes(target, options, needed, free) + _check_notes(plan.job) + _source_notes(job.source),
         marker=_marker(target, tasks),
     )
+
+
+def _source_notes(source: Source) -> list[str]:
+    """Which of a folder's weight files the run reads, where it holds others it leaves (as the
+    client does: formats/folder_choice.py)."""
+    read, unread = folder_weights(source)
+    if not unread:
+        return []
+    shown = ", ".join(read[:3]) + (f" and {len(read) - 3} more" if len(read) > 3 else "")
+    return [f"reads {shown} of {source.path}, the weights transformers loads from it; not read: {', '.join(unread)}"]
 
 
 def _check_notes(job: Job) -> list[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from parallel_dcp.errors import CorruptCheckpointError, ParallelDCPError, plural, printable
-from parallel_dcp.formats import detect_format, open_source, safetensors_format, torch_format
+from parallel_dcp.formats import detect_format, index_read, open_source, safetensors_format, torch_format
 from parallel_dcp.storage.location import Location, file_size, listdir, locate
 from parallel_dcp.storage.manifest import MANIFEST_FILE
 from parallel_dcp.storage.ownership import METADATA_FILE, describe_owner, find_leftovers
@@ -167,7 +167,8 @@ def inspect_checkpoint(
         for f in source.files
     ]
     # A sharded directory's index is part of it (convert counts it among the files it wrote).
-    files += [{"name": n, "size": _size(where / n)} for n in _INDEXES if names is not None and n in names]
+    # (the one read: not an index beside a model.safetensors, nor the other format's)
+    files += [{"name": index.name, "size": _size(index)} for index in [index_read(source)] if index is not None]
     missing = [r["name"] for r in files if r["size"] is None]
     if damaged is None and missing:
         damaged = f"{plural(len(missing), 'file')} it names missing: {', '.join(missing)}"
