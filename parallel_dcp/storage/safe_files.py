@@ -147,6 +147,13 @@ def source_tree(directory: str | os.PathLike[str]) -> Path:
     return real  # (the folder the reads open: abspath would fold a ``..`` after a link into another)
 
 
+def hub_cache_repo(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` is a Hugging Face cache repository folder (``models--X/``, holding its
+    ``snapshots/`` and ``blobs/``): the tree :func:`source_tree` returns for a snapshot."""
+    folder = Path(folder)
+    return folder.name.startswith(_HF_CACHE_REPOS) and (folder / "snapshots").is_dir()
+
+
 def resolve_in_tree(path: str | os.PathLike[str], tree: str | os.PathLike[str]) -> Path:
     """``path`` if it is not a symlink; else the file it leads to, if that lies inside ``tree``
     (a link of a Hugging Face cache snapshot into its ``blobs/``).
