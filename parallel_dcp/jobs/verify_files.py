@@ -63,8 +63,9 @@ class Recorded:
         record: where they are recorded, as an error names it ("model.pt.manifest.json").
         starts: for a file whose record covers only its data section: where that begins.
         problems: what the record itself shows (a header that differs from the one recorded).
-        records: a folder whose files carry their own records (no record of its own): each
-            file's ("its header", "pytorch_model.bin.manifest.json"), read beside the file.
+        records: a folder whose files carry their own records (no record of its own), or the
+            files its record does not list that carry one (jobs/unrecorded.py): each file's
+            ("its header", "pytorch_model.bin.manifest.json"), read beside the file.
     """
 
     directory: Location
