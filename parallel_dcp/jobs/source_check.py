@@ -31,7 +31,11 @@ checked as the file it leads to, which every read of it reads: its record is tha
 (recorded_checksums resolves the name once), and the hash pass opens the resolved path; so is a
 Hugging Face folder's shard that links within its tree (_files_read). A mismatch names both (the
 name given, the file read: "LINK -> PATH"); a sidecar beside a link's name alone is warned of,
-not used (verify_files.record_beside_link).
+not used (verify_files.record_beside_link). A file of a Hugging Face cache reached through the
+user's own link is checked against the snapshot's record (the snapshot's link on the way decides),
+and its mismatch says both that its uploader may have left the record stale and how to download it
+again (blob times say only when the download wrote each). A folder's file that its record does not
+list is checked against its own record, else named in a warning; its recorded index changed is refused.
 
 Whole-file checksums cannot be split: xxh3 of a file is not made of the digests of its parts, so
 a file whose tensors several tasks share (or split into row ranges) is hashed whole by one of them
@@ -73,11 +77,11 @@ from parallel_dcp.formats.dcp_format import DcpSource
 from parallel_dcp.formats.renamed_source import RenamedSource
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.formats.torch_format import TorchSource
-from parallel_dcp.jobs.unrecorded import index_name, unrecorded_files
+from parallel_dcp.jobs.unrecorded import index_name, index_read, unrecorded_files, with_own_records
 from parallel_dcp.jobs.verify_files import Recorded, links_within, record_beside_link, recorded_checksums, shown_as
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.manifest import MANIFEST_FILE, FileDigest, file_digest
-from parallel_dcp.storage.safe_files import resolve_in_tree
+from parallel_dcp.storage.safe_files import hub_cache_repo, resolve_in_tree
 from parallel_dcp.storage.safe_reader import open_bounded
 
 __all__ = [
@@ -87,6 +91,7 @@ __all__ = [
     "as_source_error",
     "check_task",
     "plan_checks",
+    "refuse_by_records",
     "source_checks",
     "warn_unchecked_direct",
 ]
@@ -94,12 +99,17 @@ __all__ = [
 # The hash pass reads through one buffer of this size: a task given files to hash holds it beside
 # its reads, so plan_checks adds it to that task's memory (admission and the dry run count it).
 SOURCE_CHECK_BYTES = 1024 * 1024
-_ADVICE = "restore it (or convert anyway with --no-source-checks, check_source=False)"
+_ADVICE = "(or convert anyway with --no-source-checks, check_source=False)"
 # A safetensors file's own record travels with its header: stock safetensors keeps it in a rewrite
 # (safe_open, edit, save_file(..., metadata=f.metadata())), so other bytes under it need not be damage.
 _HEADER_KEPT = (
     'either a program rewrote it keeping its "parallel_dcp" metadata entry (safetensors\' '
     "save_file(..., metadata=f.metadata()) keeps it)"
+)
+# A file of a Hugging Face cache is a blob as downloaded: its time says when the download wrote it,
+# not whether it changed since its record, and a record its uploader left stale is downloaded too.
+_UPLOADED_STALE = (
+    "either its uploader replaced it on the hub and not its record (downloading it again gives the same bytes)"
 )
 
 
@@ -122,6 +132,7 @@ class CheckedFile:
     rewritten: str
     shown: str
     listed: str = ""  # (its name as the source lists it, where ``name`` is a link's target's: a warning's)
+    restore: str = "restore it"  # (a file of a Hugging Face cache: delete its blob and download it again)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,14 +269,8 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
                 stacklevel=2,
             )
         return None
-    if recorded.problems:  # the safetensors header differs from the one recorded (read on open)
-        real = Path(os.fspath(recorded.directory)) / next(iter(recorded.files))  # (where a link leads)
-        raise SourceChecksumError(  # (the problem names both causes: verify reports it alike)
-            f"{shown_as(source.path, real)}: {recorded.problems[0]}: if rewritten on purpose, its record is stale "
-            "(convert it anyway with --no-source-checks, check_source=False); if damaged (in a copy, on the device), "
-            "restore it"
-        )
-    _refuse_changed_folder(source, recorded)
+    _refuse_by_records(source, recorded)
+    recorded = _added_files_checked(source, recorded)
     stored = _files_read(source, recorded)
     directory = Path(os.fspath(source.location))  # (a folder's files as its listing names them)
     files = tuple(
@@ -277,9 +282,10 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
             recorded.record_of(name),
             os.path.basename(read) if source.location.is_dir() else source.location.name,
             # (hashed all the same: the pass is the task's own read; only a mismatch needs the hint)
-            _why_rewritten(recorded, name, _changed_since(read, _record_written(recorded, name, read))),
+            _why_rewritten(recorded, name, _changed_since(read, _record_written(recorded, name, read)), read),
             shown_as(source.path if not source.location.is_dir() else directory / name, read),
             name if source.location.is_dir() else source.location.name,
+            _restore(read),
         )
         for name, digest in recorded.files.items()
         if digest.digest is not None and name in stored
@@ -288,41 +294,121 @@ def source_checks(view: Source, source: Source) -> SourceChecks | None:
     return SourceChecks(files, source, old_names) if files else None
 
 
-def _refuse_changed_folder(source: Source, recorded: Recorded) -> None:
-    """A local Hugging Face folder with a record of its own that no longer holds what it records,
-    where that matters to the job: a file its reads open that the record does not list (a shard
-    added, and named in the index, after the record was written), or its recorded index with other
-    bytes (read when the source was opened: it decides which shard each key is read from, and
-    holds no key, so no task hashes it). Refused, not warned of: the folder converts as something
-    its record does not describe, and ``verify`` fails on it too; the error names the file and
-    both ways out (a change on purpose: the record is stale; or files of another checkpoint).
+def refuse_by_records(source: Source) -> None:
+    """In the coordinator, with several sources, before the first is converted: the refusals that
+    need no hashing of a source's files (a safetensors header, or a folder's recorded index, that
+    is not the one recorded), so that a later source's is known before anything is written. A
+    record that cannot be read, or none: nothing (its own job warns of it).
+
+    Raises:
+        SourceChecksumError: as :func:`source_checks` would, when that source's job starts.
+    """
+    if not isinstance(source, (DcpSource, SafetensorsSource, TorchSource)) or isinstance(source.location, Remote):
+        return
+    try:
+        recorded = recorded_checksums(source, warn_stale=False)
+    except (CorruptCheckpointError, PermissionError):
+        return
+    if recorded is not None:
+        _refuse_by_records(source, recorded)
+        if links_within(source) is not None and recorded.record == MANIFEST_FILE and not recorded.records:
+            _refuse_added_problems(source, with_own_records(source, recorded)[0])
+
+
+def _refuse_by_records(source: Source, recorded: Recorded) -> None:
+    """A source's header record (read on open) or recorded index that is not the one recorded.
 
     Raises:
         SourceChecksumError: either.
     """
+    if recorded.problems:  # the safetensors header differs from the one recorded (read on open)
+        real = Path(os.fspath(recorded.directory)) / next(iter(recorded.files))  # (where a link leads)
+        problem = recorded.problems[0].removeprefix(f"file {real.name}: ")  # (named here: "LINK -> FILE")
+        raise SourceChecksumError(  # (the problem names both causes: verify reports it alike)
+            f"{shown_as(source.path, real)}: {problem}: if rewritten on purpose, its record is stale "
+            "(convert it anyway with --no-source-checks, check_source=False); if damaged (in a copy, on the device), "
+            "restore it"
+        )
+    _refuse_changed_folder(source, recorded)
+
+
+def _refuse_added_problems(source: Source, merged: Recorded) -> None:
+    """An added file (one the folder's record does not list) whose own header record fails.
+
+    Raises:
+        SourceChecksumError: its header is not the one its own record was taken of.
+    """
+    if merged.problems:
+        raise SourceChecksumError(
+            f"{source.location}: {merged.problems[0]}: if rewritten on purpose, its record is stale (convert it "
+            "anyway with --no-source-checks, check_source=False); if damaged (in a copy, on the device), restore it"
+        )
+
+
+def _refuse_changed_folder(source: Source, recorded: Recorded) -> None:
+    """A local Hugging Face folder with a record of its own whose recorded index the job reads has
+    other bytes (read when the source was opened: it decides which shard each key is read from,
+    and holds no key, so no task hashes it; a shard merged in and named there changes it). Refused,
+    not warned of: a file the record lists is not the one recorded; the error names the file, the
+    files read that the record does not list, and both ways out (a change on purpose: the record
+    is stale; or damage). Files the record does not list are no refusal: :func:`_added_files_checked`.
+
+    Raises:
+        SourceChecksumError: the recorded index changed.
+    """
     if (tree := links_within(source)) is None or recorded.record != MANIFEST_FILE or recorded.records:
         return
     directory = Path(os.fspath(source.location))
-    if added := unrecorded_files(source, recorded):
-        names = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
-        raise SourceChecksumError(
-            f"{directory}: its reads open {names}, which its {MANIFEST_FILE} does not record (the folder changed "
-            "after its record was written): either on purpose (a shard merged in, the index edited), and then its "
-            "record is stale (convert it anyway with --no-source-checks, check_source=False), or it holds files of "
-            "another checkpoint: restore it"
-        )
     index = index_name(source)
-    if index not in recorded.files or not os.path.lexists(directory / index):
+    if index not in recorded.files or not index_read(source):
         return
     read = resolve_in_tree(directory / index, tree)
     want = recorded.files[index]
     found = file_digest(read, checksum=want.digest is not None)
     if found != want:
-        rewritten = _why_rewritten(recorded, index, _changed_since(read, _record_written(recorded, index, read)))
+        rewritten = _why_rewritten(recorded, index, _changed_since(read, _record_written(recorded, index, read)), read)
+        added = unrecorded_files(source, recorded)
+        also = f"; its reads also open {_some(added)}, which the record does not list" if added else ""
         raise SourceChecksumError(
             f"{shown_as(directory / index, read)}: its bytes are not the ones its checksum in {MANIFEST_FILE} was "
-            f"taken of ({_difference(found, want)}): {_mismatch_advice(rewritten)}"
+            f"taken of ({_difference(found, want)}{also}): {_mismatch_advice(rewritten, _restore(read))}"
         )
+
+
+def _added_files_checked(source: Source, recorded: Recorded) -> Recorded:
+    """A local Hugging Face folder's record with the files the job reads that it does not list
+    (jobs/unrecorded.py) added where they carry their own record (a safetensors header's, a
+    sidecar), so that they are hashed against it like the others; the rest are read unchecked and
+    named in a warning (a ``model.safetensors`` the hub's bot put beside recorded ``.bin`` shards
+    is not damage of what was recorded).
+
+    Raises:
+        SourceChecksumError: an added safetensors file whose header is not the one its own record
+            was taken of.
+
+    Warns:
+        SourceNotCheckedWarning: added files that carry no record.
+    """
+    if links_within(source) is None or recorded.record != MANIFEST_FILE or recorded.records:
+        return recorded
+    merged, unchecked = with_own_records(source, recorded)
+    directory = Path(os.fspath(source.location))
+    _refuse_added_problems(source, merged)
+    if unchecked:
+        warnings.warn(
+            f"{directory}: not checked against its checksums: {_some(unchecked)}, which its reads open, "
+            f"{'is' if len(unchecked) == 1 else 'are'} not in its {MANIFEST_FILE} and carr"
+            f"{'ies' if len(unchecked) == 1 else 'y'} no record of {'its' if len(unchecked) == 1 else 'their'} own "
+            "(added to the folder after its record was written: a conversion the hub's bot or a script put there)",
+            SourceNotCheckedWarning,
+            stacklevel=3,
+        )
+    return merged
+
+
+def _some(names: Sequence[str]) -> str:
+    """Up to three names, and how many more."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _difference(found: FileDigest, want: FileDigest) -> str:
@@ -439,28 +525,43 @@ def check_task(checks: SourceChecks | None, task: Task) -> None:
         if found != checked.digest:
             raise SourceChecksumError(
                 f"{checked.shown}: its bytes are not the ones its checksum in {checked.record} was taken of "
-                f"({_difference(found, checked.digest)}): {_mismatch_advice(checked.rewritten)}"
+                f"({_difference(found, checked.digest)}): {_mismatch_advice(checked.rewritten, checked.restore)}"
             )
 
 
-def _why_rewritten(recorded: Recorded, name: str, changed: bool) -> str:
-    """How file ``name``'s other bytes may be a rewrite on purpose: its own header's record (kept by
-    any rewrite that keeps the metadata), or a sidecar record older than the file; "" otherwise."""
+def _why_rewritten(recorded: Recorded, name: str, changed: bool, read: Path) -> str:
+    """How file ``name`` (read at ``read``)'s other bytes may be a rewrite on purpose: its own
+    header's record (kept by any rewrite that keeps the metadata), a file of a Hugging Face cache
+    (replaced on the hub, its record not: the times of blobs say nothing), or a sidecar record
+    older than the file; "" otherwise."""
     if name in recorded.starts:
         return _HEADER_KEPT
+    if _in_cache(read):
+        return _UPLOADED_STALE
     record = recorded.record_of(name)
     return f"it changed after {record} was written: either another program rewrote it on purpose" if changed else ""
 
 
-def _mismatch_advice(rewritten: str) -> str:
-    """What a mismatch means and the way out: damage, or (``rewritten``: how it may be) a file
-    rewritten on purpose since its record, whose record is then stale."""
+def _mismatch_advice(rewritten: str, restore: str = "restore it") -> str:
+    """What a mismatch means and the way out: damage (``restore``: how to restore it), or
+    (``rewritten``: how it may be) a file rewritten on purpose since its record, whose record is
+    then stale."""
     if not rewritten:
-        return f"the source is damaged; {_ADVICE}"
+        return f"the source is damaged; {restore} {_ADVICE}"
     return (
         f"{rewritten}, and then its record is stale (convert it anyway with --no-source-checks, "
-        "check_source=False), or it is damaged (in a copy, on the device): restore it"
+        f"check_source=False), or it is damaged (in a copy, on the device): {restore}"
     )
+
+
+def _in_cache(read: Path) -> bool:
+    """Whether ``read`` is a blob of a Hugging Face cache repository (``models--X/blobs/<sha>``)."""
+    return read.parent.name == "blobs" and hub_cache_repo(read.parent.parent)
+
+
+def _restore(read: Path) -> str:
+    """How a damaged source file read at ``read`` is restored, as a mismatch says it."""
+    return f"download it again (force_download=True, or delete {read} first)" if _in_cache(read) else "restore it"
 
 
 def as_source_error(failure: BaseException) -> BaseException:

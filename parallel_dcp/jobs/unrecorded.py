@@ -1,10 +1,14 @@
-"""The files a recorded folder's reads open that its record does not list.
+"""The files a recorded folder's reads open that its record does not list, and what checks them.
 
 A Hugging Face folder that parallel_dcp wrote carries ``.parallel_dcp.json``, the sizes and
-checksums of every file in it. A shard added afterwards and named in the index (a merge script, an
-edit) is read by a conversion like the others, but no record vouches for it: the folder is no
-longer the one recorded. A conversion refuses it and ``verify`` reports it (jobs/source_check.py,
-jobs/verify.py), by the names found here.
+checksums of every file in it. A file added afterwards that a conversion reads is not damage of
+what was recorded: the hub's safetensors bot (or our own ``convert F F/model.safetensors``) puts a
+``model.safetensors`` beside recorded ``.bin`` shards, and the job reads that one (formats/__init__.py
+picks the format). So a file the record does not list is checked against its own record where it
+carries one (a safetensors header's checksum, a torch.save sidecar: :func:`with_own_records`), and
+with none it is read unchecked, named in a SourceNotCheckedWarning (``verify``: a warning, not a
+problem). A change to a file the record does list (the recorded index, naming an added shard) stays
+a refusal: jobs/source_check.py.
 """
 
 from __future__ import annotations
@@ -15,11 +19,11 @@ from pathlib import Path
 from parallel_dcp.errors import UnsafeCheckpointError
 from parallel_dcp.formats import safetensors_format, torch_format
 from parallel_dcp.formats.base import Source
-from parallel_dcp.jobs.verify_files import Recorded, links_within
+from parallel_dcp.jobs.verify_files import Recorded, add_record, links_within, own_record
 from parallel_dcp.storage.manifest import MANIFEST_FILE
 from parallel_dcp.storage.safe_files import resolve_in_tree
 
-__all__ = ["index_name", "unrecorded_files"]
+__all__ = ["index_name", "index_read", "unrecorded_files", "with_own_records"]
 
 
 def unrecorded_files(source: Source, recorded: Recorded) -> list[str]:
@@ -32,7 +36,8 @@ def unrecorded_files(source: Source, recorded: Recorded) -> list[str]:
         return []
     folder = Path(os.fspath(source.location))
     read = set(source.files)  # (resolved: formats/base.py shard_files)
-    read.add(os.fspath(folder / index_name(source)))  # (read when the source was opened, where there is one)
+    if index_read(source):  # (read when the source was opened)
+        read.add(os.fspath(folder / index_name(source)))
     listed = {_resolved(folder / name, tree) for name in recorded.files}
     return [
         name
@@ -44,9 +49,45 @@ def unrecorded_files(source: Source, recorded: Recorded) -> list[str]:
     ]
 
 
+def with_own_records(source: Source, recorded: Recorded) -> tuple[Recorded, list[str]]:
+    """``recorded`` (a folder's ``.parallel_dcp.json``) with the own records of the files the job
+    reads that it does not list (:func:`unrecorded_files`) added, and the names of those that carry
+    none (read unchecked). ``recorded`` itself is left as it is."""
+    added = unrecorded_files(source, recorded)
+    if not added:
+        return recorded, []
+    tree = links_within(source)
+    assert tree is not None  # (unrecorded_files found files: a local folder)
+    folder = Path(os.fspath(source.location))
+    merged = Recorded(
+        recorded.directory, dict(recorded.files), recorded.record, dict(recorded.starts), list(recorded.problems)
+    )
+    unchecked = []
+    for name in added:
+        real = _resolved(folder / name, tree)
+        own = own_record(source.kind, folder, name, real) if real is not None and name != index_name(source) else None
+        if own is None:
+            unchecked.append(name)
+        else:
+            add_record(merged, name, own)
+    return merged, unchecked
+
+
 def index_name(source: Source) -> str:
     """The index a sharded folder of ``source``'s format is opened by (``model.safetensors.index.json``)."""
     return safetensors_format.INDEX_NAME if source.kind == "safetensors" else torch_format.INDEX_NAME
+
+
+def index_read(source: Source) -> bool:
+    """Whether opening a local Hugging Face folder read its index: there is one, and the files the
+    job reads are not the lone file beside it (``model.safetensors``, ``pytorch_model.bin``), which
+    a folder holding both may mean instead (transformers loads the lone file first)."""
+    folder = Path(os.fspath(source.location))
+    tree = links_within(source)
+    if tree is None or not os.path.lexists(folder / index_name(source)):
+        return False
+    lone = _resolved(folder / ("model.safetensors" if source.kind == "safetensors" else torch_format.LONE_NAME), tree)
+    return lone is None or list(source.files) != [os.fspath(lone)]
 
 
 def _resolved(path: Path, tree: Path) -> Path | None:

@@ -37,7 +37,7 @@ from parallel_dcp.formats.validate import empty_mapping
 from parallel_dcp.jobs.diff import values_equal
 from parallel_dcp.jobs.inspect import side_index
 from parallel_dcp.jobs.kept_float32 import keys_kept
-from parallel_dcp.jobs.unrecorded import unrecorded_files
+from parallel_dcp.jobs.unrecorded import with_own_records
 from parallel_dcp.jobs.verify_files import (
     Recorded,
     links_within,
@@ -233,6 +233,22 @@ def _hash_handler(
     return run
 
 
+def _documentation(name: str) -> bool:
+    """A recorded side file that no conversion or load reads (a model card, .gitattributes, a
+    licence): a change to it is reported as a warning, not as damage of the checkpoint (the hub
+    edits model cards after an upload: the web UI's "Edit model card", its metadata commits)."""
+    base = os.path.basename(name).lower()
+    return base.endswith(".md") or base == ".gitattributes" or base.startswith("license")
+
+
+def _labelled(problem: str, shown: dict[str, str]) -> str:
+    """A record's own problem ("file NAME: ...") naming the file as verify's others do ("LINK -> FILE")."""
+    for name, label in shown.items():
+        if problem.startswith(f"file {name}: "):
+            return f"file {label}: {problem[len(f'file {name}: ') :]}"
+    return problem
+
+
 def _shown_files(source: Source, checksums: Recorded) -> dict[str, str]:
     """How verify's problems name a single local file named through a link: "LINK -> FILE" (its
     record names the file the link leads to; the user typed the link)."""
@@ -422,19 +438,22 @@ def _verify(
         else frozenset()
     )
     checksums = recorded_checksums(source, warn_stale=False)  # (a stale record: reported below, not warned of)
+    unchecked: list[str] = []
+    if checksums is not None:  # (files read that the record does not list: checked by their own, or named)
+        checksums, unchecked = with_own_records(source, checksums)
     directory = checksums.directory if checksums is not None else None
     recorded = checksums.files if checksums is not None else None
     starts = checksums.starts if checksums is not None else {}
     workers = options.worker_count(max(1, len(source.entries)))
-    file_problems: list[str] = list(checksums.problems) if checksums is not None else []
+    shown = _shown_files(source, checksums) if checksums is not None else {}
+    file_problems = [_labelled(p, shown) for p in checksums.problems] if checksums is not None else []
     if checksums is None and reference is None and not source.location.is_dir():
         file_problems.append(no_checksums_problem(source))
-    if checksums is not None:  # (a conversion refuses such a folder: jobs/source_check.py)
-        file_problems += [
-            f"file {name}: not in the manifest, though a conversion reads it (the folder changed after the manifest "
-            "was written)"
-            for name in unrecorded_files(source, checksums)
-        ]
+    report.warnings += [  # (a conversion reads them unchecked, with a warning: not damage of what was recorded)
+        f"file {name}: not in the manifest and carries no record of its own, so it was not checked (added "
+        "after the manifest was written; a conversion reads it, unchecked, with a warning)"
+        for name in unchecked
+    ]
     # A stale record (a save stopped between its commit's two renames) is no corruption: OK, but
     # said so, not "no manifest" (there is one, unused); its warning says why.
     report.manifest_stale = checksums is None and stale_record(source)
@@ -475,9 +494,21 @@ def _verify(
             sizes = [Item(name, d.size, 0) for name, d in recorded.items()]
             tasks = partition(sizes, workers, memory_adds_up=False)
             assert checksums is not None
-            handler = _hash_handler(directory, recorded, starts, links_within(source), _shown_files(source, checksums))
+            handler = _hash_handler(directory, recorded, starts, links_within(source), shown)
             with governor.during("checking the shard files' checksums", "files"):
-                file_problems += _run(tasks, handler, options, governor, workers)
+                hashed = _run(tasks, handler, options, governor, workers)
+            documents = [name for name in recorded if _documentation(name)]
+            for problem in hashed:
+                if not any(problem.startswith((f"file {n}:", f"file {n} -> ")) for n in documents):
+                    file_problems.append(problem)
+                    continue
+                head, found = problem.split(": ", 1)
+                for hint in (" (bytes appended?)", " (truncated?)", " (corrupted)"):
+                    found = found.replace(hint, "")
+                report.warnings.append(
+                    f"{head}: not as recorded ({found}): documentation, which no conversion or load reads (a model "
+                    "card edited on the hub after the upload), so the checkpoint is not failed for it"
+                )
         report.files_checked = len(recorded)
 
     keys = list(source.entries) + [k for k in source.values if k not in source.entries]

@@ -21,6 +21,9 @@ link out of the tree is refused, and a DCP shard is read by its own name (DCP's 
 link).
 
 Every record is read by :mod:`parallel_dcp.storage.manifest` (one algorithm, one document).
+
+Longer than 300 lines because which record belongs to a file, and why a record found beside a
+link's name is not used, are one rule: kept together so that every file is either checked or said.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parallel_dcp.errors import UnsafeCheckpointError
+from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import embedded_checksums
 from parallel_dcp.jobs.snapshot_records import snapshot_record, snapshot_sidecar, snapshot_tree
@@ -39,8 +42,10 @@ from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
 
 __all__ = [
     "Recorded",
+    "add_record",
     "links_within",
     "no_checksums_problem",
+    "own_record",
     "record_beside_link",
     "recorded_checksums",
     "shown_as",
@@ -58,8 +63,9 @@ class Recorded:
         record: where they are recorded, as an error names it ("model.pt.manifest.json").
         starts: for a file whose record covers only its data section: where that begins.
         problems: what the record itself shows (a header that differs from the one recorded).
-        records: a folder whose files carry their own records (no record of its own): each
-            file's ("its header", "pytorch_model.bin.manifest.json"), read beside the file.
+        records: a folder whose files carry their own records (no record of its own), or the
+            files its record does not list that carry one (jobs/unrecorded.py): each file's
+            ("its header", "pytorch_model.bin.manifest.json"), read beside the file.
     """
 
     directory: Location
@@ -79,7 +85,8 @@ def recorded_checksums(source: Source, *, warn_stale: bool = True) -> Recorded |
     are those of the file its name resolves to (``directory`` is that file's folder): its own
     (header, sidecar), else its folder's entry for it (a shard named alone), else, for a file of
     a Hugging Face cache snapshot, the record the snapshot holds beside its name
-    (:func:`~parallel_dcp.jobs.snapshot_records.snapshot_record`). A folder's are its
+    (:func:`~parallel_dcp.jobs.snapshot_records.snapshot_record`), also where the name reaches the
+    snapshot's link through links of its own (each link on the way is tried). A folder's are its
     ``.parallel_dcp.json``'s (read as its files are: a link only within its tree,
     :func:`links_within`), else its shards' own (a folder is no way round a file's record).
     ``warn_stale``: a stale record is warned of (else only None: ``verify`` reports it).
@@ -100,8 +107,12 @@ def recorded_checksums(source: Source, *, warn_stale: bool = True) -> Recorded |
         return own
     if (folder := _folder_record(read)) is not None:
         return folder
-    found = snapshot_record(source.location, read, source.kind)
-    return Recorded(read.parent, {read.name: found[0]}, found[1]) if found is not None else None
+    # (the name typed may be the user's own link to a snapshot's file, ``~/m.pt -> hub/models--X/
+    # snapshots/<rev>/model.pt -> ../../blobs/<sha>``: the snapshot's link on the way decides)
+    for link in _links_on_the_way(Path(os.path.abspath(source.location))):
+        if (found := snapshot_record(link, read, source.kind)) is not None:
+            return Recorded(read.parent, {read.name: found[0]}, found[1])
+    return None
 
 
 def _file_read(source: Source) -> Path:
@@ -166,19 +177,31 @@ def _own_records(source: Source) -> Recorded | None:
             continue  # (not a file the job reads: its shards were resolved so, or refused)
         if os.fspath(real) not in read:
             continue
-        if (own := _file_record(source.kind, real, name)) is None and source.kind != "safetensors":
-            digest = snapshot_sidecar(folder / name, real)
-            own = Recorded(folder, {name: digest}, sidecar_name(name)) if digest is not None else None
-        if own is None:
-            continue
-        recorded.files |= own.files
-        recorded.starts |= own.starts
-        recorded.records[name] = own.record
-        recorded.problems += own.problems
+        if (own := own_record(source.kind, folder, name, real)) is not None:
+            add_record(recorded, name, own)
     if not recorded.files:
         return None
     recorded.record = recorded.records[next(iter(recorded.files))] if len(recorded.files) == 1 else "their own records"
     return recorded
+
+
+def own_record(kind: str, folder: Path, name: str, real: Path) -> Recorded | None:
+    """The record file ``name`` of ``folder`` (a file of ``kind`` read at ``real``: where a link
+    within the tree leads) carries of itself: a safetensors file's header entry, a torch.save
+    file's sidecar beside the file read, or, in a Hugging Face cache snapshot, the sidecar the
+    snapshot holds beside its link; None where it has none."""
+    if (own := _file_record(kind, real, name)) is None and kind != "safetensors":
+        digest = snapshot_sidecar(folder / name, real)
+        own = Recorded(folder, {name: digest}, sidecar_name(name)) if digest is not None else None
+    return own
+
+
+def add_record(recorded: Recorded, name: str, own: Recorded) -> None:
+    """Adds file ``name``'s own record (:func:`own_record`) to ``recorded``, a folder's."""
+    recorded.files |= own.files
+    recorded.starts |= own.starts
+    recorded.records[name] = own.record
+    recorded.problems += own.problems
 
 
 def links_within(source: Source) -> Path | None:
@@ -194,23 +217,42 @@ def links_within(source: Source) -> Path | None:
 
 
 def record_beside_link(source: Source) -> str | None:
-    """Where a single torch.save file named through a symlink has no sidecar record beside the file
-    it leads to but one beside the link's name: why that one is not used, naming the link, the
-    file and the record; None otherwise (a safetensors file's record travels in its header)."""
+    """Where a single file named through a symlink has no record of the file it leads to but one
+    beside the link's name (a torch.save sidecar; an entry of the ``.parallel_dcp.json`` beside it,
+    as an old ``local_dir`` download leaves beside its links into the cache): why that one is not
+    used, naming the link, the file and the record; None otherwise."""
     location = source.location
-    if isinstance(location, Remote) or location.is_dir() or source.kind == "safetensors":
+    if isinstance(location, Remote) or location.is_dir():
         return None
     real = _file_read(source)
-    if os.path.lexists(real.parent / sidecar_name(real.name)):
-        return None
+    links = _links_on_the_way(Path(location))
+    sidecar = source.kind != "safetensors" and not os.path.lexists(real.parent / sidecar_name(real.name))
+    if sidecar and (beside := _sidecar_beside_link(links, real)) is not None:
+        return beside
+    for link in links:  # (the record beside a link lists a file of the link's name: not this one, maybe)
+        try:
+            listed = read_manifest(link.parent, current_only=True, warn_stale=False)
+        except (CorruptCheckpointError, OSError):
+            listed = None
+        if listed is not None and link.name in listed:
+            return (
+                f"it is a link to {real}; the {MANIFEST_FILE} beside the link ({link.parent}) records a file of its "
+                "name, but is not used: it was written for the file that name held then, which need not be this one "
+                "(a link repointed since). Compare it with the checkpoint it was made from: verify --against SOURCE"
+            )
+    return None
+
+
+def _sidecar_beside_link(links: list[Path], real: Path) -> str | None:
+    """A torch.save sidecar beside a link on the way to ``real`` (which has none): why it is not used."""
     # (beside any link on the way: run/latest.pt -> ../ckpt/mid.pt -> ../store/real.pt, the record
     # left beside ckpt/mid.pt when the file was moved to the store and linked back)
-    records = ((link, link.parent / sidecar_name(link.name)) for link in _links_on_the_way(Path(location)))
+    records = ((link, link.parent / sidecar_name(link.name)) for link in links)
     link, beside_link = next(((link, record) for link, record in records if os.path.lexists(record)), (None, None))
     if link is None or beside_link is None:
         return None
     advice = "Compare"
-    if snapshot_tree(link, real) is not None:  # (a linked sidecar there was used: this one is a plain file)
+    if snapshot_tree(link, real) is not None and not beside_link.is_symlink():  # (a linked one there is used)
         return (
             f"it is a file of a Hugging Face cache snapshot, a link to {real}; {beside_link} beside it is not "
             "used: it is not one of the snapshot's files (the cache writes each file of a revision as a link into "

@@ -36,6 +36,7 @@ from parallel_dcp.errors import CorruptCheckpointError, SourceNotCheckedWarning
 from parallel_dcp.storage.layout import read_record
 from parallel_dcp.storage.location import Location, Remote, check_name, locate
 from parallel_dcp.storage.ownership import MANIFEST_FILE, METADATA_FILE
+from parallel_dcp.storage.safe_files import hub_cache_repo
 from parallel_dcp.storage.safe_reader import open_bounded, read_in_tree
 
 __all__ = [
@@ -252,9 +253,12 @@ def read_manifest(
     except CorruptCheckpointError:
         raise
     except FileNotFoundError as exc:  # (a link within the tree to nothing: resolve_in_tree names both)
-        raise CorruptCheckpointError(
-            f"{exc} (a file of the cache deleted, or a download that did not finish: download it again)"
-        ) from None
+        why = (
+            "a file of the cache deleted, or a download that did not finish: download it again"
+            if tree is not None and hub_cache_repo(tree)
+            else "the file it led to was moved or deleted: restore it there, or remove the link"
+        )
+        raise CorruptCheckpointError(f"{exc} ({why})") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{path} is not a readable manifest: {exc}") from exc
     if current_only and of_file is None and _stale(locate(directory), document.get("save_id")):

@@ -40,6 +40,7 @@ from parallel_dcp.errors import (
 __all__ = [
     "create_new",
     "hub_blob",
+    "hub_cache_repo",
     "hub_repository",
     "open_directory",
     "open_in_tree",
@@ -207,6 +208,13 @@ def hub_repository(path: str) -> str | None:
         if parts[at].startswith(_HF_CACHE_REPOS) and at + 1 < len(parts) and parts[at + 1] in ("snapshots", "blobs"):
             return "/".join(parts[: at + 1])
     return None
+
+
+def hub_cache_repo(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` is a Hugging Face cache repository folder (``models--X/``, holding its
+    ``snapshots/`` and ``blobs/``): the tree :func:`source_tree` returns for a snapshot."""
+    folder = Path(folder)
+    return folder.name.startswith(_HF_CACHE_REPOS) and (folder / "snapshots").is_dir()
 
 
 def resolve_in_tree(path: str | os.PathLike[str], tree: str | os.PathLike[str]) -> Path:
