@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from parallel_dcp.errors import UnsafeCheckpointError
+from parallel_dcp.formats import index_read as folder_index_read
 from parallel_dcp.formats import safetensors_format, torch_format
 from parallel_dcp.formats.base import Source
 from parallel_dcp.jobs.verify_files import Recorded, add_record, links_within, own_record
@@ -79,15 +80,10 @@ def index_name(source: Source) -> str:
 
 
 def index_read(source: Source) -> bool:
-    """Whether opening a local Hugging Face folder read its index: there is one, and the files the
-    job reads are not the lone file beside it (``model.safetensors``, ``pytorch_model.bin``), which
-    a folder holding both may mean instead (transformers loads the lone file first)."""
-    folder = Path(os.fspath(source.location))
-    tree = links_within(source)
-    if tree is None or not os.path.lexists(folder / index_name(source)):
-        return False
-    lone = _resolved(folder / ("model.safetensors" if source.kind == "safetensors" else torch_format.LONE_NAME), tree)
-    return lone is None or list(source.files) != [os.fspath(lone)]
+    """Whether opening a local Hugging Face folder read its index (not where the job reads the
+    lone ``model.safetensors`` or ``pytorch_model.bin`` beside it, as transformers does: the one
+    choice, formats/folder_choice.py)."""
+    return links_within(source) is not None and folder_index_read(source) is not None
 
 
 def _resolved(path: Path, tree: Path) -> Path | None:
