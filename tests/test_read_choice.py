@@ -277,13 +277,13 @@ def test_the_probe_reads_only_the_file_the_job_reads(disk: Path, monkeypatch: py
     other.write_bytes(b"not to be read")
     sample = sparse_file(disk / "__0_0.distcp", 100 * MiB + 12345)  # not a multiple of anything
     opened: list[str] = []
-    real_open = direct_read.open_regular
+    real_open = direct_read.open_source
 
-    def spy(directory: int | None, name: str | os.PathLike[str], **kwargs: int) -> int:
+    def spy(name: str | os.PathLike[str]) -> int:
         opened.append(os.fspath(name))
-        return real_open(directory, name, **kwargs)
+        return real_open(name)
 
-    monkeypatch.setattr(direct_read, "open_regular", spy)
+    monkeypatch.setattr(direct_read, "open_source", spy)
     before = sorted(os.listdir(disk))
     choice = read_choice.read_choice("auto", disk, [sample], streams=4)
     assert choice.reason == "measured"
