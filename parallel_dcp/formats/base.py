@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
-from parallel_dcp.formats.folder_choice import client_choice, fallback_names
+from parallel_dcp.formats.folder_choice import client_choice, fallback_names, mixed_sets
 from parallel_dcp.formats.shard_index import index_names
 from parallel_dcp.storage.location import Location, Remote, listdir, locate
 from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, source_tree
+from parallel_dcp.storage.safe_reader import read_in_tree
 
 # An index lists one line per tensor: 64 MiB is far beyond any real one (a crafted one is refused).
 
@@ -280,18 +281,45 @@ def shard_files(path: Location, index_name: str, suffix: str | None = None, lone
         return [real]
     listing = listdir(path)
     choice = client_choice(n for n in listing if n in (index_name, lone))
+    explicit = _explicit_weights(path, listing)
+    if explicit is not None and (choice is None or choice.name != explicit):
+        raise CorruptCheckpointError(
+            f"{path / 'config.json'} names transformers_weights {explicit!r}: transformers loads that file "
+            "from this folder, before any other, and parallel_dcp does not follow the setting. Convert "
+            f"{path / explicit} itself where it is one .safetensors file, or a folder that holds that set alone"
+        )
     if choice is not None and not choice.sharded:
         names = [choice.name]
     elif choice is not None or suffix is None:
         names = index_names(path / index_name)
     else:
         names = fallback_names(listing, suffix)
+        if (sets := mixed_sets(names)) is not None:
+            raise CorruptCheckpointError(
+                f"{path} holds two sets of weights and no index that says which is the model: "
+                f"{', '.join(sets[0])} (shards whose index is not there) and {', '.join(sets[1])}; "
+                "transformers loads neither from it. Convert one of them: the file itself, or a folder "
+                "holding one set (with its index)"
+            )
     missing = [n for n in names if n not in listing]
     if missing:
         raise FileNotFoundError(f"{path}: the index names shards that do not exist: {', '.join(missing)}")
     if isinstance(path, Remote):
         return [os.fspath(path / n) for n in names]
     return [os.fspath(_in_tree(path / n, source_tree(path))) for n in names]
+
+
+def _explicit_weights(path: Location, listing: list[str]) -> str | None:
+    """The file ``config.json`` of a local folder names as the weights transformers loads
+    (``transformers_weights``, transformers 5: before any of its usual names); None where none is."""
+    if isinstance(path, Remote) or "config.json" not in listing:
+        return None
+    try:  # by the one rule for a source's small files; one that cannot be read names nothing here
+        config = json.loads(read_in_tree(path / "config.json", source_tree(path), limit=16 * 2**20))
+    except (ValueError, OSError):
+        return None
+    name = config.get("transformers_weights") if isinstance(config, dict) else None
+    return name if isinstance(name, str) and name else None
 
 
 def folder_index(path: Location, index_name: str, lone: str | None = None) -> Location | None:

@@ -19,10 +19,11 @@ file: it is never merged into a model beside it, nor taken for one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["CLIENT_ORDER", "Choice", "client_choice", "fallback_names"]
+__all__ = ["CLIENT_ORDER", "Choice", "client_choice", "fallback_names", "mixed_sets"]
 
 # (name, format, an index): what transformers looks for, in its order.
 CLIENT_ORDER: tuple[tuple[str, str, bool], ...] = (
@@ -54,6 +55,29 @@ def client_choice(listing: Iterable[str]) -> Choice | None:
 
 def fallback_names(listing: Iterable[str], suffix: str) -> list[str]:
     """Every name with ``suffix``, sorted, for a folder with none of the client's names; an
-    adapter's weights only where they are all there is."""
-    found = sorted(n for n in listing if n.endswith(suffix))
+    adapter's weights only where they are all there is; a variant (``X.fp16.safetensors``) not
+    where ``X.safetensors`` is beside it (diffusers loads the plain file unless asked for a
+    variant: both read, every tensor would be in two shards)."""
+    names = set(listing)
+    found = sorted(n for n in names if n.endswith(suffix) and not _a_variant(n, suffix, names))
     return [n for n in found if not n.startswith(_ADAPTER)] or found
+
+
+def _a_variant(name: str, suffix: str, names: set[str]) -> bool:
+    """``name`` is ``stem.variant<suffix>`` and ``stem<suffix>`` is in ``names``."""
+    stem, dot, variant = name[: -len(suffix)].rpartition(".")
+    return bool(dot and stem and variant) and stem + suffix in names
+
+
+_SHARD = re.compile(r"-\d{5}-of-\d{5}\.[a-z]+$")
+
+
+def mixed_sets(names: list[str]) -> tuple[list[str], list[str]] | None:
+    """Where a fallback's ``names`` are two sets of weights, the Hugging Face shards
+    (``model-00001-of-00002.safetensors``, whose index is not there) and the other files beside
+    them (Mistral's ``consolidated.safetensors``: a download filtered by ``*.safetensors`` keeps
+    both copies of one model), the two; None where they are one set. The client refuses such a
+    folder (none of its names); read together they would make one checkpoint of both copies."""
+    shards = [n for n in names if _SHARD.search(n)]
+    others = [n for n in names if not _SHARD.search(n)]
+    return (shards, others) if shards and others else None
