@@ -171,3 +171,19 @@ def test_config_transformers_weights_is_not_passed_over(tmp_path: Path, named: s
     with pytest.raises(parallel_dcp.CorruptCheckpointError, match=r"transformers_weights 'custom\.safetensors'"):
         parallel_dcp.convert(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("lone", ["dangling link", "folder"])
+def test_a_client_name_that_is_no_file_is_passed_over(tmp_path: Path, lone: str) -> None:
+    """``model.safetensors`` a dangling link or a folder beside an index and its shards: transformers
+    (``os.path.isfile``) loads the shards; we refused the folder (review s15 rev2 F2)."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    _sharded(folder, _values(0), "safetensors")
+    if lone == "folder":
+        (folder / "model.safetensors").mkdir()
+    else:
+        (folder / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    assert detect_format(folder) == "safetensors"
+    parallel_dcp.convert(folder, tmp_path / "out")
+    assert _equal(parallel_dcp.load(tmp_path / "out"), _values(0))

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from parallel_dcp.formats import safetensors_format, torch_format
-from parallel_dcp.formats.base import Entry, FileFormat, Source, folder_index
+from parallel_dcp.formats.base import Entry, FileFormat, Source, files_among, folder_index
 from parallel_dcp.formats.dcp_format import DcpSource, is_dcp
-from parallel_dcp.formats.folder_choice import client_choice
+from parallel_dcp.formats.folder_choice import client_choice, client_names
 from parallel_dcp.formats.safetensors_format import SafetensorsSource, is_safetensors
 from parallel_dcp.formats.torch_format import TorchSource, is_torch_save
 from parallel_dcp.storage.location import Location, Remote, listdir, locate, resolved_once
@@ -65,7 +65,11 @@ def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] 
     path = os.fspath(where)
     if not where.exists():
         _raise_unreachable(where, path)
-    if where.is_dir() and not is_dcp(where) and (choice := client_choice(listdir(where))) is not None:
+    if (
+        where.is_dir()
+        and not is_dcp(where)
+        and (choice := client_choice(files_among(where, client_names(listdir(where))))) is not None
+    ):
         return choice.kind  # what transformers loads from the folder, before any other weights in it
     for kind, detect, _ in _READERS:
         if detect(where):

@@ -37,7 +37,17 @@ if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
     from parallel_dcp.formats.range_read import RawRange
 
-__all__ = ["MAX_ELEMENTS", "Entry", "FileFormat", "Source", "entry_of", "folder_index", "index_json", "shard_files"]
+__all__ = [
+    "MAX_ELEMENTS",
+    "Entry",
+    "FileFormat",
+    "Source",
+    "entry_of",
+    "files_among",
+    "folder_index",
+    "index_json",
+    "shard_files",
+]
 
 
 # Dimensions (zero ones counted as one) multiply to less than this in any tensor torch can make.
@@ -280,7 +290,7 @@ def shard_files(path: Location, index_name: str, suffix: str | None = None, lone
             raise UnsafeCheckpointError(f"{path} is not a regular file: no checkpoint is read from it")
         return [real]
     listing = listdir(path)
-    choice = client_choice(n for n in listing if n in (index_name, lone))
+    choice = client_choice(files_among(path, (n for n in listing if n in (index_name, lone))))
     explicit = _explicit_weights(path, listing)
     if explicit is not None and (choice is None or choice.name != explicit):
         raise CorruptCheckpointError(
@@ -309,6 +319,15 @@ def shard_files(path: Location, index_name: str, suffix: str | None = None, lone
     return [os.fspath(_in_tree(path / n, source_tree(path))) for n in names]
 
 
+def files_among(path: Location, names: Iterable[str]) -> list[str]:
+    """Those of ``names`` in the folder ``path`` that are files, where they lead (a link within the
+    folder's tree or out of it: checked when read), as transformers asks (``os.path.isfile``): a
+    dangling link or a folder by a client's name is passed over, as the client passes it over."""
+    if isinstance(path, Remote):
+        return list(names)
+    return [n for n in names if os.path.isfile(path / n)]
+
+
 def _explicit_weights(path: Location, listing: list[str]) -> str | None:
     """The file ``config.json`` of a local folder names as the weights transformers loads
     (``transformers_weights``, transformers 5: before any of its usual names); None where none is."""
@@ -328,7 +347,7 @@ def folder_index(path: Location, index_name: str, lone: str | None = None) -> Lo
     not), or one with no index."""
     if not path.is_dir():
         return None
-    choice = client_choice(n for n in listdir(path) if n in (index_name, lone))
+    choice = client_choice(files_among(path, (n for n in listdir(path) if n in (index_name, lone))))
     return path / index_name if choice is not None and choice.sharded else None
 
 

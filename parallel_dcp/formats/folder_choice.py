@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["CLIENT_ORDER", "Choice", "client_choice", "fallback_names", "mixed_sets"]
+__all__ = ["CLIENT_ORDER", "Choice", "client_choice", "client_names", "fallback_names", "mixed_sets"]
 
 # (name, format, an index): what transformers looks for, in its order.
 CLIENT_ORDER: tuple[tuple[str, str, bool], ...] = (
@@ -51,6 +51,12 @@ def client_choice(listing: Iterable[str]) -> Choice | None:
         if name in names:
             return Choice(name, kind, sharded)
     return None
+
+
+def client_names(listing: Iterable[str]) -> list[str]:
+    """Those of a folder's names that are in :data:`CLIENT_ORDER`."""
+    wanted = {name for name, _, _ in CLIENT_ORDER}
+    return [n for n in listing if n in wanted]
 
 
 def fallback_names(listing: Iterable[str], suffix: str) -> list[str]:
