@@ -180,11 +180,13 @@ def plan_dry_run(job: Job, target: Target, options: Options, governor: MemoryGov
 
     Raises:
         ValueError: ``options.distributed`` (a dry run plans one process's job).
+        InvalidDestinationError: a destination the real run refuses before writing.
         MemoryLimitExceeded: as a real run would, before anything is written.
     """
     _compat.check_torch()
     if options.distributed:
         raise ValueError("a dry run plans the job of one process: run it without distributed (--distributed)")
+    target.check_destination()  # what the real run refuses before writing, a dry run refuses too
     options = prepare_io(target, options, probe=False)  # direct writes' buffers count
     with gc_paused():
         plan: Plan = plan_job(job, target, options, governor)

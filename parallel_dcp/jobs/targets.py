@@ -47,7 +47,7 @@ from parallel_dcp.storage.ownership import DCP_LAYOUT, MANIFEST_FILE, METADATA_F
 from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck
 from parallel_dcp.storage.side_index import INDEX_FILE
-from parallel_dcp.storage.staging import stage_directory, stage_file
+from parallel_dcp.storage.staging import check_directory, check_file, stage_directory, stage_file
 from parallel_dcp.storage.writers import ShardWriter
 
 AnyStaging = Staging  # kept for callers that imported the old union
@@ -124,6 +124,11 @@ class Target(ABC):
         """Check the destination and take hold of it (before any write); ``protect``: the source's
         files, which the job must never replace or delete; ``resume``: continue the dead conversion
         whose job record it accepts (:mod:`parallel_dcp.jobs.resume`)."""
+
+    @abstractmethod
+    def check_destination(self) -> None:
+        """What :meth:`stage` refuses of the destination before writing, checked without taking
+        hold of it and writing nothing (a dry run's check)."""
 
     def output_names(self, tasks: list[Task]) -> list[str]:
         """The fixed file names the tasks write (none for DCP, whose names carry the save id)."""
@@ -218,6 +223,9 @@ class DcpTarget(Target):
 
     def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
         return stage_directory(self.path, overwrite=overwrite, layout=DCP_LAYOUT, protect=protect or [], resume=resume)
+
+    def check_destination(self) -> None:
+        check_directory(self.path, layout=DCP_LAYOUT)
 
     def io_memory(self, nbytes: int) -> int:
         """The output stream's buffers, and the compressor's (one record at a time per task)."""
@@ -346,6 +354,9 @@ class ShardedTarget(Target):
             self.path, overwrite=overwrite, layout=self._layout, protect=protect or [], resume=resume
         )
 
+    def check_destination(self) -> None:
+        check_directory(self.path, layout=self._layout)
+
     def output_names(self, tasks: list[Task]) -> list[str]:
         return [*self._shard_names(len(tasks)), self._index_name, *self.copies, MANIFEST_FILE]
 
@@ -437,6 +448,9 @@ class FileTarget(Target):
     def stage(self, overwrite: bool, protect: list[str] | None = None, resume: IdentityCheck | None = None) -> Staging:
         companions = [self.sidecar] if self.sidecar is not None else []
         return stage_file(self.path, overwrite=overwrite, protect=protect or [], resume=resume, companions=companions)
+
+    def check_destination(self) -> None:
+        check_file(self.path)
 
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)

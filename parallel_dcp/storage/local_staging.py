@@ -29,6 +29,12 @@ from parallel_dcp.errors import (
     InvalidDestinationError,
     ResumeError,
 )
+from parallel_dcp.storage.local_destination import (
+    check_local_directory,
+    check_local_file,
+    refuse_foreign,
+    why_not_writable,
+)
 from parallel_dcp.storage.location import check_name
 from parallel_dcp.storage.lock import DestinationLock
 from parallel_dcp.storage.ownership import (
@@ -42,7 +48,6 @@ from parallel_dcp.storage.ownership import (
     find_leftovers,
     is_of_save,
     new_save_id,
-    others_leftovers,
     owner_name,
     owner_record,
     owner_uid,
@@ -54,7 +59,6 @@ from parallel_dcp.storage.protocol import Staging, WriteLocation
 from parallel_dcp.storage.resume import IdentityCheck, job_name, read_job_record
 from parallel_dcp.storage.safe_files import (
     FileData,
-    hub_repository,
     open_directory,
     read_small,
     remove_name,
@@ -396,13 +400,7 @@ class LocalDirStaging(_LocalStaging):
         resume: IdentityCheck | None = None,
     ) -> None:
         dest = Path(os.path.abspath(destination))
-        # Written inside only: its parent needs to be writable where it must be made (an existing
-        # /output of a container, its parent root's, was refused).
-        _check_parent(dest, writable=not dest.is_dir())
-        if os.path.lexists(dest) and not dest.exists():
-            raise InvalidDestinationError(f"cannot write a checkpoint to {dest}: it is a broken symbolic link")
-        if dest.exists() and not dest.is_dir():
-            raise InvalidDestinationError(f"cannot write a checkpoint to {dest}: it is a file, not a directory")
+        check_local_directory(dest)
         self._made = False
         if not dest.exists():
             try:
@@ -413,7 +411,7 @@ class LocalDirStaging(_LocalStaging):
             except OSError as exc:
                 raise InvalidDestinationError(f"cannot create {dest}: {exc.strerror}") from exc
         if not os.access(dest, os.W_OK | os.X_OK):
-            raise InvalidDestinationError(f"cannot write {dest}: {_why_not_writable(dest, 'the directory')}")
+            raise InvalidDestinationError(f"cannot write {dest}: {why_not_writable(dest, 'the directory')}")
         self.layout = layout
         try:
             super().__init__(
@@ -450,17 +448,8 @@ class LocalDirStaging(_LocalStaging):
                     "their owner (or root) can remove them",
                     stacklevel=2,
                 )
-        elif names:
-            theirs = others_leftovers(self._dir, names)
-            raise InvalidDestinationError(
-                f"{self._dir} is a non-empty directory that is not a {self.layout.name}; refusing to write into it "
-                + (
-                    f"(it holds {theirs}; another user's files are never removed on their behalf: choose another "
-                    "directory, or have their owner resume that job or remove its files)"
-                    if theirs
-                    else "(choose an empty or new directory)"
-                )
-            )
+        else:
+            refuse_foreign(self._dir, names, self.layout)
 
     def _owned(self) -> set[str]:
         return self.layout.owned(self._dir)
@@ -484,10 +473,8 @@ class LocalFileStaging(_LocalStaging):
         companions: Sequence[str] = (),
     ) -> None:
         dest = Path(os.path.abspath(destination))
-        _check_parent(dest)
+        check_local_file(dest)
         self.companions = [check_name(name, dest.parent) for name in companions]
-        if dest.is_dir():
-            raise InvalidDestinationError(f"cannot write the file {dest}: it is a directory")
         lock = dest.parent / f".{dest.name}.lock"
         super().__init__(
             directory=dest.parent, destination=dest, lock=lock, overwrite=overwrite, protect=protect, resume=resume
@@ -551,31 +538,6 @@ def check_replaceable(directory: Path, names: Sequence[str]) -> None:
                 "directory you do not own) only a file's owner may replace it; nothing was written. Ask its owner "
                 "to remove it, or write elsewhere"
             )
-
-
-def _check_parent(destination: Path, *, writable: bool = True) -> None:
-    parent = destination.parent
-    if not parent.is_dir():
-        raise InvalidDestinationError(f"cannot write {destination}: its parent directory {parent} does not exist")
-    # A hub cache snapshot's files are links the hub library manages into blobs/ (a checkpoint there
-    # is read through them): a save would replace them, an overwrite delete them.
-    repository = hub_repository(os.path.realpath(destination if destination.is_dir() else parent))
-    if repository is not None:
-        raise InvalidDestinationError(
-            f"cannot write {destination}: it is in the Hugging Face cache {repository}, whose files the hub "
-            "library manages (links into its blobs/); write to a folder outside the cache"
-        )
-    if writable and not os.access(parent, os.W_OK | os.X_OK):
-        raise InvalidDestinationError(f"cannot write {destination}: {_why_not_writable(parent, f'directory {parent}')}")
-
-
-def _why_not_writable(directory: Path, what: str) -> str:
-    """``what`` is not writable, and why where the file system says: it is mounted read-only."""
-    try:
-        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
-    except OSError:
-        read_only = False
-    return f"{what} is on a read-only file system" if read_only else f"{what} is not writable"
 
 
 def _check_space(where: Path, destination: Path, nbytes: int) -> None:

@@ -41,10 +41,12 @@ matches, instead of removing it; ``publish`` removes the records.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from parallel_dcp.errors import ResumeError
+from parallel_dcp.storage.local_destination import check_local_contents, check_local_directory, check_local_file
 from parallel_dcp.storage.local_staging import LocalDirStaging, LocalFileStaging
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.ownership import Layout
@@ -52,7 +54,7 @@ from parallel_dcp.storage.protocol import Staging
 from parallel_dcp.storage.remote_staging import RemoteFileStaging, RemoteStaging
 from parallel_dcp.storage.resume import IdentityCheck
 
-__all__ = ["stage_directory", "stage_file"]
+__all__ = ["check_directory", "check_file", "stage_directory", "stage_file"]
 
 
 def stage_directory(
@@ -89,6 +91,22 @@ def stage_file(
         _no_remote_resume(where, resume)
         return RemoteFileStaging(where, overwrite=overwrite, protect=protect, companions=companions)
     return LocalFileStaging(where, overwrite=overwrite, protect=protect, resume=resume, companions=companions)
+
+
+def check_directory(where: Path | Remote, *, layout: Layout) -> None:
+    """What :func:`stage_directory` refuses of a local destination before writing, checked
+    without taking hold of it and writing nothing (a dry run's check; object storage: nothing)."""
+    if not isinstance(where, Remote):
+        dest = Path(os.path.abspath(where))
+        check_local_directory(dest)
+        check_local_contents(dest, layout)
+
+
+def check_file(where: Path | Remote) -> None:
+    """What :func:`stage_file` refuses of a local destination before writing, checked without
+    taking hold of it and writing nothing (a dry run's check; object storage: nothing)."""
+    if not isinstance(where, Remote):
+        check_local_file(Path(os.path.abspath(where)))
 
 
 def _no_remote_resume(where: Remote, resume: IdentityCheck | None) -> None:
