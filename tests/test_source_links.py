@@ -99,10 +99,9 @@ def _recorded(src: Path, tmp_path: Path) -> Path:
     return made
 
 
-def test_verify_refuses_a_folder_swapped_for_a_link_after_it_resolved_the_shard(
-    linked_shard: tuple[Path, Callable[[], None]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    src, _ = linked_shard
+def _recorded_then_swapped(src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: Any) -> Path:
+    """A recorded copy of ``src`` whose ``store/`` is swapped for a link to ``outside/`` (a same-bytes
+    shard there) right after ``module`` resolved the shard."""
     made = _recorded(src, tmp_path)
     (tmp_path / "outside" / "model.safetensors").write_bytes((made / "store" / "model.safetensors").read_bytes())
 
@@ -111,7 +110,14 @@ def test_verify_refuses_a_folder_swapped_for_a_link_after_it_resolved_the_shard(
             (made / "store").rename(made / "store.old")
             (made / "store").symlink_to(tmp_path / "outside")
 
-    _swap_after(monkeypatch, verify_job, "resolve_in_tree", swap)
+    _swap_after(monkeypatch, module, "resolve_in_tree", swap)
+    return made
+
+
+def test_verify_refuses_a_folder_swapped_for_a_link_after_it_resolved_the_shard(
+    linked_shard: tuple[Path, Callable[[], None]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = _recorded_then_swapped(linked_shard[0], tmp_path, monkeypatch, verify_job)
     report = parallel_dcp.verify(made, workers=1)
     assert any("store -> " in p and "is now a symlink" in p for p in report.problems), report.problems
 
@@ -119,16 +125,7 @@ def test_verify_refuses_a_folder_swapped_for_a_link_after_it_resolved_the_shard(
 def test_the_source_check_refuses_a_folder_swapped_for_a_link_after_it_resolved_the_shard(
     linked_shard: tuple[Path, Callable[[], None]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    src, _ = linked_shard
-    made = _recorded(src, tmp_path)
-    (tmp_path / "outside" / "model.safetensors").write_bytes((made / "store" / "model.safetensors").read_bytes())
-
-    def swap() -> None:
-        if not (made / "store").is_symlink():
-            (made / "store").rename(made / "store.old")
-            (made / "store").symlink_to(tmp_path / "outside")
-
-    _swap_after(monkeypatch, source_check, "resolve_in_tree", swap)
+    made = _recorded_then_swapped(linked_shard[0], tmp_path, monkeypatch, source_check)
     with pytest.raises((UnsafeCheckpointError, WorkerError), match=r"store -> .* is now a symlink"):
         parallel_dcp.convert(made, tmp_path / "out", workers=1, check_source=True)  # (hashed in a worker)
 
