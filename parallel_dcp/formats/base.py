@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from parallel_dcp._json import loads_json
 from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
 from parallel_dcp.formats.folder_choice import client_choice, fallback_names, mixed_sets
 from parallel_dcp.formats.shard_index import index_names
@@ -334,7 +335,7 @@ def _explicit_weights(path: Location, listing: list[str]) -> str | None:
     if isinstance(path, Remote) or "config.json" not in listing:
         return None
     try:  # by the one rule for a source's small files; one that cannot be read names nothing here
-        config = json.loads(read_in_tree(path / "config.json", source_tree(path), limit=16 * 2**20))
+        config = loads_json(read_in_tree(path / "config.json", source_tree(path), limit=16 * 2**20))
     except (ValueError, OSError):
         return None
     name = config.get("transformers_weights") if isinstance(config, dict) else None
