@@ -43,6 +43,7 @@ from parallel_dcp.jobs.quantization import (
 )
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
+from parallel_dcp.jobs.side_file_checks import side_file_records
 from parallel_dcp.jobs.source_check import source_checks, warn_unchecked_direct
 from parallel_dcp.jobs.streamed import measured_stream_source, stream_source
 from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for, warn_metadata_left_out
@@ -184,6 +185,8 @@ def convert_one(
             storage_options=options.storage_options,
             limit=governor.limit,
         )
+        if options.check_source and copies.folder is not None:  # (before anything reads them: a preset's config)
+            copies.recorded = side_file_records(copies, copies.folder, own_source=copy_files_from is None)
         if isinstance(target, ShardedTarget):
             target.copies = copies
             job = kept_by_copied_config(job, copies, renamed=bool(rename or preset))

@@ -25,6 +25,7 @@ from typing import Any
 from parallel_dcp.engine.memory import format_bytes
 from parallel_dcp.errors import InvalidDestinationError, UnsafeCheckpointError, plural, printable
 from parallel_dcp.formats.base import Source
+from parallel_dcp.jobs.side_file_checks import RecordedCopy
 from parallel_dcp.jobs.side_folders import folder_files, module_folders
 from parallel_dcp.storage.location import Location, Remote, file_size, listdir, locate
 from parallel_dcp.storage.ownership import new_save_id, temp_name
@@ -61,11 +62,15 @@ def _copyable(name: str) -> bool:
 class Copies(dict[str, Location]):
     """Name -> where to read it, for every file to copy into the output, and (``sizes``) each
     one's size when it was chosen: what the memory limit was checked against, and the most its
-    read at the commit takes."""
+    read at the commit takes; the folder they were chosen from (``folder``), and (``recorded``)
+    those its record lists, found as recorded before the job ran (jobs/side_file_checks.py): the
+    bytes read for the commit must be those too."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: Location | None = None) -> None:
         super().__init__()
         self.sizes: dict[str, int] = {}
+        self.folder = folder
+        self.recorded: dict[str, RecordedCopy] = {}
 
 
 def files_to_copy(
@@ -101,7 +106,7 @@ def files_to_copy(
         where = source.location
     else:
         return Copies()
-    copies = Copies()
+    copies = Copies(where)
     sizes = copies.sizes
     tree = None if isinstance(where, Remote) else source_tree(where)
     for name in sorted(listdir(where)):
@@ -171,10 +176,12 @@ def read_copies(copies: Copies, names: Iterable[str] | None = None) -> dict[str,
     Local files are opened by the one rule again (a file swapped for a symlink or a FIFO since it
     was chosen is refused, and so is a folder on its way swapped for a link: each local path is
     the realpath taken when it was chosen, walked without following any link) and read no further
-    than the size it had when it was chosen.
+    than the size it had when it was chosen. A file its folder's record lists, found as recorded
+    before the job ran, must still be (:meth:`~parallel_dcp.jobs.side_file_checks.RecordedCopy.check`).
 
     Raises:
         ValueError: a file grew since it was chosen (its new bytes were never counted).
+        SourceChecksumError: a recorded file (not documentation) has other bytes than recorded now.
     """
     found = {}
     for name in copies if names is None else names:
@@ -195,6 +202,8 @@ def read_copies(copies: Copies, names: Iterable[str] | None = None) -> dict[str,
                 f"{format_bytes(chosen)} it held when the job chose it: it changed while the job ran; "
                 "nothing was committed (run it again once it is whole)"
             )
+        if (recorded := copies.recorded.get(name)) is not None:
+            recorded.check(found[name])  # (the bytes the output gets: a rewrite since the check is refused)
     return found
 
 

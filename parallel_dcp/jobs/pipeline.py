@@ -287,9 +287,10 @@ def run_job(
             phases["commit"] = time.perf_counter() - began - target.merge_seconds
         except BaseException as caught:
             # A damaged source keeps nothing for resume, not even a resumed run's: a task finished
-            # before the verdict may have read the damaged bytes.
+            # before the verdict may have read the damaged bytes. (A copied side file found changed
+            # at the commit, jobs/side_file_checks.py, is read by no task: it fails as a commit does.)
             failure = as_source_error(caught)
-            damaged = isinstance(failure, SourceChecksumError)
+            damaged = isinstance(failure, SourceChecksumError) and writing
             staged.fail(failure, writing=writing and failure is caught, damaged=damaged)
             held.deliver()  # (a Ctrl-C held while the commit failed: raised, from the failure)
             if failure is caught:

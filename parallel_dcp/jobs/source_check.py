@@ -89,6 +89,7 @@ __all__ = [
     "CheckedFile",
     "SourceChecks",
     "as_source_error",
+    "changed_file",
     "check_task",
     "plan_checks",
     "refuse_by_records",
@@ -363,16 +364,28 @@ def _refuse_changed_folder(source: Source, recorded: Recorded) -> None:
     if index not in recorded.files or not index_read(source):
         return
     read = resolve_in_tree(directory / index, tree)
-    want = recorded.files[index]
-    found = file_digest(read, checksum=want.digest is not None)
-    if found != want:
-        rewritten = _why_rewritten(recorded, index, _changed_since(read, _record_written(recorded, index, read)), read)
+    found = file_digest(read, checksum=recorded.files[index].digest is not None)
+    if found != recorded.files[index]:
         added = unrecorded_files(source, recorded)
         also = f"; its reads also open {_some(added)}, which the record does not list" if added else ""
-        raise SourceChecksumError(
-            f"{shown_as(directory / index, read)}: its bytes are not the ones its checksum in {MANIFEST_FILE} was "
-            f"taken of ({_difference(found, want)}{also}): {_mismatch_advice(rewritten, _restore(read))}"
-        )
+        raise SourceChecksumError(changed_file(recorded, index, read, found, shown_as(directory / index, read), also))
+
+
+def changed_file(
+    recorded: Recorded, name: str, read: Path, found: FileDigest, shown: str, also: str = "", advice: str = ""
+) -> str:
+    """How a refusal says that file ``name``, which ``recorded`` lists, has other bytes (``found``,
+    read at ``read``, named ``shown``; ``also``: what the difference adds), with both ways out:
+    a change on purpose (the record is stale: --no-source-checks) or damage (restore it; a file of
+    a Hugging Face cache: download it again), or ``advice`` where given. A folder's recorded
+    index, and the side files a conversion copies (jobs/side_file_checks.py)."""
+    if not advice:
+        rewritten = _why_rewritten(recorded, name, _changed_since(read, _record_written(recorded, name, read)), read)
+        advice = _mismatch_advice(rewritten, _restore(read))
+    return (
+        f"{shown}: its bytes are not the ones its checksum in {recorded.record_of(name)} was taken of "
+        f"({_difference(found, recorded.files[name])}{also}): {advice}"
+    )
 
 
 def _added_files_checked(source: Source, recorded: Recorded) -> Recorded:

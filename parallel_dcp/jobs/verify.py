@@ -40,6 +40,7 @@ from parallel_dcp.jobs.kept_float32 import keys_kept
 from parallel_dcp.jobs.unrecorded import with_own_records
 from parallel_dcp.jobs.verify_files import (
     Recorded,
+    documentation_file,
     links_within,
     no_checksums_problem,
     recorded_checksums,
@@ -231,14 +232,6 @@ def _hash_handler(
         return problems
 
     return run
-
-
-def _documentation(name: str) -> bool:
-    """A recorded side file that no conversion or load reads (a model card, .gitattributes, a
-    licence): a change to it is reported as a warning, not as damage of the checkpoint (the hub
-    edits model cards after an upload: the web UI's "Edit model card", its metadata commits)."""
-    base = os.path.basename(name).lower()
-    return base.endswith(".md") or base == ".gitattributes" or base.startswith("license")
 
 
 def _labelled(problem: str, shown: dict[str, str]) -> str:
@@ -497,7 +490,7 @@ def _verify(
             handler = _hash_handler(directory, recorded, starts, links_within(source), shown)
             with governor.during("checking the shard files' checksums", "files"):
                 hashed = _run(tasks, handler, options, governor, workers)
-            documents = [name for name in recorded if _documentation(name)]
+            documents = [name for name in recorded if documentation_file(name)]
             for problem in hashed:
                 if not any(problem.startswith((f"file {n}:", f"file {n} -> ")) for n in documents):
                     file_problems.append(problem)

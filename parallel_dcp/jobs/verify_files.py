@@ -43,6 +43,7 @@ from parallel_dcp.storage.safe_files import resolve_in_tree, source_tree
 __all__ = [
     "Recorded",
     "add_record",
+    "documentation_file",
     "links_within",
     "no_checksums_problem",
     "own_record",
@@ -276,6 +277,15 @@ def _links_on_the_way(name: Path) -> list[Path]:
         links.append(name)
         name = Path(os.path.normpath(Path(os.path.realpath(name.parent)) / os.readlink(name)))
     return links
+
+
+def documentation_file(name: str) -> bool:
+    """A recorded side file that no conversion or load reads (a model card, .gitattributes, a
+    licence): a change to it is reported as a warning, not as damage of the checkpoint (the hub
+    edits model cards after an upload: the web UI's "Edit model card", its metadata commits), by
+    ``verify`` and by a conversion that copies it (jobs/side_file_checks.py)."""
+    base = os.path.basename(name).lower()
+    return base.endswith(".md") or base == ".gitattributes" or base.startswith("license")
 
 
 def shown_as(named: str | os.PathLike[str], read: str | os.PathLike[str]) -> str:
