@@ -302,7 +302,8 @@ class SourceNotCheckedWarning(UserWarning):
     message: a record that cannot be read (a link, another tool's entry, a damaged record, one this
     user may not read), a sidecar beside a link's name only (written for whatever file that name
     held), a manifest left stale by a save stopped between its commit's two renames, files read
-    with O_DIRECT, or a source on object storage. ``verify`` reports the record;
+    with O_DIRECT, or a source on object storage; or a recorded documentation file (a model card)
+    copied beside the weights with other bytes than recorded. ``verify`` reports the record;
     run it on the source where that matters."""
 
 

@@ -69,7 +69,9 @@ class Options:
             files of at least 16 MiB; buffered on tmpfs, FUSE, network file systems and object
             storage (see :mod:`parallel_dcp.storage.io_mode`).
         check_source: a conversion checks the source files it reads whole against the checksums
-            the source carries (see :mod:`parallel_dcp.jobs.source_check`); False skips it.
+            the source carries (see :mod:`parallel_dcp.jobs.source_check`), and the side files it
+            copies against their folder's record (:mod:`parallel_dcp.jobs.side_file_checks`); False
+            skips both.
     """
 
     workers: int | None = None

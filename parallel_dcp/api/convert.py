@@ -248,7 +248,10 @@ def convert(
             safetensors file's own header), check the bytes read against them: each file a task
             reads whole is hashed as that task reads it, and a mismatch is a
             :class:`SourceChecksumError` naming the file, with nothing written (no task kept for
-            ``resume``). Which files are covered: docs/guarantees.md. False skips the check.
+            ``resume``); the side files copied beside the weights that their folder's record
+            lists are checked too (a changed documentation file, ``README.md``, is copied with a
+            :class:`SourceNotCheckedWarning`). Which files are covered: docs/guarantees.md. False
+            skips the check.
 
     Returns:
         A :class:`SaveResult` (a list of them for several sources) with ``format``, ``keys``,

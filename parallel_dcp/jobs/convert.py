@@ -185,7 +185,7 @@ def convert_one(
             storage_options=options.storage_options,
             limit=governor.limit,
         )
-        if options.check_source and copies.folder is not None:  # (before anything reads them: a preset's config)
+        if options.check_source and copies.folder is not None:  # (before the config.json reads below)
             copies.recorded = side_file_records(copies, copies.folder, own_source=copy_files_from is None)
         if isinstance(target, ShardedTarget):
             target.copies = copies

@@ -2,10 +2,12 @@
 
     source dir (a Hugging Face folder)  ── or ──  copy_files_from=DIR (any source)
         │  plain files at its top level, minus weights, indexes and hidden files; sizes known
+        │  (those the folder's own record lists: checked against it, jobs/side_file_checks.py)
         ▼
     the output's target (a sharded safetensors / torch directory) commits them beside the shards:
     each written new under this save's temporary name, renamed into place with the index and the
-    manifest (which records their sizes and checksums), removed with the rest if the save fails
+    manifest (which records their sizes and checksums), removed with the rest if the save fails;
+    a recorded one read with other bytes than recorded is refused there (read_copies)
 
 The files of its non-weight folders (``1_Pooling/config.json``, ...) come too, by the same rules
 (:mod:`parallel_dcp.jobs.side_folders`), so a sentence-transformers folder loads as well.

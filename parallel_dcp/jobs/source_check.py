@@ -36,6 +36,8 @@ user's own link is checked against the snapshot's record (the snapshot's link on
 and its mismatch says both that its uploader may have left the record stale and how to download it
 again (blob times say only when the download wrote each). A folder's file that its record does not
 list is checked against its own record, else named in a warning; its recorded index changed is refused.
+The files a conversion copies beside the weights are checked against the same record by
+jobs/side_file_checks.py (with the message of :func:`changed_file`).
 
 Whole-file checksums cannot be split: xxh3 of a file is not made of the digests of its parts, so
 a file whose tensors several tasks share (or split into row ranges) is hashed whole by one of them
