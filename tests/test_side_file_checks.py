@@ -154,17 +154,23 @@ def test_an_unrecorded_side_file_is_copied_unchecked_beside_checked_ones(ours: P
     assert (tmp_path / "out" / "notes.txt").read_text() == "added after the record"
 
 
+def _rewrite_while_the_job_runs(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    """``path`` rewritten with other bytes of its size as the job's tasks start: after the check
+    before them, before the commit reads it."""
+    run_tasks = pipeline.run_tasks
+
+    def rewrite_then_run(*args: Any, **kwargs: Any) -> Any:
+        _rewrite_same_size(path)
+        return run_tasks(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "run_tasks", rewrite_then_run)
+
+
 @pytest.mark.parametrize("rewritten", ["config.json", "1_Pooling/config.json"])
 def test_a_same_size_rewrite_while_the_job_runs_is_refused_at_the_commit(
     ours: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rewritten: str
 ) -> None:
-    run_tasks = pipeline.run_tasks
-
-    def rewrite_then_run(*args: Any, **kwargs: Any) -> Any:
-        _rewrite_same_size(ours / rewritten)  # (after the check, before the commit reads it)
-        return run_tasks(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "run_tasks", rewrite_then_run)
+    _rewrite_while_the_job_runs(monkeypatch, ours / rewritten)
     out = tmp_path / "out"
     with pytest.raises(SourceChecksumError) as caught:
         parallel_dcp.convert(ours, out, workers=1, to="safetensors")
@@ -172,6 +178,16 @@ def test_a_same_size_rewrite_while_the_job_runs_is_refused_at_the_commit(
     assert message.startswith(f"{ours / rewritten}: its bytes are not the ones its checksum"), message
     assert "changed while the job ran" in message and "nothing was committed" in message, message
     assert not os.path.lexists(out)
+
+
+def test_a_model_card_rewritten_while_the_job_runs_is_committed_with_a_warning(
+    ours: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _rewrite_while_the_job_runs(monkeypatch, ours / "README.md")
+    with pytest.warns(SourceNotCheckedWarning, match=r"README\.md: .*changed while the job ran\): copied as it is"):
+        parallel_dcp.convert(ours, tmp_path / "out", workers=1, to="safetensors")
+    assert (tmp_path / "out" / "README.md").read_bytes() == (ours / "README.md").read_bytes() != b"# a model\n"
+    assert parallel_dcp.verify(tmp_path / "out", workers=1).ok
 
 
 def test_copy_files_from_a_recorded_folder_is_checked_alike(

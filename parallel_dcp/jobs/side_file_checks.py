@@ -46,8 +46,7 @@ _DOCUMENTATION = (
     "the upload); verify of the source reports it as a warning"
 )
 _AT_THE_COMMIT = (
-    "; read so at the commit, after the job had found it as recorded before its tasks ran: it changed while "
-    "the job ran, and nothing was committed"
+    "; read so at the commit, after the job had found it as recorded before its tasks ran: it changed while the job ran"
 )
 
 
@@ -76,11 +75,13 @@ class RecordedCopy:
         hasher = Hasher(checksum=want.digest is not None)
         hasher.update(data)
         if (found := hasher.result()) != want:
-            self.differs(found, _AT_THE_COMMIT)
+            self.differs(found, at_the_commit=True)
 
-    def differs(self, found: FileDigest, also: str = "") -> None:
+    def differs(self, found: FileDigest, *, at_the_commit: bool = False) -> None:
         """The file's bytes are ``found``, not the ones recorded: refused (documentation: warned of)."""
+        also = _AT_THE_COMMIT if at_the_commit else ""
         if not self.documentation:
+            also += ", and nothing was committed" if at_the_commit else ""
             raise SourceChecksumError(changed_file(self.recorded, self.name, self.read, found, self.shown, also))
         message = changed_file(self.recorded, self.name, self.read, found, self.shown, also, advice=_DOCUMENTATION)
         warnings.warn(message, SourceNotCheckedWarning, stacklevel=3)
