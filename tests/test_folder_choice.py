@@ -337,3 +337,17 @@ def test_a_client_name_that_is_no_file_is_passed_over(tmp_path: Path, lone: str)
     assert detect_format(folder) == "safetensors"
     parallel_dcp.convert(folder, tmp_path / "out")
     assert _equal(parallel_dcp.load(tmp_path / "out"), _values(0))
+
+
+def test_a_named_file_added_to_a_recorded_folder_is_read_unchecked_and_said(tmp_path: Path) -> None:
+    """Our own output (its ``.parallel_dcp.json`` lists its files) whose config.json is edited to
+    name a file added in a subfolder: that file is what is read, and, carrying no record, is named
+    as read unchecked (a file below the folder's top was never looked for among the added ones)."""
+    save_file(_values(0), tmp_path / "model.safetensors")
+    parallel_dcp.convert(tmp_path / "model.safetensors", tmp_path / "rec", to="safetensors", workers=1)
+    (tmp_path / "rec" / "config.json").write_text(json.dumps({"transformers_weights": "sub/w.safetensors"}))
+    _sub(tmp_path / "rec", "sub/w.safetensors", _values(1))
+
+    with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match=r"sub/w\.safetensors, which its reads open"):
+        parallel_dcp.convert(tmp_path / "rec", tmp_path / "out", workers=1)
+    assert _equal(parallel_dcp.load(tmp_path / "out"), _values(1))

@@ -97,8 +97,8 @@ def _detected(where: Location) -> tuple[str, Folder | None]:
     folder = read_folder(where) if where.is_dir() and not is_dcp(where) else None
     if folder is not None and (kind := folder_kind(where, folder)) is not None:
         return kind, folder  # what transformers loads from the folder, before any other weights in it
-    for kind, detect, _ in _READERS:
-        if detect(where):
+    for kind, holds, _ in _READERS:
+        if holds(where):
             return kind, folder
     if where.is_dir() and not listdir(where):
         raise ValueError(f"cannot tell the format of {path}: the directory is empty (no checkpoint there)")

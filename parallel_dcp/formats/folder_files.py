@@ -180,8 +180,9 @@ def chosen_files(
 
 def _named_file(folder: Location, name: str) -> Path:
     """Where the file ``name`` (relative, no ``..``: checked) that the local ``folder``'s
-    config.json names leads: a regular file within the folder's tree, by its path with no link
-    on its way (a subfolder that is a link out of the tree is refused as a file link out is).
+    config.json names leads: a regular file within the folder's tree, given as ``folder / name``
+    where no link is on its way, else as where it leads (as :func:`_in_tree` gives a shard); a
+    subfolder that is a link out of the tree is refused as a file link out is.
 
     Raises:
         UnsafeCheckpointError: it leads out of the tree, or is not a regular file.
@@ -208,7 +209,7 @@ def _named_file(folder: Location, name: str) -> Path:
             "(nothing was read or written)"
         )
     regular_size(real)  # (a FIFO or a device: refused by name)
-    return real
+    return where if os.fspath(real) == os.path.abspath(where) else real
 
 
 def _in_tree(file: Path, tree: Path) -> Path:
