@@ -11,6 +11,7 @@ loads the same folders in transformers itself.)
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -154,23 +155,172 @@ def test_a_variant_beside_its_plain_file_is_not_read(tmp_path: Path) -> None:
     assert _equal(parallel_dcp.load(tmp_path / "out"), plain)
 
 
-@pytest.mark.parametrize("named", ["custom.safetensors", "model.safetensors"])
-def test_config_transformers_weights_is_not_passed_over(tmp_path: Path, named: str) -> None:
-    """``config.json``'s ``transformers_weights`` is the file transformers 5 loads before any other
-    (review s15 rev2 F1): we converted ``model.safetensors`` instead, silently. Not followed yet:
-    refused by name, unless it names the file the folder is read by anyway."""
+def _named_folder(tmp_path: Path, named: object) -> Path:
+    """A folder whose ``model.safetensors`` holds seed 0 and whose config.json names ``named`` as
+    ``transformers_weights`` (absent: ``...``)."""
     folder = tmp_path / "m"
     folder.mkdir()
     save_file(_values(0), folder / "model.safetensors")
-    save_file(_values(1), folder / "custom.safetensors")
-    (folder / "config.json").write_text(json.dumps({"model_type": "bert", "transformers_weights": named}))
-    if named == "model.safetensors":
-        parallel_dcp.convert(folder, tmp_path / "out")
-        assert _equal(parallel_dcp.load(tmp_path / "out"), _values(0))
-        return
-    with pytest.raises(parallel_dcp.CorruptCheckpointError, match=r"transformers_weights 'custom\.safetensors'"):
-        parallel_dcp.convert(folder, tmp_path / "out")
+    config: dict[str, object] = {"model_type": "bert"}
+    if named is not ...:
+        config["transformers_weights"] = named
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _index_of(folder: Path, index: str, values: dict[str, torch.Tensor]) -> None:
+    """``values`` as two shards at the top of ``folder`` (``c-1``, ``c-2``), and the index
+    ``index`` (a path below ``folder``) naming them, as transformers reads a named index: shard
+    names relative to the folder, not to the index."""
+    keys = list(values)
+    weight_map = {}
+    for name, part in (("c-1.safetensors", keys[:2]), ("c-2.safetensors", keys[2:])):
+        save_file({k: values[k] for k in part}, folder / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (folder / index).parent.mkdir(parents=True, exist_ok=True)
+    (folder / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _sub(folder: Path, name: str, values: dict[str, torch.Tensor]) -> None:
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    _write(values, folder / name)
+
+
+# (transformers_weights, how to lay the folder out, the files read: the names a dry run shows)
+FOLLOWED = [
+    ("custom.safetensors", lambda f: _sub(f, "custom.safetensors", _values(1)), ["custom.safetensors"]),
+    ("./custom.safetensors", lambda f: _sub(f, "custom.safetensors", _values(1)), ["custom.safetensors"]),
+    ("sub/custom.safetensors", lambda f: _sub(f, "sub/custom.safetensors", _values(1)), ["sub/custom.safetensors"]),
+    (
+        "custom.safetensors.index.json",
+        lambda f: _index_of(f, "custom.safetensors.index.json", _values(1)),
+        ["c-1.safetensors", "c-2.safetensors", "custom.safetensors.index.json"],
+    ),
+    (
+        "sub/c.safetensors.index.json",
+        lambda f: _index_of(f, "sub/c.safetensors.index.json", _values(1)),
+        ["sub/c.safetensors.index.json", "c-1.safetensors", "c-2.safetensors"],
+    ),
+    (
+        "model.safetensors.index.json",  # (before model.safetensors, which the client's order reads first)
+        lambda f: _index_of(f, "model.safetensors.index.json", _values(1)),
+        ["c-1.safetensors", "c-2.safetensors", "model.safetensors.index.json"],
+    ),
+    ("adapter_model.bin", lambda f: _sub(f, "adapter_model.bin", _values(1)), ["adapter_model.bin"]),
+    (None, lambda f: _sub(f, "custom.safetensors", _values(1)), ["model.safetensors"]),  # (JSON null: none named)
+]
+
+
+@pytest.mark.parametrize(("named", "lay_out", "read"), FOLLOWED, ids=[str(row[0]) for row in FOLLOWED])
+def test_config_transformers_weights_is_followed(
+    tmp_path: Path, named: str | None, lay_out: Callable[[Path], None], read: list[str]
+) -> None:
+    """``config.json``'s ``transformers_weights`` is the file transformers 5 loads before any other
+    (review s15 rev2 F1: we converted ``model.safetensors`` instead, silently; then refused the
+    folder): every reader reads the file it names, as transformers 5.25 does (its client suite:
+    tests_clients/hf/test_folder_choice.py), and a dry run names it."""
+    folder = _named_folder(tmp_path, named)
+    lay_out(folder)
+    want = _values(0) if named is None else _values(1)
+
+    assert detect_format(folder) == ("torch" if named == "adapter_model.bin" else "safetensors")
+    assert _equal(parallel_dcp.load(folder), want)
+    parallel_dcp.convert(folder, tmp_path / "out", workers=2)
+    assert _equal(parallel_dcp.load(tmp_path / "out"), want)
+    source = open_source(folder)
+    assert sorted(folder_weights(source)[0]) == sorted(read)
+    source.close()
+    plan = parallel_dcp.convert(folder, tmp_path / "plan", workers=2, dry_run=True, rename=[(r"(.*)", r"x.\1")])
+    if named is not None:  # (a view of the source, renamed here, reads and says what it does)
+        assert any(
+            f"reads {', '.join(read)} of " in n and "config.json names (transformers_weights)" in n for n in plan.notes
+        )
+    # A Hugging Face output holds its own shards: its config.json names none of the source's files.
+    parallel_dcp.convert(folder, tmp_path / "hf", to="safetensors", workers=2)
+    assert "transformers_weights" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert _equal(parallel_dcp.load(tmp_path / "hf"), want)
+
+
+def _link_out(folder: Path) -> None:
+    _write(_values(1), folder.parent / "outside.safetensors")
+    (folder / "custom.safetensors").symlink_to(folder.parent / "outside.safetensors")
+
+
+def _folder_link_out(folder: Path) -> None:
+    _sub(folder.parent, "elsewhere/custom.safetensors", _values(1))
+    (folder / "sub").symlink_to(folder.parent / "elsewhere")
+
+
+# (transformers_weights, how to lay the folder out, the error, its message). transformers 5.25
+# fails on each too (a ValueError, FileNotFoundError, AttributeError or OSError), but for the links
+# out of the folder and the absolute name inside it, which it follows and we never do.
+REFUSED = [
+    ("../custom.safetensors", None, parallel_dcp.UnsafeCheckpointError, r"absolute name or one with '\.\.'"),
+    ("sub/../custom.safetensors", None, parallel_dcp.UnsafeCheckpointError, r"absolute name or one with '\.\.'"),
+    ("/abs/custom.safetensors", None, parallel_dcp.UnsafeCheckpointError, r"Name the file relative to the folder"),
+    ("custom.safetensors", _link_out, parallel_dcp.UnsafeCheckpointError, r"leads out of .*refusing to follow it"),
+    ("sub/custom.safetensors", _folder_link_out, parallel_dcp.UnsafeCheckpointError, r"leads out of"),
+    ("missing.safetensors", None, FileNotFoundError, r"'missing\.safetensors', which does not exist"),
+    ("c.safetensors.index.json", None, FileNotFoundError, r"which does not exist"),
+    (
+        "custom.safetensors",
+        lambda f: (f / "custom.safetensors").mkdir(),
+        parallel_dcp.CorruptCheckpointError,
+        "a folder",
+    ),
+    ("", None, parallel_dcp.CorruptCheckpointError, "which transformers refuses"),
+    (5, None, parallel_dcp.CorruptCheckpointError, "transformers_weights 5, which transformers refuses"),
+    ("pytorch_model.bin", None, parallel_dcp.CorruptCheckpointError, "which transformers refuses"),
+    ("custom.pt", None, parallel_dcp.CorruptCheckpointError, "which transformers refuses"),
+]
+
+
+@pytest.mark.parametrize(
+    ("named", "lay_out", "error", "said"), REFUSED, ids=[f"{row[0]!s}-{i}" for i, row in enumerate(REFUSED)]
+)
+def test_config_transformers_weights_the_client_fails_on_is_refused(
+    tmp_path: Path, named: object, lay_out: Callable[[Path], None] | None, error: type[Exception], said: str
+) -> None:
+    """A name transformers fails on (or one leading out of the folder) is refused by every reader,
+    by name, before anything is written; never passed over for ``model.safetensors``."""
+    folder = _named_folder(tmp_path, named)
+    if lay_out is not None:
+        lay_out(folder)
+    with pytest.raises(error, match=said):
+        parallel_dcp.convert(folder, tmp_path / "out", workers=2)
     assert not (tmp_path / "out").exists()
+    with pytest.raises(error, match=said):
+        parallel_dcp.convert(folder, tmp_path / "plan", workers=2, dry_run=True)
+    with pytest.raises(error, match=said):
+        parallel_dcp.load(folder)
+    with pytest.raises(error, match=said):
+        inspect_checkpoint(folder)
+
+
+def test_config_json_is_read_once_an_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening a folder source lists it and reads its config.json once (detecting the format and
+    choosing the files take the one look), by the one rule for a source's small files; so do
+    ``load`` and ``inspect``, which tell the format before they open the source."""
+    from parallel_dcp.formats import folder_files
+
+    folder = _named_folder(tmp_path, "custom.safetensors")
+    save_file(_values(1), folder / "custom.safetensors")
+    reads: list[str] = []
+    real = folder_files.read_in_tree
+
+    def counted(path: Path, tree: Path, *, limit: int) -> bytes:
+        reads.append(path.name)
+        return real(path, tree, limit=limit)
+
+    monkeypatch.setattr(folder_files, "read_in_tree", counted)
+    source = open_source(folder)
+    source.close()
+    assert reads == ["config.json"]
+    assert [Path(f).name for f in source.files] == ["custom.safetensors"]
+    for job in (parallel_dcp.load, inspect_checkpoint):  # (each tells the format, then opens the source)
+        reads.clear()
+        job(folder)
+        assert reads == ["config.json"], job
 
 
 @pytest.mark.parametrize("lone", ["dangling link", "folder"])
@@ -187,3 +337,17 @@ def test_a_client_name_that_is_no_file_is_passed_over(tmp_path: Path, lone: str)
     assert detect_format(folder) == "safetensors"
     parallel_dcp.convert(folder, tmp_path / "out")
     assert _equal(parallel_dcp.load(tmp_path / "out"), _values(0))
+
+
+def test_a_named_file_added_to_a_recorded_folder_is_read_unchecked_and_said(tmp_path: Path) -> None:
+    """Our own output (its ``.parallel_dcp.json`` lists its files) whose config.json is edited to
+    name a file added in a subfolder: that file is what is read, and, carrying no record, is named
+    as read unchecked (a file below the folder's top was never looked for among the added ones)."""
+    save_file(_values(0), tmp_path / "model.safetensors")
+    parallel_dcp.convert(tmp_path / "model.safetensors", tmp_path / "rec", to="safetensors", workers=1)
+    (tmp_path / "rec" / "config.json").write_text(json.dumps({"transformers_weights": "sub/w.safetensors"}))
+    _sub(tmp_path / "rec", "sub/w.safetensors", _values(1))
+
+    with pytest.warns(parallel_dcp.SourceNotCheckedWarning, match=r"sub/w\.safetensors, which its reads open"):
+        parallel_dcp.convert(tmp_path / "rec", tmp_path / "out", workers=1)
+    assert _equal(parallel_dcp.load(tmp_path / "out"), _values(1))

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 import parallel_dcp
-import parallel_dcp.formats.base as base
+import parallel_dcp.formats.folder_files as folder_files
 import parallel_dcp.jobs.source_check as source_check
 import parallel_dcp.jobs.verify as verify_job
 import parallel_dcp.storage.safe_files as safe_files
@@ -73,7 +73,7 @@ def test_convert_refuses_a_folder_swapped_for_a_link_after_the_listing(
     linked_shard: tuple[Path, Callable[[], None]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
 ) -> None:
     src, swap = linked_shard
-    _swap_after(monkeypatch, base, "_in_tree", swap)
+    _swap_after(monkeypatch, folder_files, "_in_tree", swap)
     with pytest.raises(UnsafeCheckpointError, match=_SWAPPED):
         parallel_dcp.convert(src, tmp_path / "out", workers=workers, check_source=False)
 
@@ -82,7 +82,7 @@ def test_load_refuses_a_folder_swapped_for_a_link_after_the_listing(
     linked_shard: tuple[Path, Callable[[], None]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     src, swap = linked_shard
-    _swap_after(monkeypatch, base, "_in_tree", swap)
+    _swap_after(monkeypatch, folder_files, "_in_tree", swap)
     with pytest.raises(UnsafeCheckpointError, match=_SWAPPED):
         parallel_dcp.load(src)
 

@@ -6,9 +6,11 @@
 - torch.save file (.pt/.pth/.bin) or HF ``.bin`` directory: read with
   ``torch.load(mmap=True, weights_only=True)``; written with ``torch.save`` per shard plus the index.
 
-A Hugging Face folder means the weights transformers loads from it (:mod:`.folder_choice`):
-``model.safetensors``, its index, ``pytorch_model.bin``, its index, the first there; only a folder
-with none of them is read by another rule (every ``*.safetensors``, a PEFT adapter beside others not).
+A Hugging Face folder means the weights transformers loads from it (:mod:`.folder_choice`): the
+file its ``config.json`` names (``transformers_weights``), else ``model.safetensors``, its index,
+``pytorch_model.bin``, its index, the first there; only a folder with none of them is read by
+another rule (every ``*.safetensors``, a PEFT adapter beside others not). The folder is listed and
+its ``config.json`` read once an open (:mod:`.folder_files`).
 
 Any of them may be at a URL (``s3://...``, see :mod:`parallel_dcp.storage.location`): DCP and safetensors
 are then read by byte ranges; torch.save files are first copied to a local temporary directory.
@@ -20,12 +22,12 @@ import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from parallel_dcp.formats import safetensors_format, torch_format
-from parallel_dcp.formats.base import Entry, FileFormat, Source, files_among, folder_index
+from parallel_dcp.formats.base import Entry, FileFormat, Source
 from parallel_dcp.formats.dcp_format import DcpSource, is_dcp
-from parallel_dcp.formats.folder_choice import client_choice, client_names
+from parallel_dcp.formats.folder_files import Folder, folder_kind, read_folder
 from parallel_dcp.formats.safetensors_format import SafetensorsSource, is_safetensors
 from parallel_dcp.formats.torch_format import TorchSource, is_torch_save
 from parallel_dcp.storage.location import Location, Remote, listdir, locate, resolved_once
@@ -33,9 +35,11 @@ from parallel_dcp.storage.location import Location, Remote, listdir, locate, res
 __all__ = [
     "FILE_FORMATS",
     "FORMATS",
+    "Detected",
     "Entry",
     "FileFormat",
     "Source",
+    "detect",
     "detect_format",
     "folder_weights",
     "index_read",
@@ -54,6 +58,26 @@ FILE_FORMATS: dict[str, FileFormat] = {f.kind: f for f in (safetensors_format.FO
 FORMATS = tuple(kind for kind, _, _ in _READERS)
 
 
+class Detected(NamedTuple):
+    """A source's format as one look at it told (:func:`detect`), which :func:`open_source` takes
+    as it is: ``kind`` (as :func:`detect_format`), ``where`` (its location, resolved once for
+    reading: ``resolved_once``), ``folder`` (a Hugging Face style folder as looked at: its names
+    and the file its config.json names; None for a file or a DCP directory)."""
+
+    kind: str
+    where: Location
+    folder: Folder | None
+
+
+def detect(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Detected:
+    """The format of the source at ``path`` and what telling it looked at, for a job that decides
+    by the format before it opens the source (``open_source(detected)``: no second look, so a
+    folder's config.json is read once). Raises: as :func:`detect_format`."""
+    where = resolved_once(locate(path, storage_options))
+    kind, folder = _detected(where)
+    return Detected(kind, where, folder)
+
+
 def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> str:
     """``"dcp"``, ``"safetensors"`` or ``"torch"``, from the files at ``path`` (a path or a URL).
 
@@ -61,19 +85,21 @@ def detect_format(path: str | os.PathLike[str], storage_options: dict[str, Any] 
         FileNotFoundError: nothing at ``path``.
         ValueError: ``path`` holds none of the formats (an uncommitted DCP directory included).
     """
-    where = locate(path, storage_options)
+    return _detected(locate(path, storage_options))[0]
+
+
+def _detected(where: Location) -> tuple[str, Folder | None]:
+    """:func:`detect_format` of ``where``, and the Hugging Face style folder it looked at to tell
+    (None: a file, or a DCP directory), which the source opened from it takes as it is."""
     path = os.fspath(where)
     if not where.exists():
         _raise_unreachable(where, path)
-    if (
-        where.is_dir()
-        and not is_dcp(where)
-        and (choice := client_choice(files_among(where, client_names(listdir(where))))) is not None
-    ):
-        return choice.kind  # what transformers loads from the folder, before any other weights in it
-    for kind, detect, _ in _READERS:
-        if detect(where):
-            return kind
+    folder = read_folder(where) if where.is_dir() and not is_dcp(where) else None
+    if folder is not None and (kind := folder_kind(where, folder)) is not None:
+        return kind, folder  # what transformers loads from the folder, before any other weights in it
+    for kind, holds, _ in _READERS:
+        if holds(where):
+            return kind, folder
     if where.is_dir() and not listdir(where):
         raise ValueError(f"cannot tell the format of {path}: the directory is empty (no checkpoint there)")
     if any(n.endswith(".distcp") for n in listdir(where)):
@@ -109,49 +135,55 @@ _STAT_FAILURES = {
 
 
 def open_source(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Detected,
     *,
     trust_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
     memory_limit: int | None = None,
 ) -> Source:
-    """Open ``path`` (a path or a URL) for reading, listing its tensors from headers only.
+    """Open ``path`` (a path or a URL, or what :func:`detect` told of one) for reading, listing
+    its tensors from headers only.
 
     ``trust_pickle`` lets values (DCP) and torch.save files that need ``weights_only=False`` be
     unpickled; without it they are refused with UnsafeCheckpointError (nothing runs).
     ``memory_limit``: the job's; a legacy torch.save file, loaded whole when opened, that is
     larger is refused (MemoryLimitExceeded) before it is read.
     """
-    path = os.fspath(resolved_once(locate(path, storage_options)))
-    kind = detect_format(path, storage_options)
-    source_type = next(source for name, _, source in _READERS if name == kind)
-    if source_type is TorchSource:
-        return TorchSource(path, storage_options=storage_options, trust_pickle=trust_pickle, memory_limit=memory_limit)
-    return source_type(path, storage_options=storage_options, trust_pickle=trust_pickle)
+    kind, where, folder = path if isinstance(path, Detected) else detect(path, storage_options)
+    path = os.fspath(where)
+    if kind == "torch":
+        return TorchSource(
+            path, storage_options=storage_options, trust_pickle=trust_pickle, memory_limit=memory_limit, folder=folder
+        )
+    if kind == "safetensors":
+        return SafetensorsSource(path, storage_options=storage_options, trust_pickle=trust_pickle, folder=folder)
+    return DcpSource(path, storage_options=storage_options, trust_pickle=trust_pickle)
 
 
 def index_read(source: Source) -> Location | None:
-    """The index a Hugging Face folder ``source`` was opened by (as its ``files`` were chosen);
-    None where it read none: a file, a DCP directory, a folder read by its single
-    ``model.safetensors`` or ``pytorch_model.bin`` (an index beside it is not read), or one with no index."""
-    file_format = FILE_FORMATS.get(source.kind)
-    if file_format is None:
-        return None
-    return folder_index(source.location, file_format.index_name, file_format.shard_names(1)[0])
+    """The index a Hugging Face folder ``source`` was opened by (as its ``files`` were chosen:
+    ``Source.index``); None where it read none: a file, a DCP directory, a folder read by its
+    single ``model.safetensors`` or ``pytorch_model.bin`` (an index beside it is not read), or one
+    with no index."""
+    return source.index if source.kind in FILE_FORMATS else None
 
 
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
 def folder_weights(source: Source) -> tuple[list[str], list[str]]:
-    """The weight files and indexes at the top of a local Hugging Face folder ``source``, by name:
-    those its reads open, and those they do not (the other format's set, an older set beside
+    """The weight files and indexes of a local Hugging Face folder ``source``, by name: those its
+    reads open (the file its config.json names first, by its name there: ``sub/w.safetensors``),
+    and those at its top they do not (the other format's set, an older set beside
     ``model.safetensors``, an adapter), as the client leaves them too; ([], []) for any other source."""
     folder = source.location
-    if source.kind not in FILE_FORMATS or isinstance(folder, Remote) or not folder.is_dir():
+    if source.kind not in FILE_FORMATS or isinstance(folder, Remote) or source.folder is None:
         return [], []
     index = index_read(source)
     read = {os.path.realpath(f) for f in [*source.files, *([index] if index is not None else [])]}
-    names = [n for n in sorted(listdir(folder)) if not n.startswith(".") and n.endswith(_WEIGHTS)]
+    names = [n for n in sorted(source.folder.listing) if not n.startswith(".") and n.endswith(_WEIGHTS)]
     opened = [n for n in names if os.path.realpath(folder / n) in read]
+    named = source.folder.named_choice(folder)  # (valid: the source was opened by it)
+    if named is not None and named.name not in opened:
+        opened.insert(0, named.name)
     return opened, [n for n in names if n not in opened]

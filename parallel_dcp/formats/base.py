@@ -4,38 +4,28 @@ and, for file-based formats, how to write one (:class:`FileFormat`).
 A :class:`Source` is opened once in the coordinator (which lists it, reading headers only) and
 read from in forked workers. Anything a worker opens (an mmap, a file handle) is opened lazily in
 that worker and never shared, so a source is safe to fork before its first :meth:`Source.read`.
-
-Longer than 300 lines because the two contracts every format implements (what a source lists and
-states, what a file format writes) are documented here in one place, field by field.
+Which files a source reads (a file, or what the client loads from a folder): :mod:`.folder_files`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import stat
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallel_dcp._json import loads_json
-from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
-from parallel_dcp.formats.folder_choice import client_choice, fallback_names, mixed_sets
-from parallel_dcp.formats.shard_index import index_names
-from parallel_dcp.storage.location import Location, Remote, listdir, locate
-from parallel_dcp.storage.safe_files import regular_size, resolve_in_tree, source_tree
-from parallel_dcp.storage.safe_reader import read_in_tree
-
-# An index lists one line per tensor: 64 MiB is far beyond any real one (a crafted one is refused).
+from parallel_dcp.errors import CorruptCheckpointError
+from parallel_dcp.storage.location import Location, Remote, locate
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import TensorProperties
 
     from parallel_dcp.engine.chunks import Chunk
+    from parallel_dcp.formats.folder_files import Folder
     from parallel_dcp.formats.range_read import RawRange
 
 __all__ = [
@@ -44,10 +34,7 @@ __all__ = [
     "FileFormat",
     "Source",
     "entry_of",
-    "files_among",
-    "folder_index",
     "index_json",
-    "shard_files",
 ]
 
 
@@ -111,6 +98,13 @@ class Source(ABC):
         header_metadata: the free-form string metadata the source's files carry (safetensors'
             ``__metadata__``, without parallel_dcp's own checksums), which an output of the same
             format carries on (see :func:`parallel_dcp.formats.safetensors_format.header_metadata`).
+        folder: a folder source as one look found it (its names, the file its config.json names:
+            :class:`~parallel_dcp.formats.folder_files.Folder`), so opening it lists it and reads
+            its config.json once: given by ``open_source`` (which looked to detect the format),
+            else taken when the source opens; None for a file, and for formats that keep none.
+        index: the index a sharded folder's files were chosen by (the client's, or the one its
+            config.json names); None where none was read (a file, a folder read by its single
+            ``model.safetensors``, one with no index).
     """
 
     path: str
@@ -122,6 +116,8 @@ class Source(ABC):
     storage_options: dict[str, Any] | None = None
     trust_pickle: bool = False
     header_metadata: dict[str, str] = field(default_factory=dict)
+    folder: Folder | None = field(default=None, repr=False)
+    index: Location | None = field(default=None, repr=False)
 
     @property
     def location(self) -> Location:
@@ -271,101 +267,3 @@ class FileFormat:
 def index_json(weight_map: dict[str, str], total_size: int) -> str:
     """A sharded directory's index, as Hugging Face writes it."""
     return json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n"
-
-
-def shard_files(path: Location, index_name: str, suffix: str | None = None, lone: str | None = None) -> list[str]:
-    """The files of a single-file source, or of a sharded directory: what the real client loads
-    from it (:func:`folder_index`): the file named ``lone`` (``model.safetensors``, as Hugging Face
-    writes a directory of one shard) before the shards its index names, or (neither there) every
-    file with ``suffix`` (:func:`~parallel_dcp.formats.folder_choice.fallback_names`).
-
-    Raises:
-        FileNotFoundError: the index names a shard that does not exist.
-        CorruptCheckpointError: the index is unreadable or names a file outside the directory.
-    """
-    if not path.is_dir():  # the file the user named (through any link: the user chose it)
-        if isinstance(path, Remote):
-            return [os.fspath(path)]
-        real = os.path.realpath(path)
-        if os.path.exists(real) and not stat.S_ISREG(os.stat(real).st_mode):  # (a FIFO would block the open)
-            raise UnsafeCheckpointError(f"{path} is not a regular file: no checkpoint is read from it")
-        return [real]
-    listing = listdir(path)
-    choice = client_choice(files_among(path, (n for n in listing if n in (index_name, lone))))
-    explicit = _explicit_weights(path, listing)
-    if explicit is not None and (choice is None or choice.name != explicit):
-        raise CorruptCheckpointError(
-            f"{path / 'config.json'} names transformers_weights {explicit!r}: transformers loads that file "
-            "from this folder, before any other, and parallel_dcp does not follow the setting. Convert "
-            f"{path / explicit} itself where it is one .safetensors file, or a folder that holds that set alone"
-        )
-    if choice is not None and not choice.sharded:
-        names = [choice.name]
-    elif choice is not None or suffix is None:
-        names = index_names(path / index_name)
-    else:
-        names = fallback_names(listing, suffix)
-        if (sets := mixed_sets(names)) is not None:
-            raise CorruptCheckpointError(
-                f"{path} holds two sets of weights and no index that says which is the model: "
-                f"{', '.join(sets[0])} (shards whose index is not there) and {', '.join(sets[1])}; "
-                "transformers loads neither from it. Convert one of them: the file itself, or a folder "
-                "holding one set (with its index)"
-            )
-    missing = [n for n in names if n not in listing]
-    if missing:
-        raise FileNotFoundError(f"{path}: the index names shards that do not exist: {', '.join(missing)}")
-    if isinstance(path, Remote):
-        return [os.fspath(path / n) for n in names]
-    return [os.fspath(_in_tree(path / n, source_tree(path))) for n in names]
-
-
-def files_among(path: Location, names: Iterable[str]) -> list[str]:
-    """Those of ``names`` in the folder ``path`` that are files, where they lead (a link within the
-    folder's tree or out of it: checked when read), as transformers asks (``os.path.isfile``): a
-    dangling link or a folder by a client's name is passed over, as the client passes it over."""
-    if isinstance(path, Remote):
-        return list(names)
-    return [n for n in names if os.path.isfile(path / n)]
-
-
-def _explicit_weights(path: Location, listing: list[str]) -> str | None:
-    """The file ``config.json`` of a local folder names as the weights transformers loads
-    (``transformers_weights``, transformers 5: before any of its usual names); None where none is."""
-    if isinstance(path, Remote) or "config.json" not in listing:
-        return None
-    try:  # by the one rule for a source's small files; one that cannot be read names nothing here
-        config = loads_json(read_in_tree(path / "config.json", source_tree(path), limit=16 * 2**20))
-    except (ValueError, OSError):
-        return None
-    name = config.get("transformers_weights") if isinstance(config, dict) else None
-    return name if isinstance(name, str) and name else None
-
-
-def folder_index(path: Location, index_name: str, lone: str | None = None) -> Location | None:
-    """The index a directory source is read by (as :func:`shard_files` chooses); None for a file,
-    a directory read by its ``lone`` file (an index beside it is not read, as transformers does
-    not), or one with no index."""
-    if not path.is_dir():
-        return None
-    choice = client_choice(files_among(path, (n for n in listdir(path) if n in (index_name, lone))))
-    return path / index_name if choice is not None and choice.sharded else None
-
-
-def _in_tree(file: Path, tree: Path) -> Path:
-    """A shard of a local directory by the one rule for reading: a link only within the source's
-    tree (a Hugging Face cache snapshot's links into ``blobs/``), given as where it leads, so every
-    reader (the library's mmap, O_DIRECT, torch.load) opens a regular file that is no link, the
-    same way in every io mode.
-
-    Raises:
-        UnsafeCheckpointError: a link leading out of the tree, or not a regular file (a FIFO).
-    """
-    target = resolve_in_tree(file, tree)
-    try:
-        regular_size(target)
-    except UnsafeCheckpointError:
-        if target == file:
-            raise
-        raise UnsafeCheckpointError(f"{file} leads to {target}, which is not a regular file") from None
-    return target

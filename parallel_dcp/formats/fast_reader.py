@@ -46,15 +46,15 @@ __all__ = ["FastReader"]
 def open_other_format(where: Location, storage_options: dict[str, Any] | None, trust_pickle: bool) -> Source | None:
     """The source at ``where`` when it is a format other than DCP; None for DCP (or nothing
     readable: DCP's reader then says what is missing)."""
-    from parallel_dcp.formats import detect_format, open_source
+    from parallel_dcp.formats import detect, open_source
 
     try:
-        kind = detect_format(where, storage_options)
+        detected = detect(where, storage_options)
     except (FileNotFoundError, ValueError):
         return None
-    if kind == "dcp":
+    if detected.kind == "dcp":
         return None
-    return open_source(where, trust_pickle=trust_pickle, storage_options=storage_options)
+    return open_source(detected, trust_pickle=trust_pickle, storage_options=storage_options)
 
 
 class FastReader(FileSystemReader):

@@ -11,6 +11,10 @@ a folder holding ``pytorch_model.bin`` and a PEFT adapter's ``adapter_model.safe
 transformers (the same order); diffusers' ``subfolder`` names its own
 (``diffusion_pytorch_model.safetensors``), which the fallback below reads.
 
+A ``config.json`` beside them may name the file instead (``transformers_weights``; transformers
+5 loads it before any of those names, and refuses the folder where the name is not one it takes):
+:func:`explicit_choice` says which file that is, by transformers' rules and ours.
+
 Only where none of those names is there does a folder fall back to every file with the format's
 suffix (a stock folder of other names: ``consolidated.safetensors``, ``diffusion_pytorch_model*``),
 and a PEFT adapter (``adapter_model.*``) is then read only where it is the folder's only weights
@@ -22,8 +26,20 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 
-__all__ = ["CLIENT_ORDER", "Choice", "client_choice", "client_names", "fallback_names", "mixed_sets"]
+from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+__all__ = [
+    "CLIENT_ORDER",
+    "Choice",
+    "client_choice",
+    "client_names",
+    "explicit_choice",
+    "fallback_names",
+    "mixed_sets",
+    "named_kind",
+]
 
 # (name, format, an index): what transformers looks for, in its order.
 CLIENT_ORDER: tuple[tuple[str, str, bool], ...] = (
@@ -51,6 +67,48 @@ def client_choice(listing: Iterable[str]) -> Choice | None:
         if name in names:
             return Choice(name, kind, sharded)
     return None
+
+
+# What transformers 5.25 takes as ``transformers_weights`` (modeling_utils.py
+# ``_get_resolved_checkpoint_files``): a safetensors file or index, or this one torch file.
+_NAMED_SUFFIXES = (".safetensors", ".safetensors.index.json")
+_NAMED_TORCH = "adapter_model.bin"
+
+
+def named_kind(named: object) -> str:
+    """The format of the folder whose ``config.json`` names ``named`` as ``transformers_weights``
+    (not None): ``"torch"`` for the one torch file transformers takes, else ``"safetensors"`` (a
+    name it refuses too: the safetensors reader then refuses it, by :func:`explicit_choice`)."""
+    return "torch" if named == _NAMED_TORCH else "safetensors"
+
+
+def explicit_choice(named: object, config: str) -> Choice:
+    """The file ``config`` (a ``config.json``) names as ``transformers_weights`` (not None),
+    relative to its folder (``./`` and repeated ``/`` folded), as transformers 5.25 takes it: a
+    ``*.safetensors`` file, a ``*.safetensors.index.json`` index (its shards named relative to the
+    folder, not to the index), or ``adapter_model.bin``, anywhere below the folder.
+
+    Raises:
+        CorruptCheckpointError: a name transformers refuses (another suffix, not a string, empty):
+            it loads nothing from the folder.
+        UnsafeCheckpointError: an absolute name or one with ``..``: refused before anything is read
+            (transformers takes one that stays in the folder; we read no name that could leave it).
+    """
+    said = f"{config} names transformers_weights {named!r}"
+    if not isinstance(named, str) or not (named.endswith(_NAMED_SUFFIXES) or named == _NAMED_TORCH):
+        raise CorruptCheckpointError(
+            f"{said}, which transformers refuses: it takes a *.safetensors file, a *.safetensors.index.json "
+            f"index or {_NAMED_TORCH}, so it loads no weights from this folder. Fix config.json (remove "
+            "the setting to load the folder's usual weights), or convert a weights file itself"
+        )
+    path = PurePosixPath(named)
+    if path.is_absolute() or ".." in path.parts or "\0" in named:
+        raise UnsafeCheckpointError(
+            f"{said}: an absolute name or one with '..' is not read (it may lead out of the folder; "
+            "nothing was read or written). Name the file relative to the folder"
+        )
+    name = path.as_posix()
+    return Choice(name, named_kind(name), name.endswith(_NAMED_SUFFIXES[1]))
 
 
 def client_names(listing: Iterable[str]) -> list[str]:

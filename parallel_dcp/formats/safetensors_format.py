@@ -28,7 +28,8 @@ from safetensors.torch import save_file
 from parallel_dcp._json import loads_json
 from parallel_dcp.engine.chunks import Chunk
 from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError
-from parallel_dcp.formats.base import Entry, FileFormat, Source, folder_index, shard_files
+from parallel_dcp.formats.base import Entry, FileFormat, Source
+from parallel_dcp.formats.folder_files import chosen_files
 from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.shard_index import check_index
 from parallel_dcp.storage.direct_read import ShardFile, direct_read_memory
@@ -200,15 +201,16 @@ class SafetensorsSource(Source):
 
     def __post_init__(self) -> None:
         self.kind = "safetensors"
-        # (as transformers reads the folder: model.safetensors before an index beside it; an
-        # adapter_model.safetensors beside other weights is not the model: formats/folder_choice.py)
-        self.files = shard_files(self.location, INDEX_NAME, _SUFFIX, lone=LONE_NAME)
+        # (as transformers reads the folder: the file config.json names, model.safetensors before
+        # an index beside it; an adapter_model.safetensors beside other weights is not the model:
+        # formats/folder_choice.py)
+        self.files, self.index, self.folder = chosen_files(self.location, INDEX_NAME, _SUFFIX, LONE_NAME, self.folder)
         if isinstance(self.location, Remote):
             self._list_remote(self.location)
         else:
             self._list_local()
-        if folder_index(self.location, INDEX_NAME, LONE_NAME) is not None:
-            check_index(self.location, INDEX_NAME, self.files, {k: entry.file for k, entry in self.entries.items()})
+        if self.index is not None:
+            check_index(self.index, self.files, {k: entry.file for k, entry in self.entries.items()})
 
     def _list_local(self) -> None:
         stated: list[dict[str, str]] = []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from parallel_dcp._json import loads_json
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.storage.location import Location, Remote, check_name, listdir
+from parallel_dcp.storage.location import Location, Remote, check_name
 from parallel_dcp.storage.safe_files import source_tree
 from parallel_dcp.storage.safe_reader import read_in_tree
 
@@ -23,22 +23,19 @@ _SHOWN = 5
 _INDEX_MAX_BYTES = 64 * 2**20
 
 
-def check_index(path: Location, index_name: str, files: Sequence[str], holders: Mapping[str, str]) -> None:
-    """Where ``path`` is a directory with an index: that every key the index names is held by
-    the shard it names. ``files``: what ``shard_files`` gave for it (in the index's order);
+def check_index(index: Location, files: Sequence[str], holders: Mapping[str, str]) -> None:
+    """That every key the ``index`` a folder's files were chosen by names is held by the shard it
+    names. ``files``: what ``chosen_files`` gave for it (in the index's order);
     ``holders``: each key the shards hold, and its file. (A shard may hold more keys than its
     index names: they are read too, as transformers reads them.)
 
     Raises:
         CorruptCheckpointError: the index names no key, or keys its shards do not hold where it says.
     """
-    if not path.is_dir() or index_name not in listdir(path):
-        return
-    index = path / index_name
     weight_map = index_weight_map(index)
     if not weight_map:
         raise CorruptCheckpointError(f"{index} names no tensor (its weight_map is empty)")
-    names = _names(weight_map, index)  # (from this one read: the index may have changed since shard_files)
+    names = _names(weight_map, index)  # (from this one read: the index may have changed since chosen_files)
     if len(names) != len(files):
         raise CorruptCheckpointError(f"{index} changed while it was read")
     named = dict(zip(files, names, strict=True))  # a file as read -> its name in the index

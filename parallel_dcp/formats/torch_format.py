@@ -31,7 +31,8 @@ from parallel_dcp.errors import (
     MemoryLimitExceeded,
     UnsafeCheckpointError,
 )
-from parallel_dcp.formats.base import FileFormat, Source, entry_of, folder_index, shard_files
+from parallel_dcp.formats.base import FileFormat, Source, entry_of
+from parallel_dcp.formats.folder_files import chosen_files
 from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.shard_index import check_index
 from parallel_dcp.formats.torch_spool import remove_if_owner, spool
@@ -124,7 +125,9 @@ class TorchSource(Source):
 
     def __post_init__(self) -> None:
         self.kind = "torch"
-        self.files = shard_files(self.location, INDEX_NAME, lone=LONE_NAME)
+        self.files, self.index, self.folder = chosen_files(
+            self.location, INDEX_NAME, lone=LONE_NAME, folder=self.folder
+        )
         if self.trust_pickle:
             warnings.warn(
                 f"{self.path}: trust_pickle=True runs the file's pickle code (weights_only=False)", stacklevel=3
@@ -166,8 +169,8 @@ class TorchSource(Source):
                     self.values[key] = value
             if len(self.files) == 1:
                 self.mapping = mapping
-        if folder_index(self.location, INDEX_NAME, LONE_NAME) is not None:  # (not read beside pytorch_model.bin)
-            check_index(self.location, INDEX_NAME, self.files, holders)
+        if self.index is not None:  # (not read beside pytorch_model.bin)
+            check_index(self.index, self.files, holders)
 
     def keys(self) -> tuple[str, ...]:
         return tuple(self._order)

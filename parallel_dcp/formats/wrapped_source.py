@@ -24,7 +24,8 @@ class WrappedSource(Source):
 
     @classmethod
     def around(cls: type[_W], source: Source, **fields: Any) -> _W:
-        """A view of ``source`` under its name: path, kind, files and options are the source's."""
+        """A view of ``source`` under its name: path, kind, files (the folder and index they were
+        chosen by) and options are the source's."""
         return cls(
             path=source.path,
             kind=source.kind,
@@ -32,6 +33,8 @@ class WrappedSource(Source):
             storage_options=source.storage_options,
             trust_pickle=source.trust_pickle,
             header_metadata=source.header_metadata,
+            folder=source.folder,
+            index=source.index,
             inner=source,
             **fields,
         )

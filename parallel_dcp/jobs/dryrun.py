@@ -230,13 +230,16 @@ def plan_dry_run(job: Job, target: Target, options: Options, governor: MemoryGov
 
 
 def _source_notes(source: Source) -> list[str]:
-    """Which of a folder's weight files the run reads, where it holds others it leaves (as the
-    client does: formats/folder_choice.py)."""
+    """Which of a folder's weight files the run reads, where it holds others it leaves or its
+    config.json names the file (as the client does: formats/folder_choice.py)."""
     read, unread = folder_weights(source)
-    if not unread:
+    named = source.folder is not None and source.folder.named is not None
+    if not unread and not named:
         return []
     shown = ", ".join(read[:3]) + (f" and {len(read) - 3} more" if len(read) > 3 else "")
-    return [f"reads {shown} of {source.path}, the weights transformers loads from it; not read: {', '.join(unread)}"]
+    why = "which its config.json names (transformers_weights): " if named else ""
+    left = f"; not read: {', '.join(unread)}" if unread else ""
+    return [f"reads {shown} of {source.path}, {why}the weights transformers loads from it{left}"]
 
 
 def _check_notes(job: Job) -> list[str]:

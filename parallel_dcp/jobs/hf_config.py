@@ -1,6 +1,7 @@
 """The ``config.json`` of a converted Hugging Face directory, made to say what the shards hold.
 
     config.json (copied from the source, or --copy-files-from)
+        always           ──▶  no "transformers_weights" (the weights file it names is not in the output)
         --dtype D        ──▶  "dtype": D and "torch_dtype": D   (transformers 5 reads "dtype", 4 "torch_dtype")
         --dequantize     ──▶  no "quantization_config"; both dtypes the dequantized one
         --quantize       ──▶  "quantization_config": FP8 blocks + "modules_to_not_convert" (what stayed
@@ -32,6 +33,9 @@ from parallel_dcp.jobs.targets import Job, ShardedTarget, Target
 __all__ = ["CONFIG_FILE", "modules_not_converted", "output_config", "prepare_config"]
 
 CONFIG_FILE = "config.json"
+# The weights file a config.json names (transformers 5 loads it before the folder's own shards):
+# never in an output, so never written into one (save_pretrained drops it too).
+_NAMED_WEIGHTS = "transformers_weights"
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -62,7 +66,7 @@ def output_config(
     config: dict[str, Any], dtype: torch.dtype | None, quantization: Quantization | None, job: Job
 ) -> dict[str, Any]:
     """``config`` updated to describe the output of ``job`` (a new dict; see the module doc)."""
-    config = dict(config)
+    config = {k: v for k, v in config.items() if k != _NAMED_WEIGHTS}
     data_dtype = dtype
     if quantization is not None and quantization.dequantize:
         config.pop("quantization_config", None)
@@ -85,20 +89,29 @@ def _follow_the_data(target: ShardedTarget, job: Job) -> None:
     """A copied config.json whose ``quantization_config`` promises quantized weights the shards do
     not hold, where no option changed them (a dequantized checkpoint written out with its
     release's files): written without it, so transformers builds plain layers for plain weights.
-    Otherwise (its dtype included: transformers casts on load as it would from the source) it is
-    copied byte for byte."""
+    One that names a weights file (``transformers_weights``, which the output never holds: its
+    weights are its own shards) is written without that, as ``save_pretrained`` writes it, so
+    transformers loads the output's shards. Otherwise (its dtype included: transformers casts on
+    load as it would from the source) it is copied byte for byte."""
     try:
         config = loads_json(read_copies(target.copies, [CONFIG_FILE])[CONFIG_FILE])
     except ValueError:
         return  # copied as it is, as before
-    if not isinstance(config, dict) or "quantization_config" not in config:
+    if not isinstance(config, dict):
         return
-    entries = job.source.entries
-    keys = job.source_keys()
-    if any(k.endswith("_blocks") or (k in entries and entries[k].dtype in FP8_DTYPES) for k in keys):
+    dropped = {_NAMED_WEIGHTS} if _NAMED_WEIGHTS in config else set()
+    if "quantization_config" in config and not _quantized(job):
+        dropped.add("quantization_config")
+    if not dropped:
         return
-    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    plain = {k: v for k, v in config.items() if k not in dropped}
     target.extra_files[CONFIG_FILE] = (json.dumps(plain, indent=2) + "\n").encode()
+
+
+def _quantized(job: Job) -> bool:
+    """The job's source holds quantized weights (FP8 with scales, MXFP4 blocks)."""
+    entries = job.source.entries
+    return any(k.endswith("_blocks") or (k in entries and entries[k].dtype in FP8_DTYPES) for k in job.source_keys())
 
 
 def prepare_config(

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from parallel_dcp.errors import CorruptCheckpointError, ParallelDCPError, plural, printable
-from parallel_dcp.formats import detect_format, index_read, open_source, safetensors_format, torch_format
+from parallel_dcp.formats import index_read, open_source, safetensors_format, torch_format
 from parallel_dcp.storage.location import Location, file_size, listdir, locate
 from parallel_dcp.storage.manifest import MANIFEST_FILE
 from parallel_dcp.storage.ownership import METADATA_FILE, describe_owner, find_leftovers
@@ -145,7 +145,6 @@ def inspect_checkpoint(
     uncommitted = _uncommitted(where, names, leftovers)
     if uncommitted is not None:
         return uncommitted
-    detect_format(path, storage_options)
     source = open_source(path, storage_options=storage_options, trust_pickle=trust_pickle)
     damaged = None
     try:

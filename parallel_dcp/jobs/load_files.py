@@ -1,6 +1,6 @@
 """``load`` of every format ``convert`` reads: DCP (jobs/load.py), and the file formats here.
 
-path ── detect_format ── DCP ──────────────────────────▶ jobs/load.py (then cast, if dtype=)
+path ── detect ──────── DCP ──────────────────────────▶ jobs/load.py (then cast, if dtype=)
   │ safetensors file / HF folder (index or not), torch.save file / folder
   ▼
 open_source (headers only; links only within the source's tree; torch.save: weights_only
@@ -44,7 +44,7 @@ from parallel_dcp.engine import progress
 from parallel_dcp.engine.memory import MemoryGovernor, format_bytes
 from parallel_dcp.engine.pool import gc_paused
 from parallel_dcp.errors import InvalidStateDictError, KeyNotFoundError, MemoryLimitExceeded, describe_keys
-from parallel_dcp.formats import detect_format, open_source
+from parallel_dcp.formats import Detected, detect, open_source
 from parallel_dcp.formats.aliased_targets import aliased_later
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.bounced_read import bounce_memory, bounced, read_bounced
@@ -87,8 +87,10 @@ def load_any(
     block_size: int | None = None,
 ) -> dict[str, Any]:
     """The load pipeline above; see :func:`parallel_dcp.load` for the contract."""
+    detected: Detected | None = None
     try:
-        kind = detect_format(path, options.storage_options)
+        detected = detect(path, options.storage_options)  # (opened from, below: one look at a folder)
+        kind = detected.kind
     except (FileNotFoundError, ValueError):
         kind = "dcp"  # nothing readable there: the DCP reader says what is missing, as it always has
     if kind == "dcp" and not dequantize:
@@ -103,7 +105,7 @@ def load_any(
     with gc_paused():  # per-key objects for 50,000 keys would otherwise walk the caller's heap
         try:
             source = open_source(
-                path,
+                path if detected is None else detected,
                 trust_pickle=trust_pickle,
                 storage_options=options.storage_options,
                 memory_limit=options.memory_ceiling(),

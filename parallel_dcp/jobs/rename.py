@@ -217,6 +217,8 @@ def rename_source(
         files=list(source.files),
         storage_options=source.storage_options,
         header_metadata=source.header_metadata,  # the file's own annotation: names do not change it
+        folder=source.folder,
+        index=source.index,
         inner=source,
     )
     for old, new in new_of.items():

@@ -36,13 +36,15 @@ def unrecorded_files(source: Source, recorded: Recorded) -> list[str]:
     if tree is None or recorded.record != MANIFEST_FILE or recorded.records:
         return []
     folder = Path(os.fspath(source.location))
-    read = set(source.files)  # (resolved: formats/base.py shard_files)
+    read = set(source.files)  # (resolved: formats/folder_files.py chosen_files)
     if index_read(source):  # (read when the source was opened)
         read.add(os.fspath(folder / index_name(source)))
     listed = {_resolved(folder / name, tree) for name in recorded.files}
+    named = source.folder.named_choice(folder) if source.folder is not None else None
+    below = [named.name] if named is not None and "/" in named.name else []  # (in a subfolder: sub/w.safetensors)
     return [
         name
-        for name in sorted(os.listdir(folder))
+        for name in [*sorted(os.listdir(folder)), *below]
         if name not in recorded.files
         and (real := _resolved(folder / name, tree)) is not None
         and (os.fspath(real) in read or os.fspath(folder / name) in read)
@@ -75,7 +77,11 @@ def with_own_records(source: Source, recorded: Recorded) -> tuple[Recorded, list
 
 
 def index_name(source: Source) -> str:
-    """The index a sharded folder of ``source``'s format is opened by (``model.safetensors.index.json``)."""
+    """The index a sharded folder of ``source`` is opened by, by its name in the folder: the one
+    its config.json names (``transformers_weights``), else its format's (``model.safetensors.index.json``)."""
+    named = source.folder.named_choice(source.location) if source.folder is not None else None
+    if named is not None and named.sharded:
+        return named.name
     return safetensors_format.INDEX_NAME if source.kind == "safetensors" else torch_format.INDEX_NAME
 
 

@@ -276,7 +276,7 @@ def resolved_once(where: Location) -> Location:
     its source through this once, so every read it makes (each worker's shard opens, the record,
     the side files) is in the checkpoint its plan was made from, though the link is repointed
     while it runs (a trainer's ``ln -sfn step-200 latest``): never one result mixing two saves.
-    (A single file's name is resolved once where its files are listed: formats/base.py.)"""
+    (A single file's name is resolved once where its files are listed: formats/folder_files.py.)"""
     if isinstance(where, Path) and where.is_dir():
         real = Path(os.path.realpath(where))
         if real != Path(os.path.abspath(where)):
