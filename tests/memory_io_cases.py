@@ -54,8 +54,13 @@ def _measure(run: Callable[[], None]) -> int:
     return _status("VmHWM") - before
 
 
-def direct(where: Path) -> tuple[int, int]:
-    data = payload(64 * MiB)
+# Files smaller than the four aligned buffers: the count is the buffers they fill (a shard of a
+# few MiB, one just under two buffers, one just over).
+DIRECT_SMALL_SIZES = (100 * 1024, 8 * MiB - 4096, 13 * MiB + 5)
+
+
+def direct(where: Path, size: int = 64 * MiB) -> tuple[int, int]:
+    data = payload(size)
     fd = os.open(where / "shard", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT)
 
     def run() -> None:
@@ -70,7 +75,7 @@ def direct(where: Path) -> tuple[int, int]:
     finally:
         os.close(fd)
     assert (where / "shard").read_bytes() == data
-    return measured, direct_write_memory()
+    return measured, direct_write_memory(size)
 
 
 def compress(where: Path, level: int) -> tuple[int, int]:
@@ -123,6 +128,7 @@ if __name__ == "__main__":
     case, where = sys.argv[1], Path(sys.argv[2])
     cases: dict[str, Callable[[], tuple[int, int]]] = {
         "direct": lambda: direct(where),
+        **{f"direct:{size}": (lambda size=size: direct(where, size)) for size in DIRECT_SMALL_SIZES},
         "small": lambda: small(where),
         **{f"compress:{level}": (lambda level=level: compress(where, level)) for level in (1, 3, 9)},
         **{f"stream:{level}": (lambda level=level: stream(where, level)) for level in (3, 19)},

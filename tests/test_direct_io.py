@@ -316,7 +316,9 @@ def test_the_memory_model_counts_the_direct_buffers(disk: Path) -> None:
     }
     assert not (disk / "direct").exists() and not (disk / "buffered").exists(), "a dry run writes nothing"
     added = plans["direct"].predicted_peak_memory - plans["buffered"].predicted_peak_memory
-    assert added >= direct_write.direct_write_memory()  # each writing task holds its aligned buffers
+    tasks = plans["direct"].tasks
+    # each writing task holds the aligned buffers its file fills (2 MiB each: one buffer)
+    assert tasks == 2 and added >= tasks * direct_write.direct_write_memory(2 * 1024 * 1024)
 
 
 def test_a_safetensors_source_is_read_with_direct_io(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,7 +29,10 @@ TOLERANCE = 0.25
 # workers' largest moments meet in a run is timing: the sharded conversion measured 127-131 MiB
 # alone on a quiet machine (prediction 148.1: +13%) but 106-118 MiB in all 16 runs of a full
 # suite (+26%), where the other test process shares the 2 cores. Runs go on while the error is over
-# TOLERANCE; one is accepted up to OVER_TOLERANCE over.
+# TOLERANCE; one is accepted up to OVER_TOLERANCE over. (Round eleven: with workers' reads given
+# back at once (engine/malloc.py) it measured 98-111 MiB loaded against 143.1 predicted, +41% in 2
+# of 4 runs: the plan counted four 8 MiB direct-write buffers for each ~13 MiB shard, which fills
+# two. Counted so, 127.1 predicted against 100-120 measured.)
 OVER_TOLERANCE = 0.40
 
 

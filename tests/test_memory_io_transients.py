@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from parallel_dcp.storage import io_mode
-from tests.memory_io_cases import ENV
+from parallel_dcp.storage.direct_write import direct_write_memory
+from tests.memory_io_cases import DIRECT_SMALL_SIZES, ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1024 * 1024
@@ -48,6 +49,20 @@ def test_a_direct_write_holds_its_counted_buffers_and_no_more(tmp_path: Path) ->
     assert measured <= counted, (measured / MiB, counted / MiB)
     # the four aligned buffers were really filled and seen: the measurement is not of nothing
     assert measured >= counted // 2, (measured / MiB, counted / MiB)
+
+
+@pytest.mark.parametrize("size", DIRECT_SMALL_SIZES)
+def test_a_small_direct_write_is_counted_the_buffers_it_fills(size: int, tmp_path: Path) -> None:
+    """A file smaller than the four buffers touches only those it fills (anonymous mappings: a
+    page is resident from its first write): counted so, and the count still holds it."""
+    refusal = io_mode.direct_refusal(tmp_path)
+    if refusal is not None:
+        pytest.skip(f"no O_DIRECT here: {refusal}")
+    measured, counted = _run(f"direct:{size}", tmp_path)
+    assert counted < direct_write_memory(), "a small file is not counted the whole ring"
+    assert measured <= counted, (measured / MiB, counted / MiB)
+    if size >= MiB:  # the buffers were really filled and seen: the measurement is not of nothing
+        assert measured >= size // 2, (measured / MiB, size / MiB)
 
 
 @pytest.mark.parametrize("level", [1, 3, 9])

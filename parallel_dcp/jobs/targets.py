@@ -139,7 +139,7 @@ class Target(ABC):
         object storage, the aligned buffers of a direct write, nothing for a buffered local file."""
         if isinstance(self.path, Remote):
             return upload_memory(nbytes)
-        return direct_write_memory() if self.uses_direct(nbytes) else 0
+        return direct_write_memory(nbytes) if self.uses_direct(nbytes) else 0
 
     @abstractmethod
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:

@@ -54,9 +54,14 @@ DEPTH = 4
 _THREADS_BYTES = 1 << 20
 
 
-def direct_write_memory() -> int:
-    """What one file written with O_DIRECT holds: its aligned buffers and its I/O threads."""
-    return BUFFER_BYTES * DEPTH + _THREADS_BYTES
+def direct_write_memory(nbytes: int | None = None) -> int:
+    """What one file written with O_DIRECT holds: its aligned buffers and its I/O threads; for a
+    file of ``nbytes``, only the buffers it fills. The buffers are anonymous mappings filled in
+    order, each page resident from its first write: a file touches no more of them than its
+    bytes and the block its tail is padded to, in whole buffers (a 13 MiB shard: two of the
+    four, where every buffer was counted before)."""
+    buffers = DEPTH if nbytes is None else min(DEPTH, -(-(nbytes + ALIGN) // BUFFER_BYTES))
+    return BUFFER_BYTES * buffers + _THREADS_BYTES
 
 
 # A fill copies and hashes this much at a time (cache-sized: hashed before it leaves the cache).
