@@ -321,6 +321,32 @@ def test_the_memory_model_counts_the_direct_buffers(disk: Path) -> None:
     assert tasks == 2 and added >= tasks * direct_write.direct_write_memory(2 * 1024 * 1024)
 
 
+def test_a_shard_over_the_shard_size_is_counted_the_buffers_its_file_fills(
+    disk: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A direct write is counted the buffers its file fills (direct_write_memory(nbytes)); a
+    tensor larger than --shard-size gets a shard of its own, and that file fills every buffer,
+    whatever the shard size said."""
+    from safetensors.torch import save_file
+
+    from parallel_dcp.jobs import targets
+
+    save_file({"big": torch.randn(2560, 4096), "small": torch.randn(64, 64)}, disk / "m.safetensors")  # 40 MiB
+    planned: list[Any] = []
+    plan = targets.ShardedTarget.plan
+    monkeypatch.setattr(targets.ShardedTarget, "plan", lambda *a: planned.append(plan(*a)) or planned[-1])
+    memory = {}
+    for io in ("direct", "buffered"):  # a buffered file holds no buffers (the direct read's are alike)
+        out = parallel_dcp.convert(disk / "m.safetensors", disk / io, to="safetensors", shard_size="1MiB", io=io)
+        assert isinstance(out, parallel_dcp.SaveResult) and out.io == io
+        memory[io] = {task.keys: task.memory for task in planned[-1]}
+    buffers = {keys: memory["direct"][keys] - memory["buffered"][keys] for keys in memory["direct"]}
+    # the 40 MiB shard fills all four buffers, the one of 16 KiB one (the source's direct reads
+    # add the same to both)
+    ring, one = direct_write.direct_write_memory(), direct_write.direct_write_memory(64 * 64 * 4 + 512)
+    assert one < ring and buffers[("big",)] - buffers[("small",)] == ring - one
+
+
 def test_a_safetensors_source_is_read_with_direct_io(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from safetensors.torch import save_file
 

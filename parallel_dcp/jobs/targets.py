@@ -175,6 +175,17 @@ def prepare_io(target: Target, options: Options, *, probe: bool = True) -> Optio
 _new_tuple = tuple.__new__
 
 
+# What a file of items adds beside their bytes, at most, per item: a safetensors header entry, a
+# torch.save zip record's headers and pickle entry, a DCP record's alignment (hundreds of bytes).
+_FILE_BYTES_PER_ITEM = 512
+
+
+def file_bytes(nbytes: int, items: int) -> int:
+    """The most a file holding ``items`` items of ``nbytes`` in all may come to (for the direct
+    write buffers it fills: storage/direct_write.py ``direct_write_memory``)."""
+    return nbytes + _FILE_BYTES_PER_ITEM * items
+
+
 def _items(job: Job) -> list[Item]:
     sizes = job.sizes()
     if type(job.source).transient_bytes is Source.transient_bytes:  # reads through no buffer: all 0
@@ -254,7 +265,10 @@ class DcpTarget(Target):
         # measured for local files; an upload to object storage keeps the full figure.
         local = not isinstance(self.path, Remote)
         saved = TASK_MEMORY_BYTES - LEAN_TASK_MEMORY_BYTES if local and plain else 0
-        return [dataclasses.replace(t, memory=t.memory - saved + self.io_memory(t.nbytes)) for t in tasks]
+        return [
+            dataclasses.replace(t, memory=t.memory - saved + self.io_memory(file_bytes(t.nbytes, len(t.keys))))
+            for t in tasks
+        ]
 
     def write(self, job: Job, task: Task, data: dict[str, Any], staging: WriteLocation, options: Options) -> Any:
         writer = ShardWriter(
@@ -364,13 +378,14 @@ class ShardedTarget(Target):
         """Shards filled up to ``shard_size`` bytes in the source's key order, as Hugging Face's own
         sharding does (a tensor larger than that gets a shard of its own); a shard also ends early
         when the memory its worker needs to hold it would go over ``budget``."""
-        io_memory = self.io_memory(self.shard_size)
-        room = max(1, budget - TASK_MEMORY_BYTES - io_memory)
+        room = max(1, budget - TASK_MEMORY_BYTES)
         shards: list[list[Item]] = [[]]
         size = memory = 0
         for item in _items(job):  # the source's order, as save_pretrained keeps it
             need = max(item.nbytes, item.memory) + ITEM_MEMORY_BYTES
-            if shards[-1] and (size + item.nbytes > self.shard_size or memory + need > room):
+            # the output stream's buffers for the shard with this item in it (its file's size)
+            io = self.io_memory(file_bytes(size + item.nbytes, len(shards[-1]) + 1))
+            if shards[-1] and (size + item.nbytes > self.shard_size or memory + need + io > room):
                 shards.append([])
                 size = memory = 0
             shards[-1].append(item)
@@ -381,7 +396,10 @@ class ShardedTarget(Target):
                 index=i,
                 keys=tuple(it.key for it in shard),
                 nbytes=sum(it.nbytes for it in shard),
-                memory=TASK_MEMORY_BYTES + io_memory + _whole_file_memory(shard),
+                # (the buffers its own file fills: one tensor over shard_size gets a shard of its own)
+                memory=TASK_MEMORY_BYTES
+                + self.io_memory(file_bytes(sum(it.nbytes for it in shard), len(shard)))
+                + _whole_file_memory(shard),
             )
             for i, shard in enumerate(shards)
             if shard
@@ -455,7 +473,7 @@ class FileTarget(Target):
     def plan(self, job: Job, workers: int, budget: int) -> list[Task]:
         items = _items(job)
         nbytes = sum(it.nbytes for it in items)
-        memory = TASK_MEMORY_BYTES + _whole_file_memory(items) + self.io_memory(nbytes)
+        memory = TASK_MEMORY_BYTES + _whole_file_memory(items) + self.io_memory(file_bytes(nbytes, len(items)))
         return [Task(index=0, keys=job.keys, nbytes=nbytes, memory=memory)]
 
     def write(self, job: Job, task: Task, data: dict[str, Any], staging: WriteLocation, options: Options) -> Any:
