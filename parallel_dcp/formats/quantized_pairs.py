@@ -10,13 +10,14 @@ The FP8 block comes from ``--block-size``, else ``config.json``'s
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from parallel_dcp._json import loads_json
-from parallel_dcp.errors import CorruptCheckpointError, QuantizationError, dtype_name
+from parallel_dcp.errors import CorruptCheckpointError, QuantizationError, describe_keys, dtype_name
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, MAX_BLOCK, fp8_scale_shape
 from parallel_dcp.storage.location import Remote
@@ -26,9 +27,19 @@ from parallel_dcp.storage.safe_reader import read_in_tree
 # A model's config.json is a few KiB; anything near this is not one.
 _CONFIG_MAX_BYTES = 16 * 2**20
 
-__all__ = ["BLOCKS_SUFFIX", "SCALES_SUFFIX", "SCALE_SUFFIX", "Pair", "block_size_of", "find_pairs", "source_config"]
+__all__ = [
+    "BLOCKS_SUFFIX",
+    "PER_CHANNEL_SUFFIX",
+    "SCALES_SUFFIX",
+    "SCALE_SUFFIX",
+    "Pair",
+    "block_size_of",
+    "find_pairs",
+    "source_config",
+]
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+PER_CHANNEL_SUFFIX = "_scale"  # X.weight -> X.weight_scale (compressed-tensors; not read)
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
 
 
@@ -133,6 +144,12 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
                     refuse(key, f"dequantizes to {stem!r}, which the source also holds")
                 else:
                     pairs[stem] = Pair(key, scales, "mxfp4")
+        elif entry.dtype in FP8_DTYPES and key + PER_CHANNEL_SUFFIX in entries:
+            refuse(
+                key,
+                f"a per-channel FP8 weight (its scale {key + PER_CHANNEL_SUFFIX!r}: the compressed-tensors layout), "
+                f"which dequantize does not read: it reads FP8 blocks (X.weight{SCALE_SUFFIX}) and MXFP4 only",
+            )
         elif entry.dtype in FP8_DTYPES and key + SCALE_SUFFIX not in entries:
             refuse(key, f"an FP8 weight without its scale {key + SCALE_SUFFIX!r}")
     if problems:
@@ -146,3 +163,40 @@ def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:
             f"{source.path} cannot be dequantized (nothing was written):", keys=offenders, lines=shown
         )
     return pairs
+
+
+def refuse_quantized(source: Source, keys: Sequence[str]) -> None:
+    """Quantizing needs plain weights: FP8 weights, their scales (``X.weight_scale_inv``, or a
+    per-channel ``X.weight_scale``) and MXFP4 ``X_blocks``/``X_scales`` among ``keys`` mean the
+    source is quantized already. Quantizing around them would keep them and replace the config's
+    ``quantization_config`` (an MXFP4 one included) by the FP8 one, under which transformers finds
+    neither (the gpt-oss experts load random).
+
+    Raises:
+        QuantizationError: naming them and what to do, before anything is written.
+    """
+    entries = source.entries
+    found = [
+        k
+        for k in keys
+        if k in entries
+        and (
+            entries[k].dtype in FP8_DTYPES
+            or k.endswith((SCALE_SUFFIX, ".weight" + PER_CHANNEL_SUFFIX))
+            or (k.endswith(BLOCKS_SUFFIX) and k.removesuffix(BLOCKS_SUFFIX) + SCALES_SUFFIX in entries)
+        )
+    ]
+    if not found:
+        return
+    per_channel = any(k.endswith(".weight" + PER_CHANNEL_SUFFIX) for k in found)
+    how = (
+        "a per-channel FP8 checkpoint (X.weight_scale, as compressed-tensors writes), which dequantize "
+        "(--dequantize) does not read: dequantize it with its own tools first"
+        if per_channel
+        else "convert it with dequantize (--dequantize) to a plain checkpoint first, then quantize that"
+    )
+    raise QuantizationError(
+        f"{source.path} is quantized already ({describe_keys(found)}): quantize (--quantize) needs plain "
+        f"weights; {how} (nothing was written)",
+        keys=found,
+    )

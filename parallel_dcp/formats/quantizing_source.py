@@ -9,10 +9,15 @@ Which weights are quantized: those the ``quantize_keys`` patterns select (the ``
 language), or by default :data:`DEFAULT_RULE`: 2-D floating tensors whose names end in
 ``.weight``, except embeddings, norms, the output head and MoE routers (``*.gate.weight``, as
 Mixtral, Qwen and DeepSeek name them; ``*.router.weight``, as gpt-oss does), which the releases
-and transformers' ``modules_to_not_convert`` keep in bf16. Both output units of a
+and transformers' ``modules_to_not_convert`` keep in bf16; and, where the job knows the model
+(``replaced``, from jobs/fp8_layers.py), only the weights transformers' FP8 path loads into FP8
+layers (its nn.Linear modules, not those ``_keep_in_fp32_modules`` names). Both output units of a
 weight read the weight: when one task holds both, it is quantized once; a huge weight splits into
 row ranges of whole blocks (:meth:`QuantizingSource.split_alignment`), each quantized on its own
 (every block's scale depends on its rows only, so the pieces equal the whole).
+
+Longer than 300 lines because the view and the choice of its weights (the rule, the partial-block
+and layer checks, each with the message that explains it) share the block arithmetic.
 """
 
 from __future__ import annotations
@@ -21,13 +26,13 @@ import fnmatch
 import math
 import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallel_dcp.errors import QuantizationError
+from parallel_dcp.errors import QuantizationError, describe_keys
 from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.dequantized_source import SCALE_SUFFIX
 from parallel_dcp.formats.quantized import (
@@ -38,17 +43,25 @@ from parallel_dcp.formats.quantized import (
     quantize_fp8,
     quantize_work_bytes,
 )
+from parallel_dcp.formats.quantized_pairs import refuse_quantized
 from parallel_dcp.formats.wrapped_source import WrappedSource
 
 if TYPE_CHECKING:
     from parallel_dcp.engine.chunks import Chunk
 
-__all__ = ["DEFAULT_RULE", "QuantizingSource", "default_quantize_rule", "parse_quantize", "quantizing_source"]
+__all__ = [
+    "DEFAULT_RULE",
+    "QuantizingSource",
+    "default_quantize_rule",
+    "parse_quantize",
+    "quantizing_source",
+]
 
 DEFAULT_RULE = (
     "2-D floating tensors whose names end in '.weight', except embeddings ('embed', 'wte', 'wpe'), "
     "norms ('norm'), the output head ('lm_head', 'output.weight') and MoE routers ('*.gate.weight', "
-    "'*.router.weight')"
+    "'*.router.weight'); of a model transformers knows, only the weights of the nn.Linear modules its FP8 "
+    "layers replace (not those its _keep_in_fp32_modules names)"
 )
 _EXCLUDED = re.compile(r"embed|norm|lm_head|(^|\.)(wte|wpe)\.|(^|\.)output\.weight$|(^|\.)(gate|router)\.weight$")
 # The float32 temporaries of quantizing (four of an 8 MiB strip), and what the heap keeps of them
@@ -72,9 +85,12 @@ def parse_quantize(spec: str) -> tuple[int, int]:
     return (int(size), int(size))
 
 
-def default_quantize_rule(entry: Entry) -> bool:
-    """:data:`DEFAULT_RULE` for one tensor."""
-    return _quantizable(entry) and not _EXCLUDED.search(entry.key)
+def default_quantize_rule(entry: Entry, replaced: Callable[[str], bool | None] | None = None) -> bool:
+    """:data:`DEFAULT_RULE` for one tensor; ``replaced`` says whether transformers' FP8 path loads
+    a key into an FP8 layer (None: it cannot tell, the names decide)."""
+    if not _quantizable(entry) or _EXCLUDED.search(entry.key):
+        return False
+    return replaced is None or replaced(entry.key) is not False
 
 
 def _quantizable(entry: Entry) -> bool:
@@ -230,26 +246,50 @@ def quantizing_source(
     quantize_keys: str | Sequence[str] | None = None,
     dtype: torch.dtype | None = None,
     keep: frozenset[str] = frozenset(),
+    replaced: Callable[[str], bool | None] | None = None,
+    layers: str = "",
 ) -> tuple[QuantizingSource, tuple[str, ...]]:
     """``source`` restricted to ``keys`` with the weights the rule selects quantized; the output
-    keys in order (each weight followed by its scale).
+    keys in order (each weight followed by its scale). ``replaced`` narrows the default rule to
+    the weights transformers' FP8 path loads into FP8 layers (``layers`` names them, for errors).
 
     Raises:
-        QuantizationError: the rule selects no weight, or a weight's scale name is taken.
+        QuantizationError: ``keys`` hold quantized tensors already (FP8 weights or scales, MXFP4
+            blocks), the rule selects no weight, or a weight's scale name is taken.
     """
-    rule = default_quantize_rule
+    refuse_quantized(source, keys)
+
+    def rule(entry: Entry) -> bool:
+        return default_quantize_rule(entry, replaced)
+
     if quantize_keys is not None:
         match = _matcher(quantize_keys)
 
-        def rule(entry: Entry) -> bool:
+        def rule(entry: Entry) -> bool:  # the user's patterns in place of the default
             return _quantizable(entry) and bool(match(entry.key))
 
     selected = [k for k in keys if k in source.entries and rule(source.entries[k])]
     chosen = _whole_blocks_or_warn(source, selected, block, chosen_by_rule=quantize_keys is None)
+    outside = [k for k in chosen if replaced is not None and replaced(k) is False]
+    if outside:  # the user's patterns chose them (the default rule never does)
+        warnings.warn(
+            f"quantize_keys selects {len(outside)} weights that {layers} does not load into transformers' FP8 "
+            f"layers ({describe_keys(outside)}): transformers loads their FP8 codes as the weights where it does "
+            "not dequantize (a GPU); only a reader that dequantizes every pair reads them right",
+            stacklevel=4,
+        )
     if not chosen:
         what = f"quantize_keys {quantize_keys!r}" if quantize_keys is not None else f"the default rule ({DEFAULT_RULE})"
         why = ""
-        if selected:
+        left = [k for k in keys if k in source.entries and default_quantize_rule(source.entries[k])]
+        if quantize_keys is None and left and not selected:
+            why = (
+                f": {layers} loads none of its {len(left)} weights named as quantizable ({describe_keys(left)}) "
+                "into transformers' FP8 layers (they replace nn.Linear modules only, and not those its "
+                "_keep_in_fp32_modules names); quantize_keys (--quantize-keys) quantizes them anyway, for a reader "
+                "that dequantizes every pair"
+            )
+        elif selected:
             why = (
                 f": the {len(selected)} it selects end in partial {block[0]}x{block[1]} blocks "
                 "(see the warning); give a block size that divides them"

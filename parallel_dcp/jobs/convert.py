@@ -284,7 +284,7 @@ def _convert_job(
     # What transformers keeps in float32, left by the cast (a Hugging Face output named as its source)
     keep = keys_kept(source, selected, dtype) if target.kind != "dcp" and not (rename or steps.preset) else frozenset()
     if quantization is not None and quantization.quantize is not None:
-        source, selected = quantize_step(source, selected, quantization, dtype, keep)
+        source, selected = quantize_step(source, selected, quantization, dtype, keep, steps.copy_files_from)
         dtype = None  # the quantizing view casts the other tensors itself
     if rename is not None:
         source, selected = rename_source(source, selected, rename, strict=steps.rename_strict)

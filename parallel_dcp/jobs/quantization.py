@@ -10,6 +10,8 @@ a quantized one always has its index.
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,8 +22,9 @@ from parallel_dcp.formats import lean
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dequantized_source import DequantizedSource, block_size_of, dequantized_source
 from parallel_dcp.formats.quantized import FP8_DTYPES, MAX_BLOCK
-from parallel_dcp.formats.quantized_pairs import SCALE_SUFFIX
+from parallel_dcp.formats.quantized_pairs import PER_CHANNEL_SUFFIX, SCALE_SUFFIX, refuse_quantized
 from parallel_dcp.formats.quantizing_source import DEFAULT_RULE, parse_quantize, quantizing_source
+from parallel_dcp.jobs.fp8_layers import Fp8Layers, fp8_layers, model_config
 from parallel_dcp.jobs.targets import DcpTarget, Job, ShardedTarget, Target
 from parallel_dcp.options import Options
 from parallel_dcp.storage.records import LEAN_DTYPES, fills_uninitialised
@@ -107,10 +110,34 @@ def quantize_step(
     quantization: Quantization,
     dtype: torch.dtype | None,
     keep: frozenset[str] = frozenset(),
+    copy_files_from: str | os.PathLike[str] | None = None,
 ) -> tuple[Source, tuple[str, ...]]:
     """``source`` restricted to ``selected`` with its weights quantized; other floats cast to
-    ``dtype``, but for those in ``keep``."""
-    return quantizing_source(source, selected, quantization.block(), quantization.quantize_keys, dtype, keep)
+    ``dtype``, but for those in ``keep``. The default rule quantizes only what transformers' FP8
+    path loads into FP8 layers, for the model the output's config.json (``copy_files_from``'s, else
+    the source's) describes (:mod:`parallel_dcp.jobs.fp8_layers`); where that cannot be known, by
+    name, with a warning.
+
+    Raises:
+        QuantizationError: ``selected`` holds quantized tensors already, or the rule selects none.
+    """
+    replaced, named = None, ""
+    refuse_quantized(source, selected)  # before building a model to classify them
+    config = model_config(source, copy_files_from)
+    layers = fp8_layers(config)
+    if isinstance(layers, Fp8Layers):
+        replaced, named = layers.classify, layers.architecture
+    elif config is not None and quantization.quantize_keys is None:
+        warnings.warn(
+            f"could not tell which weights transformers' FP8 layers replace ({layers}): the default rule "
+            "picks them by name only, and a weight of a module other than nn.Linear (GPT-2's Conv1D, an "
+            "embedding not named 'embed') would load as raw FP8 codes where transformers does not dequantize; "
+            "install transformers, or choose the weights with quantize_keys (--quantize-keys)",
+            stacklevel=4,
+        )
+    return quantizing_source(
+        source, selected, quantization.block(), quantization.quantize_keys, dtype, keep, replaced, named
+    )
 
 
 def prepare_target(target: Target, quantization: Quantization) -> None:
@@ -138,6 +165,16 @@ def refuse_cast_of_pairs(source: Source, selected: Sequence[str], dtype: torch.d
         and entries[k].dtype in FP8_DTYPES
         and (k + SCALE_SUFFIX in chosen or k.removesuffix("weight") + "weight_scale" in chosen)
     ]
+    per_channel = [k for k in scaled if k + PER_CHANNEL_SUFFIX in chosen]
+    if per_channel:
+        raise QuantizationError(
+            f"{source.path} holds per-channel FP8 weights ({describe_keys(per_channel)}, their scales "
+            f"X.weight{PER_CHANNEL_SUFFIX}: the compressed-tensors layout); dtype="
+            f"{str(dtype).removeprefix('torch.')} (--dtype) would cast their codes and round their scales, and "
+            f"dequantize (--dequantize) does not read this layout (FP8 blocks with X.weight{SCALE_SUFFIX} and MXFP4 "
+            "only): leave --dtype out to copy them as they are, or dequantize them with compressed-tensors first",
+            keys=per_channel,
+        )
     if scaled:
         raise QuantizationError(
             f"{source.path} holds FP8 weights with scales ({describe_keys(scaled)}); dtype="
