@@ -33,6 +33,7 @@ from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.errors import CorruptCheckpointError
 from parallel_dcp.formats.aliased_targets import check_no_aliases
 from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.key_paths import NonStringKey, first_non_string
 from parallel_dcp.formats.range_read import Piece, RawRange, pieces_of, read_pieces, region_pieces, staging_bytes
 from parallel_dcp.storage.read_choice import ReadChoice, read_choice
 from parallel_dcp.storage.read_probe import probe_memory
@@ -42,7 +43,9 @@ __all__ = ["read_source_items", "source_metadata", "source_read_choice"]
 
 def source_metadata(source: Source) -> Metadata:
     """The ``Metadata`` a DCP planner needs: every tensor one chunk of its whole shape, every
-    value a bytes entry, the source's nesting as ``planner_data``."""
+    value a bytes entry, the source's nesting as ``planner_data`` (a key that is not a string
+    under its str() name, as stock ``dcp.save`` records it: a template holding the int key
+    fills it, a load without one gets the string, as from a DCP checkpoint)."""
     tensors: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
     for key, entry in source.entries.items():
@@ -56,6 +59,8 @@ def source_metadata(source: Source) -> Metadata:
         tensors[key] = BytesStorageMetadata()
         storage[MetadataIndex(key)] = key
     mapping = {k: source.mapping.get(k, (k,)) for k in tensors}
+    if first_non_string(mapping, mapping) is not None:  # (an optimizer's int keys) named as stock DCP names them
+        mapping = {k: tuple(str(p) if type(p) is NonStringKey else p for p in path) for k, path in mapping.items()}
     return Metadata(tensors, planner_data=mapping, storage_data=storage, storage_meta=StorageMeta())
 
 

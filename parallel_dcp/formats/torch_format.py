@@ -33,6 +33,7 @@ from parallel_dcp.errors import (
 )
 from parallel_dcp.formats.base import FileFormat, Source, entry_of
 from parallel_dcp.formats.folder_files import chosen_files
+from parallel_dcp.formats.key_paths import nest
 from parallel_dcp.formats.range_read import RawRange
 from parallel_dcp.formats.shard_index import check_index
 from parallel_dcp.formats.torch_spool import remove_if_owner, spool
@@ -152,8 +153,11 @@ class TorchSource(Source):
                 )
             obj = _load(file, mmap=not legacy, trust_pickle=self.trust_pickle)
             # (an empty mapping kept as a value: torch.load gives it back, so loads and
-            # conversions to torch.save do too; other formats drop it, as DCP does)
-            flat, mapping = flatten_checked(obj if isinstance(obj, dict) else {"": obj}, keep_empty=True)
+            # conversions to torch.save do too; other formats drop it, as DCP does. A key that is
+            # not a string, an optimizer's parameter index, is kept in its path the same way: a
+            # torch.save output gets it back, an output of string names refuses it, see
+            # jobs/target_keys.py)
+            flat, mapping = flatten_checked(obj if isinstance(obj, dict) else {"": obj}, keep_empty=True, any_keys=True)
             if legacy:
                 self._legacy[file] = flat  # workers inherit it by fork
             for key, value in flat.items():
@@ -206,7 +210,7 @@ class TorchSource(Source):
             if file in self._legacy:
                 continue
             obj = _load(file, mmap=False, trust_pickle=self.trust_pickle, meta=True)
-            flat = flatten_structure(obj if isinstance(obj, dict) else {"": obj})[0]
+            flat = flatten_structure(obj if isinstance(obj, dict) else {"": obj}, any_keys=True)[0]
             for key, value in flat.items():
                 entry = self.entries.get(key)
                 if not isinstance(value, torch.Tensor) or entry is None or entry.file != file or key in self._lazy:
@@ -241,7 +245,8 @@ class TorchSource(Source):
         file = self.entries[key].file
         flat = self._legacy.get(file) or self._loaded.get(file)
         if flat is None:  # mapped in the worker on first use
-            flat = self._loaded[file] = flatten_checked(_load(file, mmap=True, trust_pickle=self.trust_pickle))[0]
+            obj = _load(file, mmap=True, trust_pickle=self.trust_pickle)
+            flat = self._loaded[file] = flatten_checked(obj, any_keys=True)[0]
         tensor: torch.Tensor = flat[key]
         return tensor
 
@@ -259,14 +264,15 @@ def shard_names(count: int) -> list[str]:
 def write_file(
     tensors: dict[str, Any], path: str | IO[bytes], mapping: dict[str, tuple[Any, ...]] | None = None
 ) -> None:
-    """``torch.save`` the flat dict (to a path or a write stream), nested again by ``mapping``.
-    An empty tensor is saved as a fresh one: read from a mapped file, it points where the next
-    tensor's bytes start, and torch.save refuses two storages at one address of two dtypes."""
+    """``torch.save`` the flat dict (to a path or a write stream), nested again by ``mapping``
+    (keys that are not strings as the source held them: formats/key_paths.py). An empty tensor
+    is saved as a fresh one: read from a mapped file, it points where the next tensor's bytes
+    start, and torch.save refuses two storages at one address of two dtypes."""
     tensors = {
         k: torch.empty(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) and not v.numel() else v
         for k, v in tensors.items()
     }
-    obj = _compat.unflatten_state_dict(tensors, mapping) if mapping else tensors
+    obj = nest(tensors, mapping) if mapping else tensors
     torch.save(obj, path)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from parallel_dcp.errors import InvalidStateDictError
+from parallel_dcp.formats.key_paths import NonStringKey
 
 __all__ = ["check_tensor", "empty_mapping", "flatten_checked", "flatten_structure", "terminal_list"]
 
@@ -67,16 +68,16 @@ def terminal_list(value: list[Any]) -> bool:
 
 
 def flatten_structure(
-    state_dict: Mapping[Any, Any], *, tensor_paths: bool = True
+    state_dict: Mapping[Any, Any], *, tensor_paths: bool = True, any_keys: bool = False
 ) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
     """As :func:`flatten_checked`, without the tensor checks (meta tensors that only describe
     where a file's tensors lie); ``tensor_paths=False``: the mapping holds the paths of the
     values that are not tensors alone (a caller that fills its tensors in place, never sets them)."""
-    return _flatten(state_dict, tensor_paths)
+    return _flatten(state_dict, tensor_paths, any_keys=any_keys)
 
 
 def _flatten(
-    state_dict: Mapping[Any, Any], tensor_paths: bool = True, keep_empty: bool = False
+    state_dict: Mapping[Any, Any], tensor_paths: bool = True, keep_empty: bool = False, any_keys: bool = False
 ) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
     """DCP's ``flatten_state_dict`` (``_traverse.traverse_state_dict``'s rules: mappings walked,
     lists walked when not kept whole, tuples and everything else kept whole), in one pass with
@@ -89,10 +90,15 @@ def _flatten(
     (Not in DCP: stored there, it would make stock ``dcp.load`` take a checkpoint for its
     pre-2.4 layout when the template holds the same empty mapping, and fail.)
 
+    ``any_keys``: a mapping key that is not a string (an optimizer's parameter index) is named
+    ``str(key)``, as DCP names it, and kept in its path as a :class:`NonStringKey`, for a
+    torch.save file read as a source: what each output does with it is the output's to say
+    (formats/key_paths.py). A tuple, kept whole, is then not looked into either.
+
     Raises:
-        InvalidStateDictError: a non-string key, or two keys flattening to one name.
+        InvalidStateDictError: a non-string key (unless ``any_keys``), or two keys flattening to one name.
     """
-    walk = _Walk(tensor_paths, keep_empty)
+    walk = _Walk(tensor_paths, keep_empty, any_keys)
     walk.walk((), "", state_dict)
     return walk.flat, walk.mapping
 
@@ -102,16 +108,17 @@ class _Walk:
     each other hold each other through their cells, a cycle that keeps ``flat`` and ``mapping``
     (a tuple per key) alive until a garbage collection walks them all."""
 
-    __slots__ = ("flat", "keep_empty", "mapping", "tensor_paths")
+    __slots__ = ("any_keys", "flat", "keep_empty", "mapping", "tensor_paths")
 
-    def __init__(self, tensor_paths: bool, keep_empty: bool) -> None:
+    def __init__(self, tensor_paths: bool, keep_empty: bool, any_keys: bool) -> None:
         self.flat: dict[str, Any] = {}
         self.mapping: dict[str, tuple[Any, ...]] = {}
         self.tensor_paths = tensor_paths
         self.keep_empty = keep_empty
+        self.any_keys = any_keys
 
     def leaf(self, path: tuple[Any, ...], name: str, value: Any) -> None:
-        if isinstance(value, tuple):
+        if isinstance(value, tuple) and not self.any_keys:
             _check_keys(value, name)  # kept whole, but a mapping inside still needs string keys
         if name in self.flat:
             raise InvalidStateDictError(f"two keys flatten to the same name: duplicated flatten key {name}")
@@ -133,45 +140,51 @@ class _Walk:
         flat, mapping, tensor_paths = self.flat, self.mapping, self.tensor_paths
         tensor = torch.Tensor
         for key, value in node.items():  # depth first, in insertion order, as DCP's traversal
+            level = key  # (the key in the path)
             if type(key) is not str:
-                _check_keys(node, prefix[:-1])  # raises, naming the key, unless a str subclass
-                key = str(key)  # what DCP's traversal does with it
+                if self.any_keys and not isinstance(key, str):
+                    level = NonStringKey(key)  # named as DCP names it; its path keeps the key itself
+                else:
+                    _check_keys(node, prefix[:-1])  # raises, naming the key, unless a str subclass
+                    level = str(key)  # what DCP's traversal does with it
+                key = str(key)
             name = prefix + key
             if isinstance(value, tensor):  # the common leaf, before the slower Mapping check
                 if name in flat:
                     raise InvalidStateDictError(f"two keys flatten to the same name: duplicated flatten key {name}")
                 flat[name] = value
                 if tensor_paths:
-                    mapping[name] = (*path, key)
+                    mapping[name] = (*path, level)
             elif type(value) is dict or isinstance(value, Mapping):  # a plain dict before the ABC check
                 if value or not self.keep_empty:
-                    self.walk((*path, key), f"{name}.", value)
+                    self.walk((*path, level), f"{name}.", value)
                 else:
-                    self.leaf((*path, key), name, value)
+                    self.leaf((*path, level), name, value)
             elif isinstance(value, list) and not terminal_list(value):
-                self.walk_list((*path, key), name, value)
+                self.walk_list((*path, level), name, value)
             else:
-                self.leaf((*path, key), name, value)
+                self.leaf((*path, level), name, value)
 
 
 def flatten_checked(
-    state_dict: Any, *, check_tensors: bool = True, keep_empty: bool = False
+    state_dict: Any, *, check_tensors: bool = True, keep_empty: bool = False, any_keys: bool = False
 ) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
     """Flatten ``state_dict`` the way DCP does, refusing input that cannot be saved faithfully
     (``check_tensors=False``: every check but :func:`check_tensor`, for a caller that runs it in
-    its own pass over the keys; ``keep_empty``: empty mappings kept as values, see :func:`_flatten`).
+    its own pass over the keys; ``keep_empty``, ``any_keys``: empty mappings kept as values,
+    keys that are not strings kept in the paths, see :func:`_flatten`).
 
     Returns:
         ``(flat, mapping)``: flattened keys to values, and each key's path in the original
         nesting (what DCP stores as ``planner_data``).
 
     Raises:
-        InvalidStateDictError: not a mapping, a non-string key, two keys that flatten to the
-            same name, or a tensor that is meta, sparse, quantized or not on the CPU.
+        InvalidStateDictError: not a mapping, a non-string key (unless ``any_keys``), two keys
+            that flatten to the same name, or a tensor that is meta, sparse, quantized or not on the CPU.
     """
     if not isinstance(state_dict, Mapping):
         raise InvalidStateDictError(f"a state dict must be a mapping, got {type(state_dict).__name__}")
-    flat, mapping = _flatten(state_dict, keep_empty=keep_empty)
+    flat, mapping = _flatten(state_dict, keep_empty=keep_empty, any_keys=any_keys)
     if not check_tensors:
         return flat, mapping
     strided = torch.strided

@@ -46,6 +46,7 @@ from parallel_dcp.jobs.runner import run_job
 from parallel_dcp.jobs.side_file_checks import side_file_records
 from parallel_dcp.jobs.source_check import source_checks, warn_unchecked_direct
 from parallel_dcp.jobs.streamed import measured_stream_source, stream_source
+from parallel_dcp.jobs.target_keys import check_keys_fit
 from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for, warn_metadata_left_out
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.storage.io_mode import resolve_io
@@ -290,13 +291,7 @@ def _convert_job(
         source, selected = rename_source(source, selected, rename, strict=steps.rename_strict)
         if quantization is not None and quantization.quantize is not None:
             check_pairs_named(source, selected)
-    if target.tensors_only:
-        others = [k for k in selected if k not in source.entries]
-        if others:
-            raise ValueError(
-                f"safetensors holds only tensors, and {src} selects {len(others)} other values "
-                f"({', '.join(printable(k) for k in others[:5])}); select tensors only with keys= (--keys)"
-            )
+    check_keys_fit(target, source, selected)  # (an optimizer's int keys: one torch.save file only)
     job = Job(source, selected, dtype, keep_dtype=keep if dtype is not None else frozenset())
     target.check_holds(job)
     warn_metadata_left_out(target, job.source)

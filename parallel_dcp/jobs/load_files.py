@@ -50,6 +50,7 @@ from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.bounced_read import bounce_memory, bounced, read_bounced
 from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_source
 from parallel_dcp.formats.fast_read import ReadStats
+from parallel_dcp.formats.key_paths import describe_level, first_non_string, nest
 from parallel_dcp.formats.range_read import Piece, pieces_of, read_pieces, staging_bytes
 from parallel_dcp.formats.span_read import plan_spans, read_spans, span_bytes
 from parallel_dcp.formats.torch_format import read_whole
@@ -103,16 +104,23 @@ def load_any(
             "read by threads in this process: leave them out"
         )
     with gc_paused():  # per-key objects for 50,000 keys would otherwise walk the caller's heap
-        try:
-            source = open_source(
-                path if detected is None else detected,
-                trust_pickle=trust_pickle,
-                storage_options=options.storage_options,
-                memory_limit=options.memory_ceiling(),
-            )
-        except InvalidStateDictError:  # a torch.save file whose keys DCP's names cannot hold (ints)
-            if kind != "torch" or keys is not None or into is not None or dequantize:
-                raise
+        source = open_source(
+            path if detected is None else detected,
+            trust_pickle=trust_pickle,
+            storage_options=options.storage_options,
+            memory_limit=options.memory_ceiling(),
+        )
+        # A torch.save file with keys that are not strings (an optimizer's int keys): read whole
+        # with torch.load, as before; with keys=, read as any other, nested again with its keys
+        # (formats/key_paths.py). into= (filled by DCP's string names) and dequantize= are refused.
+        odd = first_non_string(source.mapping, source.keys()) if kind == "torch" else None
+        if odd is not None and (keys is None or into is not None or dequantize):
+            source.close()
+            if into is not None or dequantize:
+                raise InvalidStateDictError(
+                    f"{path} holds {describe_level(source.mapping[odd[0]], odd[1])}, which into= and dequantize= "
+                    "cannot take: load it without them, as torch.load gives it"
+                )
             return load_whole(path, options, trust_pickle, dtype)
         try:
             if dequantize:
@@ -301,9 +309,7 @@ def _load(
         for key in values:
             _compat.set_element(into, into_paths[key], flat[key])
         return into
-    return _compat.unflatten_state_dict(
-        {k: flat[k] for k in selected}, {k: source.mapping.get(k, (k,)) for k in selected}
-    )
+    return nest({k: flat[k] for k in selected}, {k: source.mapping.get(k, (k,)) for k in selected})
 
 
 def _threads(

@@ -46,6 +46,7 @@ from parallel_dcp.engine.memory import (
 from parallel_dcp.engine.partition import Task
 from parallel_dcp.errors import ResumeError
 from parallel_dcp.formats import lean
+from parallel_dcp.formats.key_paths import NonStringKey
 from parallel_dcp.formats.memory_format import MemorySource
 from parallel_dcp.jobs.targets import (
     DcpTarget,
@@ -122,7 +123,7 @@ def identity(job: Job, target: Target, options: Options) -> dict[str, Any]:
     """What the job's output is made of (see the module docstring); JSON."""
     source = job.source
     old_names: dict[str, str] = getattr(source, "old_names", {})  # a renamed view: new name -> source name
-    names = [[key, old_names.get(key, key), list(source.mapping.get(key, (key,)))] for key in job.source_keys()]
+    names = [[key, old_names.get(key, key), _json_path(source.mapping.get(key, (key,)))] for key in job.source_keys()]
     return {
         "source": source.fingerprint(),
         "format": target.kind,
@@ -133,6 +134,12 @@ def identity(job: Job, target: Target, options: Options) -> dict[str, Any]:
         "chunk_size": parse_size(options.chunk_size, "chunk_size") if options.chunk_size is not None else None,
         "compress": str(compression) if (compression := getattr(target, "compression", None)) is not None else None,
     } | ({"keep_dtype": sorted(job.keep_dtype)} if job.keep_dtype else {})
+
+
+def _json_path(path: tuple[Any, ...]) -> list[Any]:
+    """A key's path in JSON: a key that is not a string (an optimizer's int key) as its repr in a
+    list of one, apart from the string and the list index of the same text."""
+    return [[repr(level.key)] if type(level) is NonStringKey else level for level in path]
 
 
 def _same_size(recorded: str, now: Any) -> bool:

@@ -71,7 +71,8 @@ class Target(ABC):
     """An output: ``kind`` is its format's name; ``tensors_only`` when the format holds tensors
     only; ``splits_tensors`` when one tensor may be written as several chunks (DCP);
     ``holds_empty`` when it keeps an empty mapping as a value (torch.save; see
-    formats/validate.empty_mapping)."""
+    formats/validate.empty_mapping); ``keeps_nesting`` when it writes the source's nesting, keys
+    that are not strings included (one torch.save file; see formats/key_paths.py)."""
 
     kind: str
     path: Path | Remote
@@ -80,6 +81,7 @@ class Target(ABC):
     reserved_keys: frozenset[str] = frozenset()  # names its format keeps for itself
     splits_tensors = False
     holds_empty = False
+    keeps_nesting = False
     merge_seconds: float = 0.0  # of the last commit: joining the tasks' results (SaveResult.phases)
     plans: Any = None  # a Saver's memo of its last layout (jobs/plan_reuse.py: PlanReuse)
     # The destination's resolved I/O mode (see prepare_io); ``direct_capable``: this kind of output
@@ -457,6 +459,7 @@ class FileTarget(Target):
         self.dtypes = self.format.dtypes
         self.reserved_keys = self.format.reserved_keys
         self.holds_empty = kind == "torch"
+        self.keeps_nesting = kind == "torch"
 
     @property
     def sidecar(self) -> str | None:
