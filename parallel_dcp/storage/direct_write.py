@@ -55,11 +55,8 @@ _THREADS_BYTES = 1 << 20
 
 
 def direct_write_memory(nbytes: int | None = None) -> int:
-    """What one file written with O_DIRECT holds: its aligned buffers and its I/O threads; for a
-    file of ``nbytes``, only the buffers it fills. The buffers are anonymous mappings filled in
-    order, each page resident from its first write: a file touches no more of them than its
-    bytes and the block its tail is padded to, in whole buffers (a 13 MiB shard: two of the
-    four, where every buffer was counted before)."""
+    """What one file written with O_DIRECT holds: its I/O threads and aligned buffers, for a file of
+    ``nbytes`` those it fills (mappings filled in order, a page resident from its first write)."""
     buffers = DEPTH if nbytes is None else min(DEPTH, -(-(nbytes + ALIGN) // BUFFER_BYTES))
     return BUFFER_BYTES * buffers + _THREADS_BYTES
 
