@@ -49,16 +49,16 @@ BUFFER_BYTES = 8 << 20
 DEPTH = 4
 
 
-# Beside its buffers a direct file holds DEPTH - 1 I/O threads (their stacks' touched pages,
-# thread states, the pool): up to 0.17 MiB measured (tests/test_memory_io_transients.py).
+# Beside its buffers a direct file holds DEPTH - 1 I/O threads: up to 0.17 MiB measured.
 _THREADS_BYTES = 1 << 20
 
 
 def direct_write_memory(nbytes: int | None = None) -> int:
     """What one file written with O_DIRECT holds: its I/O threads and aligned buffers, for a file of
     ``nbytes`` those it fills (mappings filled in order, a page resident from its first write)."""
-    buffers = DEPTH if nbytes is None else min(DEPTH, -(-(nbytes + ALIGN) // BUFFER_BYTES))
-    return BUFFER_BYTES * buffers + _THREADS_BYTES
+    return (
+        BUFFER_BYTES * (DEPTH if nbytes is None else min(DEPTH, -(-(nbytes + ALIGN) // BUFFER_BYTES))) + _THREADS_BYTES
+    )
 
 
 # A fill copies and hashes this much at a time (cache-sized: hashed before it leaves the cache).
