@@ -54,11 +54,9 @@ _THREADS_BYTES = 1 << 20
 
 
 def direct_write_memory(nbytes: int | None = None) -> int:
-    """What one file written with O_DIRECT holds: its I/O threads and aligned buffers, for a file of
-    ``nbytes`` those it fills (mappings filled in order, a page resident from its first write)."""
-    return (
-        BUFFER_BYTES * (DEPTH if nbytes is None else min(DEPTH, -(-(nbytes + ALIGN) // BUFFER_BYTES))) + _THREADS_BYTES
-    )
+    """Its I/O threads and the aligned buffers a file of ``nbytes`` fills (resident from each page's first write)."""
+    filled = DEPTH if nbytes is None else min(DEPTH, -(-(nbytes + ALIGN) // BUFFER_BYTES))
+    return BUFFER_BYTES * filled + _THREADS_BYTES
 
 
 # A fill copies and hashes this much at a time (cache-sized: hashed before it leaves the cache).
