@@ -54,7 +54,7 @@ _THREADS_BYTES = 1 << 20
 
 
 def direct_write_memory(nbytes: int | None = None) -> int:
-    """Its I/O threads and the aligned buffers a file of ``nbytes`` fills (resident from each page's first write)."""
+    """What a direct file holds: its I/O threads and the aligned buffers a file of ``nbytes`` fills (None: all)."""
     filled = DEPTH if nbytes is None else min(DEPTH, -(-(nbytes + ALIGN) // BUFFER_BYTES))
     return BUFFER_BYTES * filled + _THREADS_BYTES
 
