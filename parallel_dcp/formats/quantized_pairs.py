@@ -63,14 +63,17 @@ def block_size_of(source: Source, override: int | None = None) -> tuple[int, int
 
 
 def source_config(source: Source) -> dict[str, Any] | None:
-    """``config.json`` in the source's directory (a local one), parsed; None when there is none."""
-    if isinstance(source.location, Remote) or not os.path.isdir(source.path):
+    """``config.json`` of a local source, parsed: in its directory, or beside the one file it is
+    (``SRC/model.safetensors``, ``SRC/pytorch_model.bin``: the model's, as for the folder, so
+    ``--dtype`` keeps the same tensors either way); None when there is none."""
+    if isinstance(source.location, Remote):
         return None
-    path = os.path.join(source.path, "config.json")
+    folder = source.path if os.path.isdir(source.path) else os.path.dirname(os.path.abspath(source.path))
+    path = os.path.join(folder, "config.json")
     if not os.path.lexists(path) or os.path.isdir(path):
         return None
     try:  # by the one rule: a config.json linking out of the folder is refused, never read
-        config = loads_json(read_in_tree(path, source_tree(source.path), limit=_CONFIG_MAX_BYTES))
+        config = loads_json(read_in_tree(path, source_tree(folder), limit=_CONFIG_MAX_BYTES))
     except CorruptCheckpointError:  # (a ValueError too) a link out of the folder, a FIFO, a huge file
         raise
     except ValueError as exc:
