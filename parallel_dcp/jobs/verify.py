@@ -426,7 +426,7 @@ def _verify(
     report = VerifyReport(path=source.path, format=source.kind, against=against)
     # A Hugging Face output of a conversion with dtype holds what transformers keeps in float32 uncast.
     keep = (
-        keys_kept(reference, list(reference.entries), dtype)
+        keys_kept(reference, list(reference.entries), dtype, governor.limit)
         if reference is not None and source.kind != "dcp"
         else frozenset()
     )
