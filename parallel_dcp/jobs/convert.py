@@ -41,6 +41,7 @@ from parallel_dcp.jobs.quantization import (
     prepare_target,
     quantize_step,
     refuse_cast_of_pairs,
+    with_dequantized_dtype,
     write_computed,
 )
 from parallel_dcp.jobs.rename import RenameRules, rename_source
@@ -164,6 +165,7 @@ def convert_one(
     source = open_source(
         src, trust_pickle=trust_pickle, storage_options=options.storage_options, memory_limit=options.memory_ceiling()
     )
+    quantization = with_dequantized_dtype(quantization, source)  # (no --dtype: the dtype its config names)
     if isinstance(source, SafetensorsSource) and options.io == "direct":
         # Only when asked: under auto the library's mmap is kept, since a direct read adds a copy
         # (bounce buffer -> a fresh tensor, its pages faulted in) that costs more than it saves
