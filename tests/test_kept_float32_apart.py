@@ -14,6 +14,7 @@ import safetensors.torch as st
 import torch
 
 import parallel_dcp
+from parallel_dcp.errors import MemoryLimitExceeded
 from parallel_dcp.jobs import kept_float32
 
 ROUTER = "model.layers.0.mlp.gate.weight"
@@ -96,5 +97,31 @@ def test_a_transformers_found_on_sys_path_alone_is_read_by_the_child(
     monkeypatch.delenv("PYTHONPATH")
     src = _router_source(tmp_path)
     parallel_dcp.convert(src, tmp_path / "out", to="safetensors", dtype="bfloat16", workers=1)
+    held = {k: v.dtype for k, v in st.load_file(tmp_path / "out" / "model.safetensors").items()}
+    assert held == {ROUTER: torch.float32, BIAS: torch.bfloat16, PLAIN: torch.bfloat16}
+
+
+def test_a_child_that_would_pass_the_memory_limit_is_stopped_and_the_job_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child is part of the job's process tree: it grew it by ~270 MiB (the real transformers)
+    under a limit of 48 MiB, counted nowhere (review s16 F4). Now it is read against the limit and
+    stopped there, and the job refused before anything is written."""
+    _installed(
+        tmp_path / "site",
+        monkeypatch,
+        "import time\n"
+        "_held = b'x' * (96 * 2**20)  # (touched pages: what importing transformers and torch holds)\n"
+        "time.sleep(2)\n"
+        "class RouterForCausalLM:\n"
+        "    _keep_in_fp32_modules_strict = ['gate.weight']\n",
+    )
+    src = _router_source(tmp_path)
+    with pytest.raises(MemoryLimitExceeded, match=r"RouterForCausalLM.*passed the memory limit.*of 48\.0 MiB") as err:
+        parallel_dcp.convert(src, tmp_path / "out", to="safetensors", dtype="bfloat16", workers=1, memory_limit="48MiB")
+    assert err.value.limit == 48 * 2**20 and err.value.measured > err.value.limit
+    assert not (tmp_path / "out").exists()
+    # under a limit that holds it, the same child is read and its list kept
+    parallel_dcp.convert(src, tmp_path / "out", to="safetensors", dtype="bfloat16", workers=1, memory_limit="256MiB")
     held = {k: v.dtype for k, v in st.load_file(tmp_path / "out" / "model.safetensors").items()}
     assert held == {ROUTER: torch.float32, BIAS: torch.bfloat16, PLAIN: torch.bfloat16}

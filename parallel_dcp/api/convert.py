@@ -221,8 +221,9 @@ def convert(
             directory output.
         dequantize: dequantize FP8 block-scaled pairs (``X.weight`` float8_e4m3fn +
             ``X.weight_scale_inv``) and MXFP4 pairs (``X_blocks`` + ``X_scales``, output ``X``) to
-            ``dtype`` (default bfloat16; float16 and float32 allowed); scales are dropped, other
-            tensors kept (cast only when ``dtype`` is given). Values equal stock
+            ``dtype`` (default: the dtype the source's ``config.json`` names, what transformers'
+            own dequantizing load gives, else bfloat16; bfloat16, float16 and float32 allowed);
+            scales are dropped, other tensors kept (cast only when ``dtype`` is given). Values equal stock
             ``QuantizedHuggingFaceStorageReader``'s bit for bit. ``keys`` then names output tensors.
         quantize: ``"fp8-block"`` or ``"fp8-block:BLOCK"``: write the weights ``quantize_keys``
             selects (same patterns as ``keys``; default: 2-D floating ``*.weight`` tensors except
@@ -363,12 +364,11 @@ def _quantization(
 
     from parallel_dcp.jobs.quantization import Quantization
 
-    target = cast or torch.bfloat16
-    if dequantize and target not in (torch.bfloat16, torch.float16, torch.float32):
-        raise QuantizationError(f"dequantize writes bfloat16, float16 or float32, not {target}")
+    if dequantize and cast not in (None, torch.bfloat16, torch.float16, torch.float32):
+        raise QuantizationError(f"dequantize writes bfloat16, float16 or float32, not {cast}")
     return Quantization(
         dequantize=dequantize,
-        dequantize_dtype=target,
+        dequantize_dtype=cast,  # None: the source config's dtype (dequantized_dtype_of)
         quantize=quantize,
         quantize_keys=quantize_keys,
         block_size=block_size,

@@ -133,7 +133,8 @@ def _quantize_flags(convert: argparse.ArgumentParser) -> None:
         "--dequantize",
         action="store_true",
         help="dequantize FP8 block-scaled (X.weight + X.weight_scale_inv) and MXFP4 (X_blocks + X_scales) pairs "
-        "to --dtype (default bfloat16), bit for bit as stock QuantizedHuggingFaceStorageReader; scales dropped",
+        "to --dtype (default: the dtype SRC's config.json names, else bfloat16), bit for bit as stock "
+        "QuantizedHuggingFaceStorageReader; scales dropped",
     )
     convert.add_argument(
         "--quantize",

@@ -38,7 +38,8 @@ def add_parser(sub: Any) -> None:
     verify.add_argument(
         "--dequantize",
         action="store_true",
-        help="compare against SRC dequantized as convert --dequantize writes it (--dtype, default bfloat16), exactly",
+        help="compare against SRC dequantized as convert --dequantize writes it (--dtype, default: the dtype SRC's "
+        "config.json names, else bfloat16), exactly",
     )
     verify.add_argument("--block-size", type=int, metavar="N", help="with --dequantize: SRC's FP8 block")
     flags.common(verify)

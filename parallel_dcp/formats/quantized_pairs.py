@@ -34,6 +34,7 @@ __all__ = [
     "SCALE_SUFFIX",
     "Pair",
     "block_size_of",
+    "dequantized_dtype_of",
     "find_pairs",
     "source_config",
 ]
@@ -60,6 +61,28 @@ def block_size_of(source: Source, override: int | None = None) -> tuple[int, int
     if not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and 0 < n <= MAX_BLOCK for n in size)):
         raise QuantizationError(f"config.json of {source.path}: weight_block_size {size!r} is not [rows, columns]")
     return (size[0], size[1])
+
+
+def dequantized_dtype_of(source: Source, asked: torch.dtype | None) -> torch.dtype:
+    """What ``--dequantize`` writes the weights as: ``asked`` (``--dtype``), else what transformers'
+    own dequantizing load of the folder gives (``dtype="auto"``): the dtype its ``config.json``
+    names (``dtype``, else ``torch_dtype``), or where it names none, the first floating tensor's
+    that is not FP8 (by key; transformers reads its first shard's); bfloat16 where that is not
+    bfloat16, float16 or float32, or there is no config.json (a DCP checkpoint). A float32 model's
+    FP8 folder loads float32, and so does its dequantized copy."""
+    if asked is not None:
+        return asked
+    config = source_config(source)
+    if config is None:
+        return torch.bfloat16
+    named = config.get("dtype", config.get("torch_dtype"))
+    wide = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if named is None:
+        entries = source.entries
+        plain = (entries[k].dtype for k in sorted(entries) if entries[k].dtype.is_floating_point)
+        first = next((d for d in plain if d not in FP8_DTYPES), None)
+        return first if first is not None and first in wide.values() else torch.bfloat16
+    return wide.get(named, torch.bfloat16) if isinstance(named, str) else torch.bfloat16
 
 
 def source_config(source: Source) -> dict[str, Any] | None:

@@ -6,6 +6,8 @@
 The memory governor is created before the source is opened, so whatever opening loads (a legacy
 torch.save file) counts against the limit. Several sources convert one after the other, each
 with the whole pool, each into its own destination. A source's checksums are checked as it is read (source_check.py).
+Longer than 300 lines because convert_one orders every check of a conversion before its first
+write in one place, where a reader sees which comes first.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from parallel_dcp.jobs.quantization import (
     prepare_target,
     quantize_step,
     refuse_cast_of_pairs,
+    with_dequantized_dtype,
     write_computed,
 )
 from parallel_dcp.jobs.rename import RenameRules, rename_source
@@ -163,6 +166,7 @@ def convert_one(
     source = open_source(
         src, trust_pickle=trust_pickle, storage_options=options.storage_options, memory_limit=options.memory_ceiling()
     )
+    quantization = with_dequantized_dtype(quantization, source)  # (no --dtype: the dtype its config names)
     if isinstance(source, SafetensorsSource) and options.io == "direct":
         # Only when asked: under auto the library's mmap is kept, since a direct read adds a copy
         # (bounce buffer -> a fresh tensor, its pages faulted in) that costs more than it saves
@@ -176,7 +180,7 @@ def convert_one(
             # choice is measured beside the conversion's writes, once it is staged (below).
             asked = stream_source(source, target, options, governor)
         steps = _Steps(rename, quantization, preset, model_config, copy_files_from, rename_strict)
-        job = _convert_job(source, target, dtype, keys, steps)
+        job = _convert_job(source, target, dtype, keys, steps, governor.limit)
         write_computed(job, target, options)  # FP8 dequantized straight into a DCP writer's buffers
         copies = files_to_copy(
             source,
@@ -190,7 +194,7 @@ def convert_one(
             copies.recorded = side_file_records(copies, copies.folder, own_source=copy_files_from is None)
         if isinstance(target, ShardedTarget):
             target.copies = copies
-            job = kept_by_copied_config(job, copies, renamed=bool(rename or preset))
+            job = kept_by_copied_config(job, copies, renamed=bool(rename or preset), limit=governor.limit)
         if quantization is not None and quantization.active:
             prepare_target(target, quantization)
         if steps.done is not None and preset is not None and preset.writes_hf:
@@ -252,6 +256,7 @@ def _convert_job(
     dtype: torch.dtype | None,
     keys: str | Sequence[str] | None,
     steps: _Steps,
+    limit: int,
 ) -> Job:
     """The job converting ``source``: dequantized, keys selected, a preset's transforms and
     names, quantized, then renamed by the user's rules (checked before any write)."""
@@ -282,8 +287,10 @@ def _convert_job(
             copy_files_from=steps.copy_files_from,
         )
         source, selected = steps.done.source, steps.done.keys
-    # What transformers keeps in float32, left by the cast (a Hugging Face output named as its source)
-    keep = keys_kept(source, selected, dtype) if target.kind != "dcp" and not (rename or steps.preset) else frozenset()
+    # What transformers keeps in float32, left by the cast (a Hugging Face output named as its source);
+    # the child that reads it stays under the limit, or the job is refused here, before any write
+    hf_named = target.kind != "dcp" and not (rename or steps.preset)
+    keep = keys_kept(source, selected, dtype, limit) if hf_named else frozenset()
     if quantization is not None and quantization.quantize is not None:
         source, selected = quantize_step(source, selected, quantization, dtype, keep, steps.copy_files_from)
         dtype = None  # the quantizing view casts the other tensors itself

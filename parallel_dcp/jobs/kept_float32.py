@@ -12,13 +12,22 @@ rounded bias can pick other experts. So a conversion with ``--dtype`` to a Huggi
 keeps them in their dtype (float32 stays float32; a bfloat16 source's stay bfloat16, as
 transformers upcasts those too).
 
-The lists are the model class's, read from transformers where it is installed (nothing is
-built: class attributes only). They are read in a short-lived child process, before the job
-starts: importing transformers and a model class costs ~150 MiB and several seconds, which this
-process would otherwise carry for the whole job, charged against ``--memory-limit``. Where the
-caller has imported transformers already, its module is read in place. Without transformers there
-is nothing to read, and every floating tensor is cast; docs/conversion.md says so. Names match as
-transformers matches them: each entry a pattern (``*`` any run of characters) searched anywhere in the key.
+The lists are the model's as transformers loads it: its ``post_init`` unions every sub-model's
+lists into the instance's (Blip2 or Musicgen with a T5 language model: the class keeps none of
+T5's ``wo``, the instance does), so the model is built from the source's config on the meta
+device (no weights: measured 271-277 MiB for the whole child, tiny to DeepSeek-V3 size, all but
+a few MiB of it the import) and its instance read. A class that is not one of transformers'
+models is read by its class attributes. They are read in a short-lived child process, before the
+job starts: importing transformers and a model class costs ~150 MiB and several seconds, which
+this process would otherwise carry for the whole job. The child is in the job's process tree, so
+it is held to ``--memory-limit``: its memory is read as it runs, and past the limit it is stopped
+and the job refused, before anything is written. Where the caller has imported transformers
+already, the same code runs in place, after the job's memory baseline: what building the model
+on the meta device leaves is counted like the job's own. Without transformers there is nothing
+to read, and every floating tensor is cast; docs/conversion.md says so. Names match as
+transformers matches them (core_model_loading's ``build_glob_alternation``): each entry a pattern,
+``*`` any run of characters, searched anywhere in the key (T5's ``wo`` matches InstructBlip's
+``word_embeddings`` too, as in transformers).
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,77 +48,113 @@ from typing import Any
 import torch
 
 from parallel_dcp._json import loads_json
+from parallel_dcp.engine.breach import anonymous_bytes
+from parallel_dcp.engine.sizes import format_bytes
+from parallel_dcp.errors import MemoryLimitExceeded
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.quantized_pairs import source_config
 from parallel_dcp.jobs.copy_files import Copies, read_copies
 from parallel_dcp.jobs.targets import Job
 
-__all__ = ["kept_by_copied_config", "kept_in_float32", "keys_kept"]
+__all__ = ["CHILD_MEMORY", "kept_by_copied_config", "kept_in_float32", "keys_kept"]
+
+# What to advise as the least limit for the reading child: its peak as the ceiling counts it,
+# 271-277 MiB measured with transformers 5.25 (see the module's docstring), and some room.
+CHILD_MEMORY = 320 * 2**20
 
 
-def kept_in_float32(config: dict[str, Any] | None, dtype: torch.dtype | None) -> Callable[[str], bool] | None:
+def kept_in_float32(
+    config: dict[str, Any] | None, dtype: torch.dtype | None, limit: int | None = None
+) -> Callable[[str], bool] | None:
     """Which keys transformers keeps in float32 for a model of ``config`` loaded as ``dtype``;
-    None when it keeps none (or transformers, or the class, is not there to say)."""
+    None when it keeps none (or transformers, or the class, is not there to say). The child that
+    reads it is stopped, and MemoryLimitExceeded raised, where it passes ``limit`` bytes."""
     if config is None or dtype not in (torch.bfloat16, torch.float16):
         return None
-    modules = _class_lists(config, dtype)
+    modules = _class_lists(config, dtype, limit)
     if not modules:
         return None
     pattern = re.compile("|".join(f"(?:{m.replace('*', '.*')})" for m in sorted(modules)))
     return lambda key: pattern.search(key) is not None
 
 
-def _class_lists(config: dict[str, Any], dtype: torch.dtype) -> set[str]:
+def _class_lists(config: dict[str, Any], dtype: torch.dtype, limit: int | None) -> set[str]:
     architectures = config.get("architectures")
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
         return set()
-    strict, loose = _lists_of(architectures[0])
+    strict, loose = _lists_of(architectures[0], config, limit)
     return set(strict) | (set(loose) if dtype == torch.float16 else set())
 
 
-# What each model class keeps, by class name, as a child process read it (a batch asks once a class).
-_LISTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+# What each model, by class name and config, keeps, as a child process read it (asked once each).
+_LISTS: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
-# The child's whole work: the class's two lists as JSON, or null where transformers has no such class.
-_READ_LISTS = """
-import json, sys
-import transformers
-model_class = getattr(transformers, sys.argv[1], None)
-def names(attribute):
-    value = getattr(model_class, attribute, None) or ()
-    return [n for n in value if isinstance(n, str) and n]
-print(json.dumps(None if model_class is None else
-                 [names("_keep_in_fp32_modules_strict"), names("_keep_in_fp32_modules")]))
+# The model's two lists, and why only its class's were read (or None); None where transformers has
+# no such class. A model of transformers is built on the meta device, as from_pretrained builds it:
+# its post_init unions every child model's lists into the instance's (Blip2's T5 language model
+# adds "wo"), which the class attributes do not show. Run by the child, or in place (exec).
+_LISTS_OF = """
+def lists_of(transformers, torch, class_name, config):
+    import contextlib
+    model_class = getattr(transformers, class_name, None)
+    if model_class is None:
+        return None
+    def names(owner, attribute):
+        value = getattr(owner, attribute, None) or ()
+        return sorted(n for n in value if isinstance(n, str) and n)
+    owner, why = model_class, None
+    pretrained = getattr(transformers, "PreTrainedModel", None)
+    if isinstance(model_class, type) and isinstance(pretrained, type) and issubclass(model_class, pretrained):
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.device("meta"))
+                init = getattr(transformers, "initialization", None)
+                safe = getattr(init, "meta_device_safe_creation_ops", None)
+                if safe is not None:  # (transformers 5: a model calling .item() in __init__)
+                    stack.enter_context(safe())
+                owner = model_class(model_class.config_class.from_dict(config))
+        except Exception as error:
+            why = f"{type(error).__name__}: {error}"[:300]
+    try:
+        return [names(owner, "_keep_in_fp32_modules_strict"), names(owner, "_keep_in_fp32_modules"), why]
+    except Exception:  # a broken class: nothing to read
+        return [[], [], why]
 """
+
+# The child's whole work: that answer as JSON, for the config on its stdin.
+_READ_LISTS = (
+    _LISTS_OF
+    + """
+import json, sys
+import torch
+import transformers
+print(json.dumps(lists_of(transformers, torch, sys.argv[1], json.loads(sys.stdin.read()))))
+"""
+)
 
 # Long enough for a cold import of transformers and torch on a loaded node.
 _READ_TIMEOUT = 300.0
+# How often the child's memory is read against the limit (a read of /proc/<pid>/status: ~30 us).
+_WATCH_EVERY = 0.02
 
 
-def _lists_of(class_name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The class's ``_keep_in_fp32_modules_strict`` and ``_keep_in_fp32_modules``; empty where
+def _lists_of(class_name: str, config: dict[str, Any], limit: int | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The model's ``_keep_in_fp32_modules_strict`` and ``_keep_in_fp32_modules``; empty where
     transformers is not installed or has no such class."""
     loaded = sys.modules.get("transformers")
-    if loaded is not None:  # imported by the caller already: read in place, as it is now
-        return _lists_from(getattr(loaded, class_name, None))
-    if class_name not in _LISTS:
-        _LISTS[class_name] = _lists_read_apart(class_name)
-    return _LISTS[class_name]
+    if loaded is not None:  # imported by the caller already: read in place (counted by the governor)
+        namespace: dict[str, Any] = {}
+        exec(_LISTS_OF, namespace)  # (the child's own code)
+        return _answer(class_name, namespace["lists_of"](loaded, torch, class_name, config))
+    text = json.dumps(config, sort_keys=True)
+    if (class_name, text) not in _LISTS:
+        _LISTS[class_name, text] = _lists_read_apart(class_name, text, limit)
+    return _LISTS[class_name, text]
 
 
-def _lists_from(model_class: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    def names(attribute: str) -> tuple[str, ...]:
-        try:
-            value = getattr(model_class, attribute, None) or ()
-            return tuple(n for n in value if isinstance(n, str) and n)
-        except Exception:  # a broken class: nothing to read
-            return ()
-
-    return names("_keep_in_fp32_modules_strict"), names("_keep_in_fp32_modules")
-
-
-def _lists_read_apart(class_name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The lists read by a child process that imports transformers (see the module's docstring)."""
+def _lists_read_apart(class_name: str, config: str, limit: int | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The lists read by a child process that imports transformers (see the module's docstring),
+    stopped where it would pass ``limit``."""
     try:
         installed = importlib.util.find_spec("transformers") is not None
     except (ImportError, ValueError):
@@ -118,14 +165,9 @@ def _lists_read_apart(class_name: str) -> tuple[tuple[str, ...], tuple[str, ...]
     path = os.pathsep.join(os.path.abspath(entry) for entry in sys.path if entry)
     env = {**os.environ, "PYTHONPATH": path}
     try:
-        done = subprocess.run(
-            # -P (Python 3.11+): the working directory's files are not imported in place of transformers
-            [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c", _READ_LISTS, class_name],
-            capture_output=True,
-            env=env,
-            timeout=_READ_TIMEOUT,
-            check=False,
-        )
+        # -P (Python 3.11+): the working directory's files are not imported in place of transformers
+        argv = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c", _READ_LISTS, class_name]
+        done = _run_within(argv, config.encode(), env, class_name, limit)
     except (OSError, subprocess.TimeoutExpired) as error:
         return _unread(class_name, str(error))
     # (whatever the library prints on import, in any encoding: the answer is the last line)
@@ -137,10 +179,64 @@ def _lists_read_apart(class_name: str) -> tuple[tuple[str, ...], tuple[str, ...]
         lists = json.loads(said[-1])
     except ValueError:
         return _unread(class_name, f"it printed {said[-1][:200]!r}")
-    if not isinstance(lists, list) or len(lists) != 2 or not all(isinstance(part, list) for part in lists):
+    return _answer(class_name, lists)
+
+
+def _answer(class_name: str, lists: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The two lists of ``lists_of``'s answer, warning where only the class's were read."""
+    if not isinstance(lists, list) or len(lists) != 3 or not all(isinstance(part, list) for part in lists[:2]):
         return (), ()  # no such class in transformers
-    strict, loose = (tuple(n for n in part if isinstance(n, str) and n) for part in lists)
+    if isinstance(lists[2], str):
+        warnings.warn(
+            f"could not build {class_name} on the meta device to read which tensors transformers keeps "
+            f"in float32 ({lists[2]}): its class's lists are kept, not those its sub-models add",
+            stacklevel=6,
+        )
+    strict, loose = (tuple(n for n in part if isinstance(n, str) and n) for part in lists[:2])
     return strict, loose
+
+
+def _run_within(
+    argv: list[str], given: bytes, env: dict[str, str], class_name: str, limit: int | None
+) -> subprocess.CompletedProcess[bytes]:
+    """``argv`` run with ``given`` on its stdin, its memory (RssAnon + RssShmem: an exec'd process
+    shares none of it) read every 20 ms; killed, and the job refused before anything is written,
+    once it passes ``limit`` (docs/guarantees.md#the-memory-ceiling)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env)
+        peak = 0
+        try:
+            assert child.stdin is not None
+            child.stdin.write(given)
+            child.stdin.close()
+            deadline = time.monotonic() + _READ_TIMEOUT
+            while child.poll() is None:
+                peak = max(peak, anonymous_bytes(child.pid))
+                if limit is not None and peak > limit:
+                    raise _over_limit(class_name, peak, limit)
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(argv, _READ_TIMEOUT)
+                time.sleep(_WATCH_EVERY)
+        finally:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(argv, child.returncode, out.read(), err.read())
+
+
+def _over_limit(class_name: str, measured: int, limit: int) -> MemoryLimitExceeded:
+    return MemoryLimitExceeded(
+        f"reading which tensors transformers keeps in float32 for {class_name} (a child process that "
+        f"imports transformers, ~{format_bytes(CHILD_MEMORY)} measured) passed the memory limit: "
+        f"{format_bytes(measured)} of {format_bytes(limit)}, before anything was written. Raise "
+        f"--memory-limit (memory_limit=) to at least {format_bytes(CHILD_MEMORY)}, or convert "
+        f"without --dtype and cast on load",
+        limit=limit,
+        measured=measured,
+        keys=[],
+    )
 
 
 def _unread(class_name: str, why: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -152,7 +248,9 @@ def _unread(class_name: str, why: str) -> tuple[tuple[str, ...], tuple[str, ...]
     return (), ()
 
 
-def keys_kept(source: Source, keys: Sequence[str], dtype: torch.dtype | None) -> frozenset[str]:
+def keys_kept(
+    source: Source, keys: Sequence[str], dtype: torch.dtype | None, limit: int | None = None
+) -> frozenset[str]:
     """The floating tensors among ``keys`` that ``dtype`` leaves, for a Hugging Face output of
     ``source`` (its ``config.json`` names the model class)."""
     if dtype is None:
@@ -161,14 +259,14 @@ def keys_kept(source: Source, keys: Sequence[str], dtype: torch.dtype | None) ->
         config = source_config(source)
     except ValueError:  # not JSON, or refused by the rule for reading: said where the config is written
         return frozenset()
-    kept = kept_in_float32(config, dtype)
+    kept = kept_in_float32(config, dtype, limit)
     if kept is None:
         return frozenset()
     entries = source.entries
     return frozenset(k for k in keys if k in entries and entries[k].dtype.is_floating_point and kept(k))
 
 
-def kept_by_copied_config(job: Job, copies: Copies, renamed: bool) -> Job:
+def kept_by_copied_config(job: Job, copies: Copies, renamed: bool, limit: int | None = None) -> Job:
     """``job`` with what transformers keeps in float32 left uncast, where the model's config.json
     comes from ``copies`` (``--copy-files-from``: a DCP checkpoint exported to Hugging Face) rather
     than from beside the source; as it is otherwise (no cast, names changed, or kept already)."""
@@ -178,7 +276,7 @@ def kept_by_copied_config(job: Job, copies: Copies, renamed: bool) -> Job:
         config = loads_json(read_copies(copies, ["config.json"])["config.json"])
     except ValueError:
         return job  # refused where the config is written, with its own message
-    kept = kept_in_float32(config if isinstance(config, dict) else None, job.dtype)
+    kept = kept_in_float32(config if isinstance(config, dict) else None, job.dtype, limit)
     if kept is None:
         return job
     entries = job.source.entries

@@ -51,6 +51,7 @@ from parallel_dcp.formats.bounced_read import bounce_memory, bounced, read_bounc
 from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_source
 from parallel_dcp.formats.fast_read import ReadStats
 from parallel_dcp.formats.key_paths import describe_level, first_non_string, nest
+from parallel_dcp.formats.quantized_pairs import dequantized_dtype_of
 from parallel_dcp.formats.range_read import Piece, pieces_of, read_pieces, staging_bytes
 from parallel_dcp.formats.span_read import plan_spans, read_spans, span_bytes
 from parallel_dcp.formats.torch_format import read_whole
@@ -124,7 +125,9 @@ def load_any(
             return load_whole(path, options, trust_pickle, dtype)
         try:
             if dequantize:
-                source = dequantized_source(source, dtype or torch.bfloat16, block_size_of(source, block_size))
+                source = dequantized_source(
+                    source, dequantized_dtype_of(source, dtype), block_size_of(source, block_size)
+                )
             return _load(source, keys, options, into, dtype, stats)
         finally:
             source.close()

@@ -10,6 +10,7 @@ a quantized one always has its index.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Sequence
@@ -22,7 +23,12 @@ from parallel_dcp.formats import lean
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dequantized_source import DequantizedSource, block_size_of, dequantized_source
 from parallel_dcp.formats.quantized import FP8_DTYPES, MAX_BLOCK
-from parallel_dcp.formats.quantized_pairs import PER_CHANNEL_SUFFIX, SCALE_SUFFIX, refuse_quantized
+from parallel_dcp.formats.quantized_pairs import (
+    PER_CHANNEL_SUFFIX,
+    SCALE_SUFFIX,
+    dequantized_dtype_of,
+    refuse_quantized,
+)
 from parallel_dcp.formats.quantizing_source import DEFAULT_RULE, parse_quantize, quantizing_source
 from parallel_dcp.jobs.fp8_layers import Fp8Layers, fp8_layers, model_config
 from parallel_dcp.jobs.targets import DcpTarget, Job, ShardedTarget, Target
@@ -35,18 +41,20 @@ __all__ = [
     "dequantize_step",
     "prepare_target",
     "quantize_step",
+    "with_dequantized_dtype",
     "write_computed",
 ]
 
 
 @dataclass(frozen=True, slots=True)
 class Quantization:
-    """What a conversion does to quantized tensors: ``dequantize`` to ``dequantize_dtype``
+    """What a conversion does to quantized tensors: ``dequantize`` to ``dequantize_dtype`` (None:
+    the dtype the source's config.json names, else bfloat16; see :func:`with_dequantized_dtype`)
     (block from ``block_size``, else config.json, else 128), or ``quantize`` (``"fp8-block[:B]"``)
     the weights ``quantize_keys`` select (None: :data:`DEFAULT_RULE`)."""
 
     dequantize: bool = False
-    dequantize_dtype: torch.dtype = torch.bfloat16
+    dequantize_dtype: torch.dtype | None = None
     quantize: str | None = None
     quantize_keys: str | Sequence[str] | None = None
     block_size: int | None = None
@@ -81,9 +89,19 @@ class Quantization:
         return f"quantize to float8_e4m3fn in {size[0]}x{size[1]} blocks: {rule}"
 
 
+def with_dequantized_dtype(quantization: Quantization | None, source: Source) -> Quantization | None:
+    """``quantization`` with the dtype ``dequantize`` writes settled for ``source``
+    (:func:`~parallel_dcp.formats.quantized_pairs.dequantized_dtype_of`), so that the weights, the
+    output's config.json and a dry run's note all say the same."""
+    if quantization is None or not quantization.dequantize or quantization.dequantize_dtype is not None:
+        return quantization
+    return dataclasses.replace(quantization, dequantize_dtype=dequantized_dtype_of(source, None))
+
+
 def dequantize_step(source: Source, quantization: Quantization) -> Source:
     """``source`` seen dequantized (before keys are selected: ``keys`` names output tensors)."""
-    return dequantized_source(source, quantization.dequantize_dtype, block_size_of(source, quantization.block_size))
+    dtype = dequantized_dtype_of(source, quantization.dequantize_dtype)
+    return dequantized_source(source, dtype, block_size_of(source, quantization.block_size))
 
 
 def write_computed(job: Job, target: Target, options: Options) -> None:

@@ -314,8 +314,11 @@ def verify(
         )
         if reference is not None and dequantize:  # compared with what convert(dequantize=True) writes
             from parallel_dcp.formats.dequantized_source import block_size_of, dequantized_source
+            from parallel_dcp.formats.quantized_pairs import dequantized_dtype_of
 
-            target = dtype or torch.bfloat16  # other tensors are cast only when dtype is given, as convert does
+            # (as convert does: other tensors are cast only when dtype is given; the weights to the
+            # dtype given, else the one the reference's config.json names, else bfloat16)
+            target = dequantized_dtype_of(reference, dtype)
             reference = dequantized_source(reference, target, block_size_of(reference, block_size))
         try:
             report = _verify(source, reference, options, governor, dtype, deep=deep or reference is not None)
@@ -426,7 +429,7 @@ def _verify(
     report = VerifyReport(path=source.path, format=source.kind, against=against)
     # A Hugging Face output of a conversion with dtype holds what transformers keeps in float32 uncast.
     keep = (
-        keys_kept(reference, list(reference.entries), dtype)
+        keys_kept(reference, list(reference.entries), dtype, governor.limit)
         if reference is not None and source.kind != "dcp"
         else frozenset()
     )

@@ -34,15 +34,16 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
-def make_transformers_fp8_llama(dest: Path, work: Path) -> Path:
-    """A tiny bf16 Llama saved by transformers, its linear weights quantized by transformers' own
-    ``Fp8Quantize`` (block BLOCK x BLOCK), with the ``quantization_config`` transformers writes."""
+def make_transformers_fp8_llama(dest: Path, work: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A tiny Llama (bf16 unless ``dtype``) saved by transformers, its linear weights quantized by
+    transformers' own ``Fp8Quantize`` (block BLOCK x BLOCK), with the ``quantization_config``
+    transformers writes."""
     from safetensors.torch import load_file, save_file
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
-    src = make_llama(work / "bf16", dtype=torch.bfloat16, seed=1)
+    src = make_llama(work / "plain", dtype=dtype, seed=1)
     quantization = FineGrainedFP8Config(weight_block_size=[BLOCK, BLOCK], modules_to_not_convert=["lm_head"])
     quantize = Fp8Quantize(FineGrainedFP8HfQuantizer(quantization))
     tensors: dict[str, torch.Tensor] = {}
@@ -92,6 +93,28 @@ def test_dequantized_fp8_loads_as_transformers_own_dequantizing_load(
     assert actual.dtype == expected.dtype == want
     assert_params_equal(actual, expected)
     assert_tensor_equal(logits(actual), logits(expected), "logits")
+
+
+def test_a_float32_models_fp8_folder_dequantizes_to_what_transformers_loads_from_it(
+    run_cli: Callable[..., object], tmp_path: Path
+) -> None:
+    """A float32 model's FP8 folder (config ``dtype: float32``; norms and embeddings float32):
+    transformers' own dequantizing load gives float32 throughout. ``--dequantize`` wrote the
+    weights as bfloat16 and a config saying bfloat16, so transformers rounded every other tensor
+    as it loaded (review s16 F3). Without ``--dtype`` the weights now follow the config's dtype."""
+    src = make_transformers_fp8_llama(tmp_path / "fp8", tmp_path, dtype=torch.float32)
+    assert json.loads((src / "config.json").read_text())["dtype"] == "float32"
+    out = tmp_path / "out"
+    run_cli("convert", src, out, "--to", "safetensors", "--dequantize")
+    config = json.loads((out / "config.json").read_text())
+    assert (config.get("dtype"), config.get("torch_dtype")) == ("float32", "float32")
+    expected = load_causal_lm(src)
+    actual = load_causal_lm(out)
+    assert not any(k.endswith("weight_scale_inv") for k in expected.state_dict()), "transformers kept FP8"
+    assert actual.dtype == expected.dtype == torch.float32
+    assert_params_equal(actual, expected)
+    assert_tensor_equal(logits(actual), logits(expected), "logits")
+    run_cli("verify", out, "--against", src, "--dequantize")
 
 
 def test_quantized_fp8_is_what_transformers_holds_and_dequantizes_as_ours(

@@ -53,10 +53,33 @@ def _t5() -> tuple[Any, Any]:
     return transformers.T5ForConditionalGeneration, config
 
 
+def _blip2_t5() -> tuple[Any, Any]:
+    """A composite model (as Salesforce/blip2-flan-t5-xl): the class keeps ``query_tokens`` and
+    ``qformer``; its T5 language model adds ``wo`` to the instance's list (``post_init``), which
+    the class attributes did not show, and ``wo`` was written rounded (review s16 F1)."""
+    import transformers
+
+    text = transformers.T5Config(
+        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4, decoder_start_token_id=0
+    )
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = transformers.Blip2Config(
+        vision_config={**small, "image_size": 16, "patch_size": 8},
+        qformer_config={**small, "vocab_size": 64, "encoder_hidden_size": 32},
+        text_config=text.to_dict(),
+        num_query_tokens=4,
+    )
+    return transformers.Blip2ForConditionalGeneration, config
+
+
 @pytest.mark.parametrize(
     ("make", "dtype", "kept"),
-    [(_deepseek_v3, "bfloat16", "e_score_correction_bias"), (_t5, "float16", "DenseReluDense.wo.weight")],
-    ids=["deepseek-v3-bf16", "t5-fp16"],
+    [
+        (_deepseek_v3, "bfloat16", "e_score_correction_bias"),
+        (_t5, "float16", "DenseReluDense.wo.weight"),
+        (_blip2_t5, "float16", "DenseReluDense.wo.weight"),
+    ],
+    ids=["deepseek-v3-bf16", "t5-fp16", "blip2-t5-fp16"],
 )
 def test_dtype_keeps_what_transformers_keeps_in_float32(
     run_cli: Callable[..., object], tmp_path: Path, make: Callable[[], tuple[Any, Any]], dtype: str, kept: str
