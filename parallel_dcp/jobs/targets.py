@@ -177,14 +177,11 @@ def prepare_io(target: Target, options: Options, *, probe: bool = True) -> Optio
 _new_tuple = tuple.__new__
 
 
-# What a file of items adds beside their bytes, at most, per item: a safetensors header entry, a
-# torch.save zip record's headers and pickle entry, a DCP record's alignment (hundreds of bytes).
-_FILE_BYTES_PER_ITEM = 512
+_FILE_BYTES_PER_ITEM = 512  # a safetensors header entry, a zip record's headers: hundreds of bytes
 
 
 def file_bytes(nbytes: int, items: int) -> int:
-    """The most a file holding ``items`` items of ``nbytes`` in all may come to (for the direct
-    write buffers it fills: storage/direct_write.py ``direct_write_memory``)."""
+    """The most a file of ``items`` items of ``nbytes`` comes to (the direct-write buffers it fills)."""
     return nbytes + _FILE_BYTES_PER_ITEM * items
 
 
