@@ -125,3 +125,19 @@ def test_a_child_that_would_pass_the_memory_limit_is_stopped_and_the_job_refused
     parallel_dcp.convert(src, tmp_path / "out", to="safetensors", dtype="bfloat16", workers=1, memory_limit="256MiB")
     held = {k: v.dtype for k, v in st.load_file(tmp_path / "out" / "model.safetensors").items()}
     assert held == {ROUTER: torch.float32, BIAS: torch.bfloat16, PLAIN: torch.bfloat16}
+
+
+def test_without_transformers_the_cast_says_what_it_could_not_keep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where transformers is not installed (it is no dependency), ``--dtype`` of a folder whose
+    config names a class casts every floating tensor, and says so, naming the class and the way to
+    keep what transformers' own cast keeps; it was silent (s16 review, F11)."""
+    monkeypatch.setattr(kept_float32.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(kept_float32, "_LISTS", {})
+    src = _router_source(tmp_path)
+    not_installed = r"RouterForCausalLM \(transformers is not installed: pip install transformers\)"
+    with pytest.warns(UserWarning, match=not_installed):
+        parallel_dcp.convert(src, tmp_path / "bf16", to="safetensors", dtype="bfloat16", workers=1)
+    held = {k: v.dtype for k, v in st.load_file(tmp_path / "bf16" / "model.safetensors").items()}
+    assert held == {ROUTER: torch.bfloat16, BIAS: torch.bfloat16, PLAIN: torch.bfloat16}

@@ -159,8 +159,8 @@ def _lists_read_apart(class_name: str, config: str, limit: int | None) -> tuple[
         installed = importlib.util.find_spec("transformers") is not None
     except (ImportError, ValueError):
         installed = False
-    if not installed:
-        return (), ()
+    if not installed:  # (said: a DeepSeek-V3 router cast to bfloat16 loads rounded, s16 review F11)
+        return _unread(class_name, "transformers is not installed: pip install transformers")
     # the child imports from this process's sys.path (a path added at run time included), first
     path = os.pathsep.join(os.path.abspath(entry) for entry in sys.path if entry)
     env = {**os.environ, "PYTHONPATH": path}
@@ -169,16 +169,16 @@ def _lists_read_apart(class_name: str, config: str, limit: int | None) -> tuple[
         argv = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c", _READ_LISTS, class_name]
         done = _run_within(argv, config.encode(), env, class_name, limit)
     except (OSError, subprocess.TimeoutExpired) as error:
-        return _unread(class_name, str(error))
+        return _unread(class_name, f"importing it failed: {error}")
     # (whatever the library prints on import, in any encoding: the answer is the last line)
     said = done.stdout.decode("utf-8", "replace").strip().splitlines()
     if done.returncode != 0 or not said:
         errors = done.stderr.decode("utf-8", "replace").strip().splitlines()
-        return _unread(class_name, errors[-1] if errors else f"exit status {done.returncode}")
+        return _unread(class_name, f"importing it failed: {errors[-1] if errors else f'exit status {done.returncode}'}")
     try:
         lists = json.loads(said[-1])
     except ValueError:
-        return _unread(class_name, f"it printed {said[-1][:200]!r}")
+        return _unread(class_name, f"importing it failed: it printed {said[-1][:200]!r}")
     return _answer(class_name, lists)
 
 
@@ -241,8 +241,8 @@ def _over_limit(class_name: str, measured: int, limit: int) -> MemoryLimitExceed
 
 def _unread(class_name: str, why: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     warnings.warn(
-        f"could not read which tensors transformers keeps in float32 for {class_name} (importing it "
-        f"failed: {why}), so every floating tensor is cast",
+        f"could not read which tensors transformers keeps in float32 for {class_name} ({why}), so every "
+        "floating tensor is cast (transformers' own cast keeps some, e.g. DeepSeek-V3's router, T5's wo)",
         stacklevel=5,
     )
     return (), ()
