@@ -62,15 +62,22 @@ def block_size_of(source: Source, override: int | None = None) -> tuple[int, int
     return (size[0], size[1])
 
 
-def source_config(source: Source) -> dict[str, Any] | None:
-    """``config.json`` in the source's directory (a local one), parsed; None when there is none."""
-    if isinstance(source.location, Remote) or not os.path.isdir(source.path):
+def source_config(source: Source, beside_file: bool = False) -> dict[str, Any] | None:
+    """``config.json`` in the source's directory (a local one), parsed; None when there is none.
+    ``beside_file``: also the one beside a source named by its file (``SRC/model.safetensors``)."""
+    if isinstance(source.location, Remote):
         return None
-    path = os.path.join(source.path, "config.json")
+    if os.path.isdir(source.path):
+        folder = source.path
+    elif beside_file and os.path.isfile(source.path):
+        folder = os.path.dirname(os.path.abspath(source.path))
+    else:
+        return None
+    path = os.path.join(folder, "config.json")
     if not os.path.lexists(path) or os.path.isdir(path):
         return None
     try:  # by the one rule: a config.json linking out of the folder is refused, never read
-        config = loads_json(read_in_tree(path, source_tree(source.path), limit=_CONFIG_MAX_BYTES))
+        config = loads_json(read_in_tree(path, source_tree(folder), limit=_CONFIG_MAX_BYTES))
     except CorruptCheckpointError:  # (a ValueError too) a link out of the folder, a FIFO, a huge file
         raise
     except ValueError as exc:
