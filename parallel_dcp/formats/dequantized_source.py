@@ -32,6 +32,7 @@ from parallel_dcp.engine.chunks import split
 from parallel_dcp.errors import QuantizationError, describe_keys
 from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.fp8_fill import fp8_pending
+from parallel_dcp.formats.other_quantization import refuse_other_quantization
 from parallel_dcp.formats.quantized import (
     DEFAULT_BLOCK,
     E8M0_NAN,
@@ -229,6 +230,7 @@ def dequantized_source(source: Source, dtype: torch.dtype, block: tuple[int, int
     block = block or block_size_of(source)
     pairs = find_pairs(source, block)
     if not pairs:
+        refuse_other_quantization(source, source.keys(), "dequantize (--dequantize)", "cannot read its layout")
         raise QuantizationError(
             f"{source.path} holds no quantized tensors (X.weight + X.weight_scale_inv, or X_blocks + X_scales)"
         )

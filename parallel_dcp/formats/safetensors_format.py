@@ -94,6 +94,7 @@ def _dtype_problem(file: str, key: str, name: str) -> str:
 
 _MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_LFS_POINTER = b"version https://git-lfs"  # how a Git LFS pointer file starts
 
 
 def is_safetensors(path: Location) -> bool:
@@ -122,6 +123,21 @@ class _LocalBytes:
 
     def __str__(self) -> str:
         return self.path
+
+
+def _lfs_pointer(file: str) -> str | None:
+    """A Git LFS pointer in place of the file (a clone without git-lfs): named, with what to do."""
+    try:
+        fd = open_source(file)
+    except (CorruptCheckpointError, OSError):
+        return None
+    try:
+        start = os.pread(fd, len(_LFS_POINTER), 0)
+    finally:
+        os.close(fd)
+    if start != _LFS_POINTER:
+        return None
+    return f"{file} is a Git LFS pointer, not the file's data: run git lfs pull (or download the file)"
 
 
 def _coverage(file: str) -> str | None:
@@ -221,7 +237,8 @@ class SafetensorsSource(Source):
             except (FileNotFoundError, UnsafeCheckpointError):
                 raise
             except Exception as exc:  # SafetensorError and friends: the header is not valid
-                said = _coverage(file)  # the library's "file not fully covered", in our words
+                # the library's "file not fully covered" or "header too large", in our words
+                said = _lfs_pointer(file) or _coverage(file)
                 raise CorruptCheckpointError(said or f"{file} is not a readable safetensors file: {exc}") from exc
             with handle as f:
                 stated.append(f.metadata() or {})

@@ -24,6 +24,7 @@ import torch
 from parallel_dcp._json import loads_json
 from parallel_dcp.errors import printable
 from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.other_quantization import other_method
 from parallel_dcp.formats.quantized import FP8_DTYPES
 from parallel_dcp.formats.quantized_pairs import SCALE_SUFFIX, source_config
 from parallel_dcp.jobs.copy_files import read_copies
@@ -89,6 +90,8 @@ def _follow_the_data(target: ShardedTarget, job: Job) -> None:
     """A copied config.json whose ``quantization_config`` promises quantized weights the shards do
     not hold, where no option changed them (a dequantized checkpoint written out with its
     release's files): written without it, so transformers builds plain layers for plain weights.
+    One of a scheme the tool does not read (GPTQ, bitsandbytes: their tensors copied unchanged)
+    is kept: its shards hold what it promises, under names this check does not know.
     One that names a weights file (``transformers_weights``, which the output never holds: its
     weights are its own shards) is written without that, as ``save_pretrained`` writes it, so
     transformers loads the output's shards. Otherwise (its dtype included: transformers casts on
@@ -100,7 +103,7 @@ def _follow_the_data(target: ShardedTarget, job: Job) -> None:
     if not isinstance(config, dict):
         return
     dropped = {_NAMED_WEIGHTS} if _NAMED_WEIGHTS in config else set()
-    if "quantization_config" in config and not _quantized(job):
+    if "quantization_config" in config and other_method(config) is None and not _quantized(job):
         dropped.add("quantization_config")
     if not dropped:
         return

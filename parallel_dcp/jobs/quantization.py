@@ -22,6 +22,7 @@ from parallel_dcp.errors import QuantizationError, describe_keys, plural
 from parallel_dcp.formats import lean
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dequantized_source import DequantizedSource, block_size_of, dequantized_source
+from parallel_dcp.formats.other_quantization import refuse_other_quantization
 from parallel_dcp.formats.quantized import FP8_DTYPES, MAX_BLOCK
 from parallel_dcp.formats.quantized_pairs import (
     PER_CHANNEL_SUFFIX,
@@ -141,6 +142,7 @@ def quantize_step(
     """
     replaced, named = None, ""
     refuse_quantized(source, selected)  # before building a model to classify them
+    refuse_other_quantization(source, selected, "quantize (--quantize)", "needs plain weights")
     config = model_config(source, copy_files_from)
     layers = fp8_layers(config)
     if isinstance(layers, Fp8Layers):
@@ -170,7 +172,8 @@ def refuse_cast_of_pairs(source: Source, selected: Sequence[str], dtype: torch.d
     as DeepSeek and transformers name them, or ``X.weight_scale``): the cast would keep their
     codes as numbers and round the float32 scales, and a reader that dequantizes the result
     (transformers, with the ``quantization_config`` the output keeps) would get other weights,
-    with no error.
+    with no error. The same holds for a release of another scheme (GPTQ, AWQ, bitsandbytes:
+    :mod:`parallel_dcp.formats.other_quantization`), refused after these.
 
     Raises:
         QuantizationError: naming the weights, before anything is written.
@@ -201,6 +204,13 @@ def refuse_cast_of_pairs(source: Source, selected: Sequence[str], dtype: torch.d
             "to copy them as they are",
             keys=scaled,
         )
+    refuse_other_quantization(
+        source,
+        selected,
+        f"dtype={str(dtype).removeprefix('torch.')} (--dtype)",
+        "would round its float scales while the output keeps its quantization_config, so its reader "
+        "would compute other weights, with no error",
+    )
 
 
 def check_pairs_named(source: Source, keys: Sequence[str]) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from parallel_dcp.errors import InvalidStateDictError, printable
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.key_paths import NonStringKey, describe_level, first_non_string
@@ -51,11 +53,30 @@ def check_keys_fit(target: Target, source: Source, keys: Sequence[str]) -> None:
         _refuse_non_string_keys(target, source, keys)
     if target.tensors_only:
         others = [k for k in keys if k not in source.entries]
+        _refuse_modules(source, others)
         if others:
             raise ValueError(
                 f"safetensors holds only tensors, and {source.path} selects {len(others)} other values "
                 f"({', '.join(printable(k) for k in others[:5])}); select tensors only with keys= (--keys)"
             )
+
+
+def _refuse_modules(source: Source, keys: Sequence[str]) -> None:
+    """A pickled ``nn.Module`` (``torch.save(model)``, or one under a key) is no tensor: say so, and
+    that its ``state_dict()`` is what converts (its weights are not keys of the file)."""
+    modules = [(k, v) for k in keys if isinstance(v := source.values.get(k), torch.nn.Module)]
+    if not modules:
+        return
+    key, module = modules[0]
+    kind = type(module)
+    module_name = "torch.nn" if kind.__module__.startswith("torch.nn.") else kind.__module__  # as users write it
+    name = f"{module_name}.{kind.__qualname__}"
+    where = "the file" if key == "" else f"its key {printable(key)!r}"
+    raise ValueError(
+        f"{source.path}: {where} holds a pickled {name} module, not tensors (torch.save of the model "
+        "object, not of its state_dict()); safetensors holds tensors only: load it where its class can be "
+        "imported and save model.state_dict() (torch.save(model.state_dict(), PATH)), which converts"
+    )
 
 
 def _refuse_non_string_keys(target: Target, source: Source, keys: Sequence[str]) -> None:
