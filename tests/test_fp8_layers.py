@@ -118,3 +118,30 @@ def test_without_transformers_the_names_decide_with_a_warning(tmp_path: Path) ->
         parallel_dcp.convert(src, tmp_path / "out", to="safetensors", quantize="fp8-block:32", workers=1)
     (file,) = (tmp_path / "out").glob("*.safetensors")
     assert load_file(file)["model.q_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_the_child_that_builds_the_model_stays_under_the_memory_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child that imports transformers and builds the model is part of the job's tree: 374 MiB
+    (a Llama-8B config) counted nowhere. It is read against the limit as the float32 lists' child
+    is, stopped there, and the job refused before anything is written."""
+    site = tmp_path / "site"
+    (site / "transformers").mkdir(parents=True)
+    (site / "transformers" / "__init__.py").write_text(
+        "import time\n_held = b'x' * (96 * 2**20)  # (what importing transformers holds)\ntime.sleep(2)\n"
+    )
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.delitem(sys.modules, "transformers", raising=False)
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"model.q_proj.weight": torch.zeros(64, 64)}, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps({"architectures": ["FakeForCausalLM"]}))
+    with pytest.raises(parallel_dcp.MemoryLimitExceeded, match=r"FakeForCausalLM.*passed the memory limit") as err:
+        parallel_dcp.convert(
+            src, tmp_path / "out", to="safetensors", quantize="fp8-block:32", workers=1, memory_limit="48MiB"
+        )
+    assert err.value.limit == 48 * 2**20 and err.value.measured > err.value.limit
+    assert not (tmp_path / "out").exists()
+    assert "transformers" not in sys.modules  # (read in a child, not imported here)

@@ -292,7 +292,7 @@ def _convert_job(
     hf_named = target.kind != "dcp" and not (rename or steps.preset)
     keep = keys_kept(source, selected, dtype, limit) if hf_named else frozenset()
     if quantization is not None and quantization.quantize is not None:
-        source, selected = quantize_step(source, selected, quantization, dtype, keep, steps.copy_files_from)
+        source, selected = quantize_step(source, selected, quantization, dtype, keep, steps.copy_files_from, limit)
         dtype = None  # the quantizing view casts the other tensors itself
     if rename is not None:
         source, selected = rename_source(source, selected, rename, strict=steps.rename_strict)

@@ -31,8 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from parallel_dcp._json import loads_json
+from parallel_dcp.engine.sizes import format_bytes
+from parallel_dcp.errors import MemoryLimitExceeded
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.quantized_pairs import source_config
+from parallel_dcp.jobs.kept_float32 import run_within
 
 __all__ = ["Fp8Layers", "fp8_layers", "model_config"]
 
@@ -113,13 +116,15 @@ if __name__ == "__main__":
 """
 
 # Long enough for a cold import of transformers and torch on a loaded node.
-_READ_TIMEOUT = 300.0
 
 
-def fp8_layers(config: dict[str, Any] | None) -> Fp8Layers | str:
+def fp8_layers(config: dict[str, Any] | None, limit: int | None = None) -> Fp8Layers | str:
     """What transformers' FP8 path replaces in the model of ``config``; or, where that cannot be
     known, why (no config, no "architectures", transformers not installed, no such class, or
-    building it failed)."""
+    building it failed).
+
+    Raises:
+        MemoryLimitExceeded: the child that builds it passed ``limit`` (stopped there)."""
     if config is None:
         return "the source has no config.json"
     architectures = config.get("architectures")
@@ -135,7 +140,7 @@ def fp8_layers(config: dict[str, Any] | None) -> Fp8Layers | str:
         except Exception as error:  # a class that will not build from this config
             return f"building {name} from its config.json failed ({type(error).__name__}: {error})"
     else:
-        said = _read_apart(name, config)
+        said = _read_apart(name, config, limit)
         if isinstance(said, str):
             return said
     if said is None:
@@ -160,7 +165,24 @@ def model_config(source: Source, copy_files_from: str | os.PathLike[str] | None)
         return None
 
 
-def _read_apart(name: str, config: dict[str, Any]) -> Any:
+# What to advise as the least limit for the building child: 374-376 MiB measured with transformers
+# 5.25 (a Llama-8B and a DeepSeek-V3 config, built on the meta device), and some room.
+CHILD_MEMORY = 416 * 2**20
+
+
+def _over_limit(name: str, measured: int, limit: int) -> MemoryLimitExceeded:
+    return MemoryLimitExceeded(
+        f"telling which weights transformers' FP8 layers replace in {name} (a child process that imports "
+        f"transformers and builds the model on the meta device, ~{format_bytes(CHILD_MEMORY)} measured) passed "
+        f"the memory limit: {format_bytes(measured)} of {format_bytes(limit)}, before anything was written. "
+        f"Raise --memory-limit (memory_limit=) to at least {format_bytes(CHILD_MEMORY)}",
+        limit=limit,
+        measured=measured,
+        keys=[],
+    )
+
+
+def _read_apart(name: str, config: dict[str, Any], limit: int | None) -> Any:
     try:
         installed = importlib.util.find_spec("transformers") is not None
     except (ImportError, ValueError):
@@ -169,15 +191,14 @@ def _read_apart(name: str, config: dict[str, Any]) -> Any:
         return "transformers is not installed"
     # the child imports from this process's sys.path (a path added at run time included), first
     path = os.pathsep.join(os.path.abspath(entry) for entry in sys.path if entry)
-    try:
-        done = subprocess.run(
+    try:  # watched against the limit as the float32 lists' child is (part of the job's tree)
+        done = run_within(
             # -P (Python 3.11+): the working directory's files are not imported in place of transformers
             [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c", _READ_LAYERS],
-            input=json.dumps(config).encode(),
-            capture_output=True,
-            env={**os.environ, "PYTHONPATH": path},
-            timeout=_READ_TIMEOUT,
-            check=False,
+            json.dumps(config).encode(),
+            {**os.environ, "PYTHONPATH": path},
+            limit,
+            lambda measured, most: _over_limit(name, measured, most),
         )
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"building {name} failed ({error})"

@@ -56,7 +56,7 @@ from parallel_dcp.formats.quantized_pairs import source_config
 from parallel_dcp.jobs.copy_files import Copies, read_copies
 from parallel_dcp.jobs.targets import Job
 
-__all__ = ["CHILD_MEMORY", "kept_by_copied_config", "kept_in_float32", "keys_kept"]
+__all__ = ["CHILD_MEMORY", "kept_by_copied_config", "kept_in_float32", "keys_kept", "run_within"]
 
 # What to advise as the least limit for the reading child: its peak as the ceiling counts it,
 # 271-277 MiB measured with transformers 5.25 (see the module's docstring), and some room.
@@ -167,7 +167,7 @@ def _lists_read_apart(class_name: str, config: str, limit: int | None) -> tuple[
     try:
         # -P (Python 3.11+): the working directory's files are not imported in place of transformers
         argv = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c", _READ_LISTS, class_name]
-        done = _run_within(argv, config.encode(), env, class_name, limit)
+        done = run_within(argv, config.encode(), env, limit, lambda peak, most: _over_limit(class_name, peak, most))
     except (OSError, subprocess.TimeoutExpired) as error:
         return _unread(class_name, f"importing it failed: {error}")
     # (whatever the library prints on import, in any encoding: the answer is the last line)
@@ -196,12 +196,17 @@ def _answer(class_name: str, lists: Any) -> tuple[tuple[str, ...], tuple[str, ..
     return strict, loose
 
 
-def _run_within(
-    argv: list[str], given: bytes, env: dict[str, str], class_name: str, limit: int | None
+def run_within(
+    argv: list[str],
+    given: bytes,
+    env: dict[str, str],
+    limit: int | None,
+    over_limit: Callable[[int, int], MemoryLimitExceeded],
 ) -> subprocess.CompletedProcess[bytes]:
     """``argv`` run with ``given`` on its stdin, its memory (RssAnon + RssShmem: an exec'd process
-    shares none of it) read every 20 ms; killed, and the job refused before anything is written,
-    once it passes ``limit`` (docs/guarantees.md#the-memory-ceiling)."""
+    shares none of it) read every 20 ms; killed, and the job refused before anything is written
+    (``over_limit(measured, limit)`` says why), once it passes ``limit``
+    (docs/guarantees.md#the-memory-ceiling). Every child that imports transformers for a job runs so."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env)
         peak = 0
@@ -213,7 +218,7 @@ def _run_within(
             while child.poll() is None:
                 peak = max(peak, anonymous_bytes(child.pid))
                 if limit is not None and peak > limit:
-                    raise _over_limit(class_name, peak, limit)
+                    raise over_limit(peak, limit)
                 if time.monotonic() > deadline:
                     raise subprocess.TimeoutExpired(argv, _READ_TIMEOUT)
                 time.sleep(_WATCH_EVERY)

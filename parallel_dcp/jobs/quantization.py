@@ -130,6 +130,7 @@ def quantize_step(
     dtype: torch.dtype | None,
     keep: frozenset[str] = frozenset(),
     copy_files_from: str | os.PathLike[str] | None = None,
+    limit: int | None = None,
 ) -> tuple[Source, tuple[str, ...]]:
     """``source`` restricted to ``selected`` with its weights quantized; other floats cast to
     ``dtype``, but for those in ``keep``. The default rule quantizes only what transformers' FP8
@@ -139,12 +140,13 @@ def quantize_step(
 
     Raises:
         QuantizationError: ``selected`` holds quantized tensors already, or the rule selects none.
+        MemoryLimitExceeded: the child that builds the model passed ``limit``.
     """
     replaced, named = None, ""
     refuse_quantized(source, selected)  # before building a model to classify them
     refuse_other_quantization(source, selected, "quantize (--quantize)", "needs plain weights")
     config = model_config(source, copy_files_from)
-    layers = fp8_layers(config)
+    layers = fp8_layers(config, limit)  # (its child stays under the job's limit, or the job is refused)
     if isinstance(layers, Fp8Layers):
         replaced, named = layers.classify, layers.architecture
     elif config is not None and quantization.quantize_keys is None:
