@@ -71,16 +71,16 @@ def _spellings(key: str, prefix: str) -> tuple[str, ...]:
 def _kept(module: str, patterns: tuple[str, ...]) -> bool:
     # transformers' should_convert_module: a pattern matched from the start to a module boundary
     # (as a regex), or a suffix of the name
-    boundary = r"(?:(?<=\.)|(?=\.|$))"
-    for pattern in patterns:
-        try:
-            if re.match(rf"(?:{pattern}){boundary}", module):
-                return True
-        except re.error:
-            pass
-        if module.endswith(pattern):
-            return True
-    return False
+    return any(module.endswith(pattern) or _matches_from_start(pattern, module) for pattern in patterns)
+
+
+def _matches_from_start(pattern: str, module: str) -> bool:
+    """``pattern`` as a regex from the start of ``module`` to a module boundary; a pattern that is
+    no valid regex matches nothing this way (its suffix rule still applies)."""
+    try:
+        return re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", module) is not None
+    except re.error:
+        return False
 
 
 # The child's work (also run in place): the model built on meta from the config, its weights sorted.
