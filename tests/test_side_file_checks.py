@@ -236,3 +236,21 @@ def test_a_hub_snapshot_of_our_folder_is_checked_through_its_links(ours: Path, t
     assert "its uploader replaced it on the hub" in message and "--no-source-checks" in message, message
     assert message.endswith(f"download it again (force_download=True, or delete {blob} first)"), message
     assert not os.path.lexists(tmp_path / "out")
+
+
+def test_a_later_sources_changed_side_file_is_refused_before_the_first_is_converted(
+    ours: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With several sources, each source's recorded side files are checked before any source is
+    converted: a later source's changed config.json was found only when its own conversion began,
+    after the earlier outputs were committed."""
+    import shutil
+
+    later = tmp_path / "later"
+    shutil.copytree(ours, later)
+    parallel_dcp.verify(later)  # (a copy of a recorded folder is as recorded)
+    _rewrite_same_size(later / "config.json")
+    _no_task_runs(monkeypatch)
+    with pytest.raises(SourceChecksumError, match=r"later/config\.json: its bytes are not"):
+        parallel_dcp.convert([ours, later], tmp_path / "out", workers=1, to="safetensors")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from parallel_dcp.errors import ParallelDCPError
+from parallel_dcp.errors import ParallelDCPError, SourceNotCheckedWarning
 from parallel_dcp.formats import open_source
+from parallel_dcp.formats.base import Source
 from parallel_dcp.jobs.convert import convert_one
+from parallel_dcp.jobs.copy_files import files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan
 from parallel_dcp.jobs.pipeline import SaveResult
+from parallel_dcp.jobs.side_file_checks import side_file_records
 from parallel_dcp.jobs.source_check import refuse_by_records
-from parallel_dcp.options import Options
+from parallel_dcp.jobs.targets import ShardedTarget, target_for
+from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 
 __all__ = ["convert_all"]
 
@@ -27,9 +32,11 @@ def convert_all(
     names the outputs committed before it (in its message, where it is one of ours: the API's
     caller reads that, as the command line's). Each source's refusals that need no hashing (a
     header, or a recorded index, not the one recorded) come before anything is written too, but
-    for a job that reads a view of it (quantizing, a preset: not checked)."""
+    for a job that reads a view of it (quantizing, a preset: not checked); so do the recorded side
+    files each would copy (a later source's changed ``config.json`` was found only when its own
+    conversion began)."""
     if len(sources) > 1:
-        for src in sources:
+        for src, out in zip(sources, outputs, strict=True):
             trust = each.get("trust_pickle", False)
             source = open_source(
                 src, trust_pickle=trust, storage_options=options.storage_options, memory_limit=options.memory_ceiling()
@@ -37,6 +44,8 @@ def convert_all(
             try:
                 if options.check_source and each.get("quantization") is None and each.get("preset") is None:
                     refuse_by_records(source)
+                if options.check_source:
+                    _check_side_files(source, out, options, each)
             finally:
                 source.close()
     results: list[SaveResult | DryRunPlan] = []
@@ -52,3 +61,29 @@ def convert_all(
                 failure.add_note(said)
             raise
     return results
+
+
+def _check_side_files(source: Source, out: str, options: Options, each: Mapping[str, Any]) -> None:
+    """The side files ``source``'s conversion into ``out`` would copy, checked against their
+    folder's record as that conversion checks them (convert_one): refused here if changed. Its
+    warnings (an edited model card) are left to the conversion itself, which says them once."""
+    target = target_for(
+        out,
+        each.get("to"),
+        shard_size=each.get("shard_size", DEFAULT_SHARD_SIZE),
+        storage_options=options.storage_options,
+        compression=options.compression(),
+    )
+    copy_files_from = each.get("copy_files_from")
+    copies = files_to_copy(
+        source,
+        directory_output=isinstance(target, ShardedTarget),
+        copy_files=each.get("copy_files", True),
+        copy_files_from=copy_files_from,
+        storage_options=options.storage_options,
+        limit=options.memory_ceiling(),
+    )
+    if copies.folder is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SourceNotCheckedWarning)
+            side_file_records(copies, copies.folder, own_source=copy_files_from is None)
