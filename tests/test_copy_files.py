@@ -310,9 +310,23 @@ def _hostile(where: Path, outside: Path, case: str) -> None:
         (where / "1_Pooling" / "environ").symlink_to("/proc/self/environ")
     elif case == "fifo in a folder":
         os.mkfifo(where / "1_Pooling" / "pipe")
+    elif case == "socket":  # (its open fails with ENXIO before fstat can name it: review s17 F3)
+        import socket
+
+        here = os.getcwd()
+        (where / "special_tokens_map.json").unlink(missing_ok=True)
+        os.chdir(where)  # (bound by a short name: a socket's path is at most 107 bytes)
+        try:
+            bound = socket.socket(socket.AF_UNIX)
+            bound.bind("special_tokens_map.json")
+            bound.close()  # (the socket file stays)
+        finally:
+            os.chdir(here)
 
 
-@pytest.mark.parametrize("case", ["symlinked folder out", "symlink in a folder out", "proc file", "fifo in a folder"])
+@pytest.mark.parametrize(
+    "case", ["symlinked folder out", "symlink in a folder out", "proc file", "fifo in a folder", "socket"]
+)
 def test_hostile_folders_are_refused_before_anything_is_written(tmp_path: Path, case: str) -> None:
     _st_folder(tmp_path / "hf")
     outside = tmp_path / "outside"

@@ -297,6 +297,23 @@ def test_config_transformers_weights_the_client_fails_on_is_refused(
         inspect_checkpoint(folder)
 
 
+def test_a_config_json_linked_out_of_the_folder_is_refused_not_passed_over(tmp_path: Path) -> None:
+    """config.json a link out of the folder (a shared config) naming ``custom.safetensors``:
+    transformers follows the link and loads ``custom.safetensors``; we never follow a link out, and
+    converted ``model.safetensors`` instead, silently (review s17 F1). It is refused by name: what
+    the folder means cannot be known without it."""
+    folder = _named_folder(tmp_path, "custom.safetensors")
+    save_file(_values(1), folder / "custom.safetensors")
+    (folder / "config.json").rename(tmp_path / "shared.json")
+    (folder / "config.json").symlink_to(tmp_path / "shared.json")
+    said = r"config\.json.*(leads out of|symlink).*transformers_weights"
+    with pytest.raises(parallel_dcp.UnsafeCheckpointError, match=said):
+        parallel_dcp.convert(folder, tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(parallel_dcp.UnsafeCheckpointError, match=said):
+        parallel_dcp.load(folder)
+
+
 def test_config_json_is_read_once_an_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Opening a folder source lists it and reads its config.json once (detecting the format and
     choosing the files take the one look), by the one rule for a source's small files; so do

@@ -283,6 +283,24 @@ def test_a_fifo_in_place_of_a_shard_is_refused_without_blocking(tmp_path: Path) 
         parallel_dcp.load(src)
 
 
+def test_a_socket_in_place_of_a_shard_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A socket's open fails (ENXIO) before fstat can name it: the error was a bare "[Errno 6] No
+    such device or address" (review s17 F3)."""
+    import socket
+
+    src = hf_folder(tmp_path / "hf", tensors(), 2, index=True)
+    (src / "model-00001-of-00002.safetensors").unlink()
+    monkeypatch.chdir(src)  # (bound by a short name: a socket's path is at most 107 bytes)
+    bound = socket.socket(socket.AF_UNIX)
+    bound.bind("model-00001-of-00002.safetensors")
+    bound.close()
+    with pytest.raises(UnsafeCheckpointError, match=r"model-00001-of-00002\.safetensors.* not a regular file"):
+        parallel_dcp.load(src)
+    with pytest.raises(UnsafeCheckpointError, match="not a regular file"):
+        parallel_dcp.convert(src, tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "model.pt"])
 def test_a_truncated_file_is_a_clear_error(tmp_path: Path, name: str) -> None:
     state = tensors()

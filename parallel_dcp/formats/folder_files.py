@@ -84,6 +84,14 @@ def _named_weights(path: Location, listing: tuple[str, ...]) -> object:
     try:  # by the one rule for a source's small files; one that cannot be read names nothing here
         # (a deeply nested one is a ValueError too: its real reader, the copy, says so clearly)
         config = loads_json(read_in_tree(path / _CONFIG, source_tree(path), limit=_CONFIG_MAX_BYTES))
+    except UnsafeCheckpointError as refused:
+        # A link out of the folder (a shared config) or no regular file: transformers follows or
+        # fails on it; passed over, the folder was read as if it named nothing (review s17 F1).
+        raise UnsafeCheckpointError(
+            f"{refused} (config.json may name the weights transformers loads from the folder, its "
+            "transformers_weights: it must be read to know which files the folder means; copy the file into "
+            "the folder in place of the link)"
+        ) from None
     except (ValueError, OSError):
         return None
     return config.get("transformers_weights") if isinstance(config, dict) else None

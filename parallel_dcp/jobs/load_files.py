@@ -43,7 +43,13 @@ from parallel_dcp import _compat
 from parallel_dcp.engine import progress
 from parallel_dcp.engine.memory import MemoryGovernor, format_bytes
 from parallel_dcp.engine.pool import gc_paused
-from parallel_dcp.errors import InvalidStateDictError, KeyNotFoundError, MemoryLimitExceeded, describe_keys
+from parallel_dcp.errors import (
+    InvalidStateDictError,
+    KeyNotFoundError,
+    MemoryLimitExceeded,
+    UnsafeCheckpointError,
+    describe_keys,
+)
 from parallel_dcp.formats import Detected, detect, open_source
 from parallel_dcp.formats.aliased_targets import aliased_later
 from parallel_dcp.formats.base import Source
@@ -93,6 +99,8 @@ def load_any(
     try:
         detected = detect(path, options.storage_options)  # (opened from, below: one look at a folder)
         kind = detected.kind
+    except UnsafeCheckpointError:
+        raise  # (a link out of the folder where its config.json is: said as it is, not "no .metadata")
     except (FileNotFoundError, ValueError):
         kind = "dcp"  # nothing readable there: the DCP reader says what is missing, as it always has
     if kind == "dcp" and not dequantize:

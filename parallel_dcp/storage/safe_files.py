@@ -104,6 +104,10 @@ def open_regular(directory: int | None, name: str | os.PathLike[str], *, flags: 
         # O_NONBLOCK: opening a planted FIFO must not hang before fstat can refuse it.
         fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=directory)
     except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a socket (or a device with no driver): open fails before fstat
+            raise UnsafeCheckpointError(
+                f"{_shown(directory, name)} is not a regular file (a socket or a device)"
+            ) from None
         if exc.errno != errno.ELOOP:
             raise
         blob = hub_blob(name) if directory is None else None
