@@ -254,3 +254,24 @@ def test_a_later_sources_changed_side_file_is_refused_before_the_first_is_conver
     with pytest.raises(SourceChecksumError, match=r"later/config\.json: its bytes are not"):
         parallel_dcp.convert([ours, later], tmp_path / "out", workers=1, to="safetensors")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("gone", ["tokenizer.json", "1_Pooling/config.json"])
+def test_a_recorded_side_file_that_is_gone_is_refused(
+    ours: Path, tmp_path: Path, gone: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file the record lists and the copy would take, deleted from the folder: the output lacked
+    it and its own record blessed that, while verify of the source fails on it (review s17 F5)."""
+    (ours / gone).unlink()
+    _no_task_runs(monkeypatch)
+    with pytest.raises(SourceChecksumError, match=rf"{gone}: listed in .parallel_dcp.json, but gone from the folder"):
+        parallel_dcp.convert(ours, tmp_path / "out", workers=1, to="safetensors")
+    assert not os.path.lexists(tmp_path / "out")
+
+
+def test_a_recorded_model_card_that_is_gone_is_warned_of(ours: Path, tmp_path: Path) -> None:
+    (ours / "README.md").unlink()
+    with pytest.warns(SourceNotCheckedWarning, match=r"README\.md: listed in .*, but gone from the folder"):
+        parallel_dcp.convert(ours, tmp_path / "out", workers=1, to="safetensors")
+    assert not (tmp_path / "out" / "README.md").exists()
+    parallel_dcp.verify(tmp_path / "out")

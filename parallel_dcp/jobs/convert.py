@@ -191,7 +191,9 @@ def convert_one(
             limit=governor.limit,
         )
         if options.check_source and copies.folder is not None:  # (before the config.json reads below)
-            copies.recorded = side_file_records(copies, copies.folder, own_source=copy_files_from is None)
+            copies.recorded = side_file_records(
+                copies, copies.folder, own_source=copy_files_from is None, would_copy=copies.would_copy
+            )
         if isinstance(target, ShardedTarget):
             target.copies = copies
             job = kept_by_copied_config(job, copies, renamed=bool(rename or preset), limit=governor.limit)

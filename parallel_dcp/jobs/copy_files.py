@@ -73,6 +73,15 @@ class Copies(dict[str, Location]):
         self.sizes: dict[str, int] = {}
         self.folder = folder
         self.recorded: dict[str, RecordedCopy] = {}
+        self.modules: frozenset[str] = frozenset()
+
+    def would_copy(self, name: str) -> bool:
+        """Whether a file ``name`` of the folder (``1_Pooling/config.json`` below it) is one the copy
+        takes where it is there: no hidden part, and no weights but a module folder's."""
+        parts = name.split("/")
+        if any(part.startswith(".") for part in parts):
+            return False
+        return not name.endswith(WEIGHT_SUFFIXES) or (len(parts) > 1 and parts[0] in self.modules)
 
 
 def files_to_copy(
@@ -119,7 +128,7 @@ def files_to_copy(
             _check_name_length(name)
             copies[name], sizes[name] = found
     if isinstance(where, Path):  # and the files of its non-weight folders (1_Pooling/, ...): issue 29
-        modules = module_folders(copies.get("modules.json"))
+        modules = copies.modules = module_folders(copies.get("modules.json"))
         for name, path in folder_files(where, _copyable, weights_in=modules).items():
             _check_name_length(name.split("/")[0])  # the folder is written under a temporary name
             copies[name], sizes[name] = path, regular_size(path)

@@ -86,4 +86,4 @@ def _check_side_files(source: Source, out: str, options: Options, each: Mapping[
     if copies.folder is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SourceNotCheckedWarning)
-            side_file_records(copies, copies.folder, own_source=copy_files_from is None)
+            side_file_records(copies, copies.folder, own_source=copy_files_from is None, would_copy=copies.would_copy)

@@ -27,8 +27,9 @@ source_check.py).
 
 from __future__ import annotations
 
+import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,22 +88,29 @@ class RecordedCopy:
         warnings.warn(message, SourceNotCheckedWarning, stacklevel=3)
 
 
-def side_file_records(copies: Mapping[str, Location], folder: Location, *, own_source: bool) -> dict[str, RecordedCopy]:
+def side_file_records(
+    copies: Mapping[str, Location],
+    folder: Location,
+    *,
+    own_source: bool,
+    would_copy: Callable[[str], bool],
+) -> dict[str, RecordedCopy]:
     """In the coordinator, before any task runs: each file of ``copies`` (chosen from ``folder``)
     that the folder's own record lists, hashed against it by the rule the commit reads it by;
     returns those, by name, for the commit to check the bytes it reads again (:meth:`RecordedCopy.check`);
     none for a folder on object storage or without a record of its own. A record that cannot be
     read, or a stale one, is warned of, but for the source's own folder (``own_source``), whose
-    source check warns of it already.
+    source check warns of it already. A listed file the copy would take (``would_copy``) that is
+    gone from the folder is missing from the output too, whose own record would then bless it.
 
     Raises:
-        SourceChecksumError: a listed file other than documentation has other bytes.
+        SourceChecksumError: a listed file other than documentation has other bytes, or is gone.
 
     Warns:
-        SourceNotCheckedWarning: a listed documentation file has other bytes (copied as it is);
-            copy_files_from's record cannot be read, or is stale.
+        SourceNotCheckedWarning: a listed documentation file has other bytes (copied as it is), or
+            is gone; copy_files_from's record cannot be read, or is stale.
     """
-    if isinstance(folder, Remote) or not copies:
+    if isinstance(folder, Remote):
         return {}
     recorded = _record_of(folder, own_source)
     if recorded is None:
@@ -118,7 +126,24 @@ def side_file_records(copies: Mapping[str, Location], folder: Location, *, own_s
             checked[name] = copy
         else:
             copy.differs(found)  # (documentation: warned of, copied as the commit reads it)
+    for name in recorded.files:
+        if name not in copies and would_copy(name) and not os.path.lexists(folder / name):
+            _gone(recorded, name, folder)
     return checked
+
+
+def _gone(recorded: Recorded, name: str, folder: Path) -> None:
+    """``name``, which ``recorded`` lists and the copy would take, is not in ``folder``: refused
+    (documentation: warned of), as ``verify`` of the folder fails on it ("missing")."""
+    where = f"{folder / name}: listed in {recorded.record_of(name)}, but gone from the folder"
+    if documentation_file(name):
+        warnings.warn(f"{where}; the output has none ({_DOCUMENTATION})", SourceNotCheckedWarning, stacklevel=3)
+        return
+    raise SourceChecksumError(
+        f"{where}: the output would lack it, and its own record would not say so (verify of the source fails on "
+        "it). Restore it (a file of a Hugging Face cache: download it again), or, if it was removed on purpose, "
+        "convert with --no-source-checks (check_source=False)"
+    )
 
 
 def _record_of(folder: Path, own_source: bool) -> Recorded | None:
