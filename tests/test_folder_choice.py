@@ -181,6 +181,20 @@ def _index_of(folder: Path, index: str, values: dict[str, torch.Tensor]) -> None
     (folder / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
+def _index_below(folder: Path, index: str, values: dict[str, torch.Tensor]) -> None:
+    """As :func:`_index_of`, the shards in ``sub/`` and named so (``sub/c-1.safetensors``):
+    transformers joins each name to the model folder and loads them (review s17 F2: refused as "not
+    a plain file name ... may be malicious")."""
+    keys = list(values)
+    weight_map = {}
+    (folder / "sub").mkdir(exist_ok=True)
+    for name, part in (("sub/c-1.safetensors", keys[:2]), ("sub/c-2.safetensors", keys[2:])):
+        save_file({k: values[k] for k in part}, folder / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (folder / index).parent.mkdir(parents=True, exist_ok=True)
+    (folder / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
 def _sub(folder: Path, name: str, values: dict[str, torch.Tensor]) -> None:
     (folder / name).parent.mkdir(parents=True, exist_ok=True)
     _write(values, folder / name)
@@ -205,6 +219,16 @@ FOLLOWED = [
         "model.safetensors.index.json",  # (before model.safetensors, which the client's order reads first)
         lambda f: _index_of(f, "model.safetensors.index.json", _values(1)),
         ["c-1.safetensors", "c-2.safetensors", "model.safetensors.index.json"],
+    ),
+    (
+        "sub/c.safetensors.index.json",
+        lambda f: _index_below(f, "sub/c.safetensors.index.json", _values(1)),
+        ["sub/c.safetensors.index.json", "sub/c-1.safetensors", "sub/c-2.safetensors"],
+    ),
+    (
+        "model.safetensors.index.json",
+        lambda f: _index_below(f, "model.safetensors.index.json", _values(1)),
+        ["model.safetensors.index.json", "sub/c-1.safetensors", "sub/c-2.safetensors"],
     ),
     ("adapter_model.bin", lambda f: _sub(f, "adapter_model.bin", _values(1)), ["adapter_model.bin"]),
     (None, lambda f: _sub(f, "custom.safetensors", _values(1)), ["model.safetensors"]),  # (JSON null: none named)

@@ -183,6 +183,8 @@ def folder_weights(source: Source) -> tuple[list[str], list[str]]:
     read = {os.path.realpath(f) for f in [*source.files, *([index] if index is not None else [])]}
     names = [n for n in sorted(source.folder.listing) if not n.startswith(".") and n.endswith(_WEIGHTS)]
     opened = [n for n in names if os.path.realpath(folder / n) in read]
+    below = (os.path.relpath(f, folder) for f in source.files)  # (shards an index names in a subfolder)
+    opened += [n for n in below if "/" in n and not n.startswith("../")]
     named = source.folder.named_choice(folder)  # (valid: the source was opened by it)
     if named is not None and named.name not in opened:
         opened.insert(0, named.name)

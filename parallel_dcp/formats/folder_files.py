@@ -178,7 +178,7 @@ def chosen_files(
                     "transformers loads neither from it. Convert one of them: the file itself, or a folder "
                     "holding one set (with its index)"
                 )
-    missing = [n for n in names if n not in listing]
+    missing = [n for n in names if n not in listing and ("/" not in n or not os.path.lexists(path / n))]
     if missing:
         raise FileNotFoundError(f"{path}: the index names shards that do not exist: {', '.join(missing)}")
     if isinstance(path, Remote):

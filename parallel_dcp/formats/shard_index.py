@@ -13,7 +13,7 @@ from pathlib import Path
 
 from parallel_dcp._json import loads_json
 from parallel_dcp.errors import CorruptCheckpointError
-from parallel_dcp.storage.location import Location, Remote, check_name
+from parallel_dcp.storage.location import Location, Remote, check_name, check_relative_name
 from parallel_dcp.storage.safe_files import source_tree
 from parallel_dcp.storage.safe_reader import read_in_tree
 
@@ -52,17 +52,21 @@ def check_index(index: Location, files: Sequence[str], holders: Mapping[str, str
 
 
 def index_names(index: Location) -> list[str]:
-    """The shard names an index's ``weight_map`` lists, each a plain name inside its directory.
+    """The shard names an index's ``weight_map`` lists, each a name inside its folder: a plain
+    name, or for a local folder a path below it (``sub/m-00001-of-00002.safetensors``), as
+    transformers joins each name to the model folder.
 
     Raises:
-        CorruptCheckpointError: the index is not readable, or names a file outside its directory.
+        CorruptCheckpointError: the index is not readable, or names a file outside its folder.
     """
     return _names(index_weight_map(index), index)
 
 
 def _names(weight_map: Mapping[str, str], index: Location) -> list[str]:
-    """The shard names ``weight_map`` lists, in its order, once each, each checked a plain name."""
-    return [check_name(n, index) for n in dict.fromkeys(weight_map.values())]
+    """The shard names ``weight_map`` lists, in its order, once each, each checked (a plain name on
+    object storage, which has no folders to keep a name inside)."""
+    check = check_name if isinstance(index, Remote) else check_relative_name
+    return [check(n, index) for n in dict.fromkeys(weight_map.values())]
 
 
 def index_weight_map(index: Location) -> dict[str, str]:

@@ -97,6 +97,26 @@ def check_name(name: object, where: object) -> str:
     return name
 
 
+def check_relative_name(name: object, where: object) -> str:
+    """``name`` if it is a path below a folder, each of its parts a plain name
+    (:func:`check_name`: ``sub/model-00001-of-00002.safetensors``); else CorruptCheckpointError.
+    (A local Hugging Face index's shard names: transformers joins each to the model folder.)"""
+    from parallel_dcp.errors import CorruptCheckpointError
+
+    if isinstance(name, str) and name and not os.path.isabs(name):
+        try:
+            for part in name.split("/"):
+                check_name(part, where)
+        except CorruptCheckpointError:
+            pass
+        else:
+            return name
+    raise CorruptCheckpointError(
+        f"{where} names the file {name!r}, which is not a path inside the checkpoint's folder (an absolute name, "
+        "one with '..', or an empty part; refused before reading anything: the checkpoint may be malicious)"
+    )
+
+
 def is_url(path: object) -> bool:
     """True for ``"<protocol>://..."`` strings other than ``file://`` (those are local paths)."""
     return isinstance(path, str) and "://" in path and not path.startswith("file://")
