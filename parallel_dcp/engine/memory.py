@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from parallel_dcp.engine.breach import anonymous_bytes, breach_error, growth
+from parallel_dcp.engine.breach import JobStart, breach_error, growth
+from parallel_dcp.engine.proc_reading import read_counters
 from parallel_dcp.engine.process_memory import FULL, ROLLUP, ChargeReader
 from parallel_dcp.engine.resident import ResidentSizes
 from parallel_dcp.engine.sizes import format_at_least, format_bytes, parse_size
@@ -221,9 +222,9 @@ class MemoryGovernor:
         self.measured = measure
         # Never above the truth (ChargeReader._baseline_plan), and without the carried shares:
         # they are the most that moved, part of every later reading until they are settled.
-        # Each process's charge then, and this one's anonymous memory: a breach names the process
-        # that grew the most since (engine/breach.py).
-        self._anon = anonymous_bytes(self._me.pid) if measure else 0
+        # Each process's charge then, and this one's counters: a breach names the process that grew
+        # the most since (engine/breach.py).
+        self._start = JobStart.read(self._me.pid) if measure else JobStart(self._me.pid)
         self._started: dict[int, int] = (
             {
                 pid: charged
@@ -372,8 +373,10 @@ class MemoryGovernor:
         if not self.measured:
             raise RuntimeError("a budget kept by reservation alone (measure=False) cannot sample the tree")
         started = time.perf_counter()
+        pids = list(worker_pids)
+        self._start.forked(pid for pid in pids if pid not in self._held)  # what each inherited
         try:
-            self._settle(list(worker_pids), planned)
+            self._settle(pids, planned)
         finally:
             # Serial, and it grows with the worker count (one smaps read per worker when the
             # resident sizes do not prove the tree far under the limit): SaveResult.phases
@@ -413,9 +416,12 @@ class MemoryGovernor:
         worker = WORKER_MEMORY_BYTES + self.worker_extra
         return self.overhead + self.reserved + self._in_flight + worker + need <= self.limit
 
-    def add_worker(self) -> None:
-        """A worker started after :meth:`settle`: its resting cost, as planned, joins the overhead
-        (the watchdog still measures what it really adds)."""
+    def add_worker(self, pid: int | None = None) -> None:
+        """A worker started after :meth:`settle` (``pid``: read now for what it inherited, see
+        engine/breach.py): its resting cost, as planned, joins the overhead (the watchdog still
+        measures what it really adds)."""
+        if pid is not None:
+            self._start.forked([pid])
         self.overhead += WORKER_MEMORY_BYTES + self.worker_extra
 
     def admit(self, need: int) -> bool:
@@ -581,7 +587,7 @@ class MemoryGovernor:
             self.peak = max(self.peak, first.added)
             return
         time.sleep(0.01)  # measure again, exactly: a transient spike, or a stale code share, is not a breach
-        anon_now = anonymous_bytes(self._me.pid)  # (with the reading: what it counts of this process)
+        now = read_counters(self._me.pid)  # (with the reading: what it counts of this process)
         second = self.read(workers, exact=True)
         # Nor is it the job's peak. The processes are read one after another while mappings
         # change (a worker maps a source shard another has mapped: PSS shares move between two
@@ -606,7 +612,7 @@ class MemoryGovernor:
         raise breach_error(
             added=second.added,
             limit=self.limit,
-            grown=growth(second.charged, self._started, second.private, self._me.pid, self._anon, anon_now),
+            grown=growth(second.charged, self._started, second.private, self._start, now, self._charges.anonymous),
             coordinator=self._me.pid,
             workers=workers,
             private=second.private,

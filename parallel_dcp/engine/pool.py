@@ -350,7 +350,7 @@ class WorkerPool:
                     worker = self._unstarted.popleft()
                     self._start(worker)
                     if governor is not None:
-                        governor.add_worker()
+                        governor.add_worker(self._procs[worker].pid)
                     idle.append(worker)
                     self._dispatch(pending, idle, running, governor)
                 if ahead is not None:

@@ -17,14 +17,17 @@ import psutil
 __all__ = [
     "FAULT_SLACK",
     "PAGE",
+    "AnonymousPages",
     "Counters",
     "charge_and_pss",
     "charged_memory",
     "counter_drift",
     "exact_charge",
+    "exact_reading",
     "read_counters",
     "rollup_anon",
     "smaps_charge",
+    "smaps_sums",
 ]
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -48,15 +51,34 @@ def charged_memory(pid: int) -> tuple[int, int]:
 
 def exact_charge(pid: int) -> tuple[int, int, int]:
     """(charged, private, pss) from the full smaps listing (PSS = RSS where smaps is unreadable)."""
+    charged, private, pss, _ = exact_reading(pid)
+    return charged, private, pss
+
+
+@dataclass(frozen=True, slots=True)
+class AnonymousPages:
+    """What a full smaps listing says of a process's anonymous pages, in bytes (who grew:
+    engine/breach.py): ``resident`` (``Anonymous``: what RssAnon counts), ``private`` (of them,
+    mapped by this process alone: in each mapping, at most its private bytes) and ``huge`` (of
+    them, in transparent huge pages: one fault each maps 512 pages)."""
+
+    resident: int
+    private: int
+    huge: int
+
+
+def exact_reading(pid: int) -> tuple[int, int, int, AnonymousPages | None]:
+    """:func:`exact_charge`, and the process's :class:`AnonymousPages` (None where smaps is
+    unreadable, or the process is gone)."""
     try:
         with open(f"/proc/{pid}/smaps", "rb") as smaps:
             text = smaps.read()
     except (FileNotFoundError, ProcessLookupError):
-        return 0, 0, 0
+        return 0, 0, 0, None
     except OSError:
         rss, _ = _resident(pid)
-        return rss, rss, rss
-    return charge_and_pss(text)
+        return rss, rss, rss, None
+    return smaps_sums(text)
 
 
 def rollup_anon(pid: int) -> tuple[int, int, int] | None:
@@ -133,35 +155,64 @@ def smaps_charge(text: bytes) -> tuple[int, int]:
 
 def charge_and_pss(text: bytes) -> tuple[int, int, int]:
     """Sum one smaps listing: (charged, private, PSS) in bytes, in one pass."""
-    mappings: list[tuple[bytes, int, int, int]] = []  # path, Pss, Private_Clean + Private_Dirty, Private_Dirty
+    charged, private, pss, _ = smaps_sums(text)
+    return charged, private, pss
+
+
+_PSS, _PRIVATE_CLEAN, _PRIVATE_DIRTY, _ANONYMOUS, _HUGE = range(5)
+_SUMMED = {
+    b"Pss:": _PSS,
+    b"Private_Clean:": _PRIVATE_CLEAN,
+    b"Private_Dirty:": _PRIVATE_DIRTY,
+    b"Anonymous:": _ANONYMOUS,
+    b"AnonHugePages:": _HUGE,
+}
+
+
+def smaps_sums(text: bytes) -> tuple[int, int, int, AnonymousPages]:
+    """Sum one smaps listing: (charged, private, PSS) in bytes and its :class:`AnonymousPages`, in one pass."""
+    # path, Pss, Private_Clean + Private_Dirty, Private_Dirty, Anonymous, AnonHugePages
+    mappings: list[tuple[bytes, int, int, int, int, int]] = []
     code: set[bytes] = set()
     path = b""
-    pss = private = dirty = 0
+    pss = private = dirty = anon = huge = 0
     for line in text.splitlines():
         head, _, rest = line.partition(b" ")
-        if head.endswith(b":"):
-            if head == b"Pss:":
-                pss = int(rest.split()[0])
-            elif head == b"Private_Clean:":
-                private += int(rest.split()[0])
-            elif head == b"Private_Dirty:":
-                value = int(rest.split()[0])
+        field = _SUMMED.get(head)  # (one lookup: most of the ~25 lines a mapping are none of these)
+        if field is not None:
+            value = int(rest.split()[0])
+            if field == _PSS:
+                pss = value
+            elif field == _PRIVATE_CLEAN:
+                private += value
+            elif field == _PRIVATE_DIRTY:
                 private += value
                 dirty += value
+            elif field == _ANONYMOUS:
+                anon = value
+            else:
+                huge = value
+            continue
+        if head.endswith(b":"):
             continue
         if b"-" not in head:  # VmFlags and the like
             continue
         if path or pss or private:
-            mappings.append((path, pss, private, dirty))
+            mappings.append((path, pss, private, dirty, anon, huge))
         fields = line.split(None, _HEADER_FIELDS)
         path = fields[_HEADER_FIELDS] if len(fields) > _HEADER_FIELDS else b""
         if path.startswith(b"/") and b"x" in fields[1]:
             code.add(path)
-        pss = private = dirty = 0
-    mappings.append((path, pss, private, dirty))
-    charged = sum(dirty if mapped in code else pss for mapped, pss, _, dirty in mappings)
-    total = sum(pss for _, pss, _, _ in mappings)
-    return charged * 1024, sum(private for _, _, private, _ in mappings) * 1024, total * 1024
+        pss = private = dirty = anon = huge = 0
+    mappings.append((path, pss, private, dirty, anon, huge))
+    charged = sum(dirty if mapped in code else pss for mapped, pss, _, dirty, _, _ in mappings)
+    total = sum(pss for _, pss, _, _, _, _ in mappings)
+    pages = AnonymousPages(
+        sum(anon for *_, anon, _ in mappings) * 1024,
+        sum(min(anon, private) for _, _, private, _, anon, _ in mappings) * 1024,
+        sum(huge for *_, huge in mappings) * 1024,
+    )
+    return charged * 1024, sum(private for _, _, private, *_ in mappings) * 1024, total * 1024, pages
 
 
 def _resident(pid: int) -> tuple[int, int]:

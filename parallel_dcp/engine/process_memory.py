@@ -79,9 +79,9 @@ from dataclasses import dataclass
 
 from parallel_dcp.engine.proc_reading import FAULT_SLACK as _FAULT_SLACK
 from parallel_dcp.engine.proc_reading import PAGE as _PAGE
+from parallel_dcp.engine.proc_reading import AnonymousPages, charged_memory, counter_drift
 from parallel_dcp.engine.proc_reading import Counters as _Counters
-from parallel_dcp.engine.proc_reading import charged_memory, counter_drift
-from parallel_dcp.engine.proc_reading import exact_charge as _exact
+from parallel_dcp.engine.proc_reading import exact_reading as _exact
 from parallel_dcp.engine.proc_reading import read_counters as _counters
 from parallel_dcp.engine.proc_reading import rollup_anon as _rollup_anon
 
@@ -220,6 +220,9 @@ class ChargeReader:
         # This process, where its baseline was its counters' upper bound (_baseline_plan): read
         # from its counters alone until the next baseline.
         self._anchored: set[int] = set()
+        # Each process's anonymous pages as its last full reading found them (who grew, when a
+        # breach is confirmed by an exact reading: engine/breach.py).
+        self.anonymous: dict[int, AnonymousPages] = {}
         self.full_reads = 0  # how many processes were read in full, over all readings
         self.rollups = 0  # how many were rolled up (counted by charge)
         self.readings = 0
@@ -276,6 +279,7 @@ class ChargeReader:
                 away = gone.last if gone.shared_away is None else min(gone.last, gone.shared_away + _FAULT_SLACK)
                 self._carries.append(_Carry(away, self.readings, pid))
         self._known = {pid: known for pid, known in self._known.items() if pid in members}
+        self.anonymous = {pid: pages for pid, pages in self.anonymous.items() if pid in members}
         if self._members and members - self._members:  # a fork: pages newly shared with the child
             for known in self._known.values():
                 known.shared_away = None
@@ -500,8 +504,12 @@ class ChargeReader:
         rollup = _rollup_anon(pid)
         after = _counters(pid)
         rolled = time.thread_time()
-        charged, private, pss = _exact(pid)
+        charged, private, pss, pages = _exact(pid)
         done = time.thread_time()
+        if pages is None:
+            self.anonymous.pop(pid, None)
+        else:
+            self.anonymous[pid] = pages
         if counters is None or not (pss or private):
             self._known.pop(pid, None)
             return charged, private
