@@ -33,6 +33,7 @@ from parallel_dcp.api.verify import verify as verify
 from parallel_dcp.errors import (
     CheckpointExistsError,
     CompressionUnavailableError,
+    ConfigMismatchError,
     CorruptCheckpointError,
     DestinationBusyError,
     DistributedJobError,
@@ -117,6 +118,7 @@ __all__ = [
     "PRESETS",
     "CheckpointExistsError",
     "CompressionUnavailableError",
+    "ConfigMismatchError",
     "CorruptCheckpointError",
     "DestinationBusyError",
     "DiffReport",

@@ -19,6 +19,7 @@ from typing import Any
 __all__ = [
     "CheckpointExistsError",
     "CompressionUnavailableError",
+    "ConfigMismatchError",
     "CorruptCheckpointError",
     "DestinationBusyError",
     "DistributedJobError",
@@ -322,6 +323,13 @@ class QuantizationError(ParallelDCPError, ValueError):
     def __init__(self, message: str, *, keys: Sequence[str] = (), lines: Sequence[str] = ()) -> None:
         super().__init__(message, lines=lines)
         self.keys = list(keys)
+
+
+class ConfigMismatchError(ParallelDCPError, ValueError):
+    """The ``config.json`` beside a weights file named as the source describes another model (its
+    model has none of the file's tensor names), and would decide what ``--dtype`` keeps in float32
+    or what ``--quantize`` quantizes. Raised before anything is written; the message names the
+    file, the config, its model, and what to do."""
 
 
 class PresetError(RenameError):

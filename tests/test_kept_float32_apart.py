@@ -15,7 +15,7 @@ import torch
 
 import parallel_dcp
 from parallel_dcp.errors import MemoryLimitExceeded
-from parallel_dcp.jobs import kept_float32
+from parallel_dcp.jobs import built_model
 
 ROUTER = "model.layers.0.mlp.gate.weight"
 BIAS = "model.layers.0.mlp.gate.e_score_correction_bias"
@@ -29,7 +29,7 @@ def _installed(root: Path, monkeypatch: pytest.MonkeyPatch, init: str) -> None:
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.setenv("PYTHONPATH", str(root))
     monkeypatch.delitem(sys.modules, "transformers", raising=False)
-    monkeypatch.setattr(kept_float32, "_LISTS", {})
+    monkeypatch.setattr(built_model, "_ANSWERS", {})
 
 
 def _router_source(tmp_path: Path) -> Path:
@@ -133,8 +133,8 @@ def test_without_transformers_the_cast_says_what_it_could_not_keep(
     """Where transformers is not installed (it is no dependency), ``--dtype`` of a folder whose
     config names a class casts every floating tensor, and says so, naming the class and the way to
     keep what transformers' own cast keeps; it was silent (s16 review, F11)."""
-    monkeypatch.setattr(kept_float32.importlib.util, "find_spec", lambda name, *a: None)
-    monkeypatch.setattr(kept_float32, "_LISTS", {})
+    monkeypatch.setattr(built_model.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(built_model, "_ANSWERS", {})
     src = _router_source(tmp_path)
     not_installed = r"RouterForCausalLM \(transformers is not installed: pip install transformers\)"
     with pytest.warns(UserWarning, match=not_installed):

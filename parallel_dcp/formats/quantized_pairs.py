@@ -34,6 +34,7 @@ __all__ = [
     "SCALE_SUFFIX",
     "Pair",
     "block_size_of",
+    "config_beside_file",
     "dequantized_dtype_of",
     "find_pairs",
     "source_config",
@@ -89,12 +90,10 @@ def source_config(source: Source) -> dict[str, Any] | None:
     """``config.json`` of a local source, parsed: in its directory, or beside the one file it is
     (``SRC/model.safetensors``, ``SRC/pytorch_model.bin``: the model's, as for the folder, so
     ``--dtype`` keeps the same tensors either way); None when there is none."""
-    if isinstance(source.location, Remote):
+    path = _config_path(source)
+    if path is None:
         return None
-    folder = source.path if os.path.isdir(source.path) else os.path.dirname(os.path.abspath(source.path))
-    path = os.path.join(folder, "config.json")
-    if not os.path.lexists(path) or os.path.isdir(path):
-        return None
+    folder = os.path.dirname(path)
     try:  # by the one rule: a config.json linking out of the folder is refused, never read
         config = loads_json(read_in_tree(path, source_tree(folder), limit=_CONFIG_MAX_BYTES))
     except CorruptCheckpointError:  # (a ValueError too) a link out of the folder, a FIFO, a huge file
@@ -102,6 +101,21 @@ def source_config(source: Source) -> dict[str, Any] | None:
     except ValueError as exc:
         raise QuantizationError(f"{path} is not JSON: {exc}") from exc
     return config if isinstance(config, dict) else None
+
+
+def config_beside_file(source: Source) -> str | None:
+    """The path of the ``config.json`` :func:`source_config` reads where ``source`` is one weights
+    file (beside it, not the folder's own by being named as the source); None otherwise."""
+    path = _config_path(source)
+    return path if path is not None and not os.path.isdir(source.path) else None
+
+
+def _config_path(source: Source) -> str | None:
+    if isinstance(source.location, Remote):
+        return None
+    folder = source.path if os.path.isdir(source.path) else os.path.dirname(os.path.abspath(source.path))
+    path = os.path.join(folder, "config.json")
+    return path if os.path.lexists(path) and not os.path.isdir(path) else None
 
 
 @dataclass(frozen=True, slots=True)

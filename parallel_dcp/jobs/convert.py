@@ -292,9 +292,17 @@ def _convert_job(
     # What transformers keeps in float32, left by the cast (a Hugging Face output named as its source);
     # the child that reads it stays under the limit, or the job is refused here, before any write
     hf_named = target.kind != "dcp" and not (rename or steps.preset)
-    keep = keys_kept(source, selected, dtype, limit) if hf_named else frozenset()
+    # (quantizing by the source's own config too: one child reads the float32 lists and tells the FP8 layers)
+    quantizing = quantization is not None and quantization.quantize is not None
+    keep = (
+        keys_kept(source, selected, dtype, limit, quantizing=quantizing and steps.copy_files_from is None)
+        if hf_named
+        else frozenset()
+    )
     if quantization is not None and quantization.quantize is not None:
-        source, selected = quantize_step(source, selected, quantization, dtype, keep, steps.copy_files_from, limit)
+        source, selected = quantize_step(
+            source, selected, quantization, dtype, keep, steps.copy_files_from, limit, renamed=steps.preset is not None
+        )
         dtype = None  # the quantizing view casts the other tensors itself
     if rename is not None:
         source, selected = rename_source(source, selected, rename, strict=steps.rename_strict)

@@ -14,30 +14,32 @@ other module loads its stored tensor as it is. A weight quantized anywhere else 
 codes (values up to 448) where it does not dequantize (a GPU), with only an "unexpected key" for
 the scale. So the rule quantizes the ``replaced`` weights only.
 
-The class is built where transformers is installed, in a short-lived child as
-:mod:`parallel_dcp.jobs.kept_float32` reads its lists (importing transformers costs ~150 MiB and
-seconds this process would carry through the job); in place where the caller imported it already.
+The class is built where transformers is installed, by :mod:`parallel_dcp.jobs.built_model`: in a
+short-lived child (importing transformers costs ~270 MiB and seconds this process would carry
+through the job), the same one that reads :mod:`parallel_dcp.jobs.kept_float32`'s lists where the
+job casts too (one import and one build for both); in place where the caller imported it already.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 from parallel_dcp._json import loads_json
-from parallel_dcp.engine.sizes import format_bytes
-from parallel_dcp.errors import MemoryLimitExceeded
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.quantized_pairs import source_config
-from parallel_dcp.jobs.kept_float32 import run_within
+from parallel_dcp.jobs.built_model import (
+    FP8_LAYERS,
+    LAYERS_CHILD_MEMORY,
+    NOT_INSTALLED,
+    Unread,
+    read_model,
+    spellings,
+)
 
-__all__ = ["Fp8Layers", "fp8_layers", "model_config"]
+__all__ = ["CHILD_MEMORY", "Fp8Layers", "fp8_layers", "model_config"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,19 +55,12 @@ class Fp8Layers:
     def classify(self, key: str) -> bool | None:
         """True: transformers loads ``key`` into an FP8 layer; False: as a plain tensor; None: no
         parameter of the model has that name (one transformers renames on load)."""
-        for name in _spellings(key, self.prefix):
+        for name in spellings(key, self.prefix):
             if name in self.replaced:
                 return not _kept(name.removesuffix(".weight"), self.kept)
             if name in self.plain:
                 return False
         return None
-
-
-def _spellings(key: str, prefix: str) -> tuple[str, ...]:
-    if not prefix:
-        return (key,)
-    stripped = key.removeprefix(prefix + ".")
-    return (key, stripped) if stripped != key else (key, f"{prefix}.{key}")
 
 
 def _kept(module: str, patterns: tuple[str, ...]) -> bool:
@@ -83,45 +78,13 @@ def _matches_from_start(pattern: str, module: str) -> bool:
         return False
 
 
-# The child's work (also run in place): the model built on meta from the config, its weights sorted.
-_READ_LAYERS = r"""
-import json, sys
-
-def layers(transformers, config):
-    import torch
-    from torch import nn
-    model_class = getattr(transformers, config["architectures"][0], None)
-    if model_class is None or not hasattr(model_class, "config_class"):
-        return None
-    config = {k: v for k, v in config.items() if k != "quantization_config"}
-    with torch.device("meta"):
-        model = model_class(model_class.config_class.from_dict(config))
-    replaced, plain = [], []
-    for name, module in model.named_modules():
-        for part, value in module.named_parameters(recurse=False):
-            if value.dim() != 2:
-                continue
-            full = f"{name}.{part}" if name else part
-            experts = name.endswith(".experts")  # swapped whole for FP8Experts
-            linear = type(module) is nn.Linear or (
-                isinstance(module, nn.Linear) and "GroupedLinear" in type(module).__name__)
-            (replaced if experts or (linear and part == "weight") else plain).append(full)
-    kept = sorted(n for n in (getattr(model, "_keep_in_fp32_modules", None) or ()) if isinstance(n, str) and n)
-    return {"replaced": replaced, "plain": plain, "kept": kept,
-            "prefix": str(getattr(model_class, "base_model_prefix", "") or "")}
-
-if __name__ == "__main__":
-    import transformers
-    print(json.dumps(layers(transformers, json.loads(sys.stdin.read()))))
-"""
-
-# Long enough for a cold import of transformers and torch on a loaded node.
-
-
-def fp8_layers(config: dict[str, Any] | None, limit: int | None = None) -> Fp8Layers | str:
+def fp8_layers(
+    config: dict[str, Any] | None, limit: int | None = None, questions: frozenset[str] = frozenset()
+) -> Fp8Layers | str:
     """What transformers' FP8 path replaces in the model of ``config``; or, where that cannot be
     known, why (no config, no "architectures", transformers not installed, no such class, or
-    building it failed).
+    building it failed). The build answers ``questions`` too (:mod:`parallel_dcp.jobs.built_model`);
+    where the job asked this of the child that read its float32 lists, no child is started.
 
     Raises:
         MemoryLimitExceeded: the child that builds it passed ``limit`` (stopped there)."""
@@ -131,21 +94,17 @@ def fp8_layers(config: dict[str, Any] | None, limit: int | None = None) -> Fp8La
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
         return 'its config.json names no "architectures"'
     name = architectures[0]
-    loaded = sys.modules.get("transformers")
-    if loaded is not None:
-        space: dict[str, Any] = {"__name__": "fp8_layers"}
-        exec(_READ_LAYERS, space)  # the child's own code, run in place
-        try:
-            said = space["layers"](loaded, config)
-        except Exception as error:  # a class that will not build from this config
-            return f"building {name} from its config.json failed ({type(error).__name__}: {error})"
-    else:
-        said = _read_apart(name, config, limit)
-        if isinstance(said, str):
-            return said
-    if said is None:
+    said = read_model(name, config, questions | {FP8_LAYERS}, limit)
+    if isinstance(said, Unread):
+        return "transformers is not installed" if said == NOT_INSTALLED else f"building {name} failed ({said})"
+    if said is None or said[FP8_LAYERS] is None:
         return f"transformers has no model class {name}"
-    return Fp8Layers(name, frozenset(said["replaced"]), frozenset(said["plain"]), tuple(said["kept"]), said["prefix"])
+    layers = said[FP8_LAYERS]
+    if isinstance(layers, str):  # a class that will not build from this config
+        return f"building {name} from its config.json failed ({layers})"
+    return Fp8Layers(
+        name, frozenset(layers["replaced"]), frozenset(layers["plain"]), tuple(layers["kept"]), said["prefix"]
+    )
 
 
 def model_config(source: Source, copy_files_from: str | os.PathLike[str] | None) -> dict[str, Any] | None:
@@ -165,51 +124,5 @@ def model_config(source: Source, copy_files_from: str | os.PathLike[str] | None)
         return None
 
 
-# What to advise as the least limit for the building child: 374-376 MiB measured with transformers
-# 5.25 (a Llama-8B and a DeepSeek-V3 config, built on the meta device), and some room.
-CHILD_MEMORY = 416 * 2**20
-
-
-def _over_limit(name: str, measured: int, limit: int) -> MemoryLimitExceeded:
-    return MemoryLimitExceeded(
-        f"telling which weights transformers' FP8 layers replace in {name} (a child process that imports "
-        f"transformers and builds the model on the meta device, ~{format_bytes(CHILD_MEMORY)} measured) passed "
-        f"the memory limit: {format_bytes(measured)} of {format_bytes(limit)}, before anything was written. "
-        f"Raise --memory-limit (memory_limit=) to at least {format_bytes(CHILD_MEMORY)}",
-        limit=limit,
-        measured=measured,
-        keys=[],
-    )
-
-
-def _read_apart(name: str, config: dict[str, Any], limit: int | None) -> Any:
-    try:
-        installed = importlib.util.find_spec("transformers") is not None
-    except (ImportError, ValueError):
-        installed = False
-    if not installed:
-        return "transformers is not installed"
-    # the child imports from this process's sys.path (a path added at run time included), first
-    path = os.pathsep.join(os.path.abspath(entry) for entry in sys.path if entry)
-    try:  # watched against the limit as the float32 lists' child is (part of the job's tree)
-        done = run_within(
-            # -P (Python 3.11+): the working directory's files are not imported in place of transformers
-            [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c", _READ_LAYERS],
-            json.dumps(config).encode(),
-            {**os.environ, "PYTHONPATH": path},
-            limit,
-            lambda measured, most: _over_limit(name, measured, most),
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return f"building {name} failed ({error})"
-    said = done.stdout.decode("utf-8", "replace").strip().splitlines()
-    if done.returncode != 0 or not said:
-        errors = done.stderr.decode("utf-8", "replace").strip().splitlines()
-        return f"building {name} failed ({errors[-1] if errors else f'exit status {done.returncode}'})"
-    try:
-        answer = json.loads(said[-1])
-    except ValueError:
-        return f"building {name} failed (it printed {said[-1][:200]!r})"
-    if answer is not None and not (isinstance(answer, dict) and {"replaced", "plain", "kept", "prefix"} <= set(answer)):
-        return f"building {name} failed (it printed {said[-1][:200]!r})"
-    return answer
+# What to advise as the least limit for the building child (built_model's figure for this question).
+CHILD_MEMORY = LAYERS_CHILD_MEMORY

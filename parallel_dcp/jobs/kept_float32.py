@@ -33,14 +33,7 @@ transformers matches them (core_model_loading's ``build_glob_alternation``): eac
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import json
-import os
 import re
-import subprocess
-import sys
-import tempfile
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,227 +41,122 @@ from typing import Any
 import torch
 
 from parallel_dcp._json import loads_json
-from parallel_dcp.engine.breach import anonymous_bytes
-from parallel_dcp.engine.sizes import format_bytes
-from parallel_dcp.errors import MemoryLimitExceeded
+from parallel_dcp.errors import dtype_name
 from parallel_dcp.formats.base import Source
-from parallel_dcp.formats.quantized_pairs import source_config
+from parallel_dcp.formats.quantized_pairs import config_beside_file, source_config
+from parallel_dcp.jobs.built_model import (
+    FLOAT32_LISTS,
+    FP8_LAYERS,
+    LISTS_CHILD_MEMORY,
+    NAMES,
+    Unread,
+    read_model,
+    refuse_unrelated_config,
+)
 from parallel_dcp.jobs.copy_files import Copies, read_copies
 from parallel_dcp.jobs.targets import Job
+from parallel_dcp.jobs.watched_child import run_within
 
 __all__ = ["CHILD_MEMORY", "kept_by_copied_config", "kept_in_float32", "keys_kept", "run_within"]
 
-# What to advise as the least limit for the reading child: its peak as the ceiling counts it,
-# 271-277 MiB measured with transformers 5.25 (see the module's docstring), and some room.
-CHILD_MEMORY = 320 * 2**20
+
+# What to advise as the least limit for the reading child (built_model's figure for this question).
+CHILD_MEMORY = LISTS_CHILD_MEMORY
 
 
 def kept_in_float32(
-    config: dict[str, Any] | None, dtype: torch.dtype | None, limit: int | None = None
+    config: dict[str, Any] | None,
+    dtype: torch.dtype | None,
+    limit: int | None = None,
+    questions: frozenset[str] = frozenset(),
 ) -> Callable[[str], bool] | None:
     """Which keys transformers keeps in float32 for a model of ``config`` loaded as ``dtype``;
     None when it keeps none (or transformers, or the class, is not there to say). The child that
-    reads it is stopped, and MemoryLimitExceeded raised, where it passes ``limit`` bytes."""
+    reads it is stopped, and MemoryLimitExceeded raised, where it passes ``limit`` bytes; it
+    answers ``questions`` too (:mod:`parallel_dcp.jobs.built_model`: what else the job will ask)."""
     if config is None or dtype not in (torch.bfloat16, torch.float16):
         return None
-    modules = _class_lists(config, dtype, limit)
+    modules = _class_lists(config, dtype, limit, questions)
     if not modules:
         return None
     pattern = re.compile("|".join(f"(?:{m.replace('*', '.*')})" for m in sorted(modules)))
     return lambda key: pattern.search(key) is not None
 
 
-def _class_lists(config: dict[str, Any], dtype: torch.dtype, limit: int | None) -> set[str]:
+def _class_lists(config: dict[str, Any], dtype: torch.dtype, limit: int | None, questions: frozenset[str]) -> set[str]:
     architectures = config.get("architectures")
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
         return set()
-    strict, loose = _lists_of(architectures[0], config, limit)
+    strict, loose = _lists_of(architectures[0], config, limit, questions)
     return set(strict) | (set(loose) if dtype == torch.float16 else set())
 
 
-# What each model, by class name and config, keeps, as a child process read it (asked once each).
-_LISTS: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]] = {}
-
-# The model's two lists, and why only its class's were read (or None); None where transformers has
-# no such class. A model of transformers is built on the meta device, as from_pretrained builds it:
-# its post_init unions every child model's lists into the instance's (Blip2's T5 language model
-# adds "wo"), which the class attributes do not show. Run by the child, or in place (exec).
-_LISTS_OF = """
-def lists_of(transformers, torch, class_name, config):
-    import contextlib
-    model_class = getattr(transformers, class_name, None)
-    if model_class is None:
-        return None
-    def names(owner, attribute):
-        value = getattr(owner, attribute, None) or ()
-        return sorted(n for n in value if isinstance(n, str) and n)
-    owner, why = model_class, None
-    pretrained = getattr(transformers, "PreTrainedModel", None)
-    if isinstance(model_class, type) and isinstance(pretrained, type) and issubclass(model_class, pretrained):
-        try:
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.device("meta"))
-                init = getattr(transformers, "initialization", None)
-                safe = getattr(init, "meta_device_safe_creation_ops", None)
-                if safe is not None:  # (transformers 5: a model calling .item() in __init__)
-                    stack.enter_context(safe())
-                owner = model_class(model_class.config_class.from_dict(config))
-        except Exception as error:
-            why = f"{type(error).__name__}: {error}"[:300]
-    try:
-        return [names(owner, "_keep_in_fp32_modules_strict"), names(owner, "_keep_in_fp32_modules"), why]
-    except Exception:  # a broken class: nothing to read
-        return [[], [], why]
-"""
-
-# The child's whole work: that answer as JSON, for the config on its stdin.
-_READ_LISTS = (
-    _LISTS_OF
-    + """
-import json, sys
-import torch
-import transformers
-print(json.dumps(lists_of(transformers, torch, sys.argv[1], json.loads(sys.stdin.read()))))
-"""
-)
-
-# Long enough for a cold import of transformers and torch on a loaded node.
-_READ_TIMEOUT = 300.0
-# How often the child's memory is read against the limit (a read of /proc/<pid>/status: ~30 us).
-_WATCH_EVERY = 0.02
-
-
-def _lists_of(class_name: str, config: dict[str, Any], limit: int | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _lists_of(
+    class_name: str, config: dict[str, Any], limit: int | None, questions: frozenset[str]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The model's ``_keep_in_fp32_modules_strict`` and ``_keep_in_fp32_modules``; empty where
-    transformers is not installed or has no such class."""
-    loaded = sys.modules.get("transformers")
-    if loaded is not None:  # imported by the caller already: read in place (counted by the governor)
-        namespace: dict[str, Any] = {}
-        exec(_LISTS_OF, namespace)  # (the child's own code)
-        return _answer(class_name, namespace["lists_of"](loaded, torch, class_name, config))
-    text = json.dumps(config, sort_keys=True)
-    if (class_name, text) not in _LISTS:
-        _LISTS[class_name, text] = _lists_read_apart(class_name, text, limit)
-    return _LISTS[class_name, text]
-
-
-def _lists_read_apart(class_name: str, config: str, limit: int | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The lists read by a child process that imports transformers (see the module's docstring),
-    stopped where it would pass ``limit``."""
-    try:
-        installed = importlib.util.find_spec("transformers") is not None
-    except (ImportError, ValueError):
-        installed = False
-    if not installed:  # (said: a DeepSeek-V3 router cast to bfloat16 loads rounded, s16 review F11)
-        return _unread(class_name, "transformers is not installed: pip install transformers")
-    # the child imports from this process's sys.path (a path added at run time included), first
-    path = os.pathsep.join(os.path.abspath(entry) for entry in sys.path if entry)
-    env = {**os.environ, "PYTHONPATH": path}
-    try:
-        # -P (Python 3.11+): the working directory's files are not imported in place of transformers
-        argv = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c", _READ_LISTS, class_name]
-        done = run_within(argv, config.encode(), env, limit, lambda peak, most: _over_limit(class_name, peak, most))
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return _unread(class_name, f"importing it failed: {error}")
-    # (whatever the library prints on import, in any encoding: the answer is the last line)
-    said = done.stdout.decode("utf-8", "replace").strip().splitlines()
-    if done.returncode != 0 or not said:
-        errors = done.stderr.decode("utf-8", "replace").strip().splitlines()
-        return _unread(class_name, f"importing it failed: {errors[-1] if errors else f'exit status {done.returncode}'}")
-    try:
-        lists = json.loads(said[-1])
-    except ValueError:
-        return _unread(class_name, f"importing it failed: it printed {said[-1][:200]!r}")
-    return _answer(class_name, lists)
-
-
-def _answer(class_name: str, lists: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The two lists of ``lists_of``'s answer, warning where only the class's were read."""
-    if not isinstance(lists, list) or len(lists) != 3 or not all(isinstance(part, list) for part in lists[:2]):
+    transformers is not installed or has no such class. ``questions``: what else the same build
+    answers for this job (:mod:`parallel_dcp.jobs.built_model`)."""
+    said = read_model(class_name, config, questions | {FLOAT32_LISTS}, limit)
+    if isinstance(said, Unread):  # (said: a DeepSeek-V3 router cast to bfloat16 loads rounded, s16 review F11)
+        return _unread(class_name, said)
+    if said is None:
         return (), ()  # no such class in transformers
-    if isinstance(lists[2], str):
+    if isinstance(said["why"], str):
         warnings.warn(
             f"could not build {class_name} on the meta device to read which tensors transformers keeps "
-            f"in float32 ({lists[2]}): its class's lists are kept, not those its sub-models add",
-            stacklevel=6,
+            f"in float32 ({said['why']}): its class's lists are kept, not those its sub-models add",
+            stacklevel=5,
         )
-    strict, loose = (tuple(n for n in part if isinstance(n, str) and n) for part in lists[:2])
+    strict, loose = (tuple(n for n in part if isinstance(n, str) and n) for part in said[FLOAT32_LISTS][:2])
     return strict, loose
-
-
-def run_within(
-    argv: list[str],
-    given: bytes,
-    env: dict[str, str],
-    limit: int | None,
-    over_limit: Callable[[int, int], MemoryLimitExceeded],
-) -> subprocess.CompletedProcess[bytes]:
-    """``argv`` run with ``given`` on its stdin, its memory (RssAnon + RssShmem: an exec'd process
-    shares none of it) read every 20 ms; killed, and the job refused before anything is written
-    (``over_limit(measured, limit)`` says why), once it passes ``limit``
-    (docs/guarantees.md#the-memory-ceiling). Every child that imports transformers for a job runs so."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=err, env=env)
-        peak = 0
-        try:
-            assert child.stdin is not None
-            child.stdin.write(given)
-            child.stdin.close()
-            deadline = time.monotonic() + _READ_TIMEOUT
-            while child.poll() is None:
-                peak = max(peak, anonymous_bytes(child.pid))
-                if limit is not None and peak > limit:
-                    raise over_limit(peak, limit)
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(argv, _READ_TIMEOUT)
-                time.sleep(_WATCH_EVERY)
-        finally:
-            if child.poll() is None:
-                child.kill()
-            child.wait()
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(argv, child.returncode, out.read(), err.read())
-
-
-def _over_limit(class_name: str, measured: int, limit: int) -> MemoryLimitExceeded:
-    return MemoryLimitExceeded(
-        f"reading which tensors transformers keeps in float32 for {class_name} (a child process that "
-        f"imports transformers, ~{format_bytes(CHILD_MEMORY)} measured) passed the memory limit: "
-        f"{format_bytes(measured)} of {format_bytes(limit)}, before anything was written. Raise "
-        f"--memory-limit (memory_limit=) to at least {format_bytes(CHILD_MEMORY)}, or convert "
-        f"without --dtype and cast on load",
-        limit=limit,
-        measured=measured,
-        keys=[],
-    )
 
 
 def _unread(class_name: str, why: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     warnings.warn(
         f"could not read which tensors transformers keeps in float32 for {class_name} ({why}), so every "
         "floating tensor is cast (transformers' own cast keeps some, e.g. DeepSeek-V3's router, T5's wo)",
-        stacklevel=5,
+        stacklevel=6,
     )
     return (), ()
 
 
 def keys_kept(
-    source: Source, keys: Sequence[str], dtype: torch.dtype | None, limit: int | None = None
+    source: Source,
+    keys: Sequence[str],
+    dtype: torch.dtype | None,
+    limit: int | None = None,
+    *,
+    quantizing: bool = False,
 ) -> frozenset[str]:
     """The floating tensors among ``keys`` that ``dtype`` leaves, for a Hugging Face output of
-    ``source`` (its ``config.json`` names the model class)."""
+    ``source`` (its ``config.json`` names the model class). ``quantizing``: the job quantizes by
+    the same config too (``--quantize``), so the child that reads the lists tells the FP8 layers
+    as well, and the job starts one child, not two.
+
+    Raises:
+        ConfigMismatchError: the config.json is beside ``source``, one weights file, and its model
+            has none of the file's tensor names, yet would keep some of them in float32.
+        MemoryLimitExceeded: the child passed ``limit``.
+    """
     if dtype is None:
         return frozenset()
     try:
         config = source_config(source)
     except ValueError:  # not JSON, or refused by the rule for reading: said where the config is written
         return frozenset()
-    kept = kept_in_float32(config, dtype, limit)
+    beside = config_beside_file(source) if config is not None else None
+    questions = frozenset(([FP8_LAYERS] if quantizing else []) + ([NAMES] if beside is not None else []))
+    kept = kept_in_float32(config, dtype, limit, questions)
     if kept is None:
         return frozenset()
     entries = source.entries
-    return frozenset(k for k in keys if k in entries and entries[k].dtype.is_floating_point and kept(k))
+    keep = frozenset(k for k in keys if k in entries and entries[k].dtype.is_floating_point and kept(k))
+    if keep and beside is not None and config is not None:  # (a file's own config.json, or refused)
+        refuse_unrelated_config(
+            source, beside, config, questions, limit, f"which tensors --dtype {dtype_name(dtype)} keeps in float32"
+        )
+    return keep
 
 
 def kept_by_copied_config(job: Job, copies: Copies, renamed: bool, limit: int | None = None) -> Job:

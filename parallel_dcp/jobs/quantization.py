@@ -27,10 +27,12 @@ from parallel_dcp.formats.quantized import FP8_DTYPES, MAX_BLOCK
 from parallel_dcp.formats.quantized_pairs import (
     PER_CHANNEL_SUFFIX,
     SCALE_SUFFIX,
+    config_beside_file,
     dequantized_dtype_of,
     refuse_quantized,
 )
 from parallel_dcp.formats.quantizing_source import DEFAULT_RULE, parse_quantize, quantizing_source
+from parallel_dcp.jobs.built_model import FP8_LAYERS, NAMES, refuse_unrelated_config
 from parallel_dcp.jobs.fp8_layers import Fp8Layers, fp8_layers, model_config
 from parallel_dcp.jobs.targets import DcpTarget, Job, ShardedTarget, Target
 from parallel_dcp.options import Options
@@ -131,22 +133,32 @@ def quantize_step(
     keep: frozenset[str] = frozenset(),
     copy_files_from: str | os.PathLike[str] | None = None,
     limit: int | None = None,
+    *,
+    renamed: bool = False,
 ) -> tuple[Source, tuple[str, ...]]:
     """``source`` restricted to ``selected`` with its weights quantized; other floats cast to
     ``dtype``, but for those in ``keep``. The default rule quantizes only what transformers' FP8
     path loads into FP8 layers, for the model the output's config.json (``copy_files_from``'s, else
     the source's) describes (:mod:`parallel_dcp.jobs.fp8_layers`); where that cannot be known, by
-    name, with a warning.
+    name, with a warning. ``renamed``: a preset named ``source``'s keys for another client.
 
     Raises:
         QuantizationError: ``selected`` holds quantized tensors already, or the rule selects none.
+        ConfigMismatchError: the config.json is beside ``source``, one weights file named as the
+            source, and describes another model (none of the file's tensor names).
         MemoryLimitExceeded: the child that builds the model passed ``limit``.
     """
     replaced, named = None, ""
     refuse_quantized(source, selected)  # before building a model to classify them
     refuse_other_quantization(source, selected, "quantize (--quantize)", "needs plain weights")
     config = model_config(source, copy_files_from)
-    layers = fp8_layers(config, limit)  # (its child stays under the job's limit, or the job is refused)
+    # (a config the user named by --copy-files-from is the model's by their word)
+    beside = config_beside_file(source) if config is not None and copy_files_from is None and not renamed else None
+    questions = frozenset([NAMES] if beside is not None else [])
+    layers = fp8_layers(config, limit, questions)  # (its child stays under the job's limit, or the job is refused)
+    if isinstance(layers, Fp8Layers) and beside is not None and config is not None:
+        deciding = "which weights --quantize quantizes, nor be the output's config.json"
+        refuse_unrelated_config(source, beside, config, questions | {FP8_LAYERS}, limit, deciding)
     if isinstance(layers, Fp8Layers):
         replaced, named = layers.classify, layers.architecture
     elif config is not None and quantization.quantize_keys is None:

@@ -42,3 +42,35 @@ def test_a_weights_file_named_alone_keeps_what_its_folder_keeps(
     kept = [k for k in own.state_dict() if "DenseReluDense.wo.weight" in k]
     assert kept and all(own.state_dict()[k].dtype == torch.float32 for k in kept)
     assert_params_equal(ours, own)
+
+
+@pytest.mark.parametrize("option", [["--dtype", "float16"], ["--quantize", "fp8-block:32"]], ids=["dtype", "quantize"])
+def test_another_models_file_beside_the_config_is_refused(
+    run_cli: Callable[..., object], tmp_path: Path, bert_dir: Path, option: list[str]
+) -> None:
+    """A BERT's weights as ``other.safetensors`` beside a T5's config.json: T5's ``wo`` kept BERT's
+    ``word_embeddings`` in float32, and ``--quantize`` wrote T5's config.json beside BERT's weights,
+    in silence. transformers never pairs that config with that file; the conversion is refused,
+    naming both, before anything is written."""
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=128,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=1,
+        num_heads=4,
+        decoder_start_token_id=0,
+        architectures=["T5ForConditionalGeneration"],
+    )
+    src = tmp_path / "src"
+    src.mkdir()
+    config.save_pretrained(src)
+    shutil.copy(bert_dir / "model.safetensors", src / "other.safetensors")
+    done = run_cli("convert", src / "other.safetensors", tmp_path / "out", "--to", "safetensors", *option, check=False)
+    assert done.returncode != 0  # type: ignore[attr-defined]
+    said = done.stderr  # type: ignore[attr-defined]
+    assert "T5ForConditionalGeneration (model_type 't5') has none of the file's" in said, said
+    assert "other.safetensors to a folder of its own" in said
+    assert not (tmp_path / "out").exists()
