@@ -147,3 +147,28 @@ def test_the_child_that_builds_the_model_stays_under_the_memory_limit(
     assert err.value.limit == 48 * 2**20 and err.value.measured > err.value.limit
     assert not (tmp_path / "out").exists()
     assert "transformers" not in sys.modules  # (read in a child, not imported here)
+
+
+def test_copy_files_froms_config_linked_out_is_refused_before_the_model_is_built(
+    fake_transformers: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The config.json of ``copy_files_from`` that the FP8 rule builds the model from is read by the
+    one rule the copy reads it by: a link out of that folder was read with a plain open() and the
+    model built from it before the copy refused it (review s17, minor)."""
+    from parallel_dcp.jobs import quantization
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"model.q_proj.weight": torch.zeros(64, 64)}, str(src / "model.safetensors"))
+    other = tmp_path / "other"
+    other.mkdir()
+    (tmp_path / "elsewhere.json").write_text(json.dumps({"architectures": ["FakeForCausalLM"]}))
+    (other / "config.json").symlink_to(tmp_path / "elsewhere.json")
+    built: list[object] = []
+    monkeypatch.setattr(quantization, "fp8_layers", lambda *args, **kwargs: built.append(args))
+    with pytest.raises(parallel_dcp.UnsafeCheckpointError, match=r"config\.json"):
+        parallel_dcp.convert(
+            src, tmp_path / "out", to="safetensors", quantize="fp8-block:32", workers=1, copy_files_from=other
+        )
+    assert built == []
+    assert not (tmp_path / "out").exists()

@@ -25,11 +25,15 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from parallel_dcp._json import loads_json
+from parallel_dcp.errors import UnsafeCheckpointError
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.quantized_pairs import source_config
+from parallel_dcp.storage.safe_files import source_tree
+from parallel_dcp.storage.safe_reader import read_in_tree
 from parallel_dcp.jobs.built_model import (
     FP8_LAYERS,
     LAYERS_CHILD_MEMORY,
@@ -111,17 +115,16 @@ def model_config(source: Source, copy_files_from: str | os.PathLike[str] | None)
     """The config.json the output will describe its model by: ``copy_files_from``'s (a local
     folder) when given, else the source's own; None when there is none or it is not a JSON object
     (refused, where it is written, with its own message)."""
-    try:
-        if copy_files_from is None:
-            return source_config(source)
-        path = os.path.join(os.fspath(copy_files_from), "config.json")
-        if not os.path.isfile(path):
-            return None
-        with open(path, "rb") as file:
-            config = loads_json(file.read(1 << 24))
-        return config if isinstance(config, dict) else None
+    if copy_files_from is None:
+        return source_config(source)
+    folder = Path(os.fspath(copy_files_from))
+    try:  # by the one rule for a source's small files, as the copy reads it: never through a link out
+        config = loads_json(read_in_tree(folder / "config.json", source_tree(folder), limit=1 << 24))
+    except UnsafeCheckpointError:
+        raise  # (a link out of the folder, a FIFO: the copy refuses it too; the child is never fed it)
     except (OSError, ValueError):
         return None
+    return config if isinstance(config, dict) else None
 
 
 # What to advise as the least limit for the building child (built_model's figure for this question).
