@@ -32,8 +32,6 @@ from parallel_dcp._json import loads_json
 from parallel_dcp.errors import UnsafeCheckpointError
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.quantized_pairs import source_config
-from parallel_dcp.storage.safe_files import source_tree
-from parallel_dcp.storage.safe_reader import read_in_tree
 from parallel_dcp.jobs.built_model import (
     FP8_LAYERS,
     LAYERS_CHILD_MEMORY,
@@ -42,6 +40,8 @@ from parallel_dcp.jobs.built_model import (
     read_model,
     spellings,
 )
+from parallel_dcp.storage.safe_files import source_tree
+from parallel_dcp.storage.safe_reader import read_in_tree
 
 __all__ = ["CHILD_MEMORY", "Fp8Layers", "fp8_layers", "model_config"]
 
