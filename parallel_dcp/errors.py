@@ -317,7 +317,8 @@ class QuantizationError(ParallelDCPError, ValueError):
     """A quantized checkpoint cannot be dequantized (or a tensor quantized) as asked: a weight
     without its scale or a scale without its weight, a scale whose shape does not match the
     weight's blocks, a non-FP8 weight beside a ``weight_scale_inv``, an E8M0 exponent of 255
-    (NaN), or a bad ``quantize`` spec. Raised before anything is written; ``keys`` names the
+    (NaN), or a bad ``quantize`` spec; or a plain conversion whose ``keys`` or ``rename`` would
+    part a quantized weight from its scale. Raised before anything is written; ``keys`` names the
     offending tensors."""
 
     def __init__(self, message: str, *, keys: Sequence[str] = (), lines: Sequence[str] = ()) -> None:

@@ -10,7 +10,7 @@ The FP8 block comes from ``--block-size``, else ``config.json``'s
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 
 from parallel_dcp._json import loads_json
 from parallel_dcp.errors import CorruptCheckpointError, QuantizationError, describe_keys, dtype_name
-from parallel_dcp.formats.base import Source
+from parallel_dcp.formats.base import Entry, Source
 from parallel_dcp.formats.quantized import DEFAULT_BLOCK, FP8_DTYPES, MAX_BLOCK, fp8_scale_shape
 from parallel_dcp.storage.location import Remote
 from parallel_dcp.storage.safe_files import source_tree
@@ -37,6 +37,8 @@ __all__ = [
     "config_beside_file",
     "dequantized_dtype_of",
     "find_pairs",
+    "named_pairs",
+    "scale_name",
     "source_config",
 ]
 
@@ -124,7 +126,35 @@ class Pair:
 
     values: str
     scale: str
-    kind: str  # "fp8" or "mxfp4"
+    kind: str  # "fp8" or "mxfp4" (and "fp8-channel" from named_pairs: a layout dequantize does not read)
+
+
+def named_pairs(entries: Mapping[str, Entry]) -> list[Pair]:
+    """The quantized pairs ``entries`` hold by name and dtype alone, shapes unchecked (those
+    :func:`find_pairs` checks): an FP8 ``X`` with ``X_scale_inv`` ("fp8"), or with the per-channel
+    ``X_scale`` of compressed-tensors ("fp8-channel"); ``X_blocks`` with ``X_scales`` ("mxfp4").
+    In the entries' order; nothing is refused (an unpaired tensor is simply in no pair)."""
+    pairs = []
+    for key, entry in entries.items():
+        if entry.dtype in FP8_DTYPES and key + SCALE_SUFFIX in entries:
+            pairs.append(Pair(key, key + SCALE_SUFFIX, "fp8"))
+        elif entry.dtype in FP8_DTYPES and key + PER_CHANNEL_SUFFIX in entries:
+            pairs.append(Pair(key, key + PER_CHANNEL_SUFFIX, "fp8-channel"))
+        elif key.endswith(BLOCKS_SUFFIX) and key.removesuffix(BLOCKS_SUFFIX) + SCALES_SUFFIX in entries:
+            pairs.append(Pair(key, key.removesuffix(BLOCKS_SUFFIX) + SCALES_SUFFIX, "mxfp4"))
+    return pairs
+
+
+def scale_name(kind: str, values: str) -> str | None:
+    """The name a reader looks up the scale of ``values`` by, as transformers names the pairs of
+    ``kind`` (a :class:`Pair`'s): ``X.weight`` -> ``X.weight_scale_inv`` ("fp8") or
+    ``X.weight_scale`` ("fp8-channel"), ``X_blocks`` -> ``X_scales`` ("mxfp4"); None where
+    ``values`` is not named as that kind's values are (an FP8 weight not called ``X.weight``)."""
+    if kind == "mxfp4":
+        return values.removesuffix(BLOCKS_SUFFIX) + SCALES_SUFFIX if values.endswith(BLOCKS_SUFFIX) else None
+    if not values.endswith(".weight"):
+        return None
+    return values + (SCALE_SUFFIX if kind == "fp8" else PER_CHANNEL_SUFFIX)
 
 
 def find_pairs(source: Source, block: tuple[int, int]) -> dict[str, Pair]:

@@ -31,12 +31,12 @@ from parallel_dcp.jobs.copy_files import check_no_clash, files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.hf_config import prepare_config
 from parallel_dcp.jobs.kept_float32 import kept_by_copied_config, keys_kept
+from parallel_dcp.jobs.kept_pairs import check_pairs_named, check_pairs_selected
 from parallel_dcp.jobs.key_patterns import matcher, patterns_of
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.presets import Preset, PresetStep, apply_preset
 from parallel_dcp.jobs.quantization import (
     Quantization,
-    check_pairs_named,
     dequantize_step,
     prepare_target,
     quantize_step,
@@ -277,6 +277,10 @@ def _convert_job(
     source.load_values(k for k in selected if k not in source.entries)
     if not target.holds_empty:  # a torch.save source's empty mappings: dropped, as DCP drops them
         selected = tuple(k for k in selected if not empty_mapping(source.values.get(k)))
+    # A selection that parts an FP8 weight (or MXFP4 blocks) from its scale keeps codes no reader can
+    # decode. (Dequantized, no pair is left to part; quantize refuses a quantized source.)
+    if keys is not None and (quantization is None or not quantization.active):
+        check_pairs_selected(source, selected)
     if dtype is not None and (quantization is None or not (quantization.dequantize or quantization.quantize)):
         refuse_cast_of_pairs(source, selected, dtype)
     if steps.preset is not None:
@@ -306,8 +310,7 @@ def _convert_job(
         dtype = None  # the quantizing view casts the other tensors itself
     if rename is not None:
         source, selected = rename_source(source, selected, rename, strict=steps.rename_strict)
-        if quantization is not None and quantization.quantize is not None:
-            check_pairs_named(source, selected)
+        check_pairs_named(source, selected)  # the pairs kept (a source's, or quantize's) still pair by name
     check_keys_fit(target, source, selected)  # (an optimizer's int keys: one torch.save file only)
     job = Job(source, selected, dtype, keep_dtype=keep if dtype is not None else frozenset())
     target.check_holds(job)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel_dcp.errors import QuantizationError, describe_keys, plural
+from parallel_dcp.errors import QuantizationError, describe_keys
 from parallel_dcp.formats import lean
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dequantized_source import DequantizedSource, block_size_of, dequantized_source
@@ -34,6 +34,7 @@ from parallel_dcp.formats.quantized_pairs import (
 from parallel_dcp.formats.quantizing_source import DEFAULT_RULE, parse_quantize, quantizing_source
 from parallel_dcp.jobs.built_model import FP8_LAYERS, NAMES, refuse_unrelated_config
 from parallel_dcp.jobs.fp8_layers import Fp8Layers, fp8_layers, model_config
+from parallel_dcp.jobs.kept_pairs import check_pairs_named  # (here before; its rule is kept_pairs' now)
 from parallel_dcp.jobs.targets import DcpTarget, Job, ShardedTarget, Target
 from parallel_dcp.options import Options
 from parallel_dcp.storage.records import LEAN_DTYPES, fills_uninitialised
@@ -225,35 +226,3 @@ def refuse_cast_of_pairs(source: Source, selected: Sequence[str], dtype: torch.d
         "would round its float scales while the output keeps its quantization_config, so its reader "
         "would compute other weights, with no error",
     )
-
-
-def check_pairs_named(source: Source, keys: Sequence[str]) -> None:
-    """After the user's rename of a quantizing job: every FP8 ``X.weight`` still has its
-    ``X.weight_scale_inv`` and every scale its weight. Readers (transformers' FP8 layers, our
-    dequantize) pair them by these names only, so a broken pair loads wrong values or fails late.
-
-    Raises:
-        QuantizationError: the pairs the rename broke (the first 10 and the count), before anything is written.
-    """
-    have = set(keys)
-    broken = []
-    for key in keys:
-        entry = source.entries.get(key)
-        if entry is None:
-            continue
-        if key.endswith(SCALE_SUFFIX):
-            weight = key.removesuffix(SCALE_SUFFIX)
-            if weight not in have or not weight.endswith(".weight"):
-                broken.append(f"scale {key} without its weight {weight}")
-        elif entry.dtype in FP8_DTYPES:
-            if not key.endswith(".weight"):
-                broken.append(f"FP8 weight {key} not named X.weight")
-            elif key + SCALE_SUFFIX not in have:
-                broken.append(f"FP8 weight {key} without its scale {key + SCALE_SUFFIX}")
-    if broken:
-        raise QuantizationError(
-            f"the rename parts quantized weights from their scales ({plural(len(broken), 'problem')}; a reader "
-            f"pairs X.weight with X.weight{SCALE_SUFFIX} by name): {describe_keys(broken)}; rename a weight and its "
-            "scale alike "
-            "(nothing was written)"
-        )

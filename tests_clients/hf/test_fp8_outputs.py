@@ -7,11 +7,14 @@
   ``FineGrainedFP8Config``; the model transformers builds from it (FP8 linears where it would run
   them in FP8) holds exactly our keys, dtypes and shapes; ``modules_to_not_convert`` is present; and
   transformers' own dequantization of it equals ours.
+- ``--keys`` that keep each FP8 weight with its scale load as the release; ``--keys '*.weight'``
+  (the scales left out) is refused (review s17 F7).
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -231,3 +234,22 @@ def test_quantized_gpt_oss_keeps_its_router(run_cli: Callable[..., object], tmp_
     for name in original:
         if name not in quantized:
             assert_tensor_equal(loaded[name], original[name], name)
+
+
+def test_a_selection_of_whole_pairs_loads_as_the_release_and_one_that_parts_them_is_refused(
+    fp8_llama_dir: Path, run_cli: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
+    """Review s17 F7: ``--keys '*.weight'`` kept the FP8 weights without their scales and the
+    ``quantization_config``; transformers loaded the raw e4m3 codes (max 448 where the weights were
+    below 0.1) with no word. Refused now, before anything is written; the weights selected with
+    their scales load as the release does (transformers' own dequantizing load)."""
+    parted = run_cli("convert", fp8_llama_dir, tmp_path / "w", "--to", "safetensors", "--keys", "*.weight", check=False)
+    assert parted.returncode != 0 and "without its scale" in parted.stderr, parted.stderr
+    assert not (tmp_path / "w").exists()
+    keys = ["--keys", "*.weight", "--keys", "*.weight_scale_inv"]
+    run_cli("convert", fp8_llama_dir, tmp_path / "pairs", "--to", "safetensors", *keys)
+    assert json.loads((tmp_path / "pairs" / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    expected = load_causal_lm(fp8_llama_dir)
+    actual = load_causal_lm(tmp_path / "pairs")
+    assert_params_equal(actual, expected)
+    assert_tensor_equal(logits(actual), logits(expected), "logits")
