@@ -26,7 +26,7 @@ SHAPES: dict[str, tuple[Callable[[], object], str]] = {
     "list": (lambda: [{"a": T}, {"b": T + 1}], "holds a list at its top level, not a state dict"),
     "tuple": (lambda: ({"a": T},), "holds a tuple at its top level, not a state dict"),
     "tensor": (lambda: T, "holds a tensor at its top level, not a state dict"),
-    "int": (lambda: 3, "holds a int at its top level, not a state dict"),
+    "int": (lambda: 3, "holds an int at its top level, not a state dict"),
 }
 
 

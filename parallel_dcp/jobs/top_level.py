@@ -41,7 +41,8 @@ def refuse_non_mapping(source: Source) -> None:
             "where its class can be imported and save model.state_dict() (torch.save(model.state_dict(), PATH)), "
             "which converts"
         )
-    held = f"a {kind.__name__}" if kind.__module__ == "builtins" else f"a {kind.__module__}.{kind.__qualname__}"
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    held = f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
     advice = "torch.save a dict that names each of its tensors"
     if issubclass(kind, torch.Tensor):
         held, advice = "a tensor", "torch.save a dict that names it (torch.save({'weight': tensor}, PATH))"
