@@ -65,6 +65,12 @@ def printable(text: str) -> str:
     return "".join(out)
 
 
+def key_name(key: str) -> str:
+    """A key in a listing: escaped as :func:`printable`, and the empty key (what ``load`` names a
+    torch.save file's object that is not a mapping) shown as ``''``, not as nothing."""
+    return printable(key) if key else "''"
+
+
 def dtype_name(dtype: object) -> str:
     """A dtype as the CLI spells it (``bfloat16``, not ``torch.bfloat16``), in every message."""
     return str(dtype).removeprefix("torch.")

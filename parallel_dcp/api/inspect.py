@@ -53,9 +53,11 @@ def diff(
     key at a time, nothing kept beyond the tensor being hashed; only tensors a comparison needs
     are read. The report lists keys ``added`` in ``b``, ``removed`` from ``a``, ``renamed``
     (a tensor only in ``a`` and one only in ``b`` with the same dtype, shape and bytes), and
-    ``changed`` (dtype, shape, content, or a non-tensor value). ``report.same`` when nothing
-    differs. ``a`` and ``b`` may be URLs (``storage_options`` as for :func:`save`). Non-tensor
-    values are unpickled with ``weights_only=True`` unless ``trust_pickle`` (as for :func:`load`).
+    ``changed`` (dtype, shape, content, a non-tensor value, or a key type: a level of the key held
+    as an int key, an optimizer's parameter index, in one and as another key in the other, the
+    string ``'0'`` as DCP names it). ``report.same`` when nothing differs. ``a`` and ``b`` may be
+    URLs (``storage_options`` as for :func:`save`). Non-tensor values are unpickled with
+    ``weights_only=True`` unless ``trust_pickle`` (as for :func:`load`).
 
     Raises:
         FileNotFoundError / ValueError: ``a`` or ``b`` is missing or of no known format.

@@ -39,7 +39,10 @@ def verify(
     collected in the report (``report.ok`` is False, ``report.problems`` sorted), not raised.
     Tensors too large to compare whole under ``memory_limit`` are compared in row ranges, so
     ``verify`` works under any limit that :func:`convert` works under. ``path`` and ``against``
-    may be URLs (``storage_options`` as for :func:`save`).
+    may be URLs (``storage_options`` as for :func:`save`). A key whose path passes a mapping key
+    that is not a string (an optimizer's state keyed by int parameter index, as a torch.save file
+    keeps it) where ``against`` holds another key (the string ``'0'``, as DCP names it) is a
+    problem, named with both: an optimizer's ``load_state_dict`` fills its parameters from the one only.
 
     Args:
         dtype: compare against ``against`` cast the way ``convert(..., dtype=dtype)`` casts it

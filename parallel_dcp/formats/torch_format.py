@@ -123,6 +123,10 @@ class TorchSource(Source):
     memory_limit: int | None = field(default=None, repr=False)
     # Every key, tensors and values, in the files' order (torch.load's): what keys() gives.
     _order: list[str] = field(default_factory=list, repr=False)
+    # The type of what a file holds when it is not a mapping (a list, a tuple, a tensor, a pickled
+    # module), by file: read under the key "" (as torch.load gives it, for load and inspect), and
+    # never converted (jobs/top_level.py)
+    top_levels: dict[str, type] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.kind = "torch"
@@ -157,7 +161,9 @@ class TorchSource(Source):
             # not a string, an optimizer's parameter index, is kept in its path the same way: a
             # torch.save output gets it back, an output of string names refuses it, see
             # jobs/target_keys.py)
-            flat, mapping = flatten_checked(obj if isinstance(obj, dict) else {"": obj}, keep_empty=True, any_keys=True)
+            if not isinstance(obj, dict):
+                self.top_levels[origin[file]] = type(obj)
+            flat, mapping = flatten_checked(_as_mapping(obj), keep_empty=True, any_keys=True)
             if legacy:
                 self._legacy[file] = flat  # workers inherit it by fork
             for key, value in flat.items():
@@ -210,7 +216,7 @@ class TorchSource(Source):
             if file in self._legacy:
                 continue
             obj = _load(file, mmap=False, trust_pickle=self.trust_pickle, meta=True)
-            flat = flatten_structure(obj if isinstance(obj, dict) else {"": obj}, any_keys=True)[0]
+            flat = flatten_structure(_as_mapping(obj), any_keys=True)[0]
             for key, value in flat.items():
                 entry = self.entries.get(key)
                 if not isinstance(value, torch.Tensor) or entry is None or entry.file != file or key in self._lazy:
@@ -246,13 +252,19 @@ class TorchSource(Source):
         flat = self._legacy.get(file) or self._loaded.get(file)
         if flat is None:  # mapped in the worker on first use
             obj = _load(file, mmap=True, trust_pickle=self.trust_pickle)
-            flat = self._loaded[file] = flatten_checked(obj, any_keys=True)[0]
+            flat = self._loaded[file] = flatten_checked(_as_mapping(obj), any_keys=True)[0]
         tensor: torch.Tensor = flat[key]
         return tensor
 
     def _resolved(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """A lazy view's values, copied (a source on disk is charged a copy of every key)."""
         return resolved(tensor) if key in self._lazy else tensor
+
+
+def _as_mapping(obj: Any) -> dict[Any, Any]:
+    """What a file holds, as a state dict: a mapping as it is, anything else under the key ``""``
+    (named so by every read, the workers' too)."""
+    return obj if isinstance(obj, dict) else {"": obj}
 
 
 def shard_names(count: int) -> list[str]:

@@ -51,6 +51,7 @@ from parallel_dcp.jobs.source_check import source_checks, warn_unchecked_direct
 from parallel_dcp.jobs.streamed import measured_stream_source, stream_source
 from parallel_dcp.jobs.target_keys import check_keys_fit
 from parallel_dcp.jobs.targets import Job, ShardedTarget, Target, target_for, warn_metadata_left_out
+from parallel_dcp.jobs.top_level import refuse_non_mapping
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.storage.io_mode import resolve_io
 from parallel_dcp.storage.location import Remote, is_url, locate, same_place
@@ -266,6 +267,7 @@ def _convert_job(
     src = source.path
     if same_place(source.location, target.path):
         raise ValueError(f"{src} is both the source and the destination")
+    refuse_non_mapping(source)  # (a torch.save of a list, a tensor: no state dict to write)
     if quantization is not None and quantization.dequantize:
         source = dequantize_step(source, quantization)
     selected = select_keys(source, keys)

@@ -11,6 +11,8 @@ Only the tensors a comparison needs are hashed: keys in both with the same dtype
 the content the same?) and keys in only one of them (was it renamed?). A key in both whose dtype
 or shape differs is reported as such without reading it. Non-tensor values are compared as values:
 containers element by element, tensors in them by dtype, shape and bits (a NaN equals the same NaN).
+A key in both whose path passes an int key (an optimizer's parameter index) in one and another
+key (``'0'``) in the other has changed its key type (jobs/key_types.py), whatever its bytes.
 
 A tensor whose read does not fit in what one task may use under the memory limit is hashed in row
 ranges, as ``verify`` compares it: one split threshold for the whole run (so both sides of a
@@ -37,10 +39,11 @@ from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, ChunkUnit,
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
-from parallel_dcp.errors import plural, printable
+from parallel_dcp.errors import key_name, plural, printable
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.validate import empty_mapping
+from parallel_dcp.jobs.key_types import key_type_changes, why_key_types_matter
 from parallel_dcp.options import Options
 from parallel_dcp.storage.location import CLIENT_MEMORY, is_url, locate
 
@@ -52,8 +55,10 @@ class DiffReport:
     """Differences from checkpoint ``a`` to checkpoint ``b``; ``same`` when there are none.
 
     ``renamed`` pairs (name in a, name in b) whose tensors have the same dtype, shape and content
-    checksum; ``changed`` lists ``{"key", "change": "dtype"|"shape"|"content"|"value"|"kind",
-    "a", "b"}`` for keys in both.
+    checksum; ``changed`` lists ``{"key", "change": "dtype"|"shape"|"content"|"value"|"kind"|"key type",
+    "a", "b"}`` for keys in both ("key type": a level of the key's path is a key that is not a
+    string in one, an optimizer's int index, and another key in the other: ``"a"`` and ``"b"`` say
+    how each holds it, ``"key 0 (int) under optimizer.state"``; a key may also change content).
     """
 
     a: str
@@ -293,6 +298,8 @@ def _compare(a: Source, b: Source, options: Options, governor: MemoryGovernor) -
             report.changed.append({"key": key, "change": "shape", "a": _describe(a, key), "b": _describe(b, key)})
         else:
             wanted += [("a", key), ("b", key)]
+    for key, (held_a, held_b, where) in key_type_changes(a, b, common).items():  # (same names, other keys)
+        report.changed.append({"key": key, "change": "key type", "a": f"{held_a} {where}", "b": f"{held_b} {where}"})
     wanted += [("a", k) for k in only_a if k in a.entries] + [("b", k) for k in only_b if k in b.entries]
     sources = {"a": a, "b": b}
     digests = _hash(wanted, sources, options, governor)
@@ -361,11 +368,13 @@ def describe_diff(report: DiffReport) -> str:
         return "\n".join(lines)
     lines.append(
         f"  {len(report.added)} added, {len(report.removed)} removed, {len(report.renamed)} renamed, "
-        f"{len(report.changed)} changed, {report.unchanged} unchanged"
+        f"{len({c['key'] for c in report.changed})} changed, {report.unchanged} unchanged"
     )
-    lines += [f"  + {printable(k)}" for k in report.added]
-    lines += [f"  - {printable(k)}" for k in report.removed]
-    lines += [f"  renamed {printable(old)} -> {printable(new)}" for old, new in report.renamed]
+    lines += [f"  + {key_name(k)}" for k in report.added]
+    lines += [f"  - {key_name(k)}" for k in report.removed]
+    lines += [f"  renamed {key_name(old)} -> {key_name(new)}" for old, new in report.renamed]
     for c in report.changed:
-        lines.append(f"  changed {printable(c['key'])}: {c['change']} {printable(c['a'])} -> {printable(c['b'])}")
+        lines.append(f"  changed {key_name(c['key'])}: {c['change']} {printable(c['a'])} -> {printable(c['b'])}")
+    if any(c["change"] == "key type" for c in report.changed):
+        lines.append(f"  (a key type: {why_key_types_matter((report.format_a, report.format_b))})")
     return "\n".join(lines)

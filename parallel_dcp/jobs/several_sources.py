@@ -17,6 +17,7 @@ from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.side_file_checks import side_file_records
 from parallel_dcp.jobs.source_check import refuse_by_records
 from parallel_dcp.jobs.targets import ShardedTarget, target_for
+from parallel_dcp.jobs.top_level import refuse_non_mapping
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 
 __all__ = ["convert_all"]
@@ -42,6 +43,7 @@ def convert_all(
                 src, trust_pickle=trust, storage_options=options.storage_options, memory_limit=options.memory_ceiling()
             )
             try:
+                refuse_non_mapping(source)
                 if options.check_source and each.get("quantization") is None and each.get("preset") is None:
                     refuse_by_records(source)
                 if options.check_source:

@@ -15,10 +15,11 @@ from collections.abc import Sequence
 
 import torch
 
-from parallel_dcp.errors import InvalidStateDictError, printable
+from parallel_dcp.errors import InvalidStateDictError, key_name, printable
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.key_paths import NonStringKey, describe_level, first_non_string
 from parallel_dcp.jobs.targets import Target
+from parallel_dcp.jobs.top_level import module_name
 
 __all__ = ["check_keys_fit"]
 
@@ -57,7 +58,7 @@ def check_keys_fit(target: Target, source: Source, keys: Sequence[str]) -> None:
         if others:
             raise ValueError(
                 f"safetensors holds only tensors, and {source.path} selects {len(others)} other values "
-                f"({', '.join(printable(k) for k in others[:5])}); select tensors only with keys= (--keys)"
+                f"({', '.join(key_name(k) for k in others[:5])}); select tensors only with keys= (--keys)"
             )
 
 
@@ -68,9 +69,7 @@ def _refuse_modules(source: Source, keys: Sequence[str]) -> None:
     if not modules:
         return
     key, module = modules[0]
-    kind = type(module)
-    module_name = "torch.nn" if kind.__module__.startswith("torch.nn.") else kind.__module__  # as users write it
-    name = f"{module_name}.{kind.__qualname__}"
+    name = module_name(type(module))
     where = "the file" if key == "" else f"its key {printable(key)!r}"
     raise ValueError(
         f"{source.path}: {where} holds a pickled {name} module, not tensors (torch.save of the model "
@@ -89,7 +88,7 @@ def _refuse_non_string_keys(target: Target, source: Source, keys: Sequence[str])
     said = _WHAT_BECOMES_OF_IT[target.kind].format(
         name=str(path[level]), example=first, kind=type(path[level].key).__name__
     )
-    shown = ", ".join(printable(k) for k in under[:3]) + (" ..." if len(under) > 3 else "")
+    shown = ", ".join(key_name(k) for k in under[:3]) + (" ..." if len(under) > 3 else "")
     raise InvalidStateDictError(
         f"{source.path} holds {describe_level(path, level)}, not a string (torch.load gives it as it is; "
         f"an optimizer's state_dict() keys its state by parameter index), and {len(under)} selected keys "

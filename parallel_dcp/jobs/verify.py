@@ -9,6 +9,8 @@ A tensor whose reads (here and in the reference) do not fit in what one task may
 memory limit is compared in row ranges, read from both sides exactly as conversions read them, so
 ``verify`` works under any limit that ``convert`` works under. Every problem is reported (not only
 the first), sorted; a worker that cannot read a key reports it as a problem rather than failing.
+Keys are matched by name, and where a torch.save source keeps a mapping key that is not a string
+(an optimizer's int index) by that key's type too (jobs/key_types.py).
 
 Longer than 300 lines because checksum checks, header comparison and the chunked, memory-bounded
 bit-for-bit comparison form one job.
@@ -29,7 +31,7 @@ from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, ChunkUnit,
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
-from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError, dtype_name
+from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError, dtype_name, key_name, plural
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dcp_format import DcpSource
@@ -37,6 +39,7 @@ from parallel_dcp.formats.validate import empty_mapping
 from parallel_dcp.jobs.diff import values_equal
 from parallel_dcp.jobs.inspect import side_index
 from parallel_dcp.jobs.kept_float32 import keys_kept
+from parallel_dcp.jobs.key_types import key_type_changes, why_key_types_matter
 from parallel_dcp.jobs.unrecorded import with_own_records
 from parallel_dcp.jobs.verify_files import (
     Recorded,
@@ -525,7 +528,7 @@ def _verify(
     try:  # damaged shards are found before reading; unsafe values are refused by name
         source.check(keys)
     except CorruptCheckpointError as exc:
-        report.problems = sorted(file_problems) + [f"{k}: {key_problems[k][1]}" for k in sorted(key_problems)]
+        report.problems = sorted(file_problems) + [f"{key_name(k)}: {key_problems[k][1]}" for k in sorted(key_problems)]
         report.problems.append(str(exc))
         return report
     if records is None and deep:  # records not checked on the way: their heads, against .metadata
@@ -534,10 +537,15 @@ def _verify(
     for side in (source, reference):
         if side is not None:
             side.load_values(k for k in keys if k not in side.entries and k in side.values)
+    typed: dict[str, tuple[str, str, str]] = {}
     if reference is not None:
         for k in keys:
             if (problem := _header_problem(source, reference, k, dtype, keep)) is not None:
                 key_problems[k] = (0, problem)
+        typed = key_type_changes(source, reference, keys)  # (same names and bytes, keys of other types)
+        for k, (here, there, where) in typed.items():
+            said = f"{here} {where} here, {there} in {against}"
+            key_problems[k] = (0, f"{key_problems[k][1]}; {said}" if k in key_problems else said)
     tensors = [k for k in keys if k in source.entries and k not in key_problems] if deep else []
     if records is not None:  # read back in the one pass already
         report.bytes_checked = sum(source.entries[k].nbytes for k in tensors)
@@ -563,7 +571,10 @@ def _verify(
         if key not in key_problems or element < key_problems[key][0]:
             key_problems[key] = (element, problem)
     report.bytes_checked += sum(it.nbytes for it in plan.items)
-    report.problems = sorted(file_problems) + [f"{k}: {key_problems[k][1]}" for k in sorted(key_problems)]
+    report.problems = sorted(file_problems) + [f"{key_name(k)}: {key_problems[k][1]}" for k in sorted(key_problems)]
+    if typed:  # why, once
+        kinds = (source.kind, reference.kind if reference is not None else "")
+        report.problems.append(f"key types ({plural(len(typed), 'key')} above): {why_key_types_matter(kinds)}")
     if reference is not None and dtype is None and not file_problems:
         report.suggested_dtype = _cast_explains(source, reference, list(key_problems))
     return report
