@@ -168,27 +168,17 @@ def _named_folder(tmp_path: Path, named: object) -> Path:
     return folder
 
 
-def _index_of(folder: Path, index: str, values: dict[str, torch.Tensor]) -> None:
-    """``values`` as two shards at the top of ``folder`` (``c-1``, ``c-2``), and the index
-    ``index`` (a path below ``folder``) naming them, as transformers reads a named index: shard
-    names relative to the folder, not to the index."""
+def _index_of(folder: Path, index: str, values: dict[str, torch.Tensor], shards_in: str = "") -> None:
+    """``values`` as two shards in ``folder`` (``c-1``, ``c-2``; in its subfolder ``shards_in``
+    and named so, ``sub/c-1.safetensors``, where given), and the index ``index`` (a path below
+    ``folder``) naming them, as transformers reads an index: shard names relative to the folder,
+    not to the index (a name below it was refused as "may be malicious": review s17 F2)."""
     keys = list(values)
     weight_map = {}
+    if shards_in:
+        (folder / shards_in).mkdir(exist_ok=True)
     for name, part in (("c-1.safetensors", keys[:2]), ("c-2.safetensors", keys[2:])):
-        save_file({k: values[k] for k in part}, folder / name)
-        weight_map.update(dict.fromkeys(part, name))
-    (folder / index).parent.mkdir(parents=True, exist_ok=True)
-    (folder / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-
-
-def _index_below(folder: Path, index: str, values: dict[str, torch.Tensor]) -> None:
-    """As :func:`_index_of`, the shards in ``sub/`` and named so (``sub/c-1.safetensors``):
-    transformers joins each name to the model folder and loads them (review s17 F2: refused as "not
-    a plain file name ... may be malicious")."""
-    keys = list(values)
-    weight_map = {}
-    (folder / "sub").mkdir(exist_ok=True)
-    for name, part in (("sub/c-1.safetensors", keys[:2]), ("sub/c-2.safetensors", keys[2:])):
+        name = f"{shards_in}/{name}" if shards_in else name
         save_file({k: values[k] for k in part}, folder / name)
         weight_map.update(dict.fromkeys(part, name))
     (folder / index).parent.mkdir(parents=True, exist_ok=True)
@@ -222,12 +212,12 @@ FOLLOWED = [
     ),
     (
         "sub/c.safetensors.index.json",
-        lambda f: _index_below(f, "sub/c.safetensors.index.json", _values(1)),
+        lambda f: _index_of(f, "sub/c.safetensors.index.json", _values(1), shards_in="sub"),
         ["sub/c.safetensors.index.json", "sub/c-1.safetensors", "sub/c-2.safetensors"],
     ),
     (
         "model.safetensors.index.json",
-        lambda f: _index_below(f, "model.safetensors.index.json", _values(1)),
+        lambda f: _index_of(f, "model.safetensors.index.json", _values(1), shards_in="sub"),
         ["model.safetensors.index.json", "sub/c-1.safetensors", "sub/c-2.safetensors"],
     ),
     ("adapter_model.bin", lambda f: _sub(f, "adapter_model.bin", _values(1)), ["adapter_model.bin"]),

@@ -101,6 +101,16 @@ def _breach_by_a_caller_thread(
     return info.value
 
 
+def _callers_breach_figures(message: str) -> tuple[int, int, int]:
+    """(what the job was pushed to, the caller's growth, the workers') as a caller's breach quotes them."""
+    total = re.search(r"pushed the job to ([0-9.]+ \w+), over the memory limit 128.0 MiB", message)
+    parts = re.search(
+        r"its own memory grew by ([0-9.]+ \w+) since the job started, the workers' by ([0-9.]+ \w+)", message
+    )
+    assert total is not None and parts is not None, message
+    return parse_size(total.group(1)), parse_size(parts.group(1)), parse_size(parts.group(2))
+
+
 def test_a_breach_by_the_callers_own_memory_names_the_caller(tmp_path: Path) -> None:
     """A thread of the caller that allocates past the limit while the workers write: the breach
     names this process and its growth, not a worker (which was blamed, its small private memory
@@ -112,13 +122,8 @@ def test_a_breach_by_the_callers_own_memory_names_the_caller(tmp_path: Path) -> 
     # page by page), so the caller's quoted growth is anything from what crossed the limit up (143
     # MiB once under load): what the breach guarantees, in the message's own figures, is that the
     # caller's is the larger part and covers at least what the job went over the limit by.
-    total = re.search(r"pushed the job to ([0-9.]+ \w+), over the memory limit 128.0 MiB", message)
-    parts = re.search(
-        r"its own memory grew by ([0-9.]+ \w+) since the job started, the workers' by ([0-9.]+ \w+)", message
-    )
-    assert total is not None and parts is not None, message
-    caller, workers = parse_size(parts.group(1)), parse_size(parts.group(2))
-    assert caller > workers and caller >= parse_size(total.group(1)) - 128 * MiB, message
+    added, caller, workers = _callers_breach_figures(message)
+    assert caller > workers and caller >= added - 128 * MiB, message
     assert error.worker is None and error.measured > error.limit == 128 * MiB
     assert not (tmp_path / "ckpt" / ".metadata").exists()
 
@@ -133,12 +138,7 @@ def test_pages_the_caller_frees_under_a_forked_worker_are_not_the_workers_growth
     error = _breach_by_a_caller_thread(tmp_path, freed=inherited, steps=12)
     message = str(error)
     assert message.startswith(f"this process (pid {os.getpid()}: the caller"), message
-    total = re.search(r"pushed the job to ([0-9.]+ \w+), over the memory limit 128.0 MiB", message)
-    parts = re.search(
-        r"its own memory grew by ([0-9.]+ \w+) since the job started, the workers' by ([0-9.]+ \w+)", message
-    )
-    assert total is not None and parts is not None, message
-    caller, workers, added = (parse_size(text) for text in (parts.group(1), parts.group(2), total.group(1)))
+    added, caller, workers = _callers_breach_figures(message)
     # The limit was crossed by what the caller touched (16 MiB a step): that much is its growth, not
     # what it touched less what it dropped; the worker, idle in its task, added a few MiB of copies.
     assert caller >= 96 * MiB and workers < 32 * MiB, message
