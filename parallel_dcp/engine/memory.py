@@ -104,7 +104,9 @@ ITEM_MEMORY_BYTES = 16 * 1024
 # Measured as RssAnon of the coordinator from the fork to the commit: +1.7 MiB (a save),
 # +2.0-2.9 (MXFP4 dequantize), +1.7 (FP8). WORKER_MEMORY_BYTES holds it at two workers and more
 # (the tree's growth per worker counts it), not at one: there an MXFP4 dequantize at its advised
-# minimum was read by 1 ms counters up to 2.9 MiB over its prediction (s11 review, F6).
+# minimum was read by 1 ms counters up to 2.9 MiB over its prediction (s11 review, F6). The
+# watchdog's full readings of smaps are summed as they are read (proc_reading.exact_charge): read
+# whole, they grew a coordinator of many mappings (a test process late in a suite) past this figure.
 COORDINATOR_RUN_BYTES = 3 * 1024 * 1024
 # What the coordinator holds per planned unit (a chunk, its name, its item, its place in a task and
 # in the results): ~300 B measured for the plan alone, rounded up for what follows it.
