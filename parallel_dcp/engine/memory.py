@@ -217,6 +217,8 @@ class MemoryGovernor:
         tens of milliseconds when it holds a large state dict)."""
         self.limit = limit
         self.interval = interval
+        # When the baseline was read (time.monotonic()): what this process opened since is the job's.
+        self.started = time.monotonic()
         self._me = psutil.Process()
         self._charges = charges or ChargeReader()
         self._held = list(held)
@@ -252,6 +254,7 @@ class MemoryGovernor:
         self.overhead = 0
         self.reserved = 0
         self.coordinator = 0  # COORDINATOR_RUN_BYTES once held (in reserved too)
+        self.clients = 0  # ... of which the coordinator's own connections (hold_coordinator)
         self.planned_units = 0  # admitted by admit_units
         # What the tasks are doing and what their units are, for messages (see :meth:`during`).
         self.phase = "writing"
@@ -283,13 +286,16 @@ class MemoryGovernor:
             )
         self.reserved += nbytes
 
-    def hold_coordinator(self) -> None:
+    def hold_coordinator(self, clients: int = 0) -> None:
         """Set aside, once a job, what the coordinator grows by while its workers run
-        (``COORDINATOR_RUN_BYTES``): every later plan, admission and dry run counts it. Never
-        refused here: a limit it leaves no room under is refused by planning, with its advice."""
+        (``COORDINATOR_RUN_BYTES``), and ``clients``: what its own connections to object storage
+        hold where the job opens them (after the baseline); every later plan, admission and dry
+        run counts it. Never refused here: a limit it leaves no room under is refused by
+        planning, with its advice."""
         if not self.coordinator:
-            self.coordinator = COORDINATOR_RUN_BYTES
-            self.reserved += COORDINATOR_RUN_BYTES
+            self.clients = clients
+            self.coordinator = COORDINATOR_RUN_BYTES + clients
+            self.reserved += self.coordinator
 
     @contextlib.contextmanager
     def during(self, phase: str, units: str = "keys") -> Iterator[None]:
@@ -410,7 +416,9 @@ class MemoryGovernor:
         # twice, and a diff planned to fit was refused at its first task (test_diff_values, 1 CI
         # run in 4). Where the workers alone leave no room, the first task's admission refuses
         # the job, naming the phase, the task and the figures (admit_task).
-        self.overhead = max(max(0, reading.added), WORKER_MEMORY_BYTES * len(pids)) + extra
+        # The coordinator's connections opened by the job are in the reading and set aside in
+        # ``reserved`` (hold_coordinator): counted once.
+        self.overhead = max(max(0, reading.added - self.clients), WORKER_MEMORY_BYTES * len(pids)) + extra
 
     def room_for_worker(self, need: int) -> bool:
         """Whether a worker started now (its planned resting cost) and a task needing ``need`` on

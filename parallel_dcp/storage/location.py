@@ -28,6 +28,7 @@ import io
 import json
 import math
 import os
+import time
 from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ __all__ = [
     "Remote",
     "RemoteFileSystem",
     "check_name",
+    "clients_opened_since",
     "dcp_reader",
     "file_size",
     "is_url",
@@ -68,8 +70,9 @@ CLIENT_MEMORY = 16 * 2**20
 _MAX_PARTS = 9000
 _READ_BYTES = 8 * 2**20
 
-# (pid, protocol, options and AWS environment) -> the filesystem this process opened.
+# (pid, protocol, options and AWS environment) -> the filesystem this process opened, and when.
 _FILESYSTEMS: dict[tuple[int, str, str], AbstractFileSystem] = {}
+_OPENED_AT: dict[tuple[int, str, str], float] = {}
 
 
 def check_name(name: object, where: object) -> str:
@@ -154,6 +157,15 @@ def _import_protocol(url: str) -> None:
         raise ValueError(f"cannot open {url}: unknown protocol {protocol!r} ({exc})") from exc
 
 
+def clients_opened_since(moment: float, locations: Iterable[object]) -> int:
+    """How many filesystem objects (each ``CLIENT_MEMORY``) this process opens for the Remote
+    ``locations`` at or after ``moment`` (``time.monotonic()``): those opened since, and those it
+    has still to open; one per protocol, options and AWS environment. What a job's coordinator
+    holds of its own connections, where it opened them itself (a first job on that storage)."""
+    keys = {location._client_key() for location in locations if isinstance(location, Remote)}
+    return sum(1 for key in keys if _OPENED_AT.get(key, moment) >= moment)
+
+
 def part_size(expected_bytes: int) -> int:
     """The upload part size for a file of about ``expected_bytes``: 8 MiB, more for huge files."""
     return max(MIN_PART_BYTES, math.ceil(expected_bytes / _MAX_PARTS / 2**20) * 2**20)
@@ -184,14 +196,18 @@ class Remote:
         """This process's filesystem object for the URL's protocol and options."""
         from fsspec.core import url_to_fs
 
-        # The AWS_* environment (credentials, endpoint, profile) is part of what a client is.
-        environment = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
-        options = json.dumps([self.options, environment], sort_keys=True, default=str)
-        key = (os.getpid(), self.url.split("://", 1)[0], hashlib.sha256(options.encode()).hexdigest())
+        key = self._client_key()
         fs = _FILESYSTEMS.get(key)
         if fs is None:
             fs = _FILESYSTEMS[key] = url_to_fs(self.url, skip_instance_cache=True, **self.options)[0]
+            _OPENED_AT[key] = time.monotonic()
         return fs
+
+    def _client_key(self) -> tuple[int, str, str]:
+        # The AWS_* environment (credentials, endpoint, profile) is part of what a client is.
+        environment = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
+        options = json.dumps([self.options, environment], sort_keys=True, default=str)
+        return os.getpid(), self.url.split("://", 1)[0], hashlib.sha256(options.encode()).hexdigest()
 
     @property
     def key(self) -> str:
