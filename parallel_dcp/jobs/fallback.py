@@ -28,7 +28,7 @@ from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.errors import MemoryLimitExceeded
 from parallel_dcp.storage.location import Remote
 
-__all__ = ["plan_with_fallbacks", "smallest_limit"]
+__all__ = ["plan_with_fallbacks", "smallest_limit", "without_advice"]
 
 P = TypeVar("P")
 MiB = 1024 * 1024
@@ -62,7 +62,7 @@ def plan_with_fallbacks(
         if least is None or least <= governor.limit:
             raise
         raise MemoryLimitExceeded(
-            f"{_without_advice(str(refused))}: raise --memory-limit to at least {least // MiB} MiB (the smallest "
+            f"{without_advice(str(refused))}: raise --memory-limit to at least {least // MiB} MiB (the smallest "
             "limit this job plans under)",
             limit=governor.limit,
             measured=least,
@@ -137,7 +137,7 @@ def smallest_limit(
     return high * MiB
 
 
-def _without_advice(message: str) -> str:
+def without_advice(message: str) -> str:
     """``message`` without its closing "raise --memory-limit ..." advice (replaced by a searched one)."""
     return _ADVICE.sub("", message).rstrip(" ;:,")
 

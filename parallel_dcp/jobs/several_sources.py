@@ -7,12 +7,14 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from parallel_dcp.errors import ParallelDCPError, SourceNotCheckedWarning
+from parallel_dcp.engine.sizes import format_bytes
+from parallel_dcp.errors import MemoryLimitExceeded, ParallelDCPError, SourceNotCheckedWarning, plural, printable
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.jobs.convert import convert_one
 from parallel_dcp.jobs.copy_files import files_to_copy
 from parallel_dcp.jobs.dryrun import DryRunPlan
+from parallel_dcp.jobs.fallback import without_advice
 from parallel_dcp.jobs.pipeline import SaveResult
 from parallel_dcp.jobs.side_file_checks import side_file_records
 from parallel_dcp.jobs.source_check import refuse_by_records
@@ -21,6 +23,8 @@ from parallel_dcp.jobs.top_level import refuse_non_mapping
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 
 __all__ = ["convert_all"]
+
+MiB = 1024 * 1024
 
 
 def convert_all(
@@ -35,7 +39,10 @@ def convert_all(
     header, or a recorded index, not the one recorded) come before anything is written too, but
     for a job that reads a view of it (quantizing, a preset: not checked); so do the recorded side
     files each would copy (a later source's changed ``config.json`` was found only when its own
-    conversion began)."""
+    conversion began), and each one's memory plan: a source that cannot be converted under the
+    memory limit is refused before the first is converted, advising a limit every source plans
+    under (the advice of the first refused covered it alone: followed, it converted the first
+    source and refused the next)."""
     if len(sources) > 1:
         for src, out in zip(sources, outputs, strict=True):
             trust = each.get("trust_pickle", False)
@@ -50,6 +57,8 @@ def convert_all(
                     _check_side_files(source, out, options, each)
             finally:
                 source.close()
+        if not each.get("dry_run"):
+            _refuse_what_would_not_fit(sources, outputs, options, each)
     results: list[SaveResult | DryRunPlan] = []
     for src, out in zip(sources, outputs, strict=True):
         try:
@@ -89,3 +98,35 @@ def _check_side_files(source: Source, out: str, options: Options, each: Mapping[
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SourceNotCheckedWarning)
             side_file_records(copies, copies.folder, own_source=copy_files_from is None, would_copy=copies.would_copy)
+
+
+def _refuse_what_would_not_fit(
+    sources: Sequence[str | os.PathLike[str]], outputs: Sequence[str], options: Options, each: Mapping[str, Any]
+) -> None:
+    """Each source's conversion planned as its dry run plans it (nothing written; the warnings are
+    left to the conversion itself, which says them once).
+
+    Raises:
+        MemoryLimitExceeded: a source's plan does not fit the limit; the message names each such
+            source and the smallest limit all of them plan under.
+    """
+    refused: list[tuple[str | os.PathLike[str], MemoryLimitExceeded]] = []
+    for src, out in zip(sources, outputs, strict=True):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                convert_one(src, out, options, **{**each, "dry_run": True})
+        except MemoryLimitExceeded as exc:
+            refused.append((src, exc))
+    if not refused:
+        return
+    least = max(exc.measured for _, exc in refused)
+    said = "; ".join(f"{printable(os.fspath(src))}: {without_advice(str(exc))}" for src, exc in refused)
+    raise MemoryLimitExceeded(
+        f"{plural(len(refused), 'source')} of {len(sources)} cannot be converted under the memory limit "
+        f"{format_bytes(options.memory_ceiling())} (nothing was written): {said}. Raise --memory-limit to at least "
+        f"{-(-least // MiB)} MiB (the smallest limit every source plans under)",
+        limit=options.memory_ceiling(),
+        measured=least,
+        keys=[key for _, exc in refused for key in exc.keys],
+    )
