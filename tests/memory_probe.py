@@ -39,6 +39,7 @@ class PeakSampler:
     def __init__(self, interval: float = 0.002) -> None:
         self.interval = interval
         self.peak = 0
+        self.readings = 0  # (of the whole tree, consistent: a job shorter than a reading under load gets none)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -47,6 +48,7 @@ class PeakSampler:
             total = tree_pss()
             if total is not None:
                 self.peak = max(self.peak, total - self.baseline)
+                self.readings += 1
             time.sleep(self.interval)
 
     def __enter__(self) -> PeakSampler:
