@@ -35,11 +35,12 @@ from parallel_dcp.formats.dcp_format import ChunkSavePlanner
 from parallel_dcp.jobs.copy_files import Copies, read_copies
 from parallel_dcp.jobs.dcp_commit import metadata_files, outgoing_part
 from parallel_dcp.jobs.dcp_entries import remaining_entries
+from parallel_dcp.jobs.file_writes import write_local, write_remote
 from parallel_dcp.jobs.job import Job
 from parallel_dcp.options import DEFAULT_SHARD_SIZE, Options
 from parallel_dcp.partial import partial_save
 from parallel_dcp.storage.compression import Compression
-from parallel_dcp.storage.direct_write import direct_write_memory, new_file
+from parallel_dcp.storage.direct_write import direct_write_memory
 from parallel_dcp.storage.io_mode import resolve_io, uses_direct
 from parallel_dcp.storage.location import Remote, locate, upload_memory
 from parallel_dcp.storage.manifest import FileDigest, Hasher, manifest_bytes, sidecar_name
@@ -411,8 +412,8 @@ class ShardedTarget(Target):
         where = staging.file(name)  # a hidden temporary name until the commit renames it (local)
         file_format = _carrying(self.format, job.source)
         if isinstance(where, Remote):
-            return {name: _write_remote(where, file_format, data, task.nbytes, options)}
-        return {name: _write_local(self, where, data, None, task.nbytes, options, file_format)}
+            return {name: write_remote(where, file_format, data, task.nbytes, options)}
+        return {name: write_local(where, data, None, options, file_format, direct=self.uses_direct(task.nbytes))}
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         digests: dict[str, FileDigest] = {}
@@ -486,8 +487,8 @@ class FileTarget(Target):
             options = dataclasses.replace(options, checksums=False)  # no sidecar: count, do not hash again
         file_format = _carrying(dataclasses.replace(self.format, write=writer), job.source)
         if isinstance(where, Remote):
-            return _write_remote(where, file_format, data, task.nbytes, options, mapping)
-        return _write_local(self, where, data, mapping, task.nbytes, options, file_format)
+            return write_remote(where, file_format, data, task.nbytes, options, mapping)
+        return write_local(where, data, mapping, options, file_format, direct=self.uses_direct(task.nbytes))
 
     def commit(self, job: Job, tasks: list[Task], results: list[Any], staging: AnyStaging, options: Options) -> int:
         # A format that cannot hold its checksums gets its manifest beside it, renamed into place
@@ -543,61 +544,6 @@ def _json_size(metadata: dict[str, str]) -> int:
 # training notes are kilobytes; the whole header, tensor index included, must stay under the
 # library's 100,000,000 bytes).
 CARRIED_METADATA_MAX_BYTES = 1024 * 1024
-
-
-class _Hashing:
-    """A write stream that also feeds what it writes to a :class:`Hasher`."""
-
-    def __init__(self, stream: Any, hasher: Hasher) -> None:
-        self._stream = stream
-        self._hasher = hasher
-
-    def write(self, data: Any) -> int:
-        self._hasher.update(data)
-        self._stream.write(data)
-        return memoryview(data).nbytes
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
-def _write_remote(
-    remote: Remote,
-    file_format: FileFormat,
-    data: dict[str, Any],
-    nbytes: int,
-    options: Options,
-    mapping: dict[str, tuple[Any, ...]] | None = None,
-) -> FileDigest:
-    """Stream one file of ``file_format`` to object storage; its digest."""
-    hasher = Hasher(checksum=options.checksums)
-    with remote.open_write(nbytes) as stream:
-        file_format.write(data, _Hashing(stream, hasher), mapping)
-    return hasher.result()
-
-
-def _write_local(
-    target: ShardedTarget | FileTarget,
-    where: Path,
-    data: dict[str, Any],
-    mapping: dict[str, tuple[Any, ...]] | None,
-    nbytes: int,
-    options: Options,
-    file_format: FileFormat | None = None,
-) -> FileDigest:
-    """One file through the I/O layer: created new (a name planted there, a symlink included, is
-    refused, never written through), with O_DIRECT where the target's io says, hashed while it
-    is written (no second read). Written by this process alone: a worker killed mid-write
-    (Ctrl-C, the memory governor) leaves only this save's own name, which its cleanup removes
-    (``safetensors.save_file`` left a randomly named ``.tmpXXXXXX`` the cleanup could not
-    attribute, and the directory refused every later run)."""
-    hasher = Hasher(checksum=options.checksums)
-    with new_file(where, direct=target.uses_direct(nbytes)) as stream:
-        (file_format or target.format).write(data, _Hashing(stream, hasher), mapping)
-        stream.flush()
-        if options.sync_files:
-            os.fsync(stream.fileno())
-    return hasher.result()
 
 
 def target_for(
