@@ -162,3 +162,23 @@ def test_commands_that_write_nothing_do_not_say_nothing_was_committed(
     code, err = _run(tmp_path, _SLOW_TORCH, argv, signal_on_marker=True)
     assert code == 130, err
     assert err.strip() == "parallel-dcp: interrupted", err
+
+
+def test_after_the_command_the_interpreters_exit_ignores_ctrl_c(tmp_path: Path, source: Path) -> None:
+    """Python puts a Python SIGINT handler back to the default action as it begins to tear down its
+    modules (torch's take up to a second), and a Ctrl-C there killed the finished command by SIGINT
+    (exit -2, nothing said, the checkpoint committed: review s17 rev2 F4). Once the command has
+    finished, SIGINT is ignored by the kernel, which the exit leaves as it is."""
+    code = (
+        "import signal, sys\n"
+        f"sys.argv = ['parallel-dcp', 'convert', {str(source)!r}, {str(tmp_path / 'dst')!r}, '-q']\n"
+        "from parallel_dcp.cli import main\n"
+        "code = main()\n"
+        "print(f'after: {signal.getsignal(signal.SIGINT)!r}', file=sys.stderr)\n"
+        "sys.exit(code)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "after: <Handlers.SIG_IGN: 1>" in run.stderr, run.stderr
+    assert (tmp_path / "dst" / ".metadata").exists()

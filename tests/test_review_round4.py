@@ -443,3 +443,26 @@ def test_a_fork_made_while_interrupts_are_held_gets_the_handlers_back() -> None:
         "held": True,
         "after": True,
     }
+
+
+def test_the_command_line_never_says_nothing_was_committed_of_a_commit_it_held_a_ctrl_c_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Ctrl-C held through a conversion's commit: the command said "interrupted; nothing was
+    committed", then the note that the destination holds the new checkpoint (review s17 rev2 F4)."""
+    from parallel_dcp.cli import main
+
+    parallel_dcp.save(_state(5), tmp_path / "src", workers=1)
+    publish = LocalDirStaging.publish
+
+    def interrupted(self: Any) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, as the publishing begins
+        time.sleep(0.05)
+        publish(self)
+
+    monkeypatch.setattr(LocalDirStaging, "publish", interrupted)
+    code = main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "-q"])
+    err = capsys.readouterr().err
+    assert code == 130, err
+    assert "nothing was committed" not in err and "holds the new checkpoint" in err, err
+    assert_same(parallel_dcp.load(tmp_path / "dst"), _state(5))

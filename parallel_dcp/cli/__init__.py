@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Ctrl-C at any instant is one line and exit code 130 (:mod:`~.interrupt`); called as the
     program (``argv`` None), a Ctrl-C after the command finished is ignored up to the exit."""
-    previous = interrupt.install()
+    previous = interrupt.install(program=argv is None)
     shown = warnings.showwarning
     warnings.showwarning = show_warning
     notes: list[logging.Handler] = []
@@ -115,8 +115,10 @@ def _main(argv: Sequence[str] | None, notes: list[logging.Handler]) -> int:
         sub.error(str(exc))  # exits 2
     except KeyboardInterrupt as exc:
         interrupt.finished()
-        # Only convert writes: verify, inspect and bench have nothing to commit.
-        said = "; nothing was committed" if args.command == "convert" else ""
+        # Only convert writes: verify, inspect and bench have nothing to commit. A Ctrl-C held
+        # through a commit says what it committed (its note), never "nothing was committed".
+        committed = getattr(exc, "committed", None)
+        said = "; nothing was committed" if args.command == "convert" and committed is None else ""
         print(f"parallel-dcp: interrupted{said}", file=sys.stderr)
         print_notes(exc)
         return 130

@@ -16,7 +16,7 @@ from typing import Any
 
 __all__ = ["finished", "install", "restore"]
 
-_state = {"finished": False}
+_state = {"finished": False, "program": False}
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
@@ -25,17 +25,24 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def install() -> Any:
-    """Take SIGINT for this command; the handler it replaced (None off the main thread)."""
+def install(*, program: bool = False) -> Any:
+    """Take SIGINT for this command (``program``: the process is the command, not a caller of
+    main); the handler it replaced (None off the main thread)."""
     _state["finished"] = False
+    _state["program"] = program
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGINT, _on_sigint)
 
 
 def finished() -> None:
-    """The command's work is over: a Ctrl-C from now on is ignored."""
+    """The command's work is over: a Ctrl-C from now on is ignored. As the program, SIGINT is then
+    ignored by the kernel: the interpreter's exit puts a Python handler back to the default action
+    before it tears down its modules (torch's: up to a second), and a Ctrl-C there killed the
+    process by SIGINT after the job had committed (exit -2, nothing said: review s17 rev2 F4)."""
     _state["finished"] = True
+    if _state["program"] and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def restore(previous: Any) -> None:

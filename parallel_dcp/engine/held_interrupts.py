@@ -77,6 +77,7 @@ class HeldInterrupts:
             return
         name = signal.Signals(self.caught[0]).name
         interrupt = KeyboardInterrupt(f"signal {name}")
+        interrupt.committed = committed  # type: ignore[attr-defined]  # (what the command line says)
         if committed is not None:
             interrupt.add_note(
                 f"{name} came while the job committed; it was held until the commit was whole: "

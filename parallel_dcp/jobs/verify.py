@@ -31,7 +31,7 @@ from parallel_dcp.engine.chunks import MIN_MEMORY_CHUNK_BYTES, Chunk, ChunkUnit,
 from parallel_dcp.engine.memory import MemoryGovernor
 from parallel_dcp.engine.partition import Item, Task, partition
 from parallel_dcp.engine.pool import WorkerPool
-from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError, dtype_name, key_name, plural
+from parallel_dcp.errors import CorruptCheckpointError, UnsafeCheckpointError, dtype_name, plural
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.dcp_format import DcpSource
@@ -528,7 +528,9 @@ def _verify(
     try:  # damaged shards are found before reading; unsafe values are refused by name
         source.check(keys)
     except CorruptCheckpointError as exc:
-        report.problems = sorted(file_problems) + [f"{key_name(k)}: {key_problems[k][1]}" for k in sorted(key_problems)]
+        report.problems = sorted(file_problems) + [
+            f"{k or repr(k)}: {key_problems[k][1]}" for k in sorted(key_problems)
+        ]
         report.problems.append(str(exc))
         return report
     if records is None and deep:  # records not checked on the way: their heads, against .metadata
@@ -571,7 +573,8 @@ def _verify(
         if key not in key_problems or element < key_problems[key][0]:
             key_problems[key] = (element, problem)
     report.bytes_checked += sum(it.nbytes for it in plan.items)
-    report.problems = sorted(file_problems) + [f"{key_name(k)}: {key_problems[k][1]}" for k in sorted(key_problems)]
+    # (keys exact, as the report's JSON gives them; the command line escapes what it prints)
+    report.problems = sorted(file_problems) + [f"{k or repr(k)}: {key_problems[k][1]}" for k in sorted(key_problems)]
     if typed:  # why, once
         kinds = (source.kind, reference.kind if reference is not None else "")
         report.problems.append(f"key types ({plural(len(typed), 'key')} above): {why_key_types_matter(kinds)}")
