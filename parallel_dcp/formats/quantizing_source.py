@@ -11,7 +11,8 @@ language), or by default :data:`DEFAULT_RULE`: 2-D floating tensors whose names 
 Mixtral, Qwen and DeepSeek name them; ``*.router.weight``, as gpt-oss does), which the releases
 and transformers' ``modules_to_not_convert`` keep in bf16; and, where the job knows the model
 (``replaced``, from jobs/fp8_layers.py), only the weights transformers' FP8 path loads into FP8
-layers (its nn.Linear modules, not those ``_keep_in_fp32_modules`` names). Both output units of a
+layers (its nn.Linear modules, not those ``_keep_in_fp32_modules`` names), judged by the names it
+loads them as; one it cannot place is left plain, with a warning. Both output units of a
 weight read the weight: when one task holds both, it is quantized once; a huge weight splits into
 row ranges of whole blocks (:meth:`QuantizingSource.split_alignment`), each quantized on its own
 (every block's scale depends on its rows only, so the pieces equal the whole).
@@ -87,10 +88,11 @@ def parse_quantize(spec: str) -> tuple[int, int]:
 
 def default_quantize_rule(entry: Entry, replaced: Callable[[str], bool | None] | None = None) -> bool:
     """:data:`DEFAULT_RULE` for one tensor; ``replaced`` says whether transformers' FP8 path loads
-    a key into an FP8 layer (None: it cannot tell, the names decide)."""
+    a key into an FP8 layer (True), as a plain tensor (False), or that it cannot tell (None: left
+    plain, never quantized as if replaced); without ``replaced`` the names decide."""
     if not _quantizable(entry) or _EXCLUDED.search(entry.key):
         return False
-    return replaced is None or replaced(entry.key) is not False
+    return replaced is None or replaced(entry.key) is True
 
 
 def _quantizable(entry: Entry) -> bool:
@@ -117,6 +119,8 @@ class QuantizingSource(WrappedSource):
     dtype: torch.dtype | None = None
     weights: dict[str, str] = field(default_factory=dict)  # output key -> inner weight (both units)
     keep: frozenset[str] = frozenset()  # keys ``dtype`` leaves (jobs/kept_float32.py)
+    # the modules transformers loads weights left plain into, where it names them otherwise (its renames)
+    loaded_plain: tuple[str, ...] = ()
 
     def check(self, keys: Iterable[str] | None = None) -> None:
         keys = None if keys is None else list(dict.fromkeys(self.weights.get(k, k) for k in keys))
@@ -239,6 +243,23 @@ def _whole_blocks_or_warn(
     return chosen
 
 
+def _warn_unplaced(source: Source, keys: Sequence[str], replaced: Callable[[str], bool | None], layers: str) -> None:
+    """Say which weights the names would have quantized and the model cannot place (renamed by
+    transformers onto no parameter, or to a name that cannot be known): left plain. Quantized,
+    they would load as raw FP8 codes wherever transformers loads them into a plain module."""
+    unplaced = [
+        k for k in keys if k in source.entries and default_quantize_rule(source.entries[k]) and replaced(k) is None
+    ]
+    if unplaced:
+        warnings.warn(
+            f"{len(unplaced)} weights are left unquantized (and listed in modules_to_not_convert), as {layers} "
+            f"has no weight transformers loads them into, under the names it renames them to on load, or those "
+            f"names cannot be known ({describe_keys(unplaced)}); quantize_keys (--quantize-keys) quantizes them "
+            "anyway, for a reader that dequantizes every pair",
+            stacklevel=5,
+        )
+
+
 def quantizing_source(
     source: Source,
     keys: Sequence[str],
@@ -248,10 +269,13 @@ def quantizing_source(
     keep: frozenset[str] = frozenset(),
     replaced: Callable[[str], bool | None] | None = None,
     layers: str = "",
+    loaded_module: Callable[[str], str | None] | None = None,
 ) -> tuple[QuantizingSource, tuple[str, ...]]:
     """``source`` restricted to ``keys`` with the weights the rule selects quantized; the output
     keys in order (each weight followed by its scale). ``replaced`` narrows the default rule to
-    the weights transformers' FP8 path loads into FP8 layers (``layers`` names them, for errors).
+    the weights transformers' FP8 path loads into FP8 layers (``layers`` names them, for errors);
+    a weight it cannot place is left plain, with a warning. ``loaded_module``: the module
+    transformers loads a weight into, where it renames it on load (kept plain by that name too).
 
     Raises:
         QuantizationError: ``keys`` hold quantized tensors already (FP8 weights or scales, MXFP4
@@ -269,6 +293,8 @@ def quantizing_source(
             return _quantizable(entry) and bool(match(entry.key))
 
     selected = [k for k in keys if k in source.entries and rule(source.entries[k])]
+    if quantize_keys is None and replaced is not None:
+        _warn_unplaced(source, keys, replaced, layers)
     chosen = _whole_blocks_or_warn(source, selected, block, chosen_by_rule=quantize_keys is None)
     outside = [k for k in chosen if replaced is not None and replaced(k) is False]
     if outside:  # the user's patterns chose them (the default rule never does)
@@ -300,6 +326,9 @@ def quantizing_source(
         raise QuantizationError(f"{source.path} already holds the scales {taken[:5]}: is it quantized already?")
     view = QuantizingSource.around(source, block=block, dtype=dtype, keep=keep)
     chosen_set = set(chosen)
+    if loaded_module is not None:
+        plain = (k for k in keys if k in source.entries and k not in chosen_set and _quantizable(source.entries[k]))
+        view.loaded_plain = tuple(sorted({m for m in map(loaded_module, plain) if m is not None}))
     out: list[str] = []
     for key in keys:
         path = source.mapping.get(key, (key,))

@@ -6,6 +6,8 @@
             FP8_LAYERS     ──▶ the 2-D weights FP8 layers replace, or not      (fp8_layers: --quantize)
             NAMES          ──▶ its parameter and buffer names   (is a config.json beside one named
                                                                  weights file that file's model?)
+            LOADED_NAMES   ──▶ each checkpoint key's name as transformers loads it (its renames on
+                                load: loaded_names; both questions above decide on those names)
 
 Importing transformers costs seconds and ~270 MiB, which the job's own process would carry to its
 end, so a child does it and exits before the job starts. A conversion with both ``--dtype`` and
@@ -24,21 +26,27 @@ The model is built as ``from_pretrained`` builds it (``torch.device("meta")`` an
 ``meta_device_safe_creation_ops``). When FP8 layers are asked, the config's
 ``quantization_config`` is left out of the build (no model class of transformers 5.25 reads it when
 built; a release's own one only says how its stored weights are quantized).
+
+Longer than 300 lines because the child's code, the in-place run, the answers kept per process and
+the refusal of another model's config.json share one build and its cache; the renames on load are
+:mod:`parallel_dcp.jobs.loaded_names`'s.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from parallel_dcp.engine.sizes import format_bytes
 from parallel_dcp.errors import ConfigMismatchError, MemoryLimitExceeded, printable
 from parallel_dcp.formats.base import Source
+from parallel_dcp.jobs.loaded_names import CHILD_CODE, LOADED_NAMES
 from parallel_dcp.jobs.watched_child import run_within
 
 __all__ = [
@@ -46,6 +54,7 @@ __all__ = [
     "FP8_LAYERS",
     "LAYERS_CHILD_MEMORY",
     "LISTS_CHILD_MEMORY",
+    "LOADED_NAMES",
     "NAMES",
     "NOT_INSTALLED",
     "Unread",
@@ -56,6 +65,7 @@ __all__ = [
 ]
 
 FLOAT32_LISTS, FP8_LAYERS, NAMES = "float32_lists", "fp8_layers", "names"
+_OF_KEYS = "loaded_names_of"  # (the digest of the keys a LOADED_NAMES answer maps)
 
 # What to advise as the least limit for the child, by the most it is asked (its peak as the ceiling
 # counts it, with transformers 5.25, and some room): the float32 lists alone, 271-277 MiB measured
@@ -74,8 +84,9 @@ NOT_INSTALLED = Unread("transformers is not installed: pip install transformers"
 
 
 # The child's whole work (also run in place, by exec): the model built once, each question answered.
-_ANSWER = r"""
-def answer(transformers, torch, class_name, config, questions):
+_ANSWER = (
+    r"""
+def answer(transformers, torch, class_name, config, questions, keys):
     import contextlib
     from torch import nn
     model_class = getattr(transformers, class_name, None)
@@ -86,7 +97,8 @@ def answer(transformers, torch, class_name, config, questions):
     buildable = hasattr(model_class, "config_class")
     built, why = None, None
     # (the float32 lists of a class that is not one of transformers' models: its class attributes)
-    if ("fp8_layers" in questions or "names" in questions) and buildable or "float32_lists" in questions and is_model:
+    shaped = any(q in questions for q in ("fp8_layers", "names", "loaded_names"))  # (need the instance)
+    if shaped and buildable or "float32_lists" in questions and is_model:
         if "fp8_layers" in questions:
             config = {k: v for k, v in config.items() if k != "quantization_config"}
         try:
@@ -127,8 +139,12 @@ def answer(transformers, torch, class_name, config, questions):
     if "names" in questions and built is not None:
         said["names"] = sorted({n for n, _ in built.named_parameters(remove_duplicate=False)}
                                | {n for n, _ in built.named_buffers(remove_duplicate=False)})
+    if "loaded_names" in questions:
+        said["loaded_names"] = loaded_names(transformers, built, model_class, config, keys) if buildable else None
     return said
 """
+    + CHILD_CODE
+)
 
 _CHILD = (
     _ANSWER
@@ -137,7 +153,7 @@ import json, sys
 import torch
 import transformers
 asked = json.loads(sys.stdin.read())
-print(json.dumps(answer(transformers, torch, sys.argv[1], asked["config"], asked["questions"])))
+print(json.dumps(answer(transformers, torch, sys.argv[1], asked["config"], asked["questions"], asked["keys"])))
 """
 )
 
@@ -147,13 +163,19 @@ _ANSWERS: dict[tuple[str, str, object], dict[str, Any] | Unread | None] = {}
 
 
 def read_model(
-    class_name: str, config: dict[str, Any], questions: Iterable[str], limit: int | None
+    class_name: str,
+    config: dict[str, Any],
+    questions: Iterable[str],
+    limit: int | None,
+    keys: Sequence[str] = (),
 ) -> dict[str, Any] | Unread | None:
-    """The answers to ``questions`` (of FLOAT32_LISTS, FP8_LAYERS, NAMES) about transformers' model
-    ``class_name`` built from ``config``, by their names, with ``"why"`` (the build failed: what
-    it raised; else None) and ``"prefix"`` (``base_model_prefix``). None: transformers has no such
-    class. Unread: why nothing could be read. A question whose answer the build could not give is
-    absent (NAMES), or None (FP8_LAYERS of a class that is no model) or the build's error (FP8_LAYERS).
+    """The answers to ``questions`` (of FLOAT32_LISTS, FP8_LAYERS, NAMES, LOADED_NAMES) about
+    transformers' model ``class_name`` built from ``config``, by their names, with ``"why"`` (the
+    build failed: what it raised; else None) and ``"prefix"`` (``base_model_prefix``). None:
+    transformers has no such class. Unread: why nothing could be read. A question whose answer the
+    build could not give is absent (NAMES), or None (FP8_LAYERS or LOADED_NAMES of a class that is no
+    model) or the build's error (FP8_LAYERS). LOADED_NAMES maps the checkpoint's ``keys``
+    (:mod:`parallel_dcp.jobs.loaded_names`); its answer is kept for those keys only.
 
     Raises:
         MemoryLimitExceeded: the child passed ``limit`` (stopped there, before anything is written).
@@ -164,7 +186,11 @@ def read_model(
     wanted = set(questions)
     if key in _ANSWERS and not isinstance(known, dict):
         return known
-    missing = sorted(wanted - set(known or ()))
+    of_keys = hashlib.sha256("\0".join(keys).encode()).hexdigest() if LOADED_NAMES in wanted else None
+    unanswered = wanted - set(known or ())
+    if of_keys is not None and (known.get(_OF_KEYS) if isinstance(known, dict) else None) != of_keys:
+        unanswered.add(LOADED_NAMES)  # (answered for other keys)
+    missing = sorted(unanswered)
     if not missing:
         return known
     said: dict[str, Any] | Unread | None
@@ -173,9 +199,11 @@ def read_model(
         exec(_ANSWER, space)  # (the child's own code)
         import torch
 
-        said = space["answer"](loaded, torch, class_name, config, missing)
+        said = space["answer"](loaded, torch, class_name, config, missing, list(keys))
     else:
-        said = _read_apart(class_name, config, missing, limit)
+        said = _read_apart(class_name, config, missing, limit, list(keys) if of_keys else [])
+    if isinstance(said, dict) and of_keys:
+        said[_OF_KEYS] = of_keys  # (the same model asked of other keys is asked again)
     if isinstance(said, dict) and isinstance(known, dict):
         said = {**known, **said, "why": said.get("why") or known.get("why")}
     if said is not NOT_INSTALLED:  # (looked for again: cheap, and it may be installed later)
@@ -184,7 +212,7 @@ def read_model(
 
 
 def _read_apart(
-    class_name: str, config: dict[str, Any], questions: list[str], limit: int | None
+    class_name: str, config: dict[str, Any], questions: list[str], limit: int | None, keys: list[str]
 ) -> dict[str, Any] | Unread | None:
     """The answers from a child process that imports transformers, stopped where it would pass ``limit``."""
     try:
@@ -196,7 +224,7 @@ def _read_apart(
     # the child imports from this process's sys.path (a path added at run time included), first
     path = os.pathsep.join(os.path.abspath(entry) for entry in sys.path if entry)
     env = {**os.environ, "PYTHONPATH": path}
-    given = json.dumps({"config": config, "questions": questions}).encode()
+    given = json.dumps({"config": config, "questions": questions, "keys": keys}).encode()
     try:
         # -P (Python 3.11+): the working directory's files are not imported in place of transformers
         argv = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c", _CHILD, class_name]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,11 +36,13 @@ from parallel_dcp.formats.quantized_pairs import source_config
 from parallel_dcp.jobs.built_model import (
     FP8_LAYERS,
     LAYERS_CHILD_MEMORY,
+    LOADED_NAMES,
     NOT_INSTALLED,
     Unread,
     read_model,
     spellings,
 )
+from parallel_dcp.jobs.loaded_names import LoadedNames
 from parallel_dcp.storage.safe_files import source_tree
 from parallel_dcp.storage.safe_reader import read_in_tree
 
@@ -55,16 +58,30 @@ class Fp8Layers:
     plain: frozenset[str]  # 2-D weights of the modules it leaves as they are
     kept: tuple[str, ...]  # _keep_in_fp32_modules: never converted, whatever the module
     prefix: str  # base_model_prefix ("transformer", "model"): checkpoints may lack it
+    loaded: LoadedNames | None = None  # the names transformers loads the keys as (None: not read)
 
     def classify(self, key: str) -> bool | None:
-        """True: transformers loads ``key`` into an FP8 layer; False: as a plain tensor; None: no
-        parameter of the model has that name (one transformers renames on load)."""
-        for name in spellings(key, self.prefix):
+        """True: transformers loads ``key`` into an FP8 layer; False: as a plain tensor; None: it
+        loads no 2-D weight from it, or the name it loads it as cannot be known
+        (:mod:`parallel_dcp.jobs.loaded_names`): never to be quantized as if replaced."""
+        names = spellings(key, self.prefix)  # (a key transformers does not rename: its own, the prefix put on or off)
+        if self.loaded is not None and (key in self.loaded.unknown or key in self.loaded.renamed):
+            name = None if key in self.loaded.unknown else self.loaded.renamed[key]
+            names = () if name is None else (name,)
+        for name in names:
             if name in self.replaced:
                 return not _kept(name.removesuffix(".weight"), self.kept)
             if name in self.plain:
                 return False
         return None
+
+    def loaded_module(self, key: str) -> str | None:
+        """The module transformers loads the weight ``key`` into, where it names it otherwise than
+        the checkpoint (``X`` of its ``X.weight``); None where it is the same, or not known."""
+        name = self.loaded.renamed.get(key) if self.loaded is not None else None
+        if name is None or not name.endswith(".weight") or name in spellings(key, self.prefix):
+            return None  # (the prefix alone: transformers matches the checkpoint's name as a suffix)
+        return name.removesuffix(".weight")
 
 
 def _kept(module: str, patterns: tuple[str, ...]) -> bool:
@@ -83,12 +100,16 @@ def _matches_from_start(pattern: str, module: str) -> bool:
 
 
 def fp8_layers(
-    config: dict[str, Any] | None, limit: int | None = None, questions: frozenset[str] = frozenset()
+    config: dict[str, Any] | None,
+    limit: int | None = None,
+    questions: frozenset[str] = frozenset(),
+    keys: Sequence[str] = (),
 ) -> Fp8Layers | str:
-    """What transformers' FP8 path replaces in the model of ``config``; or, where that cannot be
-    known, why (no config, no "architectures", transformers not installed, no such class, or
-    building it failed). The build answers ``questions`` too (:mod:`parallel_dcp.jobs.built_model`);
-    where the job asked this of the child that read its float32 lists, no child is started.
+    """What transformers' FP8 path replaces in the model of ``config``, and the names it loads the
+    checkpoint's ``keys`` as; or, where that cannot be known, why (no config, no "architectures",
+    transformers not installed, no such class, or building it failed). The build answers
+    ``questions`` too (:mod:`parallel_dcp.jobs.built_model`); where the job asked this of the child
+    that read its float32 lists, no child is started.
 
     Raises:
         MemoryLimitExceeded: the child that builds it passed ``limit`` (stopped there)."""
@@ -98,7 +119,7 @@ def fp8_layers(
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
         return 'its config.json names no "architectures"'
     name = architectures[0]
-    said = read_model(name, config, questions | {FP8_LAYERS}, limit)
+    said = read_model(name, config, questions | {FP8_LAYERS, LOADED_NAMES}, limit, keys)
     if isinstance(said, Unread):
         return "transformers is not installed" if said == NOT_INSTALLED else f"building {name} failed ({said})"
     if said is None or said[FP8_LAYERS] is None:
@@ -107,7 +128,12 @@ def fp8_layers(
     if isinstance(layers, str):  # a class that will not build from this config
         return f"building {name} from its config.json failed ({layers})"
     return Fp8Layers(
-        name, frozenset(layers["replaced"]), frozenset(layers["plain"]), tuple(layers["kept"]), said["prefix"]
+        name,
+        frozenset(layers["replaced"]),
+        frozenset(layers["plain"]),
+        tuple(layers["kept"]),
+        said["prefix"],
+        LoadedNames.of(said.get(LOADED_NAMES)),
     )
 
 

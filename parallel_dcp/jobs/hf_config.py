@@ -27,6 +27,7 @@ from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.other_quantization import other_method
 from parallel_dcp.formats.quantized import FP8_DTYPES
 from parallel_dcp.formats.quantized_pairs import SCALE_SUFFIX, source_config
+from parallel_dcp.formats.quantizing_source import QuantizingSource
 from parallel_dcp.jobs.copy_files import read_copies
 from parallel_dcp.jobs.quantization import Quantization
 from parallel_dcp.jobs.targets import Job, ShardedTarget, Target
@@ -46,8 +47,10 @@ def _name(dtype: torch.dtype) -> str:
 def modules_not_converted(job: Job, *, tied: bool = False) -> list[str]:
     """The modules (output names, ``X`` of ``X.weight``, sorted) whose 2-D floating weight a quantizing
     job leaves unquantized: what transformers must keep as plain layers (routers, embeddings,
-    ``lm_head``, and whatever ``quantize_keys`` did not select). Norms and biases are 1-D: no
-    layer of transformers' FP8 replaces them, so they are not listed."""
+    ``lm_head``, and whatever ``quantize_keys`` did not select), and, where transformers renames
+    such a weight on load, its module by that name too (transformers matches the list against the
+    names it loads). Norms and biases are 1-D: no layer of transformers' FP8 replaces them, so they
+    are not listed."""
     entries = job.source.entries
     out = []
     for key in job.keys:
@@ -60,6 +63,8 @@ def modules_not_converted(job: Job, *, tied: bool = False) -> list[str]:
             out.append(key.removesuffix(".weight"))
     if tied and "lm_head" not in out:  # tied to the embedding: no weight of its own here, and plain as it is
         out.append("lm_head")
+    if isinstance(job.source, QuantizingSource):  # (transformers matches the list against the names it loads)
+        out += [m for m in job.source.loaded_plain if m not in out]
     return sorted(out)
 
 

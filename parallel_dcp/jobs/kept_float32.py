@@ -26,8 +26,9 @@ already, the same code runs in place, after the job's memory baseline: what buil
 on the meta device leaves is counted like the job's own. Without transformers there is nothing
 to read, and every floating tensor is cast; docs/conversion.md says so. Names match as
 transformers matches them (core_model_loading's ``build_glob_alternation``): each entry a pattern,
-``*`` any run of characters, searched anywhere in the key (T5's ``wo`` matches InstructBlip's
-``word_embeddings`` too, as in transformers).
+``*`` any run of characters, searched anywhere in the name transformers loads the key as
+(:mod:`parallel_dcp.jobs.loaded_names`: its renames on load; T5's ``wo`` matches InstructBlip's
+``word_embeddings`` too, as in transformers). A key whose loaded name cannot be known is kept.
 """
 
 from __future__ import annotations
@@ -41,19 +42,21 @@ from typing import Any
 import torch
 
 from parallel_dcp._json import loads_json
-from parallel_dcp.errors import dtype_name
+from parallel_dcp.errors import describe_keys, dtype_name
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.quantized_pairs import config_beside_file, source_config
 from parallel_dcp.jobs.built_model import (
     FLOAT32_LISTS,
     FP8_LAYERS,
     LISTS_CHILD_MEMORY,
+    LOADED_NAMES,
     NAMES,
     Unread,
     read_model,
     refuse_unrelated_config,
 )
 from parallel_dcp.jobs.copy_files import Copies, read_copies
+from parallel_dcp.jobs.loaded_names import LoadedNames
 from parallel_dcp.jobs.targets import Job
 from parallel_dcp.jobs.watched_child import run_within
 
@@ -69,39 +72,59 @@ def kept_in_float32(
     dtype: torch.dtype | None,
     limit: int | None = None,
     questions: frozenset[str] = frozenset(),
+    keys: Sequence[str] = (),
 ) -> Callable[[str], bool] | None:
-    """Which keys transformers keeps in float32 for a model of ``config`` loaded as ``dtype``;
-    None when it keeps none (or transformers, or the class, is not there to say). The child that
-    reads it is stopped, and MemoryLimitExceeded raised, where it passes ``limit`` bytes; it
-    answers ``questions`` too (:mod:`parallel_dcp.jobs.built_model`: what else the job will ask)."""
+    """Which of the checkpoint's ``keys`` transformers keeps in float32 for a model of ``config``
+    loaded as ``dtype``, judged by the names it loads them as (:mod:`parallel_dcp.jobs.loaded_names`;
+    a key it loads no parameter from, by its own name); None when it keeps none (or transformers, or
+    the class, is not there to say). A key whose loaded name cannot be known is kept, with a warning
+    naming it: transformers' own cast then rounds it where it should. The child that reads it is
+    stopped, and MemoryLimitExceeded raised, where it passes ``limit`` bytes; it answers
+    ``questions`` too (:mod:`parallel_dcp.jobs.built_model`: what else the job will ask)."""
     if config is None or dtype not in (torch.bfloat16, torch.float16):
         return None
-    modules = _class_lists(config, dtype, limit, questions)
+    architectures = config.get("architectures")
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        return None
+    class_name = architectures[0]
+    (strict, loose), loaded = _lists_of(class_name, config, limit, questions, keys)
+    modules = set(strict) | (set(loose) if dtype == torch.float16 else set())
     if not modules:
         return None
     pattern = re.compile("|".join(f"(?:{m.replace('*', '.*')})" for m in sorted(modules)))
-    return lambda key: pattern.search(key) is not None
+    if loaded is None:
+        return lambda key: pattern.search(key) is not None
+    if loaded.unknown:
+        unknown = sorted(loaded.unknown)
+        warnings.warn(
+            f"could not tell the names transformers loads {len(unknown)} tensors of {class_name} as "
+            f"({loaded.why}; {describe_keys(unknown)}): kept in their dtype, not cast to {dtype_name(dtype)}, as "
+            "transformers matches its float32 lists against the names it renames them to; its own cast "
+            "rounds them on load where it should",
+            stacklevel=4,
+        )
 
+    def kept(key: str) -> bool:
+        if key in loaded.unknown:
+            return True
+        name = loaded.name(key)  # (None: transformers loads no parameter from it: its own name decides)
+        return pattern.search(key if name is None else name) is not None
 
-def _class_lists(config: dict[str, Any], dtype: torch.dtype, limit: int | None, questions: frozenset[str]) -> set[str]:
-    architectures = config.get("architectures")
-    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
-        return set()
-    strict, loose = _lists_of(architectures[0], config, limit, questions)
-    return set(strict) | (set(loose) if dtype == torch.float16 else set())
+    return kept
 
 
 def _lists_of(
-    class_name: str, config: dict[str, Any], limit: int | None, questions: frozenset[str]
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The model's ``_keep_in_fp32_modules_strict`` and ``_keep_in_fp32_modules``; empty where
-    transformers is not installed or has no such class. ``questions``: what else the same build
-    answers for this job (:mod:`parallel_dcp.jobs.built_model`)."""
-    said = read_model(class_name, config, questions | {FLOAT32_LISTS}, limit)
+    class_name: str, config: dict[str, Any], limit: int | None, questions: frozenset[str], keys: Sequence[str]
+) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], LoadedNames | None]:
+    """The model's ``_keep_in_fp32_modules_strict`` and ``_keep_in_fp32_modules`` (empty where
+    transformers is not installed or has no such class), and the names it loads ``keys`` as (None:
+    not read). ``questions``: what else the same build answers for this job
+    (:mod:`parallel_dcp.jobs.built_model`)."""
+    said = read_model(class_name, config, questions | {FLOAT32_LISTS, LOADED_NAMES}, limit, keys)
     if isinstance(said, Unread):  # (said: a DeepSeek-V3 router cast to bfloat16 loads rounded, s16 review F11)
-        return _unread(class_name, said)
+        return _unread(class_name, said), None
     if said is None:
-        return (), ()  # no such class in transformers
+        return ((), ()), None  # no such class in transformers
     if isinstance(said["why"], str):
         warnings.warn(
             f"could not build {class_name} on the meta device to read which tensors transformers keeps "
@@ -109,7 +132,7 @@ def _lists_of(
             stacklevel=5,
         )
     strict, loose = (tuple(n for n in part if isinstance(n, str) and n) for part in said[FLOAT32_LISTS][:2])
-    return strict, loose
+    return (strict, loose), LoadedNames.of(said.get(LOADED_NAMES))
 
 
 def _unread(class_name: str, why: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -147,7 +170,7 @@ def keys_kept(
         return frozenset()
     beside = config_beside_file(source) if config is not None else None
     questions = frozenset(([FP8_LAYERS] if quantizing else []) + ([NAMES] if beside is not None else []))
-    kept = kept_in_float32(config, dtype, limit, questions)
+    kept = kept_in_float32(config, dtype, limit, questions, sorted(source.entries))
     if kept is None:
         return frozenset()
     entries = source.entries
@@ -169,9 +192,9 @@ def kept_by_copied_config(job: Job, copies: Copies, renamed: bool, limit: int | 
         config = loads_json(read_copies(copies, ["config.json"])["config.json"])
     except ValueError:
         return job  # refused where the config is written, with its own message
-    kept = kept_in_float32(config if isinstance(config, dict) else None, job.dtype, limit)
+    entries = job.source.entries
+    kept = kept_in_float32(config if isinstance(config, dict) else None, job.dtype, limit, keys=sorted(entries))
     if kept is None:
         return job
-    entries = job.source.entries
     keep = frozenset(k for k in job.source_keys() if k in entries and entries[k].dtype.is_floating_point and kept(k))
     return dataclasses.replace(job, keep_dtype=keep) if keep else job

@@ -149,19 +149,20 @@ def quantize_step(
             source, and describes another model (none of the file's tensor names).
         MemoryLimitExceeded: the child that builds the model passed ``limit``.
     """
-    replaced, named = None, ""
+    replaced, named, loaded_module = None, "", None
     refuse_quantized(source, selected)  # before building a model to classify them
     refuse_other_quantization(source, selected, "quantize (--quantize)", "needs plain weights")
     config = model_config(source, copy_files_from)
     # (a config the user named by --copy-files-from is the model's by their word)
     beside = config_beside_file(source) if config is not None and copy_files_from is None and not renamed else None
     questions = frozenset([NAMES] if beside is not None else [])
-    layers = fp8_layers(config, limit, questions)  # (its child stays under the job's limit, or the job is refused)
+    # (its child stays under the job's limit, or the job is refused; the keys as keys_kept asks: one child)
+    layers = fp8_layers(config, limit, questions, sorted(source.entries))
     if isinstance(layers, Fp8Layers) and beside is not None and config is not None:
         deciding = "which weights --quantize quantizes, nor be the output's config.json"
         refuse_unrelated_config(source, beside, config, questions | {FP8_LAYERS}, limit, deciding)
     if isinstance(layers, Fp8Layers):
-        replaced, named = layers.classify, layers.architecture
+        replaced, named, loaded_module = layers.classify, layers.architecture, layers.loaded_module
     elif config is not None and quantization.quantize_keys is None:
         warnings.warn(
             f"could not tell which weights transformers' FP8 layers replace ({layers}): the default rule "
@@ -171,7 +172,7 @@ def quantize_step(
             stacklevel=4,
         )
     return quantizing_source(
-        source, selected, quantization.block(), quantization.quantize_keys, dtype, keep, replaced, named
+        source, selected, quantization.block(), quantization.quantize_keys, dtype, keep, replaced, named, loaded_module
     )
 
 
