@@ -53,6 +53,8 @@ class RenamedForCausalLM(PreTrainedModel):
 
     def __init__(self, config):
         super().__init__()
+        if getattr(config, "unbuildable", False):
+            raise ValueError("this config does not build")
         self.config = config
         self.model = nn.Module()
         self.model.table = Table(64, 64, bias=False)
@@ -171,3 +173,25 @@ def test_quantize_only_what_loads_into_an_fp8_layer_and_lists_the_rest_by_both_n
     listed = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     # by the checkpoint's names and by those transformers matches the list against
     assert listed["modules_to_not_convert"] == ["extra.proj", "model.table", "vte"]
+
+
+def test_a_model_that_does_not_build_keeps_and_leaves_plain_what_its_class_renames(
+    tmp_path: Path, stand_in: None
+) -> None:
+    """Unbuilt, the class's own mapping still says which keys it renames, not to what: those are
+    unknown, kept by ``--dtype`` and left plain by ``--quantize``; the others go by their names."""
+    src = tmp_path / "src"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    weights = {k: torch.randn(64, 64, generator=g) for k in (UP, "head.proj.weight")}
+    st.save_file(weights, src / "model.safetensors")
+    config = {"architectures": ["RenamedForCausalLM"], "model_type": "renamed", "unbuildable": True}
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=r"could not tell the names transformers loads 1 tensors"):
+        parallel_dcp.convert(src, tmp_path / "cast", to="safetensors", dtype="bfloat16", workers=1)
+    cast = st.load_file(tmp_path / "cast" / "model.safetensors")
+    assert torch.equal(cast[UP], weights[UP]) and cast["head.proj.weight"].dtype == torch.bfloat16
+    with pytest.warns(UserWarning, match=r"1 weights are left unquantized.*w_up"):
+        parallel_dcp.convert(src, tmp_path / "fp8", to="safetensors", quantize="fp8-block:32", workers=1)
+    held = st.load_file(tmp_path / "fp8" / "model.safetensors")
+    assert held[UP].dtype == torch.float32 and held["head.proj.weight"].dtype == torch.float8_e4m3fn

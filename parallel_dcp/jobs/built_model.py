@@ -70,9 +70,10 @@ _OF_KEYS = "loaded_names_of"  # (the digest of the keys a LOADED_NAMES answer ma
 # What to advise as the least limit for the child, by the most it is asked (its peak as the ceiling
 # counts it, with transformers 5.25, and some room): the float32 lists alone, 271-277 MiB measured
 # (tiny to DeepSeek-V3-sized configs); FP8 layers too, 374-376 MiB (a Llama-8B and a DeepSeek-V3
-# config), both lists and layers from one build included.
-LISTS_CHILD_MEMORY = 320 * 2**20
-LAYERS_CHILD_MEMORY = 416 * 2**20
+# config), both lists and layers from one build included. The loaded names (asked with either) add
+# ~21 MiB for a DeepSeek-V3 release's 47,400 keys (274 -> 295-297 MiB, lists and names).
+LISTS_CHILD_MEMORY = 352 * 2**20
+LAYERS_CHILD_MEMORY = 448 * 2**20
 
 
 class Unread(str):

@@ -46,7 +46,7 @@ from parallel_dcp.jobs.loaded_names import LoadedNames
 from parallel_dcp.storage.safe_files import source_tree
 from parallel_dcp.storage.safe_reader import read_in_tree
 
-__all__ = ["CHILD_MEMORY", "Fp8Layers", "fp8_layers", "model_config"]
+__all__ = ["CHILD_MEMORY", "Fp8Layers", "fp8_layers", "model_config", "unknown_names"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +135,18 @@ def fp8_layers(
         said["prefix"],
         LoadedNames.of(said.get(LOADED_NAMES)),
     )
+
+
+def unknown_names(config: dict[str, Any] | None, limit: int | None, keys: Sequence[str]) -> frozenset[str]:
+    """The ``keys`` whose loaded names cannot be known where the model did not build (its class's
+    mapping renames them on load): never quantized by their names. Asked after :func:`fp8_layers`
+    with the same keys, so its child's answer is read again, not asked of another."""
+    architectures = (config or {}).get("architectures")
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        return frozenset()
+    said = read_model(architectures[0], config or {}, {FP8_LAYERS, LOADED_NAMES}, limit, keys)
+    loaded = LoadedNames.of(said.get(LOADED_NAMES)) if isinstance(said, dict) else None
+    return loaded.unknown if loaded is not None else frozenset()
 
 
 def model_config(source: Source, copy_files_from: str | os.PathLike[str] | None) -> dict[str, Any] | None:

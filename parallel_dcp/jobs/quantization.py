@@ -33,7 +33,7 @@ from parallel_dcp.formats.quantized_pairs import (
 )
 from parallel_dcp.formats.quantizing_source import DEFAULT_RULE, parse_quantize, quantizing_source
 from parallel_dcp.jobs.built_model import FP8_LAYERS, NAMES, refuse_unrelated_config
-from parallel_dcp.jobs.fp8_layers import Fp8Layers, fp8_layers, model_config
+from parallel_dcp.jobs.fp8_layers import Fp8Layers, fp8_layers, model_config, unknown_names
 from parallel_dcp.jobs.kept_pairs import check_pairs_named  # (here before; its rule is kept_pairs' now)
 from parallel_dcp.jobs.targets import DcpTarget, Job, ShardedTarget, Target
 from parallel_dcp.options import Options
@@ -157,13 +157,17 @@ def quantize_step(
     beside = config_beside_file(source) if config is not None and copy_files_from is None and not renamed else None
     questions = frozenset([NAMES] if beside is not None else [])
     # (its child stays under the job's limit, or the job is refused; the keys as keys_kept asks: one child)
-    layers = fp8_layers(config, limit, questions, sorted(source.entries))
+    keys = sorted(source.entries)
+    layers = fp8_layers(config, limit, questions, keys)
     if isinstance(layers, Fp8Layers) and beside is not None and config is not None:
         deciding = "which weights --quantize quantizes, nor be the output's config.json"
         refuse_unrelated_config(source, beside, config, questions | {FP8_LAYERS}, limit, deciding)
     if isinstance(layers, Fp8Layers):
         replaced, named, loaded_module = layers.classify, layers.architecture, layers.loaded_module
     elif config is not None and quantization.quantize_keys is None:
+        unknown = unknown_names(config, limit, keys)
+        if unknown:  # (renamed on load by its class, the model unbuilt: left plain, never quantized by name)
+            replaced, named = (lambda key: None if key in unknown else True), str(config["architectures"][0])
         warnings.warn(
             f"could not tell which weights transformers' FP8 layers replace ({layers}): the default rule "
             "picks them by name only, and a weight of a module other than nn.Linear (GPT-2's Conv1D, an "
