@@ -232,13 +232,13 @@ CONVERT_HELD = textwrap.dedent(
     """
     import sys, time
     from parallel_dcp.cli import main
-    from parallel_dcp.jobs import targets
+    from parallel_dcp.jobs import file_writes, targets
 
     original = targets.ShardedTarget.write
 
     def write(self, job, task, data, staging, options):
         if task.index >= int(sys.argv[1]):
-            hashing_write = targets._Hashing.write
+            hashing_write = file_writes._Hashing.write
 
             def stall(stream, piece):
                 written = hashing_write(stream, piece)
@@ -246,7 +246,7 @@ CONVERT_HELD = textwrap.dedent(
                 time.sleep(600)  # mid-shard: the first piece is on disk
                 return written
 
-            targets._Hashing.write = stall
+            file_writes._Hashing.write = stall
         return original(self, job, task, data, staging, options)
 
     targets.ShardedTarget.write = write
