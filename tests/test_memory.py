@@ -220,3 +220,19 @@ def test_default_limit_is_a_fraction_of_available_memory() -> None:
     assert DEFAULT_FRACTION == 0.5
     assert abs(default_limit() - available * DEFAULT_FRACTION) < 0.05 * available
     assert Options().memory_ceiling() > 0
+
+
+def test_a_task_refused_at_admission_says_the_limit_it_needs(tmp_path: Path) -> None:
+    """A task that does not fit beside what the job holds, with nothing else running, said only
+    "raise --memory-limit or lower --workers": a user walked 2 -> 32 -> 56 MiB (review s17 rev2 F6).
+    It names the least the limit must exceed now: the task beside what the job holds."""
+    governor = MemoryGovernor(32 * MiB, measure=False)
+    governor.overhead = 20 * MiB  # (the workers' resting cost, as settle() sets it)
+    with pytest.raises(MemoryLimitExceeded) as refused:
+        governor.admit_task(0, ["a"], 13 * MiB, others_running=False)
+    held = governor.overhead + governor.reserved
+    said = re.search(r"raise --memory-limit to more than ([0-9.]+) MiB \(this task beside that\)", str(refused.value))
+    assert said is not None, str(refused.value)
+    assert abs(float(said.group(1)) * MiB - (13 * MiB + held)) < 0.1 * MiB
+    with pytest.raises(MemoryLimitExceeded, match=r"Raise --memory-limit to more than [0-9.]+ MiB"):
+        MemoryGovernor(1 * MiB, measure=False).admit_units("w", 1_000_000, 2**40)

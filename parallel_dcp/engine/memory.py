@@ -322,8 +322,9 @@ class MemoryGovernor:
             raise MemoryLimitExceeded(
                 f"{describe_unit(key)} claims {format_bytes(nbytes)}: split into pieces that fit, the plan alone "
                 f"({self.planned_units + count} pieces) needs {format_bytes(need)} in this process, more than the "
-                f"memory limit {format_bytes(self.limit)}; nothing was read or written. Raise --memory-limit "
-                "(or, where a source file claims more than it stores, it is damaged)",
+                f"memory limit {format_bytes(self.limit)} beside the {format_bytes(self.reserved)} set aside; nothing "
+                f"was read or written. Raise --memory-limit to more than {format_bytes(self.reserved + need)} (or, "
+                "where a source file claims more than it stores, it is damaged)",
                 limit=self.limit,
                 measured=self.reserved + need,
                 keys=[key],
@@ -456,7 +457,8 @@ class MemoryGovernor:
         raise MemoryLimitExceeded(
             f"{self.phase}: task {index} with {self.units} {describe_keys(keys)} needs {format_bytes(need)} beside the "
             f"{format_bytes(held)} the job already holds, over the memory limit {format_bytes(self.limit)}: "
-            "raise --memory-limit or lower --workers",
+            f"raise --memory-limit to more than {format_bytes(need + held)} (this task beside that), or lower "
+            "--workers",
             limit=self.limit,
             measured=need + held,
             keys=keys,
