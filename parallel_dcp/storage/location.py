@@ -32,7 +32,7 @@ import time
 from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
 
@@ -75,6 +75,18 @@ _FILESYSTEMS: dict[tuple[int, str, str], AbstractFileSystem] = {}
 _OPENED_AT: dict[tuple[int, str, str], float] = {}
 
 
+def _plain(name: object) -> TypeGuard[str]:
+    """Whether ``name`` is a plain file name: no path separator, not ``.`` or ``..``, no NUL."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+        and not os.path.isabs(name)
+    )
+
+
 def check_name(name: object, where: object) -> str:
     """``name`` if it is a plain file name inside a checkpoint directory; else CorruptCheckpointError.
 
@@ -85,14 +97,7 @@ def check_name(name: object, where: object) -> str:
     """
     from parallel_dcp.errors import CorruptCheckpointError
 
-    if (
-        not isinstance(name, str)
-        or name in ("", ".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\0" in name
-        or os.path.isabs(name)
-    ):
+    if not _plain(name):
         raise CorruptCheckpointError(
             f"{where} names the file {name!r}, which is not a plain file name inside the checkpoint "
             "(refused before reading anything: the checkpoint may be malicious)"
@@ -106,14 +111,8 @@ def check_relative_name(name: object, where: object) -> str:
     (A local Hugging Face index's shard names: transformers joins each to the model folder.)"""
     from parallel_dcp.errors import CorruptCheckpointError
 
-    if isinstance(name, str) and name and not os.path.isabs(name):
-        try:
-            for part in name.split("/"):
-                check_name(part, where)
-        except CorruptCheckpointError:
-            pass
-        else:
-            return name
+    if isinstance(name, str) and all(_plain(part) for part in name.split("/")):
+        return name
     raise CorruptCheckpointError(
         f"{where} names the file {name!r}, which is not a path inside the checkpoint's folder (an absolute name, "
         "one with '..', or an empty part; refused before reading anything: the checkpoint may be malicious)"
