@@ -27,7 +27,7 @@ from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.formats.safetensors_format import SafetensorsSource
 from parallel_dcp.formats.validate import empty_mapping
-from parallel_dcp.jobs.copy_files import check_no_clash, files_to_copy
+from parallel_dcp.jobs.copy_files import check_no_clash, checked_copies
 from parallel_dcp.jobs.dryrun import DryRunPlan, plan_dry_run
 from parallel_dcp.jobs.hf_config import prepare_config
 from parallel_dcp.jobs.kept_float32 import kept_by_copied_config, keys_kept
@@ -46,7 +46,6 @@ from parallel_dcp.jobs.quantization import (
 )
 from parallel_dcp.jobs.rename import RenameRules, rename_source
 from parallel_dcp.jobs.runner import run_job
-from parallel_dcp.jobs.side_file_checks import side_file_records
 from parallel_dcp.jobs.source_check import source_checks, warn_unchecked_direct
 from parallel_dcp.jobs.streamed import measured_stream_source, stream_source
 from parallel_dcp.jobs.target_keys import check_keys_fit
@@ -183,18 +182,15 @@ def convert_one(
         steps = _Steps(rename, quantization, preset, model_config, copy_files_from, rename_strict)
         job = _convert_job(source, target, dtype, keys, steps, governor.limit)
         write_computed(job, target, options)  # FP8 dequantized straight into a DCP writer's buffers
-        copies = files_to_copy(
+        copies = checked_copies(  # (checked before the config.json reads below)
             source,
             directory_output=isinstance(target, ShardedTarget),
             copy_files=copy_files,
             copy_files_from=copy_files_from,
             storage_options=options.storage_options,
             limit=governor.limit,
+            check=options.check_source,
         )
-        if options.check_source and copies.folder is not None:  # (before the config.json reads below)
-            copies.recorded = side_file_records(
-                copies, copies.folder, own_source=copy_files_from is None, would_copy=copies.would_copy
-            )
         if isinstance(target, ShardedTarget):
             target.copies = copies
             job = kept_by_copied_config(job, copies, renamed=bool(rename or preset), limit=governor.limit)

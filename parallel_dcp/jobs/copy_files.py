@@ -27,7 +27,7 @@ from typing import Any
 from parallel_dcp.engine.memory import format_bytes
 from parallel_dcp.errors import InvalidDestinationError, UnsafeCheckpointError, plural, printable
 from parallel_dcp.formats.base import Source
-from parallel_dcp.jobs.side_file_checks import RecordedCopy
+from parallel_dcp.jobs.side_file_checks import RecordedCopy, side_file_records
 from parallel_dcp.jobs.side_folders import folder_files, module_folders
 from parallel_dcp.storage.location import Location, Remote, file_size, listdir, locate
 from parallel_dcp.storage.ownership import new_save_id, temp_name
@@ -137,6 +137,34 @@ def files_to_copy(
         raise ValueError(
             f"the {plural(len(copies), 'file')} to copy beside the weights hold {format_bytes(total)}, more than "
             f"the memory limit {format_bytes(limit)}: convert with copy_files=False (--no-copy-files) and copy them"
+        )
+    return copies
+
+
+def checked_copies(
+    source: Source,
+    *,
+    directory_output: bool,
+    copy_files: bool,
+    copy_files_from: str | os.PathLike[str] | None,
+    storage_options: dict[str, Any] | None,
+    limit: int,
+    check: bool,
+) -> Copies:
+    """:func:`files_to_copy`, and with ``check`` (the job's source checks) those its folder's record
+    lists checked against it before any task runs (jobs/side_file_checks.py): one rule for a
+    conversion and for the first pass over several sources."""
+    copies = files_to_copy(
+        source,
+        directory_output=directory_output,
+        copy_files=copy_files,
+        copy_files_from=copy_files_from,
+        storage_options=storage_options,
+        limit=limit,
+    )
+    if check and copies.folder is not None:
+        copies.recorded = side_file_records(
+            copies, copies.folder, own_source=copy_files_from is None, would_copy=copies.would_copy
         )
     return copies
 

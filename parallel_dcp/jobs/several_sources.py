@@ -12,11 +12,10 @@ from parallel_dcp.errors import MemoryLimitExceeded, ParallelDCPError, SourceNot
 from parallel_dcp.formats import open_source
 from parallel_dcp.formats.base import Source
 from parallel_dcp.jobs.convert import convert_one
-from parallel_dcp.jobs.copy_files import files_to_copy
+from parallel_dcp.jobs.copy_files import checked_copies
 from parallel_dcp.jobs.dryrun import DryRunPlan
 from parallel_dcp.jobs.fallback import without_advice
 from parallel_dcp.jobs.pipeline import SaveResult
-from parallel_dcp.jobs.side_file_checks import side_file_records
 from parallel_dcp.jobs.source_check import refuse_by_records
 from parallel_dcp.jobs.targets import ShardedTarget, target_for
 from parallel_dcp.jobs.top_level import refuse_non_mapping
@@ -85,19 +84,17 @@ def _check_side_files(source: Source, out: str, options: Options, each: Mapping[
         storage_options=options.storage_options,
         compression=options.compression(),
     )
-    copy_files_from = each.get("copy_files_from")
-    copies = files_to_copy(
-        source,
-        directory_output=isinstance(target, ShardedTarget),
-        copy_files=each.get("copy_files", True),
-        copy_files_from=copy_files_from,
-        storage_options=options.storage_options,
-        limit=options.memory_ceiling(),
-    )
-    if copies.folder is not None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SourceNotCheckedWarning)
-            side_file_records(copies, copies.folder, own_source=copy_files_from is None, would_copy=copies.would_copy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SourceNotCheckedWarning)
+        checked_copies(
+            source,
+            directory_output=isinstance(target, ShardedTarget),
+            copy_files=each.get("copy_files", True),
+            copy_files_from=each.get("copy_files_from"),
+            storage_options=options.storage_options,
+            limit=options.memory_ceiling(),
+            check=True,
+        )
 
 
 def _refuse_what_would_not_fit(
